@@ -1,0 +1,111 @@
+"""Build llmgw's compiled hot path (``src/llmgw/_fast/*.pyx``).
+
+Every ``.pyx`` in ``src/llmgw/_fast`` becomes one extension module; each has a
+pure-Python twin (``<name>_py.py``) that the package uses under
+``LLMGW_NO_EXTENSIONS=1``.
+
+Build switches (environment variables, so that ``pip install .`` carries them):
+
+``LLMGW_NO_EXTENSIONS=1``
+    build a pure-Python package (no compiler needed); the twins are used.
+``LLMGW_DEBUG_BUILD=1``
+    bounds checks back on, ``LLMGW_DEBUG`` invariant checks compiled in, ``-O0 -g``.
+``LLMGW_CYTHON_ANNOTATE=1``
+    write ``cython -a`` HTML next to each ``.pyx``.
+``LLMGW_ONLY=name[,name]``
+    build only these modules (development: ``LLMGW_ONLY=promscan python setup.py build_ext -i``).
+
+A compiler failure is a hard error that says how to get the pure build: a silent
+fallback would ship a gateway several times slower than the user expects.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
+
+ROOT = Path(__file__).parent
+FAST = ROOT / "src" / "llmgw" / "_fast"
+
+NO_EXTENSIONS = bool(os.environ.get("LLMGW_NO_EXTENSIONS")) or sys.implementation.name != "cpython"
+DEBUG = bool(os.environ.get("LLMGW_DEBUG_BUILD"))
+ANNOTATE = bool(os.environ.get("LLMGW_CYTHON_ANNOTATE"))
+ONLY = {n.strip() for n in os.environ.get("LLMGW_ONLY", "").split(",") if n.strip()}
+
+# Directives live here and only here (STYLE.md §12).
+DIRECTIVES = {
+    "language_level": "3",
+    "embedsignature": True,
+    "binding": False,
+    "boundscheck": DEBUG,
+    "wraparound": DEBUG,
+    "initializedcheck": DEBUG,
+    "cdivision": True,
+    "freethreading_compatible": False,
+}
+
+
+class BuildExt(build_ext):
+    """``build_ext`` that turns a compiler failure into an actionable error."""
+
+    def run(self) -> None:
+        try:
+            super().run()
+        except Exception as exc:
+            raise SystemExit(
+                "llmgw: building the compiled extensions failed "
+                f"({exc}).\nInstall a C compiler and the Python headers "
+                "(Debian: apt-get install gcc python3-dev), or build the pure-Python "
+                "package with LLMGW_NO_EXTENSIONS=1 (several times slower on the request path)."
+            ) from exc
+
+    def build_extension(self, ext: Extension) -> None:
+        try:
+            super().build_extension(ext)
+        except Exception as exc:
+            raise SystemExit(
+                f"llmgw: compiling {ext.name} failed ({exc}). "
+                "Set LLMGW_NO_EXTENSIONS=1 to build the pure-Python package instead."
+            ) from exc
+
+
+def extensions() -> list[Extension]:
+    if NO_EXTENSIONS:
+        print("llmgw: LLMGW_NO_EXTENSIONS is set: building the pure-Python package", file=sys.stderr)
+        return []
+    from Cython.Build import cythonize
+
+    if DEBUG:
+        cflags = ["-O0", "-g3", "-UNDEBUG"]
+        macros = [("LLMGW_DEBUG", "1"), ("CYTHON_TRACE", "0")]
+    else:
+        cflags = ["-O2"]
+        macros = [("LLMGW_DEBUG", "0")]
+    if sys.platform != "win32":
+        cflags += ["-fno-strict-aliasing", "-Wno-unused-function", "-Wno-unreachable-code"]
+    exts = [
+        Extension(
+            f"llmgw._fast.{pyx.stem}",
+            [str(pyx.relative_to(ROOT))],
+            extra_compile_args=cflags,
+            define_macros=macros,
+            include_dirs=[str(FAST.relative_to(ROOT))],
+        )
+        for pyx in sorted(FAST.glob("*.pyx"))
+        if not ONLY or pyx.stem in ONLY
+    ]
+    return cythonize(
+        exts,
+        compiler_directives=DIRECTIVES,
+        annotate=ANNOTATE,
+        nthreads=0,
+        quiet=True,
+        include_path=[str(FAST.parent.parent.relative_to(ROOT))],
+    )
+
+
+setup(ext_modules=extensions(), cmdclass={"build_ext": BuildExt})

@@ -1,0 +1,65 @@
+"""What llmgw knows about one inference engine, in one immutable record.
+
+The scraper, the simulated engine and (later) the launchers read an engine's
+facts from its module (``engines/vllm.py``, ...), never from literals of their own.
+Facts and sources: ``shared/reference/engines.md``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+Aggregate = Literal["sum", "max", "mean"]
+
+__all__ = ["Aggregate", "EngineInfo", "MetricSpec"]
+
+
+@dataclass(frozen=True, slots=True)
+class MetricSpec:
+    """How to read one routing signal from an engine's ``/metrics`` page.
+
+    Attributes:
+        names: accepted metric (sample) names, most preferred first; the first one
+            present on a page wins. Empty: the engine does not report this signal,
+            which is then *absent*, never 0.
+        aggregate: how series that differ only in extra labels (vLLM's ``engine``,
+            SGLang's ``tp_rank``/``dp_rank``) combine.
+    """
+
+    names: tuple[str, ...]
+    aggregate: Aggregate = "sum"
+
+
+@dataclass(frozen=True, slots=True)
+class EngineInfo:
+    """One engine's dialect.
+
+    Attributes:
+        name: the config value (``engine: vllm``).
+        title: a human name for messages.
+        metrics_path: where its Prometheus text lives.
+        metrics_need_key: whether ``metrics_path`` is behind the engine's API key.
+        waiting / running / kv_cache_usage: the routing signals.
+        model_label: label that names the served model on its samples, if any.
+        health_path: readiness probe path.
+        owned_by: ``owned_by`` in its ``/v1/models`` cards.
+        default_port: the engine's default listening port.
+        integer_error_code: its error bodies put the HTTP status (an int) in ``code``.
+        scraped: whether llmgw scrapes it at all (external providers are not).
+    """
+
+    name: str
+    title: str
+    metrics_path: str
+    metrics_need_key: bool
+    waiting: MetricSpec
+    running: MetricSpec
+    kv_cache_usage: MetricSpec
+    model_label: str | None
+    health_path: str = "/health"
+    owned_by: str = "llmgw"
+    default_port: int = 8000
+    integer_error_code: bool = True
+    scraped: bool = True
+    notes: tuple[str, ...] = field(default=())

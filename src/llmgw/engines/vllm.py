@@ -1,0 +1,43 @@
+"""vLLM (V1 engine, OpenAI server).
+
+``/metrics`` is open even with ``--api-key`` (vLLM checks only ``/v1*``); every
+sample carries ``model_name`` (= ``--served-model-name``) and, from v0.10, an
+``engine`` label per data-parallel engine core, summed here. The KV gauge was
+renamed in v0.9.2 (``gpu_cache_usage_perc`` -> ``kv_cache_usage_perc``); both are
+accepted. Values are fractions 0..1 despite "perc".
+"""
+
+from __future__ import annotations
+
+from .base import EngineInfo, MetricSpec
+
+WAITING = "vllm:num_requests_waiting"
+RUNNING = "vllm:num_requests_running"
+KV_CACHE_USAGE = "vllm:kv_cache_usage_perc"
+KV_CACHE_USAGE_OLD = "vllm:gpu_cache_usage_perc"
+REQUEST_SUCCESS = "vllm:request_success"  # counter, label finished_reason
+PROMPT_TOKENS = "vllm:prompt_tokens"  # counter
+GENERATION_TOKENS = "vllm:generation_tokens"  # counter
+NUM_PREEMPTIONS = "vllm:num_preemptions"  # counter
+TTFT = "vllm:time_to_first_token_seconds"  # histogram
+ITL = "vllm:inter_token_latency_seconds"  # histogram
+E2E = "vllm:e2e_request_latency_seconds"  # histogram
+QUEUE_TIME = "vllm:request_queue_time_seconds"  # histogram
+PROMPT_TOKENS_HIST = "vllm:request_prompt_tokens"  # histogram
+GENERATION_TOKENS_HIST = "vllm:request_generation_tokens"  # histogram
+CACHE_CONFIG_INFO = "vllm:cache_config_info"  # gauge = 1
+MODEL_LABEL = "model_name"
+ENGINE_LABEL = "engine"
+
+INFO = EngineInfo(
+    name="vllm",
+    title="vLLM",
+    metrics_path="/metrics",
+    metrics_need_key=False,
+    waiting=MetricSpec((WAITING,), "sum"),
+    running=MetricSpec((RUNNING,), "sum"),
+    kv_cache_usage=MetricSpec((KV_CACHE_USAGE, KV_CACHE_USAGE_OLD), "max"),
+    model_label=MODEL_LABEL,
+    owned_by="vllm",
+    default_port=8000,
+)

@@ -1,0 +1,47 @@
+"""Shared fixtures.
+
+Compiled modules are tested twice, once per twin: a fixture named after the
+module (``httpproto``, ``promscan``, ...) is parametrized over ``c`` and ``py``.
+Under ``LLMGW_NO_EXTENSIONS=1`` the ``c`` cases are deselected (not skipped).
+"""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+
+import pytest
+
+from llmgw._accel import NO_EXTENSIONS
+
+TWINS = [pytest.param("c", marks=pytest.mark.c_extension, id="c"), pytest.param("py", id="py")]
+
+
+def load_twin(name: str, which: str) -> ModuleType:
+    """Import ``llmgw._fast.<name>`` (``c``) or its pure twin (``py``)."""
+    return importlib.import_module(f"llmgw._fast.{name}" if which == "c" else f"llmgw._fast.{name}_py")
+
+
+def _twin_fixture(name: str):  # type: ignore[no-untyped-def]
+    @pytest.fixture(params=TWINS, name=name)
+    def _fixture(request: pytest.FixtureRequest) -> ModuleType:
+        return load_twin(name, request.param)
+
+    return _fixture
+
+
+httpproto = _twin_fixture("httpproto")
+promscan = _twin_fixture("promscan")
+score = _twin_fixture("score")
+admit = _twin_fixture("admit")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if not NO_EXTENSIONS:
+        return
+    keep, drop = [], []
+    for item in items:
+        (drop if item.get_closest_marker("c_extension") else keep).append(item)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep
