@@ -1,0 +1,487 @@
+# cython: language_level=3
+"""HTTP/1.1 message handling (compiled twin of ``httpproto_py``; see its docstring)."""
+
+cimport cython
+from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize, PyBytes_GET_SIZE
+from libc.string cimport memcpy
+
+import httptools
+
+from llmgw.errors import BadRequestError, HeadersTooLargeError, HTTPError, PayloadTooLargeError
+
+cdef object HttpParserUpgrade = httptools.HttpParserUpgrade
+cdef object HttpParserError = httptools.HttpParserError
+cdef object HttpRequestParser = httptools.HttpRequestParser
+cdef object HttpResponseParser = httptools.HttpResponseParser
+
+DEFAULT_MAX_HEAD_BYTES = 16 * 1024
+DEFAULT_MAX_HEADERS = 100
+DEFAULT_MAX_BODY = 16 * 1024 * 1024
+
+cdef enum HeaderKind:
+    H_OTHER = 0
+    H_HOP = 1
+    H_CONTENT_LENGTH = 2
+    H_TRANSFER_ENCODING = 3
+    H_CONNECTION = 4
+    H_EXPECT = 5
+    H_AUTHORIZATION = 6
+    H_X_API_KEY = 7
+    H_REQUEST_ID = 8
+    H_HOST = 9
+    H_CONTENT_TYPE = 10
+
+STATUS_REASONS = {
+    100: b"Continue", 200: b"OK", 201: b"Created", 202: b"Accepted", 204: b"No Content",
+    301: b"Moved Permanently", 302: b"Found", 304: b"Not Modified",
+    400: b"Bad Request", 401: b"Unauthorized", 403: b"Forbidden", 404: b"Not Found",
+    405: b"Method Not Allowed", 408: b"Request Timeout", 409: b"Conflict", 411: b"Length Required",
+    413: b"Content Too Large", 415: b"Unsupported Media Type", 417: b"Expectation Failed",
+    422: b"Unprocessable Content", 429: b"Too Many Requests", 431: b"Request Header Fields Too Large",
+    500: b"Internal Server Error", 501: b"Not Implemented", 502: b"Bad Gateway",
+    503: b"Service Unavailable", 504: b"Gateway Timeout",
+}
+cdef dict _STATUS_LINES = {
+    code: b"HTTP/1.1 %d %s\r\n" % (code, reason) for code, reason in STATUS_REASONS.items()
+}
+
+
+cdef inline char _lower(char c) noexcept nogil:
+    if c >= 65 and c <= 90:
+        return c + 32
+    return c
+
+
+cdef inline bint _ieq(const char* s, const char* lit, Py_ssize_t n) noexcept nogil:
+    # ``lit`` is lower case; ``s`` any case; both ``n`` bytes long.
+    cdef Py_ssize_t i
+    for i in range(n):
+        if _lower(s[i]) != lit[i]:
+            return False
+    return True
+
+
+cdef int _classify(const char* s, Py_ssize_t n) noexcept nogil:
+    if n == 14:
+        if _ieq(s, b"content-length", 14):
+            return H_CONTENT_LENGTH
+    elif n == 12:
+        if _ieq(s, b"x-request-id", 12):
+            return H_REQUEST_ID
+        if _ieq(s, b"content-type", 12):
+            return H_CONTENT_TYPE
+    elif n == 13:
+        if _ieq(s, b"authorization", 13):
+            return H_AUTHORIZATION
+    elif n == 4:
+        if _ieq(s, b"host", 4):
+            return H_HOST
+    elif n == 10:
+        if _ieq(s, b"connection", 10):
+            return H_CONNECTION
+        if _ieq(s, b"keep-alive", 10):
+            return H_HOP
+    elif n == 17:
+        if _ieq(s, b"transfer-encoding", 17):
+            return H_TRANSFER_ENCODING
+    elif n == 6:
+        if _ieq(s, b"expect", 6):
+            return H_EXPECT
+    elif n == 9:
+        if _ieq(s, b"x-api-key", 9):
+            return H_X_API_KEY
+    elif n == 2:
+        if _ieq(s, b"te", 2):
+            return H_HOP
+    elif n == 7:
+        if _ieq(s, b"trailer", 7) or _ieq(s, b"upgrade", 7):
+            return H_HOP
+    elif n == 16:
+        if _ieq(s, b"proxy-connection", 16):
+            return H_HOP
+    elif n == 19:
+        if _ieq(s, b"proxy-authorization", 19):
+            return H_HOP
+    elif n == 18:
+        if _ieq(s, b"proxy-authenticate", 18):
+            return H_HOP
+    return H_OTHER
+
+
+cdef bytes _header_line(bytes name, bytes value):
+    # b"name: value\r\n" in one allocation.
+    cdef Py_ssize_t nn = PyBytes_GET_SIZE(name)
+    cdef Py_ssize_t nv = PyBytes_GET_SIZE(value)
+    cdef bytes out = PyBytes_FromStringAndSize(NULL, nn + nv + 4)
+    cdef char* p = PyBytes_AS_STRING(out)
+    memcpy(p, PyBytes_AS_STRING(name), nn)
+    p[nn] = 58  # ':'
+    p[nn + 1] = 32
+    memcpy(p + nn + 2, PyBytes_AS_STRING(value), nv)
+    p[nn + 2 + nv] = 13
+    p[nn + 3 + nv] = 10
+    return out
+
+
+cdef bytes _status_line(int status):
+    line = _STATUS_LINES.get(status)
+    if line is None:
+        if not 100 <= status <= 999:
+            raise ValueError(f"invalid HTTP status {status}")
+        line = b"HTTP/1.1 %d Status\r\n" % status
+    return <bytes>line
+
+
+cdef inline void _check_header_value(bytes value) except *:
+    cdef const char* p = PyBytes_AS_STRING(value)
+    cdef Py_ssize_t i, n = PyBytes_GET_SIZE(value)
+    for i in range(n):
+        if p[i] == 13 or p[i] == 10:
+            raise ValueError("header value contains CR or LF")
+
+
+def response_head(int status, headers=(), Py_ssize_t content_length=-1, bint keep_alive=True,
+                  bytes raw=b""):
+    """The status line and headers of a response, ending with the blank line."""
+    cdef list parts = [_status_line(status)]
+    cdef bytes name, value
+    for name, value in headers:
+        _check_header_value(value)
+        parts.append(_header_line(name, value))
+    if raw:
+        parts.append(raw)
+    if content_length >= 0:
+        parts.append(b"content-length: %d\r\n" % content_length)
+    elif content_length == -1:
+        parts.append(b"transfer-encoding: chunked\r\n")
+    if not keep_alive:
+        parts.append(b"connection: close\r\n")
+    parts.append(b"\r\n")
+    return b"".join(parts)
+
+
+def upstream_head(bytes method, bytes target, bytes host, bytes forward, Py_ssize_t content_length,
+                  bytes extra=b""):
+    """The request head sent to a replica (see the twin)."""
+    cdef list parts = [method, b" ", target, b" HTTP/1.1\r\nhost: ", host, b"\r\n", forward, extra]
+    if content_length >= 0:
+        parts.append(b"content-length: %d\r\n" % content_length)
+    parts.append(b"\r\n")
+    return b"".join(parts)
+
+
+def chunk_head(Py_ssize_t size):
+    """The size line that opens one chunk of a chunked body."""
+    return b"%x\r\n" % size
+
+
+@cython.final
+@cython.freelist(32)
+cdef class Request:
+    """One HTTP request as the server read it (see the twin)."""
+
+    def __cinit__(self):
+        self.method = b""
+        self.target = b""
+        self.version = b"1.1"
+        self.headers = []
+        self.forward = b""
+        self.keep_alive = True
+        self.content_length = -1
+        self.expect_continue = False
+        self.authorization = None
+        self.x_api_key = None
+        self.request_id = None
+        self.priority = None
+        self.host = None
+        self.content_type = None
+        self.body = b""
+
+    @property
+    def path(self):
+        """The target without its query string."""
+        q = self.target.find(b"?")
+        return self.target if q < 0 else self.target[:q]
+
+    def header(self, bytes name):
+        """The first value of header ``name`` (case-insensitive), or ``None``."""
+        name = name.lower()
+        for n, v in self.headers:
+            if n.lower() == name:
+                return v
+        return None
+
+    def __repr__(self):
+        return f"<Request {self.method.decode('latin-1')} {self.target!r}>"
+
+
+@cython.final
+cdef class RequestReader:
+    """Reads pipelined HTTP/1.1 requests from one connection (see the twin)."""
+
+    def __init__(self, on_request, on_head=None, Py_ssize_t max_head_bytes=DEFAULT_MAX_HEAD_BYTES,
+                 Py_ssize_t max_headers=DEFAULT_MAX_HEADERS, Py_ssize_t max_body=DEFAULT_MAX_BODY,
+                 bytes priority_header=b"x-llmgw-priority"):
+        self._on_request = on_request
+        self._on_head = on_head
+        self.max_head_bytes = max_head_bytes
+        self.max_headers = max_headers
+        self.max_body = max_body
+        self._priority_header = priority_header.lower()
+        self._parser = HttpRequestParser(self)
+        self._req = None
+        self._in_head = False
+        self._head_bytes = 0
+        self._head_fed = 0
+        self._url_parts = []
+        self._forward = []
+        self._body = []
+        self._body_size = 0
+        self._dead = False
+
+    @property
+    def in_message(self):
+        """Whether a request has started but is not complete yet."""
+        return self._req is not None
+
+    @property
+    def in_head(self):
+        """Whether a request's head has started but is not complete yet."""
+        return self._in_head
+
+    def feed(self, data):
+        """Parse ``data``; complete requests go to ``on_request`` as they finish."""
+        if self._dead:
+            raise BadRequestError("connection is closing after a malformed request", close=True)
+        try:
+            self._parser.feed_data(data)
+        except HttpParserUpgrade:
+            self._dead = True
+            raise BadRequestError("protocol upgrade is not supported", close=True) from None
+        except HttpParserError as exc:
+            self._dead = True
+            cause = exc.__context__
+            if isinstance(cause, HTTPError):
+                raise cause from None
+            raise BadRequestError(f"malformed HTTP request: {exc}", close=True) from exc
+        if self._in_head:
+            self._head_fed += len(data)
+            if self._head_fed > self.max_head_bytes:
+                self._dead = True
+                raise HeadersTooLargeError("request head is too large", close=True)
+
+    def on_message_begin(self):
+        self._req = Request.__new__(Request)
+        self._in_head = True
+        self._head_bytes = 0
+        self._head_fed = 0
+        self._url_parts = []
+        self._forward = []
+        self._body = []
+        self._body_size = 0
+
+    def on_url(self, bytes url):
+        self._url_parts.append(url)
+        self._head_bytes += PyBytes_GET_SIZE(url)
+        if self._head_bytes > self.max_head_bytes:
+            raise HeadersTooLargeError("request line is too long", close=True)
+
+    def on_header(self, bytes name, bytes value):
+        cdef Request req = self._req
+        cdef Py_ssize_t nn = PyBytes_GET_SIZE(name)
+        cdef int kind
+        self._head_bytes += nn + PyBytes_GET_SIZE(value) + 4
+        if self._head_bytes > self.max_head_bytes:
+            raise HeadersTooLargeError("request headers are too large", close=True)
+        if len(req.headers) >= self.max_headers:
+            raise HeadersTooLargeError("too many request headers", close=True)
+        req.headers.append((name, value))
+        kind = _classify(PyBytes_AS_STRING(name), nn)
+        if kind == H_OTHER:
+            if nn == PyBytes_GET_SIZE(self._priority_header) and _ieq(
+                PyBytes_AS_STRING(name), PyBytes_AS_STRING(self._priority_header), nn
+            ):
+                if req.priority is None:
+                    req.priority = value
+            else:
+                self._forward.append(_header_line(name, value))
+        elif kind == H_EXPECT:
+            if value.lower() == b"100-continue":
+                req.expect_continue = True
+            else:
+                raise HTTPError(
+                    "unsupported Expect header", status=417, type="invalid_request_error",
+                    code="expectation_failed", close=True,
+                )
+        elif kind == H_AUTHORIZATION:
+            if req.authorization is None:
+                req.authorization = value
+        elif kind == H_X_API_KEY:
+            if req.x_api_key is None:
+                req.x_api_key = value
+        elif kind == H_REQUEST_ID:
+            if req.request_id is None:
+                req.request_id = value
+        elif kind == H_HOST:
+            if req.host is not None:
+                raise BadRequestError("duplicate Host header", close=True)
+            req.host = value
+        elif kind == H_CONTENT_TYPE:
+            if req.content_type is None:
+                req.content_type = value
+                self._forward.append(_header_line(name, value))
+        elif kind == H_CONTENT_LENGTH:
+            req.content_length = int(value)
+
+    def on_headers_complete(self):
+        cdef Request req = self._req
+        self._in_head = False
+        parser = self._parser
+        req.method = parser.get_method()
+        parts = self._url_parts
+        req.target = parts[0] if len(parts) == 1 else b"".join(parts)
+        req.version = parser.get_http_version().encode()
+        req.keep_alive = parser.should_keep_alive()
+        req.forward = b"".join(self._forward)
+        if req.content_length > self.max_body:
+            raise PayloadTooLargeError(
+                f"request body is {req.content_length} bytes; the limit is {self.max_body}", close=True
+            )
+        if req.expect_continue and self._on_head is not None and req.content_length != 0:
+            self._on_head(req)
+
+    def on_body(self, bytes body):
+        self._body_size += PyBytes_GET_SIZE(body)
+        if self._body_size > self.max_body:
+            raise PayloadTooLargeError(f"request body exceeds the limit of {self.max_body} bytes", close=True)
+        self._body.append(body)
+
+    def on_message_complete(self):
+        cdef Request req = self._req
+        cdef list body = self._body
+        if body:
+            req.body = body[0] if len(body) == 1 else b"".join(body)
+        self._req = None
+        self._in_head = False
+        self._head_bytes = 0
+        self._on_request(req)
+
+
+@cython.final
+@cython.freelist(32)
+cdef class Response:
+    """A response head read from a replica (see the twin)."""
+
+    def __cinit__(self):
+        self.status = 0
+        self.headers = []
+        self.forward = b""
+        self.content_length = -1
+        self.chunked = False
+        self.content_type = None
+        self.event_stream = False
+        self.keep_alive = True
+
+    def header(self, bytes name):
+        """The first value of header ``name`` (case-insensitive), or ``None``."""
+        name = name.lower()
+        for n, v in self.headers:
+            if n.lower() == name:
+                return v
+        return None
+
+
+@cython.final
+cdef class ResponseReader:
+    """Reads responses from one upstream connection (see the twin)."""
+
+    def __init__(self, sink, Py_ssize_t max_head_bytes=65536, Py_ssize_t max_headers=200):
+        self._sink = sink
+        self._on_head = sink.on_response_head
+        self._on_body = sink.on_response_body
+        self._on_end = sink.on_response_end
+        self.max_head_bytes = max_head_bytes
+        self.max_headers = max_headers
+        self._parser = HttpResponseParser(self)
+        self._resp = None
+        self._forward = []
+        self._head_bytes = 0
+        self._head_fed = 0
+        self._in_head = False
+
+    @property
+    def in_message(self):
+        """Whether a response has started but is not complete yet."""
+        return self._resp is not None
+
+    def feed(self, data):
+        """Parse ``data``; the sink hears about heads, body bytes and ends."""
+        try:
+            self._parser.feed_data(data)
+        except HttpParserError as exc:
+            cause = exc.__context__
+            if cause is not None and not isinstance(cause, ValueError):
+                raise cause from None
+            raise ValueError(f"malformed upstream response: {cause or exc}") from exc
+        if self._in_head:
+            self._head_fed += len(data)
+            if self._head_fed > self.max_head_bytes:
+                raise ValueError("upstream response head is too large")
+
+    def feed_eof(self):
+        """The replica closed the connection; returns whether that ended a response."""
+        cdef Response resp = self._resp
+        if resp is None:
+            return False
+        if not resp.chunked and resp.content_length < 0 and not self._in_head:
+            self._resp = None
+            self._on_end()
+            return True
+        return False
+
+    def on_message_begin(self):
+        self._resp = Response.__new__(Response)
+        self._forward = []
+        self._head_bytes = 0
+        self._head_fed = 0
+        self._in_head = True
+
+    def on_header(self, bytes name, bytes value):
+        cdef Response resp = self._resp
+        cdef Py_ssize_t nn = PyBytes_GET_SIZE(name)
+        cdef int kind
+        self._head_bytes += nn + PyBytes_GET_SIZE(value) + 4
+        if self._head_bytes > self.max_head_bytes or len(resp.headers) >= self.max_headers:
+            raise ValueError("upstream response head is too large")
+        resp.headers.append((name, value))
+        kind = _classify(PyBytes_AS_STRING(name), nn)
+        if kind == H_OTHER:
+            self._forward.append(_header_line(name, value))
+        elif kind == H_CONTENT_TYPE:
+            if resp.content_type is None:
+                resp.content_type = value
+                resp.event_stream = value[:17].lower() == b"text/event-stream"
+            self._forward.append(_header_line(name, value))
+        elif kind == H_CONTENT_LENGTH:
+            resp.content_length = int(value)
+        elif kind == H_TRANSFER_ENCODING:
+            if value.lower().rstrip().endswith(b"chunked"):
+                resp.chunked = True
+
+    def on_headers_complete(self):
+        cdef Response resp = self._resp
+        self._in_head = False
+        resp.status = self._parser.get_status_code()
+        resp.keep_alive = self._parser.should_keep_alive()
+        resp.forward = b"".join(self._forward)
+        if resp.chunked:
+            resp.content_length = -1
+        self._on_head(resp)
+
+    def on_body(self, bytes body):
+        self._on_body(body)
+
+    def on_message_complete(self):
+        self._resp = None
+        self._head_bytes = 0
+        self._on_end()

@@ -1,0 +1,594 @@
+"""HTTP/1.1 message handling for llmgw's protocol server and upstream client.
+
+Pure-Python twin of ``httpproto.pyx`` and its specification: both expose the
+same names with the same behaviour, and the tests run both.
+
+Framing (request line, headers, Content-Length, chunked bodies, and the
+smuggling shapes they allow) is llhttp's job, through httptools, in strict mode.
+This module is what llmgw does with each message:
+
+* :class:`RequestReader` is the per-connection, sans-IO request side. Fed raw
+  bytes, it enforces the limits (head bytes, header count, body size), sorts each
+  header into what llmgw reads (auth, request id, priority, framing) and what it
+  forwards upstream untouched, and hands each complete :class:`Request` to the
+  connection's ``on_request``.
+* :class:`ResponseReader` is the same for a response read from a replica: status,
+  framing, content type, and the header lines to pass on to the client.
+* :func:`response_head`, :func:`upstream_head` and :func:`chunk_head` build the
+  bytes llmgw writes.
+
+Limits raise :mod:`llmgw.errors` HTTP errors (431, 413, 400) that the server turns
+into responses in one place.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import httptools
+
+from llmgw.errors import BadRequestError, HeadersTooLargeError, HTTPError, PayloadTooLargeError
+
+__all__ = [
+    "DEFAULT_MAX_BODY",
+    "DEFAULT_MAX_HEADERS",
+    "DEFAULT_MAX_HEAD_BYTES",
+    "STATUS_REASONS",
+    "Request",
+    "RequestReader",
+    "Response",
+    "ResponseReader",
+    "chunk_head",
+    "response_head",
+    "upstream_head",
+]
+
+DEFAULT_MAX_HEAD_BYTES = 16 * 1024
+DEFAULT_MAX_HEADERS = 100
+DEFAULT_MAX_BODY = 16 * 1024 * 1024
+
+# Header kinds. A header llmgw reads is classified once, on arrival.
+H_OTHER = 0  # forwarded untouched
+H_HOP = 1  # hop-by-hop: consumed here, never forwarded (RFC 9110 §7.6.1)
+H_CONTENT_LENGTH = 2
+H_TRANSFER_ENCODING = 3
+H_CONNECTION = 4
+H_EXPECT = 5
+H_AUTHORIZATION = 6
+H_X_API_KEY = 7
+H_REQUEST_ID = 8
+H_HOST = 9
+H_CONTENT_TYPE = 10
+H_PRIORITY = 11
+
+_KINDS: dict[bytes, int] = {
+    b"content-length": H_CONTENT_LENGTH,
+    b"transfer-encoding": H_TRANSFER_ENCODING,
+    b"connection": H_CONNECTION,
+    b"keep-alive": H_HOP,
+    b"proxy-connection": H_HOP,
+    b"proxy-authorization": H_HOP,
+    b"proxy-authenticate": H_HOP,
+    b"te": H_HOP,
+    b"trailer": H_HOP,
+    b"upgrade": H_HOP,
+    b"expect": H_EXPECT,
+    b"authorization": H_AUTHORIZATION,
+    b"x-api-key": H_X_API_KEY,
+    b"x-request-id": H_REQUEST_ID,
+    b"host": H_HOST,
+    b"content-type": H_CONTENT_TYPE,
+}
+
+STATUS_REASONS: dict[int, bytes] = {
+    100: b"Continue",
+    200: b"OK",
+    201: b"Created",
+    202: b"Accepted",
+    204: b"No Content",
+    301: b"Moved Permanently",
+    302: b"Found",
+    304: b"Not Modified",
+    400: b"Bad Request",
+    401: b"Unauthorized",
+    403: b"Forbidden",
+    404: b"Not Found",
+    405: b"Method Not Allowed",
+    408: b"Request Timeout",
+    409: b"Conflict",
+    411: b"Length Required",
+    413: b"Content Too Large",
+    415: b"Unsupported Media Type",
+    417: b"Expectation Failed",
+    422: b"Unprocessable Content",
+    429: b"Too Many Requests",
+    431: b"Request Header Fields Too Large",
+    500: b"Internal Server Error",
+    501: b"Not Implemented",
+    502: b"Bad Gateway",
+    503: b"Service Unavailable",
+    504: b"Gateway Timeout",
+}
+_STATUS_LINES: dict[int, bytes] = {
+    code: b"HTTP/1.1 %d %s\r\n" % (code, reason) for code, reason in STATUS_REASONS.items()
+}
+
+
+def _status_line(status: int) -> bytes:
+    line = _STATUS_LINES.get(status)
+    if line is None:
+        if not 100 <= status <= 999:
+            raise ValueError(f"invalid HTTP status {status}")
+        line = b"HTTP/1.1 %d Status\r\n" % status
+    return line
+
+
+def _check_header_value(value: bytes) -> None:
+    if b"\r" in value or b"\n" in value:
+        raise ValueError("header value contains CR or LF")
+
+
+def response_head(
+    status: int,
+    headers: list[tuple[bytes, bytes]] | tuple[tuple[bytes, bytes], ...] = (),
+    content_length: int = -1,
+    keep_alive: bool = True,
+    raw: bytes = b"",
+) -> bytes:
+    """The status line and headers of a response, ending with the blank line.
+
+    Args:
+        status: HTTP status code.
+        headers: extra ``(name, value)`` pairs; values must not contain CR/LF.
+        content_length: body length, or -1 for ``Transfer-Encoding: chunked``,
+            or -2 for no body framing at all (1xx, 204, 304).
+        keep_alive: whether the connection stays open (else ``Connection: close``).
+        raw: pre-built header lines (``b"Name: value\\r\\n"`` each) appended as is.
+
+    Returns:
+        the head as bytes.
+    """
+    parts = [_status_line(status)]
+    for name, value in headers:
+        _check_header_value(value)
+        parts.append(b"%s: %s\r\n" % (name, value))
+    if raw:
+        parts.append(raw)
+    if content_length >= 0:
+        parts.append(b"content-length: %d\r\n" % content_length)
+    elif content_length == -1:
+        parts.append(b"transfer-encoding: chunked\r\n")
+    if not keep_alive:
+        parts.append(b"connection: close\r\n")
+    parts.append(b"\r\n")
+    return b"".join(parts)
+
+
+def upstream_head(
+    method: bytes,
+    target: bytes,
+    host: bytes,
+    forward: bytes,
+    content_length: int,
+    extra: bytes = b"",
+) -> bytes:
+    """The request head sent to a replica.
+
+    Args:
+        method: request method.
+        target: request target (path and query).
+        host: value for ``Host``.
+        forward: the client's forwardable header lines (:attr:`Request.forward`).
+        content_length: body length (the body is always sent de-chunked), or -1
+            for a request without a body.
+        extra: llmgw's own header lines (the replica's key, the request id).
+    """
+    parts = [method, b" ", target, b" HTTP/1.1\r\nhost: ", host, b"\r\n", forward, extra]
+    if content_length >= 0:
+        parts.append(b"content-length: %d\r\n" % content_length)
+    parts.append(b"\r\n")
+    return b"".join(parts)
+
+
+def chunk_head(size: int) -> bytes:
+    """The size line that opens one chunk of a chunked body."""
+    return b"%x\r\n" % size
+
+
+class Request:
+    """One HTTP request as the server read it.
+
+    ``headers`` keeps every header as received (name case kept); the attributes
+    below are the ones llmgw reads, decoded once. ``forward`` is the header lines
+    a proxy passes on untouched: everything but hop-by-hop headers, framing,
+    credentials, ``Host``, ``Expect`` and ``X-Request-Id``, which llmgw writes
+    itself.
+    """
+
+    __slots__ = (
+        "authorization",
+        "body",
+        "content_length",
+        "content_type",
+        "expect_continue",
+        "forward",
+        "headers",
+        "host",
+        "keep_alive",
+        "method",
+        "priority",
+        "request_id",
+        "target",
+        "version",
+        "x_api_key",
+    )
+
+    def __init__(self) -> None:
+        self.method: bytes = b""
+        self.target: bytes = b""
+        self.version: bytes = b"1.1"
+        self.headers: list[tuple[bytes, bytes]] = []
+        self.forward: bytes = b""
+        self.keep_alive: bool = True
+        self.content_length: int = -1
+        self.expect_continue: bool = False
+        self.authorization: bytes | None = None
+        self.x_api_key: bytes | None = None
+        self.request_id: bytes | None = None
+        self.priority: bytes | None = None
+        self.host: bytes | None = None
+        self.content_type: bytes | None = None
+        self.body: bytes = b""
+
+    @property
+    def path(self) -> bytes:
+        """The target without its query string."""
+        q = self.target.find(b"?")
+        return self.target if q < 0 else self.target[:q]
+
+    def header(self, name: bytes) -> bytes | None:
+        """The first value of header ``name`` (case-insensitive), or ``None``."""
+        name = name.lower()
+        for n, v in self.headers:
+            if n.lower() == name:
+                return v
+        return None
+
+    def __repr__(self) -> str:
+        return f"<Request {self.method.decode('latin-1')} {self.target!r}>"
+
+
+class RequestReader:
+    """Reads pipelined HTTP/1.1 requests from one connection (sans-IO).
+
+    Args:
+        on_request: called with each complete :class:`Request`, in order.
+        on_head: called with a request whose head is complete and whose client
+            waits for ``100 Continue`` before sending the body (``None``: ignore).
+        max_head_bytes: limit on request line plus headers (431 past it).
+        max_headers: limit on the number of header lines (431 past it).
+        max_body: limit on the body, Content-Length or chunked (413 past it).
+        priority_header: lower-case name of the header carrying the priority band.
+
+    ``feed`` raises an :class:`~llmgw.errors.HTTPError` on malformed or over-limit
+    input; the reader is then unusable and the connection must answer and close.
+    """
+
+    def __init__(
+        self,
+        on_request: Callable[[Request], Any],
+        on_head: Callable[[Request], Any] | None = None,
+        max_head_bytes: int = DEFAULT_MAX_HEAD_BYTES,
+        max_headers: int = DEFAULT_MAX_HEADERS,
+        max_body: int = DEFAULT_MAX_BODY,
+        priority_header: bytes = b"x-llmgw-priority",
+    ) -> None:
+        self._on_request = on_request
+        self._on_head = on_head
+        self.max_head_bytes = max_head_bytes
+        self.max_headers = max_headers
+        self.max_body = max_body
+        self._priority_header = priority_header.lower()
+        self._parser = httptools.HttpRequestParser(self)
+        self._req: Request | None = None
+        self._in_head = False
+        self._head_bytes = 0
+        self._head_fed = 0
+        self._url_parts: list[bytes] = []
+        self._forward: list[bytes] = []
+        self._body: list[bytes] = []
+        self._body_size = 0
+        self._dead = False
+
+    @property
+    def in_message(self) -> bool:
+        """Whether a request has started but is not complete yet."""
+        return self._req is not None
+
+    @property
+    def in_head(self) -> bool:
+        """Whether a request's head has started but is not complete yet."""
+        return self._in_head
+
+    def feed(self, data: bytes) -> None:
+        """Parse ``data``; complete requests go to ``on_request`` as they finish.
+
+        Raises:
+            HTTPError: 400 malformed, 431 head too large, 413 body too large.
+        """
+        if self._dead:
+            raise BadRequestError("connection is closing after a malformed request", close=True)
+        try:
+            self._parser.feed_data(data)
+        except httptools.HttpParserUpgrade:
+            # llhttp stops at an upgrade; llmgw speaks HTTP/1.1 only.
+            self._dead = True
+            raise BadRequestError("protocol upgrade is not supported", close=True) from None
+        except httptools.HttpParserError as exc:
+            self._dead = True
+            cause = exc.__context__
+            if isinstance(cause, HTTPError):
+                raise cause from None
+            raise BadRequestError(f"malformed HTTP request: {exc}", close=True) from exc
+        if self._in_head:
+            # httptools accumulates a header that has not ended yet without limit,
+            # so an unfinished head is bounded here by the bytes fed into it
+            # (an overestimate by at most the part of this chunk before it began).
+            self._head_fed += len(data)
+            if self._head_fed > self.max_head_bytes:
+                self._dead = True
+                raise HeadersTooLargeError("request head is too large", close=True)
+
+    # -- httptools callbacks (called from feed_data) --
+
+    def on_message_begin(self) -> None:
+        req = Request()
+        self._req = req
+        self._in_head = True
+        self._head_bytes = 0
+        self._head_fed = 0
+        self._url_parts = []
+        self._forward = []
+        self._body = []
+        self._body_size = 0
+
+    def on_url(self, url: bytes) -> None:
+        self._url_parts.append(url)
+        self._head_bytes += len(url)
+        if self._head_bytes > self.max_head_bytes:
+            raise HeadersTooLargeError("request line is too long", close=True)
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        req = self._req
+        assert req is not None
+        self._head_bytes += len(name) + len(value) + 4
+        if self._head_bytes > self.max_head_bytes:
+            raise HeadersTooLargeError("request headers are too large", close=True)
+        headers = req.headers
+        if len(headers) >= self.max_headers:
+            raise HeadersTooLargeError("too many request headers", close=True)
+        headers.append((name, value))
+        lname = name.lower()
+        kind = _KINDS.get(lname, H_OTHER)
+        if kind == H_OTHER:
+            if lname == self._priority_header:
+                if req.priority is None:
+                    req.priority = value
+            else:
+                self._forward.append(b"%s: %s\r\n" % (name, value))
+        elif kind == H_EXPECT:
+            if value.lower() == b"100-continue":
+                req.expect_continue = True
+            else:
+                raise HTTPError(
+                    "unsupported Expect header", status=417, type="invalid_request_error",
+                    code="expectation_failed", close=True,
+                )
+        elif kind == H_AUTHORIZATION:
+            if req.authorization is None:
+                req.authorization = value
+        elif kind == H_X_API_KEY:
+            if req.x_api_key is None:
+                req.x_api_key = value
+        elif kind == H_REQUEST_ID:
+            if req.request_id is None:
+                req.request_id = value
+        elif kind == H_HOST:
+            if req.host is not None:
+                raise BadRequestError("duplicate Host header", close=True)
+            req.host = value
+        elif kind == H_CONTENT_TYPE:
+            if req.content_type is None:
+                req.content_type = value
+                self._forward.append(b"%s: %s\r\n" % (name, value))
+        elif kind == H_CONTENT_LENGTH:
+            # llhttp has validated the digits and rejected conflicting duplicates.
+            req.content_length = int(value)
+
+    def on_headers_complete(self) -> None:
+        req = self._req
+        assert req is not None
+        self._in_head = False
+        parser = self._parser
+        req.method = parser.get_method()
+        parts = self._url_parts
+        req.target = parts[0] if len(parts) == 1 else b"".join(parts)
+        req.version = parser.get_http_version().encode()
+        req.keep_alive = parser.should_keep_alive()
+        req.forward = b"".join(self._forward)
+        if req.content_length > self.max_body:
+            raise PayloadTooLargeError(
+                f"request body is {req.content_length} bytes; the limit is {self.max_body}", close=True
+            )
+        if req.expect_continue and self._on_head is not None and req.content_length != 0:
+            self._on_head(req)
+
+    def on_body(self, body: bytes) -> None:
+        self._body_size += len(body)
+        if self._body_size > self.max_body:
+            raise PayloadTooLargeError(f"request body exceeds the limit of {self.max_body} bytes", close=True)
+        self._body.append(body)
+
+    def on_message_complete(self) -> None:
+        req = self._req
+        assert req is not None
+        body = self._body
+        if body:
+            req.body = body[0] if len(body) == 1 else b"".join(body)
+        self._req = None
+        self._in_head = False
+        self._head_bytes = 0
+        self._on_request(req)
+
+
+class Response:
+    """A response head read from a replica.
+
+    ``forward`` holds the header lines to pass to the client: everything but
+    hop-by-hop headers and framing (llmgw frames the client's response itself).
+    """
+
+    __slots__ = (
+        "chunked",
+        "content_length",
+        "content_type",
+        "event_stream",
+        "forward",
+        "headers",
+        "keep_alive",
+        "status",
+    )
+
+    def __init__(self) -> None:
+        self.status: int = 0
+        self.headers: list[tuple[bytes, bytes]] = []
+        self.forward: bytes = b""
+        self.content_length: int = -1
+        self.chunked: bool = False
+        self.content_type: bytes | None = None
+        self.event_stream: bool = False
+        self.keep_alive: bool = True
+
+    def header(self, name: bytes) -> bytes | None:
+        """The first value of header ``name`` (case-insensitive), or ``None``."""
+        name = name.lower()
+        for n, v in self.headers:
+            if n.lower() == name:
+                return v
+        return None
+
+
+class ResponseReader:
+    """Reads responses from one upstream connection (sans-IO).
+
+    Args:
+        sink: receives ``on_response_head(response)``, ``on_response_body(data)``
+            and ``on_response_end()`` for each response in turn.
+        max_head_bytes / max_headers: limits on the response head.
+
+    ``feed`` raises ``ValueError`` with the reason when the replica's bytes are not
+    valid HTTP; the upstream client turns that into a 502.
+    """
+
+    def __init__(self, sink: Any, max_head_bytes: int = 65536, max_headers: int = 200) -> None:
+        self._sink = sink
+        self._on_head = sink.on_response_head
+        self._on_body = sink.on_response_body
+        self._on_end = sink.on_response_end
+        self.max_head_bytes = max_head_bytes
+        self.max_headers = max_headers
+        self._parser = httptools.HttpResponseParser(self)
+        self._resp: Response | None = None
+        self._forward: list[bytes] = []
+        self._head_bytes = 0
+        self._head_fed = 0
+        self._in_head = False
+
+    @property
+    def in_message(self) -> bool:
+        """Whether a response has started but is not complete yet."""
+        return self._resp is not None
+
+    def feed(self, data: bytes) -> None:
+        """Parse ``data``; the sink hears about heads, body bytes and ends.
+
+        Raises:
+            ValueError: the replica sent malformed HTTP (or over-limit heads).
+        """
+        try:
+            self._parser.feed_data(data)
+        except httptools.HttpParserError as exc:
+            cause = exc.__context__
+            if cause is not None and not isinstance(cause, ValueError):
+                raise cause from None  # the sink's own error
+            raise ValueError(f"malformed upstream response: {cause or exc}") from exc
+        if self._in_head:
+            self._head_fed += len(data)
+            if self._head_fed > self.max_head_bytes:
+                raise ValueError("upstream response head is too large")
+
+    def feed_eof(self) -> bool:
+        """The replica closed the connection; returns whether that ended a response.
+
+        A response framed by connection close (no Content-Length, not chunked)
+        ends here; any other open response was cut short.
+        """
+        resp = self._resp
+        if resp is None:
+            return False
+        if not resp.chunked and resp.content_length < 0 and not self._in_head:
+            self._resp = None
+            self._on_end()
+            return True
+        return False
+
+    # -- httptools callbacks --
+
+    def on_message_begin(self) -> None:
+        self._resp = Response()
+        self._forward = []
+        self._head_bytes = 0
+        self._head_fed = 0
+        self._in_head = True
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        resp = self._resp
+        assert resp is not None
+        self._head_bytes += len(name) + len(value) + 4
+        if self._head_bytes > self.max_head_bytes or len(resp.headers) >= self.max_headers:
+            raise ValueError("upstream response head is too large")
+        resp.headers.append((name, value))
+        lname = name.lower()
+        kind = _KINDS.get(lname, H_OTHER)
+        if kind == H_OTHER:
+            self._forward.append(b"%s: %s\r\n" % (name, value))
+        elif kind == H_CONTENT_TYPE:
+            if resp.content_type is None:
+                resp.content_type = value
+                resp.event_stream = value[:17].lower() == b"text/event-stream"
+            self._forward.append(b"%s: %s\r\n" % (name, value))
+        elif kind == H_CONTENT_LENGTH:
+            resp.content_length = int(value)
+        elif kind == H_TRANSFER_ENCODING:
+            if value.lower().rstrip().endswith(b"chunked"):
+                resp.chunked = True
+
+    def on_headers_complete(self) -> None:
+        resp = self._resp
+        assert resp is not None
+        self._in_head = False
+        resp.status = self._parser.get_status_code()
+        resp.keep_alive = self._parser.should_keep_alive()
+        resp.forward = b"".join(self._forward)
+        if resp.chunked:
+            resp.content_length = -1
+        self._on_head(resp)
+
+    def on_body(self, body: bytes) -> None:
+        self._on_body(body)
+
+    def on_message_complete(self) -> None:
+        self._resp = None
+        self._head_bytes = 0
+        self._on_end()

@@ -1,0 +1,52 @@
+"""HTTP message handling: the compiled ``_fast.httpproto`` or its pure twin.
+
+See :mod:`llmgw._fast.httpproto_py` for the specification of every name here.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from .._accel import select
+
+if TYPE_CHECKING:
+    from .._fast.httpproto_py import (
+        DEFAULT_MAX_BODY,
+        DEFAULT_MAX_HEAD_BYTES,
+        DEFAULT_MAX_HEADERS,
+        STATUS_REASONS,
+        Request,
+        RequestReader,
+        Response,
+        ResponseReader,
+        chunk_head,
+        response_head,
+        upstream_head,
+    )
+else:
+    _impl = select("httpproto")
+    DEFAULT_MAX_BODY = _impl.DEFAULT_MAX_BODY
+    DEFAULT_MAX_HEAD_BYTES = _impl.DEFAULT_MAX_HEAD_BYTES
+    DEFAULT_MAX_HEADERS = _impl.DEFAULT_MAX_HEADERS
+    STATUS_REASONS = _impl.STATUS_REASONS
+    Request = _impl.Request
+    RequestReader = _impl.RequestReader
+    Response = _impl.Response
+    ResponseReader = _impl.ResponseReader
+    chunk_head = _impl.chunk_head
+    response_head = _impl.response_head
+    upstream_head = _impl.upstream_head
+
+__all__ = [
+    "DEFAULT_MAX_BODY",
+    "DEFAULT_MAX_HEADERS",
+    "DEFAULT_MAX_HEAD_BYTES",
+    "STATUS_REASONS",
+    "Request",
+    "RequestReader",
+    "Response",
+    "ResponseReader",
+    "chunk_head",
+    "response_head",
+    "upstream_head",
+]

@@ -1,0 +1,622 @@
+"""llmgw's HTTP/1.1 server: one ``asyncio.Protocol`` per connection on uvloop.
+
+The same core serves the gateway's client port, the admin port and the
+simulated engines. An *app* is any object with ``handle(request, writer)``; it
+may answer at once (returning ``None``) or return an awaitable, which runs as a
+task. The server owns everything else: limits and timeouts, pipelining (answered
+in order), ``100 Continue``, keep-alive, flow control in both directions, the
+connection limit, OpenAI-shaped error answers, and a graceful shutdown.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import errno
+import socket
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import orjson
+
+from ..errors import HTTPError, InternalError
+from ..log import server_logger as log
+from .parser import Request, RequestReader, chunk_head, response_head
+
+__all__ = [
+    "App",
+    "HTTPServer",
+    "ResponseWriter",
+    "ServerLimits",
+    "error_body",
+    "json_headers",
+]
+
+_CRLF = b"\r\n"
+_LAST_CHUNK = b"0\r\n\r\n"
+_CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
+JSON = b"application/json"
+_JSON_CT = ((b"content-type", JSON),)
+
+
+def json_headers() -> tuple[tuple[bytes, bytes], ...]:
+    """``Content-Type: application/json`` as a header list."""
+    return _JSON_CT
+
+
+def error_body(exc: HTTPError) -> bytes:
+    """The OpenAI-shaped JSON body for ``exc``."""
+    return orjson.dumps(
+        {"error": {"message": exc.message, "type": exc.type, "param": exc.param, "code": exc.code}}
+    )
+
+
+def _error_headers(exc: HTTPError, extra: tuple[tuple[bytes, bytes], ...] = ()) -> list[tuple[bytes, bytes]]:
+    headers = [(b"content-type", JSON), *extra]
+    if exc.retry_after is not None:
+        seconds = max(1, int(exc.retry_after + 0.999))
+        headers.append((b"retry-after", b"%d" % seconds))
+        headers.append((b"retry-after-ms", b"%d" % max(1, int(exc.retry_after * 1000))))
+    return headers
+
+
+@dataclass(frozen=True, slots=True)
+class ServerLimits:
+    """Per-listener limits; plain values the hot path reads.
+
+    Attributes:
+        max_head_bytes: request line plus headers (431 past it).
+        max_headers: header lines per request (431 past it).
+        max_body: request body bytes (413 past it).
+        header_timeout: seconds from a request's first byte to its complete head (408).
+        body_timeout: seconds from a complete head to a complete body (408).
+        keepalive_timeout: seconds an idle keep-alive connection is kept.
+        max_connections: open connections; more are answered 503 and closed at once.
+        max_pipelined: requests read ahead of the one being answered before reading pauses.
+        priority_header: lower-case name of the priority-band header.
+    """
+
+    max_head_bytes: int = 16 * 1024
+    max_headers: int = 100
+    max_body: int = 16 * 1024 * 1024
+    header_timeout: float = 10.0
+    body_timeout: float = 60.0
+    keepalive_timeout: float = 75.0
+    max_connections: int = 10_000
+    max_pipelined: int = 16
+    priority_header: bytes = b"x-llmgw-priority"
+
+
+class App(Protocol):
+    """What the server calls for each request."""
+
+    def handle(self, request: Request, writer: ResponseWriter) -> Awaitable[None] | None: ...
+
+
+class ResponseWriter:
+    """Writes the response to one request, in order, on its connection.
+
+    Use :meth:`send` for a whole response, or :meth:`start` then :meth:`write`
+    (any number of times) then :meth:`end`. :meth:`drain` waits while the client
+    reads slower than the app writes. ``disconnected`` turns true when the client
+    goes away; ``on_disconnect`` callbacks run then (at most once).
+    """
+
+    __slots__ = (
+        "_chunked",
+        "_conn",
+        "_head_only",
+        "_listeners",
+        "disconnected",
+        "finished",
+        "keep_alive",
+        "request",
+        "started",
+        "status",
+    )
+
+    def __init__(self, conn: HTTPProtocol, request: Request) -> None:
+        self._conn = conn
+        self.request = request
+        self.keep_alive: bool = request.keep_alive and not conn._closing
+        self.started = False
+        self.finished = False
+        self.disconnected = False
+        self.status = 0
+        self._chunked = False
+        self._head_only = request.method == b"HEAD"
+        self._listeners: list[Callable[[], Any]] | None = None
+
+    # -- writing --
+
+    def start(
+        self,
+        status: int,
+        headers: list[tuple[bytes, bytes]] | tuple[tuple[bytes, bytes], ...] = (),
+        content_length: int = -1,
+        raw: bytes = b"",
+    ) -> None:
+        """Send the status line and headers.
+
+        ``content_length`` -1 streams the body chunked; ``raw`` is pre-built header lines.
+        """
+        if self.started:
+            raise InternalError("response already started")
+        self.started = True
+        self.status = status
+        no_body = status < 200 or status in (204, 304)
+        if no_body:
+            content_length = -2
+        self._chunked = content_length == -1
+        if not self.disconnected:
+            self._conn._transport_write(
+                response_head(status, headers, content_length, self.keep_alive, raw)
+            )
+
+    def write(self, data: bytes) -> None:
+        """Send part of the body (framed as a chunk when streaming chunked)."""
+        if not data or self.disconnected or self._head_only:
+            return
+        t = self._conn.transport
+        if t is None:
+            return
+        if self._chunked:
+            t.writelines((chunk_head(len(data)), data, _CRLF))
+        else:
+            t.write(data)
+
+    def end(self, trailer: bytes = b"") -> None:
+        """Finish the response; the connection moves on to the next request."""
+        if self.finished:
+            return
+        if not self.started:
+            raise InternalError("response ended before it started")
+        if trailer:
+            self.write(trailer)
+        if self._chunked and not self.disconnected and not self._head_only:
+            self._conn._transport_write(_LAST_CHUNK)
+        self.finished = True
+        self._conn._response_done(self)
+
+    def send(
+        self,
+        status: int,
+        body: bytes = b"",
+        headers: list[tuple[bytes, bytes]] | tuple[tuple[bytes, bytes], ...] = _JSON_CT,
+        raw: bytes = b"",
+    ) -> None:
+        """Send a whole response with a Content-Length body."""
+        if self.started:
+            raise InternalError("response already started")
+        self.started = True
+        self.status = status
+        if not self.disconnected:
+            head = response_head(status, headers, len(body), self.keep_alive, raw)
+            t = self._conn.transport
+            if t is not None:
+                if body and not self._head_only:
+                    t.writelines((head, body))
+                else:
+                    t.write(head)
+        self.finished = True
+        self._conn._response_done(self)
+
+    def send_json(self, status: int, obj: Any, headers: tuple[tuple[bytes, bytes], ...] = ()) -> None:
+        """Send ``obj`` serialised as JSON."""
+        self.send(status, orjson.dumps(obj), (*_JSON_CT, *headers))
+
+    def send_error(self, exc: HTTPError, headers: tuple[tuple[bytes, bytes], ...] = ()) -> None:
+        """Answer ``exc`` as an OpenAI-shaped JSON error (closing if it says so)."""
+        if exc.close:
+            self.keep_alive = False
+        self.send(exc.status, error_body(exc), _error_headers(exc, headers))
+
+    def abort(self) -> None:
+        """Cut the connection now (a response that cannot be finished honestly)."""
+        self.keep_alive = False
+        self.finished = True
+        self._conn._abort()
+
+    async def drain(self) -> None:
+        """Wait until the client's socket buffer has room (flow control)."""
+        conn = self._conn
+        if conn._write_paused and not self.disconnected:
+            await conn._drain()
+
+    @property
+    def write_paused(self) -> bool:
+        """Whether the client reads slower than the response is written."""
+        return self._conn._write_paused
+
+    def add_flow_listener(self, listener: Any) -> None:
+        """``listener.pause_reading()``/``resume_reading()`` follow the client's pace."""
+        self._conn._flow_listener = listener
+        if self._conn._write_paused:
+            listener.pause_reading()
+
+    def on_disconnect(self, callback: Callable[[], Any]) -> None:
+        """Call ``callback()`` if the client disconnects before the response ends."""
+        if self.disconnected:
+            callback()
+            return
+        if self._listeners is None:
+            self._listeners = []
+        self._listeners.append(callback)
+
+    def _client_gone(self) -> None:
+        if self.disconnected:
+            return
+        self.disconnected = True
+        listeners, self._listeners = self._listeners, None
+        for cb in listeners or ():
+            try:
+                cb()
+            except Exception:  # one listener's bug must not skip the others
+                log.exception("disconnect callback failed")
+
+    @property
+    def peer(self) -> Any:
+        return self._conn.peer
+
+
+class HTTPProtocol(asyncio.Protocol):
+    """One client connection."""
+
+    def __init__(self, server: HTTPServer) -> None:
+        # config and shared state
+        self._server = server
+        self._app = server.app
+        self._limits = server.limits
+        self._loop = server.loop
+        # connection state
+        self.transport: asyncio.Transport | None = None
+        self.peer: Any = None
+        self._reader = RequestReader(
+            self._on_request,
+            self._on_head,
+            server.limits.max_head_bytes,
+            server.limits.max_headers,
+            server.limits.max_body,
+            server.limits.priority_header,
+        )
+        self._pipeline: collections.deque[Request] = collections.deque()
+        self._current: ResponseWriter | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_kind = 0  # 0 none, 1 keep-alive, 2 head, 3 body
+        self._read_paused = False
+        self._write_paused = False
+        self._drain_waiter: asyncio.Future[None] | None = None
+        self._flow_listener: Any = None
+        self._closing = False
+        self._rejected = False
+
+    # -- asyncio callbacks --
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        """Called when a client connects."""
+        self.transport = transport  # type: ignore[assignment]
+        self.peer = transport.get_extra_info("peername")
+        sock = transport.get_extra_info("socket")
+        if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+            try:
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            except OSError:
+                pass
+        server = self._server
+        if len(server.connections) >= self._limits.max_connections or server.closing:
+            self._rejected = True
+            exc = HTTPError(
+                "the gateway is at its connection limit; retry shortly"
+                if not server.closing
+                else "the gateway is shutting down",
+                status=503,
+                type="service_unavailable_error",
+                code="service_unavailable",
+                retry_after=1,
+            )
+            body = error_body(exc)
+            transport.write(response_head(503, _error_headers(exc), len(body), False) + body)
+            transport.close()
+            server.rejected += 1
+            return
+        server.connections.add(self)
+        self._arm(1, self._limits.keepalive_timeout)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        """Called when the connection closes, for any reason."""
+        if self._rejected:
+            return
+        self._server.connections.discard(self)
+        self._cancel_timer()
+        self.transport = None
+        self._pipeline.clear()
+        cur = self._current
+        if cur is not None and not cur.finished:
+            cur._client_gone()
+            task = self._task
+            if task is not None and not task.done():
+                task.cancel()
+        waiter = self._drain_waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+        self._drain_waiter = None
+        self._server._maybe_closed()
+
+    def data_received(self, data: bytes) -> None:
+        """Called with bytes from the client."""
+        if self._timer_kind == 1:
+            self._cancel_timer()
+        try:
+            self._reader.feed(data)
+        except HTTPError as exc:
+            self._fail(exc)
+            return
+        if self._timer_kind == 0 and self._reader.in_message:
+            self._arm(2 if self._reader.in_head else 3, self._limits.header_timeout
+                      if self._reader.in_head else self._limits.body_timeout)
+        elif self._timer_kind == 2 and not self._reader.in_head and self._reader.in_message:
+            self._arm(3, self._limits.body_timeout)
+
+    def eof_received(self) -> bool | None:
+        """Called when the client half-closes; answer what was read, then close."""
+        if self._current is None and not self._pipeline:
+            return None  # close now
+        self._closing = True
+        return True  # keep the transport open to write the answers
+
+    def pause_writing(self) -> None:
+        """Called when the transport's write buffer passes its high-water mark."""
+        self._write_paused = True
+        if self._flow_listener is not None:
+            self._flow_listener.pause_reading()
+
+    def resume_writing(self) -> None:
+        """Called when the write buffer drains below its low-water mark."""
+        self._write_paused = False
+        waiter = self._drain_waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+        self._drain_waiter = None
+        if self._flow_listener is not None:
+            self._flow_listener.resume_reading()
+
+    # -- requests --
+
+    def _on_head(self, request: Request) -> None:
+        # The client waits for 100 Continue before sending the body.
+        if self._current is None and not self._pipeline and self.transport is not None:
+            self.transport.write(_CONTINUE)
+
+    def _on_request(self, request: Request) -> None:
+        if self._timer_kind in (2, 3):
+            self._cancel_timer()
+        if self._current is None:
+            self._run(request)
+        else:
+            self._pipeline.append(request)
+            if len(self._pipeline) >= self._limits.max_pipelined and not self._read_paused:
+                self._read_paused = True
+                if self.transport is not None:
+                    self.transport.pause_reading()
+
+    def _run(self, request: Request) -> None:
+        writer = ResponseWriter(self, request)
+        self._current = writer
+        try:
+            result = self._app.handle(request, writer)
+        except HTTPError as exc:
+            if not writer.started:
+                writer.send_error(exc)
+            else:
+                writer.abort()
+            return
+        except Exception:
+            log.exception("request handler failed")
+            self._internal_error(writer)
+            return
+        if result is not None:
+            self._task = self._loop.create_task(self._await(writer, result))
+
+    async def _await(self, writer: ResponseWriter, result: Awaitable[None]) -> None:
+        try:
+            await result
+        except asyncio.CancelledError:
+            if not writer.disconnected and not writer.finished:
+                self._internal_error(writer)
+            raise
+        except HTTPError as exc:
+            if writer.finished or writer.disconnected:
+                return
+            if not writer.started:
+                writer.send_error(exc)
+            else:
+                writer.abort()
+        except Exception:
+            if writer.disconnected:
+                return
+            log.exception("request handler failed")
+            self._internal_error(writer)
+        else:
+            if not writer.finished and not writer.disconnected:
+                log.error("request handler returned without finishing its response")
+                self._internal_error(writer)
+
+    def _internal_error(self, writer: ResponseWriter) -> None:
+        if writer.finished:
+            return
+        if writer.started:
+            writer.abort()
+        else:
+            writer.send_error(HTTPError("internal error in the gateway", close=True))
+
+    def _response_done(self, writer: ResponseWriter) -> None:
+        if writer is not self._current:
+            return
+        self._current = None
+        self._task = None
+        self._flow_listener = None
+        if self.transport is None:
+            return
+        if not writer.keep_alive or self._closing and not self._pipeline:
+            self._close()
+            return
+        if self._pipeline:
+            nxt = self._pipeline.popleft()
+            if self._read_paused and len(self._pipeline) < self._limits.max_pipelined // 2:
+                self._read_paused = False
+                self.transport.resume_reading()
+            self._run(nxt)
+        elif self._server.closing:
+            self._close()
+        elif not self._reader.in_message:
+            self._arm(1, self._limits.keepalive_timeout)
+
+    # -- errors, timers, closing --
+
+    def _fail(self, exc: HTTPError) -> None:
+        """A protocol-level error: answer it (in order) and close."""
+        self._cancel_timer()
+        if self.transport is not None:
+            self.transport.pause_reading()
+        self._pipeline.clear()
+        self._closing = True
+        cur = self._current
+        if cur is None:
+            writer = ResponseWriter(self, Request())
+            writer.keep_alive = False
+            self._current = writer
+            writer.send_error(exc)
+        # else: the current response finishes, then _response_done closes.
+
+    def _arm(self, kind: int, delay: float) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer_kind = kind
+        self._timer = self._loop.call_later(delay, self._on_timer)
+
+    def _cancel_timer(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        self._timer_kind = 0
+
+    def _on_timer(self) -> None:
+        kind = self._timer_kind
+        self._timer = None
+        self._timer_kind = 0
+        if self.transport is None:
+            return
+        if kind == 1:
+            self._close()
+        elif kind in (2, 3) and self._current is None:
+            what = "headers" if kind == 2 else "body"
+            self._fail(
+                HTTPError(
+                    f"timed out reading the request {what}",
+                    status=408,
+                    type="invalid_request_error",
+                    code="request_timeout",
+                    close=True,
+                )
+            )
+
+    def _transport_write(self, data: bytes) -> None:
+        if self.transport is not None:
+            self.transport.write(data)
+
+    async def _drain(self) -> None:
+        if self._drain_waiter is None or self._drain_waiter.done():
+            self._drain_waiter = self._loop.create_future()
+        await self._drain_waiter
+
+    def _close(self) -> None:
+        self._cancel_timer()
+        if self.transport is not None:
+            self.transport.close()
+
+    def _abort(self) -> None:
+        self._cancel_timer()
+        t = self.transport
+        if t is not None:
+            t.abort()
+
+    def shutdown(self) -> None:
+        """Finish the current response, then close (graceful shutdown)."""
+        self._closing = True
+        if self._current is None:
+            self._close()
+
+
+class HTTPServer:
+    """A listening socket and its connections.
+
+    Args:
+        app: the request handler.
+        limits: per-connection limits.
+        name: for logs (``"gateway"``, ``"admin"``, ...).
+    """
+
+    def __init__(self, app: App, limits: ServerLimits | None = None, name: str = "http") -> None:
+        self.app = app
+        self.limits = limits or ServerLimits()
+        self.name = name
+        self.loop = asyncio.get_running_loop()
+        self.connections: set[HTTPProtocol] = set()
+        self.closing = False
+        self.rejected = 0
+        self._server: asyncio.AbstractServer | None = None
+        self._idle: asyncio.Future[None] | None = None
+
+    async def listen(self, host: str, port: int, *, backlog: int = 2048, reuse_port: bool = False) -> tuple[str, int]:
+        """Bind and start accepting; returns the bound (host, port).
+
+        Raises:
+            OSError: the address cannot be bound (in use, not permitted, ...).
+        """
+        try:
+            self._server = await self.loop.create_server(
+                lambda: HTTPProtocol(self),
+                host,
+                port,
+                backlog=backlog,
+                reuse_address=True,
+                reuse_port=reuse_port or None,
+            )
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                raise OSError(exc.errno, f"{host}:{port} is already in use") from exc
+            raise
+        sock = self._server.sockets[0]
+        addr = sock.getsockname()
+        return addr[0], addr[1]
+
+    @property
+    def sockets(self) -> list[socket.socket]:
+        return list(self._server.sockets) if self._server else []
+
+    async def close(self, timeout: float = 10.0) -> None:
+        """Stop accepting, let in-flight responses finish for ``timeout`` s, then cut."""
+        self.closing = True
+        if self._server is not None:
+            self._server.close()
+        for conn in list(self.connections):
+            conn.shutdown()
+        if self.connections:
+            self._idle = self.loop.create_future()
+            try:
+                await asyncio.wait_for(asyncio.shield(self._idle), timeout)
+            except asyncio.TimeoutError:
+                log.warning(
+                    "%s: %d connection(s) still busy after %.1fs; closing them", self.name,
+                    len(self.connections), timeout,
+                )
+            for conn in list(self.connections):
+                conn._abort()
+        if self._server is not None:
+            await self._server.wait_closed()
+
+    def _maybe_closed(self) -> None:
+        if self._idle is not None and not self.connections and not self._idle.done():
+            self._idle.set_result(None)
