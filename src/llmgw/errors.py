@@ -86,7 +86,7 @@ class HTTPError(LlmgwError):
         retry_after: float | None = None,
         close: bool | None = None,
         status: int | None = None,
-        type: str | None = None,  # noqa: A002 - mirrors the OpenAI field
+        type: str | None = None,
     ) -> None:
         super().__init__(message)
         self.message = message

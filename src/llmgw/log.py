@@ -9,8 +9,8 @@ import logging
 import sys
 
 __all__ = [
-    "access_logger",
     "accel_logger",
+    "access_logger",
     "admin_logger",
     "config_logger",
     "engine_logger",

@@ -459,7 +459,7 @@ class HTTPProtocol(asyncio.Protocol):
         self._flow_listener = None
         if self.transport is None:
             return
-        if not writer.keep_alive or self._closing and not self._pipeline:
+        if not writer.keep_alive or (self._closing and not self._pipeline):
             self._close()
             return
         if self._pipeline:

@@ -1,0 +1,173 @@
+"""``llmgw serve`` and ``llmgw check-config``."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+import click
+
+from .. import __version__
+from ..config import Config, EndpointConfig, ModelConfig, find_config, load, load_file, parse_hostport
+from ..errors import ConfigError
+
+__all__ = ["DEMO_MODELS", "check_config", "serve"]
+
+# The built-in demo fleet: two models, two simulated replicas each.
+DEMO_MODELS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
+    ("llama-3.1-8b", "vllm", ("llama3",)),
+    ("qwen2.5-0.5b", "llamacpp", ("qwen",)),
+)
+
+
+class _Fail(click.ClickException):
+    """A one-line error: ``llmgw: error: ...``."""
+
+    def show(self, file: Any = None) -> None:
+        click.echo(f"llmgw: error: {self.message}", err=True)
+
+
+def _hostport(ctx: click.Context, param: click.Parameter, value: str | None) -> tuple[str, int] | None:
+    if value is None:
+        return None
+    try:
+        return parse_hostport(value, f"--{param.name}")
+    except ConfigError as exc:
+        raise click.BadParameter(exc.message) from None
+
+
+def _load(config_path: str | None) -> tuple[Config | None, Path | None]:
+    path = find_config(config_path)
+    if path is None:
+        return None, None
+    try:
+        return load_file(path), path
+    except ConfigError as exc:
+        raise _Fail(str(exc)) from None
+
+
+async def _start_demo_fleet(seed: int) -> tuple[list[Any], list[EndpointConfig], dict[str, ModelConfig]]:
+    from ..engines.sim import SimConfig, SimEngine
+
+    engines: list[Any] = []
+    endpoints: list[EndpointConfig] = []
+    models: dict[str, ModelConfig] = {}
+    for i, (model, engine, aliases) in enumerate(DEMO_MODELS):
+        for r in range(2):
+            sim = SimEngine(
+                SimConfig(model=model, engine=engine, slots=8, ttft_ms=40.0, tokens_per_second=60.0, seed=seed + 10 * i + r)
+            )
+            host, port = await sim.start("127.0.0.1", 0)
+            engines.append(sim)
+            endpoints.append(
+                EndpointConfig(
+                    id=f"demo-{engine}-{r}",
+                    url=f"http://{host}:{port}",
+                    models=(model,),
+                    engine=engine,
+                    pool="demo",
+                    host=host,
+                    port=port,
+                )
+            )
+        models[model] = ModelConfig(name=model, aliases=aliases)
+    return engines, endpoints, models
+
+
+async def _serve(cfg: Config, demo: bool) -> int:
+    from ..gateway.app import GatewayRuntime
+
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    engines: list[Any] = []
+    try:
+        if demo:
+            engines, endpoints, models = await _start_demo_fleet(seed=1)
+            cfg = dataclasses.replace(cfg, endpoints=tuple(endpoints), models=models)
+        runtime = GatewayRuntime(cfg)
+        try:
+            await runtime.start()
+        except OSError as exc:
+            raise _Fail(f"{exc.strerror or exc} (choose another address with --listen / --admin)") from None
+        assert runtime.listen_addr is not None and runtime.admin_addr is not None
+        host, port = runtime.listen_addr
+        ahost, aport = runtime.admin_addr
+        base = f"http://{host}:{port}"
+        click.echo(f"llmgw {__version__}: gateway on {base}  (admin http://{ahost}:{aport}; Ctrl-C stops)")
+        if demo:
+            click.echo("demo fleet (no config file given and no ./llmgw.yaml):")
+            for model, engine, aliases in DEMO_MODELS:
+                eps = [ep for ep in cfg.endpoints if model in ep.models]
+                addrs = ", ".join(ep.address for ep in eps)
+                click.echo(f"  {model} (alias {', '.join(aliases)}): {len(eps)} simulated {engine} replicas at {addrs}")
+        first = cfg.model_names()[0] if cfg.model_names() else "MODEL"
+        key = " -H 'authorization: Bearer $LLMGW_KEY'" if cfg.auth.enabled else ""
+        click.echo("try:")
+        click.echo(
+            f"  curl -s {base}/v1/chat/completions -H 'content-type: application/json'{key} "
+            f"-d '{{\"model\": \"{first}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hello!\"}}]}}'"
+        )
+        sys.stdout.flush()
+        await stop.wait()
+        click.echo("llmgw: shutting down (finishing in-flight requests)", err=True)
+        await runtime.stop()
+    finally:
+        for sim in engines:
+            await sim.stop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
+    return 0
+
+
+def _run(coro: Any) -> Any:
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - uvloop is a dependency on POSIX
+        return asyncio.run(coro)
+    return uvloop.run(coro)
+
+
+@click.command()
+@click.option(
+    "-c", "--config", "config_path", metavar="FILE", help="YAML config (default: ./llmgw.yaml, else the demo fleet)."
+)
+@click.option("--listen", callback=_hostport, metavar="HOST:PORT", help="Client address (default 127.0.0.1:8080).")
+@click.option("--admin", callback=_hostport, metavar="HOST:PORT", help="Admin address (default 127.0.0.1:9090).")
+def serve(config_path: str | None, listen: tuple[str, int] | None, admin: tuple[str, int] | None) -> None:
+    """Run the gateway.
+
+    With no config file (none given and no ./llmgw.yaml) it starts a built-in
+    demo fleet: simulated engines for two models, two replicas each, on free
+    loopback ports, with the gateway in front of them.
+    """
+    cfg, _path = _load(config_path)
+    demo = cfg is None
+    if cfg is None:
+        cfg = load({})
+    if listen is not None:
+        cfg = dataclasses.replace(cfg, listen=listen)
+    if admin is not None:
+        cfg = dataclasses.replace(cfg, admin=admin)
+    if not demo and not cfg.endpoints:
+        raise _Fail(f"{cfg.source}: endpoints: no endpoints configured; add at least one (see docs/config.md)")
+    sys.exit(_run(_serve(cfg, demo)))
+
+
+@click.command("check-config")
+@click.argument("path", metavar="FILE", required=False)
+def check_config(path: str | None) -> None:
+    """Validate a config file (default ./llmgw.yaml) and summarise it."""
+    cfg, p = _load(path)
+    if cfg is None:
+        raise _Fail("no config file: pass FILE or create ./llmgw.yaml")
+    click.echo(f"{p}: OK")
+    click.echo(f"  listen {cfg.listen[0]}:{cfg.listen[1]}, admin {cfg.admin[0]}:{cfg.admin[1]}")
+    for m in cfg.model_names():
+        eps = [ep.id for ep in cfg.endpoints if m in ep.models]
+        click.echo(f"  model {m}: {len(eps)} endpoint(s): {', '.join(eps)}")

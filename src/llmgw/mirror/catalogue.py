@@ -1,0 +1,421 @@
+"""The mirror's catalogue: an SQLite database of models, their files and blobs.
+
+One row per model (``name``, ``tag``, where it came from, what Ollama said about
+it), one per file (role, blob digest and size, the GGUF header summary) and one per
+blob. A model and its files are written in one transaction, and only once every
+blob is in place, so a reader never sees a model whose files are missing.
+
+The database runs in WAL mode with ``synchronous=FULL`` (a committed import
+survives a power cut) and a busy timeout, so concurrent imports queue rather than
+fail.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from .errors import CatalogueError, ModelExistsError, ModelNotFoundError
+from .names import format_ref
+
+__all__ = ["SCHEMA_VERSION", "Catalogue", "FileEntry", "ModelRecord", "StoredFile", "utc_now"]
+
+SCHEMA_VERSION = 1
+_BUSY_TIMEOUT_S = 120.0
+
+_SCHEMA = """
+CREATE TABLE blobs (
+    digest      TEXT PRIMARY KEY,           -- 'sha256:<64 lowercase hex>'
+    size        INTEGER NOT NULL,
+    added_at    TEXT NOT NULL,
+    verified_at TEXT
+);
+CREATE TABLE models (
+    id          INTEGER PRIMARY KEY,
+    name        TEXT NOT NULL COLLATE NOCASE,
+    tag         TEXT NOT NULL COLLATE NOCASE,
+    source_kind TEXT NOT NULL,              -- 'file' | 'ollama'
+    source      TEXT NOT NULL,
+    created_at  TEXT NOT NULL,
+    info        TEXT NOT NULL,              -- JSON: what the source knew (Ollama template, params, license)
+    UNIQUE (name, tag)
+);
+CREATE TABLE files (
+    model_id        INTEGER NOT NULL REFERENCES models(id) ON DELETE CASCADE,
+    role            TEXT NOT NULL,          -- 'model' | 'projector' | 'adapter'
+    position        INTEGER NOT NULL,
+    digest          TEXT NOT NULL REFERENCES blobs(digest),
+    size            INTEGER NOT NULL,
+    filename        TEXT,
+    source          TEXT NOT NULL,
+    imported_at     TEXT NOT NULL,
+    architecture    TEXT,
+    gguf_name       TEXT,
+    context_length  INTEGER,
+    file_type       INTEGER,
+    quantization    TEXT,
+    parameter_count INTEGER,
+    gguf            TEXT,                   -- JSON: the header summary, NULL for raw files
+    PRIMARY KEY (model_id, role, position)
+);
+CREATE INDEX files_digest ON files(digest);
+"""
+
+
+def utc_now() -> str:
+    """Return the current time as ISO 8601 UTC with a ``Z``, to the second."""
+    return datetime.now(timezone.utc).replace(microsecond=0).isoformat().replace("+00:00", "Z")
+
+
+@dataclass(frozen=True, slots=True)
+class FileEntry:
+    """A file to record with a model (its blob already in the store).
+
+    Attributes:
+        role: ``model``, ``projector`` or ``adapter``.
+        digest: ``sha256:<hex>`` of its bytes.
+        size: bytes.
+        filename: the source file's name, for people.
+        source: where it was copied from.
+        gguf: the GGUF header summary, or ``None`` for a raw file.
+    """
+
+    role: str
+    digest: str
+    size: int
+    filename: str | None
+    source: str
+    gguf: dict[str, Any] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class StoredFile:
+    """A model's file as the catalogue records it, with its blob's path."""
+
+    role: str
+    position: int
+    digest: str
+    size: int
+    filename: str | None
+    source: str
+    imported_at: str
+    gguf: dict[str, Any] | None
+    path: Path
+
+    def to_json(self) -> dict[str, Any]:
+        """Return a JSON-friendly dict."""
+        return {
+            "role": self.role,
+            "position": self.position,
+            "digest": self.digest,
+            "size": self.size,
+            "filename": self.filename,
+            "source": self.source,
+            "imported_at": self.imported_at,
+            "path": str(self.path),
+            "gguf": self.gguf,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class ModelRecord:
+    """A model in the mirror."""
+
+    name: str
+    tag: str
+    source_kind: str
+    source: str
+    created_at: str
+    files: tuple[StoredFile, ...]
+    info: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def ref(self) -> str:
+        """``name:tag``."""
+        return format_ref(self.name, self.tag)
+
+    @property
+    def main(self) -> StoredFile | None:
+        """The ``model`` file, if any."""
+        return next((f for f in self.files if f.role == "model"), None)
+
+    @property
+    def size(self) -> int:
+        """Bytes of all its files."""
+        return sum(f.size for f in self.files)
+
+    def header(self, key: str) -> Any:
+        """Return ``key`` from the main file's GGUF summary, or ``None``."""
+        main = self.main
+        return main.gguf.get(key) if main is not None and main.gguf else None
+
+    def to_json(self) -> dict[str, Any]:
+        """Return a JSON-friendly dict."""
+        return {
+            "name": self.name,
+            "tag": self.tag,
+            "ref": self.ref,
+            "source_kind": self.source_kind,
+            "source": self.source,
+            "created_at": self.created_at,
+            "size": self.size,
+            "architecture": self.header("architecture"),
+            "parameter_count": self.header("parameter_count"),
+            "quantization": self.header("quantization"),
+            "context_length": self.header("context_length"),
+            "files": [f.to_json() for f in self.files],
+            "info": self.info,
+        }
+
+
+class Catalogue:
+    """The SQLite catalogue at ``path``.
+
+    Args:
+        path: the database file.
+        blob_path: maps a digest to its blob's path (for :class:`StoredFile`).
+        create: create the database if it does not exist.
+
+    Raises:
+        CatalogueError: the file is not a catalogue, or one from a newer llmgw.
+    """
+
+    def __init__(self, path: Path, blob_path: Any, *, create: bool = True) -> None:
+        self.path = path
+        self._blob_path = blob_path
+        if not create and not path.exists():
+            raise CatalogueError(f"no catalogue at {path}; import a model first (llmgw mirror import FILE)")
+        try:
+            self._db = sqlite3.connect(path, timeout=_BUSY_TIMEOUT_S, isolation_level=None)
+        except sqlite3.Error as exc:
+            raise CatalogueError(f"cannot open the catalogue {path}: {exc}") from exc
+        try:
+            self._setup()
+        except sqlite3.DatabaseError as exc:
+            self._db.close()
+            raise CatalogueError(
+                f"the catalogue {path} is unreadable ({exc}); move it aside and import the models again"
+            ) from exc
+        except BaseException:
+            self._db.close()
+            raise
+
+    def _setup(self) -> None:
+        db = self._db
+        db.execute("PRAGMA journal_mode=WAL")
+        db.execute("PRAGMA synchronous=FULL")
+        db.execute("PRAGMA foreign_keys=ON")
+        version = db.execute("PRAGMA user_version").fetchone()[0]
+        if version == SCHEMA_VERSION:
+            return
+        if version > SCHEMA_VERSION:
+            raise CatalogueError(
+                f"the catalogue {self.path} was written by a newer llmgw (schema {version}); upgrade llmgw"
+            )
+        with self.transaction():
+            # Re-read inside the lock: another process may have just created it.
+            version = db.execute("PRAGMA user_version").fetchone()[0]
+            if version == 0:
+                for statement in _SCHEMA.split(";"):
+                    if statement.strip():
+                        db.execute(statement)
+                db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
+
+    def close(self) -> None:
+        """Close the database."""
+        self._db.close()
+
+    @contextmanager
+    def transaction(self) -> Iterator[sqlite3.Connection]:
+        """Run the block in one write transaction (``BEGIN IMMEDIATE``), committed on success."""
+        db = self._db
+        db.execute("BEGIN IMMEDIATE")
+        try:
+            yield db
+        except BaseException:
+            db.execute("ROLLBACK")
+            raise
+        db.execute("COMMIT")
+
+    # -- models ---------------------------------------------------------------
+
+    def _files(self, model_id: int) -> tuple[StoredFile, ...]:
+        rows = self._db.execute(
+            "SELECT role, position, digest, size, filename, source, imported_at, gguf FROM files"
+            " WHERE model_id = ? ORDER BY CASE role WHEN 'model' THEN 0 WHEN 'projector' THEN 1 ELSE 2 END,"
+            " role, position",
+            (model_id,),
+        ).fetchall()
+        return tuple(
+            StoredFile(
+                role=r[0],
+                position=r[1],
+                digest=r[2],
+                size=r[3],
+                filename=r[4],
+                source=r[5],
+                imported_at=r[6],
+                gguf=json.loads(r[7]) if r[7] else None,
+                path=self._blob_path(r[2]),
+            )
+            for r in rows
+        )
+
+    def _record(self, row: Sequence[Any]) -> ModelRecord:
+        return ModelRecord(
+            name=row[1],
+            tag=row[2],
+            source_kind=row[3],
+            source=row[4],
+            created_at=row[5],
+            info=json.loads(row[6]),
+            files=self._files(row[0]),
+        )
+
+    _MODEL_COLS = "id, name, tag, source_kind, source, created_at, info"
+
+    def get(self, name: str, tag: str) -> ModelRecord | None:
+        """Return the model ``name:tag`` (case-insensitive) or ``None``."""
+        row = self._db.execute(
+            f"SELECT {self._MODEL_COLS} FROM models WHERE name = ? AND tag = ?", (name, tag)
+        ).fetchone()
+        return self._record(row) if row else None
+
+    def models(self) -> list[ModelRecord]:
+        """Return every model, sorted by name and tag."""
+        rows = self._db.execute(f"SELECT {self._MODEL_COLS} FROM models ORDER BY name, tag").fetchall()
+        return [self._record(r) for r in rows]
+
+    def add(
+        self,
+        name: str,
+        tag: str,
+        files: Sequence[FileEntry],
+        *,
+        source_kind: str,
+        source: str,
+        info: dict[str, Any],
+    ) -> tuple[ModelRecord, bool]:
+        """Record a model and its files in one transaction.
+
+        The caller has put every blob in place first. If ``name:tag`` exists with
+        the same files (roles and digests), nothing changes.
+
+        Returns:
+            The record and whether it was created (``False``: it was already there).
+
+        Raises:
+            ModelExistsError: ``name:tag`` exists with different files.
+        """
+        now = utc_now()
+        wanted = [(f.role, f.digest) for f in files]
+        with self.transaction() as db:
+            row = db.execute(
+                f"SELECT {self._MODEL_COLS} FROM models WHERE name = ? AND tag = ?", (name, tag)
+            ).fetchone()
+            if row is not None:
+                existing = self._record(row)
+                if [(f.role, f.digest) for f in existing.files] == wanted:
+                    return existing, False
+                raise ModelExistsError(
+                    f"{existing.ref} is already in the mirror with different files; nothing was changed."
+                    f" Pick another name with --name, or remove it first (llmgw mirror rm {existing.ref})"
+                )
+            for f in files:
+                db.execute(
+                    "INSERT OR IGNORE INTO blobs (digest, size, added_at, verified_at) VALUES (?, ?, ?, ?)",
+                    (f.digest, f.size, now, now),
+                )
+            cur = db.execute(
+                "INSERT INTO models (name, tag, source_kind, source, created_at, info) VALUES (?, ?, ?, ?, ?, ?)",
+                (name, tag, source_kind, source, now, json.dumps(info, sort_keys=True)),
+            )
+            model_id = cur.lastrowid
+            positions: dict[str, int] = {}
+            for f in files:
+                pos = positions.get(f.role, 0)
+                positions[f.role] = pos + 1
+                g = f.gguf or {}
+                db.execute(
+                    "INSERT INTO files (model_id, role, position, digest, size, filename, source, imported_at,"
+                    " architecture, gguf_name, context_length, file_type, quantization, parameter_count, gguf)"
+                    " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                    (
+                        model_id,
+                        f.role,
+                        pos,
+                        f.digest,
+                        f.size,
+                        f.filename,
+                        f.source,
+                        now,
+                        g.get("architecture"),
+                        g.get("name"),
+                        g.get("context_length"),
+                        g.get("file_type"),
+                        g.get("quantization"),
+                        g.get("parameter_count"),
+                        json.dumps(f.gguf, sort_keys=True) if f.gguf is not None else None,
+                    ),
+                )
+            record = self._record(
+                db.execute(f"SELECT {self._MODEL_COLS} FROM models WHERE id = ?", (model_id,)).fetchone()
+            )
+        return record, True
+
+    def remove(self, name: str, tag: str) -> ModelRecord:
+        """Remove the model ``name:tag`` (its blobs stay until ``gc``).
+
+        Raises:
+            ModelNotFoundError: there is no such model.
+        """
+        with self.transaction() as db:
+            row = db.execute(
+                f"SELECT {self._MODEL_COLS} FROM models WHERE name = ? AND tag = ?", (name, tag)
+            ).fetchone()
+            if row is None:
+                raise ModelNotFoundError(
+                    f"no model {format_ref(name, tag)} in the mirror; see the names with llmgw mirror ls"
+                )
+            record = self._record(row)
+            db.execute("DELETE FROM models WHERE id = ?", (row[0],))
+        return record
+
+    # -- blobs ----------------------------------------------------------------
+
+    def referenced_digests(self) -> set[str]:
+        """Return the digests some model's file uses."""
+        return {r[0] for r in self._db.execute("SELECT DISTINCT digest FROM files")}
+
+    def blob_users(self) -> dict[str, list[str]]:
+        """Return, per digest, the ``name:tag`` of each model that uses it."""
+        users: dict[str, list[str]] = {}
+        for digest, name, tag in self._db.execute(
+            "SELECT f.digest, m.name, m.tag FROM files f JOIN models m ON m.id = f.model_id ORDER BY m.name, m.tag"
+        ):
+            users.setdefault(digest, []).append(format_ref(name, tag))
+        return users
+
+    def blob_sizes(self) -> dict[str, int]:
+        """Return the recorded size of every blob a model uses."""
+        return {r[0]: r[1] for r in self._db.execute("SELECT DISTINCT digest, size FROM files")}
+
+    def mark_verified(self, digests: Sequence[str]) -> None:
+        """Record that ``digests`` were re-hashed and found intact just now."""
+        now = utc_now()
+        with self.transaction() as db:
+            db.executemany("UPDATE blobs SET verified_at = ? WHERE digest = ?", [(now, d) for d in digests])
+
+    def forget_blobs(self, digests: Sequence[str]) -> None:
+        """Delete the rows of blobs no model uses any more (after ``gc`` removed them)."""
+        with self.transaction() as db:
+            db.executemany(
+                "DELETE FROM blobs WHERE digest = ? AND NOT EXISTS (SELECT 1 FROM files WHERE digest = ?)",
+                [(d, d) for d in digests],
+            )
