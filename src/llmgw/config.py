@@ -33,7 +33,6 @@ __all__ = [
     "EndpointConfig",
     "ModelConfig",
     "RetryConfig",
-    "ScrapeConfig",
     "ServerConfig",
     "UpstreamConfig",
     "find_config",
@@ -46,7 +45,6 @@ __all__ = [
 
 DEFAULT_LISTEN = ("127.0.0.1", 8080)
 DEFAULT_ADMIN = ("127.0.0.1", 9090)
-STRATEGIES = ("score", "least_inflight", "round_robin")
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h)?\s*$")
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(B|KB|MB|GB|KiB|MiB|GiB|K|M|G)?\s*$", re.IGNORECASE)
@@ -118,8 +116,6 @@ class EndpointConfig:
     engine: str = "vllm"
     pool: str | None = None
     api_key: str | None = field(default=None, repr=False)
-    metrics_path: str | None = None
-    metric_names: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     draining: bool = False
     # derived
     scheme: str = "http"
@@ -143,7 +139,6 @@ class ModelConfig:
 
     name: str
     aliases: tuple[str, ...] = ()
-    strategy: str | None = None
     upstream_name: str | None = None  # rewrite `model` in the body to this before forwarding
 
 
@@ -177,16 +172,6 @@ class RetryConfig:
     """Retries before the first byte reached the client (``retries:`` section)."""
 
     attempts: int = 1
-    budget: float = 0.2
-
-
-@dataclass(frozen=True, slots=True)
-class ScrapeConfig:
-    """Engine telemetry polling (``scrape:`` section)."""
-
-    interval: float = 1.0
-    timeout: float = 0.8
-    stale_after: float = 3.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -195,7 +180,6 @@ class ClientKey:
 
     name: str
     sha256: bytes = field(repr=False)
-    band: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -227,7 +211,6 @@ class Config:
     server: ServerConfig = field(default_factory=ServerConfig)
     upstream: UpstreamConfig = field(default_factory=UpstreamConfig)
     retries: RetryConfig = field(default_factory=RetryConfig)
-    scrape: ScrapeConfig = field(default_factory=ScrapeConfig)
     auth: AuthConfig = field(default_factory=AuthConfig)
     access_log: AccessLogConfig = field(default_factory=AccessLogConfig)
     mirror_root: str | None = None
@@ -415,20 +398,6 @@ def _endpoint(r: _Reader, index: int) -> EndpointConfig:
         raise r.err("engine", f"unknown engine {engine!r}; choose one of {', '.join(ENGINE_NAMES)}")
     api_key = r.secret("api_key", "api_key_env")
     pool = r.str("pool")
-    metrics_path = r.str("metrics_path")
-    if metrics_path is not None and not metrics_path.startswith("/"):
-        raise r.err("metrics_path", f"must start with '/', got {metrics_path!r}")
-    names: dict[str, tuple[str, ...]] = {}
-    mn = r.section("metric_names")
-    for sig in ("waiting", "running", "kv_cache_usage"):
-        if mn.has(sig):
-            v = mn.raw(sig)
-            if isinstance(v, str):
-                v = [v]
-            if not isinstance(v, list) or not v or not all(isinstance(x, str) and x for x in v):
-                raise mn.err(sig, "expected a metric name or a list of them")
-            names[sig] = tuple(v)
-    mn.done()
     draining = r.bool("draining", False)
     r.done()
     return EndpointConfig(
@@ -438,8 +407,6 @@ def _endpoint(r: _Reader, index: int) -> EndpointConfig:
         engine=engine,
         pool=pool,
         api_key=api_key,
-        metrics_path=metrics_path,
-        metric_names=names,
         draining=draining,
         scheme=parts.scheme,
         host=parts.hostname,
@@ -496,12 +463,9 @@ def load(data: Any, source: str | None = None) -> Config:
             if a in alias_owner:
                 raise sec.err("aliases", f"{a!r} is already an alias of {alias_owner[a]!r}")
             alias_owner[a] = name
-        strategy = sec.str("strategy")
-        if strategy is not None and strategy not in STRATEGIES:
-            raise sec.err("strategy", f"unknown strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}")
         upstream_name = sec.str("upstream_name")
         sec.done()
-        models[name] = ModelConfig(name=name, aliases=tuple(aliases_raw), strategy=strategy, upstream_name=upstream_name)
+        models[name] = ModelConfig(name=name, aliases=tuple(aliases_raw), upstream_name=upstream_name)
 
     s = r.section("server")
     server = ServerConfig(
@@ -527,19 +491,8 @@ def load(data: Any, source: str | None = None) -> Config:
     u.done()
 
     rt = r.section("retries")
-    retries = RetryConfig(attempts=rt.int("attempts", 1, lo=0, hi=10), budget=rt.float("budget", 0.2, lo=0.0, hi=1.0))
+    retries = RetryConfig(attempts=rt.int("attempts", 1, lo=0, hi=10))
     rt.done()
-
-    sc = r.section("scrape")
-    interval = sc.duration("interval", 1.0, min_s=0.05)
-    timeout = sc.duration("timeout", min(0.8, interval * 0.8), min_s=0.01)
-    stale_after = sc.duration("stale_after", max(3.0, interval * 3), min_s=0.05)
-    if timeout >= interval:
-        raise sc.err("timeout", f"must be shorter than scrape.interval ({interval:g}s)")
-    if stale_after < interval:
-        raise sc.err("stale_after", f"must be at least scrape.interval ({interval:g}s)")
-    sc.done()
-    scrape = ScrapeConfig(interval=interval, timeout=timeout, stale_after=stale_after)
 
     a = r.section("auth")
     keys: list[ClientKey] = []
@@ -565,9 +518,8 @@ def load(data: Any, source: str | None = None) -> Config:
             raise kr.err(given[0], "the same key is listed twice")
         seen_hash.add(digest)
         kname = kr.str("name", f"key{i}") or f"key{i}"
-        band = kr.str("band")
         kr.done()
-        keys.append(ClientKey(name=kname, sha256=digest, band=band))
+        keys.append(ClientKey(name=kname, sha256=digest))
     a.done()
     auth = AuthConfig(keys=tuple(keys))
 
@@ -577,6 +529,8 @@ def load(data: Any, source: str | None = None) -> Config:
 
     mirror = r.section("mirror")
     mirror_root = mirror.str("root")
+    if mirror_root is not None:
+        mirror_root = os.path.expanduser(mirror_root)
     mirror.done()
 
     r.done()
@@ -588,7 +542,6 @@ def load(data: Any, source: str | None = None) -> Config:
         server=server,
         upstream=upstream,
         retries=retries,
-        scrape=scrape,
         auth=auth,
         access_log=AccessLogConfig(enabled=al),
         mirror_root=mirror_root,

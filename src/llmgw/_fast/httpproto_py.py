@@ -570,9 +570,8 @@ class ResponseReader:
             self._forward.append(b"%s: %s\r\n" % (name, value))
         elif kind == H_CONTENT_LENGTH:
             resp.content_length = int(value)
-        elif kind == H_TRANSFER_ENCODING:
-            if value.lower().rstrip().endswith(b"chunked"):
-                resp.chunked = True
+        elif kind == H_TRANSFER_ENCODING and value.lower().rstrip().endswith(b"chunked"):
+            resp.chunked = True
 
     def on_headers_complete(self) -> None:
         resp = self._resp

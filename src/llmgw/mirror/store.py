@@ -1,0 +1,766 @@
+"""The mirror's content-addressed blob store and its catalogue.
+
+Layout under the mirror root::
+
+    catalogue.sqlite3                    the catalogue (plus -wal and -shm files)
+    blobs/sha256/<2 hex>/<64 hex>        each blob, named by the SHA-256 of its bytes, read-only
+    tmp/<pid>-<random>.partial           copies in progress (never visible as blobs)
+    lock                                 flock: imports share it, gc takes it alone
+
+How a blob gets in (:meth:`MirrorStore.add_blob`), so that an interruption at any
+point (Ctrl-C, ``kill -9``, a full disk, a power cut) leaves no visible partial
+blob and no catalogue row:
+
+1. a temporary file is created in ``tmp/`` with ``O_CREAT|O_EXCL|O_NOFOLLOW``
+   (never an existing file, never through a link), and space for the whole file
+   is reserved, so a full disk fails before the copy rather than near its end;
+2. the source is copied and hashed in one pass (the hash runs in a second thread
+   on the buffer just read, while the main thread writes it);
+3. the source is checked not to have changed during the copy, and the digest
+   against the one expected, if any; the file is made read-only and fsync'd;
+4. it is hard-linked to its final name (which fails, rather than overwrites, if
+   the blob exists: then the existing blob is re-hashed and reused, or replaced
+   atomically if it turns out corrupt), and the blob's directory is fsync'd;
+5. only then does the caller record the model in the catalogue, in one
+   transaction.
+
+Concurrent imports of the same blob each write their own temporary file; the
+first link wins and the others verify and reuse it. ``gc`` takes the lock
+exclusively, so it never removes a blob an import has placed but not yet recorded.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import hashlib
+import logging
+import os
+import re
+import secrets
+import stat
+from collections.abc import Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .catalogue import Catalogue, FileEntry, ModelRecord
+from .errors import (
+    DigestMismatchError,
+    MirrorBusyError,
+    ModelNotFoundError,
+    NoSpaceError,
+    SourceChangedError,
+    SourceError,
+)
+from .progress import NullProgress, Progress
+
+__all__ = [
+    "COPY_CHUNK",
+    "BlobCheck",
+    "BlobResult",
+    "GcReport",
+    "MirrorStore",
+    "default_root",
+    "hash_file",
+    "is_digest",
+]
+
+log = logging.getLogger("llmgw.mirror")
+
+# PERF: 4 MiB chunks measured best on the benchmark (bench/bench_mirror_import.py):
+# large enough that the per-chunk Python overhead and the hand-off to the hash
+# thread vanish, small enough to stay in L2/L3 between the read, hash and write.
+COPY_CHUNK = 4 << 20
+# Below this, a second thread costs more than it saves.
+_PIPELINE_MIN = 3 * COPY_CHUNK
+# Keep this much free beyond the file itself (the catalogue and the file system need room too).
+_SPACE_MARGIN = 16 << 20
+
+_O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+_O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+_O_DIRECTORY = getattr(os, "O_DIRECTORY", 0)
+
+_DIGEST = re.compile(r"sha256:[0-9a-f]{64}")
+_HEX64 = re.compile(r"[0-9a-f]{64}")
+_TEMP = re.compile(r"\d+-[0-9a-f]{16}\.partial")
+
+
+def is_digest(value: str) -> bool:
+    """Return whether ``value`` is ``sha256:`` and 64 lowercase hex digits."""
+    return _DIGEST.fullmatch(value) is not None
+
+
+def default_root(environ: dict[str, str] | None = None) -> Path:
+    """Return the default mirror root.
+
+    ``$LLMGW_MIRROR`` if set, else ``$XDG_DATA_HOME/llmgw/mirror`` (when that is an
+    absolute path, as the XDG spec requires), else ``~/.local/share/llmgw/mirror``.
+
+    Args:
+        environ: the environment to read (``os.environ`` by default).
+
+    Returns:
+        The root, with ``~`` expanded; it may not exist yet.
+    """
+    env = os.environ if environ is None else environ
+    explicit = env.get("LLMGW_MIRROR")
+    if explicit:
+        return Path(explicit).expanduser()
+    xdg = env.get("XDG_DATA_HOME")
+    if xdg and os.path.isabs(xdg):
+        return Path(xdg) / "llmgw" / "mirror"
+    return Path.home() / ".local" / "share" / "llmgw" / "mirror"
+
+
+@dataclass(frozen=True, slots=True)
+class BlobResult:
+    """A blob now in the store.
+
+    Attributes:
+        digest: ``sha256:<hex>``.
+        size: bytes.
+        path: its path in the store.
+        reused: the store already had it (verified); nothing new was written.
+    """
+
+    digest: str
+    size: int
+    path: Path
+    reused: bool
+
+
+@dataclass(frozen=True, slots=True)
+class BlobCheck:
+    """The result of re-hashing one blob (``verify``).
+
+    Attributes:
+        digest: the digest the blob is stored under.
+        size: its recorded size.
+        path: where it should be.
+        status: ``ok``, ``corrupt`` (its bytes hash to something else),
+            ``wrong-size``, or ``missing``.
+        actual: the digest its bytes have, for a corrupt blob.
+        models: the ``name:tag`` of each model that uses it.
+    """
+
+    digest: str
+    size: int
+    path: Path
+    status: str
+    actual: str | None = None
+    models: tuple[str, ...] = ()
+
+    @property
+    def ok(self) -> bool:
+        """Whether the blob is intact."""
+        return self.status == "ok"
+
+    def to_json(self) -> dict[str, Any]:
+        """Return a JSON-friendly dict."""
+        return {
+            "digest": self.digest,
+            "size": self.size,
+            "path": str(self.path),
+            "status": self.status,
+            "actual": self.actual,
+            "models": list(self.models),
+        }
+
+
+@dataclass(slots=True)
+class GcReport:
+    """What ``gc`` removed (or would remove, with ``dry_run``).
+
+    Attributes:
+        blobs: ``(digest, size, path)`` of each blob no model uses.
+        temp_files: ``(path, size)`` of each temporary file left by an interrupted import.
+        dry_run: nothing was removed.
+    """
+
+    blobs: list[tuple[str, int, Path]] = field(default_factory=list)
+    temp_files: list[tuple[Path, int]] = field(default_factory=list)
+    dry_run: bool = False
+
+    @property
+    def reclaimed(self) -> int:
+        """Bytes freed (or that would be)."""
+        return sum(b[1] for b in self.blobs) + sum(t[1] for t in self.temp_files)
+
+    def to_json(self) -> dict[str, Any]:
+        """Return a JSON-friendly dict."""
+        return {
+            "dry_run": self.dry_run,
+            "reclaimed": self.reclaimed,
+            "blobs": [{"digest": d, "size": s, "path": str(p)} for d, s, p in self.blobs],
+            "temp_files": [{"path": str(p), "size": s} for p, s in self.temp_files],
+        }
+
+
+def _write_all(fd: int, view: memoryview) -> None:
+    """Write all of ``view`` to ``fd`` (``os.write`` may write less than asked)."""
+    while view:
+        n = os.write(fd, view)
+        view = view[n:]
+
+
+def _copy_and_hash(src_fd: int, dst_fd: int | None, size: int, progress: Progress) -> tuple[str, int]:
+    """Copy ``src_fd`` to ``dst_fd`` (or only read it, when ``None``) and hash it in one pass.
+
+    Returns:
+        ``(hex digest, bytes read)``.
+    """
+    h = hashlib.sha256()
+    total = 0
+    if size < _PIPELINE_MIN:
+        buf = memoryview(bytearray(min(COPY_CHUNK, max(size, 1 << 16))))
+        while n := os.readv(src_fd, [buf]):
+            chunk = buf[:n]
+            h.update(chunk)
+            if dst_fd is not None:
+                _write_all(dst_fd, chunk)
+            total += n
+            progress.advance(n)
+        return h.hexdigest(), total
+    # PERF: two buffers in turn. The hash thread digests buffer i (hashlib drops
+    # the GIL for large inputs) while this thread writes buffer i and reads into
+    # buffer i^1; buffer i is reused only after its hash has finished, which the
+    # wait on `pending` before each submit guarantees.
+    views = (memoryview(bytearray(COPY_CHUNK)), memoryview(bytearray(COPY_CHUNK)))
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="llmgw-hash") as pool:
+        pending: Future[None] | None = None
+        i = 0
+        try:
+            while n := os.readv(src_fd, [views[i]]):
+                chunk = views[i][:n]
+                if pending is not None:
+                    pending.result()
+                pending = pool.submit(h.update, chunk)
+                if dst_fd is not None:
+                    _write_all(dst_fd, chunk)
+                total += n
+                progress.advance(n)
+                i ^= 1
+        finally:
+            # Never leave the hash thread reading a buffer that is going away.
+            if pending is not None:
+                pending.result()
+    return h.hexdigest(), total
+
+
+def hash_file(path: str | os.PathLike[str], progress: Progress | None = None) -> tuple[str, int]:
+    """Return ``("sha256:<hex>", size)`` of a file, streamed (links are not followed).
+
+    Raises:
+        OSError: the file cannot be read (``ELOOP`` for a symbolic link).
+    """
+    fd = os.open(path, os.O_RDONLY | _O_CLOEXEC | _O_NOFOLLOW)
+    try:
+        size = os.fstat(fd).st_size
+        _advise_sequential(fd)
+        hexdigest, n = _copy_and_hash(fd, None, size, progress or NullProgress())
+    finally:
+        os.close(fd)
+    return "sha256:" + hexdigest, n
+
+
+def _advise_sequential(fd: int) -> None:
+    if hasattr(os, "posix_fadvise"):
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+        except OSError:  # pragma: no cover - advice only
+            pass
+
+
+def _fsync_dir(path: Path) -> None:
+    """fsync a directory so a name just created or removed in it is durable."""
+    fd = os.open(path, os.O_RDONLY | _O_CLOEXEC | _O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    except OSError as exc:  # pragma: no cover - some file systems refuse fsync on directories
+        if exc.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EBADF):
+            raise
+    finally:
+        os.close(fd)
+
+
+def _unlink_quiet(path: Path) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+def _free_bytes(path: Path) -> int:
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize
+
+
+def _human(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024  # type: ignore[assignment]
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+class MirrorStore:
+    """A mirror root: blobs by SHA-256 and the catalogue of models.
+
+    Args:
+        root: the mirror root (see :func:`default_root`).
+        create: create the root and its layout if missing; with ``False`` a
+            missing catalogue raises :class:`~llmgw.mirror.errors.CatalogueError`.
+
+    Raises:
+        CatalogueError: the catalogue is unreadable or from a newer llmgw.
+        OSError: the root cannot be created.
+    """
+
+    def __init__(self, root: str | os.PathLike[str], *, create: bool = True) -> None:
+        self.root = Path(root).expanduser().absolute()
+        self.blobs_dir = self.root / "blobs" / "sha256"
+        self.tmp_dir = self.root / "tmp"
+        self.lock_path = self.root / "lock"
+        self.catalogue_path = self.root / "catalogue.sqlite3"
+        if create:
+            for d in (self.root, self.root / "blobs", self.blobs_dir, self.tmp_dir):
+                self._ensure_dir(d)
+        self.catalogue = Catalogue(self.catalogue_path, self.blob_path, create=create)
+
+    @staticmethod
+    def exists(root: str | os.PathLike[str]) -> bool:
+        """Return whether ``root`` holds a mirror catalogue."""
+        return (Path(root).expanduser() / "catalogue.sqlite3").is_file()
+
+    def close(self) -> None:
+        """Close the catalogue."""
+        self.catalogue.close()
+
+    def __enter__(self) -> MirrorStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- layout ---------------------------------------------------------------
+
+    def blob_path(self, digest: str) -> Path:
+        """Return where the blob ``sha256:<hex>`` lives.
+
+        Raises:
+            ValueError: ``digest`` is not ``sha256:`` and 64 lowercase hex digits.
+        """
+        if not is_digest(digest):
+            raise ValueError(f"not a sha256 digest: {digest!r}")
+        hexdigest = digest[7:]
+        return self.blobs_dir / hexdigest[:2] / hexdigest
+
+    def _ensure_dir(self, path: Path) -> None:
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            try:
+                os.mkdir(path, 0o755)
+            except FileExistsError:
+                pass
+            else:
+                _fsync_dir(path.parent)
+            st = os.lstat(path)
+        # The root itself may be a link (to a bigger disk); the layout inside may not:
+        # renames must stay on one file system and inside the root.
+        if path != self.root and stat.S_ISLNK(st.st_mode):
+            raise SourceError(f"{path} is a symbolic link; the mirror's own directories must be real ones")
+        if not stat.S_ISDIR(os.stat(path).st_mode):
+            raise SourceError(f"{path} is not a directory; move it aside or choose another mirror root (--root)")
+
+    # -- locking --------------------------------------------------------------
+
+    def _open_lock(self) -> int:
+        return os.open(self.lock_path, os.O_RDWR | os.O_CREAT | _O_CLOEXEC | _O_NOFOLLOW, 0o644)
+
+    @contextmanager
+    def importing(self) -> Iterator[None]:
+        """Hold the mirror for an import: shared with other imports, exclusive of ``gc``.
+
+        When no other process holds the mirror, temporary files left by
+        interrupted imports are removed first.
+        """
+        fd = self._open_lock()
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                pass
+            else:
+                self._sweep_temp(dry_run=False)
+            fcntl.flock(fd, fcntl.LOCK_SH)
+            yield
+        finally:
+            os.close(fd)
+
+    @contextmanager
+    def _exclusive(self) -> Iterator[None]:
+        fd = self._open_lock()
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError as exc:
+                raise MirrorBusyError(
+                    f"another llmgw process is importing into {self.root}; run gc again when it has finished"
+                ) from exc
+            yield
+        finally:
+            os.close(fd)
+
+    def _sweep_temp(self, *, dry_run: bool) -> list[tuple[Path, int]]:
+        found = []
+        try:
+            names = os.listdir(self.tmp_dir)
+        except FileNotFoundError:
+            return []
+        for name in names:
+            if not _TEMP.fullmatch(name):
+                continue  # not ours: never delete what we did not create
+            path = self.tmp_dir / name
+            try:
+                size = os.lstat(path).st_size
+                if not dry_run:
+                    os.unlink(path)
+            except FileNotFoundError:
+                continue
+            found.append((path, size))
+        if found and not dry_run:
+            log.debug("removed %d temporary file(s) left by interrupted imports", len(found))
+        return found
+
+    # -- adding blobs ---------------------------------------------------------
+
+    def add_blob(
+        self,
+        source: str | os.PathLike[str],
+        *,
+        expected_digest: str | None = None,
+        progress: Progress | None = None,
+        label: str | None = None,
+    ) -> BlobResult:
+        """Copy a file into the store (see the module docstring for how).
+
+        Call it inside :meth:`importing`. Symbolic links in ``source`` are followed.
+
+        Args:
+            source: the file to copy.
+            expected_digest: ``sha256:<hex>`` the bytes must hash to.
+            progress: where to report progress.
+            label: how progress and messages name the file.
+
+        Returns:
+            The stored blob.
+
+        Raises:
+            SourceError: ``source`` is not a regular file.
+            SourceChangedError: it changed while being copied.
+            DigestMismatchError: its bytes do not hash to ``expected_digest``.
+            NoSpaceError: the mirror's disk is full.
+            OSError: reading or writing failed otherwise.
+        """
+        fd = os.open(source, os.O_RDONLY | _O_CLOEXEC)
+        try:
+            return self.add_blob_fd(
+                fd, expected_digest=expected_digest, progress=progress, label=label or os.fspath(source)
+            )
+        finally:
+            os.close(fd)
+
+    def add_blob_fd(
+        self,
+        src_fd: int,
+        *,
+        expected_digest: str | None = None,
+        progress: Progress | None = None,
+        label: str = "file",
+    ) -> BlobResult:
+        """Copy the file open at ``src_fd`` into the store. See :meth:`add_blob`."""
+        progress = progress or NullProgress()
+        st0 = os.fstat(src_fd)
+        if not stat.S_ISREG(st0.st_mode):
+            raise SourceError(f"{label} is not a regular file")
+        size = st0.st_size
+        if expected_digest is not None:
+            if not is_digest(expected_digest):
+                raise ValueError(f"not a sha256 digest: {expected_digest!r}")
+            # Already stored? Re-hashing our copy is cheaper than copying again.
+            final = self.blob_path(expected_digest)
+            if self._existing_is_good(final, expected_digest, size, progress, label):
+                return BlobResult(expected_digest, size, final, reused=True)
+
+        free = _free_bytes(self.tmp_dir)
+        if free < size + _SPACE_MARGIN:
+            raise NoSpaceError(
+                f"not enough space in {self.root} for {label}: it needs {_human(size)} and"
+                f" {_human(free)} is free; free some space (llmgw mirror gc removes unused blobs) or use"
+                " another mirror root (--root)",
+            )
+        tmp_path, dst_fd = self._create_temp()
+        try:
+            try:
+                digest = self._copy_into(src_fd, dst_fd, st0, size, expected_digest, progress, label)
+            finally:
+                os.close(dst_fd)
+            reused = self._place(tmp_path, digest, size, progress, label)
+        except OSError as exc:
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT) and not isinstance(exc, NoSpaceError):
+                raise NoSpaceError(
+                    f"the disk holding {self.root} filled up while copying {label}; nothing was recorded."
+                    " Free some space (llmgw mirror gc removes unused blobs) and run the import again",
+                ) from exc
+            raise
+        finally:
+            _unlink_quiet(tmp_path)
+        return BlobResult(digest, size, self.blob_path(digest), reused=reused)
+
+    def _create_temp(self) -> tuple[Path, int]:
+        # SECURITY: O_EXCL|O_NOFOLLOW: never open an existing file or follow a link
+        # planted under our temporary name.
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_NOFOLLOW | _O_CLOEXEC
+        while True:
+            path = self.tmp_dir / f"{os.getpid()}-{secrets.token_hex(8)}.partial"
+            try:
+                return path, os.open(path, flags, 0o600)
+            except FileExistsError:  # pragma: no cover - 64 random bits
+                continue
+
+    def _copy_into(
+        self,
+        src_fd: int,
+        dst_fd: int,
+        st0: os.stat_result,
+        size: int,
+        expected_digest: str | None,
+        progress: Progress,
+        label: str,
+    ) -> str:
+        """Copy, hash, check and fsync; return the digest."""
+        if size and hasattr(os, "posix_fallocate"):
+            try:
+                os.posix_fallocate(dst_fd, 0, size)
+            except OSError as exc:
+                if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+                    raise
+                # EINVAL/EOPNOTSUPP: the file system cannot reserve space; copy anyway.
+        _advise_sequential(src_fd)
+        progress.start(label, size)
+        try:
+            hexdigest, copied = _copy_and_hash(src_fd, dst_fd, size, progress)
+        finally:
+            progress.finish()
+        st1 = os.fstat(src_fd)
+        if copied != size or st1.st_size != size or st1.st_mtime_ns != st0.st_mtime_ns:
+            raise SourceChangedError(
+                f"{label} changed while it was copied ({size} bytes before, {copied} read, {st1.st_size} after);"
+                " nothing was recorded. Run the import again once nothing is writing to it"
+            )
+        digest = "sha256:" + hexdigest
+        if expected_digest is not None and digest != expected_digest:
+            raise DigestMismatchError(
+                f"{label} is corrupt: its bytes hash to {digest}, not {expected_digest}; nothing was recorded."
+                " Fetch the file again (for Ollama: ollama pull the model) and retry"
+            )
+        os.fchmod(dst_fd, 0o444)
+        os.fsync(dst_fd)
+        return digest
+
+    def _place(self, tmp_path: Path, digest: str, size: int, progress: Progress, label: str) -> bool:
+        """Give the finished temporary file its blob name; return whether an existing blob was reused."""
+        final = self.blob_path(digest)
+        self._ensure_dir(final.parent)
+        reused = False
+        try:
+            # link, not rename: it fails instead of replacing a blob that exists.
+            os.link(tmp_path, final)
+        except FileExistsError:
+            if self._existing_is_good(final, digest, size, progress, label):
+                reused = True
+            else:
+                log.warning("blob %s was corrupt; replaced it with the verified copy of %s", digest, label)
+                os.replace(tmp_path, final)
+        except OSError as exc:
+            if exc.errno not in (errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EMLINK, errno.ENOSYS):
+                raise
+            # A file system without hard links: rename. Whatever it replaces has
+            # the same digest, so nothing of value can be lost.
+            os.replace(tmp_path, final)
+        _fsync_dir(final.parent)
+        return reused
+
+    def _existing_is_good(self, final: Path, digest: str, size: int, progress: Progress, label: str) -> bool:
+        """Return whether a blob exists at ``final`` with the right size and digest."""
+        try:
+            st = os.lstat(final)
+        except FileNotFoundError:
+            return False
+        if not stat.S_ISREG(st.st_mode) or st.st_size != size:
+            return False
+        progress.start(f"verifying stored copy of {label}", size)
+        try:
+            actual, _ = hash_file(final, progress)
+        finally:
+            progress.finish()
+        return actual == digest
+
+    # -- models ---------------------------------------------------------------
+
+    def record_model(
+        self,
+        name: str,
+        tag: str,
+        files: Sequence[FileEntry],
+        *,
+        source_kind: str,
+        source: str,
+        info: dict[str, Any] | None = None,
+    ) -> tuple[ModelRecord, bool]:
+        """Record a model whose blobs are all in place, in one transaction.
+
+        Returns:
+            The record and whether it was created (``False``: it was already there, identical).
+
+        Raises:
+            ModelExistsError: ``name:tag`` exists with different files.
+            SourceError: a blob is not in the store (a bug in the caller).
+        """
+        for f in files:
+            path = self.blob_path(f.digest)
+            try:
+                st = os.stat(path)
+            except FileNotFoundError as exc:
+                raise SourceError(f"blob {f.digest} is not in the store; import it first") from exc
+            if st.st_size != f.size:
+                raise SourceError(f"blob {f.digest} in the store has {st.st_size} bytes, not {f.size}")
+        return self.catalogue.add(name, tag, files, source_kind=source_kind, source=source, info=info or {})
+
+    def get_model(self, name: str, tag: str) -> ModelRecord:
+        """Return the model ``name:tag``.
+
+        Raises:
+            ModelNotFoundError: there is none.
+        """
+        record = self.catalogue.get(name, tag)
+        if record is None:
+            raise ModelNotFoundError(f"no model {name}:{tag} in the mirror; see the names with llmgw mirror ls")
+        return record
+
+    def list_models(self) -> list[ModelRecord]:
+        """Return every model, sorted by name and tag."""
+        return self.catalogue.models()
+
+    def remove_model(self, name: str, tag: str) -> ModelRecord:
+        """Remove a model from the catalogue; its blobs stay until :meth:`gc`.
+
+        Raises:
+            ModelNotFoundError: there is none.
+        """
+        return self.catalogue.remove(name, tag)
+
+    def unused_bytes(self) -> int:
+        """Return the bytes of blobs on disk that no model uses (what ``gc`` would free)."""
+        used = self.catalogue.referenced_digests()
+        return sum(size for digest, size, _ in self._blobs_on_disk() if digest not in used)
+
+    # -- verify and gc --------------------------------------------------------
+
+    def verify(self, models: Sequence[ModelRecord] | None = None, progress: Progress | None = None) -> list[BlobCheck]:
+        """Re-hash the blobs of ``models`` (all models by default).
+
+        Returns:
+            One :class:`BlobCheck` per distinct blob, in digest order.
+        """
+        progress = progress or NullProgress()
+        users = self.catalogue.blob_users()
+        if models is None:
+            sizes = self.catalogue.blob_sizes()
+        else:
+            sizes = {f.digest: f.size for m in models for f in m.files}
+        checks: list[BlobCheck] = []
+        with self.importing():  # keeps gc out while we read
+            for digest in sorted(sizes):
+                size = sizes[digest]
+                path = self.blob_path(digest)
+                who = tuple(users.get(digest, ()))
+                try:
+                    st = os.lstat(path)
+                except FileNotFoundError:
+                    checks.append(BlobCheck(digest, size, path, "missing", models=who))
+                    continue
+                if not stat.S_ISREG(st.st_mode) or st.st_size != size:
+                    checks.append(BlobCheck(digest, size, path, "wrong-size", models=who))
+                    continue
+                progress.start(f"verifying {digest[7:19]}", size)
+                try:
+                    actual, _ = hash_file(path, progress)
+                finally:
+                    progress.finish()
+                status = "ok" if actual == digest else "corrupt"
+                checks.append(BlobCheck(digest, size, path, status, None if status == "ok" else actual, who))
+        good = [c.digest for c in checks if c.ok]
+        if good:
+            self.catalogue.mark_verified(good)
+        for c in checks:
+            if not c.ok:
+                log.warning("blob %s is %s (used by %s)", c.digest, c.status, ", ".join(c.models) or "no model")
+        return checks
+
+    def _blobs_on_disk(self) -> Iterator[tuple[str, int, Path]]:
+        try:
+            shards = sorted(os.listdir(self.blobs_dir))
+        except FileNotFoundError:
+            return
+        for shard in shards:
+            if len(shard) != 2:
+                continue
+            shard_dir = self.blobs_dir / shard
+            try:
+                names = sorted(os.listdir(shard_dir))
+            except (NotADirectoryError, FileNotFoundError):
+                continue
+            for name in names:
+                if not _HEX64.fullmatch(name) or name[:2] != shard:
+                    continue  # not a blob of ours: leave it alone
+                path = shard_dir / name
+                try:
+                    st = os.lstat(path)
+                except FileNotFoundError:
+                    continue
+                if stat.S_ISREG(st.st_mode):
+                    yield "sha256:" + name, st.st_size, path
+
+    def gc(self, *, dry_run: bool = False) -> GcReport:
+        """Remove blobs no model uses and temporary files of interrupted imports.
+
+        Args:
+            dry_run: only report what would be removed.
+
+        Returns:
+            What was (or would be) removed.
+
+        Raises:
+            MirrorBusyError: an import is running (not raised with ``dry_run``).
+        """
+        report = GcReport(dry_run=dry_run)
+        if dry_run:
+            used = self.catalogue.referenced_digests()
+            report.blobs = [b for b in self._blobs_on_disk() if b[0] not in used]
+            report.temp_files = self._sweep_temp(dry_run=True)
+            return report
+        with self._exclusive():
+            used = self.catalogue.referenced_digests()
+            report.blobs = [b for b in self._blobs_on_disk() if b[0] not in used]
+            for _, _, path in report.blobs:
+                _unlink_quiet(path)
+            for parent in {p.parent for _, _, p in report.blobs}:
+                _fsync_dir(parent)
+            report.temp_files = self._sweep_temp(dry_run=False)
+            self.catalogue.forget_blobs([d for d, _, _ in report.blobs])
+        return report
