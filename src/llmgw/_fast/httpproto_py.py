@@ -48,6 +48,12 @@ DEFAULT_MAX_HEAD_BYTES = 16 * 1024
 DEFAULT_MAX_HEADERS = 100
 DEFAULT_MAX_BODY = 16 * 1024 * 1024
 
+# NOTE: llhttp accepts any Content-Length that fits 64 unsigned bits, but the
+# compiled twin stores it in a Py_ssize_t; both twins clamp to this, so a
+# 2**64-1 length is "too large" (413 / an endless upstream body) in both rather
+# than an OverflowError in one of them.
+_MAX_CONTENT_LENGTH = 2**63 - 1
+
 # Header kinds. A header llmgw reads is classified once, on arrival.
 H_OTHER = 0  # forwarded untouched
 H_HOP = 1  # hop-by-hop: consumed here, never forwarded (RFC 9110 §7.6.1)
@@ -300,6 +306,7 @@ class RequestReader:
         self._body: list[bytes] = []
         self._body_size = 0
         self._dead = False
+        self._ends = 0
 
     @property
     def in_message(self) -> bool:
@@ -319,6 +326,8 @@ class RequestReader:
         """
         if self._dead:
             raise BadRequestError("connection is closing after a malformed request", close=True)
+        mid_message = self._req is not None
+        ends = self._ends
         try:
             self._parser.feed_data(data)
         except httptools.HttpParserUpgrade:
@@ -333,9 +342,17 @@ class RequestReader:
             raise BadRequestError(f"malformed HTTP request: {exc}", close=True) from exc
         if self._in_head:
             # httptools accumulates a header that has not ended yet without limit,
-            # so an unfinished head is bounded here by the bytes fed into it
-            # (an overestimate by at most the part of this chunk before it began).
-            self._head_fed += len(data)
+            # so an unfinished head is bounded here by the bytes fed into it.
+            if self._head_fed >= 0:
+                self._head_fed += len(data)
+            elif mid_message or self._ends != ends:
+                # NOTE: the head began after other requests' bytes in this chunk
+                # (pipelining, or a body's tail): counting the whole chunk gave a
+                # false 431. Count what is known; an unfinished header can then
+                # outgrow the limit by at most this one chunk until the next feed.
+                self._head_fed = self._head_bytes
+            else:
+                self._head_fed = len(data)
             if self._head_fed > self.max_head_bytes:
                 self._dead = True
                 raise HeadersTooLargeError("request head is too large", close=True)
@@ -347,7 +364,7 @@ class RequestReader:
         self._req = req
         self._in_head = True
         self._head_bytes = 0
-        self._head_fed = 0
+        self._head_fed = -1  # the head began during the current feed
         self._url_parts = []
         self._forward = []
         self._body = []
@@ -403,8 +420,8 @@ class RequestReader:
                 req.content_type = value
                 self._forward.append(b"%s: %s\r\n" % (name, value))
         elif kind == H_CONTENT_LENGTH:
-            # llhttp has validated the digits and rejected conflicting duplicates.
-            req.content_length = int(value)
+            # llhttp has validated the digits and rejected duplicates.
+            req.content_length = min(int(value), _MAX_CONTENT_LENGTH)
 
     def on_headers_complete(self) -> None:
         req = self._req
@@ -414,7 +431,17 @@ class RequestReader:
         req.method = parser.get_method()
         parts = self._url_parts
         req.target = parts[0] if len(parts) == 1 else b"".join(parts)
-        req.version = parser.get_http_version().encode()
+        version = parser.get_http_version()
+        if version != "1.1" and version != "1.0":
+            # SECURITY: llhttp lets "HTTP/2.0" and a version-less (0.9) line
+            # through; neither is a message this HTTP/1.1 server can frame.
+            raise BadRequestError(f"unsupported HTTP version {version}", close=True)
+        if parser.should_upgrade():
+            # llhttp would call on_message_complete for an upgrade (or CONNECT)
+            # before stopping, so the request would reach the app and be
+            # answered; reject it here, before it is delivered.
+            raise BadRequestError("protocol upgrade is not supported", close=True)
+        req.version = version.encode()
         req.keep_alive = parser.should_keep_alive()
         req.forward = b"".join(self._forward)
         if req.content_length > self.max_body:
@@ -439,6 +466,7 @@ class RequestReader:
         self._req = None
         self._in_head = False
         self._head_bytes = 0
+        self._ends += 1
         self._on_request(req)
 
 

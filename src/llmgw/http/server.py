@@ -360,11 +360,13 @@ class HTTPProtocol(asyncio.Protocol):
             self._arm(3, self._limits.body_timeout)
 
     def eof_received(self) -> bool | None:
-        """Called when the client half-closes; answer what was read, then close."""
-        if self._current is None and not self._pipeline:
-            return None  # close now
-        self._closing = True
-        return True  # keep the transport open to write the answers
+        """Called when the client half-closes: treated as gone, as uvicorn does.
+
+        NOTE: HTTP clients do not half-close while waiting for an answer; a proxy
+        that aborts a request closes its side, and that must cancel the work (an
+        engine frees the slot), so the transport closes and ``connection_lost`` runs.
+        """
+        return None
 
     def pause_writing(self) -> None:
         """Called when the transport's write buffer passes its high-water mark."""

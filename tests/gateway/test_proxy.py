@@ -1,0 +1,447 @@
+"""The gateway's data path over real sockets: routing, retries, streaming, cuts, errors.
+
+The upstreams here are small programmable engines on llmgw's own HTTP core, so
+each failure can be produced exactly when a test needs it (a reset before the
+head, a cut after two events, a hang).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import socket
+from collections.abc import AsyncIterator
+from typing import Any
+
+import orjson
+import pytest
+
+from llmgw.config import load
+from llmgw.gateway.app import GatewayRuntime
+from llmgw.http.server import HTTPServer
+
+
+class FakeEngine:
+    """An OpenAI-ish engine whose behaviour each test sets (``mode``)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.mode = "ok"
+        self.seen: list[dict[str, Any]] = []
+        self.active = 0
+        self.cancelled = 0
+        self.server: HTTPServer | None = None
+        self.port = 0
+
+    async def start(self) -> None:
+        self.server = HTTPServer(self, name=self.name)
+        _, self.port = await self.server.listen("127.0.0.1", 0)
+
+    async def stop(self) -> None:
+        assert self.server is not None
+        await self.server.close(1.0)
+
+    def handle(self, req: Any, w: Any) -> Any:
+        body = orjson.loads(req.body) if req.body else {}
+        self.seen.append(
+            {
+                "path": req.target,
+                "body": req.body,
+                "auth": req.authorization,
+                "rid": req.request_id,
+                "headers": dict((k.lower(), v) for k, v in req.headers),
+            }
+        )
+        mode = self.mode
+        if mode == "reset":
+            w.abort()
+            return None
+        if mode == "503":
+            w.send(503, b'{"error":{"message":"overloaded","type":"unavailable_error","code":503}}')
+            return None
+        if mode == "401":
+            w.send(401, b'{"error":{"message":"Invalid API Key","type":"authentication_error","code":401}}')
+            return None
+        if mode == "vllm401":
+            w.send(401, b'{"error": "Unauthorized"}')
+            return None
+        if mode == "hang":
+            return self._hang(w)
+        if body.get("stream"):
+            return self._stream(w, mode)
+        if mode == "cut_body":
+            w.start(200, [(b"content-type", b"application/json")], 1000)
+            w.write(b'{"partial": ')
+            w.abort()
+            return None
+        w.send_json(200, {"object": "chat.completion", "model": body.get("model"), "served_by": self.name})
+        return None
+
+    async def _hang(self, w: Any) -> None:
+        self.active += 1
+        try:
+            await asyncio.sleep(3600)
+        except asyncio.CancelledError:
+            self.cancelled += 1
+            raise
+        finally:
+            self.active -= 1
+
+    async def _stream(self, w: Any, mode: str) -> None:
+        self.active += 1
+        try:
+            w.start(200, [(b"content-type", b"text/event-stream")])
+            n = 50 if mode == "slow_stream" else 3
+            for i in range(n):
+                w.write(b'data: {"choices":[{"delta":{"content":"t%d"}}]}\n\n' % i)
+                await asyncio.sleep(0.05 if mode == "slow_stream" else 0.001)
+                if mode == "cut_stream" and i == 1:
+                    w.abort()
+                    return
+                if mode == "split_events" and i == 1:
+                    w.write(b'data: {"choices":[{"delta":')  # half an event, then death
+                    await asyncio.sleep(0.01)
+                    w.abort()
+                    return
+            w.write(b"data: [DONE]\n\n")
+            w.end()
+        except asyncio.CancelledError:
+            self.cancelled += 1
+            raise
+        finally:
+            self.active -= 1
+
+
+@contextlib.asynccontextmanager
+async def gateway(engines: list[FakeEngine], **extra: Any) -> AsyncIterator[GatewayRuntime]:
+    for e in engines:
+        await e.start()
+    cfg = load(
+        {
+            "listen": "127.0.0.1:0",
+            "admin": "127.0.0.1:0",
+            "endpoints": [
+                {"id": e.name, "url": f"http://127.0.0.1:{e.port}", "model": "m", "api_key": f"key-{e.name}"}
+                for e in engines
+            ],
+            "models": {"m": {"aliases": ["m-alias"]}},
+            "upstream": {"first_byte_timeout": "1s", "read_timeout": "1s", "connect_timeout": "500ms"},
+            **extra,
+        }
+    )
+    rt = GatewayRuntime(cfg)
+    await rt.start()
+    try:
+        yield rt
+    finally:
+        await rt.stop()
+        for e in engines:
+            await e.stop()
+
+
+async def request(
+    port: int, body: bytes, path: bytes = b"/v1/chat/completions", headers: bytes = b"", method: bytes = b"POST"
+) -> tuple[int, dict[bytes, bytes], bytes]:
+    """One request on a fresh connection; returns (status, headers, de-chunked body)."""
+    r, w = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        w.write(
+            b"%s %s HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: %d\r\n%s\r\n%s"
+            % (method, path, len(body), headers, body)
+        )
+        head = await asyncio.wait_for(r.readuntil(b"\r\n\r\n"), 5)
+        lines = head.decode().split("\r\n")
+        status = int(lines[0].split()[1])
+        hdrs = {}
+        for line in lines[1:]:
+            if line:
+                k, v = line.split(":", 1)
+                hdrs[k.strip().lower().encode()] = v.strip().encode()
+        if b"content-length" in hdrs:
+            data = await asyncio.wait_for(r.readexactly(int(hdrs[b"content-length"])), 5)
+        else:
+            data = b""
+            while True:
+                size_line = await asyncio.wait_for(r.readline(), 5)
+                if not size_line:
+                    break  # connection closed without the last chunk
+                size = int(size_line.strip(), 16)
+                if size == 0:
+                    await r.readline()
+                    break
+                data += await r.readexactly(size)
+                await r.readexactly(2)
+        return status, hdrs, data
+    finally:
+        w.close()
+
+
+def chat(stream: bool = False, model: str = "m") -> bytes:
+    return orjson.dumps({"model": model, "messages": [{"role": "user", "content": "hi"}], "stream": stream})
+
+
+def port_of(rt: GatewayRuntime) -> int:
+    assert rt.listen_addr is not None
+    return rt.listen_addr[1]
+
+
+def inflight_zero(rt: GatewayRuntime) -> bool:
+    assert rt.registry is not None
+    return all(ep.inflight == 0 for ep in rt.registry.endpoints.values())
+
+
+async def test_proxies_and_rewrites_credentials() -> None:
+    a = FakeEngine("a")
+    async with gateway([a]) as rt:
+        status, hdrs, body = await request(
+            port_of(rt), chat(), headers=b"authorization: Bearer client-secret\r\nx-request-id: abc-123\r\nx-custom: 1\r\n"
+        )
+        assert status == 200
+        assert orjson.loads(body)["served_by"] == "a"
+        assert hdrs[b"x-request-id"] == b"abc-123"
+        assert hdrs[b"x-llmgw-replica"] == b"a"
+        seen = a.seen[-1]
+        assert seen["auth"] == b"Bearer key-a"  # the replica's key, never the client's
+        assert b"client-secret" not in b"".join(k + v for k, v in seen["headers"].items())
+        assert seen["rid"] == b"abc-123"
+        assert seen["headers"][b"x-custom"] == b"1"
+        assert seen["body"] == chat()  # byte for byte
+        assert inflight_zero(rt)
+
+
+async def test_alias_is_rewritten_and_request_id_generated() -> None:
+    a = FakeEngine("a")
+    async with gateway([a]) as rt:
+        status, hdrs, body = await request(port_of(rt), chat(model="m-alias"))
+        assert status == 200
+        assert orjson.loads(a.seen[-1]["body"])["model"] == "m"
+        assert hdrs[b"x-request-id"] == a.seen[-1]["rid"]
+
+
+async def test_models_list() -> None:
+    async with gateway([FakeEngine("a")]) as rt:
+        status, _, body = await request(port_of(rt), b"", path=b"/v1/models", method=b"GET")
+        assert status == 200
+        data = orjson.loads(body)
+        assert data["object"] == "list"
+        assert {c["id"] for c in data["data"]} == {"m", "m-alias"}
+        status, _, body = await request(port_of(rt), b"", path=b"/v1/models/m", method=b"GET")
+        assert status == 200 and orjson.loads(body)["id"] == "m"
+        status, _, body = await request(port_of(rt), b"", path=b"/v1/models/zz", method=b"GET")
+        assert status == 404 and orjson.loads(body)["error"]["code"] == "model_not_found"
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "code"),
+    [
+        (b"{not json", 400, "invalid_json"),
+        (b"[1,2]", 400, "invalid_json"),
+        (b'{"messages": []}', 400, "missing_model"),
+        (b'{"model": 7}', 400, "missing_model"),
+        (b'{"model": "nope"}', 404, "model_not_found"),
+    ],
+)
+async def test_client_errors_are_openai_shaped(body: bytes, status: int, code: str) -> None:
+    async with gateway([FakeEngine("a")]) as rt:
+        got, _, data = await request(port_of(rt), body)
+        assert got == status
+        err = orjson.loads(data)["error"]
+        assert err["code"] == code
+        assert isinstance(err["message"], str) and err["message"]
+        assert set(err) == {"message", "type", "param", "code"}
+
+
+async def test_unknown_route_and_method() -> None:
+    async with gateway([FakeEngine("a")]) as rt:
+        status, _, data = await request(port_of(rt), b"", path=b"/nope", method=b"GET")
+        assert status == 404 and orjson.loads(data)["error"]["code"] == "not_found"
+        status, _, data = await request(port_of(rt), b"", path=b"/v1/chat/completions", method=b"GET")
+        assert status == 405
+
+
+async def test_client_auth() -> None:
+    a = FakeEngine("a")
+    digest = hashlib.sha256(b"other").hexdigest()
+    async with gateway([a], auth={"api_keys": [{"name": "t", "key": "good-key"}, {"key_sha256": digest}]}) as rt:
+        p = port_of(rt)
+        status, _, data = await request(p, chat())
+        assert status == 401 and orjson.loads(data)["error"]["code"] == "missing_api_key"
+        status, _, data = await request(p, chat(), headers=b"authorization: Bearer wrong-key\r\n")
+        assert status == 401 and orjson.loads(data)["error"]["code"] == "invalid_api_key"
+        assert b"wrong-key" not in data
+        status, _, _ = await request(p, chat(), headers=b"authorization: Bearer good-key\r\n")
+        assert status == 200
+        status, _, _ = await request(p, chat(), headers=b"x-api-key: other\r\n")
+        assert status == 200
+        assert a.seen[-1]["auth"] == b"Bearer key-a"
+
+
+@pytest.mark.parametrize("mode", ["reset", "503", "cut_body"])
+async def test_failure_before_first_byte_is_retried_on_another_replica(mode: str) -> None:
+    bad, good = FakeEngine("bad"), FakeEngine("good")
+    async with gateway([bad, good]) as rt:
+        bad.mode = mode
+        for _ in range(6):
+            status, hdrs, body = await request(port_of(rt), chat())
+            assert status == 200, body
+            assert hdrs[b"x-llmgw-replica"] == b"good"
+        assert bad.seen, "the failing replica was never tried"
+        assert inflight_zero(rt)
+
+
+async def test_connect_refused_is_retried() -> None:
+    good = FakeEngine("good")
+    await good.start()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        dead_port = s.getsockname()[1]
+    cfg = load(
+        {
+            "listen": "127.0.0.1:0",
+            "admin": "127.0.0.1:0",
+            "endpoints": [
+                {"id": "dead", "url": f"http://127.0.0.1:{dead_port}", "model": "m"},
+                {"id": "good", "url": f"http://127.0.0.1:{good.port}", "model": "m"},
+            ],
+        }
+    )
+    rt = GatewayRuntime(cfg)
+    await rt.start()
+    try:
+        for _ in range(5):
+            status, hdrs, _ = await request(port_of(rt), chat())
+            assert status == 200 and hdrs[b"x-llmgw-replica"] == b"good"
+    finally:
+        await rt.stop()
+        await good.stop()
+
+
+async def test_all_replicas_failing_gives_a_clear_error() -> None:
+    a, b = FakeEngine("a"), FakeEngine("b")
+    async with gateway([a, b]) as rt:
+        a.mode = b.mode = "503"
+        status, hdrs, data = await request(port_of(rt), chat())
+        assert status == 503
+        assert hdrs[b"retry-after"] == b"1"
+        err = orjson.loads(data)["error"]
+        assert err["code"] == "service_unavailable"
+        assert "overloaded" in err["message"]
+        assert len(a.seen) + len(b.seen) == 2  # one try plus one retry, no more
+
+
+async def test_retries_disabled() -> None:
+    a, b = FakeEngine("a"), FakeEngine("b")
+    async with gateway([a, b], retries={"attempts": 0}) as rt:
+        a.mode = b.mode = "reset"
+        status, _, data = await request(port_of(rt), chat())
+        assert status == 502
+        assert orjson.loads(data)["error"]["code"] == "bad_gateway"
+        assert len(a.seen) + len(b.seen) == 1
+
+
+@pytest.mark.parametrize(("mode", "status", "code"), [("401", 401, "invalid_api_key"), ("vllm401", 401, "invalid_api_key")])
+async def test_engine_errors_are_normalised(mode: str, status: int, code: str) -> None:
+    a = FakeEngine("a")
+    async with gateway([a]) as rt:
+        a.mode = mode
+        got, _, data = await request(port_of(rt), chat())
+        assert got == status
+        err = orjson.loads(data)["error"]
+        assert err["code"] == code and isinstance(err["code"], str)
+        assert err["message"] in ("Invalid API Key", "Unauthorized")
+
+
+async def test_streaming_relays_events() -> None:
+    a = FakeEngine("a")
+    async with gateway([a]) as rt:
+        status, hdrs, data = await request(port_of(rt), chat(stream=True))
+        assert status == 200
+        assert hdrs[b"content-type"] == b"text/event-stream"
+        events = [e for e in data.split(b"\n\n") if e]
+        assert events[-1] == b"data: [DONE]"
+        assert len(events) == 4
+
+
+@pytest.mark.parametrize("mode", ["cut_stream", "split_events"])
+async def test_stream_cut_by_engine_ends_with_an_error_event(mode: str) -> None:
+    a, b = FakeEngine("a"), FakeEngine("b")
+    async with gateway([a, b]) as rt:
+        a.mode = b.mode = mode
+        status, _, data = await request(port_of(rt), chat(stream=True))
+        assert status == 200
+        events = [e for e in data.split(b"\n\n") if e]
+        assert events[-1].startswith(b"data: {\"error\"")
+        err = orjson.loads(events[-1][6:])["error"]
+        assert err["code"] == "upstream_disconnected"
+        assert b"[DONE]" not in data and b"finish_reason" not in data
+        # whole events only: every event but the error is a complete data line
+        assert all(e.startswith(b"data: {\"choices\"") and e.endswith(b"}}]}") for e in events[:-1])
+        assert len(a.seen) + len(b.seen) == 1  # never retried after the first byte
+        assert inflight_zero(rt)
+
+
+async def test_first_byte_timeout_is_504_and_not_retried() -> None:
+    a, b = FakeEngine("a"), FakeEngine("b")
+    async with gateway([a, b]) as rt:
+        a.mode = b.mode = "hang"
+        status, _, data = await request(port_of(rt), chat())
+        assert status == 504
+        assert orjson.loads(data)["error"]["code"] == "gateway_timeout"
+        assert len(a.seen) + len(b.seen) == 1
+        for _ in range(100):
+            if a.active == b.active == 0:
+                break
+            await asyncio.sleep(0.02)
+        assert a.active == b.active == 0, "the upstream request was not aborted"
+        assert inflight_zero(rt)
+
+
+async def test_client_disconnect_mid_stream_aborts_upstream() -> None:
+    a = FakeEngine("a")
+    async with gateway([a]) as rt:
+        a.mode = "slow_stream"
+        body = chat(stream=True)
+        r, w = await asyncio.open_connection("127.0.0.1", port_of(rt))
+        w.write(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body))
+        await asyncio.wait_for(r.readuntil(b"t1"), 5)
+        assert a.active == 1
+        assert rt.registry is not None and rt.registry.endpoints["a"].inflight == 1
+        w.close()
+        for _ in range(100):
+            if a.active == 0 and inflight_zero(rt):
+                break
+            await asyncio.sleep(0.01)
+        assert a.active == 0 and a.cancelled == 1, "upstream not aborted after the client left"
+        assert inflight_zero(rt)
+        assert rt.registry.endpoints["a"].pool.open_connections == 0
+
+
+async def test_keepalive_upstream_connections_are_reused() -> None:
+    a = FakeEngine("a")
+    async with gateway([a]) as rt:
+        for _ in range(10):
+            status, _, _ = await request(port_of(rt), chat())
+            assert status == 200
+        assert rt.registry is not None
+        pool = rt.registry.endpoints["a"].pool
+        assert pool.open_connections == 1
+
+
+async def test_admin_health_ready_metrics() -> None:
+    a = FakeEngine("a")
+    async with gateway([a]) as rt:
+        assert rt.admin_addr is not None
+        ap = rt.admin_addr[1]
+        status, _, data = await request(ap, b"", path=b"/health", method=b"GET")
+        assert status == 200 and orjson.loads(data) == {"status": "ok"}
+        status, _, data = await request(ap, b"", path=b"/ready", method=b"GET")
+        assert status == 200 and orjson.loads(data)["ready"] is True
+        status, _, data = await request(ap, b"", path=b"/metrics", method=b"GET")
+        assert status == 200
+        assert b'llmgw_endpoint_inflight{pool="",replica="a"} 0.0' in data
+        # never scraped: absent, not 0
+        assert b"llmgw_endpoint_waiting{" not in data
+        # the admin port is not the client port
+        status, _, _ = await request(port_of(rt), b"", path=b"/metrics", method=b"GET")
+        assert status == 404
