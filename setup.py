@@ -52,7 +52,11 @@ DIRECTIVES = {
 class BuildExt(build_ext):
     """``build_ext`` that turns a compiler failure into an actionable error."""
 
+    force_all = False  # set when the build mode changed since the last build
+
     def run(self) -> None:
+        if self.force_all:
+            self.force = True
         try:
             super().run()
         except Exception as exc:
@@ -98,12 +102,22 @@ def extensions() -> list[Extension]:
         for pyx in sorted(FAST.glob("*.pyx"))
         if not ONLY or pyx.stem in ONLY
     ]
+    # Directives and macros are not part of Cython's or setuptools' up-to-date
+    # checks: a build mode switch (debug <-> release) must regenerate and recompile.
+    stamp = ROOT / "build" / "llmgw-build-mode"
+    mode = f"debug={DEBUG}"
+    force = not stamp.exists() or stamp.read_text() != mode
+    if force:
+        stamp.parent.mkdir(parents=True, exist_ok=True)
+        stamp.write_text(mode)
+        BuildExt.force_all = True
     return cythonize(
         exts,
         compiler_directives=DIRECTIVES,
         annotate=ANNOTATE,
         nthreads=0,
         quiet=True,
+        force=force,
         include_path=[str(FAST.parent.parent.relative_to(ROOT))],
     )
 

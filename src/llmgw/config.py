@@ -23,6 +23,7 @@ from urllib.parse import urlsplit
 import yaml
 
 from .engines import ENGINE_NAMES
+from .engines import get as get_engine
 from .errors import ConfigError
 
 __all__ = [
@@ -33,6 +34,7 @@ __all__ = [
     "EndpointConfig",
     "ModelConfig",
     "RetryConfig",
+    "ScrapeConfig",
     "ServerConfig",
     "UpstreamConfig",
     "find_config",
@@ -55,6 +57,7 @@ _SIZE_UNITS = {
 _ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _MODEL = re.compile(r"^[^\s\x00-\x1f]{1,256}$")
 _ENV = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_METRIC = re.compile(r"^[a-zA-Z_:][a-zA-Z0-9_:]*$")
 _HEADER = re.compile(r"^[A-Za-z0-9!#$%&'*+.^_`|~-]+$")
 
 
@@ -116,6 +119,8 @@ class EndpointConfig:
     engine: str = "vllm"
     pool: str | None = None
     api_key: str | None = field(default=None, repr=False)
+    metrics_path: str = "/metrics"
+    metric_names: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     draining: bool = False
     # derived
     scheme: str = "http"
@@ -175,6 +180,16 @@ class RetryConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class ScrapeConfig:
+    """Engine telemetry polling (``scrape:`` section)."""
+
+    interval: float = 1.0
+    timeout: float = 0.8
+    stale_after: float = 3.0
+    default_engine: str = "vllm"
+
+
+@dataclass(frozen=True, slots=True)
 class ClientKey:
     """A client API key, kept only as its SHA-256."""
 
@@ -211,6 +226,7 @@ class Config:
     server: ServerConfig = field(default_factory=ServerConfig)
     upstream: UpstreamConfig = field(default_factory=UpstreamConfig)
     retries: RetryConfig = field(default_factory=RetryConfig)
+    scrape: ScrapeConfig = field(default_factory=ScrapeConfig)
     auth: AuthConfig = field(default_factory=AuthConfig)
     access_log: AccessLogConfig = field(default_factory=AccessLogConfig)
     mirror_root: str | None = None
@@ -262,7 +278,7 @@ class _Reader:
         self.used.add(name)
         return self.data.get(name, default)
 
-    def str(self, name: str, default: str | None = None, *, required: bool = False) -> str | None:
+    def text(self, name: str, default: str | None = None, *, required: bool = False) -> str | None:
         self.used.add(name)
         if name not in self.data or self.data[name] is None:
             if required:
@@ -273,14 +289,14 @@ class _Reader:
             raise self.err(name, f"expected a string, got {type(v).__name__}")
         return str(v)
 
-    def bool(self, name: str, default: bool) -> bool:
+    def flag(self, name: str, default: bool) -> bool:
         self.used.add(name)
         v = self.data.get(name, default)
         if not isinstance(v, bool):
             raise self.err(name, f"expected true or false, got {v!r}")
         return v
 
-    def int(self, name: str, default: int, *, lo: int | None = None, hi: int | None = None) -> int:
+    def integer(self, name: str, default: int, *, lo: int | None = None, hi: int | None = None) -> int:
         self.used.add(name)
         v = self.data.get(name, default)
         if isinstance(v, bool) or not isinstance(v, int):
@@ -291,7 +307,7 @@ class _Reader:
             raise self.err(name, f"must be at most {hi}, got {v}")
         return v
 
-    def float(self, name: str, default: float, *, lo: float | None = None, hi: float | None = None) -> float:
+    def number(self, name: str, default: float, *, lo: float | None = None, hi: float | None = None) -> float:
         self.used.add(name)
         v = self.data.get(name, default)
         if isinstance(v, bool) or not isinstance(v, (int, float)):
@@ -335,7 +351,7 @@ class _Reader:
         if self.has(name) and self.has(env_name):
             raise self.err(env_name, f"give either {name} or {env_name}, not both")
         if self.has(env_name):
-            var = self.str(env_name)
+            var = self.text(env_name)
             if not var or not _ENV.match(var):
                 raise self.err(env_name, f"expected an environment variable name, got {var!r}")
             value = os.environ.get(var)
@@ -344,7 +360,7 @@ class _Reader:
             if not value:
                 raise self.err(env_name, f"environment variable {var} is empty")
             return value
-        value = self.str(name)
+        value = self.text(name)
         if value is not None and not value:
             raise self.err(name, "is empty")
         return value
@@ -358,12 +374,12 @@ class _Reader:
             raise self.err(str(k), f"unknown key{tip}")
 
 
-def _endpoint(r: _Reader, index: int) -> EndpointConfig:
-    ep_id = r.str("id", required=True)
+def _endpoint(r: _Reader, index: int, default_engine: str) -> EndpointConfig:
+    ep_id = r.text("id", required=True)
     assert ep_id is not None
     if not _ID.match(ep_id):
         raise r.err("id", "use letters, digits, '.', '_' or '-' (at most 128), starting with a letter or digit")
-    url = r.str("url", required=True)
+    url = r.text("url", required=True)
     assert url is not None
     parts = urlsplit(url)
     if parts.scheme not in ("http", "https") or not parts.hostname:
@@ -384,7 +400,7 @@ def _endpoint(r: _Reader, index: int) -> EndpointConfig:
             raise r.err("models", "expected a non-empty list of model names")
         models = tuple(raw)
     else:
-        m = r.str("model", required=True)
+        m = r.text("model", required=True)
         assert m is not None
         models = (m,)
     for m in models:
@@ -392,13 +408,27 @@ def _endpoint(r: _Reader, index: int) -> EndpointConfig:
             raise r.err("model", f"invalid model name {m!r}")
     if len(set(models)) != len(models):
         raise r.err("models", "lists a model twice")
-    engine = r.str("engine", "vllm")
+    engine = r.text("engine", default_engine)
     assert engine is not None
     if engine not in ENGINE_NAMES:
         raise r.err("engine", f"unknown engine {engine!r}; choose one of {', '.join(ENGINE_NAMES)}")
     api_key = r.secret("api_key", "api_key_env")
-    pool = r.str("pool")
-    draining = r.bool("draining", False)
+    pool = r.text("pool")
+    metrics_path = r.text("metrics_path")
+    if metrics_path is not None and not metrics_path.startswith("/"):
+        raise r.err("metrics_path", f"must start with '/', got {metrics_path!r}")
+    names: dict[str, tuple[str, ...]] = {}
+    mn = r.section("metric_names")
+    for sig in ("waiting", "running", "kv_cache_usage"):
+        if mn.has(sig):
+            v = mn.raw(sig)
+            if isinstance(v, str):
+                v = [v]
+            if not isinstance(v, list) or not v or not all(isinstance(x, str) and _METRIC.match(x) for x in v):
+                raise mn.err(sig, "expected a metric name or a list of them (letters, digits, '_' and ':')")
+            names[sig] = tuple(v)
+    mn.done()
+    draining = r.flag("draining", False)
     r.done()
     return EndpointConfig(
         id=ep_id,
@@ -407,6 +437,8 @@ def _endpoint(r: _Reader, index: int) -> EndpointConfig:
         engine=engine,
         pool=pool,
         api_key=api_key,
+        metrics_path=metrics_path or get_engine(engine).metrics_path,
+        metric_names=names,
         draining=draining,
         scheme=parts.scheme,
         host=parts.hostname,
@@ -422,8 +454,23 @@ def load(data: Any, source: str | None = None) -> Config:
         ConfigError: the first problem found, naming its key.
     """
     r = _Reader(data, "", source)
-    listen = parse_hostport(r.str("listen", "127.0.0.1:8080"), "listen")
-    admin = parse_hostport(r.str("admin", "127.0.0.1:9090"), "admin")
+    listen = parse_hostport(r.text("listen", "127.0.0.1:8080"), "listen")
+    admin = parse_hostport(r.text("admin", "127.0.0.1:9090"), "admin")
+
+    sc = r.section("scrape")
+    interval = sc.duration("interval", 1.0, min_s=0.05)
+    timeout = sc.duration("timeout", min(0.8, interval * 0.8), min_s=0.01)
+    stale_after = sc.duration("stale_after", max(3.0, interval * 3), min_s=0.05)
+    if timeout >= interval:
+        raise sc.err("timeout", f"must be shorter than scrape.interval ({interval:g}s)")
+    if stale_after < interval:
+        raise sc.err("stale_after", f"must be at least scrape.interval ({interval:g}s)")
+    default_engine = sc.text("default_engine", "vllm")
+    assert default_engine is not None
+    if default_engine not in ENGINE_NAMES:
+        raise sc.err("default_engine", f"unknown engine {default_engine!r}; choose one of {', '.join(ENGINE_NAMES)}")
+    sc.done()
+    scrape = ScrapeConfig(interval=interval, timeout=timeout, stale_after=stale_after, default_engine=default_engine)
 
     eps_raw = r.raw("endpoints", [])
     if eps_raw is None:
@@ -433,7 +480,7 @@ def load(data: Any, source: str | None = None) -> Config:
     endpoints = []
     seen_ids: dict[str, int] = {}
     for i, item in enumerate(eps_raw):
-        ep = _endpoint(_Reader(item, f"endpoints[{i}]", source), i)
+        ep = _endpoint(_Reader(item, f"endpoints[{i}]", source), i, default_engine)
         if ep.id in seen_ids:
             raise ConfigError(
                 f"endpoints[{i}].id", f"duplicate id {ep.id!r} (also endpoints[{seen_ids[ep.id]}])", source=source
@@ -463,7 +510,7 @@ def load(data: Any, source: str | None = None) -> Config:
             if a in alias_owner:
                 raise sec.err("aliases", f"{a!r} is already an alias of {alias_owner[a]!r}")
             alias_owner[a] = name
-        upstream_name = sec.str("upstream_name")
+        upstream_name = sec.text("upstream_name")
         sec.done()
         models[name] = ModelConfig(name=name, aliases=tuple(aliases_raw), upstream_name=upstream_name)
 
@@ -471,11 +518,11 @@ def load(data: Any, source: str | None = None) -> Config:
     server = ServerConfig(
         max_body_size=s.size("max_body_size", 16 * 1024 * 1024, lo=1024),
         max_header_bytes=s.size("max_header_bytes", 16 * 1024, lo=1024),
-        max_headers=s.int("max_headers", 100, lo=8, hi=10_000),
+        max_headers=s.integer("max_headers", 100, lo=8, hi=10_000),
         header_timeout=s.duration("header_timeout", 10.0, min_s=0.01),
         body_timeout=s.duration("body_timeout", 60.0, min_s=0.01),
         keepalive_timeout=s.duration("keepalive_timeout", 75.0, min_s=0.01),
-        max_connections=s.int("max_connections", 10_000, lo=1),
+        max_connections=s.integer("max_connections", 10_000, lo=1),
         shutdown_timeout=s.duration("shutdown_timeout", 10.0),
     )
     s.done()
@@ -485,13 +532,13 @@ def load(data: Any, source: str | None = None) -> Config:
         connect_timeout=u.duration("connect_timeout", 2.0, min_s=0.001),
         first_byte_timeout=u.duration("first_byte_timeout", 120.0, min_s=0.001),
         read_timeout=u.duration("read_timeout", 300.0, min_s=0.001),
-        max_idle_connections=u.int("max_idle_connections", 64, lo=0),
+        max_idle_connections=u.integer("max_idle_connections", 64, lo=0),
         idle_timeout=u.duration("idle_timeout", 30.0, min_s=0.01),
     )
     u.done()
 
     rt = r.section("retries")
-    retries = RetryConfig(attempts=rt.int("attempts", 1, lo=0, hi=10))
+    retries = RetryConfig(attempts=rt.integer("attempts", 1, lo=0, hi=10))
     rt.done()
 
     a = r.section("auth")
@@ -506,7 +553,7 @@ def load(data: Any, source: str | None = None) -> Config:
         if len(given) != 1:
             raise kr.err("key", "give exactly one of key, key_env or key_sha256")
         if given[0] == "key_sha256":
-            hexd = kr.str("key_sha256") or ""
+            hexd = kr.text("key_sha256") or ""
             if not re.fullmatch(r"[0-9a-fA-F]{64}", hexd):
                 raise kr.err("key_sha256", "expected 64 hex digits (sha256sum of the key)")
             digest = bytes.fromhex(hexd)
@@ -517,7 +564,7 @@ def load(data: Any, source: str | None = None) -> Config:
         if digest in seen_hash:
             raise kr.err(given[0], "the same key is listed twice")
         seen_hash.add(digest)
-        kname = kr.str("name", f"key{i}") or f"key{i}"
+        kname = kr.text("name", f"key{i}") or f"key{i}"
         kr.done()
         keys.append(ClientKey(name=kname, sha256=digest))
     a.done()
@@ -528,7 +575,7 @@ def load(data: Any, source: str | None = None) -> Config:
         raise r.err("access_log", f"expected true or false, got {al!r}")
 
     mirror = r.section("mirror")
-    mirror_root = mirror.str("root")
+    mirror_root = mirror.text("root")
     if mirror_root is not None:
         mirror_root = os.path.expanduser(mirror_root)
     mirror.done()
@@ -542,6 +589,7 @@ def load(data: Any, source: str | None = None) -> Config:
         server=server,
         upstream=upstream,
         retries=retries,
+        scrape=scrape,
         auth=auth,
         access_log=AccessLogConfig(enabled=al),
         mirror_root=mirror_root,

@@ -43,6 +43,14 @@ class FakeEngine:
         await self.server.close(1.0)
 
     def handle(self, req: Any, w: Any) -> Any:
+        if req.path == b"/metrics":
+            w.send(
+                200,
+                b"vllm:num_requests_waiting{model_name=\"m\"} 0\nvllm:num_requests_running{model_name=\"m\"} %d\n"
+                b"vllm:kv_cache_usage_perc{model_name=\"m\"} 0.1\n" % self.active,
+                ((b"content-type", b"text/plain; version=0.0.4"),),
+            )
+            return None
         body = orjson.loads(req.body) if req.body else {}
         self.seen.append(
             {

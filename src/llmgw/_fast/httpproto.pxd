@@ -34,12 +34,13 @@ cdef class RequestReader:
     cdef Request _req
     cdef bint _in_head
     cdef Py_ssize_t _head_bytes       # exact: request line + header lines seen
-    cdef Py_ssize_t _head_fed         # bytes fed while the head is open
+    cdef Py_ssize_t _head_fed         # bytes fed while the head is open; -1: it began this feed
     cdef list _url_parts
     cdef list _forward
     cdef list _body
     cdef Py_ssize_t _body_size
     cdef bint _dead
+    cdef Py_ssize_t _ends             # requests completed so far (to tell where a head began)
 
 
 cdef class Response:
@@ -66,3 +67,4 @@ cdef class ResponseReader:
     cdef Py_ssize_t _head_bytes
     cdef Py_ssize_t _head_fed
     cdef bint _in_head
+    cdef bint _interim                # the open response is a 1xx, dropped

@@ -18,6 +18,9 @@ DEFAULT_MAX_HEAD_BYTES = 16 * 1024
 DEFAULT_MAX_HEADERS = 100
 DEFAULT_MAX_BODY = 16 * 1024 * 1024
 
+# Content-Length is clamped to this in both twins (see the twin).
+cdef object _MAX_CONTENT_LENGTH = 2**63 - 1
+
 cdef enum HeaderKind:
     H_OTHER = 0
     H_HOP = 1
@@ -238,6 +241,7 @@ cdef class RequestReader:
         self._body = []
         self._body_size = 0
         self._dead = False
+        self._ends = 0
 
     @property
     def in_message(self):
@@ -253,6 +257,8 @@ cdef class RequestReader:
         """Parse ``data``; complete requests go to ``on_request`` as they finish."""
         if self._dead:
             raise BadRequestError("connection is closing after a malformed request", close=True)
+        cdef bint mid_message = self._req is not None
+        cdef Py_ssize_t ends = self._ends
         try:
             self._parser.feed_data(data)
         except HttpParserUpgrade:
@@ -265,7 +271,13 @@ cdef class RequestReader:
                 raise cause from None
             raise BadRequestError(f"malformed HTTP request: {exc}", close=True) from exc
         if self._in_head:
-            self._head_fed += len(data)
+            if self._head_fed >= 0:
+                self._head_fed += len(data)
+            elif mid_message or self._ends != ends:
+                # The head began after other requests' bytes in this chunk.
+                self._head_fed = self._head_bytes
+            else:
+                self._head_fed = len(data)
             if self._head_fed > self.max_head_bytes:
                 self._dead = True
                 raise HeadersTooLargeError("request head is too large", close=True)
@@ -274,7 +286,7 @@ cdef class RequestReader:
         self._req = Request.__new__(Request)
         self._in_head = True
         self._head_bytes = 0
-        self._head_fed = 0
+        self._head_fed = -1
         self._url_parts = []
         self._forward = []
         self._body = []
@@ -331,7 +343,7 @@ cdef class RequestReader:
                 req.content_type = value
                 self._forward.append(_header_line(name, value))
         elif kind == H_CONTENT_LENGTH:
-            req.content_length = int(value)
+            req.content_length = min(int(value), _MAX_CONTENT_LENGTH)
 
     def on_headers_complete(self):
         cdef Request req = self._req
@@ -340,7 +352,12 @@ cdef class RequestReader:
         req.method = parser.get_method()
         parts = self._url_parts
         req.target = parts[0] if len(parts) == 1 else b"".join(parts)
-        req.version = parser.get_http_version().encode()
+        version = parser.get_http_version()
+        if version != "1.1" and version != "1.0":
+            raise BadRequestError(f"unsupported HTTP version {version}", close=True)
+        if parser.should_upgrade():
+            raise BadRequestError("protocol upgrade is not supported", close=True)
+        req.version = version.encode()
         req.keep_alive = parser.should_keep_alive()
         req.forward = b"".join(self._forward)
         if req.content_length > self.max_body:
@@ -364,6 +381,7 @@ cdef class RequestReader:
         self._req = None
         self._in_head = False
         self._head_bytes = 0
+        self._ends += 1
         self._on_request(req)
 
 
@@ -408,6 +426,7 @@ cdef class ResponseReader:
         self._head_bytes = 0
         self._head_fed = 0
         self._in_head = False
+        self._interim = False
 
     @property
     def in_message(self):
@@ -418,6 +437,8 @@ cdef class ResponseReader:
         """Parse ``data``; the sink hears about heads, body bytes and ends."""
         try:
             self._parser.feed_data(data)
+        except HttpParserUpgrade:
+            raise ValueError("malformed upstream response: unexpected protocol switch") from None
         except HttpParserError as exc:
             cause = exc.__context__
             if cause is not None and not isinstance(cause, ValueError):
@@ -463,7 +484,7 @@ cdef class ResponseReader:
                 resp.event_stream = value[:17].lower() == b"text/event-stream"
             self._forward.append(_header_line(name, value))
         elif kind == H_CONTENT_LENGTH:
-            resp.content_length = int(value)
+            resp.content_length = min(int(value), _MAX_CONTENT_LENGTH)
         elif kind == H_TRANSFER_ENCODING:
             if value.lower().rstrip().endswith(b"chunked"):
                 resp.chunked = True
@@ -472,6 +493,11 @@ cdef class ResponseReader:
         cdef Response resp = self._resp
         self._in_head = False
         resp.status = self._parser.get_status_code()
+        if resp.status < 200:
+            if resp.status == 101:
+                raise ValueError("the replica switched protocols (101), which llmgw never asks for")
+            self._interim = True  # 1xx: dropped (see the twin)
+            return
         resp.keep_alive = self._parser.should_keep_alive()
         resp.forward = b"".join(self._forward)
         if resp.chunked:
@@ -484,4 +510,7 @@ cdef class ResponseReader:
     def on_message_complete(self):
         self._resp = None
         self._head_bytes = 0
+        if self._interim:
+            self._interim = False
+            return
         self._on_end()

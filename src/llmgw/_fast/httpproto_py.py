@@ -532,6 +532,7 @@ class ResponseReader:
         self._head_bytes = 0
         self._head_fed = 0
         self._in_head = False
+        self._interim = False
 
     @property
     def in_message(self) -> bool:
@@ -546,6 +547,10 @@ class ResponseReader:
         """
         try:
             self._parser.feed_data(data)
+        except httptools.HttpParserUpgrade:
+            # Unreachable while on_headers_complete rejects 101; kept so that
+            # httptools' own exception never reaches the client's protocol.
+            raise ValueError("malformed upstream response: unexpected protocol switch") from None
         except httptools.HttpParserError as exc:
             cause = exc.__context__
             if cause is not None and not isinstance(cause, ValueError):
@@ -597,7 +602,7 @@ class ResponseReader:
                 resp.event_stream = value[:17].lower() == b"text/event-stream"
             self._forward.append(b"%s: %s\r\n" % (name, value))
         elif kind == H_CONTENT_LENGTH:
-            resp.content_length = int(value)
+            resp.content_length = min(int(value), _MAX_CONTENT_LENGTH)
         elif kind == H_TRANSFER_ENCODING and value.lower().rstrip().endswith(b"chunked"):
             resp.chunked = True
 
@@ -606,6 +611,14 @@ class ResponseReader:
         assert resp is not None
         self._in_head = False
         resp.status = self._parser.get_status_code()
+        if resp.status < 200:
+            if resp.status == 101:
+                raise ValueError("the replica switched protocols (101), which llmgw never asks for")
+            # NOTE: an interim response (100 Continue, 103 Early Hints) precedes
+            # the real one on the same exchange (RFC 9110 §15.2); passing it on
+            # as the answer would end the exchange early. It is dropped.
+            self._interim = True
+            return
         resp.keep_alive = self._parser.should_keep_alive()
         resp.forward = b"".join(self._forward)
         if resp.chunked:
@@ -618,4 +631,7 @@ class ResponseReader:
     def on_message_complete(self) -> None:
         self._resp = None
         self._head_bytes = 0
+        if self._interim:
+            self._interim = False
+            return
         self._on_end()

@@ -155,10 +155,8 @@ _MESSAGES = (
 
 _AGG_SUM, _AGG_MAX, _AGG_MEAN = 0, 1, 2
 
-_TYPES = frozenset(
-    (b"counter", b"gauge", b"histogram", b"summary", b"untyped")
-    + (b"unknown", b"gaugehistogram", b"stateset", b"info")
-)
+_TYPES = frozenset((b"counter", b"gauge", b"histogram", b"summary", b"untyped"))
+_TYPES |= {b"unknown", b"gaugehistogram", b"stateset", b"info"}  # OpenMetrics
 
 _NAME = re.compile(rb"[a-zA-Z_:][a-zA-Z0-9_:]*")
 _LABEL_NAME = re.compile(rb"[a-zA-Z_][a-zA-Z0-9_]*")
@@ -181,7 +179,17 @@ _SPECIAL = {
 _VALID_NAME = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*")
 _VALID_LABEL = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]*")
 
-_SP, _TAB, _CR, _HASH, _EQ, _DQUOTE, _COMMA, _LBRACE, _RBRACE, _BSLASH = b" \t\r#=\",{}\\"
+_SP, _TAB, _CR, _HASH, _EQ, _DQUOTE, _COMMA, _LBRACE, _RBRACE, _BSLASH = b' \t\r#=",{}\\'
+
+
+def _skip_ws(line: bytes, k: int, end: int) -> int:
+    """Index of the first byte at or after ``k`` that is not a space or tab."""
+    return _WS.match(line, k, end).end()  # type: ignore[union-attr]  # [ \t]* always matches
+
+
+def _token_end(line: bytes, k: int, end: int) -> int:
+    """Index of the first space or tab at or after ``k`` (or ``end``)."""
+    return _TOKEN.match(line, k, end).end()  # type: ignore[union-attr]  # [^ \t]* always matches
 
 
 class ScanResult(NamedTuple):
@@ -330,7 +338,9 @@ class Mapping:
         return dict(self._select)
 
     def __repr__(self) -> str:
-        parts = ", ".join(f"{s}={n!r}/{a}" for s, n, a in zip(self.signals, self.names, self.aggregates))
+        parts = ", ".join(
+            f"{s}={n!r}/{a}" for s, n, a in zip(self.signals, self.names, self.aggregates, strict=True)
+        )
         return f"Mapping({parts}, model_label={self.model_label!r}, select={self._select!r})"
 
     def scan(self, page: bytes, model: str | None = None, *, strict: bool = False) -> ScanResult:
@@ -428,7 +438,7 @@ def _classify(line: bytes, after_eof: bool, unterminated: bool) -> tuple[int, in
         raise _Bad(_E_LINE_TOO_LONG)
     if end and line[end - 1] == _CR:
         end -= 1
-    start = _WS.match(line, 0, end).end()
+    start = _skip_ws(line, 0, end)
     if start == end:
         return _BLANK, start, start, end
     if line[start] == _HASH:
@@ -452,11 +462,11 @@ def _comment(line: bytes, k: int, end: int) -> bool:
     k += 1
     if k == end or (line[k] != _SP and line[k] != _TAB):
         return False
-    k = _WS.match(line, k, end).end()
-    j = _TOKEN.match(line, k, end).end()
+    k = _skip_ws(line, k, end)
+    j = _token_end(line, k, end)
     keyword = line[k:j]
     if keyword == b"HELP" or keyword == b"TYPE" or keyword == b"UNIT":
-        k = _WS.match(line, j, end).end()
+        k = _skip_ws(line, j, end)
         m = _NAME.match(line, k, end)
         if m is None:
             raise _Bad(_E_DESC_NAME)
@@ -465,10 +475,10 @@ def _comment(line: bytes, k: int, end: int) -> bool:
             raise _Bad(_E_DESC_NAME)
         if keyword == b"HELP":
             return False  # the rest is the docstring, not checked
-        k = _WS.match(line, k, end).end()
-        j = _TOKEN.match(line, k, end).end()
+        k = _skip_ws(line, k, end)
+        j = _token_end(line, k, end)
         token = line[k:j]
-        k = _WS.match(line, j, end).end()
+        k = _skip_ws(line, j, end)
         if keyword == b"TYPE":
             if token not in _TYPES or k < end:
                 raise _Bad(_E_TYPE)
@@ -476,7 +486,7 @@ def _comment(line: bytes, k: int, end: int) -> bool:
             raise _Bad(_E_UNIT)
         return False
     if keyword == b"EOF":
-        if _WS.match(line, j, end).end() < end:
+        if _skip_ws(line, j, end) < end:
             raise _Bad(_E_EOF_LINE)
         return True
     return False
@@ -512,25 +522,25 @@ def _sample(
     Returns:
         (value, whether the sample passes ``filters``).
     """
-    j = _WS.match(line, k, end).end()
+    j = _skip_ws(line, k, end)
     if j == end:
         raise _Bad(_E_NO_VALUE)
     passes = True
     if line[j] == _LBRACE:
         j, passes, _ = _label_set(line, j, end, filters, labels)
-        j = _WS.match(line, j, end).end()
+        j = _skip_ws(line, j, end)
         if j == end:
             raise _Bad(_E_NO_VALUE)
-    t = _TOKEN.match(line, j, end).end()
+    t = _token_end(line, j, end)
     value = _float_kind(line, j, t)
     if value is None:
         raise _Bad(_E_VALUE)
-    j = _WS.match(line, t, end).end()
+    j = _skip_ws(line, t, end)
     if j < end and line[j] != _HASH:
-        t = _TOKEN.match(line, j, end).end()
+        t = _token_end(line, j, end)
         if not _finite(line, j, t):
             raise _Bad(_E_TIMESTAMP)
-        j = _WS.match(line, t, end).end()
+        j = _skip_ws(line, t, end)
         if j < end and line[j] != _HASH:
             raise _Bad(_E_TRAILING)
     if j < end:
@@ -543,7 +553,7 @@ def _exemplar(line: bytes, j: int, end: int) -> None:
     j += 1
     if j == end or (line[j] != _SP and line[j] != _TAB):
         raise _Bad(_E_EXEMPLAR)
-    j = _WS.match(line, j, end).end()
+    j = _skip_ws(line, j, end)
     if j == end or line[j] != _LBRACE:
         raise _Bad(_E_EXEMPLAR)
     j, _, chars = _label_set(line, j, end, None, None)
@@ -551,16 +561,16 @@ def _exemplar(line: bytes, j: int, end: int) -> None:
         raise _Bad(_E_EXEMPLAR_TOO_LONG)
     if j == end or (line[j] != _SP and line[j] != _TAB):
         raise _Bad(_E_EXEMPLAR)
-    j = _WS.match(line, j, end).end()
-    t = _TOKEN.match(line, j, end).end()
+    j = _skip_ws(line, j, end)
+    t = _token_end(line, j, end)
     if _float_kind(line, j, t) is None:
         raise _Bad(_E_EXEMPLAR)
-    j = _WS.match(line, t, end).end()
+    j = _skip_ws(line, t, end)
     if j < end:
-        t = _TOKEN.match(line, j, end).end()
+        t = _token_end(line, j, end)
         if not _finite(line, j, t):
             raise _Bad(_E_EXEMPLAR)
-        if _WS.match(line, t, end).end() < end:
+        if _skip_ws(line, t, end) < end:
             raise _Bad(_E_TRAILING)
 
 
@@ -582,7 +592,7 @@ def _label_set(
     passes = True
     chars = 0
     while True:
-        j = _WS.match(line, j, end).end()
+        j = _skip_ws(line, j, end)
         if j == end:
             raise _Bad(_E_LABELS_UNTERMINATED)
         if line[j] == _RBRACE:
@@ -598,17 +608,17 @@ def _label_set(
         if len(seen) == MAX_LABELS:
             raise _Bad(_E_TOO_MANY_LABELS)
         seen.append(name)
-        j = _WS.match(line, m.end(), end).end()
+        j = _skip_ws(line, m.end(), end)
         if j == end or line[j] != _EQ:
             raise _Bad(_E_LABEL_EQ)
-        j = _WS.match(line, j + 1, end).end()
+        j = _skip_ws(line, j + 1, end)
         if j == end or line[j] != _DQUOTE:
             raise _Bad(_E_LABEL_QUOTE)
         j += 1
         start = j
         escaped = False
         while True:
-            j = _PLAIN.match(line, j, end).end()
+            j = _PLAIN.match(line, j, end).end()  # type: ignore[union-attr]
             if j == end:
                 raise _Bad(_E_LABEL_VALUE_UNTERMINATED)
             if line[j] == _DQUOTE:
@@ -634,7 +644,7 @@ def _label_set(
         if labels is not None:
             labels[name.decode("ascii")] = value.decode("utf-8")
         chars += len(name) + (len(value) if value.isascii() else len(value.decode("utf-8")))
-        j = _WS.match(line, j, end).end()
+        j = _skip_ws(line, j, end)
         if j == end:
             raise _Bad(_E_LABELS_UNTERMINATED)
         c = line[j]
@@ -691,7 +701,7 @@ def _scan(page: bytes, mapping: Mapping, filters: dict[bytes, bytes] | None, str
                 count[w] += 1
     values: list[float | None] = []
     found: list[str | None] = []
-    for (lo, hi), agg in zip(mapping._ranges, mapping._aggs):
+    for (lo, hi), agg in zip(mapping._ranges, mapping._aggs, strict=True):
         for w in range(lo, hi):
             if count[w]:
                 if agg == _AGG_SUM:

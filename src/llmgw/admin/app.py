@@ -1,85 +1,327 @@
-"""The admin listener: health, readiness and Prometheus metrics.
+"""The admin listener: health, readiness, metrics, profiling and the management API.
 
-Served on its own port, never on the client port, so the client port can be
-exposed without exposing operations.
+Served on its own port (loopback by default), never on the client port, so the
+client port can be exposed without exposing operations.
+
+=================================  ======  ==========================================
+route                              token   what
+=================================  ======  ==========================================
+``GET /health``                    no      the process is up
+``GET /ready``                     no      config loaded, listeners bound, every model
+                                           has a usable replica (503 + which not)
+``GET /metrics``                   no      Prometheus text or OpenMetrics (``Accept``)
+``/admin/v1/...``                  yes     the management API (:mod:`.manage`)
+``GET /debug/pprof/profile``       yes     CPU profile for ``seconds`` (speedscope,
+                                           collapsed or pstats)
+``GET /debug/pprof/tasks``         yes     every asyncio task and its await chain
+``GET /debug/pprof/threads``       yes     every thread's stack
+``GET /debug/pprof/heap``          yes     tracemalloc: top allocation sites
+=================================  ======  ==========================================
+
+"token": when ``admin_token`` is configured those routes need
+``Authorization: Bearer <admin_token>``; probes and scrapers stay open.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import gzip
+import hashlib
+import hmac
+import ipaddress
+import time
+from collections.abc import Awaitable
 from typing import TYPE_CHECKING, Any
+from urllib.parse import parse_qs
 
+import orjson
 from prometheus_client import CollectorRegistry, GCCollector, PlatformCollector, ProcessCollector
 from prometheus_client.exposition import choose_encoder
-from prometheus_client.metrics_core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from ..errors import NotFoundError
+from ..errors import BadRequestError, ConfigError, HTTPError, NotFoundError, UnauthorizedError
 from ..http.parser import Request
 from ..http.server import ResponseWriter
+from ..log import admin_logger as log
+from .manage import ManagementAPI, conflict, method_not_allowed
+from .metrics import FleetCollector, LoopLagMonitor, PrometheusObserver, RuntimeCollector
+from .profiling import (
+    DEFAULT_HZ,
+    MAX_HZ,
+    MAX_SECONDS,
+    ProfileBusyError,
+    Profiler,
+    format_heap,
+    format_tasks,
+    heap_report,
+    task_dump,
+    thread_dump,
+)
 
 if TYPE_CHECKING:
     from ..gateway.app import GatewayRuntime
 
-__all__ = ["AdminApp", "FleetCollector"]
+__all__ = ["AdminApp", "FleetCollector", "PrometheusObserver"]
+
+_TEXT = ((b"content-type", b"text/plain; charset=utf-8"),)
+_GZIP_MIN = 4096  # smaller pages are not worth compressing
 
 
-class FleetCollector(Collector):
-    """Live state read from the registry at scrape time.
+def _query(req: Request) -> dict[str, str]:
+    target = req.target
+    q = target.find(b"?")
+    if q < 0:
+        return {}
+    parsed = parse_qs(target[q + 1:].decode("latin-1"), keep_blank_values=True)
+    return {k: v[-1] for k, v in parsed.items()}
 
-    A signal that is absent for a replica (never scraped, or its engine does not
-    report it) is omitted for that replica, never exported as 0.
-    """
 
-    def __init__(self, runtime: GatewayRuntime) -> None:
-        self.runtime = runtime
+def _number(q: dict[str, str], name: str, default: float, lo: float, hi: float) -> float:
+    raw = q.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        v = float(raw)
+    except ValueError:
+        raise BadRequestError(f"{name} must be a number, got {raw[:50]!r}", param=name) from None
+    if not lo <= v <= hi or v != v:
+        raise BadRequestError(f"{name} must be between {lo:g} and {hi:g}, got {raw[:50]}", param=name)
+    return v
 
-    def collect(self) -> Iterator[Metric]:
-        reg = self.runtime.registry
-        labels = ["replica", "pool"]
-        inflight = GaugeMetricFamily("llmgw_endpoint_inflight", "Requests this router has in flight to the replica.", labels=labels)
-        waiting = GaugeMetricFamily("llmgw_endpoint_waiting", "Requests waiting in the replica's queue, as last scraped.", labels=labels)
-        running = GaugeMetricFamily("llmgw_endpoint_running", "Requests the replica is running, as last scraped.", labels=labels)
-        kv = GaugeMetricFamily("llmgw_endpoint_kv_cache_usage", "KV-cache usage of the replica (0..1), as last scraped.", labels=labels)
-        draining = GaugeMetricFamily("llmgw_endpoint_draining", "1 when the replica takes no new requests.", labels=labels)
-        for ep in reg.endpoints.values():
-            lv = [ep.id, ep.cfg.pool or ""]
-            inflight.add_metric(lv, ep.inflight)
-            draining.add_metric(lv, 1.0 if ep.draining else 0.0)
-            if ep.waiting is not None:
-                waiting.add_metric(lv, ep.waiting)
-            if ep.running is not None:
-                running.add_metric(lv, ep.running)
-            if ep.kv_cache_usage is not None:
-                kv.add_metric(lv, ep.kv_cache_usage)
-        yield from (inflight, waiting, running, kv, draining)
+
+def _flag(q: dict[str, str], name: str) -> bool:
+    return q.get(name, "0").lower() in ("1", "true", "yes", "")
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 class AdminApp:
-    """Routes of the admin port."""
+    """The admin port's app (see the module docstring for the routes).
 
-    def __init__(self, runtime: GatewayRuntime) -> None:
+    Args:
+        runtime: the running gateway, read at request time (so reloads show).
+        observer: where the data path reports; one is made when not given. Wire
+            it into the gateway with ``gateway.set_observer(admin.observer)``.
+    """
+
+    def __init__(self, runtime: GatewayRuntime, observer: PrometheusObserver | None = None) -> None:
         self.runtime = runtime
+        self.observer = observer if observer is not None else PrometheusObserver()
+        self.reloads: dict[str, int] = {"ok": 0, "failed": 0}
         self.metrics = CollectorRegistry(auto_describe=False)
         ProcessCollector(registry=self.metrics)
         PlatformCollector(registry=self.metrics)
         GCCollector(registry=self.metrics)
+        self.metrics.register(self.observer)
         self.metrics.register(FleetCollector(runtime))
+        self.lag: LoopLagMonitor | None = LoopLagMonitor(stopped=self._closing)
+        try:
+            self.lag.start()
+        except RuntimeError:  # built outside a running loop (a unit test): no lag measurement
+            self.lag = None
+        self.metrics.register(RuntimeCollector(runtime, self.lag, self.reloads))
+        self.api = ManagementAPI(runtime, self)
+        self.profiler = Profiler()
+        self._token_src: str | None = None
+        self._token_digest: bytes | None = None
+        host = runtime.config.admin[0]
+        if not _is_loopback(host) and not getattr(runtime.config, "admin_token", None):
+            log.warning(
+                "the admin listener is bound to %s without admin_token: anyone who can reach it can drain "
+                "replicas and read profiles; set admin_token (or admin_token_env) or bind it to 127.0.0.1",
+                host,
+            )
+
+    def _closing(self) -> bool:
+        srv = getattr(self.runtime, "admin_server", None)
+        return bool(getattr(srv, "closing", False))
+
+    def close(self) -> None:
+        """Stop the loop-lag timer (the runtime's ``stop`` may call this; it also stops on its own)."""
+        if self.lag is not None:
+            self.lag.stop()
 
     def register_collector(self, collector: Collector) -> None:
-        """Add a collector to the admin ``/metrics`` (other parts of llmgw use this)."""
+        """Add a collector to the admin ``/metrics`` (the control plane and other parts use this)."""
         self.metrics.register(collector)
 
-    def handle(self, req: Request, w: ResponseWriter) -> Any:
+    def unregister_collector(self, collector: Collector) -> None:
+        """Remove a collector added with :meth:`register_collector`."""
+        self.metrics.unregister(collector)
+
+    # -- reload (admin API and SIGHUP) --
+
+    def reload(self, trigger: str) -> dict[str, Any]:
+        """Re-read the config file through the runtime; the summary, counted in the metrics.
+
+        Raises:
+            HTTPError: 400 ``invalid_config`` (the file is invalid; nothing changed),
+                409 (a conflict with endpoints added at run time), 503 (not running).
+        """
+        try:
+            summary = self.runtime.reload()
+        except ConfigError as exc:
+            self.reloads["failed"] += 1
+            raise BadRequestError(
+                f"reload failed, the running configuration is kept: {exc}", code="invalid_config"
+            ) from exc
+        except ValueError as exc:
+            self.reloads["failed"] += 1
+            raise conflict(f"reload failed, the running configuration is kept: {exc}") from exc
+        except RuntimeError as exc:
+            self.reloads["failed"] += 1
+            raise HTTPError(str(exc), status=503, type="service_unavailable_error", code="service_unavailable") from exc
+        self.reloads["ok"] += 1
+        log.info("configuration reloaded (%s)", trigger)
+        return {"reloaded": True, **summary}
+
+    # -- auth --
+
+    def _authorize(self, req: Request) -> None:
+        token = getattr(self.runtime.config, "admin_token", None)
+        if not token:
+            return
+        if token is not self._token_src:
+            self._token_src = token
+            self._token_digest = hashlib.sha256(token.encode()).digest()
+        auth = req.authorization
+        given = auth[7:].strip() if auth is not None and auth[:7].lower() == b"bearer " else None
+        if not given:
+            raise UnauthorizedError(
+                "this admin route needs the admin token: send Authorization: Bearer <admin_token>",
+                code="missing_admin_token",
+            )
+        # SECURITY: digests of equal length compared in constant time; the token is never logged or echoed.
+        assert self._token_digest is not None
+        if not hmac.compare_digest(hashlib.sha256(given).digest(), self._token_digest):
+            raise UnauthorizedError("wrong admin token", code="invalid_admin_token")
+
+    # -- routing --
+
+    def handle(self, req: Request, w: ResponseWriter) -> Awaitable[None] | None:
         path = req.path
-        if path == b"/health":
-            w.send_json(200, {"status": "ok"})
-        elif path == b"/ready":
-            ready, body = self.runtime.readiness()
-            w.send_json(200 if ready else 503, body)
-        elif path == b"/metrics":
-            encoder, content_type = choose_encoder((req.header(b"accept") or b"").decode("latin-1"))
-            w.send(200, encoder(self.metrics), ((b"content-type", content_type.encode()),))
+        method = req.method
+        if path in (b"/health", b"/ready", b"/metrics"):
+            if method not in (b"GET", b"HEAD"):
+                raise method_not_allowed(method, path, "GET")
+            if path == b"/health":
+                w.send_json(200, {"status": "ok"})
+            elif path == b"/ready":
+                self._ready(w)
+            else:
+                self._metrics(req, w)
+            return None
+        if path.startswith(b"/admin/v1"):
+            self._authorize(req)
+            self.api.handle(req, w)
+            return None
+        if path.startswith(b"/debug/pprof"):
+            self._authorize(req)
+            if method not in (b"GET", b"HEAD"):
+                raise method_not_allowed(method, path, "GET")
+            return self._pprof(req, w, path)
+        raise NotFoundError(
+            f"no admin route {path.decode('latin-1')[:200]}; try /health, /ready, /metrics, /admin/v1/endpoints "
+            "or /debug/pprof/"
+        )
+
+    def _ready(self, w: ResponseWriter) -> None:
+        srv = getattr(self.runtime, "server", None)
+        if srv is not None and srv.closing:
+            w.send_json(503, {"ready": False, "reason": "shutting down"})
+            return
+        ready, body = self.runtime.readiness()
+        w.send_json(200 if ready else 503, body)
+
+    def _metrics(self, req: Request, w: ResponseWriter) -> None:
+        encoder, content_type = choose_encoder((req.header(b"accept") or b"").decode("latin-1"))
+        body = encoder(self.metrics)
+        headers = [(b"content-type", content_type.encode())]
+        if len(body) >= _GZIP_MIN and b"gzip" in (req.header(b"accept-encoding") or b""):
+            body = gzip.compress(body, compresslevel=1)
+            headers.append((b"content-encoding", b"gzip"))
+        w.send(200, body, headers)
+
+    # -- profiling --
+
+    def _pprof(self, req: Request, w: ResponseWriter, path: bytes) -> Awaitable[None] | None:
+        q = _query(req)
+        name = path[len(b"/debug/pprof"):].strip(b"/")
+        if name == b"":
+            w.send(200, _PPROF_INDEX, _TEXT)
+        elif name == b"profile":
+            return self._profile(q, w)
+        elif name == b"tasks":
+            tasks = task_dump()
+            if q.get("format") == "json":
+                w.send_json(200, {"tasks": tasks})
+            else:
+                w.send(200, format_tasks(tasks).encode(), _TEXT)
+        elif name == b"threads":
+            w.send(200, thread_dump().encode(), _TEXT)
+        elif name == b"heap":
+            report = heap_report(
+                int(_number(q, "top", 25, 1, 1000)),
+                stop=_flag(q, "stop"),
+                diff=_flag(q, "diff"),
+                frames=int(_number(q, "frames", 1, 1, 64)),
+            )
+            if q.get("format") == "json":
+                w.send_json(200, report)
+            else:
+                w.send(200, format_heap(report).encode(), _TEXT)
         else:
-            raise NotFoundError(f"no admin route {path.decode('latin-1')[:200]}; try /health, /ready or /metrics")
+            raise NotFoundError(f"no profile {name.decode('latin-1')[:100]!r}; see /debug/pprof/")
         return None
+
+    async def _profile(self, q: dict[str, str], w: ResponseWriter) -> None:
+        seconds = _number(q, "seconds", 10.0, 0.01, MAX_SECONDS)
+        fmt = q.get("format", "speedscope")
+        stamp = time.strftime("%Y%m%dT%H%M%S")
+        try:
+            if fmt == "pstats":
+                data = await self.profiler.cprofile(seconds)
+                w.send(200, data, _attachment(b"application/octet-stream", f"llmgw-{stamp}.pstats"))
+                return
+            if fmt not in ("speedscope", "collapsed"):
+                raise BadRequestError(
+                    f"format must be speedscope, collapsed or pstats, got {fmt[:50]!r}", param="format"
+                )
+            hz = _number(q, "hz", DEFAULT_HZ, 1, MAX_HZ)
+            prof = await self.profiler.sample(seconds, hz)
+        except ProfileBusyError as exc:
+            raise conflict(str(exc), code="profile_in_progress") from None
+        if fmt == "collapsed":
+            w.send(200, prof.collapsed().encode(), _TEXT)
+        else:
+            w.send(
+                200,
+                orjson.dumps(prof.speedscope()),
+                _attachment(b"application/json", f"llmgw-{stamp}.speedscope.json"),
+            )
+
+
+def _attachment(content_type: bytes, filename: str) -> list[tuple[bytes, bytes]]:
+    return [
+        (b"content-type", content_type),
+        (b"content-disposition", b'attachment; filename="%s"' % filename.encode()),
+    ]
+
+
+_PPROF_INDEX = b"""llmgw profiles (the admin token is needed when one is configured)
+
+/debug/pprof/profile?seconds=10             CPU profile of the event loop thread, sampled at ~200 Hz,
+                                            as speedscope JSON (open at https://www.speedscope.app)
+/debug/pprof/profile?seconds=10&format=collapsed   the same as collapsed stacks (flamegraph.pl)
+/debug/pprof/profile?seconds=10&format=pstats      cProfile (deterministic, slower) for python -m pstats
+/debug/pprof/tasks[?format=json]            every asyncio task and the await chain it is suspended in
+/debug/pprof/threads                        every thread's stack
+/debug/pprof/heap?top=25                    tracemalloc: starts tracing on the first call, then the top
+                                            allocation sites; &diff=1 growth since the last call; &stop=1
+"""

@@ -22,6 +22,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "sim-engine": ("llmgw.cli.sim", "sim_engine", "Run a simulated inference engine (vLLM, llama.cpp, TensorRT-LLM, SGLang)."),
     "check-config": ("llmgw.cli.serve", "check_config", "Validate a config file and print what it defines."),
     "mirror": ("llmgw.cli.mirror", "mirror", "Keep model files in a verified, content-addressed mirror."),
+    "ctl": ("llmgw.cli.ctl", "ctl", "Drive a running gateway: list, drain and undrain endpoints, reload config."),
 }
 
 

@@ -14,6 +14,7 @@ import click
 from .. import __version__
 from ..config import Config, EndpointConfig, ModelConfig, find_config, load, load_file, parse_hostport
 from ..errors import ConfigError
+from ..log import server_logger as log
 
 __all__ = ["DEMO_MODELS", "check_config", "serve"]
 
@@ -114,13 +115,21 @@ async def _serve(cfg: Config, demo: bool) -> int:
             f"-d '{{\"model\": \"{first}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hello!\"}}]}}'"
         )
         sys.stdout.flush()
+
+        def _reload() -> None:
+            try:
+                runtime.reload()
+            except (ConfigError, RuntimeError) as exc:
+                log.error("reload failed, keeping the running configuration: %s", exc)
+
+        loop.add_signal_handler(signal.SIGHUP, _reload)
         await stop.wait()
         click.echo("llmgw: shutting down (finishing in-flight requests)", err=True)
         await runtime.stop()
     finally:
         for sim in engines:
             await sim.stop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             loop.remove_signal_handler(sig)
     return 0
 

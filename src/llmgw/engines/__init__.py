@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from . import external, llamacpp, sglang, trtllm, vllm
+from . import external, generic, llamacpp, sglang, trtllm, vllm
 from .base import EngineInfo, MetricSpec
 
 ENGINES: dict[str, EngineInfo] = {
-    m.INFO.name: m.INFO for m in (vllm, llamacpp, trtllm, sglang, external)
+    m.INFO.name: m.INFO for m in (vllm, llamacpp, trtllm, sglang, generic, external)
 }
 ENGINE_NAMES: tuple[str, ...] = tuple(ENGINES)
 SIMULATED_ENGINES: tuple[str, ...] = ("vllm", "llamacpp", "trtllm", "sglang")

@@ -39,12 +39,17 @@ class Endpoint:
         "last_scrape",
         "models",
         "pool",
+        "metrics_path",
         "running",
-        "scrape_error",
+        "scrape_failures",
+        "scrape_ok",
+        "scrape_problem",
+        "scrape_seconds",
+        "stale_after",
         "waiting",
     )
 
-    def __init__(self, cfg: EndpointConfig, upstream: UpstreamConfig) -> None:
+    def __init__(self, cfg: EndpointConfig, upstream: UpstreamConfig, stale_after: float = 3.0) -> None:
         self.cfg = cfg
         self.id = cfg.id
         self.models = cfg.models
@@ -70,7 +75,26 @@ class Endpoint:
         self.running: float | None = None
         self.kv_cache_usage: float | None = None
         self.last_scrape: float | None = None
-        self.scrape_error: str | None = None
+        self.stale_after = stale_after
+        self.metrics_path = cfg.metrics_path
+        self.scrape_ok = 0
+        self.scrape_failures = 0
+        self.scrape_seconds = 0.0
+        self.scrape_problem: str | None = None
+
+    @property
+    def stale(self) -> bool:
+        """Whether the engine numbers are missing or too old to use as fresh."""
+        if not self.engine.scraped:
+            return False
+        last = self.last_scrape
+        return last is None or time.monotonic() - last > self.stale_after
+
+    def fresh(self) -> tuple[float | None, float | None, float | None]:
+        """(waiting, running, kv_cache_usage) if fresh, else all ``None`` (absent)."""
+        if self.stale:
+            return None, None, None
+        return self.waiting, self.running, self.kv_cache_usage
 
     @property
     def usable(self) -> bool:
@@ -94,6 +118,7 @@ class Registry:
 
     def __init__(self, config: Config) -> None:
         self._upstream = config.upstream
+        self._stale_after = config.scrape.stale_after
         self.endpoints: dict[str, Endpoint] = {}
         self.by_model: dict[str, list[Endpoint]] = {}
         self._rng = random.Random()
@@ -105,7 +130,7 @@ class Registry:
         """Add a replica (``ValueError`` if its id exists)."""
         if cfg.id in self.endpoints:
             raise ValueError(f"endpoint {cfg.id!r} already exists")
-        ep = Endpoint(cfg, self._upstream)
+        ep = Endpoint(cfg, self._upstream, self._stale_after)
         self.endpoints[cfg.id] = ep
         for m in cfg.models:
             self.by_model.setdefault(m, []).append(ep)

@@ -45,6 +45,7 @@ from ..http.client import UpstreamConnection
 from ..http.parser import Request, Response, upstream_head
 from ..http.server import ResponseWriter
 from ..log import access_logger, upstream_logger
+from .observe import NullObserver, Observer
 
 __all__ = ["Gateway", "normalize_error"]
 
@@ -140,6 +141,8 @@ class _Retry:
 
 
 _DONE = object()
+_UNKNOWN = "(unknown)"  # the model label for requests naming no served model (bounded cardinality)
+_BAND = "standard"
 
 
 class Exchange:
@@ -156,14 +159,17 @@ class Exchange:
         "_timer",
         "ep",
         "gw",
+        "model",
         "resp",
         "rid_line",
+        "sent_at",
         "ttfb",
         "writer",
     )
 
-    def __init__(self, gw: Gateway, writer: ResponseWriter, ep: Endpoint, rid_line: bytes) -> None:
+    def __init__(self, gw: Gateway, writer: ResponseWriter, ep: Endpoint, rid_line: bytes, model: str) -> None:
         self.gw = gw
+        self.model = model
         self.writer = writer
         self.ep = ep
         self.rid_line = rid_line
@@ -177,6 +183,7 @@ class Exchange:
         self._sent_bytes = 0
         self.resp: Response | None = None
         self.ttfb: float | None = None
+        self.sent_at: float | None = None
 
     async def run(self, head: bytes, body: bytes) -> Any:
         ep = self.ep
@@ -186,8 +193,10 @@ class Exchange:
             try:
                 conn = await ep.pool.connect()
             except TimeoutError:
+                self.gw.observer.upstream_error(ep.id, "connect_timeout")
                 return _Retry(GatewayTimeoutError(f"replica {ep.id} did not accept a connection in time"))
             except OSError as exc:
+                self.gw.observer.upstream_error(ep.id, "connect_refused")
                 return _Retry(BadGatewayError(f"replica {ep.id} refused the connection ({exc.strerror or exc})"))
         writer = self.writer
         if writer.disconnected:
@@ -197,6 +206,7 @@ class Exchange:
         self._done = self._loop.create_future()
         writer.on_disconnect(self._client_gone)
         self._arm(self.gw.first_byte_timeout)
+        self.sent_at = time.monotonic()
         conn.send(self, head, body)
         try:
             outcome = await self._done
@@ -242,6 +252,7 @@ class Exchange:
         conn, self._conn = self._conn, None
         if conn is not None:
             conn.abort()
+        self.gw.observer.upstream_error(self.ep.id, "first_byte_timeout" if self.resp is None else "read_timeout")
         if self._streaming:
             self._cut_stream("the replica stopped sending", "upstream_timeout")
             self._finish(_DONE)
@@ -302,6 +313,8 @@ class Exchange:
                 out = data[:cut]
             self._sent_bytes += len(out)
             self.writer.write(out)
+            if self.gw.count_tokens and (b'"usage":{' in out or b'"usage": {' in out):
+                self._usage(out)
         else:
             self._buf.append(data)
             self._sent_bytes += len(data)
@@ -334,6 +347,8 @@ class Exchange:
         status = resp.status
         if status >= 400:
             normalized = normalize_error(status, body)
+            if status >= 500:
+                self.gw.observer.upstream_error(self.ep.id, "status_5xx")
             if status in _RETRYABLE_STATUS:
                 message = orjson.loads(normalized)["error"]["message"]
                 err = HTTPError(
@@ -350,12 +365,35 @@ class Exchange:
             w.send(status, body, ((b"content-type", b"application/json"),), raw)
         else:
             w.send(status, body, (), resp.forward + self.rid_line + self.ep_line())
+            if self.gw.count_tokens:
+                self._usage(body)
         self._finish(_DONE)
+
+    def _usage(self, data: bytes) -> None:
+        """Report token usage when the answer (or an SSE event in it) carries it."""
+        at = data.find(b'"usage"')
+        if at < 0:
+            return
+        if self._streaming:
+            start = data.rfind(b"data:", 0, at)
+            end = data.find(_SSE_SEP, at)
+            if start < 0:
+                return
+            data = data[start + 5 : end if end >= 0 else len(data)]
+        try:
+            usage = orjson.loads(data).get("usage")
+            prompt = usage.get("prompt_tokens") or 0
+            completion = usage.get("completion_tokens") or 0
+        except (orjson.JSONDecodeError, AttributeError):
+            return
+        if isinstance(prompt, int) and isinstance(completion, int):
+            self.gw.observer.tokens(self.model, prompt, completion)
 
     def on_upstream_lost(self, exc: BaseException | None) -> None:
         self._conn = None
         if self._done is None or self._done.done():
             return
+        self.gw.observer.upstream_error(self.ep.id, "bad_response" if isinstance(exc, ValueError) else "reset")
         if self._streaming:
             self._cut_stream("the replica closed the connection", "upstream_disconnected")
             self._finish(_DONE)
@@ -371,25 +409,37 @@ class Gateway:
     def __init__(self, config: Config, registry: Registry) -> None:
         self.loop = asyncio.get_running_loop()
         self.registry = registry
+        self._rid_prefix = os.urandom(6).hex()
+        self._rid_counter = itertools.count(1)
+        self.created = int(time.time())
+        self.observer: Observer = NullObserver()
+        self.count_tokens = False
+        self.reconfigure(config)
+
+    def reconfigure(self, config: Config) -> None:
+        """Adopt a new configuration (a reload): tables are rebuilt, connections kept."""
         self.config = config
         self.first_byte_timeout = config.upstream.first_byte_timeout
         self.read_timeout = config.upstream.read_timeout
         self.retry_attempts = config.retries.attempts
         self.aliases = config.aliases()
         # model name as the client says it -> name to put in the upstream body
-        self.rewrites: dict[str, str] = {}
+        rewrites: dict[str, str] = {}
         for m in config.models.values():
             if m.upstream_name:
-                self.rewrites[m.name] = m.upstream_name
+                rewrites[m.name] = m.upstream_name
         for alias, real in self.aliases.items():
-            self.rewrites[alias] = config.models[real].upstream_name or real
+            rewrites[alias] = config.models[real].upstream_name or real
+        self.rewrites = rewrites
         self.keys = {k.sha256: k for k in config.auth.keys}
         self.auth = bool(self.keys)
         self.access_log = config.access_log.enabled
-        self.replica_lines = {ep.id: b"x-llmgw-replica: %s\r\n" % ep.id.encode() for ep in registry.endpoints.values()}
-        self._rid_prefix = os.urandom(6).hex()
-        self._rid_counter = itertools.count(1)
-        self.created = int(time.time())
+        self.refresh()
+
+    def set_observer(self, observer: Observer) -> None:
+        """Report the data path's work to ``observer`` (metrics)."""
+        self.observer = observer
+        self.count_tokens = not isinstance(observer, NullObserver)
 
     def refresh(self) -> None:
         """Recompute what depends on the endpoint list (after add/remove)."""
@@ -463,7 +513,30 @@ class Gateway:
     async def _proxy(self, req: Request, w: ResponseWriter) -> None:
         started = time.monotonic()
         rid = self._request_id(req)
-        rid_line = b"x-request-id: %s\r\n" % rid
+        model = _UNKNOWN
+        ep: Endpoint | None = None
+        ex: Exchange | None = None
+        try:
+            model, ep, ex = await self._forward(req, w, rid)
+        except HTTPError as exc:
+            if not w.started:
+                w.send_error(exc, ((b"x-request-id", rid),))
+            elif not w.finished:
+                w.abort()
+        finally:
+            now = time.monotonic()
+            ttfb = ex.ttfb - started if ex is not None and ex.ttfb is not None else None
+            upstream = now - ex.sent_at if ex is not None and ex.sent_at is not None else None
+            self.observer.request_done(
+                model, ep.id if ep is not None else None, w.status, _BAND, now - started, ttfb, upstream
+            )
+            if self.access_log:
+                self._log(req, w, model, ep, ex, started, rid)
+
+    async def _forward(
+        self, req: Request, w: ResponseWriter, rid: bytes
+    ) -> tuple[str, Endpoint | None, Exchange | None]:
+        """Send the request to a replica (retrying before the first byte); returns what served it."""
         body = req.body
         try:
             data = orjson.loads(body)
@@ -486,22 +559,27 @@ class Gateway:
         if rewrite is not None and rewrite != model:
             data["model"] = rewrite
             body = orjson.dumps(data)
+        rid_line = b"x-request-id: %s\r\n" % rid
         registry = self.registry
         tried: list[Endpoint] = []
         error: HTTPError | None = None
         attempts = 1 + self.retry_attempts
         ex: Exchange | None = None
+        ep: Endpoint | None = None
         while attempts > 0:
-            ep = registry.pick(real, tried)
-            if ep is None:
+            nxt = registry.pick(real, tried)
+            if nxt is None:
                 break
+            if ep is not None:
+                self.observer.retry(real, ep.id)
+            ep = nxt
             attempts -= 1
             tried.append(ep)
             head = upstream_head(
                 req.method, ep.target(req.target), ep.host_header, req.forward, len(body), rid_line + ep.auth_line
             )
             for _fresh_try in range(2):
-                ex = Exchange(self, w, ep, rid_line)
+                ex = Exchange(self, w, ep, rid_line, real)
                 ep.inflight += 1
                 try:
                     outcome = await ex.run(head, body)
@@ -512,23 +590,19 @@ class Gateway:
             if outcome is _DONE:
                 ep.completed += 1
                 ep.consecutive_failures = 0
-                self._log(req, w, model, ep, ex, started, rid)
-                return
-            if isinstance(outcome, _Retry):
-                error = outcome.error
-                ep.failures += 1
-                ep.consecutive_failures += 1
-                upstream_logger.debug("replica %s failed: %s", ep.id, error.message)
-                continue
-            # a final error (e.g. first-byte timeout): no retry
-            error = outcome
+                return real, ep, ex
             ep.failures += 1
             ep.consecutive_failures += 1
+            if isinstance(outcome, _Retry):
+                error = outcome.error
+                upstream_logger.debug("replica %s failed: %s", ep.id, error.message)
+                continue
+            error = outcome  # final (a first-byte timeout): never retried
             break
         if error is None:
             error = OverloadedError(f"no replica of model `{real}` is available", retry_after=1)
         w.send_error(error, ((b"x-request-id", rid),))
-        self._log(req, w, model, tried[-1] if tried else None, ex, started, rid)
+        return real, ep, ex
 
     def _log(
         self,

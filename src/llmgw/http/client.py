@@ -100,7 +100,13 @@ class UpstreamConnection(asyncio.Protocol):
         self.sink = sink
         self.requests += 1
         t = self.transport
-        assert t is not None
+        if t is None:
+            # NOTE: the replica can close between connect() returning and this
+            # call (the exchange awaited in between); that is a lost upstream,
+            # which the sink knows how to retry, not an assertion failure.
+            self.sink = None
+            sink.on_upstream_lost(ConnectionResetError("the replica closed the connection"))
+            return
         if body:
             t.writelines((head, body))
         else:
@@ -238,6 +244,14 @@ class UpstreamPool:
             self._idle.remove(conn)
         except ValueError:
             pass
+
+    def close_idle(self) -> None:
+        """Close idle connections and keep no more: busy ones close when their exchange ends."""
+        self.closed = True
+        for conn in list(self._idle):
+            if conn.transport is not None:
+                conn.transport.close()
+        self._idle.clear()
 
     def close(self) -> None:
         """Close every connection (in-flight exchanges see the loss)."""

@@ -36,6 +36,9 @@ __all__ = [
 _CRLF = b"\r\n"
 _LAST_CHUNK = b"0\r\n\r\n"
 _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
+# Seconds a connection closed after an error answer keeps reading (and dropping)
+# what the client still sends; see HTTPProtocol._linger_close.
+_LINGER_S = 2.0
 JSON = b"application/json"
 _JSON_CT = ((b"content-type", JSON),)
 
@@ -149,6 +152,11 @@ class ResponseWriter:
         if no_body:
             content_length = -2
         self._chunked = content_length == -1
+        if self._conn._server.closing:
+            # NOTE: a response that begins after shutdown began is the last on its
+            # connection; saying so lets the client retry elsewhere instead of
+            # reusing a connection about to close.
+            self.keep_alive = False
         if not self.disconnected:
             self._conn._transport_write(
                 response_head(status, headers, content_length, self.keep_alive, raw)
@@ -191,11 +199,16 @@ class ResponseWriter:
             raise InternalError("response already started")
         self.started = True
         self.status = status
+        if self._conn._server.closing:
+            self.keep_alive = False  # see start()
+        # RFC 9110 §8.6: no Content-Length in a 1xx or 204; a 304's would describe
+        # the representation, not this empty body.
+        no_body = status < 200 or status in (204, 304)
         if not self.disconnected:
-            head = response_head(status, headers, len(body), self.keep_alive, raw)
+            head = response_head(status, headers, -2 if no_body else len(body), self.keep_alive, raw)
             t = self._conn.transport
             if t is not None:
-                if body and not self._head_only:
+                if body and not self._head_only and not no_body:
                     t.writelines((head, body))
                 else:
                     t.write(head)
@@ -284,13 +297,17 @@ class HTTPProtocol(asyncio.Protocol):
         self._current: ResponseWriter | None = None
         self._task: asyncio.Task[None] | None = None
         self._timer: asyncio.TimerHandle | None = None
-        self._timer_kind = 0  # 0 none, 1 keep-alive, 2 head, 3 body
+        self._timer_kind = 0  # 0 none, 1 keep-alive, 2 head, 3 body, 4 linger
         self._read_paused = False
         self._write_paused = False
         self._drain_waiter: asyncio.Future[None] | None = None
         self._flow_listener: Any = None
         self._closing = False
         self._rejected = False
+        self._lingering = False  # answered and half-closed: input is read and dropped
+        self._lingering_due = False  # close by _linger_close: input was left unread
+        self._failure: HTTPError | None = None  # answered after the requests read before it
+        self._continue_due = False  # a 100 Continue owed once the connection is free
 
     # -- asyncio callbacks --
 
@@ -317,8 +334,8 @@ class HTTPProtocol(asyncio.Protocol):
                 retry_after=1,
             )
             body = error_body(exc)
-            transport.write(response_head(503, _error_headers(exc), len(body), False) + body)
-            transport.close()
+            self._transport_write(response_head(503, _error_headers(exc), len(body), False) + body)
+            self._linger_close()
             server.rejected += 1
             return
         server.connections.add(self)
@@ -327,6 +344,8 @@ class HTTPProtocol(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         """Called when the connection closes, for any reason."""
         if self._rejected:
+            self._cancel_timer()
+            self.transport = None
             return
         self._server.connections.discard(self)
         self._cancel_timer()
@@ -346,6 +365,8 @@ class HTTPProtocol(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         """Called with bytes from the client."""
+        if self._lingering:
+            return
         if self._timer_kind == 1:
             self._cancel_timer()
         try:
@@ -390,8 +411,13 @@ class HTTPProtocol(asyncio.Protocol):
         # The client waits for 100 Continue before sending the body.
         if self._current is None and not self._pipeline and self.transport is not None:
             self.transport.write(_CONTINUE)
+        else:
+            # NOTE: sent when the requests before it are answered (_response_done),
+            # so a client that waits for it is not left to its own timeout.
+            self._continue_due = True
 
     def _on_request(self, request: Request) -> None:
+        self._continue_due = False
         if self._timer_kind in (2, 3):
             self._cancel_timer()
         if self._current is None:
@@ -461,18 +487,39 @@ class HTTPProtocol(asyncio.Protocol):
         self._flow_listener = None
         if self.transport is None:
             return
-        if not writer.keep_alive or (self._closing and not self._pipeline):
-            self._close()
+        if not writer.keep_alive:
+            if self._lingering_due:
+                self._linger_close()
+            else:
+                self._close()
             return
         if self._pipeline:
             nxt = self._pipeline.popleft()
-            if self._read_paused and len(self._pipeline) < self._limits.max_pipelined // 2:
+            if (
+                self._read_paused
+                and self._failure is None
+                and len(self._pipeline) < self._limits.max_pipelined // 2
+            ):
                 self._read_paused = False
                 self.transport.resume_reading()
             self._run(nxt)
-        elif self._server.closing:
+        elif self._failure is not None:
+            exc, self._failure = self._failure, None
+            self._send_failure(exc)
+        elif self._closing or self._server.closing:
             self._close()
-        elif not self._reader.in_message:
+        elif self._reader.in_message:
+            # NOTE: a head or body timer that fired while the connection was busy
+            # was dropped (the delay was ours); restart it now that only the client
+            # can be slow, or a head that never ends would hold the slot forever.
+            if self._continue_due:
+                self._continue_due = False
+                self.transport.write(_CONTINUE)
+            if self._reader.in_head:
+                self._arm(2, self._limits.header_timeout)
+            else:
+                self._arm(3, self._limits.body_timeout)
+        else:
             self._arm(1, self._limits.keepalive_timeout)
 
     # -- errors, timers, closing --
@@ -482,15 +529,21 @@ class HTTPProtocol(asyncio.Protocol):
         self._cancel_timer()
         if self.transport is not None:
             self.transport.pause_reading()
-        self._pipeline.clear()
-        self._closing = True
-        cur = self._current
-        if cur is None:
-            writer = ResponseWriter(self, Request())
-            writer.keep_alive = False
-            self._current = writer
-            writer.send_error(exc)
-        # else: the current response finishes, then _response_done closes.
+        self._read_paused = True
+        if self._current is None:
+            self._send_failure(exc)
+        else:
+            # NOTE: the requests read before the bad one are valid and answered
+            # first, in order (they used to be dropped, with no answer to the
+            # error either); _response_done sends the error after the last.
+            self._failure = exc
+
+    def _send_failure(self, exc: HTTPError) -> None:
+        self._lingering_due = True  # the client may still be sending what was refused
+        writer = ResponseWriter(self, Request())
+        writer.keep_alive = False
+        self._current = writer
+        writer.send_error(exc)
 
     def _arm(self, kind: int, delay: float) -> None:
         if self._timer is not None:
@@ -513,6 +566,7 @@ class HTTPProtocol(asyncio.Protocol):
         if kind == 1:
             self._close()
         elif kind in (2, 3) and self._current is None:
+            # (while a response is being written, _response_done restarts it)
             what = "headers" if kind == 2 else "body"
             self._fail(
                 HTTPError(
@@ -537,6 +591,29 @@ class HTTPProtocol(asyncio.Protocol):
         self._cancel_timer()
         if self.transport is not None:
             self.transport.close()
+
+    def _linger_close(self) -> None:
+        """Close after a final answer without destroying it.
+
+        NOTE: closing a socket with unread input makes the kernel send RST, which
+        can overtake the answer: a 413 sent while the body is still arriving, or
+        a 503 to a request already sent, reached the client as "connection reset".
+        As nginx's lingering close does: half-close (the client reads the answer
+        and EOF), drop whatever still arrives, and close when the client does or
+        after ``_LINGER_S``.
+        """
+        t = self.transport
+        if t is None or self._lingering:
+            return
+        self._cancel_timer()
+        self._lingering = True
+        if self._server.closing or not t.can_write_eof():  # shutdown does not wait on it
+            t.close()
+            return
+        t.write_eof()
+        t.resume_reading()
+        self._timer_kind = 4
+        self._timer = self._loop.call_later(_LINGER_S, self._close)
 
     def _abort(self) -> None:
         self._cancel_timer()
@@ -568,7 +645,7 @@ class HTTPServer:
         self.connections: set[HTTPProtocol] = set()
         self.closing = False
         self.rejected = 0
-        self._server: asyncio.AbstractServer | None = None
+        self._server: asyncio.Server | None = None
         self._idle: asyncio.Future[None] | None = None
 
     async def listen(self, host: str, port: int, *, backlog: int = 2048, reuse_port: bool = False) -> tuple[str, int]:

@@ -412,10 +412,9 @@ class Catalogue:
         with self.transaction() as db:
             db.executemany("UPDATE blobs SET verified_at = ? WHERE digest = ?", [(now, d) for d in digests])
 
-    def forget_blobs(self, digests: Sequence[str]) -> None:
-        """Delete the rows of blobs no model uses any more (after ``gc`` removed them)."""
+    def forget_unused_blobs(self) -> None:
+        """Delete the rows of blobs no model uses any more (after ``gc`` removed their files)."""
         with self.transaction() as db:
-            db.executemany(
-                "DELETE FROM blobs WHERE digest = ? AND NOT EXISTS (SELECT 1 FROM files WHERE digest = ?)",
-                [(d, d) for d in digests],
+            db.execute(
+                "DELETE FROM blobs WHERE NOT EXISTS (SELECT 1 FROM files WHERE files.digest = blobs.digest)"
             )

@@ -373,7 +373,9 @@ class _Cursor:
         end = self.offset + n
         if end > self._limit:
             if end > self._size:
-                raise self.fail(f"file ends inside the header: {n} more bytes needed, {self._size - self.offset} left")
+                raise self.fail(
+                    f"file ends inside the header: {n} more bytes needed, {self._size - self.offset} left"
+                )
             raise self.fail(f"header is larger than {MAX_HEADER_BYTES >> 20} MiB")
         start = self._base + len(self._buf)
         more = os.pread(self._fd, max(n - avail, _READ_CHUNK), start)
@@ -409,7 +411,9 @@ class _Cursor:
         end = self.offset + n
         if end > self._limit:
             if end > self._size:
-                raise self.fail(f"file ends inside the header: {n} bytes to skip, {self._size - self.offset} left")
+                raise self.fail(
+                    f"file ends inside the header: {n} bytes to skip, {self._size - self.offset} left"
+                )
             raise self.fail(f"header is larger than {MAX_HEADER_BYTES >> 20} MiB")
         self._base = end
         self._buf = b""
@@ -435,7 +439,9 @@ class _Cursor:
             (n,) = unpack(self._buf, self._pos)
             self._pos += 8
             if n > MAX_STRING_LENGTH:
-                raise self.fail(f"a string in {what} is {n} bytes long, over the limit of {MAX_STRING_LENGTH}")
+                raise self.fail(
+                    f"a string in {what} is {n} bytes long, over the limit of {MAX_STRING_LENGTH}"
+                )
             self.skip(n)
 
     def remaining(self) -> int:
@@ -536,7 +542,9 @@ def read_gguf_fd(fd: int, *, what: str = "file") -> GGUFInfo:
     head = os.pread(fd, 8, 0)
     big_endian_version = len(head) == 8 and int.from_bytes(head[4:8], "big") in (1, 2, 3)
     if head[:4] == _GGUF_MAGIC_BE or (head[:4] == GGUF_MAGIC and big_endian_version):
-        raise GGUFFormatError(f"{what} is a big-endian GGUF, which llmgw does not support; use a little-endian build of the model")
+        raise GGUFFormatError(
+            f"{what} is a big-endian GGUF, which llmgw does not support; use a little-endian build of the model"
+        )
     if head[:4] != GGUF_MAGIC:
         raise NotGGUFError(f"{what} is not a GGUF file (it starts with {head[:4]!r}, not b'GGUF')")
     try:
@@ -577,7 +585,12 @@ def _parse(fd: int, size: int) -> GGUFInfo:
     if not isinstance(arch, str) or not arch:
         raise cur.fail("no general.architecture: this is not a model llama.cpp can load")
     alignment = metadata.get("general.alignment", 32)
-    if isinstance(alignment, bool) or not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
+    if (
+        isinstance(alignment, bool)
+        or not isinstance(alignment, int)
+        or alignment <= 0
+        or alignment & (alignment - 1)
+    ):
         raise cur.fail(f"general.alignment {alignment!r} is not a power of two")
 
     # Tensor infos: name, dims, type, offset. Extents are checked once the data
@@ -611,7 +624,9 @@ def _parse(fd: int, size: int) -> GGUFInfo:
         types[tname] += elements
         if bsize:
             if dims and dims[0] % block:
-                raise cur.fail(f"tensor {name!r}: row of {dims[0]} is not a multiple of the {tname} block of {block}")
+                raise cur.fail(
+                    f"tensor {name!r}: row of {dims[0]} is not a multiple of the {tname} block of {block}"
+                )
             extents.append((name, offset, elements // block * bsize))
 
     data_offset = -(-cur.offset // alignment) * alignment

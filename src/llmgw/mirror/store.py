@@ -207,6 +207,9 @@ def _write_all(fd: int, view: memoryview) -> None:
         view = view[n:]
 
 
+_SYNC_FILE_RANGE_WRITE = 2
+# Start writeback every this many bytes copied (see _start_writeback).
+_WRITEBACK_EVERY = 32 << 20
 _sync_file_range: Any = None
 
 
@@ -235,12 +238,12 @@ def _start_writeback(fd: int, offset: int, length: int) -> None:
         _sync_file_range(fd, offset, length, _SYNC_FILE_RANGE_WRITE)
 
 
-_SYNC_FILE_RANGE_WRITE = 2
-_WRITEBACK_EVERY = 32 << 20
-
-
 def _copy_and_hash(src_fd: int, dst_fd: int | None, size: int, progress: Progress) -> tuple[str, int]:
-    """Copy ``src_fd`` to ``dst_fd`` (or only read it, when ``None``) and hash it in one pass.
+    """Copy the first ``size`` bytes of ``src_fd`` to ``dst_fd`` (or only read them, when ``None``), hashing them.
+
+    It stops at ``size`` (the size when the copy began) even if the file grows
+    meanwhile, or earlier if it shrank: the caller compares the count and the
+    file's ``fstat`` afterwards to tell a changed source.
 
     Returns:
         ``(hex digest, bytes read)``.
@@ -249,7 +252,7 @@ def _copy_and_hash(src_fd: int, dst_fd: int | None, size: int, progress: Progres
     total = 0
     if size < _PIPELINE_MIN:
         buf = memoryview(bytearray(min(COPY_CHUNK, max(size, 1 << 16))))
-        while n := os.readv(src_fd, [buf]):
+        while total < size and (n := os.readv(src_fd, [buf[: min(len(buf), size - total)]])):
             chunk = buf[:n]
             h.update(chunk)
             if dst_fd is not None:
@@ -267,7 +270,7 @@ def _copy_and_hash(src_fd: int, dst_fd: int | None, size: int, progress: Progres
         pending: Future[None] | None = None
         i = 0
         try:
-            while n := os.readv(src_fd, [views[i]]):
+            while total < size and (n := os.readv(src_fd, [views[i][: min(COPY_CHUNK, size - total)]])):
                 chunk = views[i][:n]
                 if pending is not None:
                     pending.result()
@@ -363,6 +366,9 @@ class MirrorStore:
         self.lock_path = self.root / "lock"
         self.catalogue_path = self.root / "catalogue.sqlite3"
         if create:
+            if not self.root.exists():
+                os.makedirs(self.root, 0o755, exist_ok=True)
+                _fsync_dir(self.root.parent)
             for d in (self.root, self.root / "blobs", self.blobs_dir, self.tmp_dir):
                 self._ensure_dir(d)
         self.catalogue = Catalogue(self.catalogue_path, self.blob_path, create=create)
@@ -411,7 +417,9 @@ class MirrorStore:
         if path != self.root and stat.S_ISLNK(st.st_mode):
             raise SourceError(f"{path} is a symbolic link; the mirror's own directories must be real ones")
         if not stat.S_ISDIR(os.stat(path).st_mode):
-            raise SourceError(f"{path} is not a directory; move it aside or choose another mirror root (--root)")
+            raise SourceError(
+                f"{path} is not a directory; move it aside or choose another mirror root (--root)"
+            )
 
     # -- locking --------------------------------------------------------------
 
@@ -562,12 +570,16 @@ class MirrorStore:
         # SECURITY: O_EXCL|O_NOFOLLOW: never open an existing file or follow a link
         # planted under our temporary name.
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_NOFOLLOW | _O_CLOEXEC
-        while True:
+        for _ in range(100):
             path = self.tmp_dir / f"{os.getpid()}-{secrets.token_hex(8)}.partial"
             try:
                 return path, os.open(path, flags, 0o600)
-            except FileExistsError:  # pragma: no cover - 64 random bits
+            except FileExistsError:
+                # Someone else's file (or a planted link) under that name: leave it, pick another.
                 continue
+        raise SourceError(
+            f"cannot create a temporary file in {self.tmp_dir}; is something filling it with names?"
+        )
 
     def _copy_into(
         self,
@@ -686,7 +698,9 @@ class MirrorStore:
         """
         record = self.catalogue.get(name, tag)
         if record is None:
-            raise ModelNotFoundError(f"no model {name}:{tag} in the mirror; see the names with llmgw mirror ls")
+            raise ModelNotFoundError(
+                f"no model {name}:{tag} in the mirror; see the names with llmgw mirror ls"
+            )
         return record
 
     def list_models(self) -> list[ModelRecord]:
@@ -708,7 +722,9 @@ class MirrorStore:
 
     # -- verify and gc --------------------------------------------------------
 
-    def verify(self, models: Sequence[ModelRecord] | None = None, progress: Progress | None = None) -> list[BlobCheck]:
+    def verify(
+        self, models: Sequence[ModelRecord] | None = None, progress: Progress | None = None
+    ) -> list[BlobCheck]:
         """Re-hash the blobs of ``models`` (all models by default).
 
         Returns:
@@ -746,7 +762,8 @@ class MirrorStore:
             self.catalogue.mark_verified(good)
         for c in checks:
             if not c.ok:
-                log.warning("blob %s is %s (used by %s)", c.digest, c.status, ", ".join(c.models) or "no model")
+                # debug, not warning: the caller reports bad blobs to the user itself.
+                log.debug("blob %s is %s (used by %s)", c.digest, c.status, ", ".join(c.models) or "no model")
         return checks
 
     def _blobs_on_disk(self) -> Iterator[tuple[str, int, Path]]:
@@ -798,6 +815,10 @@ class MirrorStore:
                 _unlink_quiet(path)
             for parent in {p.parent for _, _, p in report.blobs}:
                 _fsync_dir(parent)
+                try:
+                    os.rmdir(parent)  # only succeeds when empty
+                except OSError:
+                    pass
             report.temp_files = self._sweep_temp(dry_run=False)
-            self.catalogue.forget_blobs([d for d, _, _ in report.blobs])
+            self.catalogue.forget_unused_blobs()
         return report

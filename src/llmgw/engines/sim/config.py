@@ -86,8 +86,9 @@ class SimConfig:
             )
         if not 0 <= self.startup_delay <= 86_400:
             raise ConfigError("startup_delay", "must be between 0 and 86400 seconds")
-        _check_int("chat_max_tokens", self.chat_max_tokens, 1, self.max_model_len)
-        _check_int("completion_max_tokens", self.completion_max_tokens, 1, self.max_model_len)
+        # Defaults longer than the context shrink to fit each request (as vLLM's do).
+        _check_int("chat_max_tokens", self.chat_max_tokens, 1, 100_000_000)
+        _check_int("completion_max_tokens", self.completion_max_tokens, 1, 100_000_000)
         _check_int("embedding_dim", self.embedding_dim, 1, 65_536)
         if not isinstance(self.faults, SimFaults):
             raise ConfigError("faults", "must be a SimFaults")

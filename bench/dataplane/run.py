@@ -1,0 +1,535 @@
+#!/usr/bin/env python3
+"""Data-plane benchmark: CPU per proxied request / relayed stream, added latency, RSS.
+
+Puts each proxy under test (nginx, llmgw, optionally a pure-Python byte relay)
+in front of the same nginx "engine" and measures, side by side in one run:
+
+* CPU per proxied request: the proxy's utime+stime (``/proc/<pid>/stat``, summed
+  over the process and its children, e.g. nginx master + 1 worker) before and
+  after ``wrk -t1 -c16 -d10s -s post.lua``, divided by the requests wrk completed;
+* CPU per relayed stream: the same with ``stream.lua`` (65-event SSE answers);
+* added p50 latency at one connection: ``wrk -c1 --latency`` p50 through the
+  proxy minus p50 straight to the upstream, measured in the same round;
+* RSS (VmRSS, summed like CPU) after each run;
+* errors: wrk's non-2xx and socket errors plus answers the Lua scripts reject.
+
+The proxy runs pinned to ``--proxy-core`` (0); wrk and the upstream nginx to
+``--load-core`` (1). Rounds are interleaved (nginx, llmgw, relay, nginx, ...)
+and the table shows the median of ``--rounds`` (3) with min-max.
+
+    .venv/bin/python bench/dataplane/run.py /tmp/dataplane.json
+    .venv/bin/python bench/dataplane/run.py out.json --proxies nginx,llmgw --rounds 5
+    .venv/bin/python bench/dataplane/run.py out.json --profile /tmp/prof   # + py-spy of llmgw
+
+Every process it starts is stopped on exit (also on Ctrl-C).
+"""
+
+from __future__ import annotations
+
+import argparse
+import atexit
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent.parent
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+# ---------------------------------------------------------------- fixed answers
+
+_CONTENT = (
+    "Day one: start in Alfama in the morning and walk up to the castle; lunch at a small tasca near "
+    "the cathedral; in the evening hear fado in the old town. Day two: take tram 15 to Belem for the "
+    "monastery and the tower, eat pasteis nearby, then dinner in Cais do Sodre. Day three: explore "
+    "Chiado and Bairro Alto, lunch at the Time Out market, and watch the sunset from a miradouro. "
+    "Metro green and blue lines plus tram 28 cover most sights. Book the castle tickets in advance."
+)
+
+
+def chat_json() -> str:
+    """A vLLM-style chat.completion (~0.8 KB)."""
+    return json.dumps(
+        {
+            "id": "chatcmpl-8f1c2a6b9d4e4f0a9b7c3d2e1f0a9b8c",
+            "object": "chat.completion",
+            "created": 1764000000,
+            "model": "m",
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {
+                        "role": "assistant",
+                        "content": _CONTENT,
+                        "refusal": None,
+                        "annotations": None,
+                        "audio": None,
+                        "function_call": None,
+                        "tool_calls": [],
+                        "reasoning_content": None,
+                    },
+                    "logprobs": None,
+                    "finish_reason": "stop",
+                    "stop_reason": None,
+                }
+            ],
+            "service_tier": None,
+            "system_fingerprint": None,
+            "usage": {"prompt_tokens": 212, "total_tokens": 318, "completion_tokens": 106, "prompt_tokens_details": None},
+            "prompt_logprobs": None,
+            "kv_transfer_params": None,
+        },
+        separators=(",", ":"),
+    )
+
+
+def sse_events(n: int = 65) -> list[str]:
+    """``n`` vLLM-style SSE events: role chunk, content chunks, finish chunk, [DONE]."""
+    words = _CONTENT.split(" ")
+    head = '{"id":"chatcmpl-8f1c2a6b9d4e4f0a9b7c3d2e1f0a9b8c","object":"chat.completion.chunk","created":1764000000,"model":"m","choices":[{"index":0,'
+    events = ['data: ' + head + '"delta":{"role":"assistant","content":""},"logprobs":null,"finish_reason":null}]}\n\n']
+    for i in range(n - 3):
+        tok = (" " if i else "") + words[i % len(words)]
+        events.append("data: " + head + '"delta":{"content":' + json.dumps(tok) + '},"logprobs":null,"finish_reason":null}]}\n\n')
+    events.append("data: " + head + '"delta":{"content":""},"logprobs":null,"finish_reason":"stop","stop_reason":null}]}\n\n')
+    events.append("data: [DONE]\n\n")
+    assert len(events) == n
+    return events
+
+
+METRICS = (
+    "# HELP vllm:num_requests_running Number of requests in model execution batches.\n"
+    "# TYPE vllm:num_requests_running gauge\n"
+    'vllm:num_requests_running{engine="0",model_name="m"} 0.0\n'
+    "# HELP vllm:num_requests_waiting Number of requests waiting to be processed.\n"
+    "# TYPE vllm:num_requests_waiting gauge\n"
+    'vllm:num_requests_waiting{engine="0",model_name="m"} 0.0\n'
+    "# HELP vllm:kv_cache_usage_perc KV-cache usage. 1 means 100 percent usage.\n"
+    "# TYPE vllm:kv_cache_usage_perc gauge\n"
+    'vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.0\n'
+)
+
+
+def _nginx_str(s: str) -> str:
+    # Inside '...' in nginx.conf: escape backslash and quote; newlines as \n.
+    # "$" would start a variable in echo/return: the fixed answers have none.
+    assert "$" not in s and "'" not in s, "fixed answers must not contain $ or '"
+    return s.replace("\\", "\\\\").replace("\n", "\\n")
+
+
+def render(tmpl: str, **kw: object) -> str:
+    text = (HERE / tmpl).read_text()
+    for k, v in kw.items():
+        text = text.replace(f"@@{k}@@", str(v))
+    left = re.findall(r"@@[A-Z0-9_]+@@", text)
+    assert not left, left
+    return text
+
+
+# ---------------------------------------------------------------- processes
+
+_procs: list[subprocess.Popen] = []  # type: ignore[type-arg]
+
+
+def _stop_all() -> None:
+    for p in reversed(_procs):
+        if p.poll() is None:
+            try:
+                p.send_signal(signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+    deadline = time.monotonic() + 10
+    for p in reversed(_procs):
+        try:
+            p.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+    _procs.clear()
+
+
+atexit.register(_stop_all)
+signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+
+
+def start(cmd: list[str], log: Path, env: dict[str, str] | None = None) -> subprocess.Popen:  # type: ignore[type-arg]
+    f = open(log, "ab")
+    p = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    _procs.append(p)
+    return p
+
+
+def wait_port(port: int, proc: subprocess.Popen, what: str, timeout: float = 20.0) -> None:  # type: ignore[type-arg]
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"{what} exited with status {proc.returncode} before listening on {port}")
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+                return
+        except OSError:
+            time.sleep(0.1)
+    raise SystemExit(f"{what} did not listen on {port} within {timeout:g}s")
+
+
+def port_free(port: int) -> bool:
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # TIME_WAIT from a previous run is fine
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def tree(pid: int) -> list[int]:
+    """``pid`` and all its descendants (nginx: master + workers)."""
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        try:
+            for tid in os.listdir(f"/proc/{p}/task"):
+                kids = Path(f"/proc/{p}/task/{tid}/children").read_text().split()
+                todo.extend(int(k) for k in kids)
+        except OSError:
+            pass
+    return out
+
+
+def cpu_seconds(pid: int) -> float:
+    """utime+stime of ``pid`` and its descendants (all threads), seconds."""
+    ticks = 0
+    for p in tree(pid):
+        try:
+            stat = Path(f"/proc/{p}/stat").read_text()
+        except OSError:
+            continue
+        fields = stat.rsplit(")", 1)[1].split()
+        ticks += int(fields[11]) + int(fields[12])  # utime, stime (fields 14, 15)
+    return ticks / CLK_TCK
+
+
+def rss_mib(pid: int) -> float:
+    kib = 0
+    for p in tree(pid):
+        try:
+            for line in Path(f"/proc/{p}/status").read_text().splitlines():
+                if line.startswith("VmRSS:"):
+                    kib += int(line.split()[1])
+        except OSError:
+            continue
+    return kib / 1024
+
+
+# ---------------------------------------------------------------- wrk
+
+_UNITS = {"us": 1.0, "ms": 1e3, "s": 1e6, "m": 60e6}
+
+
+def _dur_us(s: str) -> float:
+    m = re.fullmatch(r"([\d.]+)(us|ms|s|m)", s)
+    assert m, s
+    return float(m.group(1)) * _UNITS[m.group(2)]
+
+
+def wrk(core: int, url: str, script: str, conns: int, duration: float, latency: bool = False) -> dict:
+    cmd = ["taskset", "-c", str(core), "wrk", "-t1", f"-c{conns}", f"-d{duration:g}s", "--timeout", "10s",
+           "-s", str(HERE / script)]
+    if latency:
+        cmd.append("--latency")
+    cmd.append(url)
+    out = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    text = out.stdout + out.stderr
+    m = re.search(r"(\d+) requests in ([\d.]+)(\w+)", text)
+    if out.returncode != 0 or not m:
+        raise SystemExit(f"wrk failed ({out.returncode}):\n{text}")
+    res: dict = {"requests": int(m.group(1)), "raw": text}
+    se = re.search(r"Socket errors: connect (\d+), read (\d+), write (\d+), timeout (\d+)", text)
+    res["socket_errors"] = sum(int(x) for x in se.groups()) if se else 0
+    n2 = re.search(r"Non-2xx or 3xx responses: (\d+)", text)
+    res["non2xx"] = int(n2.group(1)) if n2 else 0
+    bad = re.search(r"BENCH_BAD (\d+)", text)
+    res["bad_body"] = int(bad.group(1)) if bad else 0
+    res["errors"] = res["socket_errors"] + res["non2xx"] + res["bad_body"]
+    rps = re.search(r"Requests/sec:\s+([\d.]+)", text)
+    res["rps"] = float(rps.group(1)) if rps else 0.0
+    if latency:
+        p = re.search(r"^\s+50%\s+(\S+)", text, re.M)
+        res["p50_us"] = _dur_us(p.group(1)) if p else None
+        p99 = re.search(r"^\s+99%\s+(\S+)", text, re.M)
+        res["p99_us"] = _dur_us(p99.group(1)) if p99 else None
+    return res
+
+
+# ---------------------------------------------------------------- the proxies
+
+
+class Proxy:
+    name = ""
+
+    def __init__(self, port: int) -> None:
+        self.port = port
+        self.proc: subprocess.Popen | None = None  # type: ignore[type-arg]
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None
+        return self.proc.pid
+
+
+class NginxProxy(Proxy):
+    name = "nginx"
+
+    def start(self, d: Path, core: int, up: tuple[int, int]) -> None:
+        conf = d / "proxy.conf"
+        conf.write_text(render("nginx_proxy.conf.tmpl", DIR=d, PORT=self.port, UP0=up[0], UP1=up[1]))
+        self.proc = start(["taskset", "-c", str(core), "nginx", "-p", str(d), "-c", str(conf)], d / "nginx_proxy.out")
+        wait_port(self.port, self.proc, "nginx proxy")
+
+
+class Llmgw(Proxy):
+    name = "llmgw"
+
+    def __init__(self, port: int, admin: int, cmd: str) -> None:
+        super().__init__(port)
+        self.admin = admin
+        self.cmd = cmd
+
+    def start(self, d: Path, core: int, up: tuple[int, int]) -> None:
+        conf = d / "llmgw.yaml"
+        conf.write_text(
+            f"listen: 127.0.0.1:{self.port}\n"
+            f"admin: 127.0.0.1:{self.admin}\n"
+            "endpoints:\n"
+            f'  - {{id: up0, url: "http://127.0.0.1:{up[0]}", model: m, engine: vllm}}\n'
+            f'  - {{id: up1, url: "http://127.0.0.1:{up[1]}", model: m, engine: vllm}}\n'
+        )
+        self.proc = start(["taskset", "-c", str(core), self.cmd, "serve", "-c", str(conf)], d / "llmgw.out")
+        wait_port(self.port, self.proc, "llmgw")
+
+
+class Relay(Proxy):
+    name = "relay"
+
+    def start(self, d: Path, core: int, up: tuple[int, int]) -> None:
+        cmd = ["taskset", "-c", str(core), sys.executable, str(HERE / "relay.py"), "--listen", f"127.0.0.1:{self.port}",
+               "--upstream", f"127.0.0.1:{up[0]}", "--upstream", f"127.0.0.1:{up[1]}"]
+        self.proc = start(cmd, d / "relay.out")
+        wait_port(self.port, self.proc, "relay")
+
+
+# ---------------------------------------------------------------- measuring
+
+
+def measure_load(p: Proxy, args: argparse.Namespace, script: str) -> dict:
+    c0 = cpu_seconds(p.pid)
+    t0 = time.monotonic()
+    r = wrk(args.load_core, p.url, script, args.connections, args.duration)
+    elapsed = time.monotonic() - t0
+    c1 = cpu_seconds(p.pid)
+    cpu = c1 - c0
+    return {
+        "requests": r["requests"],
+        "rps": r["rps"],
+        "cpu_s": round(cpu, 3),
+        "util": round(cpu / elapsed, 3),
+        "us_per": round(cpu / r["requests"] * 1e6, 2) if r["requests"] else None,
+        "errors": r["errors"],
+        "error_detail": {k: r[k] for k in ("socket_errors", "non2xx", "bad_body")},
+        "rss_mib": round(rss_mib(p.pid), 1),
+    }
+
+
+def med(xs: list[float]) -> float | None:
+    xs = [x for x in xs if x is not None]
+    return statistics.median(xs) if xs else None
+
+
+def span(xs: list[float]) -> str:
+    xs = [x for x in xs if x is not None]
+    return f"{min(xs):.0f}-{max(xs):.0f}" if xs else "-"
+
+
+def py_spy(p: Proxy, args: argparse.Namespace, script: str, out: Path, seconds: float, native: bool = False) -> None:
+    """Record ``p`` under load. Python-only profiles sample without stopping the
+    process (--nonblocking); native ones (C frames of uvloop, httptools, CPython,
+    the Cython modules) must stop it for each sample, which slows it several
+    times: trust their proportions, not their throughput."""
+    spy = shutil.which("py-spy", path=str(Path(sys.executable).parent)) or shutil.which("py-spy")
+    if spy is None:
+        print("py-spy not found (pip install py-spy); skipping the profile")
+        return
+    mode = ["--native", "-r", str(min(args.profile_rate, 200))] if native else ["--nonblocking", "-r", str(args.profile_rate)]
+    rec = subprocess.Popen(
+        [spy, "record", "-p", str(p.pid), *mode, "-d", str(int(seconds)), "-f", "raw", "-o", str(out)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    _procs.append(rec)
+    time.sleep(1.0)
+    wrk(args.load_core, p.url, script, args.connections, seconds - 2)
+    rec.wait()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("out", help="JSON results file")
+    ap.add_argument("--proxies", default="nginx,llmgw,relay", help="comma list of nginx,llmgw,relay")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--duration", type=float, default=10.0, help="seconds per load run")
+    ap.add_argument("--lat-duration", type=float, default=5.0, help="seconds per 1-connection latency run")
+    ap.add_argument("--connections", type=int, default=16)
+    ap.add_argument("--proxy-core", type=int, default=0)
+    ap.add_argument("--load-core", type=int, default=1)
+    ap.add_argument("--port-base", type=int, default=28000)
+    ap.add_argument("--sse-gap-ms", type=float, default=1.0,
+                    help="upstream pause between SSE events (0: back to back, flushed one by one)")
+    ap.add_argument("--no-stream", action="store_true", help="skip the SSE runs")
+    ap.add_argument("--llmgw", default=str(REPO / ".venv" / "bin" / "llmgw"), help="llmgw executable")
+    ap.add_argument("--profile", metavar="DIR", help="afterwards, py-spy record llmgw under each load into DIR")
+    ap.add_argument("--profile-rate", type=int, default=500)
+    ap.add_argument("--keep", action="store_true", help="keep the work directory (configs, logs)")
+    args = ap.parse_args()
+
+    base = args.port_base
+    up = (base + 1, base + 2)
+    all_proxies: dict[str, Proxy] = {
+        "nginx": NginxProxy(base + 80),
+        "llmgw": Llmgw(base + 81, base + 91, args.llmgw),
+        "relay": Relay(base + 82),
+    }
+    names = [n.strip() for n in args.proxies.split(",") if n.strip()]
+    proxies = [all_proxies[n] for n in names]
+    ports = [*up, *(p.port for p in proxies)] + ([base + 91] if "llmgw" in names else [])
+    busy = [p for p in ports if not port_free(p)]
+    if busy:
+        raise SystemExit(f"ports in use: {busy}; choose another --port-base")
+
+    d = Path(tempfile.mkdtemp(prefix="llmgw-dataplane-"))
+    (d / "tmp").mkdir()
+    try:
+        gap = args.sse_gap_ms / 1000.0
+        lines = []
+        for i, ev in enumerate(sse_events()):
+            lines.append(f"            echo -n '{_nginx_str(ev)}';")
+            lines.append("            echo_flush;")
+            if gap > 0 and i < 64:
+                lines.append(f"            echo_sleep {gap:g};")
+        conf = d / "upstream.conf"
+        conf.write_text(render("nginx_upstream.conf.tmpl", DIR=d, UP0=up[0], UP1=up[1], CHAT_JSON=_nginx_str(chat_json()),
+                               METRICS=_nginx_str(METRICS), SSE_DIRECTIVES="\n".join(lines), SSE_GAP_S=f"{gap:g}"))
+        upstream = start(["taskset", "-c", str(args.load_core), "nginx", "-p", str(d), "-c", str(conf)], d / "upstream.out")
+        wait_port(up[0], upstream, "upstream nginx")
+        wait_port(up[1], upstream, "upstream nginx")
+        for p in proxies:
+            p.start(d, args.proxy_core, up)  # type: ignore[attr-defined]
+        direct = Proxy(up[0])
+
+        print(f"work dir {d}; upstream nginx pid {upstream.pid}; "
+              + ", ".join(f"{p.name} pid {p.pid} :{p.port}" for p in proxies), flush=True)
+        # warm-up: connection pools, caches, first-use allocations
+        for p in proxies:
+            wrk(args.load_core, p.url, "post.lua", args.connections, 2)
+            if not args.no_stream:
+                wrk(args.load_core, p.url, "stream.lua", args.connections, 2)
+
+        rounds: list[dict] = []
+        for r in range(args.rounds):
+            rd: dict = {"direct_p50_us": None, "proxies": {}}
+            lat = wrk(args.load_core, direct.url, "post.lua", 1, args.lat_duration, latency=True)
+            rd["direct_p50_us"] = lat["p50_us"]
+            rd["direct_errors"] = lat["errors"]
+            for p in proxies:
+                res: dict = {"nonstream": measure_load(p, args, "post.lua")}
+                if not args.no_stream:
+                    res["stream"] = measure_load(p, args, "stream.lua")
+                lat = wrk(args.load_core, p.url, "post.lua", 1, args.lat_duration, latency=True)
+                res["p50_us"] = lat["p50_us"]
+                res["p99_us"] = lat["p99_us"]
+                res["added_p50_us"] = round(lat["p50_us"] - rd["direct_p50_us"], 1)
+                res["lat_errors"] = lat["errors"]
+                res["rss_mib"] = round(rss_mib(p.pid), 1)
+                rd["proxies"][p.name] = res
+                s = res.get("stream", {})
+                print(f"round {r + 1} {p.name:6s} req {res['nonstream']['us_per']} us "
+                      f"({res['nonstream']['rps']:.0f}/s, util {res['nonstream']['util']:.2f})  "
+                      f"stream {s.get('us_per')} us ({s.get('rps', 0):.0f}/s, util {s.get('util', 0):.2f})  "
+                      f"p50 +{res['added_p50_us']} us  rss {res['rss_mib']} MiB  "
+                      f"errors {res['nonstream']['errors'] + s.get('errors', 0) + res['lat_errors']}", flush=True)
+            rounds.append(rd)
+
+        summary: dict = {}
+        for p in proxies:
+            rs = [rd["proxies"][p.name] for rd in rounds]
+            summary[p.name] = {
+                "us_per_request": med([x["nonstream"]["us_per"] for x in rs]),
+                "us_per_request_all": [x["nonstream"]["us_per"] for x in rs],
+                "us_per_stream": med([x["stream"]["us_per"] for x in rs]) if not args.no_stream else None,
+                "us_per_stream_all": [x["stream"]["us_per"] for x in rs] if not args.no_stream else [],
+                "added_p50_us": med([x["added_p50_us"] for x in rs]),
+                "added_p50_us_all": [x["added_p50_us"] for x in rs],
+                "rss_mib_max": max(x["rss_mib"] for x in rs),
+                "errors": sum(x["nonstream"]["errors"] + x.get("stream", {}).get("errors", 0) + x["lat_errors"] for x in rs),
+            }
+        ref = summary.get("nginx")
+        for s in summary.values():
+            if ref:
+                s["ratio_request"] = round(s["us_per_request"] / ref["us_per_request"], 2)
+                if s["us_per_stream"] and ref["us_per_stream"]:
+                    s["ratio_stream"] = round(s["us_per_stream"] / ref["us_per_stream"], 2)
+
+        print(f"\nmedian of {args.rounds} interleaved rounds (min-max); proxy on core {args.proxy_core}, "
+              f"wrk -t1 -c{args.connections} + upstream nginx on core {args.load_core}; "
+              f"direct p50 {med([rd['direct_p50_us'] for rd in rounds])} us")
+        hdr = f"{'proxy':7s} {'us/req':>8s} {'range':>9s} {'x nginx':>7s} {'us/stream':>9s} {'range':>9s} {'x nginx':>7s} {'+p50 us':>8s} {'RSS MiB':>7s} {'errors':>6s}"
+        print(hdr)
+        for name, s in summary.items():
+            rs = [rd["proxies"][name] for rd in rounds]
+            print(f"{name:7s} {s['us_per_request']:8.1f} {span(s['us_per_request_all']):>9s} {s.get('ratio_request', 0):7.2f} "
+                  f"{(s['us_per_stream'] or 0):9.1f} {span(s['us_per_stream_all']):>9s} {s.get('ratio_stream', 0):7.2f} "
+                  f"{s['added_p50_us']:8.1f} {s['rss_mib_max']:7.1f} {s['errors']:6d}")
+
+        result = {
+            "config": {k: v for k, v in vars(args).items()},
+            "machine": {"nproc": os.cpu_count(), "loadavg_end": os.getloadavg()},
+            "rounds": rounds,
+            "summary": summary,
+        }
+
+        if args.profile and "llmgw" in all_proxies and any(p.name == "llmgw" for p in proxies):
+            pdir = Path(args.profile)
+            pdir.mkdir(parents=True, exist_ok=True)
+            llm = all_proxies["llmgw"]
+            for native in (False, True):
+                sfx = "_native" if native else ""
+                py_spy(llm, args, "post.lua", pdir / f"llmgw_nonstream{sfx}.raw", args.duration + 2, native)
+                if not args.no_stream:
+                    py_spy(llm, args, "stream.lua", pdir / f"llmgw_stream{sfx}.raw", args.duration + 2, native)
+            result["profile_dir"] = str(pdir)
+            print(f"py-spy raw profiles in {pdir} (summarise with bench/dataplane/pyspy_top.py)")
+
+        Path(args.out).write_text(json.dumps(result, indent=1))
+        print(f"wrote {args.out}")
+    finally:
+        _stop_all()
+        if args.keep:
+            print(f"kept {d}")
+        else:
+            shutil.rmtree(d, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,110 @@
+#!/usr/bin/env python3
+"""The data path with metrics on vs off: CPU per proxied request, side by side.
+
+Two gateways run in front of the same nginx "engine" (``dataplane/run.py``'s),
+identical but for the observer: one reports to the admin app's
+``PrometheusObserver`` (metrics on), the other to ``NullObserver`` (off). Rounds
+are interleaved (on, off, on, ...) and each measures the gateway's CPU per
+request under ``wrk -t1 -c16`` with ``post.lua`` (and ``stream.lua`` unless
+``--no-stream``). The issue's bar: the difference stays under 5%.
+
+    .venv/bin/python bench/observer_dataplane.py --rounds 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE / "dataplane"))
+
+import run as dp  # noqa: E402  (bench/dataplane/run.py: processes, wrk, the nginx engine)
+
+LAUNCH = """
+import asyncio, sys
+import uvloop
+from llmgw.config import load_file
+from llmgw.gateway.app import GatewayRuntime
+from llmgw.gateway.observe import NullObserver
+
+async def main():
+    rt = GatewayRuntime(load_file(sys.argv[1]))
+    await rt.start()
+    admin = rt.admin_server.app
+    rt.gateway.set_observer(admin.observer if sys.argv[2] == "on" else NullObserver())
+    await asyncio.Event().wait()
+
+uvloop.run(main())
+"""
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--duration", type=float, default=8.0)
+    ap.add_argument("--connections", type=int, default=16)
+    ap.add_argument("--proxy-core", type=int, default=0)
+    ap.add_argument("--load-core", type=int, default=1)
+    ap.add_argument("--port-base", type=int, default=29000)
+    ap.add_argument("--no-stream", action="store_true")
+    args = ap.parse_args()
+
+    base = args.port_base
+    up = (base + 1, base + 2)
+    gws = {"on": (base + 10, base + 20), "off": (base + 11, base + 21)}
+    d = Path(tempfile.mkdtemp(prefix="llmgw-observer-bench-"))
+    (d / "tmp").mkdir()
+    lines = []
+    for ev in dp.sse_events():
+        lines.append(f"            echo -n '{dp._nginx_str(ev)}';")
+        lines.append("            echo_flush;")
+    conf = d / "upstream.conf"
+    conf.write_text(dp.render("nginx_upstream.conf.tmpl", DIR=d, UP0=up[0], UP1=up[1],
+                              CHAT_JSON=dp._nginx_str(dp.chat_json()), METRICS=dp._nginx_str(dp.METRICS),
+                              SSE_DIRECTIVES="\n".join(lines), SSE_GAP_S="0"))
+    upstream = dp.start(["taskset", "-c", str(args.load_core), "nginx", "-p", str(d), "-c", str(conf)], d / "up.out")
+    dp.wait_port(up[0], upstream, "upstream nginx")
+    procs = {}
+    for name, (port, admin) in gws.items():
+        cfg = d / f"{name}.yaml"
+        cfg.write_text(
+            f"listen: 127.0.0.1:{port}\nadmin: 127.0.0.1:{admin}\nendpoints:\n"
+            f'  - {{id: up0, url: "http://127.0.0.1:{up[0]}", model: m, engine: vllm}}\n'
+            f'  - {{id: up1, url: "http://127.0.0.1:{up[1]}", model: m, engine: vllm}}\n'
+        )
+        procs[name] = dp.start(["taskset", "-c", str(args.proxy_core), sys.executable, "-c", LAUNCH, str(cfg), name],
+                               d / f"{name}.out")
+        dp.wait_port(port, procs[name], f"llmgw ({name})")
+    scripts = ["post.lua"] + ([] if args.no_stream else ["stream.lua"])
+    for name, (port, _) in gws.items():  # warm-up
+        for s in scripts:
+            dp.wrk(args.load_core, f"http://127.0.0.1:{port}", s, args.connections, 2)
+    res: dict[tuple[str, str], list[float]] = {}
+    for r in range(args.rounds):
+        for name in (("on", "off") if r % 2 == 0 else ("off", "on")):
+            port = gws[name][0]
+            for s in scripts:
+                c0, t0 = dp.cpu_seconds(procs[name].pid), time.monotonic()
+                w = dp.wrk(args.load_core, f"http://127.0.0.1:{port}", s, args.connections, args.duration)
+                cpu = dp.cpu_seconds(procs[name].pid) - c0
+                if w["errors"]:
+                    raise SystemExit(f"{name} {s}: {w['errors']} errors")
+                us = cpu / w["requests"] * 1e6
+                res.setdefault((name, s), []).append(us)
+                print(f"round {r + 1} metrics {name:3s} {s:10s} {us:7.1f} us/request "
+                      f"({w['rps']:.0f}/s in {time.monotonic() - t0:.1f}s)", flush=True)
+    print()
+    for s in scripts:
+        on, off = statistics.median(res[("on", s)]), statistics.median(res[("off", s)])
+        print(f"{s:10s} median CPU per request: metrics on {on:.1f} us, off {off:.1f} us: "
+              f"{(on - off) / off * 100:+.1f}%")
+    dp._stop_all()
+
+
+if __name__ == "__main__":
+    main()

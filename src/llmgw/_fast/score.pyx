@@ -1,0 +1,615 @@
+# cython: language_level=3
+"""Routing kernels (compiled twin of ``score_py``; see its docstring and docs/routing.md).
+
+NOTE: every formula is written in the same order as in the twin, so the two give
+bit-identical floats (no FMA contraction happens on the default x86-64/arm64
+targets for these separate statements; the differential tests check it).
+"""
+
+cimport cython
+from cpython.list cimport PyList_GET_ITEM, PyList_GET_SIZE
+from cpython.mem cimport PyMem_Free, PyMem_Malloc
+from cpython.ref cimport PyObject
+from libc.math cimport INFINITY, NAN, exp, expm1, isnan
+from libc.stdint cimport uint64_t
+
+import os
+
+DRAIN_TAU = 10.0
+NEAR_TIE = 0.1
+PREFILL_SHARE = 0.05
+KV_KNEE = 0.7
+KV_WEIGHT = 3.0
+RETRY_AFTER_MIN = 1.0
+RETRY_AFTER_MAX = 60.0
+RETRY_AFTER_DEFAULT = 5.0
+STRATEGIES = ("score", "least_inflight", "round_robin")
+BREAKER_CLOSED = BS_CLOSED
+BREAKER_OPEN = BS_OPEN
+BREAKER_HALF_OPEN = BS_HALF_OPEN
+
+# The same numbers as C constants (the Python names above are the public ones).
+cdef double C_DRAIN_TAU = 10.0
+cdef double C_MIN_WINDOW = 1.0
+cdef double C_NEAR_TIE = 0.1
+cdef double C_PREFILL_SHARE = 0.05
+cdef double C_KV_KNEE = 0.7
+cdef double C_KV_WEIGHT = 3.0
+cdef double C_RETRY_AFTER_MIN = 1.0
+cdef double C_RETRY_AFTER_MAX = 60.0
+cdef double C_RETRY_AFTER_DEFAULT = 5.0
+
+cdef tuple _STATE_NAMES = ("closed", "open", "half_open")
+cdef object os_urandom = os.urandom
+cdef object _M64 = (1 << 64) - 1
+
+__all__ = [
+    "BREAKER_CLOSED",
+    "BREAKER_HALF_OPEN",
+    "BREAKER_OPEN",
+    "DRAIN_TAU",
+    "KV_KNEE",
+    "KV_WEIGHT",
+    "NEAR_TIE",
+    "PREFILL_SHARE",
+    "RETRY_AFTER_DEFAULT",
+    "RETRY_AFTER_MAX",
+    "RETRY_AFTER_MIN",
+    "STRATEGIES",
+    "Breaker",
+    "EndpointState",
+    "Picker",
+    "RetryBudget",
+    "pool_saturation",
+    "retry_after",
+]
+
+
+cdef inline double _nan_if_none(object value) except? -1.0:
+    if value is None:
+        return NAN
+    return float(value)
+
+
+@cython.final
+cdef class Breaker:
+    """A circuit breaker for one replica (see score_py.Breaker)."""
+
+    def __init__(self, failures=5, cooldown=5.0, max_cooldown=60.0):
+        cdef int f = int(failures)
+        cdef double c = float(cooldown)
+        cdef double m = float(max_cooldown)
+        if f < 1:
+            raise ValueError("failures must be at least 1")
+        if not c >= 0.0:
+            raise ValueError("cooldown must be >= 0")
+        if not m >= c:
+            raise ValueError("max_cooldown must be >= cooldown")
+        self.failures = f
+        self.cooldown = c
+        self.max_cooldown = m
+        self.consecutive_failures = 0
+        self.open_until = 0.0
+        self.current_cooldown = c
+        self.opened = 0
+        self.closed = 0
+        self.probes = 0
+        self._state = BS_CLOSED
+        self._probing = False
+        self._probe_expires = 0.0
+
+    @property
+    def state(self):
+        """``"closed"``, ``"open"`` or ``"half_open"``."""
+        return _STATE_NAMES[self._state]
+
+    @property
+    def state_code(self):
+        """The state as ``BREAKER_CLOSED`` (0), ``BREAKER_OPEN`` (1) or ``BREAKER_HALF_OPEN`` (2)."""
+        return self._state
+
+    cdef inline bint _available(self, double now) noexcept:
+        if self._state == BS_CLOSED:
+            return True
+        if self._state == BS_OPEN:
+            return now >= self.open_until
+        return not self._probing or now >= self._probe_expires
+
+    cdef bint _allow(self, double now) noexcept:
+        if self._state == BS_CLOSED:
+            return True
+        if self._state == BS_OPEN:
+            if now < self.open_until:
+                return False
+            self._state = BS_HALF_OPEN
+        elif self._probing and now < self._probe_expires:
+            return False
+        self._probing = True
+        self._probe_expires = now + self.max_cooldown
+        self.probes += 1
+        return True
+
+    def available(self, double now):
+        """Whether :meth:`allow` would let a request through now (changes nothing)."""
+        return self._available(now)
+
+    def allow(self, double now):
+        """Whether a request may be sent now; in half-open state, takes the one probe."""
+        return self._allow(now)
+
+    def record_success(self, double now):
+        """A request to this replica succeeded (closes a half-open breaker)."""
+        if self._state == BS_CLOSED:
+            self.consecutive_failures = 0
+        elif self._state == BS_HALF_OPEN:
+            self._state = BS_CLOSED
+            self._probing = False
+            self.consecutive_failures = 0
+            self.current_cooldown = self.cooldown
+            self.closed += 1
+
+    def record_failure(self, double now):
+        """A request to this replica failed (connect error, reset, timeout, 5xx)."""
+        if self._state == BS_CLOSED:
+            self.consecutive_failures += 1
+            if self.consecutive_failures >= self.failures:
+                self._state = BS_OPEN
+                self.open_until = now + self.current_cooldown
+                self.opened += 1
+        elif self._state == BS_HALF_OPEN:
+            self.consecutive_failures += 1
+            self._state = BS_OPEN
+            self._probing = False
+            self.current_cooldown = min(self.current_cooldown * 2.0, self.max_cooldown)
+            self.open_until = now + self.current_cooldown
+            self.opened += 1
+
+    def release(self):
+        """The probe will never report (client gone, request rejected): free the probe slot."""
+        self._probing = False
+
+    def __repr__(self):
+        return f"<Breaker {self.state} failures={self.consecutive_failures}/{self.failures}>"
+
+
+@cython.final
+cdef class EndpointState:
+    """The numbers routing reads about one replica (see score_py.EndpointState)."""
+
+    def __init__(self, index=0, breaker=None):
+        self.index = int(index)
+        self.inflight = 0
+        self.waiting = NAN
+        self.running = NAN
+        self.kv_cache_usage = NAN
+        self.scraped_at = NAN
+        self.dispatched_since_scrape = 0
+        self.completed_since_scrape = 0
+        self.drain_rate = NAN
+        self.latency = NAN
+        self.slots = NAN
+        self.max_running = 0.0
+        self.seen_full = False
+        self.draining = False
+        if breaker is None:
+            self._breaker = Breaker()
+        else:
+            self.breaker = breaker
+        self._t_last = NAN
+        self._area = 0.0
+        self._done = 0.0
+        self._window = 0.0
+
+    @property
+    def breaker(self):
+        """The replica's circuit breaker (never ``None``)."""
+        return self._breaker
+
+    @breaker.setter
+    def breaker(self, value):
+        if not isinstance(value, Breaker):
+            raise TypeError("breaker must be a Breaker")
+        self._breaker = <Breaker>value
+
+    # -- events ---------------------------------------------------------------
+
+    def on_scrape(self, double now, waiting, running, kv):
+        """A scrape landed: store its numbers (``None``: absent) and reset the since-scrape counters."""
+        self.waiting = _nan_if_none(waiting)
+        self.running = _nan_if_none(running)
+        self.kv_cache_usage = _nan_if_none(kv)
+        self.scraped_at = now
+        self.dispatched_since_scrape = 0
+        self.completed_since_scrape = 0
+        if self.running > self.max_running:
+            self.max_running = self.running
+        if self.waiting > 0.0:
+            self.seen_full = True
+
+    cdef void _advance(self, double now) noexcept:
+        cdef double last = self._t_last
+        cdef double x, decay, part
+        if isnan(last):
+            self._t_last = now
+        elif now > last:
+            x = -(now - last) / C_DRAIN_TAU
+            decay = exp(x)
+            part = -expm1(x)
+            self._area = self._area * decay + <double>self.inflight * C_DRAIN_TAU * part
+            self._done = self._done * decay
+            self._window = self._window * decay + C_DRAIN_TAU * part
+            self._t_last = now
+
+    def on_dispatch(self, double now):
+        """The router sent a request to this replica."""
+        self._advance(now)
+        self.inflight += 1
+        self.dispatched_since_scrape += 1
+        if self._done > 0.0:
+            self.latency = self._area / self._done
+
+    def on_complete(self, double now):
+        """A request left this replica with a response (counts for drain rate and latency)."""
+        self._advance(now)
+        if self.inflight > 0:
+            self.inflight -= 1
+        self.completed_since_scrape += 1
+        self._done += 1.0
+        self.drain_rate = self._done / (self._window if self._window > C_MIN_WINDOW else C_MIN_WINDOW)
+        self.latency = self._area / self._done
+
+    def on_abort(self, double now):
+        """A request left this replica without a usable outcome (not a completion)."""
+        self._advance(now)
+        if self.inflight > 0:
+            self.inflight -= 1
+        self.completed_since_scrape += 1
+        if self._done > 0.0:
+            self.latency = self._area / self._done
+
+    # -- reading --------------------------------------------------------------
+
+    cdef inline bint _stale(self, double now, double stale_after) noexcept:
+        return isnan(self.scraped_at) or now - self.scraped_at > stale_after
+
+    cdef inline bint _usable(self, double now) noexcept:
+        return not self.draining and self._breaker._available(now)
+
+    cdef inline double _capacity(self) noexcept:
+        if self.slots > 0.0:
+            return self.slots
+        return self.max_running if self.max_running > 1.0 else 1.0
+
+    cdef inline double _load(self) noexcept:
+        cdef double n = (0.0 if isnan(self.waiting) else self.waiting) + (0.0 if isnan(self.running) else self.running)
+        n = n + <double>(self.dispatched_since_scrape - self.completed_since_scrape)
+        return n if n > 0.0 else 0.0
+
+    cdef double _queued(self) noexcept:
+        cdef double w = self.waiting
+        cdef double r = self.running
+        cdef double net, q
+        if isnan(w):
+            return NAN
+        net = <double>(self.dispatched_since_scrape - self.completed_since_scrape)
+        if w > 0.0 or isnan(r):
+            q = w + net
+        else:
+            q = r + net - self._capacity()
+        return q if q > 0.0 else 0.0
+
+    cdef double _saturation(self, double now, double stale_after, double max_waiting, double max_kv) noexcept:
+        cdef double sat = 0.0, q, kv
+        cdef bint reported = False
+        if self._stale(now, stale_after):
+            return 1.0
+        q = self._queued()
+        if not isnan(q):
+            sat = q / max_waiting
+            reported = True
+        kv = self.kv_cache_usage
+        if not isnan(kv):
+            kv = kv / max_kv
+            if kv > sat:
+                sat = kv
+            reported = True
+        if not reported:
+            q = <double>self.inflight - self._capacity()
+            sat = q / max_waiting if q > 0.0 else 0.0
+        return sat
+
+    def stale(self, double now, double stale_after):
+        """Whether the engine numbers are missing or older than ``stale_after`` seconds."""
+        return self._stale(now, stale_after)
+
+    def usable(self, double now):
+        """Whether new requests may go here: not draining, breaker available."""
+        return self._usable(now)
+
+    def capacity(self):
+        """Requests the replica runs at once: ``slots``, else the most seen running (at least 1)."""
+        return self._capacity()
+
+    def load(self):
+        """Corrected requests on the replica: ``max(0, W + R + dispatched - completed)``."""
+        return self._load()
+
+    def queued(self):
+        """Corrected queue (NaN if the engine reports no queue gauge)."""
+        return self._queued()
+
+    def saturation(self, double now, double stale_after, double max_waiting, double max_kv):
+        """How full the replica is against the limits; 1.0 is the healthy limit, stale is 1.0."""
+        if not (max_waiting > 0.0 and max_kv > 0.0):
+            raise ValueError("max_waiting and max_kv must be positive")
+        return self._saturation(now, stale_after, max_waiting, max_kv)
+
+    def __repr__(self):
+        return (
+            f"<EndpointState {self.index} inflight={self.inflight} waiting={self.waiting} "
+            f"running={self.running} kv={self.kv_cache_usage}>"
+        )
+
+
+cdef inline EndpointState _state_at(list states, Py_ssize_t i):
+    # Checked cast: a wrong element type raises TypeError instead of crashing.
+    return <EndpointState?>PyList_GET_ITEM(states, i)
+
+
+@cython.final
+cdef class Picker:
+    """Chooses a replica for each request (see score_py.Picker)."""
+
+    def __cinit__(self):
+        self._size = 0
+        self._idx = NULL
+        self._buf = NULL
+
+    def __init__(self, strategy="score", seed=None):
+        if strategy not in STRATEGIES:
+            raise ValueError(f"unknown routing strategy {strategy!r}; expected one of {', '.join(STRATEGIES)}")
+        self._strategy = STRATEGIES.index(strategy)
+        if seed is None:
+            seed = int.from_bytes(os_urandom(8), "little")
+        self._rng = <uint64_t>(int(seed) & _M64)
+        self._rr = 0
+
+    def __dealloc__(self):
+        PyMem_Free(self._idx)
+        PyMem_Free(self._buf)
+
+    @property
+    def strategy(self):
+        return STRATEGIES[self._strategy]
+
+    cdef inline uint64_t _next(self) noexcept:
+        # SplitMix64, as in the twin.
+        cdef uint64_t z
+        self._rng += 0x9E3779B97F4A7C15ULL
+        z = self._rng
+        z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL
+        z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL
+        return z ^ (z >> 31)
+
+    def random(self):
+        """The next 64-bit value of the tie-break generator (tests, simulations)."""
+        return self._next()
+
+    cdef int _reserve(self, Py_ssize_t n) except -1:
+        cdef Py_ssize_t cap
+        if n <= self._size:
+            return 0
+        cap = n if n > 64 else 64
+        PyMem_Free(self._idx)
+        PyMem_Free(self._buf)
+        self._size = 0
+        self._idx = <Py_ssize_t*>PyMem_Malloc(cap * sizeof(Py_ssize_t))
+        self._buf = <double*>PyMem_Malloc(5 * cap * sizeof(double))
+        if self._idx == NULL or self._buf == NULL:
+            raise MemoryError()
+        self._size = cap
+        return 0
+
+    def pick(self, list states not None, double now, double stale_after):
+        """The index in ``states`` of the replica to send the next request to, or -1."""
+        cdef Py_ssize_t i
+        if self._strategy == S_SCORE:
+            i = self._score(states, now, stale_after)
+        elif self._strategy == S_LEAST_INFLIGHT:
+            i = self._least_inflight(states, now)
+        else:
+            i = self._round_robin(states, now)
+        if i >= 0:
+            (<EndpointState>PyList_GET_ITEM(states, i))._breaker._allow(now)
+        return i
+
+    cdef Py_ssize_t _least_inflight(self, list states, double now) except -2:
+        cdef Py_ssize_t i, n = PyList_GET_SIZE(states)
+        cdef Py_ssize_t best = -1, best_load = 0, ties = 0, load
+        cdef EndpointState st
+        for i in range(n):
+            st = _state_at(states, i)
+            if not st._usable(now):
+                continue
+            load = st.inflight
+            if best < 0 or load < best_load:
+                best = i
+                best_load = load
+                ties = 1
+            elif load == best_load:
+                ties += 1
+                if self._next() % <uint64_t>ties == 0:
+                    best = i
+        return best
+
+    cdef Py_ssize_t _round_robin(self, list states, double now) except -2:
+        cdef Py_ssize_t n = PyList_GET_SIZE(states)
+        cdef Py_ssize_t start, k, i
+        if n == 0:
+            return -1
+        start = self._rr % n
+        for k in range(n):
+            i = start + k
+            if i >= n:
+                i -= n
+            if _state_at(states, i)._usable(now):
+                self._rr = i + 1
+                return i
+        return -1
+
+    cdef Py_ssize_t _score(self, list states, double now, double stale_after) except -2:
+        # pass 1: the usable fresh replicas' numbers, the pool's largest capacity and
+        # the mean of the known latencies; pass 2: costs; pass 3: draw among near-ties
+        cdef Py_ssize_t i, k, m, n = PyList_GET_SIZE(states)
+        cdef Py_ssize_t cnt = 0, known = 0
+        cdef double known_sum = 0.0, prior = 1.0
+        cdef double fill, w, r, kv, kvf, t, c, full, slots_now, ahead, wait, x, best, limit
+        cdef double *load
+        cdef double *capa
+        cdef double *fulls
+        cdef double *kvfs
+        cdef double *lat
+        cdef uint64_t pick
+        cdef EndpointState st
+        self._reserve(n)
+        load = self._buf
+        capa = load + self._size
+        fulls = capa + self._size
+        kvfs = fulls + self._size
+        lat = kvfs + self._size
+        for i in range(n):
+            st = _state_at(states, i)
+            if not st._usable(now) or st._stale(now, stale_after):
+                continue
+            w = st.waiting
+            r = st.running
+            if isnan(w) and isnan(r):
+                continue  # fresh but blind: no queue or running gauge
+            kv = st.kv_cache_usage
+            kvf = 1.0 + C_KV_WEIGHT * (kv - C_KV_KNEE) / (1.0 - C_KV_KNEE) if kv > C_KV_KNEE else 1.0
+            c = st._capacity()
+            if c > prior:
+                prior = c
+            if not (st.slots > 0.0 or st.seen_full):
+                c = -c  # a lower bound only: pass 2 uses the pool's largest
+            full = r if w > 0.0 and r > 0.0 else 0.0
+            t = st.latency
+            if t > 0.0:
+                known_sum += t
+                known += 1
+            else:
+                t = NAN
+            self._idx[cnt] = i
+            load[cnt] = st._load()
+            capa[cnt] = c
+            fulls[cnt] = full
+            kvfs[cnt] = kvf
+            lat[cnt] = t
+            cnt += 1
+        if cnt == 0:
+            return self._least_inflight(states, now)
+        fill = known_sum / <double>known if known else 1.0
+        best = INFINITY
+        for k in range(cnt):
+            c = capa[k]
+            if c < 0.0:
+                c = prior
+            full = fulls[k]
+            slots_now = full if full > 0.0 else c
+            ahead = load[k] + 1.0 - slots_now
+            wait = ahead / slots_now if ahead > 0.0 else 0.0
+            t = lat[k]
+            x = (wait + C_PREFILL_SHARE * (1.0 + load[k] / c)) * kvfs[k] * (fill if isnan(t) else t)
+            load[k] = x  # the cost, from here on
+            if x < best:
+                best = x
+        limit = best * (1.0 + C_NEAR_TIE)
+        m = 0
+        for k in range(cnt):
+            if load[k] <= limit:
+                m += 1
+        if m == 1:
+            for k in range(cnt):
+                if load[k] <= limit:
+                    return self._idx[k]
+        pick = self._next() % <uint64_t>m
+        for k in range(cnt):
+            if load[k] <= limit:
+                if pick == 0:
+                    return self._idx[k]
+                pick -= 1
+        return -1  # unreachable
+
+    def __repr__(self):
+        return f"<Picker {self.strategy}>"
+
+
+def pool_saturation(list states not None, double now, double stale_after, double max_waiting, double max_kv):
+    """Mean saturation of the usable replicas (stale ones count 1.0); ``inf`` if none is usable."""
+    cdef Py_ssize_t i, n = 0
+    cdef double total = 0.0
+    cdef EndpointState st
+    if not (max_waiting > 0.0 and max_kv > 0.0):
+        raise ValueError("max_waiting and max_kv must be positive")
+    for i in range(PyList_GET_SIZE(states)):
+        st = _state_at(states, i)
+        if st._usable(now):
+            total += st._saturation(now, stale_after, max_waiting, max_kv)
+            n += 1
+    return total / <double>n if n else INFINITY
+
+
+def retry_after(list states not None, queued, double now):
+    """Seconds a rejected client should wait: ``(queued + 1)`` completions at the pool's drain rate."""
+    cdef Py_ssize_t i
+    cdef double rate = 0.0, r, t
+    cdef EndpointState st
+    for i in range(PyList_GET_SIZE(states)):
+        st = _state_at(states, i)
+        r = st.drain_rate
+        if r > 0.0 and st._usable(now):
+            rate += r
+    if not rate > 0.0:
+        return C_RETRY_AFTER_DEFAULT
+    t = (<double>queued + 1.0) / rate
+    if t < C_RETRY_AFTER_MIN:
+        return C_RETRY_AFTER_MIN
+    if t > C_RETRY_AFTER_MAX:
+        return C_RETRY_AFTER_MAX
+    return t
+
+
+@cython.final
+cdef class RetryBudget:
+    """Bounds retries in flight to a fraction of active requests (see score_py.RetryBudget)."""
+
+    def __init__(self, ratio=0.2, min_inflight=3):
+        cdef double r = float(ratio)
+        cdef Py_ssize_t m = int(min_inflight)
+        if not r >= 0.0 or m < 0:
+            raise ValueError("ratio and min_inflight must be >= 0")
+        self.ratio = r
+        self.min_inflight = m
+        self.retrying = 0
+        self.retries = 0
+        self.refused = 0
+
+    def can_retry(self, Py_ssize_t active):
+        """Whether one more retry may be sent while ``active`` requests are in flight."""
+        cdef double limit = self.ratio * <double>active
+        if limit < <double>self.min_inflight:
+            limit = <double>self.min_inflight
+        if <double>self.retrying < limit:
+            return True
+        self.refused += 1
+        return False
+
+    def record_retry(self):
+        """A retry was sent."""
+        self.retrying += 1
+        self.retries += 1
+
+    def done_retry(self):
+        """A retry ended (however)."""
+        if self.retrying > 0:
+            self.retrying -= 1

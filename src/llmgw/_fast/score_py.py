@@ -1,0 +1,750 @@
+"""Routing kernels: the pure-Python twin of ``score.pyx``.
+
+This module is the readable spec; the compiled module matches it name for name and,
+given the same seed and the same calls, pick for pick and float for float (both
+twins use the same generator and evaluate every formula in the same order).
+``docs/routing.md`` explains the model; the short version follows.
+
+Per replica: :class:`EndpointState`
+-----------------------------------
+What routing reads about one replica. Engine numbers come from scrapes
+(``waiting``, ``running``, ``kv_cache_usage``; NaN when the engine does not report
+them: absent, never 0). Between scrapes the router corrects them with what it saw
+itself: ``dispatched_since_scrape`` and ``completed_since_scrape`` (both reset by
+:meth:`EndpointState.on_scrape`). From its own requests the router also measures
+
+* ``drain_rate``: completions per second, an exponentially weighted rate with time
+  constant ``DRAIN_TAU`` over the router's own completions (NaN until the first);
+* ``latency``: the mean time the router's requests spend on the replica (Little's
+  law over the same window: time-weighted requests in flight divided by
+  completions; NaN until the first completion). Unlike the completion rate it does
+  not depend on how much traffic the replica is sent, so a replica that is sent
+  little is not mistaken for a slow one, and it is the same whichever share of the
+  fleet's traffic this router sees. Time spent by requests that have not completed
+  yet counts, so a replica that stops completing looks slower and slower.
+
+``capacity()`` is how many requests the replica runs at once: ``slots`` when known
+and positive (configured, or read from the engine), else the most ``running`` any
+scrape showed (at least 1). That is the capacity once a scrape has shown the
+replica with a queue (``seen_full``), and only a lower bound before: routing then
+assumes the capacity of the largest replica of the pool, so a new or lightly used
+replica is not mistaken for a small one and left idle (if the guess is too high,
+its queue shows in the next scrape and settles it).
+
+``load()`` is the corrected number of requests on the replica, ``max(0, W + R + d - c)``
+(absent gauges count 0), and ``queued()`` the corrected queue: the router's own
+requests since the scrape go to free slots first, then to the queue (see its
+docstring).
+
+Choosing a replica: :class:`Picker`
+-----------------------------------
+A replica is *usable* when it is not draining and its breaker is available (closed,
+open past its cooldown, or half-open with no probe out). It is *fresh* when its last
+scrape is at most ``stale_after`` seconds old and reported ``waiting`` or
+``running``. ``pick`` returns an index into the list, or -1.
+
+``score`` (default): among usable fresh replicas, minimise the expected time to
+first token, in units of the replica's measured ``latency`` ``t``::
+
+    S     = capacity(), or the pool's largest capacity if the replica has never
+            been seen full (see above)
+    S_now = running, if the scrape showed a queue (the engine is full at what it
+            runs now), else S
+    ahead = load() + 1 - S_now            # > 0: no free slot for this request
+    wait  = ahead / S_now if ahead > 0 else 0
+    cost  = (wait + PREFILL_SHARE * (1 + load() / S)) * kv_factor * t
+
+``t / S_now`` is the time between completions when the replica is full, so
+``wait * t`` is how long this request would queue. ``PREFILL_SHARE * t`` stands for
+its prefill, which a fuller batch slows down (doubled at a full batch): among
+replicas with a free slot the faster and emptier one wins, and a much slower
+replica with a free slot wins over a queue. A replica whose latency is unknown
+uses the mean of the known ones (none known: all equal). ``kv_factor`` is 1 up to
+``KV_KNEE`` KV-cache usage and rises linearly to ``1 + KV_WEIGHT`` at full use: an
+engine near its KV limit is about to queue or preempt whatever its queue gauge
+says. Every replica within ``NEAR_TIE`` (10 %) of the best cost is a candidate and
+one is drawn at random, so routers sharing a fleet don't all pick the same one
+between scrapes.
+
+No usable replica fresh (no metrics, or every scrape late): least in-flight among
+the usable ones. An unscraped replica is never taken for an idle one.
+
+``least_inflight``: fewest of this router's requests in flight (random tie-break).
+``round_robin``: the next usable replica after the last one chosen.
+
+``pick`` calls ``breaker.allow(now)`` on the chosen replica only, so a half-open
+breaker gives its single probe to a request that is really sent there.
+
+Saturation and Retry-After
+--------------------------
+``saturation()`` of one replica: 1.0 when stale; else
+``max(queued / max_waiting, kv_cache_usage / max_kv)`` over the parts that are
+reported. With neither a queue nor a KV gauge, the only load known is the router's
+own: ``max(0, inflight - capacity) / max_waiting``. :func:`pool_saturation` is the
+mean over usable replicas (``inf`` if none); 1.0 is the healthy limit.
+:func:`retry_after` is ``(queued + 1) / sum(drain_rate)`` over usable replicas,
+clamped to ``[RETRY_AFTER_MIN, RETRY_AFTER_MAX]``, ``RETRY_AFTER_DEFAULT`` when no
+rate is known.
+
+Breakers and the retry budget
+-----------------------------
+See :class:`Breaker` and :class:`RetryBudget`.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Sequence
+
+__all__ = [
+    "BREAKER_CLOSED",
+    "BREAKER_HALF_OPEN",
+    "BREAKER_OPEN",
+    "DRAIN_TAU",
+    "KV_KNEE",
+    "KV_WEIGHT",
+    "NEAR_TIE",
+    "PREFILL_SHARE",
+    "RETRY_AFTER_DEFAULT",
+    "RETRY_AFTER_MAX",
+    "RETRY_AFTER_MIN",
+    "STRATEGIES",
+    "Breaker",
+    "EndpointState",
+    "Picker",
+    "RetryBudget",
+    "pool_saturation",
+    "retry_after",
+]
+
+# Seconds: the time constant of the drain-rate and latency averages.
+DRAIN_TAU = 10.0
+# A rate measured over less than this many seconds is taken over this many (the
+# first completion after a start is not a rate of 1/ms).
+_MIN_WINDOW = 1.0
+# The share of a request's time on a replica spent in prefill (before its first
+# token), at an empty batch; a full batch doubles it.
+PREFILL_SHARE = 0.05
+# Replicas within this fraction of the best cost are drawn among at random.
+NEAR_TIE = 0.1
+# KV-cache usage above which a replica's cost grows, and by how much at 100 %.
+KV_KNEE = 0.7
+KV_WEIGHT = 3.0
+# Retry-After bounds and the value used when no drain rate is known (seconds).
+RETRY_AFTER_MIN = 1.0
+RETRY_AFTER_MAX = 60.0
+RETRY_AFTER_DEFAULT = 5.0
+
+STRATEGIES = ("score", "least_inflight", "round_robin")
+_S_SCORE = 0
+_S_LEAST_INFLIGHT = 1
+_S_ROUND_ROBIN = 2
+
+BREAKER_CLOSED = 0
+BREAKER_OPEN = 1
+BREAKER_HALF_OPEN = 2
+_STATE_NAMES = ("closed", "open", "half_open")
+
+_NAN = math.nan
+_M64 = (1 << 64) - 1
+
+
+def _nan_if_none(value: float | None) -> float:
+    return _NAN if value is None else float(value)
+
+
+class Breaker:
+    """A circuit breaker for one replica.
+
+    Closed: every request may go. ``failures`` consecutive failures open it for
+    ``current_cooldown`` seconds (``cooldown`` at first). Once the cooldown has
+    passed, the next :meth:`allow` turns it half-open and lets exactly one probe
+    through; the probe's success closes it (cooldown back to ``cooldown``), its
+    failure opens it again with the cooldown doubled, up to ``max_cooldown``. A probe
+    that never reports (its client went away: :meth:`release`) frees the probe
+    slot; one that reports nothing for ``max_cooldown`` seconds is given up on and
+    another request may probe.
+
+    Only outcomes that say something about the replica count: connect errors,
+    resets, timeouts and engine 5xx are failures; 4xx, client disconnects and
+    admission rejections are neither failures nor successes. Late reports from
+    requests sent before the breaker opened are ignored while it is open.
+
+    ``opened``, ``closed`` and ``probes`` count transitions (open, back to closed,
+    probes let through) for metrics.
+
+    Args:
+        failures: consecutive failures that open the breaker (>= 1).
+        cooldown: seconds the breaker stays open the first time (>= 0).
+        max_cooldown: the cooldown never grows beyond this (>= cooldown).
+
+    Raises:
+        ValueError: an argument is out of range.
+    """
+
+    __slots__ = (
+        "_probe_expires",
+        "_probing",
+        "_state",
+        "closed",
+        "consecutive_failures",
+        "cooldown",
+        "current_cooldown",
+        "failures",
+        "max_cooldown",
+        "open_until",
+        "opened",
+        "probes",
+    )
+
+    def __init__(self, failures: int = 5, cooldown: float = 5.0, max_cooldown: float = 60.0) -> None:
+        failures = int(failures)
+        cooldown = float(cooldown)
+        max_cooldown = float(max_cooldown)
+        if failures < 1:
+            raise ValueError("failures must be at least 1")
+        if not cooldown >= 0.0:
+            raise ValueError("cooldown must be >= 0")
+        if not max_cooldown >= cooldown:
+            raise ValueError("max_cooldown must be >= cooldown")
+        self.failures = failures
+        self.cooldown = cooldown
+        self.max_cooldown = max_cooldown
+        self.consecutive_failures = 0
+        self.open_until = 0.0
+        self.current_cooldown = cooldown
+        self.opened = 0
+        self.closed = 0
+        self.probes = 0
+        self._state = BREAKER_CLOSED
+        self._probing = False
+        self._probe_expires = 0.0
+
+    @property
+    def state(self) -> str:
+        """``"closed"``, ``"open"`` or ``"half_open"``."""
+        return _STATE_NAMES[self._state]
+
+    @property
+    def state_code(self) -> int:
+        """The state as ``BREAKER_CLOSED`` (0), ``BREAKER_OPEN`` (1) or ``BREAKER_HALF_OPEN`` (2)."""
+        return self._state
+
+    def available(self, now: float) -> bool:
+        """Whether :meth:`allow` would let a request through now (changes nothing)."""
+        state = self._state
+        if state == BREAKER_CLOSED:
+            return True
+        if state == BREAKER_OPEN:
+            return now >= self.open_until
+        return not self._probing or now >= self._probe_expires
+
+    def allow(self, now: float) -> bool:
+        """Whether a request may be sent now; in half-open state, takes the one probe."""
+        state = self._state
+        if state == BREAKER_CLOSED:
+            return True
+        if state == BREAKER_OPEN:
+            if now < self.open_until:
+                return False
+            self._state = BREAKER_HALF_OPEN
+        elif self._probing and now < self._probe_expires:
+            return False
+        self._probing = True
+        self._probe_expires = now + self.max_cooldown
+        self.probes += 1
+        return True
+
+    def record_success(self, now: float) -> None:
+        """A request to this replica succeeded (closes a half-open breaker)."""
+        state = self._state
+        if state == BREAKER_CLOSED:
+            self.consecutive_failures = 0
+        elif state == BREAKER_HALF_OPEN:
+            self._state = BREAKER_CLOSED
+            self._probing = False
+            self.consecutive_failures = 0
+            self.current_cooldown = self.cooldown
+            self.closed += 1
+
+    def record_failure(self, now: float) -> None:
+        """A request to this replica failed (connect error, reset, timeout, 5xx)."""
+        state = self._state
+        if state == BREAKER_CLOSED:
+            self.consecutive_failures += 1
+            if self.consecutive_failures >= self.failures:
+                self._state = BREAKER_OPEN
+                self.open_until = now + self.current_cooldown
+                self.opened += 1
+        elif state == BREAKER_HALF_OPEN:
+            self.consecutive_failures += 1
+            self._state = BREAKER_OPEN
+            self._probing = False
+            self.current_cooldown = min(self.current_cooldown * 2.0, self.max_cooldown)
+            self.open_until = now + self.current_cooldown
+            self.opened += 1
+
+    def release(self) -> None:
+        """The probe will never report (client gone, request rejected): free the probe slot."""
+        self._probing = False
+
+    def __repr__(self) -> str:
+        return f"<Breaker {self.state} failures={self.consecutive_failures}/{self.failures}>"
+
+
+class EndpointState:
+    """The numbers routing reads about one replica.
+
+    Fields (all settable): ``index`` (position in its pool, for the caller),
+    ``inflight`` (this router's requests in flight), ``waiting``, ``running``,
+    ``kv_cache_usage`` (scraped; NaN: absent), ``scraped_at`` (monotonic seconds of the
+    last good scrape; NaN: never; ``inf``: an engine that is never scraped and counts
+    as always fresh), ``dispatched_since_scrape``, ``completed_since_scrape``,
+    ``drain_rate`` (completions/s; NaN: unknown), ``latency`` (mean seconds a request
+    spends here; NaN: unknown), ``slots`` (requests the replica runs at once; NaN:
+    unknown), ``max_running`` (most ``running`` any scrape showed), ``seen_full`` (some
+    scrape showed a queue, so ``max_running`` is the replica's capacity rather than
+    a lower bound), ``draining``,
+    ``breaker``.
+
+    The data path calls :meth:`on_dispatch` when it sends a request here and
+    :meth:`on_complete` (response received in full, any status the engine produced)
+    or :meth:`on_abort` (no usable outcome: connect error, reset, timeout, engine
+    5xx, client gone) when it leaves. The poller calls :meth:`on_scrape`.
+
+    Args:
+        index: the replica's position in its pool.
+        breaker: its circuit breaker (default ``Breaker()``).
+    """
+
+    __slots__ = (
+        "_area",
+        "_breaker",
+        "_done",
+        "_t_last",
+        "_window",
+        "completed_since_scrape",
+        "dispatched_since_scrape",
+        "drain_rate",
+        "draining",
+        "index",
+        "inflight",
+        "kv_cache_usage",
+        "latency",
+        "max_running",
+        "running",
+        "scraped_at",
+        "seen_full",
+        "slots",
+        "waiting",
+    )
+
+    def __init__(self, index: int = 0, breaker: Breaker | None = None) -> None:
+        self.index = int(index)
+        self.inflight = 0
+        self.waiting = _NAN
+        self.running = _NAN
+        self.kv_cache_usage = _NAN
+        self.scraped_at = _NAN
+        self.dispatched_since_scrape = 0
+        self.completed_since_scrape = 0
+        self.drain_rate = _NAN
+        self.latency = _NAN
+        self.slots = _NAN
+        self.max_running = 0.0
+        self.seen_full = False
+        self.draining = False
+        self._breaker = Breaker() if breaker is None else breaker
+        # Exponentially weighted sums (time constant DRAIN_TAU) of requests in flight
+        # over time, of completions, and of observed time; NaN: no event yet.
+        self._t_last = _NAN
+        self._area = 0.0
+        self._done = 0.0
+        self._window = 0.0
+
+    @property
+    def breaker(self) -> Breaker:
+        """The replica's circuit breaker (never ``None``)."""
+        return self._breaker
+
+    @breaker.setter
+    def breaker(self, value: Breaker) -> None:
+        if not isinstance(value, Breaker):
+            raise TypeError("breaker must be a Breaker")
+        self._breaker = value
+
+    # -- events ---------------------------------------------------------------
+
+    def on_scrape(self, now: float, waiting: float | None, running: float | None, kv: float | None) -> None:
+        """A scrape landed: store its numbers (``None``: absent) and reset the since-scrape counters."""
+        self.waiting = _nan_if_none(waiting)
+        self.running = _nan_if_none(running)
+        self.kv_cache_usage = _nan_if_none(kv)
+        self.scraped_at = now
+        self.dispatched_since_scrape = 0
+        self.completed_since_scrape = 0
+        if self.running > self.max_running:
+            self.max_running = self.running
+        if self.waiting > 0.0:
+            self.seen_full = True
+
+    def _advance(self, now: float) -> None:
+        last = self._t_last
+        if last != last:
+            self._t_last = now
+        elif now > last:
+            x = -(now - last) / DRAIN_TAU
+            decay = math.exp(x)
+            part = -math.expm1(x)
+            self._area = self._area * decay + self.inflight * DRAIN_TAU * part
+            self._done = self._done * decay
+            self._window = self._window * decay + DRAIN_TAU * part
+            self._t_last = now
+
+    def on_dispatch(self, now: float) -> None:
+        """The router sent a request to this replica."""
+        self._advance(now)
+        self.inflight += 1
+        self.dispatched_since_scrape += 1
+        if self._done > 0.0:
+            self.latency = self._area / self._done
+
+    def on_complete(self, now: float) -> None:
+        """A request left this replica with a response (counts for drain rate and latency)."""
+        self._advance(now)
+        if self.inflight > 0:
+            self.inflight -= 1
+        self.completed_since_scrape += 1
+        self._done += 1.0
+        self.drain_rate = self._done / max(self._window, _MIN_WINDOW)
+        self.latency = self._area / self._done
+
+    def on_abort(self, now: float) -> None:
+        """A request left this replica without a usable outcome (not a completion)."""
+        self._advance(now)
+        if self.inflight > 0:
+            self.inflight -= 1
+        self.completed_since_scrape += 1
+        if self._done > 0.0:
+            self.latency = self._area / self._done
+
+    # -- reading --------------------------------------------------------------
+
+    def stale(self, now: float, stale_after: float) -> bool:
+        """Whether the engine numbers are missing or older than ``stale_after`` seconds."""
+        at = self.scraped_at
+        return at != at or now - at > stale_after
+
+    def usable(self, now: float) -> bool:
+        """Whether new requests may go here: not draining, breaker available."""
+        return not self.draining and self._breaker.available(now)
+
+    def capacity(self) -> float:
+        """Requests the replica runs at once: ``slots``, else the most seen running (at least 1)."""
+        slots = self.slots
+        if slots > 0.0:
+            return slots
+        return self.max_running if self.max_running > 1.0 else 1.0
+
+    def load(self) -> float:
+        """Corrected requests on the replica: ``max(0, W + R + dispatched - completed)``."""
+        w = self.waiting
+        r = self.running
+        n = (w if w == w else 0.0) + (r if r == r else 0.0)
+        n = n + (self.dispatched_since_scrape - self.completed_since_scrape)
+        return n if n > 0.0 else 0.0
+
+    def queued(self) -> float:
+        """Corrected queue (NaN if the engine reports no queue gauge).
+
+        The router's own requests since the scrape (dispatched less completed) join
+        the queue when the engine had one; otherwise they fill the free slots first
+        (``capacity() - running``) and only the rest queue.
+        """
+        w = self.waiting
+        if w != w:
+            return _NAN
+        net = float(self.dispatched_since_scrape - self.completed_since_scrape)
+        r = self.running
+        if w > 0.0 or r != r:
+            q = w + net
+        else:
+            q = r + net - self.capacity()
+        return q if q > 0.0 else 0.0
+
+    def saturation(self, now: float, stale_after: float, max_waiting: float, max_kv: float) -> float:
+        """How full the replica is against the limits; 1.0 is the healthy limit, stale is 1.0.
+
+        Raises:
+            ValueError: ``max_waiting`` or ``max_kv`` is not positive.
+        """
+        if not (max_waiting > 0.0 and max_kv > 0.0):
+            raise ValueError("max_waiting and max_kv must be positive")
+        if self.stale(now, stale_after):
+            return 1.0
+        sat = 0.0
+        reported = False
+        q = self.queued()
+        if q == q:
+            sat = q / max_waiting
+            reported = True
+        kv = self.kv_cache_usage
+        if kv == kv:
+            kv = kv / max_kv
+            if kv > sat:
+                sat = kv
+            reported = True
+        if not reported:
+            q = self.inflight - self.capacity()
+            sat = q / max_waiting if q > 0.0 else 0.0
+        return sat
+
+    def __repr__(self) -> str:
+        return (
+            f"<EndpointState {self.index} inflight={self.inflight} waiting={self.waiting} "
+            f"running={self.running} kv={self.kv_cache_usage}>"
+        )
+
+
+class Picker:
+    """Chooses a replica for each request.
+
+    Args:
+        strategy: ``"score"``, ``"least_inflight"`` or ``"round_robin"``.
+        seed: seeds the tie-break generator (a 64-bit SplitMix); ``None`` draws one
+            from the OS. The same seed gives the same picks in both twins.
+
+    Raises:
+        ValueError: unknown strategy.
+    """
+
+    __slots__ = ("_rng", "_rr", "_strategy")
+
+    def __init__(self, strategy: str = "score", seed: int | None = None) -> None:
+        if strategy not in STRATEGIES:
+            raise ValueError(f"unknown routing strategy {strategy!r}; expected one of {', '.join(STRATEGIES)}")
+        self._strategy = STRATEGIES.index(strategy)
+        if seed is None:
+            seed = int.from_bytes(os.urandom(8), "little")
+        self._rng = int(seed) & _M64
+        self._rr = 0
+
+    @property
+    def strategy(self) -> str:
+        return STRATEGIES[self._strategy]
+
+    def _next(self) -> int:
+        # SplitMix64 (Steele, Lea, Flood 2014): tiny, fast in C, exact in Python.
+        self._rng = z = (self._rng + 0x9E3779B97F4A7C15) & _M64
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _M64
+        return z ^ (z >> 31)
+
+    def random(self) -> int:
+        """The next 64-bit value of the tie-break generator (tests, simulations)."""
+        return self._next()
+
+    def pick(self, states: Sequence[EndpointState], now: float, stale_after: float) -> int:
+        """The index in ``states`` of the replica to send the next request to, or -1.
+
+        The compiled twin requires ``states`` to be a ``list``.
+        """
+        strategy = self._strategy
+        if strategy == _S_SCORE:
+            i = self._score(states, now, stale_after)
+        elif strategy == _S_LEAST_INFLIGHT:
+            i = self._least_inflight(states, now)
+        else:
+            i = self._round_robin(states, now)
+        if i >= 0:
+            states[i]._breaker.allow(now)
+        return i
+
+    def _least_inflight(self, states: Sequence[EndpointState], now: float) -> int:
+        best = -1
+        best_load = 0
+        ties = 0
+        for i, st in enumerate(states):
+            if not st.usable(now):
+                continue
+            load = st.inflight
+            if best < 0 or load < best_load:
+                best = i
+                best_load = load
+                ties = 1
+            elif load == best_load:
+                ties += 1
+                if self._next() % ties == 0:
+                    best = i
+        return best
+
+    def _round_robin(self, states: Sequence[EndpointState], now: float) -> int:
+        n = len(states)
+        if n == 0:
+            return -1
+        start = self._rr % n
+        for k in range(n):
+            i = start + k
+            if i >= n:
+                i -= n
+            if states[i].usable(now):
+                self._rr = i + 1
+                return i
+        return -1
+
+    def _score(self, states: Sequence[EndpointState], now: float, stale_after: float) -> int:
+        # pass 1: the usable fresh replicas' numbers, the pool's largest capacity and
+        # the mean of the known latencies; pass 2: costs; pass 3: draw among near-ties
+        cand: list[tuple[int, float, float, float, float, float]] = []
+        known_sum = 0.0
+        known = 0
+        prior = 1.0
+        for i, st in enumerate(states):
+            if not st.usable(now) or st.stale(now, stale_after):
+                continue
+            w = st.waiting
+            r = st.running
+            if w != w and r != r:
+                continue  # fresh but blind: no queue or running gauge
+            kv = st.kv_cache_usage
+            kvf = 1.0 + KV_WEIGHT * (kv - KV_KNEE) / (1.0 - KV_KNEE) if kv > KV_KNEE else 1.0
+            c = st.capacity()
+            if c > prior:
+                prior = c
+            if not (st.slots > 0.0 or st.seen_full):
+                c = -c  # a lower bound only: pass 2 uses the pool's largest
+            # an engine with a queue is full: what it runs now is its capacity now
+            full = r if w > 0.0 and r > 0.0 else 0.0
+            t = st.latency
+            if t > 0.0:
+                known_sum += t
+                known += 1
+            else:
+                t = _NAN
+            cand.append((i, st.load(), c, full, kvf, t))
+        n = len(cand)
+        if n == 0:
+            return self._least_inflight(states, now)
+        fill = known_sum / known if known else 1.0
+        cost: list[float] = []
+        best = math.inf
+        for _, load, c, full, kvf, t in cand:
+            if c < 0.0:
+                c = prior
+            slots_now = full if full > 0.0 else c
+            ahead = load + 1.0 - slots_now
+            wait = ahead / slots_now if ahead > 0.0 else 0.0
+            x = (wait + PREFILL_SHARE * (1.0 + load / c)) * kvf * (t if t == t else fill)
+            cost.append(x)
+            if x < best:
+                best = x
+        limit = best * (1.0 + NEAR_TIE)
+        m = 0
+        for k in range(n):
+            if cost[k] <= limit:
+                m += 1
+        if m == 1:
+            for k in range(n):
+                if cost[k] <= limit:
+                    return cand[k][0]
+        r = self._next() % m
+        for k in range(n):
+            if cost[k] <= limit:
+                if r == 0:
+                    return cand[k][0]
+                r -= 1
+        return -1  # unreachable
+
+    def __repr__(self) -> str:
+        return f"<Picker {self.strategy}>"
+
+
+def pool_saturation(
+    states: Sequence[EndpointState], now: float, stale_after: float, max_waiting: float, max_kv: float
+) -> float:
+    """Mean saturation of the usable replicas (stale ones count 1.0); ``inf`` if none is usable.
+
+    Raises:
+        ValueError: ``max_waiting`` or ``max_kv`` is not positive.
+    """
+    if not (max_waiting > 0.0 and max_kv > 0.0):
+        raise ValueError("max_waiting and max_kv must be positive")
+    total = 0.0
+    n = 0
+    for st in states:
+        if st.usable(now):
+            total += st.saturation(now, stale_after, max_waiting, max_kv)
+            n += 1
+    return total / n if n else math.inf
+
+
+def retry_after(states: Sequence[EndpointState], queued: int, now: float) -> float:
+    """Seconds a rejected client should wait: ``(queued + 1)`` completions at the pool's drain rate.
+
+    Sums ``drain_rate`` over usable replicas whose rate is known; clamped to
+    ``[RETRY_AFTER_MIN, RETRY_AFTER_MAX]``; ``RETRY_AFTER_DEFAULT`` when no rate is known.
+    """
+    rate = 0.0
+    for st in states:
+        r = st.drain_rate
+        if r > 0.0 and st.usable(now):
+            rate += r
+    if not rate > 0.0:
+        return RETRY_AFTER_DEFAULT
+    t = (queued + 1.0) / rate
+    if t < RETRY_AFTER_MIN:
+        return RETRY_AFTER_MIN
+    if t > RETRY_AFTER_MAX:
+        return RETRY_AFTER_MAX
+    return t
+
+
+class RetryBudget:
+    """Bounds retries in flight to a fraction of active requests.
+
+    ``can_retry(active)`` is true while retries in flight are fewer than
+    ``max(min_inflight, ratio * active)``; the floor lets a lone request retry. Call
+    :meth:`record_retry` when a retry is sent and :meth:`done_retry` when it ends.
+    ``retries`` and ``refused`` count granted and refused retries.
+
+    Args:
+        ratio: retries in flight per active request (0 disables retries beyond the floor).
+        min_inflight: retries always allowed in flight, whatever the load.
+
+    Raises:
+        ValueError: a negative argument.
+    """
+
+    __slots__ = ("min_inflight", "ratio", "refused", "retries", "retrying")
+
+    def __init__(self, ratio: float = 0.2, min_inflight: int = 3) -> None:
+        ratio = float(ratio)
+        min_inflight = int(min_inflight)
+        if not ratio >= 0.0 or min_inflight < 0:
+            raise ValueError("ratio and min_inflight must be >= 0")
+        self.ratio = ratio
+        self.min_inflight = min_inflight
+        self.retrying = 0
+        self.retries = 0
+        self.refused = 0
+
+    def can_retry(self, active: int) -> bool:
+        """Whether one more retry may be sent while ``active`` requests are in flight."""
+        limit = self.ratio * active
+        if limit < self.min_inflight:
+            limit = self.min_inflight
+        if self.retrying < limit:
+            return True
+        self.refused += 1
+        return False
+
+    def record_retry(self) -> None:
+        """A retry was sent."""
+        self.retrying += 1
+        self.retries += 1
+
+    def done_retry(self) -> None:
+        """A retry ended (however)."""
+        if self.retrying > 0:
+            self.retrying -= 1

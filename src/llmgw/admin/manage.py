@@ -1,0 +1,316 @@
+"""The management API (JSON under ``/admin/v1/``) and the SIGHUP reload.
+
+Every change goes through the runtime's own operations
+(:meth:`GatewayRuntime.add_endpoint`, ``remove_endpoint``, ``set_draining``,
+``reload``), so the registry, the data path and the scrape poller follow
+together, and connections in flight are never dropped.
+
+Routes::
+
+    GET    /admin/v1/endpoints              every replica: live state and score inputs
+    POST   /admin/v1/endpoints              add one (body: a config ``endpoints[]`` entry)
+    GET    /admin/v1/endpoints/{id}         one replica
+    DELETE /admin/v1/endpoints/{id}         remove it (requests in flight finish)
+    POST   /admin/v1/endpoints/{id}/drain   no new requests
+    POST   /admin/v1/endpoints/{id}/undrain take requests again
+    POST   /admin/v1/reload                 re-read the config file
+    GET    /admin/v1/queues                 admission queues per priority band
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+from urllib.parse import unquote
+
+import orjson
+
+from ..config import EndpointConfig, load
+from ..errors import BadRequestError, ConfigError, HTTPError, NotFoundError
+from ..http.parser import Request
+from ..http.server import ResponseWriter
+from ..log import admin_logger as log
+from .metrics import admission_of, breaker_state, read_mapping
+
+if TYPE_CHECKING:
+    from ..fleet.registry import Endpoint
+    from ..gateway.app import GatewayRuntime
+    from .app import AdminApp
+
+__all__ = ["ManagementAPI", "endpoint_state", "endpoint_view", "install_sighup"]
+
+PREFIX = b"/admin/v1/"
+ROUTES = (
+    "GET /admin/v1/endpoints",
+    "POST /admin/v1/endpoints",
+    "GET /admin/v1/endpoints/{id}",
+    "DELETE /admin/v1/endpoints/{id}",
+    "POST /admin/v1/endpoints/{id}/drain",
+    "POST /admin/v1/endpoints/{id}/undrain",
+    "POST /admin/v1/reload",
+    "GET /admin/v1/queues",
+)
+
+
+def conflict(message: str, code: str = "conflict") -> HTTPError:
+    """A 409 in OpenAI's error shape."""
+    return HTTPError(message, status=409, type="invalid_request_error", code=code)
+
+
+def method_not_allowed(method: bytes, path: bytes, allowed: str) -> HTTPError:
+    return HTTPError(
+        f"method {method.decode('latin-1')} is not allowed on {path.decode('latin-1')[:200]}; use {allowed}",
+        status=405,
+        type="invalid_request_error",
+        code="method_not_allowed",
+    )
+
+
+def endpoint_state(ep: Any) -> str:
+    """One word for an operator: ``draining``, ``open``, ``half-open``, ``stale`` or ``ok``."""
+    if ep.draining:
+        return "draining"
+    b = breaker_state(ep)
+    if b == "open":
+        return "open"
+    if b == "half_open":
+        return "half-open"
+    if ep.stale:
+        return "stale"
+    return "ok"
+
+
+def _num(v: Any) -> float | None:
+    if v is None or isinstance(v, bool):
+        return None
+    try:
+        return float(v)
+    except (TypeError, ValueError):
+        return None
+
+
+def endpoint_view(ep: Endpoint, now: float | None = None) -> dict[str, Any]:
+    """A replica as the API shows it: identity, live state and what routing scores it on.
+
+    Engine numbers (``waiting``, ``running``, ``kv_cache_usage``) are the fresh
+    ones routing uses: ``null`` when absent or stale, never 0.
+    """
+    now = time.monotonic() if now is None else now
+    waiting, running, kv = ep.fresh()
+    last = ep.last_scrape
+    cfg = ep.cfg
+    return {
+        "id": ep.id,
+        "url": cfg.url,
+        "models": list(ep.models),
+        "engine": cfg.engine,
+        "pool": cfg.pool,
+        "state": endpoint_state(ep),
+        "draining": ep.draining,
+        "inflight": ep.inflight,
+        "completed": ep.completed,
+        "failures": ep.failures,
+        "consecutive_failures": ep.consecutive_failures,
+        "waiting": waiting,
+        "running": running,
+        "kv_cache_usage": kv,
+        "drain_rate": _num(getattr(ep, "drain_rate", None)),
+        "breaker": breaker_state(ep),
+        "score": _num(getattr(ep, "score", None)),
+        "stale": ep.stale,
+        "scraped": ep.engine.scraped,
+        "last_scrape_age_s": round(now - last, 3) if last is not None else None,
+        "scrape": {
+            "ok": ep.scrape_ok,
+            "failed": ep.scrape_failures,
+            "seconds": round(ep.scrape_seconds, 6),
+            "problem": ep.scrape_problem,
+        },
+    }
+
+
+def _json_body(req: Request) -> Any:
+    if not req.body:
+        raise BadRequestError("the request needs a JSON body", code="invalid_json")
+    try:
+        return orjson.loads(req.body)
+    except orjson.JSONDecodeError as exc:
+        raise BadRequestError(f"the body is not valid JSON ({exc})", code="invalid_json") from None
+
+
+def parse_endpoint(body: Any, default_engine: str) -> EndpointConfig:
+    """Validate a config ``endpoints[]`` entry given over the API.
+
+    Raises:
+        BadRequestError: naming the offending key.
+    """
+    if not isinstance(body, dict):
+        raise BadRequestError("the body must be a JSON object like a config endpoints[] entry", code="invalid_endpoint")
+    if "api_key_env" in body:
+        # SECURITY: an API caller must not make the gateway read its own environment
+        # and send the value to a URL of the caller's choosing.
+        raise BadRequestError(
+            "api_key_env is not accepted over the API; give api_key, or put the endpoint in the config file and reload",
+            param="api_key_env",
+            code="invalid_endpoint",
+        )
+    try:
+        cfg = load({"endpoints": [body], "scrape": {"default_engine": default_engine}})
+    except ConfigError as exc:
+        key = exc.key.removeprefix("endpoints[0].").removeprefix("endpoints[0]")
+        where = f"{key}: " if key else ""
+        raise BadRequestError(f"{where}{exc.message}", param=key or None, code="invalid_endpoint") from None
+    return cfg.endpoints[0]
+
+
+class ManagementAPI:
+    """Routes under ``/admin/v1/`` (the admin app checks the token first)."""
+
+    def __init__(self, runtime: GatewayRuntime, admin: AdminApp) -> None:
+        self.runtime = runtime
+        self.admin = admin
+
+    def _registry(self) -> Any:
+        reg = getattr(self.runtime, "registry", None)
+        if reg is None:
+            raise HTTPError("the gateway is starting; try again", status=503, type="service_unavailable_error",
+                            code="service_unavailable", retry_after=1)
+        return reg
+
+    def _endpoint(self, endpoint_id: str) -> Endpoint:
+        ep: Endpoint | None = self._registry().endpoints.get(endpoint_id)
+        if ep is None:
+            raise NotFoundError(
+                f"no endpoint {endpoint_id!r}; GET /admin/v1/endpoints lists them", param="id", code="endpoint_not_found"
+            )
+        return ep
+
+    def handle(self, req: Request, w: ResponseWriter) -> None:
+        path = req.path.rstrip(b"/")
+        method = req.method
+        parts = path[len(PREFIX):].split(b"/") if path.startswith(PREFIX) else []
+        if parts[:1] == [b"endpoints"]:
+            if len(parts) == 1:
+                if method in (b"GET", b"HEAD"):
+                    return self.list_endpoints(w)
+                if method == b"POST":
+                    return self.add_endpoint(req, w)
+                raise method_not_allowed(method, path, "GET or POST")
+            endpoint_id = unquote(parts[1].decode("latin-1"))
+            if len(parts) == 2:
+                if method in (b"GET", b"HEAD"):
+                    w.send_json(200, endpoint_view(self._endpoint(endpoint_id)))
+                    return None
+                if method == b"DELETE":
+                    return self.remove_endpoint(endpoint_id, w)
+                raise method_not_allowed(method, path, "GET or DELETE")
+            if len(parts) == 3 and parts[2] in (b"drain", b"undrain"):
+                if method != b"POST":
+                    raise method_not_allowed(method, path, "POST")
+                return self.set_draining(endpoint_id, parts[2] == b"drain", w)
+        elif parts == [b"reload"]:
+            if method != b"POST":
+                raise method_not_allowed(method, path, "POST")
+            w.send_json(200, self.admin.reload("api"))
+            return None
+        elif parts == [b"queues"]:
+            if method not in (b"GET", b"HEAD"):
+                raise method_not_allowed(method, path, "GET")
+            w.send_json(200, self.queues())
+            return None
+        raise NotFoundError(
+            f"no admin route {path.decode('latin-1')[:200]}; routes: {', '.join(ROUTES)}"
+        )
+
+    # -- endpoints --
+
+    def list_endpoints(self, w: ResponseWriter) -> None:
+        now = time.monotonic()
+        eps = [endpoint_view(ep, now) for ep in list(self._registry().endpoints.values())]
+        w.send_json(200, {"endpoints": eps})
+
+    def add_endpoint(self, req: Request, w: ResponseWriter) -> None:
+        self._registry()
+        cfg = parse_endpoint(_json_body(req), self.runtime.config.scrape.default_engine)
+        try:
+            self.runtime.add_endpoint(cfg)
+        except ValueError as exc:
+            raise conflict(f"{exc}; remove it first or choose another id", code="endpoint_exists") from None
+        w.send_json(201, endpoint_view(self._endpoint(cfg.id)))
+
+    def remove_endpoint(self, endpoint_id: str, w: ResponseWriter) -> None:
+        ep = self._endpoint(endpoint_id)
+        inflight = ep.inflight
+        self.runtime.remove_endpoint(endpoint_id)
+        w.send_json(200, {"removed": endpoint_id, "inflight": inflight})
+
+    def set_draining(self, endpoint_id: str, draining: bool, w: ResponseWriter) -> None:
+        ep = self._endpoint(endpoint_id)
+        changed = ep.draining != draining
+        if changed:
+            self.runtime.set_draining(endpoint_id, draining)
+        view = endpoint_view(ep)
+        view["changed"] = changed
+        w.send_json(200, view)
+
+    # -- queues --
+
+    def queues(self) -> dict[str, Any]:
+        adm = admission_of(self.runtime)
+        depths = read_mapping(adm, "queue_depths")
+        extra = getattr(adm, "queue_info", None) if adm is not None else None
+        info: dict[str, Any] = {}
+        if extra is not None:
+            try:
+                got = extra() if callable(extra) else extra
+                info = {str(k): dict(v) for k, v in (got or {}).items()}
+            except Exception:
+                log.exception("reading the admission queue_info failed; leaving it out")
+        counts = self.admin.observer.admission_counts()
+        bands: list[dict[str, Any]] = []
+        for band in dict.fromkeys([*(depths or {}), *info, *counts]):
+            row: dict[str, Any] = {"band": band, "depth": int((depths or {}).get(band, 0))}
+            row.update(info.get(band, {}))
+            row["decisions"] = counts.get(band, {})
+            bands.append(row)
+        return {
+            "admission": adm is not None,
+            "bands": bands,
+            "pool_saturation": read_mapping(adm, "pool_saturation") or {},
+        }
+
+
+def install_sighup(runtime: GatewayRuntime, admin: AdminApp | None = None) -> Callable[[], None]:
+    """Reload the configuration on SIGHUP; returns a function that uninstalls the handler.
+
+    A failed reload is logged and the running configuration kept. Counted in
+    ``llmgw_config_reloads_total`` like reloads through the admin API.
+    """
+    from .app import AdminApp
+
+    loop = asyncio.get_running_loop()
+    if admin is None:
+        found = getattr(runtime, "admin", None) or getattr(getattr(runtime, "admin_server", None), "app", None)
+        admin = found if isinstance(found, AdminApp) else None
+
+    def on_hup() -> None:
+        if admin is not None:
+            try:
+                admin.reload("sighup")
+            except HTTPError as exc:
+                log.error("reload on SIGHUP failed, keeping the running configuration: %s", exc.message)
+            return
+        try:
+            runtime.reload()
+        except (ConfigError, ValueError, RuntimeError) as exc:
+            log.error("reload on SIGHUP failed, keeping the running configuration: %s", exc)
+
+    loop.add_signal_handler(signal.SIGHUP, on_hup)
+
+    def uninstall() -> None:
+        loop.remove_signal_handler(signal.SIGHUP)
+
+    return uninstall

@@ -1,0 +1,603 @@
+"""The admin ``/metrics``: the data path's counters and the fleet's live state.
+
+Two kinds of numbers are exported, and neither costs the request path more than
+a few dictionary operations:
+
+* :class:`PrometheusObserver` implements the data path's
+  :class:`~llmgw.gateway.observe.Observer` hooks with plain ints and floats kept
+  in dicts keyed by label tuples, and renders them as Prometheus families when
+  scraped. PERF: a prometheus-client child costs a lock and a method call per
+  ``inc``/``observe``; one request's hooks here cost well under a microsecond
+  (``bench/bench_observer.py``).
+* :class:`FleetCollector` and :class:`RuntimeCollector` read the registry, the
+  admission queues and the process at scrape time: nothing is kept in sync per
+  request. A signal that is absent for a replica (never scraped, not reported by
+  its engine, stale, no breaker) is omitted for it, never exported as 0.
+
+Everything here runs on the event loop thread (hooks and scrapes alike), so no
+locks are taken. ``docs/metrics.md`` lists every family.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import time
+from bisect import bisect_left
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any
+
+from prometheus_client.metrics_core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+    SummaryMetricFamily,
+)
+from prometheus_client.registry import Collector
+
+from .. import __version__
+from ..log import admin_logger as log
+
+if TYPE_CHECKING:
+    from ..gateway.app import GatewayRuntime
+    from ..gateway.observe import Observer
+
+__all__ = [
+    "LATENCY_BUCKETS",
+    "LOOP_LAG_BUCKETS",
+    "FleetCollector",
+    "LoopLagMonitor",
+    "PrometheusObserver",
+    "RuntimeCollector",
+    "admission_of",
+    "breaker_state",
+    "read_mapping",
+    "status_class",
+]
+
+# Seconds. LLM requests run from a few ms (a cached embedding) to minutes (a long
+# generation): 17 buckets cover 5 ms .. 10 min at roughly 2-2.5x steps.
+LATENCY_BUCKETS: tuple[float, ...] = (
+    0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0,
+)
+LOOP_LAG_BUCKETS: tuple[float, ...] = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+
+# Per family. Labels come from config (replicas, models, bands) and the data path
+# passes the resolved model name, so this is a guard against a bug, not a limit
+# an operator should meet. Series past it are counted under "(other)".
+MAX_SERIES = 10_000
+OTHER = "(other)"
+
+_CLASSES = {c: f"{c}xx" for c in range(1, 6)}
+
+
+def status_class(status: int) -> str:
+    """``2xx``..``5xx``; ``none`` when no response was sent (the client went away first)."""
+    return _CLASSES.get(status // 100, "none")
+
+
+class _Hist:
+    """One histogram series: per-bucket (not cumulative) counts, the last one +Inf."""
+
+    __slots__ = ("counts", "total")
+
+    def __init__(self, n_bounds: int) -> None:
+        self.counts = [0] * (n_bounds + 1)
+        self.total = 0.0
+
+
+class _Requests:
+    """One (model, replica, status, band) combination and the histograms it feeds."""
+
+    __slots__ = ("dur", "n", "ttfb", "up")
+
+    def __init__(self, dur: _Hist, ttfb: _Hist, up: _Hist | None) -> None:
+        self.n = 0
+        self.dur = dur
+        self.ttfb = ttfb
+        self.up = up
+
+
+def _buckets(bounds: tuple[str, ...], h: _Hist) -> list[tuple[str, float]]:
+    out: list[tuple[str, float]] = []
+    acc = 0
+    for le, c in zip(bounds, h.counts, strict=True):
+        acc += c
+        out.append((le, acc))
+    return out
+
+
+class PrometheusObserver(Collector):
+    """The data path's hooks, counted in plain dicts and rendered at scrape time.
+
+    Implements :class:`llmgw.gateway.observe.Observer`; register it on a
+    ``CollectorRegistry`` (the admin app does) to export it. Not thread-safe: the
+    hooks and :meth:`collect` are called on the event loop thread.
+
+    Args:
+        buckets: histogram upper bounds in seconds (default :data:`LATENCY_BUCKETS`).
+        max_series: distinct label sets kept per family before new ones are
+            counted under ``(other)``.
+    """
+
+    def __init__(self, buckets: Iterable[float] = LATENCY_BUCKETS, max_series: int = MAX_SERIES) -> None:
+        self.bounds: list[float] = sorted(float(b) for b in buckets)
+        self._le = (*(_fmt(b) for b in self.bounds), "+Inf")
+        self.max_series = max_series
+        # (model, replica | None, status, band) -> _Requests
+        self._requests: dict[tuple[str, str | None, int, str], _Requests] = {}
+        self._duration: dict[tuple[str, str], _Hist] = {}  # (model, band)
+        self._ttfb: dict[tuple[str, str], _Hist] = {}  # (model, band)
+        self._upstream: dict[tuple[str, str], _Hist] = {}  # (model, replica)
+        self._tokens: dict[str, list[int]] = {}  # model -> [prompt, completion]
+        self._errors: dict[tuple[str, str], int] = {}  # (replica, kind)
+        self._retries: dict[str, int] = {}  # model
+        self._admission: dict[tuple[str, str, str], int] = {}  # (band, outcome, reason)
+        self._breaker: dict[tuple[str, str], int] = {}  # (replica, state)
+        self._overflowed: set[str] = set()
+
+    # -- the Observer hooks (hot path) --
+
+    def request_done(
+        self,
+        model: str,
+        replica: str | None,
+        status: int,
+        band: str,
+        duration: float,
+        ttfb: float | None,
+        upstream: float | None,
+    ) -> None:
+        """A client request finished (any outcome). Times in seconds; ``None`` when not reached."""
+        s = self._requests.get((model, replica, status, band))
+        if s is None:
+            s = self._new_requests(model, replica, status, band)
+        s.n += 1
+        bounds = self.bounds
+        h = s.dur
+        h.counts[bisect_left(bounds, duration)] += 1
+        h.total += duration
+        if ttfb is not None:
+            h = s.ttfb
+            h.counts[bisect_left(bounds, ttfb)] += 1
+            h.total += ttfb
+        if upstream is not None:
+            u = s.up
+            if u is not None:
+                u.counts[bisect_left(bounds, upstream)] += 1
+                u.total += upstream
+
+    def upstream_error(self, replica: str, kind: str) -> None:
+        """An attempt on ``replica`` failed (``kind``: see :mod:`llmgw.gateway.observe`)."""
+        key = (replica, kind)
+        try:
+            self._errors[key] += 1
+        except KeyError:
+            self._first(self._errors, key, "llmgw_upstream_errors_total", (OTHER, kind))
+
+    def retry(self, model: str, replica: str) -> None:
+        """A request is retried on another replica (``replica`` failed)."""
+        try:
+            self._retries[model] += 1
+        except KeyError:
+            self._first(self._retries, model, "llmgw_retries_total", OTHER)
+
+    def tokens(self, model: str, prompt: int, completion: int) -> None:
+        """A response reported its token usage."""
+        t = self._tokens.get(model)
+        if t is None:
+            if len(self._tokens) >= self.max_series:
+                self._overflow("llmgw_tokens_total")
+                model = OTHER
+            t = self._tokens.setdefault(model, [0, 0])
+        t[0] += prompt
+        t[1] += completion
+
+    def admission(self, band: str, outcome: str, reason: str = "") -> None:
+        """An admission decision."""
+        key = (band, outcome, reason)
+        try:
+            self._admission[key] += 1
+        except KeyError:
+            self._first(self._admission, key, "llmgw_admission_total", (OTHER, outcome, reason))
+
+    def breaker_transition(self, replica: str, state: str) -> None:
+        """A replica's circuit breaker moved to ``state`` (closed, open, half_open)."""
+        key = (replica, state)
+        try:
+            self._breaker[key] += 1
+        except KeyError:
+            self._first(self._breaker, key, "llmgw_breaker_transitions_total", (OTHER, state))
+
+    # -- first sight of a label set (cold path) --
+
+    def _first(self, d: dict[Any, int], key: Any, family: str, other: Any) -> None:
+        if len(d) >= self.max_series:
+            self._overflow(family)
+            key = other
+        d[key] = d.get(key, 0) + 1
+
+    def _overflow(self, family: str) -> None:
+        if family not in self._overflowed:
+            self._overflowed.add(family)
+            log.warning(
+                "%s has %d label sets; new ones are counted under %r (a label is probably unbounded)",
+                family, self.max_series, OTHER,
+            )
+
+    def _new_requests(self, model: str, replica: str | None, status: int, band: str) -> _Requests:
+        if len(self._requests) >= self.max_series:
+            self._overflow("llmgw_requests_total")
+            model, replica, band = OTHER, OTHER if replica is not None else None, OTHER
+            s = self._requests.get((model, replica, status, band))
+            if s is not None:
+                return s
+        n = len(self.bounds)
+        mb = (model, band)
+        dur = self._duration.get(mb) or self._duration.setdefault(mb, _Hist(n))
+        ttfb = self._ttfb.get(mb) or self._ttfb.setdefault(mb, _Hist(n))
+        up = None
+        if replica is not None:
+            mr = (model, replica)
+            up = self._upstream.get(mr) or self._upstream.setdefault(mr, _Hist(n))
+        s = _Requests(dur, ttfb, up)
+        # NOTE: not stored under the original key when overflowing, so the dict stays bounded.
+        self._requests[(model, replica, status, band)] = s
+        return s
+
+    # -- reading --
+
+    def requests_by_band(self) -> dict[str, int]:
+        """Requests finished per band (for the queues view)."""
+        out: dict[str, int] = {}
+        for (_, _, _, band), s in self._requests.items():
+            out[band] = out.get(band, 0) + s.n
+        return out
+
+    def admission_counts(self) -> dict[str, dict[str, int]]:
+        """``{band: {outcome: count}}`` (for the queues view)."""
+        out: dict[str, dict[str, int]] = {}
+        for (band, outcome, _), n in self._admission.items():
+            per = out.setdefault(band, {})
+            per[outcome] = per.get(outcome, 0) + n
+        return out
+
+    def collect(self) -> Iterator[Metric]:
+        """Render every family (called by the registry at scrape time)."""
+        req = CounterMetricFamily(
+            "llmgw_requests_total",
+            "Client requests finished, by model, replica that answered (empty: none), status class and band.",
+            labels=["model", "replica", "status_class", "band"],
+        )
+        agg: dict[tuple[str, str, str, str], int] = {}
+        for (model, replica, status, band), s in list(self._requests.items()):
+            k = (model, replica or "", status_class(status), band)
+            agg[k] = agg.get(k, 0) + s.n
+        for k, n in agg.items():
+            req.add_metric(list(k), n)
+        yield req
+        yield self._histograms(
+            "llmgw_request_duration_seconds",
+            "Client request duration, from the complete request to the last byte answered.",
+            ["model", "band"],
+            self._duration,
+        )
+        yield self._histograms(
+            "llmgw_time_to_first_byte_seconds",
+            "From the complete client request to the replica's response head (streams: the first event follows).",
+            ["model", "band"],
+            self._ttfb,
+        )
+        yield self._histograms(
+            "llmgw_upstream_duration_seconds",
+            "From sending the request to the replica to the end of its answer (the last attempt).",
+            ["model", "replica"],
+            self._upstream,
+        )
+        tok = CounterMetricFamily(
+            "llmgw_tokens_total", "Tokens reported in responses' usage, by model and kind (prompt, completion).",
+            labels=["model", "kind"],
+        )
+        for model, (p, c) in list(self._tokens.items()):
+            tok.add_metric([model, "prompt"], p)
+            tok.add_metric([model, "completion"], c)
+        yield tok
+        yield _counter(
+            "llmgw_upstream_errors_total", "Failed attempts on a replica, by kind.", ["replica", "kind"], self._errors
+        )
+        yield _counter(
+            "llmgw_retries_total", "Requests retried on another replica before the first byte, by model.",
+            ["model"], {(m,): n for m, n in self._retries.items()},
+        )
+        yield _counter(
+            "llmgw_admission_total",
+            "Admission decisions by priority band, outcome (admitted, queued, dequeued, rejected) and reason.",
+            ["band", "outcome", "reason"],
+            self._admission,
+        )
+        yield _counter(
+            "llmgw_breaker_transitions_total", "Circuit-breaker state changes per replica, by the state entered.",
+            ["replica", "state"], self._breaker,
+        )
+
+    def _histograms(self, name: str, doc: str, labels: list[str], series: dict[tuple[str, str], _Hist]) -> Metric:
+        fam = HistogramMetricFamily(name, doc, labels=labels)
+        le = self._le
+        for key, h in list(series.items()):
+            fam.add_metric(list(key), _buckets(le, h), h.total)
+        return fam
+
+
+def _fmt(b: float) -> str:
+    return repr(float(b))
+
+
+def _counter(name: str, doc: str, labels: list[str], values: Mapping[Any, int]) -> Metric:
+    fam = CounterMetricFamily(name, doc, labels=labels)
+    for key, n in list(values.items()):
+        fam.add_metric(list(key), n)
+    return fam
+
+
+# -- reading the routing layer defensively --
+
+
+def admission_of(runtime: Any) -> Any:
+    """The admission controller (``runtime.admission`` or ``runtime.gateway.admission``), or ``None``."""
+    adm = getattr(runtime, "admission", None)
+    if adm is None:
+        adm = getattr(getattr(runtime, "gateway", None), "admission", None)
+    return adm
+
+
+_warned: set[str] = set()
+
+
+def read_mapping(obj: Any, name: str) -> dict[str, float] | None:
+    """``obj.<name>`` (called if callable) as ``{str: number}``; ``None`` if absent or broken.
+
+    The routing layer owns these numbers; a bug there must not take ``/metrics``
+    down, so an exception is logged once and the signal is treated as absent.
+    """
+    if obj is None:
+        return None
+    attr = getattr(obj, name, None)
+    if attr is None:
+        return None
+    try:
+        value = attr() if callable(attr) else attr
+        if value is None:
+            return None
+        return {str(k): float(v) for k, v in value.items() if v is not None}
+    except Exception:
+        if name not in _warned:
+            _warned.add(name)
+            log.exception("reading %s.%s for the admin API failed; treating it as absent", type(obj).__name__, name)
+        return None
+
+
+def breaker_state(ep: Any) -> str | None:
+    """``closed``, ``open`` or ``half_open`` from ``ep.breaker.state`` (or ``ep.breaker_state``); ``None``: no breaker."""
+    b = getattr(ep, "breaker", None)
+    state = getattr(b, "state", None) if b is not None else getattr(ep, "breaker_state", None)
+    if state is None:
+        return None
+    state = getattr(state, "value", state)  # an Enum is fine too
+    return str(state).lower().replace("-", "_")
+
+
+_BREAKER_VALUE = {"open": 1.0, "half_open": 0.5, "closed": 0.0}
+
+
+def _number(ep: Any, name: str) -> float | None:
+    v = getattr(ep, name, None)
+    if v is None or isinstance(v, bool):
+        return None
+    try:
+        return float(v)
+    except (TypeError, ValueError):
+        return None
+
+
+class FleetCollector(Collector):
+    """Live state read from the registry and the admission queues at scrape time.
+
+    A signal that is absent for a replica (never scraped, not reported by its
+    engine, stale, no breaker, no drain-rate estimate) is omitted for that
+    replica, never exported as 0.
+    """
+
+    def __init__(self, runtime: GatewayRuntime) -> None:
+        self.runtime = runtime
+
+    def collect(self) -> Iterator[Metric]:
+        labels = ["replica", "pool"]
+
+        def gauge(name: str, doc: str) -> GaugeMetricFamily:
+            return GaugeMetricFamily(name, doc, labels=labels)
+
+        info = GaugeMetricFamily(
+            "llmgw_endpoint_info", "1 per replica and model it serves; join on replica to get model and engine.",
+            labels=["replica", "pool", "model", "engine"],
+        )
+        inflight = gauge("llmgw_endpoint_inflight", "Requests this gateway has in flight to the replica.")
+        waiting = gauge("llmgw_endpoint_waiting", "Requests waiting in the replica's own queue, as last scraped.")
+        running = gauge("llmgw_endpoint_running", "Requests the replica is running, as last scraped.")
+        kv = gauge("llmgw_endpoint_kv_cache_usage", "KV-cache usage of the replica (0..1), as last scraped.")
+        drain = gauge("llmgw_endpoint_drain_rate", "Requests per second the replica is estimated to finish.")
+        draining = gauge("llmgw_endpoint_draining", "1 while the replica takes no new requests (drained).")
+        stale = gauge(
+            "llmgw_endpoint_metrics_stale",
+            "1 when the replica's engine metrics are missing or older than scrape.stale_after.",
+        )
+        breaker = gauge("llmgw_endpoint_breaker_open", "Circuit breaker: 1 open, 0.5 half-open (probing), 0 closed.")
+        failures = gauge("llmgw_endpoint_consecutive_failures", "Failed attempts on the replica since its last success.")
+        scrapes = CounterMetricFamily(
+            "llmgw_scrapes_total", "Scrapes of the replica's metrics page, by result (ok, failed).",
+            labels=[*labels, "result"],
+        )
+        scrape_time = SummaryMetricFamily(
+            "llmgw_scrape_duration_seconds", "Time spent scraping the replica's metrics page (all attempts).",
+            labels=labels,
+        )
+        reg = getattr(self.runtime, "registry", None)
+        endpoints = list(reg.endpoints.values()) if reg is not None else []
+        for ep in endpoints:
+            pool = ep.cfg.pool or ""
+            lv = [ep.id, pool]
+            for m in ep.models:
+                info.add_metric([ep.id, pool, m, ep.cfg.engine], 1.0)
+            inflight.add_metric(lv, ep.inflight)
+            draining.add_metric(lv, 1.0 if ep.draining else 0.0)
+            failures.add_metric(lv, ep.consecutive_failures)
+            state = breaker_state(ep)
+            if state is not None:
+                breaker.add_metric(lv, _BREAKER_VALUE.get(state, 1.0))
+            rate = _number(ep, "drain_rate")
+            if rate is not None:
+                drain.add_metric(lv, rate)
+            if not ep.engine.scraped:
+                continue
+            stale.add_metric(lv, 1.0 if ep.stale else 0.0)
+            scrapes.add_metric([*lv, "ok"], ep.scrape_ok)
+            scrapes.add_metric([*lv, "failed"], ep.scrape_failures)
+            scrape_time.add_metric(lv, ep.scrape_ok + ep.scrape_failures, ep.scrape_seconds)
+            w, r, k = ep.fresh()
+            if w is not None:
+                waiting.add_metric(lv, w)
+            if r is not None:
+                running.add_metric(lv, r)
+            if k is not None:
+                kv.add_metric(lv, k)
+        yield from (info, inflight, waiting, running, kv, drain, draining, stale, breaker, failures, scrapes, scrape_time)
+
+        adm = admission_of(self.runtime)
+        depth = GaugeMetricFamily(
+            "llmgw_admission_queue_depth", "Requests waiting for admission, by priority band.", labels=["band"]
+        )
+        for band, n in (read_mapping(adm, "queue_depths") or {}).items():
+            depth.add_metric([band], n)
+        yield depth
+        sat = GaugeMetricFamily(
+            "llmgw_pool_saturation", "How full a model's replicas are (0..1; 1: new requests queue).", labels=["model"]
+        )
+        for model, x in (read_mapping(adm, "pool_saturation") or {}).items():
+            sat.add_metric([model], x)
+        yield sat
+
+
+class LoopLagMonitor:
+    """Measures how late the event loop runs a timer: the loop's own latency.
+
+    A callback is scheduled every ``interval`` seconds; how much later than asked
+    it runs is observed into a histogram. A blocked loop (a slow callback, a
+    large synchronous scrape) shows up here before it shows up as request latency.
+    """
+
+    def __init__(self, interval: float = 0.5, stopped: Callable[[], bool] = lambda: False) -> None:
+        self.interval = interval
+        self.bounds = list(LOOP_LAG_BUCKETS)
+        self._le = (*(_fmt(b) for b in self.bounds), "+Inf")
+        self.hist = _Hist(len(self.bounds))
+        self._stopped = stopped
+        self._handle: asyncio.TimerHandle | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._due = 0.0
+
+    def start(self) -> None:
+        """Start measuring (needs a running loop)."""
+        self._loop = asyncio.get_running_loop()
+        self._schedule()
+
+    def _schedule(self) -> None:
+        assert self._loop is not None
+        self._due = self._loop.time() + self.interval
+        self._handle = self._loop.call_at(self._due, self._tick)
+
+    def _tick(self) -> None:
+        assert self._loop is not None
+        lag = max(0.0, self._loop.time() - self._due)
+        h = self.hist
+        h.counts[bisect_left(self.bounds, lag)] += 1
+        h.total += lag
+        if self._stopped():
+            self._handle = None
+            return
+        self._schedule()
+
+    def stop(self) -> None:
+        if self._handle is not None:
+            self._handle.cancel()
+            self._handle = None
+
+    def family(self) -> Metric:
+        fam = HistogramMetricFamily(
+            "llmgw_event_loop_lag_seconds", "How late the event loop ran a timer scheduled every 0.5 s.", labels=[]
+        )
+        fam.add_metric([], _buckets(self._le, self.hist), self.hist.total)
+        return fam
+
+
+def _extensions() -> str:
+    from .._accel import NO_EXTENSIONS
+
+    if NO_EXTENSIONS:
+        return "pure"
+    mod = sys.modules.get("llmgw._fast.httpproto")
+    return "compiled" if mod is not None else "pure"
+
+
+class RuntimeCollector(Collector):
+    """The gateway process itself: build, listeners, asyncio tasks, loop lag, reloads."""
+
+    def __init__(self, runtime: GatewayRuntime, lag: LoopLagMonitor | None, reloads: Mapping[str, int]) -> None:
+        self.runtime = runtime
+        self.lag = lag
+        self.reloads = reloads
+        self.started = time.time()
+
+    def collect(self) -> Iterator[Metric]:
+        build = GaugeMetricFamily(
+            "llmgw_build_info", "Always 1; labels say which llmgw and Python run.",
+            labels=["version", "python", "extensions"],
+        )
+        build.add_metric([__version__, sys.version.split()[0], _extensions()], 1.0)
+        yield build
+        start = GaugeMetricFamily("llmgw_start_time_seconds", "When the gateway started (Unix time).")
+        start.add_metric([], self.started)
+        yield start
+        conns = GaugeMetricFamily("llmgw_connections", "Open client connections, by listener.", labels=["listener"])
+        rejected = CounterMetricFamily(
+            "llmgw_connections_rejected_total", "Connections refused at the connection limit or during shutdown.",
+            labels=["listener"],
+        )
+        for listener, attr in (("client", "server"), ("admin", "admin_server")):
+            srv = getattr(self.runtime, attr, None)
+            if srv is None:
+                continue
+            conns.add_metric([listener], len(srv.connections))
+            rejected.add_metric([listener], srv.rejected)
+        yield conns
+        yield rejected
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            loop = None
+        tasks = GaugeMetricFamily("llmgw_asyncio_tasks", "Asyncio tasks alive on the event loop.")
+        if loop is not None:
+            tasks.add_metric([], len(asyncio.all_tasks(loop)))
+        yield tasks
+        if self.lag is not None:
+            yield self.lag.family()
+        rl = CounterMetricFamily(
+            "llmgw_config_reloads_total", "Configuration reloads (admin API or SIGHUP), by result (ok, failed).",
+            labels=["result"],
+        )
+        for result in ("ok", "failed"):
+            rl.add_metric([result], self.reloads.get(result, 0))
+        yield rl
+
+
+if TYPE_CHECKING:
+    _check: Observer = PrometheusObserver()

@@ -1,0 +1,325 @@
+"""``llmgw ctl``: drive a running gateway through its admin API.
+
+    llmgw ctl endpoints                 every replica, its state and the numbers routing uses
+    llmgw ctl drain gpu0-llama          no new requests to it (in-flight ones finish)
+    llmgw ctl undrain gpu0-llama
+    llmgw ctl reload                    re-read the config file (like SIGHUP)
+    llmgw ctl queues                    admission queues per priority band
+
+``--admin URL`` (``$LLMGW_ADMIN``, default ``http://127.0.0.1:9090``) and
+``--token`` (``$LLMGW_ADMIN_TOKEN``) pick the gateway; ``--json`` prints the API's
+JSON instead of a table. Only the standard library speaks HTTP here, so the
+command starts fast and works wherever llmgw is installed.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import socket
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import quote, urlsplit
+
+import click
+
+__all__ = ["ctl"]
+
+DEFAULT_ADMIN = "http://127.0.0.1:9090"
+ABSENT = "–"  # an en dash: absent is not 0
+
+
+class CtlError(click.ClickException):
+    """A one-line error: ``llmgw: error: ...``."""
+
+    def show(self, file: Any = None) -> None:
+        click.echo(f"llmgw: error: {self.message}", err=True)
+
+
+@dataclass
+class Target:
+    """Where and how to reach the admin API."""
+
+    admin: str
+    token: str | None
+    as_json: bool
+    timeout: float = 30.0
+
+    def call(self, method: str, path: str, body: Any = None) -> Any:
+        """One API call; the decoded JSON answer.
+
+        Raises:
+            CtlError: the API cannot be reached or answered an error (the message says what to do).
+        """
+        parts = urlsplit(self.admin if "://" in self.admin else f"http://{self.admin}")
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise CtlError(f"--admin {self.admin!r} is not a URL like {DEFAULT_ADMIN}")
+        conn_cls = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
+        try:
+            port = parts.port
+        except ValueError:
+            raise CtlError(f"--admin {self.admin!r} has an invalid port") from None
+        conn = conn_cls(parts.hostname, port, timeout=self.timeout)
+        headers = {"accept": "application/json"}
+        data = None
+        if body is not None:
+            data = json.dumps(body).encode()
+            headers["content-type"] = "application/json"
+        if self.token:
+            headers["authorization"] = f"Bearer {self.token}"
+        base = parts.path.rstrip("/")
+        where = f"{parts.scheme}://{parts.netloc}{base}"
+        try:
+            conn.request(method, base + path, body=data, headers=headers)
+            resp = conn.getresponse()
+            raw = resp.read()
+        except (OSError, http.client.HTTPException) as exc:
+            if isinstance(exc, ConnectionRefusedError):
+                reason = "connection refused"
+            elif isinstance(exc, TimeoutError):
+                reason = f"no answer within {self.timeout:g}s"
+            elif isinstance(exc, socket.gaierror):
+                reason = f"unknown host {parts.hostname}"
+            else:
+                reason = str(exc) or type(exc).__name__
+            raise CtlError(
+                f"cannot reach the admin API at {where} ({reason}; is llmgw serve running? pass --admin URL)"
+            ) from None
+        finally:
+            conn.close()
+        try:
+            payload = json.loads(raw) if raw else None
+        except ValueError:
+            payload = None
+        if resp.status >= 400:
+            raise CtlError(_explain(resp.status, payload, where, self.token is not None))
+        if payload is None:
+            raise CtlError(f"{where} did not answer JSON; is it llmgw's admin address? (pass --admin URL)")
+        return payload
+
+
+def _explain(status: int, payload: Any, where: str, had_token: bool) -> str:
+    err = payload.get("error") if isinstance(payload, dict) else None
+    message = err.get("message") if isinstance(err, dict) else None
+    code = err.get("code") if isinstance(err, dict) else None
+    if status == 401:
+        if not had_token:
+            return "the admin API needs a token: pass --token or set LLMGW_ADMIN_TOKEN"
+        return "the admin API refused the token: check --token or LLMGW_ADMIN_TOKEN"
+    if status == 404 and code == "not_found" and message and "OpenAI API" in message:
+        return f"{where} is the client port, not the admin port; pass the admin address with --admin URL"
+    if message:
+        return message
+    return f"the admin API at {where} answered HTTP {status}"
+
+
+def _options(group: bool) -> Callable[[Any], Any]:
+    """``--admin``, ``--token`` and ``--json``, on the group (with env defaults) and on each command."""
+
+    def deco(f: Any) -> Any:
+        f = click.option("--json", "as_json", is_flag=True, default=None, help="Print the API's JSON.")(f)
+        f = click.option(
+            "--token", metavar="TOKEN", envvar="LLMGW_ADMIN_TOKEN" if group else None, default=None,
+            show_envvar=group, help="The gateway's admin_token.",
+        )(f)
+        f = click.option(
+            "--admin", metavar="URL", envvar="LLMGW_ADMIN" if group else None, default=None, show_envvar=group,
+            help=f"The admin API's address (default {DEFAULT_ADMIN}).",
+        )(f)
+        return f
+
+    return deco
+
+
+def _target(ctx: click.Context, admin: str | None, token: str | None, as_json: bool | None) -> Target:
+    base: Target = ctx.obj if isinstance(ctx.obj, Target) else Target(DEFAULT_ADMIN, None, False)
+    return Target(
+        admin=admin or base.admin,
+        token=token if token is not None else base.token,
+        as_json=as_json if as_json is not None else base.as_json,
+    )
+
+
+def _print_json(obj: Any) -> None:
+    click.echo(json.dumps(obj, indent=2, ensure_ascii=False))
+
+
+def _console() -> Any:
+    from rich.console import Console
+
+    console = Console(highlight=False, soft_wrap=False)
+    if not console.is_terminal:
+        # Piped or captured: don't squeeze the table into 80 columns.
+        console = Console(highlight=False, width=max(console.width, 160), soft_wrap=False)
+    return console
+
+
+def _fmt(value: Any, kind: str = "") -> str:
+    if value is None:
+        return ABSENT
+    if kind == "pct":
+        return f"{value * 100:.0f}%"
+    if kind == "rate":
+        return f"{value:.2f}/s"
+    if isinstance(value, float) and value.is_integer():
+        return str(int(value))
+    if isinstance(value, float):
+        return f"{value:.2f}"
+    return str(value)
+
+
+_STATE_STYLE = {"ok": "green", "draining": "yellow", "stale": "magenta", "open": "red", "half-open": "red"}
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@_options(group=True)
+@click.pass_context
+def ctl(ctx: click.Context, admin: str | None, token: str | None, as_json: bool | None) -> None:
+    """Drive a running gateway through its admin API.
+
+    \b
+      llmgw ctl endpoints             replicas, their state and what routing scores them on
+      llmgw ctl drain ID / undrain ID stop / resume sending new requests to a replica
+      llmgw ctl reload                re-read the config file without dropping connections
+      llmgw ctl queues                admission queues per priority band
+    """
+    ctx.obj = Target(admin or DEFAULT_ADMIN, token or None, bool(as_json))
+
+
+@ctl.command()
+@_options(group=False)
+@click.pass_context
+def endpoints(ctx: click.Context, admin: str | None, token: str | None, as_json: bool | None) -> None:
+    """List the replicas and their live state.
+
+    Absent numbers (never scraped, stale, not reported by the engine) show as –, never 0.
+    """
+    t = _target(ctx, admin, token, as_json)
+    data = t.call("GET", "/admin/v1/endpoints")
+    if t.as_json:
+        _print_json(data)
+        return
+    from rich.table import Table
+
+    eps = data.get("endpoints", [])
+    table = Table(box=None, pad_edge=False, header_style="bold")
+    for col, justify in (
+        ("ID", "left"), ("MODEL", "left"), ("ENGINE", "left"), ("POOL", "left"), ("STATE", "left"),
+        ("INFLIGHT", "right"), ("WAITING", "right"), ("RUNNING", "right"), ("KV", "right"), ("DRAIN RATE", "right"),
+    ):
+        table.add_column(col, justify=justify, no_wrap=True)  # type: ignore[arg-type]
+    for ep in eps:
+        state = ep.get("state", "?")
+        table.add_row(
+            str(ep.get("id")),
+            ",".join(ep.get("models", [])),
+            str(ep.get("engine") or ABSENT),
+            str(ep.get("pool") or ABSENT),
+            f"[{_STATE_STYLE.get(state, 'white')}]{state}[/]",
+            _fmt(ep.get("inflight")),
+            _fmt(ep.get("waiting")),
+            _fmt(ep.get("running")),
+            _fmt(ep.get("kv_cache_usage"), "pct"),
+            _fmt(ep.get("drain_rate"), "rate"),
+        )
+    console = _console()
+    if not eps:
+        console.print("no endpoints (add them to the config file and run llmgw ctl reload)")
+        return
+    console.print(table)
+
+
+def _drain(ctx: click.Context, endpoint_id: str, draining: bool, t: Target) -> None:
+    verb = "drain" if draining else "undrain"
+    data = t.call("POST", f"/admin/v1/endpoints/{quote(endpoint_id, safe='')}/{verb}")
+    if t.as_json:
+        _print_json(data)
+        return
+    inflight = data.get("inflight", 0)
+    if draining:
+        tail = f"; {inflight} request(s) in flight finish" if inflight else ""
+        what = "draining" if data.get("changed") else "already draining"
+        click.echo(f"{endpoint_id}: {what}: no new requests{tail}")
+    else:
+        what = "undrained" if data.get("changed") else "was not draining"
+        click.echo(f"{endpoint_id}: {what}: taking requests (state {data.get('state')})")
+
+
+@ctl.command()
+@click.argument("endpoint_id", metavar="ID")
+@_options(group=False)
+@click.pass_context
+def drain(ctx: click.Context, endpoint_id: str, admin: str | None, token: str | None, as_json: bool | None) -> None:
+    """Stop sending new requests to replica ID.
+
+    Requests in flight to it finish; the scrape poller keeps reading its metrics.
+    """
+    _drain(ctx, endpoint_id, True, _target(ctx, admin, token, as_json))
+
+
+@ctl.command()
+@click.argument("endpoint_id", metavar="ID")
+@_options(group=False)
+@click.pass_context
+def undrain(ctx: click.Context, endpoint_id: str, admin: str | None, token: str | None, as_json: bool | None) -> None:
+    """Send requests to replica ID again."""
+    _drain(ctx, endpoint_id, False, _target(ctx, admin, token, as_json))
+
+
+@ctl.command()
+@_options(group=False)
+@click.pass_context
+def reload(ctx: click.Context, admin: str | None, token: str | None, as_json: bool | None) -> None:
+    """Re-read the config file (like SIGHUP).
+
+    Endpoints are added, removed or replaced by id; connections are not dropped.
+    """
+    t = _target(ctx, admin, token, as_json)
+    data = t.call("POST", "/admin/v1/reload")
+    if t.as_json:
+        _print_json(data)
+        return
+    parts = [f"{k} {', '.join(data[k])}" for k in ("added", "removed", "changed") if data.get(k)]
+    click.echo("configuration reloaded" + (f": {'; '.join(parts)}" if parts else ": no endpoint changes"))
+    if data.get("restart_needed_for"):
+        click.echo(f"note: {', '.join(data['restart_needed_for'])} changed; that needs a restart", err=True)
+
+
+@ctl.command()
+@_options(group=False)
+@click.pass_context
+def queues(ctx: click.Context, admin: str | None, token: str | None, as_json: bool | None) -> None:
+    """Show the admission queues per priority band."""
+    t = _target(ctx, admin, token, as_json)
+    data = t.call("GET", "/admin/v1/queues")
+    if t.as_json:
+        _print_json(data)
+        return
+    if not data.get("admission"):
+        click.echo("admission control is off: requests go straight to replicas")
+        return
+    from rich.table import Table
+
+    table = Table(box=None, pad_edge=False, header_style="bold")
+    for col in ("BAND", "DEPTH", "ADMITTED", "QUEUED", "REJECTED"):
+        table.add_column(col, justify="left" if col == "BAND" else "right", no_wrap=True)
+    for b in data.get("bands", []):
+        d = b.get("decisions", {})
+        table.add_row(
+            str(b.get("band")), _fmt(b.get("depth")),
+            *(_fmt(d.get(k, 0)) for k in ("admitted", "queued", "rejected")),
+        )
+    console = _console()
+    console.print(table)
+    sat = data.get("pool_saturation") or {}
+    if sat:
+        console.print("saturation: " + ", ".join(f"{m} {v * 100:.0f}%" for m, v in sat.items()))
+
+
+def main() -> None:  # pragma: no cover - `python -m llmgw.cli.ctl`
+    ctl(prog_name="llmgw ctl")
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

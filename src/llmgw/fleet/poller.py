@@ -1,0 +1,200 @@
+"""The scrape poller: one task per replica reading its engine's ``/metrics``.
+
+Each task scrapes at ``scrape.interval`` (with jitter, so hundreds of replicas
+don't march in lockstep), with a timeout shorter than the interval, over the
+replica's pooled keep-alive connections, sending the replica's key as a bearer
+token (llama.cpp guards ``/metrics`` with it). What it reads goes into the
+registry; a replica whose last good scrape is older than ``scrape.stale_after``
+is stale, and its numbers are never used as if fresh.
+
+Logging says what is wrong once: when an engine does not serve the metrics its
+mapping needs (404, 401, names missing), one warning names the replica, the
+engine and the missing names; it stays quiet until the reason changes, and logs
+once when the replica is readable again. Ordinary blips (a restart, a timeout)
+stay at debug.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from typing import Any
+
+from ..config import ScrapeConfig
+from ..http.parser import Response
+from ..errors import PromParseError
+from ..log import scrape_logger as log
+from ..scrape import mapping_for, missing_signals, scan_stats
+from .registry import Endpoint, Registry
+
+__all__ = ["Poller", "scrape_once"]
+
+_ACCEPT = b"accept: text/plain;version=0.0.4;q=0.9,application/openmetrics-text;version=1.0.0;q=0.5,*/*;q=0.1\r\n"
+_MAX_PAGE = 8 * 1024 * 1024
+
+
+class _Page:
+    """Collects one scrape response (a ResponseReader sink)."""
+
+    __slots__ = ("body", "done", "size", "status")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.status = 0
+        self.body: list[bytes] = []
+        self.size = 0
+        self.done: asyncio.Future[None] = loop.create_future()
+
+    def on_response_head(self, resp: Response) -> None:
+        self.status = resp.status
+
+    def on_response_body(self, data: bytes) -> None:
+        self.size += len(data)
+        if self.size > _MAX_PAGE:
+            if not self.done.done():
+                self.done.set_exception(ValueError(f"metrics page larger than {_MAX_PAGE} bytes"))
+            return
+        self.body.append(data)
+
+    def on_response_end(self) -> None:
+        if not self.done.done():
+            self.done.set_result(None)
+
+    def on_upstream_lost(self, exc: BaseException | None) -> None:
+        if not self.done.done():
+            self.done.set_exception(ConnectionError(f"connection lost: {exc}"))
+
+
+async def scrape_once(ep: Endpoint, timeout: float) -> tuple[int, bytes]:
+    """GET the replica's metrics page; returns (status, body).
+
+    Raises:
+        OSError, TimeoutError, ValueError: the scrape failed.
+    """
+    loop = asyncio.get_running_loop()
+    page = _Page(loop)
+    deadline = loop.time() + timeout
+    conn = ep.pool.take_idle()
+    if conn is None:
+        conn = await asyncio.wait_for(ep.pool.connect(), timeout)
+    head = b"GET %s HTTP/1.1\r\nhost: %s\r\n%s%s\r\n" % (
+        ep.target(ep.metrics_path.encode()),
+        ep.host_header,
+        _ACCEPT,
+        ep.auth_line,
+    )
+    conn.send(page, head, b"")
+    try:
+        await asyncio.wait_for(asyncio.shield(page.done), max(0.001, deadline - loop.time()))
+    except BaseException:
+        conn.abort()
+        raise
+    conn.release()
+    return page.status, b"".join(page.body)
+
+
+class Poller:
+    """Keeps one scrape task per scraped replica of the registry."""
+
+    def __init__(self, registry: Registry, cfg: ScrapeConfig, *, model_rewrites: dict[str, str] | None = None) -> None:
+        self.registry = registry
+        self.cfg = cfg
+        self._rewrites = model_rewrites or {}
+        self._tasks: dict[str, asyncio.Task[None]] = {}
+        self._rng = random.Random()
+        self._loop = asyncio.get_running_loop()
+
+    def sync(self) -> None:
+        """Start tasks for new replicas and stop those of removed ones."""
+        current = {eid for eid, ep in self.registry.endpoints.items() if ep.engine.scraped}
+        for eid in list(self._tasks):
+            if eid not in current:
+                self._tasks.pop(eid).cancel()
+        for eid in current:
+            if eid not in self._tasks:
+                ep = self.registry.endpoints[eid]
+                self._tasks[eid] = self._loop.create_task(self._run(ep), name=f"llmgw-scrape-{eid}")
+
+    @property
+    def task_count(self) -> int:
+        return len(self._tasks)
+
+    async def close(self) -> None:
+        tasks = list(self._tasks.values())
+        self._tasks.clear()
+        for t in tasks:
+            t.cancel()
+        for t in tasks:
+            try:
+                await t
+            except asyncio.CancelledError:
+                pass
+
+    async def _run(self, ep: Endpoint) -> None:
+        interval = self.cfg.interval
+        mapping = mapping_for(ep.cfg.engine, dict(ep.cfg.metric_names) or None)
+        model = None
+        if len(ep.models) == 1:
+            model = self._rewrites.get(ep.models[0], ep.models[0])
+        # Spread the first scrapes over one interval.
+        await asyncio.sleep(self._rng.random() * interval)
+        while True:
+            started = time.monotonic()
+            await self._scrape(ep, mapping, model)
+            elapsed = time.monotonic() - started
+            jitter = (self._rng.random() - 0.5) * 0.2 * interval
+            await asyncio.sleep(max(0.0, interval - elapsed + jitter))
+
+    async def _scrape(self, ep: Endpoint, mapping: Any, model: str | None) -> None:
+        t0 = time.monotonic()
+        try:
+            status, body = await scrape_once(ep, self.cfg.timeout)
+        except asyncio.CancelledError:
+            raise
+        except (OSError, asyncio.TimeoutError, ValueError) as exc:
+            ep.scrape_failures += 1
+            reason = "timed out" if isinstance(exc, asyncio.TimeoutError) else str(exc) or type(exc).__name__
+            log.debug("scrape of %s failed: %s", ep.id, reason)
+            return
+        finally:
+            ep.scrape_seconds += time.monotonic() - t0
+        if status != 200:
+            ep.scrape_failures += 1
+            hint = ""
+            if status == 404:
+                hint = f"; {ep.engine.notes[0]}" if ep.engine.notes else "; is the metrics endpoint enabled?"
+            elif status in (401, 403):
+                hint = "; set the replica's api_key (or api_key_env) in the config"
+            self._problem(ep, f"{ep.metrics_path} answered HTTP {status}{hint}")
+            return
+        try:
+            stats, result = scan_stats(body, mapping, model)
+        except PromParseError as exc:
+            ep.scrape_failures += 1
+            self._problem(ep, f"unreadable metrics page ({exc})")
+            return
+        ep.waiting, ep.running, ep.kv_cache_usage = stats.waiting, stats.running, stats.kv_cache_usage
+        ep.last_scrape = time.monotonic()
+        ep.scrape_ok += 1
+        if result.bad_lines and ep.scrape_ok % 100 == 1:
+            # Rate-limited: a page with a few odd lines is still read.
+            log.debug("replica %s: %d malformed metrics line(s) skipped, first: %s", ep.id, result.bad_lines, result.error)
+        missing = missing_signals(mapping, result)
+        if missing:
+            names = sorted(n for group in missing.values() for n in group)
+            self._problem(ep, "its metrics page lacks " + ", ".join(names))
+        elif ep.scrape_problem is not None:
+            log.info("replica %s (%s): metrics readable again", ep.id, ep.engine.title)
+            ep.scrape_problem = None
+
+    def _problem(self, ep: Endpoint, reason: str) -> None:
+        if ep.scrape_problem == reason:
+            return
+        ep.scrape_problem = reason
+        log.warning(
+            "replica %s (%s at %s): %s; routing to it is uninformed until its metrics can be read",
+            ep.id,
+            ep.engine.title,
+            ep.cfg.url,
+            reason,
+        )

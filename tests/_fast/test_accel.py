@@ -1,0 +1,87 @@
+"""Guard: the compiled module is what runs unless the pure build was asked for.
+
+A silent fall back to the twin would be a silent slowdown (aiohttp
+``test_c_parser_loaded``, multidict ``test_circular_imports``).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from llmgw._accel import NO_EXTENSIONS
+
+
+def run_python(code: str, **env: str) -> subprocess.CompletedProcess[str]:
+    full_env = {k: v for k, v in os.environ.items() if k != "LLMGW_NO_EXTENSIONS"}
+    full_env.update(env)
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        env=full_env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+
+
+@pytest.mark.c_extension
+@pytest.mark.skipif(NO_EXTENSIONS, reason="pure build requested")
+def test_compiled_httpproto_is_loaded() -> None:
+    from llmgw import _accel
+    from llmgw.http import parser
+
+    assert parser.RequestReader.__module__ == "llmgw._fast.httpproto"
+    assert parser.ResponseReader.__module__ == "llmgw._fast.httpproto"
+    assert not parser.RequestReader.__module__.endswith("_py")
+    assert _accel.loaded()["httpproto"] == "compiled"
+
+
+def test_no_extensions_selects_the_twin() -> None:
+    res = run_python(
+        """
+        from llmgw import _accel
+        from llmgw.http import parser
+        print(parser.RequestReader.__module__, _accel.NO_EXTENSIONS, _accel.loaded()["httpproto"])
+        """,
+        LLMGW_NO_EXTENSIONS="1",
+    )
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.split() == ["llmgw._fast.httpproto_py", "True", "pure"]
+    assert res.stderr == ""  # chosen on purpose: no warning
+
+
+@pytest.mark.parametrize("value", ["0", ""])
+def test_no_extensions_off_values(value: str) -> None:
+    res = run_python("from llmgw import _accel; print(_accel.NO_EXTENSIONS)", LLMGW_NO_EXTENSIONS=value)
+    assert res.stdout.strip() == ("True" if sys.implementation.name != "cpython" else "False")
+
+
+@pytest.mark.skipif(NO_EXTENSIONS, reason="pure build requested")
+def test_missing_compiled_module_warns_and_uses_the_twin() -> None:
+    res = run_python(
+        """
+        import sys
+        from importlib.abc import MetaPathFinder
+
+        class Block(MetaPathFinder):
+            def find_spec(self, name, path=None, target=None):
+                if name == "llmgw._fast.httpproto":
+                    raise ImportError("blocked by the test")
+                return None
+
+        sys.meta_path.insert(0, Block())
+        from llmgw import _accel
+        from llmgw.http import parser
+        print(parser.RequestReader.__module__, _accel.loaded()["httpproto"])
+        """
+    )
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.split() == ["llmgw._fast.httpproto_py", "pure"]
+    assert "llmgw._fast.httpproto is not available" in res.stderr
+    assert "pure-Python twin" in res.stderr
+    assert "blocked by the test" in res.stderr

@@ -1,0 +1,856 @@
+"""``llmgw._fast.httpproto``: both twins, same inputs, same answers.
+
+Every parser case runs against the compiled (``c``) and pure (``py``) twin through
+the ``httpproto`` fixture, and is also fed split at every byte boundary
+(httptools' "fragmented" tests): the outcome must not depend on how TCP cut it.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from types import ModuleType
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from llmgw._fast import httpproto_py
+from llmgw.errors import BadRequestError, HeadersTooLargeError, HTTPError, PayloadTooLargeError
+
+httpproto_c: ModuleType | None
+try:
+    httpproto_c = importlib.import_module("llmgw._fast.httpproto")
+except ImportError:  # pragma: no cover - pure build
+    httpproto_c = None
+
+REQ_ATTRS = (
+    "method",
+    "target",
+    "path",
+    "version",
+    "headers",
+    "forward",
+    "keep_alive",
+    "content_length",
+    "expect_continue",
+    "authorization",
+    "x_api_key",
+    "request_id",
+    "priority",
+    "host",
+    "content_type",
+    "body",
+)
+
+
+def summary(req: Any) -> dict[str, Any]:
+    return {a: getattr(req, a) for a in REQ_ATTRS}
+
+
+class Outcome:
+    """What a reader made of some bytes: requests, 100-continue hooks, error."""
+
+    def __init__(self) -> None:
+        self.requests: list[dict[str, Any]] = []
+        self.heads: list[tuple[bytes, int]] = []
+        self.error: tuple[type, int, bool] | None = None
+        self.message = ""
+
+    def key(self) -> tuple[Any, ...]:
+        return (self.requests, self.heads, self.error)
+
+    def __repr__(self) -> str:
+        return f"Outcome({self.requests!r}, heads={self.heads!r}, error={self.error!r} {self.message!r})"
+
+
+def parse(mod: ModuleType, chunks: list[bytes] | bytes, **kw: Any) -> Outcome:
+    out = Outcome()
+    reader = mod.RequestReader(
+        lambda r: out.requests.append(summary(r)),
+        lambda r: out.heads.append((r.target, len(out.requests))),
+        **kw,
+    )
+    if isinstance(chunks, bytes):
+        chunks = [chunks]
+    try:
+        for c in chunks:
+            reader.feed(c)
+    except HTTPError as exc:
+        out.error = (type(exc), exc.status, exc.close)
+        out.message = exc.message
+    return out
+
+
+def splits(data: bytes) -> list[list[bytes]]:
+    """``data`` cut in two at every byte boundary, plus one byte at a time."""
+    cuts = [[data[:i], data[i:]] for i in range(1, len(data))]
+    cuts.append([data[i : i + 1] for i in range(len(data))])
+    return cuts
+
+
+def parse_all_ways(mod: ModuleType, data: bytes, **kw: Any) -> Outcome:
+    """Parse ``data`` whole, and assert every split gives the same outcome."""
+    whole = parse(mod, data, **kw)
+    for chunks in splits(data):
+        got = parse(mod, chunks, **kw)
+        assert got.key() == whole.key(), (chunks, got, whole)
+    return whole
+
+
+# -- request parsing --------------------------------------------------------
+
+FULL_HEAD = (
+    b"POST /v1/chat/completions?stream=1&x=y HTTP/1.1\r\n"
+    b"Host: gw.example\r\n"
+    b"Authorization: Bearer sk-secret\r\n"
+    b"X-Api-Key: key-1\r\n"
+    b"X-Request-Id: rid-7\r\n"
+    b"X-LLMGW-Priority: high\r\n"
+    b"Content-Type: application/json\r\n"
+    b"Accept: text/event-stream\r\n"
+    b"Connection: keep-alive\r\n"
+    b"Keep-Alive: timeout=5\r\n"
+    b"Proxy-Connection: keep-alive\r\n"
+    b"Proxy-Authorization: Basic Zm9v\r\n"
+    b"TE: trailers\r\n"
+    b"Trailer: X-Foo\r\n"
+    b"Upgrade: h2c\r\n"
+    b"OpenAI-Organization: org-1\r\n"
+    b"x-MiXeD-CaSe: KeepMe\r\n"
+    b"Content-Length: 13\r\n"
+    b"\r\n"
+)
+
+
+def test_request_fields(httpproto: ModuleType) -> None:
+    out = parse_all_ways(httpproto, FULL_HEAD + b'{"model":"m"}')
+    assert out.error is None
+    (req,) = out.requests
+    assert req["method"] == b"POST"
+    assert req["target"] == b"/v1/chat/completions?stream=1&x=y"
+    assert req["path"] == b"/v1/chat/completions"
+    assert req["version"] == b"1.1"
+    assert req["keep_alive"] is True
+    assert req["content_length"] == 13
+    assert req["body"] == b'{"model":"m"}'
+    assert req["authorization"] == b"Bearer sk-secret"
+    assert req["x_api_key"] == b"key-1"
+    assert req["request_id"] == b"rid-7"
+    assert req["priority"] == b"high"
+    assert req["host"] == b"gw.example"
+    assert req["content_type"] == b"application/json"
+    assert req["expect_continue"] is False
+    # every header as received, name case kept, in order
+    assert req["headers"][0] == (b"Host", b"gw.example")
+    assert (b"x-MiXeD-CaSe", b"KeepMe") in req["headers"]
+    assert len(req["headers"]) == FULL_HEAD.count(b"\r\n") - 2
+    # forwardable: no hop-by-hop, framing, credentials, host, request id, priority
+    assert req["forward"] == (
+        b"Content-Type: application/json\r\n"
+        b"Accept: text/event-stream\r\n"
+        b"OpenAI-Organization: org-1\r\n"
+        b"x-MiXeD-CaSe: KeepMe\r\n"
+    )
+
+
+def test_request_object_api(httpproto: ModuleType) -> None:
+    got: list[Any] = []
+    r = httpproto.RequestReader(got.append)
+    r.feed(b"GET /models HTTP/1.1\r\nX-Foo: a\r\nx-foo: b\r\n\r\n")
+    (req,) = got
+    assert req.header(b"X-FOO") == b"a"
+    assert req.header(b"absent") is None
+    assert req.path == b"/models"
+    assert repr(req) == "<Request GET b'/models'>"
+    assert req.content_length == -1 and req.body == b""
+    assert not r.in_message and not r.in_head
+
+
+@pytest.mark.parametrize(
+    ("head", "expect_forward"),
+    [
+        (b"Expect: 100-continue\r\nContent-Length: 0\r\n", b""),
+        (b"Transfer-Encoding: chunked\r\n", b""),
+        (b"X-Request-ID: a\r\nx-request-id: b\r\n", b""),
+        (b"content-type: a\r\nContent-Type: b\r\n", b"content-type: a\r\n"),
+        (b"Cookie: c=1\r\nUser-Agent: t\r\n", b"Cookie: c=1\r\nUser-Agent: t\r\n"),
+    ],
+)
+def test_forward_lines(httpproto: ModuleType, head: bytes, expect_forward: bytes) -> None:
+    data = b"POST / HTTP/1.1\r\n" + head + b"\r\n"
+    if b"chunked" in head:
+        data += b"0\r\n\r\n"
+    out = parse_all_ways(httpproto, data)
+    assert out.error is None
+    assert out.requests[0]["forward"] == expect_forward
+
+
+def test_first_credential_wins(httpproto: ModuleType) -> None:
+    out = parse(
+        httpproto,
+        b"GET / HTTP/1.1\r\nAuthorization: a\r\nAuthorization: b\r\nX-Api-Key: k1\r\nx-api-key: k2\r\n"
+        b"X-Llmgw-Priority: low\r\nx-llmgw-priority: high\r\nX-Request-Id: r1\r\nX-Request-Id: r2\r\n\r\n",
+    )
+    req = out.requests[0]
+    assert (req["authorization"], req["x_api_key"], req["priority"], req["request_id"]) == (
+        b"a",
+        b"k1",
+        b"low",
+        b"r1",
+    )
+
+
+def test_custom_priority_header(httpproto: ModuleType) -> None:
+    data = b"GET / HTTP/1.1\r\nX-Prio: 3\r\nX-LLMGW-Priority: high\r\n\r\n"
+    req = parse(httpproto, data, priority_header=b"X-Prio").requests[0]
+    assert req["priority"] == b"3"
+    # the default priority header is then an ordinary, forwarded one
+    assert req["forward"] == b"X-LLMGW-Priority: high\r\n"
+
+
+@pytest.mark.parametrize(
+    ("data", "keep_alive", "version"),
+    [
+        (b"GET / HTTP/1.1\r\n\r\n", True, b"1.1"),
+        (b"GET / HTTP/1.1\r\nConnection: close\r\n\r\n", False, b"1.1"),
+        (b"GET / HTTP/1.0\r\n\r\n", False, b"1.0"),
+        (b"GET / HTTP/1.0\r\nConnection: keep-alive\r\n\r\n", True, b"1.0"),
+    ],
+)
+def test_keep_alive(httpproto: ModuleType, data: bytes, keep_alive: bool, version: bytes) -> None:
+    req = parse_all_ways(httpproto, data).requests[0]
+    assert (req["keep_alive"], req["version"]) == (keep_alive, version)
+
+
+def test_content_length_body(httpproto: ModuleType) -> None:
+    out = parse_all_ways(httpproto, b"PUT /x HTTP/1.1\r\nContent-Length: 5\r\n\r\nhello")
+    assert out.requests[0]["body"] == b"hello"
+    assert out.requests[0]["content_length"] == 5
+
+
+def test_chunked_body(httpproto: ModuleType) -> None:
+    data = (
+        b"POST /x HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n"
+        b"5\r\nhello\r\n1;ext=1\r\n \r\nA\r\n0123456789\r\n0\r\nX-Trailer: t\r\n\r\n"
+    )
+    out = parse_all_ways(httpproto, data)
+    assert out.error is None
+    req = out.requests[0]
+    assert req["body"] == b"hello 0123456789"
+    assert req["content_length"] == -1
+    assert req["forward"] == b""
+
+
+def test_pipelined_requests_in_one_feed(httpproto: ModuleType) -> None:
+    data = (
+        b"GET /a HTTP/1.1\r\n\r\n"
+        b"POST /b HTTP/1.1\r\nContent-Length: 3\r\n\r\nabc"
+        b"POST /c HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nde\r\n0\r\n\r\n"
+        b"\r\nGET /d?q HTTP/1.1\r\nConnection: close\r\n\r\n"
+    )
+    out = parse_all_ways(httpproto, data)
+    assert out.error is None
+    assert [(r["target"], r["body"], r["keep_alive"]) for r in out.requests] == [
+        (b"/a", b"", True),
+        (b"/b", b"abc", True),
+        (b"/c", b"de", True),
+        (b"/d?q", b"", False),
+    ]
+
+
+def test_in_message_state(httpproto: ModuleType) -> None:
+    got: list[Any] = []
+    r = httpproto.RequestReader(got.append)
+    r.feed(b"POST / HTTP/1.1\r\nContent-")
+    assert r.in_message and r.in_head
+    r.feed(b"Length: 4\r\n\r\nab")
+    assert r.in_message and not r.in_head
+    r.feed(b"cd")
+    assert not r.in_message and not r.in_head
+    assert got[0].body == b"abcd"
+
+
+# -- Expect -----------------------------------------------------------------
+
+
+def test_expect_continue_hook_runs_before_body(httpproto: ModuleType) -> None:
+    heads: list[Any] = []
+    got: list[Any] = []
+    r = httpproto.RequestReader(got.append, heads.append)
+    r.feed(b"POST /up HTTP/1.1\r\nExpect: 100-Continue\r\nContent-Length: 3\r\n\r\n")
+    assert [h.target for h in heads] == [b"/up"] and got == []
+    assert heads[0].expect_continue
+    r.feed(b"abc")
+    assert got[0].body == b"abc"
+    assert len(heads) == 1
+
+
+@pytest.mark.parametrize(
+    ("framing", "called"),
+    [
+        (b"Content-Length: 0\r\n\r\n", False),
+        (b"Content-Length: 2\r\n\r\nab", True),
+        (b"Transfer-Encoding: chunked\r\n\r\n0\r\n\r\n", True),
+    ],
+)
+def test_expect_continue_when_body(httpproto: ModuleType, framing: bytes, called: bool) -> None:
+    out = parse_all_ways(httpproto, b"POST / HTTP/1.1\r\nExpect: 100-continue\r\n" + framing)
+    assert out.error is None
+    assert out.heads == ([(b"/", 0)] if called else [])
+    assert out.requests[0]["expect_continue"] is True
+
+
+def test_expect_without_hook(httpproto: ModuleType) -> None:
+    got: list[Any] = []
+    r = httpproto.RequestReader(got.append)
+    r.feed(b"POST / HTTP/1.1\r\nExpect: 100-continue\r\nContent-Length: 1\r\n\r\nx")
+    assert got[0].body == b"x"
+
+
+def test_other_expect_is_417(httpproto: ModuleType) -> None:
+    out = parse_all_ways(httpproto, b"POST / HTTP/1.1\r\nExpect: something\r\nContent-Length: 1\r\n\r\nx")
+    assert out.error == (HTTPError, 417, True)
+    r = httpproto.RequestReader(lambda _: None)
+    with pytest.raises(HTTPError) as ei:
+        r.feed(b"GET / HTTP/1.1\r\nExpect: nope\r\n\r\n")
+    assert ei.value.code == "expectation_failed"
+
+
+# -- limits -------------------------------------------------------------------
+
+
+def test_long_request_line_431(httpproto: ModuleType) -> None:
+    data = b"GET /" + b"a" * 2000 + b" HTTP/1.1\r\n\r\n"
+    out = parse_all_ways(httpproto, data, max_head_bytes=1024)
+    assert out.error == (HeadersTooLargeError, 431, True)
+    assert parse(httpproto, data, max_head_bytes=4096).error is None
+
+
+def test_too_many_headers_431(httpproto: ModuleType) -> None:
+    head = b"".join(b"X-H%d: v\r\n" % i for i in range(10))
+    ok = parse_all_ways(httpproto, b"GET / HTTP/1.1\r\n" + head + b"\r\n", max_headers=10)
+    assert ok.error is None and len(ok.requests[0]["headers"]) == 10
+    bad = parse_all_ways(httpproto, b"GET / HTTP/1.1\r\n" + head + b"X-H: v\r\n\r\n", max_headers=10)
+    assert bad.error == (HeadersTooLargeError, 431, True)
+    assert bad.requests == []
+
+
+def test_header_bytes_431(httpproto: ModuleType) -> None:
+    head = b"".join(b"X-H%d: %s\r\n" % (i, b"v" * 100) for i in range(20))
+    out = parse(httpproto, b"GET / HTTP/1.1\r\n" + head + b"\r\n", max_head_bytes=1024)
+    assert out.error == (HeadersTooLargeError, 431, True)
+    assert parse(httpproto, b"GET / HTTP/1.1\r\n" + head + b"\r\n", max_head_bytes=4096).error is None
+
+
+def test_unending_header_fed_slowly_431(httpproto: ModuleType) -> None:
+    # slowloris-style: one header that never ends, a little at a time
+    r = httpproto.RequestReader(lambda _: pytest.fail("no request expected"), max_head_bytes=1024)
+    r.feed(b"GET / HTTP/1.1\r\nX-Slow: ")
+    fed = 25
+    with pytest.raises(HeadersTooLargeError) as ei:
+        while fed < 10 * 1024:
+            r.feed(b"a" * 16)
+            fed += 16
+    fed += 16  # the feed that raised
+    assert 1024 < fed <= 1024 + 16
+    assert ei.value.status == 431 and ei.value.close
+    with pytest.raises(BadRequestError):  # the reader is dead now
+        r.feed(b"\r\n\r\n")
+
+
+def test_unending_header_in_one_chunk_431(httpproto: ModuleType) -> None:
+    r = httpproto.RequestReader(lambda _: None, max_head_bytes=1024)
+    with pytest.raises(HeadersTooLargeError):
+        r.feed(b"GET / HTTP/1.1\r\nX-Slow: " + b"a" * 2000)
+
+
+def test_pipelined_requests_do_not_add_up_to_431(httpproto: ModuleType) -> None:
+    # Regression: the bytes of earlier pipelined requests in the same chunk were
+    # counted against the head of an unfinished later one (a false 431).
+    one = b"GET /x HTTP/1.1\r\nHost: a\r\n\r\n"
+    got: list[Any] = []
+    r = httpproto.RequestReader(got.append, max_head_bytes=1024)
+    r.feed(one * 200 + one[:10])
+    r.feed(one[10:])
+    assert len(got) == 201
+    # ... and the body of the request before it
+    got.clear()
+    r = httpproto.RequestReader(got.append, max_head_bytes=1024)
+    r.feed(b"POST / HTTP/1.1\r\nContent-Length: 5000\r\n\r\n" + b"a" * 5000 + one[:10])
+    r.feed(one[10:])
+    assert [len(q.body) for q in got] == [5000, 0]
+    # a body that began in an earlier feed
+    got.clear()
+    r = httpproto.RequestReader(got.append, max_head_bytes=1024)
+    r.feed(b"POST / HTTP/1.1\r\nContent-Length: 5000\r\n\r\n")
+    r.feed(b"a" * 5000 + b"GET /x HTTP/1.1\r\nX-Long: ")
+    assert len(got) == 1 and r.in_head
+    # the head that began mid-chunk is still bounded once more bytes arrive
+    with pytest.raises(HeadersTooLargeError):
+        r.feed(b"b" * 1100)
+
+
+def test_body_too_large_by_content_length_413(httpproto: ModuleType) -> None:
+    got: list[Any] = []
+    r = httpproto.RequestReader(got.append, max_body=100)
+    with pytest.raises(PayloadTooLargeError) as ei:
+        r.feed(b"POST / HTTP/1.1\r\nContent-Length: 101\r\n\r\n")  # before any body byte
+    assert ei.value.status == 413 and ei.value.close and ei.value.code == "request_too_large"
+    ok = parse_all_ways(httpproto, b"POST / HTTP/1.1\r\nContent-Length: 5\r\n\r\n12345", max_body=5)
+    assert ok.error is None
+
+
+def test_body_too_large_by_chunks_413(httpproto: ModuleType) -> None:
+    data = b"POST / HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n" + b"10\r\n" + b"x" * 16 + b"\r\n"
+    ok = parse_all_ways(httpproto, data * 1 + b"0\r\n\r\n", max_body=32)
+    assert ok.error is None
+    body = b"".join([b"10\r\n" + b"x" * 16 + b"\r\n"] * 3)
+    head = b"POST / HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n"
+    bad = parse_all_ways(httpproto, head + body, max_body=32)
+    assert bad.error == (PayloadTooLargeError, 413, True)
+
+
+@pytest.mark.parametrize(
+    "cl",
+    [b"18446744073709551615", b"9223372036854775808", b"99999999999999999999999"],
+)
+def test_absurd_content_length(httpproto: ModuleType, cl: bytes) -> None:
+    # Regression: a length past Py_ssize_t was a 400 (OverflowError) in the
+    # compiled twin and a 413 in the pure one; both say 413 now (or 400 where
+    # llhttp itself rejects the number).
+    out = parse(httpproto, b"POST / HTTP/1.1\r\nContent-Length: " + cl + b"\r\n\r\n")
+    assert out.error is not None
+    assert out.error[1] == (413 if len(cl) <= 20 else 400)
+
+
+# -- smuggling and malformed input ---------------------------------------------
+
+BAD_REQUESTS = {
+    "cl_and_te": b"POST / HTTP/1.1\r\nContent-Length: 3\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n",
+    "te_and_cl": b"POST / HTTP/1.1\r\nTransfer-Encoding: chunked\r\nContent-Length: 3\r\n\r\n0\r\n\r\n",
+    "dup_cl_differ": b"POST / HTTP/1.1\r\nContent-Length: 3\r\nContent-Length: 4\r\n\r\nabcd",
+    "dup_cl_same": b"POST / HTTP/1.1\r\nContent-Length: 3\r\nContent-Length: 3\r\n\r\nabc",
+    "cl_list": b"POST / HTTP/1.1\r\nContent-Length: 3, 3\r\n\r\nabc",
+    "cl_negative": b"POST / HTTP/1.1\r\nContent-Length: -1\r\n\r\n",
+    "cl_plus": b"POST / HTTP/1.1\r\nContent-Length: +3\r\n\r\nabc",
+    "cl_hex": b"POST / HTTP/1.1\r\nContent-Length: 0x3\r\n\r\nabc",
+    "te_chunked_gzip": b"POST / HTTP/1.1\r\nTransfer-Encoding: chunked, gzip\r\n\r\n0\r\n\r\n",
+    "te_identity": b"POST / HTTP/1.1\r\nTransfer-Encoding: identity\r\n\r\n",
+    "te_dup": b"POST / HTTP/1.1\r\nTransfer-Encoding: chunked\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n",
+    "te_space_name": b"POST / HTTP/1.1\r\nTransfer-Encoding : chunked\r\n\r\n0\r\n\r\n",
+    "bad_chunk_size": b"POST / HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\nabc\r\n0\r\n\r\n",
+    "chunk_size_overflow": b"POST / HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n"
+    b"ffffffffffffffffff\r\nabc\r\n0\r\n\r\n",
+    "chunk_negative": b"POST / HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n-3\r\nabc\r\n0\r\n\r\n",
+    "chunk_missing_crlf": b"POST / HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabcX0\r\n\r\n",
+    "chunk_bare_lf": b"POST / HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n3\nabc\r\n0\r\n\r\n",
+    "obs_fold": b"GET / HTTP/1.1\r\nX-A: a\r\n b\r\n\r\n",
+    "space_before_colon": b"GET / HTTP/1.1\r\nX-A : a\r\n\r\n",
+    "space_in_name": b"GET / HTTP/1.1\r\nX A: a\r\n\r\n",
+    "bare_lf_line": b"GET / HTTP/1.1\nHost: a\n\n",
+    "bare_lf_header": b"GET / HTTP/1.1\r\nHost: a\n\r\n",
+    "bare_cr": b"GET / HTTP/1.1\r\nX-A: a\rb\r\n\r\n",
+    "nul_in_value": b"GET / HTTP/1.1\r\nX-A: a\x00b\r\n\r\n",
+    "bad_method": b"FOO / HTTP/1.1\r\n\r\n",
+    "lower_method": b"get / HTTP/1.1\r\n\r\n",
+    "bad_version": b"GET / HTTP/1.2\r\n\r\n",
+    "version_3": b"GET / HTTP/3.0\r\n\r\n",
+    "version_2": b"GET / HTTP/2.0\r\n\r\n",
+    "version_09": b"GET / HTTP/0.9\r\n\r\n",
+    "no_version": b"GET /\r\n\r\n",
+    "space_in_target": b"GET /a b HTTP/1.1\r\n\r\n",
+    "not_http": b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03",
+    "dup_host": b"GET / HTTP/1.1\r\nHost: a\r\nHost: b\r\n\r\n",
+    "upgrade": b"GET / HTTP/1.1\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n\r\n",
+    "connect": b"CONNECT example.com:443 HTTP/1.1\r\nHost: example.com\r\n\r\n",
+}
+
+
+@pytest.mark.parametrize("name", sorted(BAD_REQUESTS))
+def test_malformed_is_400_and_closes(httpproto: ModuleType, name: str) -> None:
+    out = parse_all_ways(httpproto, BAD_REQUESTS[name])
+    assert out.error == (BadRequestError, 400, True), out
+    # and nothing of the bad request reached the app
+    assert out.requests == []
+
+
+def test_upgrade_never_reaches_the_app(httpproto: ModuleType) -> None:
+    # Regression: llhttp completes an upgrade request before it stops, so the
+    # request was handed to the app (and answered) and only then refused.
+    got: list[Any] = []
+    r = httpproto.RequestReader(got.append)
+    with pytest.raises(BadRequestError, match="upgrade"):
+        r.feed(b"GET /a HTTP/1.1\r\n\r\nGET /ws HTTP/1.1\r\nConnection: upgrade\r\nUpgrade: websocket\r\n\r\n")
+    assert [q.target for q in got] == [b"/a"]
+
+
+def test_valid_requests_before_a_bad_one_are_delivered(httpproto: ModuleType) -> None:
+    out = parse_all_ways(httpproto, b"GET /a HTTP/1.1\r\n\r\nGET /b HTTP/1.1\r\nX A: b\r\n\r\n")
+    assert [r["target"] for r in out.requests] == [b"/a"]
+    assert out.error == (BadRequestError, 400, True)
+
+
+def test_dead_reader_refuses_more(httpproto: ModuleType) -> None:
+    r = httpproto.RequestReader(lambda _: None)
+    with pytest.raises(BadRequestError):
+        r.feed(BAD_REQUESTS["cl_and_te"])
+    with pytest.raises(BadRequestError):
+        r.feed(b"GET / HTTP/1.1\r\n\r\n")
+
+
+def test_upgrade_header_alone_is_not_an_upgrade(httpproto: ModuleType) -> None:
+    # Without "Connection: upgrade" the header is informational and dropped.
+    out = parse_all_ways(httpproto, b"GET / HTTP/1.1\r\nUpgrade: h2c\r\n\r\n")
+    assert out.error is None and out.requests[0]["forward"] == b""
+
+
+# -- response reader ----------------------------------------------------------
+
+
+class Sink:
+    def __init__(self) -> None:
+        self.events: list[tuple[Any, ...]] = []
+
+    def on_response_head(self, r: Any) -> None:
+        self.events.append(
+            ("head", r.status, r.content_length, r.chunked, r.content_type, r.event_stream, r.forward, r.keep_alive)
+        )
+
+    def on_response_body(self, data: bytes) -> None:
+        if self.events and self.events[-1][0] == "body":
+            self.events[-1] = ("body", self.events[-1][1] + data)
+        else:
+            self.events.append(("body", data))
+
+    def on_response_end(self) -> None:
+        self.events.append(("end",))
+
+
+def read_response(mod: ModuleType, chunks: list[bytes] | bytes, eof: bool = False, **kw: Any) -> Any:
+    sink = Sink()
+    r = mod.ResponseReader(sink, **kw)
+    if isinstance(chunks, bytes):
+        chunks = [chunks]
+    try:
+        for c in chunks:
+            r.feed(c)
+        if eof:
+            sink.events.append(("eof", r.feed_eof()))
+    except ValueError as exc:
+        sink.events.append(("error", str(exc)))
+    return sink.events
+
+
+def read_all_ways(mod: ModuleType, data: bytes, eof: bool = False, **kw: Any) -> Any:
+    whole = read_response(mod, data, eof, **kw)
+    for chunks in splits(data):
+        assert read_response(mod, chunks, eof, **kw) == whole, chunks
+    return whole
+
+
+def test_response_content_length(httpproto: ModuleType) -> None:
+    data = (
+        b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nContent-Type: application/json\r\n"
+        b"X-Engine: e1\r\nConnection: keep-alive\r\nKeep-Alive: timeout=5\r\n\r\nhi"
+    )
+    assert read_all_ways(httpproto, data) == [
+        ("head", 200, 2, False, b"application/json", False,
+         b"Content-Type: application/json\r\nX-Engine: e1\r\n", True),
+        ("body", b"hi"),
+        ("end",),
+    ]
+
+
+def test_response_chunked_event_stream(httpproto: ModuleType) -> None:
+    data = (
+        b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\nContent-Type: Text/Event-Stream; charset=utf-8\r\n"
+        b"Cache-Control: no-cache\r\n\r\n6\r\ndata: \r\n3\r\n1\n\n\r\n0\r\n\r\n"
+    )
+    assert read_all_ways(httpproto, data) == [
+        ("head", 200, -1, True, b"Text/Event-Stream; charset=utf-8", True,
+         b"Content-Type: Text/Event-Stream; charset=utf-8\r\nCache-Control: no-cache\r\n", True),
+        ("body", b"data: 1\n\n"),
+        ("end",),
+    ]
+
+
+def test_response_until_close(httpproto: ModuleType) -> None:
+    data = b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\n\r\nhello"
+    events = read_all_ways(httpproto, data, eof=True)
+    assert events[0][:3] == ("head", 200, -1) and events[0][-1] is False
+    assert events[1:] == [("body", b"hello"), ("end",), ("eof", True)]
+    # without the eof it is still open
+    sink = Sink()
+    r = httpproto.ResponseReader(sink)
+    r.feed(data)
+    assert r.in_message and sink.events[-1] == ("body", b"hello")
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nab",
+        b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nab",
+        b"HTTP/1.1 200 OK\r\nX-A: 1\r\n",
+        b"",
+    ],
+)
+def test_response_eof_cuts_short(httpproto: ModuleType, data: bytes) -> None:
+    events = read_response(httpproto, data, eof=True)
+    assert events[-1] == ("eof", False)
+    assert ("end",) not in events
+
+
+def test_response_no_body_statuses(httpproto: ModuleType) -> None:
+    events = read_all_ways(
+        httpproto,
+        b"HTTP/1.1 204 No Content\r\n\r\nHTTP/1.1 304 Not Modified\r\nContent-Length: 5\r\n\r\n",
+    )
+    assert [e[:2] for e in events] == [("head", 204), ("end",), ("head", 304), ("end",)]
+
+
+def test_response_interim_1xx_dropped(httpproto: ModuleType) -> None:
+    # Regression: a 100 Continue / 103 Early Hints was reported as the answer.
+    data = (
+        b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 103 Early Hints\r\nLink: </a>\r\n\r\n"
+        b"HTTP/1.1 201 Created\r\nContent-Length: 1\r\n\r\na"
+    )
+    events = read_all_ways(httpproto, data)
+    assert [e[:2] for e in events] == [("head", 201), ("body", b"a"), ("end",)]
+
+
+def test_response_101_is_malformed(httpproto: ModuleType) -> None:
+    # Regression: httptools' HttpParserUpgrade escaped instead of a ValueError.
+    data = b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n\r\n"
+    events = read_all_ways(httpproto, data)
+    assert events[0][0] == "error" and "101" in events[0][1]
+
+
+def test_response_http10_not_keep_alive(httpproto: ModuleType) -> None:
+    events = read_all_ways(httpproto, b"HTTP/1.0 200 OK\r\nContent-Length: 1\r\n\r\na")
+    assert events[0][-1] is False
+
+
+def test_response_absurd_content_length(httpproto: ModuleType) -> None:
+    # Regression: OverflowError from the compiled twin, nothing from the pure one.
+    events = read_response(httpproto, b"HTTP/1.1 200 OK\r\nContent-Length: 18446744073709551615\r\n\r\nab")
+    assert events[0][:3] == ("head", 200, sys.maxsize)
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        b"garbage\r\n\r\n",
+        b"HTTP/1.1 abc OK\r\n\r\n",
+        b"HTTP/1.1 200 OK\r\nContent-Length: 1\r\nContent-Length: 2\r\n\r\nab",
+        b"HTTP/1.1 200 OK\r\nContent-Length: 1\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n",
+        b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n",
+        b"HTTP/1.1 200 OK\r\nX A: 1\r\n\r\n",
+    ],
+)
+def test_response_malformed(httpproto: ModuleType, data: bytes) -> None:
+    events = read_all_ways(httpproto, data)
+    assert events[-1][0] == "error" and events[-1][1].startswith("malformed upstream response")
+
+
+def test_response_head_limits(httpproto: ModuleType) -> None:
+    many = b"HTTP/1.1 200 OK\r\n" + b"".join(b"X-%d: v\r\n" % i for i in range(11)) + b"\r\n"
+    assert read_response(httpproto, many, max_headers=10)[-1][0] == "error"
+    assert read_response(httpproto, many, max_headers=11)[-1] == ("head", 200, -1, False, None, False,
+                                                                  many[17:-2], False)
+    big = b"HTTP/1.1 200 OK\r\nX-Big: " + b"v" * 2000 + b"\r\n\r\n"
+    assert read_response(httpproto, big, max_head_bytes=1024)[-1][0] == "error"
+    # an unending head fed slowly
+    sink = Sink()
+    r = httpproto.ResponseReader(sink, max_head_bytes=1024)
+    r.feed(b"HTTP/1.1 200 OK\r\nX-Big: ")
+    with pytest.raises(ValueError, match="too large"):
+        for _ in range(100):
+            r.feed(b"v" * 64)
+
+
+def test_response_sink_error_propagates(httpproto: ModuleType) -> None:
+    class Boom(Sink):
+        def on_response_head(self, r: Any) -> None:
+            raise KeyError("sink bug")
+
+    r = httpproto.ResponseReader(Boom())
+    with pytest.raises(KeyError, match="sink bug"):
+        r.feed(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n")
+
+
+def test_response_object_api(httpproto: ModuleType) -> None:
+    got: list[Any] = []
+
+    class Keep(Sink):
+        def on_response_head(self, r: Any) -> None:
+            got.append(r)
+
+    r = httpproto.ResponseReader(Keep())
+    r.feed(b"HTTP/1.1 404 Not Found\r\nX-A: 1\r\nx-a: 2\r\nContent-Length: 0\r\n\r\n")
+    assert got[0].header(b"X-a") == b"1" and got[0].header(b"nope") is None
+    assert got[0].headers == [(b"X-A", b"1"), (b"x-a", b"2"), (b"Content-Length", b"0")]
+    assert not r.in_message
+
+
+# -- writers ------------------------------------------------------------------
+
+
+def test_response_head_bytes(httpproto: ModuleType) -> None:
+    rh = httpproto.response_head
+    assert rh(200, [(b"content-type", b"application/json")], 2) == (
+        b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 2\r\n\r\n"
+    )
+    assert rh(200) == b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n"
+    assert rh(204, (), -2) == b"HTTP/1.1 204 No Content\r\n\r\n"
+    assert rh(503, ((b"retry-after", b"1"),), 0, False, b"x-a: b\r\n") == (
+        b"HTTP/1.1 503 Service Unavailable\r\nretry-after: 1\r\nx-a: b\r\ncontent-length: 0\r\n"
+        b"connection: close\r\n\r\n"
+    )
+    assert rh(299, (), 0) == b"HTTP/1.1 299 Status\r\ncontent-length: 0\r\n\r\n"
+    assert rh(413, (), 0) == b"HTTP/1.1 413 Content Too Large\r\ncontent-length: 0\r\n\r\n"
+    assert rh(431, (), -2).startswith(b"HTTP/1.1 431 Request Header Fields Too Large\r\n")
+    assert rh(status=200, headers=[], content_length=3, keep_alive=True, raw=b"") == (
+        b"HTTP/1.1 200 OK\r\ncontent-length: 3\r\n\r\n"
+    )
+
+
+@pytest.mark.parametrize("status", [0, 99, 1000, -200])
+def test_response_head_bad_status(httpproto: ModuleType, status: int) -> None:
+    with pytest.raises(ValueError, match="status"):
+        httpproto.response_head(status)
+
+
+@pytest.mark.parametrize("value", [b"a\r\nSet-Cookie: x", b"a\nb", b"a\rb"])
+def test_response_head_rejects_header_injection(httpproto: ModuleType, value: bytes) -> None:
+    with pytest.raises(ValueError, match="CR or LF"):
+        httpproto.response_head(200, [(b"x-a", value)], 0)
+
+
+def test_upstream_head_bytes(httpproto: ModuleType) -> None:
+    uh = httpproto.upstream_head
+    assert uh(b"POST", b"/v1/completions?a=1", b"10.0.0.2:8000", b"Accept: */*\r\n", 12, b"authorization: Bearer k\r\n") == (
+        b"POST /v1/completions?a=1 HTTP/1.1\r\nhost: 10.0.0.2:8000\r\nAccept: */*\r\n"
+        b"authorization: Bearer k\r\ncontent-length: 12\r\n\r\n"
+    )
+    assert uh(b"GET", b"/metrics", b"h", b"", -1) == b"GET /metrics HTTP/1.1\r\nhost: h\r\n\r\n"
+    assert uh(b"POST", b"/", b"h", b"", 0) == b"POST / HTTP/1.1\r\nhost: h\r\ncontent-length: 0\r\n\r\n"
+
+
+def test_chunk_head_bytes(httpproto: ModuleType) -> None:
+    assert httpproto.chunk_head(0) == b"0\r\n"
+    assert httpproto.chunk_head(255) == b"ff\r\n"
+    assert httpproto.chunk_head(16 * 1024 * 1024) == b"1000000\r\n"
+
+
+def test_upstream_head_round_trips(httpproto: ModuleType) -> None:
+    # What the proxy writes upstream is what a strict server reads back.
+    req = parse(httpproto, FULL_HEAD + b'{"model":"m"}').requests[0]
+    head = httpproto.upstream_head(req["method"], req["target"], b"up:1", req["forward"], 13, b"x-request-id: r\r\n")
+    again = parse(httpproto, head + b'{"model":"m"}').requests[0]
+    assert again["forward"] == req["forward"]
+    assert again["body"] == b'{"model":"m"}' and again["request_id"] == b"r"
+
+
+@pytest.mark.skipif(httpproto_c is None, reason="compiled twin not built")
+def test_twins_export_the_same() -> None:
+    assert httpproto_c is not None
+    for name in httpproto_py.__all__:
+        assert hasattr(httpproto_c, name), name
+    assert httpproto_c.STATUS_REASONS == httpproto_py.STATUS_REASONS
+    for name in ("DEFAULT_MAX_BODY", "DEFAULT_MAX_HEADERS", "DEFAULT_MAX_HEAD_BYTES"):
+        assert getattr(httpproto_c, name) == getattr(httpproto_py, name)
+
+
+# -- differential: both twins, hypothesis inputs --------------------------------
+
+needs_c = pytest.mark.skipif(httpproto_c is None, reason="compiled twin not built")
+DIFF = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+def both(data: list[bytes], **kw: Any) -> tuple[Outcome, Outcome]:
+    assert httpproto_c is not None
+    return parse(httpproto_c, data, **kw), parse(httpproto_py, data, **kw)
+
+
+def assert_same(c: Outcome, p: Outcome) -> None:
+    assert c.key() == p.key()
+    assert c.message == p.message
+
+
+@pytest.mark.c_extension
+@needs_c
+@DIFF
+@given(st.lists(st.binary(max_size=64), max_size=6))
+def test_differential_random_bytes(chunks: list[bytes]) -> None:
+    assert_same(*both(chunks, max_head_bytes=128, max_headers=4, max_body=64))
+
+
+PREFIXES = [b"GET / HTTP/1.1\r\n", b"POST /x HTTP/1.1\r\nTransfer-Encoding: chunked\r\n", b"PUT / HTTP/1.0\r\n"]
+
+
+@pytest.mark.c_extension
+@needs_c
+@DIFF
+@given(st.sampled_from(PREFIXES), st.lists(st.binary(max_size=40), max_size=5))
+def test_differential_mutated_heads(prefix: bytes, chunks: list[bytes]) -> None:
+    # random bytes after a valid start reach the header and body states
+    assert_same(*both([prefix, *chunks], max_head_bytes=256, max_headers=6, max_body=64))
+
+
+TOKEN = st.text(alphabet="abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-", min_size=1, max_size=12)
+VALUE = st.binary(min_size=0, max_size=24).map(
+    lambda b: bytes(c for c in b if c == 9 or 32 <= c < 127 or c >= 128).strip(b" \t")
+)
+NAMES = st.one_of(
+    TOKEN.map(str.encode),
+    st.sampled_from([b"Authorization", b"x-api-key", b"X-Request-Id", b"X-LLMGW-Priority", b"Content-Type",
+                     b"Connection", b"Keep-Alive", b"TE", b"Trailer", b"Proxy-Authorization", b"Cookie"]),
+)
+
+
+@st.composite
+def requests(draw: st.DrawFn) -> tuple[bytes, dict[str, Any]]:
+    method = draw(st.sampled_from([b"GET", b"POST", b"PUT", b"DELETE", b"PATCH", b"OPTIONS", b"HEAD"]))
+    path = b"/" + draw(st.text(alphabet="abcdefghij/._-~%0123456789", max_size=20)).encode()
+    query = draw(st.one_of(st.just(b""), st.text(alphabet="abc=&%0123", max_size=10).map(lambda s: b"?" + s.encode())))
+    headers = draw(st.lists(st.tuples(NAMES, VALUE), max_size=8))
+    headers = [(n, v) for n, v in headers if n.lower() not in (b"connection",) or v.lower() in (b"keep-alive", b"close")]
+    body = draw(st.binary(max_size=50))
+    framing = draw(st.sampled_from(["cl", "chunked", "none"]))
+    if framing == "none" and body:
+        framing = "cl"
+    head = b"%s %s%s HTTP/1.1\r\n" % (method, path, query)
+    head += b"".join(b"%s: %s\r\n" % hv for hv in headers)
+    if framing == "cl":
+        head += b"Content-Length: %d\r\n" % len(body)
+        wire = head + b"\r\n" + body
+    elif framing == "chunked":
+        head += b"Transfer-Encoding: chunked\r\n"
+        cut = draw(st.integers(0, len(body)))
+        parts = [p for p in (body[:cut], body[cut:]) if p]
+        wire = head + b"\r\n" + b"".join(b"%x\r\n%s\r\n" % (len(p), p) for p in parts) + b"0\r\n\r\n"
+    else:
+        wire = head + b"\r\n"
+    return wire, {"method": method, "target": path + query, "headers": headers, "body": body}
+
+
+@pytest.mark.c_extension
+@needs_c
+@DIFF
+@given(st.lists(requests(), min_size=1, max_size=3), st.data())
+def test_differential_valid_requests(reqs: list[tuple[bytes, dict[str, Any]]], data: st.DataObject) -> None:
+    wire = b"".join(w for w, _ in reqs)
+    cuts = sorted(data.draw(st.lists(st.integers(0, len(wire)), max_size=4)))
+    chunks = [wire[a:b] for a, b in zip([0, *cuts], [*cuts, len(wire)], strict=True)]
+    c, p = both(chunks)
+    assert_same(c, p)
+    assert c.error is None, c
+    assert len(c.requests) == len(reqs)
+    for got, (_, want) in zip(c.requests, reqs, strict=True):
+        assert got["method"] == want["method"]
+        assert got["target"] == want["target"]
+        assert got["body"] == want["body"]
+        assert got["headers"][: len(want["headers"])] == want["headers"]

@@ -1,0 +1,275 @@
+"""Health, readiness and the management API (``/admin/v1/``) against a running gateway."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+import yaml
+from admin_helpers import Engine, admin_of, admin_port, chat, client_port, config_for, http, running, wait_for
+
+from llmgw.admin.manage import install_sighup
+from llmgw.config import load_file
+
+
+async def api(rt: Any, method: str, path: str, body: Any = None, token: str | None = None) -> tuple[int, Any]:
+    headers = {"authorization": f"Bearer {token}"} if token else None
+    status, _, data = await http(admin_port(rt), method, path, body, headers)
+    return status, orjson.loads(data) if data else None
+
+
+def error_code(body: Any) -> str:
+    return body["error"]["code"]
+
+
+async def test_health_and_ready_names_unavailable_models() -> None:
+    a, b = Engine("a"), Engine("b")
+    async with running([a, b]) as rt:
+        assert await api(rt, "GET", "/health") == (200, {"status": "ok"})
+        status, body = await api(rt, "GET", "/ready")
+        assert status == 200 and body == {"ready": True, "models_unavailable": []}
+        for eid in ("a", "b"):
+            assert (await api(rt, "POST", f"/admin/v1/endpoints/{eid}/drain"))[0] == 200
+        status, body = await api(rt, "GET", "/ready")
+        assert status == 503
+        assert body == {"ready": False, "models_unavailable": ["m"]}
+        assert (await api(rt, "POST", "/admin/v1/endpoints/b/undrain"))[0] == 200
+        assert (await api(rt, "GET", "/ready"))[0] == 200
+        # never on the client port
+        status, _, _ = await http(client_port(rt), "GET", "/ready")
+        assert status == 404
+        status, _, _ = await http(client_port(rt), "GET", "/admin/v1/endpoints")
+        assert status == 404
+
+
+async def test_list_and_get_endpoints() -> None:
+    a, dark = Engine("a"), Engine("dark", page=None)
+    async with running([a, dark]) as rt:
+        assert rt.registry is not None
+        await wait_for(lambda: rt.registry.endpoints["a"].scrape_ok > 0)
+        status, body = await api(rt, "GET", "/admin/v1/endpoints")
+        assert status == 200
+        eps = {e["id"]: e for e in body["endpoints"]}
+        assert set(eps) == {"a", "dark"}
+        ea = eps["a"]
+        assert ea["state"] == "ok" and ea["models"] == ["m"] and ea["engine"] == "vllm" and ea["pool"] == "gpu"
+        assert (ea["waiting"], ea["running"], ea["kv_cache_usage"]) == (2.0, 3.0, 0.25)
+        assert ea["inflight"] == 0 and ea["stale"] is False and ea["scrape"]["ok"] >= 1
+        # absent, never 0
+        ed = eps["dark"]
+        assert ed["state"] == "stale" and ed["waiting"] is None and ed["kv_cache_usage"] is None
+        assert ed["scrape"]["problem"] and "404" in ed["scrape"]["problem"]
+        assert ed["drain_rate"] is None and ed["breaker"] is None
+        status, one = await api(rt, "GET", "/admin/v1/endpoints/a")
+        assert status == 200 and one["id"] == "a"
+        status, body = await api(rt, "GET", "/admin/v1/endpoints/nope")
+        assert status == 404 and error_code(body) == "endpoint_not_found"
+        assert "nope" in body["error"]["message"]
+
+
+async def test_add_remove_drain_endpoints() -> None:
+    a, b = Engine("a"), Engine("b")
+    await b.start()
+    try:
+        async with running([a]) as rt:
+            assert rt.registry is not None and rt.poller is not None
+            entry = {"id": "b", "url": b.url, "model": "m", "api_key": "sk-secret-b", "pool": "gpu"}
+            status, body = await api(rt, "POST", "/admin/v1/endpoints", entry)
+            assert status == 201, body
+            assert body["id"] == "b" and body["url"] == b.url
+            assert "sk-secret-b" not in orjson.dumps(body).decode()
+            assert "b" in rt.registry.endpoints
+            # the poller follows
+            await wait_for(lambda: rt.registry.endpoints["b"].scrape_ok > 0)
+            status, body = await api(rt, "POST", "/admin/v1/endpoints", entry)
+            assert status == 409 and error_code(body) == "endpoint_exists"
+
+            # errors name the key, as in the config file
+            bad = {"id": "c", "url": "localhost", "model": "m"}
+            status, body = await api(rt, "POST", "/admin/v1/endpoints", bad)
+            assert status == 400 and error_code(body) == "invalid_endpoint"
+            assert body["error"]["message"].startswith("url: not a URL")
+            assert body["error"]["param"] == "url"
+            status, body = await api(rt, "POST", "/admin/v1/endpoints", {"id": "c", "url": b.url, "model": "m", "x": 1})
+            assert status == 400 and body["error"]["message"].startswith("x: unknown key")
+            status, body = await api(rt, "POST", "/admin/v1/endpoints", {"id": "c", "url": b.url, "model": "m",
+                                                                        "api_key_env": "HOME"})
+            assert status == 400 and body["error"]["param"] == "api_key_env"
+            status, _, data = await http(admin_port(rt), "POST", "/admin/v1/endpoints", b"{not json")
+            assert status == 400 and error_code(orjson.loads(data)) == "invalid_json"
+            status, body = await api(rt, "POST", "/admin/v1/endpoints", [1, 2])
+            assert status == 400
+
+            # drain: no new requests reach it
+            status, body = await api(rt, "POST", "/admin/v1/endpoints/a/drain")
+            assert status == 200 and body["state"] == "draining" and body["changed"] is True
+            status, body = await api(rt, "POST", "/admin/v1/endpoints/a/drain")
+            assert status == 200 and body["changed"] is False
+            for _ in range(4):
+                _, hdrs, _ = await http(
+                    client_port(rt), "POST", "/v1/chat/completions", {"model": "m", "messages": []},
+                    {"content-type": "application/json"},
+                )
+                assert hdrs["x-llmgw-replica"] == "b"
+            status, body = await api(rt, "POST", "/admin/v1/endpoints/a/undrain")
+            assert status == 200 and body["state"] == "ok"
+            status, body = await api(rt, "POST", "/admin/v1/endpoints/zzz/drain")
+            assert status == 404
+
+            status, body = await api(rt, "DELETE", "/admin/v1/endpoints/b")
+            assert status == 200 and body == {"removed": "b", "inflight": 0}
+            assert "b" not in rt.registry.endpoints
+            assert rt.poller.task_count == 1
+            status, body = await api(rt, "DELETE", "/admin/v1/endpoints/b")
+            assert status == 404
+
+            # wrong methods and unknown routes
+            status, body = await api(rt, "PUT", "/admin/v1/endpoints")
+            assert status == 405 and error_code(body) == "method_not_allowed"
+            status, body = await api(rt, "GET", "/admin/v1/endpoints/a/drain")
+            assert status == 405
+            status, body = await api(rt, "GET", "/admin/v1/nope")
+            assert status == 404 and "GET /admin/v1/endpoints" in body["error"]["message"]
+            status, body = await api(rt, "POST", "/metrics")
+            assert status == 405
+    finally:
+        await b.stop()
+
+
+async def test_queues_view() -> None:
+    a = Engine("a")
+    async with running([a]) as rt:
+        status, body = await api(rt, "GET", "/admin/v1/queues")
+        assert status == 200
+        assert body == {"admission": False, "bands": [], "pool_saturation": {}}
+
+        class Admission:
+            def queue_depths(self) -> dict[str, int]:
+                return {"interactive": 0, "batch": 4}
+
+            def queue_info(self) -> dict[str, dict[str, Any]]:
+                return {"batch": {"limit": 100, "oldest_wait_s": 1.5}}
+
+            def pool_saturation(self) -> dict[str, float]:
+                return {"m": 1.0}
+
+        rt.admission = Admission()  # type: ignore[attr-defined]
+        admin_of(rt).observer.admission("batch", "queued")
+        admin_of(rt).observer.admission("batch", "rejected", "queue_full")
+        status, body = await api(rt, "GET", "/admin/v1/queues")
+        assert status == 200 and body["admission"] is True
+        bands = {b["band"]: b for b in body["bands"]}
+        assert bands["batch"] == {
+            "band": "batch", "depth": 4, "limit": 100, "oldest_wait_s": 1.5,
+            "decisions": {"queued": 1, "rejected": 1},
+        }
+        assert bands["interactive"]["depth"] == 0
+        assert body["pool_saturation"] == {"m": 1.0}
+
+
+async def test_admin_token() -> None:
+    # A stand-in config that carries admin_token (read as getattr(runtime.config, "admin_token")).
+    a = Engine("a")
+    async with running([a]) as rt:
+        real = rt.config
+
+        class WithToken:
+            def __getattr__(self, name: str) -> Any:
+                return getattr(real, name)
+
+            admin_token = "s3cret-admin-token"
+
+        rt.config = WithToken()  # type: ignore[assignment]
+        status, body = await api(rt, "GET", "/admin/v1/endpoints")
+        assert status == 401 and error_code(body) == "missing_admin_token"
+        assert "s3cret" not in orjson.dumps(body).decode()
+        status, body = await api(rt, "GET", "/admin/v1/endpoints", token="wrong")
+        assert status == 401 and error_code(body) == "invalid_admin_token"
+        status, body = await api(rt, "GET", "/admin/v1/endpoints", token="s3cret-admin-token")
+        assert status == 200
+        status, _, _ = await http(admin_port(rt), "GET", "/debug/pprof/tasks")
+        assert status == 401
+        status, _, _ = await http(
+            admin_port(rt), "GET", "/debug/pprof/tasks", headers={"authorization": "Bearer s3cret-admin-token"}
+        )
+        assert status == 200
+        # probes and the scraper stay open
+        for path in ("/health", "/ready", "/metrics"):
+            assert (await http(admin_port(rt), "GET", path))[0] == 200, path
+        rt.config = real
+
+
+def _write(path: Path, data: dict[str, Any]) -> None:
+    path.write_text(yaml.safe_dump(data))
+
+
+async def test_reload_from_disk_and_sighup(tmp_path: Path) -> None:
+    a, b = Engine("a"), Engine("b")
+    await a.start()
+    await b.start()
+    conf = tmp_path / "llmgw.yaml"
+    _write(conf, config_for([a]))
+    try:
+        async with running([], config=load_file(conf)) as rt:
+            assert rt.registry is not None
+            assert await chat(client_port(rt)) == 200
+            _write(conf, config_for([a, b]))
+            status, body = await api(rt, "POST", "/admin/v1/reload")
+            assert status == 200, body
+            assert body["reloaded"] is True and body["added"] == ["b"] and body["removed"] == []
+            assert "b" in rt.registry.endpoints
+
+            conf.write_text("endpoints:\n  - id: a\n    url: nowhere\n    model: m\n")
+            status, body = await api(rt, "POST", "/admin/v1/reload")
+            assert status == 400 and error_code(body) == "invalid_config"
+            assert "endpoints[0].url" in body["error"]["message"]
+            assert "b" in rt.registry.endpoints  # nothing changed
+
+            # SIGHUP reloads too
+            _write(conf, config_for([b]))
+            uninstall = install_sighup(rt)
+            try:
+                os.kill(os.getpid(), signal.SIGHUP)
+                await wait_for(lambda: "a" not in rt.registry.endpoints)
+            finally:
+                uninstall()
+            assert admin_of(rt).reloads == {"ok": 2, "failed": 1}
+            _, _, text = await http(admin_port(rt), "GET", "/metrics")
+            assert b'llmgw_config_reloads_total{result="ok"} 2.0' in text
+            assert b'llmgw_config_reloads_total{result="failed"} 1.0' in text
+    finally:
+        await a.stop()
+        await b.stop()
+
+
+async def test_reload_without_a_file_is_refused() -> None:
+    a = Engine("a")
+    async with running([a]) as rt:
+        status, body = await api(rt, "POST", "/admin/v1/reload")
+        assert status == 400 and "not read from a file" in body["error"]["message"]
+
+
+async def test_shutting_down_is_not_ready() -> None:
+    a = Engine("a")
+    async with running([a]) as rt:
+        assert rt.server is not None
+        rt.server.closing = True
+        try:
+            status, body = await api(rt, "GET", "/ready")
+            assert status == 503 and body["reason"] == "shutting down"
+        finally:
+            rt.server.closing = False
+
+
+@pytest.mark.parametrize("path", ["/nope", "/admin", "/debug/pprof/nope"])
+async def test_unknown_admin_routes(path: str) -> None:
+    a = Engine("a")
+    async with running([a]) as rt:
+        status, body = await api(rt, "GET", path)
+        assert status == 404 and body["error"]["type"] == "invalid_request_error"
+        await asyncio.sleep(0)

@@ -1,0 +1,143 @@
+"""``llmgw ctl`` against a running gateway (CliRunner in a thread, and one real subprocess)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import yaml
+from admin_helpers import Engine, admin_port, client_port, config_for, running, wait_for
+from click.testing import CliRunner, Result
+
+from llmgw.cli.ctl import ctl
+from llmgw.config import load_file
+
+
+async def invoke(*args: str, env: dict[str, str] | None = None) -> Result:
+    # The gateway runs on this loop; the command's blocking HTTP runs in a thread.
+    return await asyncio.to_thread(CliRunner().invoke, ctl, list(args), env=env, catch_exceptions=False)
+
+
+def url(rt: Any) -> str:
+    return f"http://127.0.0.1:{admin_port(rt)}"
+
+
+async def test_endpoints_table_and_json() -> None:
+    a, dark = Engine("a"), Engine("dark", page=None)
+    async with running([a, dark]) as rt:
+        assert rt.registry is not None
+        await wait_for(lambda: rt.registry.endpoints["a"].scrape_ok > 0)
+        res = await invoke("--admin", url(rt), "endpoints")
+        assert res.exit_code == 0, res.output
+        lines = res.output.splitlines()
+        assert lines[0].split() == [
+            "ID", "MODEL", "ENGINE", "POOL", "STATE", "INFLIGHT", "WAITING", "RUNNING", "KV", "DRAIN", "RATE",
+        ]
+        rows = {line.split()[0]: line.split() for line in lines[1:]}
+        assert rows["a"] == ["a", "m", "vllm", "gpu", "ok", "0", "2", "3", "25%", "–"]
+        # absent is –, never 0
+        assert rows["dark"] == ["dark", "m", "vllm", "gpu", "stale", "0", "–", "–", "–", "–"]
+
+        res = await invoke("endpoints", "--json", env={"LLMGW_ADMIN": url(rt)})
+        assert res.exit_code == 0, res.output
+        data = json.loads(res.output)
+        assert {e["id"] for e in data["endpoints"]} == {"a", "dark"}
+
+
+async def test_drain_undrain_queues() -> None:
+    a = Engine("a")
+    async with running([a]) as rt:
+        assert rt.registry is not None
+        res = await invoke("--admin", url(rt), "drain", "a")
+        assert res.exit_code == 0, res.output
+        assert res.output == "a: draining: no new requests\n"
+        assert rt.registry.endpoints["a"].draining
+        res = await invoke("--admin", url(rt), "drain", "a")
+        assert "already draining" in res.output
+        res = await invoke("--admin", url(rt), "undrain", "a", "--json")
+        assert res.exit_code == 0 and json.loads(res.output)["draining"] is False
+        assert not rt.registry.endpoints["a"].draining
+        res = await invoke("--admin", url(rt), "drain", "nope")
+        assert res.exit_code == 1
+        assert res.output == "llmgw: error: no endpoint 'nope'; GET /admin/v1/endpoints lists them\n"
+        res = await invoke("--admin", url(rt), "queues")
+        assert res.exit_code == 0 and "admission control is off" in res.output
+
+
+async def test_reload(tmp_path: Path) -> None:
+    a, b = Engine("a"), Engine("b")
+    await a.start()
+    await b.start()
+    conf = tmp_path / "llmgw.yaml"
+    conf.write_text(yaml.safe_dump(config_for([a])))
+    try:
+        async with running([], config=load_file(conf)) as rt:
+            conf.write_text(yaml.safe_dump(config_for([a, b])))
+            res = await invoke("--admin", url(rt), "reload")
+            assert res.exit_code == 0, res.output
+            assert res.output == "configuration reloaded: added b\n"
+            conf.write_text("listen: nowhere\n")
+            res = await invoke("--admin", url(rt), "reload")
+            assert res.exit_code == 1
+            assert res.output.startswith("llmgw: error: reload failed, the running configuration is kept: ")
+            assert "listen" in res.output and len(res.output.splitlines()) == 1
+    finally:
+        await a.stop()
+        await b.stop()
+
+
+async def test_errors_name_the_fix() -> None:
+    a = Engine("a")
+    async with running([a]) as rt:
+        port = admin_port(rt)
+        res = await invoke("--admin", f"http://127.0.0.1:{client_port(rt)}", "endpoints")
+        assert res.exit_code == 1
+        assert "is the client port, not the admin port" in res.output
+    # the gateway is gone now
+    res = await invoke("--admin", f"http://127.0.0.1:{port}", "endpoints")
+    assert res.exit_code == 1
+    assert res.output == (
+        f"llmgw: error: cannot reach the admin API at http://127.0.0.1:{port} "
+        "(connection refused; is llmgw serve running? pass --admin URL)\n"
+    )
+
+
+async def test_token_errors() -> None:
+    a = Engine("a")
+    async with running([a]) as rt:
+        real = rt.config
+
+        class WithToken:
+            admin_token = "tok-123"
+
+            def __getattr__(self, name: str) -> Any:
+                return getattr(real, name)
+
+        rt.config = WithToken()  # type: ignore[assignment]
+        try:
+            res = await invoke("--admin", url(rt), "endpoints")
+            assert res.exit_code == 1
+            assert res.output == "llmgw: error: the admin API needs a token: pass --token or set LLMGW_ADMIN_TOKEN\n"
+            res = await invoke("--admin", url(rt), "--token", "nope", "endpoints")
+            assert "refused the token" in res.output
+            res = await invoke("--admin", url(rt), "endpoints", "--json", env={"LLMGW_ADMIN_TOKEN": "tok-123"})
+            assert res.exit_code == 0, res.output
+        finally:
+            rt.config = real
+
+
+async def test_subprocess() -> None:
+    a = Engine("a")
+    async with running([a]) as rt:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "llmgw", "ctl", "endpoints", "--json",
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+            env={**os.environ, "LLMGW_ADMIN": url(rt)},
+        )
+        out, err = await asyncio.wait_for(proc.communicate(), 30)
+        assert proc.returncode == 0, err.decode()
+        assert [e["id"] for e in json.loads(out)["endpoints"]] == ["a"]

@@ -1,0 +1,273 @@
+"""``GET /metrics`` on the admin port after real traffic through the gateway."""
+
+from __future__ import annotations
+
+import gzip
+import re
+import shutil
+import subprocess
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+from admin_helpers import (
+    Engine,
+    admin_of,
+    admin_port,
+    chat,
+    client_port,
+    families,
+    http,
+    running,
+    sample,
+    wait_for,
+)
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.metrics_core import GaugeMetricFamily
+
+from llmgw.admin.metrics import FleetCollector, PrometheusObserver, status_class
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+async def scrape(rt: Any, accept: str | None = None) -> tuple[dict[str, str], str]:
+    status, hdrs, body = await http(admin_port(rt), "GET", "/metrics", headers={"accept": accept} if accept else None)
+    assert status == 200
+    return hdrs, body.decode()
+
+
+async def test_metrics_after_traffic() -> None:
+    a, b, dark = Engine("a"), Engine("b"), Engine("dark", page=None)
+    async with running([a, b, dark], retries={"attempts": 2}) as rt:
+        assert rt.registry is not None
+        await wait_for(lambda: rt.registry.endpoints["a"].scrape_ok > 0 and rt.registry.endpoints["b"].scrape_ok > 0)
+        port = client_port(rt)
+        for _ in range(4):
+            assert await chat(port) == 200
+        assert await chat(port, stream=True) == 200
+        assert await chat(port, model="nope") == 404
+        a.mode = b.mode = "503"
+        for _ in range(10):
+            # a and b answer 503 and the request is retried elsewhere until "dark" answers;
+            # 10 requests all picking "dark" first has odds of 3**-10
+            assert await chat(port) == 200
+        hdrs, text = await scrape(rt)
+        assert hdrs["content-type"].startswith("text/plain; version=0.0.4")
+        fams = families(text)
+
+        ok = sample(fams, "llmgw_requests_total", model="m", status_class="2xx")
+        assert ok == 15
+        assert sample(fams, "llmgw_requests_total", status_class="4xx") == 1
+        assert sample(fams, "llmgw_request_duration_seconds_count", model="m") == 15
+        assert sample(fams, "llmgw_time_to_first_byte_seconds_count", model="m") == 15
+        assert sample(fams, "llmgw_upstream_duration_seconds_count", model="m") == 15
+        inf = sample(fams, "llmgw_request_duration_seconds_bucket", model="m", le="+Inf")
+        assert inf == 15
+        # every bucket boundary LLM latencies need: 5 ms .. 10 min
+        les = {s.labels["le"] for s in fams["llmgw_request_duration_seconds"].samples if s.name.endswith("_bucket")}
+        assert {"0.005", "1.0", "60.0", "600.0", "+Inf"} <= les
+        assert sample(fams, "llmgw_tokens_total", model="m", kind="prompt") == 15 * 5
+        assert sample(fams, "llmgw_tokens_total", model="m", kind="completion") == 15 * 7
+        errors = sample(fams, "llmgw_upstream_errors_total", kind="status_5xx") or 0
+        retries = sample(fams, "llmgw_retries_total", model="m") or 0
+        assert errors >= 1 and retries == errors
+        assert sample(fams, "llmgw_upstream_errors_total", replica="dark") is None
+
+        # live state: fresh engine numbers for scraped replicas, omitted for the one that has none
+        assert sample(fams, "llmgw_endpoint_waiting", replica="a", pool="gpu") == 2.0
+        assert sample(fams, "llmgw_endpoint_running", replica="a") == 3.0
+        assert sample(fams, "llmgw_endpoint_kv_cache_usage", replica="a") == 0.25
+        for name in ("llmgw_endpoint_waiting", "llmgw_endpoint_running", "llmgw_endpoint_kv_cache_usage"):
+            assert sample(fams, name, replica="dark") is None, name
+        assert sample(fams, "llmgw_endpoint_metrics_stale", replica="dark") == 1.0
+        assert sample(fams, "llmgw_endpoint_metrics_stale", replica="a") == 0.0
+        assert sample(fams, "llmgw_endpoint_inflight", replica="dark") == 0.0
+        # no routing layer signals yet for these replicas: omitted, not 0
+        assert sample(fams, "llmgw_endpoint_breaker_open", replica="a") is None
+        assert sample(fams, "llmgw_endpoint_drain_rate", replica="a") is None
+        assert sample(fams, "llmgw_endpoint_info", replica="a", model="m", engine="vllm") == 1.0
+
+        # scrapes by result, and their duration
+        assert (sample(fams, "llmgw_scrapes_total", replica="a", result="ok") or 0) >= 1
+        assert (sample(fams, "llmgw_scrapes_total", replica="dark", result="failed") or 0) >= 1
+        assert (sample(fams, "llmgw_scrape_duration_seconds_count", replica="a") or 0) >= 1
+        assert fams["llmgw_scrape_duration_seconds"].type == "summary"
+
+        # process and runtime
+        assert (sample(fams, "process_cpu_seconds_total") or 0) > 0
+        assert sample(fams, "llmgw_build_info") == 1.0
+        assert (sample(fams, "llmgw_asyncio_tasks") or 0) >= 1
+        assert sample(fams, "llmgw_connections", listener="admin") == 1.0
+
+
+async def test_openmetrics_by_accept_and_gzip() -> None:
+    a = Engine("a")
+    async with running([a]) as rt:
+        assert await chat(client_port(rt)) == 200
+        hdrs, text = await scrape(rt, "application/openmetrics-text; version=1.0.0")
+        assert hdrs["content-type"].startswith("application/openmetrics-text")
+        assert text.endswith("# EOF\n")
+        assert "# TYPE llmgw_requests counter" in text
+        assert 'llmgw_requests_total{band="standard",model="m",replica="a",status_class="2xx"} 1.0' in text
+        status, hdrs, body = await http(admin_port(rt), "GET", "/metrics", headers={"accept-encoding": "gzip"})
+        assert status == 200 and hdrs.get("content-encoding") == "gzip"
+        assert b"llmgw_requests_total" in gzip.decompress(body)
+
+
+@pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool is not installed (CI installs it)")
+async def test_promtool_check_metrics() -> None:
+    a, dark = Engine("a"), Engine("dark", page=None)
+    async with running([a, dark]) as rt:
+        assert rt.registry is not None
+        await wait_for(lambda: rt.registry.endpoints["a"].scrape_ok > 0)
+        for stream in (False, True):
+            assert await chat(client_port(rt), stream=stream) == 200
+        obs = admin_of(rt).observer
+        obs.admission("interactive", "queued")
+        obs.admission("batch", "rejected", "queue_full")
+        obs.breaker_transition("a", "open")
+        _, text = await scrape(rt)
+    res = subprocess.run(["promtool", "check", "metrics"], input=text, capture_output=True, text=True, timeout=30)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert res.stdout.strip() == "" and res.stderr.strip() == "", res.stdout + res.stderr
+
+
+async def test_runtime_wires_admin_observer() -> None:
+    """The gateway reports to the admin app's observer without help (GatewayRuntime does the wiring)."""
+    a = Engine("a")
+    async with running([a], wire=False) as rt:
+        assert rt.gateway is not None
+        assert rt.gateway.observer is admin_of(rt).observer, (
+            "GatewayRuntime.start must call gateway.set_observer(admin.observer)"
+        )
+
+
+async def test_register_collector() -> None:
+    class Extra:
+        def collect(self) -> Any:
+            g = GaugeMetricFamily("llmgw_control_plane_nodes", "Nodes the control plane knows.")
+            g.add_metric([], 3)
+            yield g
+
+    a = Engine("a")
+    async with running([a]) as rt:
+        extra = Extra()
+        admin_of(rt).register_collector(extra)
+        _, text = await scrape(rt)
+        assert "llmgw_control_plane_nodes 3.0" in text
+        admin_of(rt).unregister_collector(extra)
+        _, text = await scrape(rt)
+        assert "llmgw_control_plane_nodes" not in text
+
+
+# -- the routing layer's live state, read defensively --
+
+
+class _Breaker:
+    def __init__(self, state: str) -> None:
+        self.state = state
+
+
+def _fake_ep(eid: str, **attrs: Any) -> Any:
+    ep = SimpleNamespace(
+        id=eid, models=("m",), cfg=SimpleNamespace(pool=None, engine="vllm"), inflight=1, draining=False,
+        consecutive_failures=0, engine=SimpleNamespace(scraped=False), stale=False,
+        scrape_ok=0, scrape_failures=0, scrape_seconds=0.0,
+    )
+    ep.fresh = lambda: (None, None, None)
+    for k, v in attrs.items():
+        setattr(ep, k, v)
+    return ep
+
+
+def _render(runtime: Any) -> dict[str, Any]:
+    reg = CollectorRegistry(auto_describe=False)
+    reg.register(FleetCollector(runtime))
+    return families(generate_latest(reg).decode())
+
+
+def test_routing_signals_exported_when_present_and_omitted_when_absent() -> None:
+    class Admission:
+        def queue_depths(self) -> dict[str, int]:
+            return {"interactive": 2, "batch": 7}
+
+        pool_saturation = {"m": 0.75, "n": None}
+
+    eps = {
+        "with": _fake_ep("with", breaker=_Breaker("open"), drain_rate=4.5),
+        "half": _fake_ep("half", breaker=_Breaker("half_open")),
+        "without": _fake_ep("without"),
+    }
+    rt = SimpleNamespace(registry=SimpleNamespace(endpoints=eps), gateway=SimpleNamespace(admission=Admission()))
+    fams = _render(rt)
+    assert sample(fams, "llmgw_endpoint_breaker_open", replica="with") == 1.0
+    assert sample(fams, "llmgw_endpoint_breaker_open", replica="half") == 0.5
+    assert sample(fams, "llmgw_endpoint_breaker_open", replica="without") is None
+    assert sample(fams, "llmgw_endpoint_drain_rate", replica="with") == 4.5
+    assert sample(fams, "llmgw_endpoint_drain_rate", replica="without") is None
+    assert sample(fams, "llmgw_admission_queue_depth", band="batch") == 7.0
+    assert sample(fams, "llmgw_pool_saturation", model="m") == 0.75
+    assert sample(fams, "llmgw_pool_saturation", model="n") is None
+    # not scraped (an external provider): no staleness, no scrape counters
+    assert sample(fams, "llmgw_endpoint_metrics_stale", replica="with") is None
+
+
+def test_broken_routing_layer_does_not_break_metrics(caplog: pytest.LogCaptureFixture) -> None:
+    class Broken:
+        def queue_depths(self) -> dict[str, int]:
+            raise RuntimeError("bug")
+
+    rt = SimpleNamespace(registry=SimpleNamespace(endpoints={"x": _fake_ep("x")}), admission=Broken())
+    fams = _render(rt)
+    assert sample(fams, "llmgw_admission_queue_depth") is None
+    assert sample(fams, "llmgw_endpoint_inflight", replica="x") == 1.0
+
+
+def test_status_classes() -> None:
+    assert [status_class(s) for s in (0, 101, 200, 302, 404, 503, 999)] == [
+        "none", "1xx", "2xx", "3xx", "4xx", "5xx", "none"
+    ]
+
+
+def test_observer_caps_label_sets(caplog: pytest.LogCaptureFixture) -> None:
+    obs = PrometheusObserver(max_series=3)
+    for i in range(10):
+        obs.request_done(f"m{i}", "r", 200, "b", 0.1, 0.05, 0.09)
+        obs.upstream_error(f"r{i}", "reset")
+    reg = CollectorRegistry(auto_describe=False)
+    reg.register(obs)
+    fams = families(generate_latest(reg).decode())
+    models = {s.labels["model"] for s in fams["llmgw_requests"].samples}
+    assert models == {"m0", "m1", "m2", "(other)"}
+    assert sample(fams, "llmgw_requests_total", model="(other)") == 7
+    assert sample(fams, "llmgw_request_duration_seconds_count") == 10
+    assert sample(fams, "llmgw_upstream_errors_total", replica="(other)") == 7
+    assert "label sets" in caplog.text
+
+
+def test_histogram_buckets_are_le() -> None:
+    obs = PrometheusObserver(buckets=(0.1, 1.0))
+    for v in (0.1, 0.5, 1.0, 3.0):
+        obs.request_done("m", None, 200, "b", v, None, None)
+    reg = CollectorRegistry(auto_describe=False)
+    reg.register(obs)
+    fams = families(generate_latest(reg).decode())
+    got = {s.labels["le"]: s.value for s in fams["llmgw_request_duration_seconds"].samples if "le" in s.labels}
+    assert got == {"0.1": 1, "1.0": 3, "+Inf": 4}
+    assert sample(fams, "llmgw_request_duration_seconds_sum") == pytest.approx(4.6)
+    # never reached a replica: no upstream series, replica label empty
+    assert "llmgw_upstream_duration_seconds_count" not in str(fams["llmgw_upstream_duration_seconds"].samples)
+    assert sample(fams, "llmgw_requests_total", replica="") == 4
+
+
+async def test_docs_list_every_family() -> None:
+    doc = (ROOT / "docs" / "metrics.md").read_text()
+    documented = set(re.findall(r"^\| `(llmgw_[a-z0-9_]+)` \|", doc, re.M))
+    a = Engine("a")
+    async with running([a]) as rt:
+        _, text = await scrape(rt)
+    # the text format names counters with their _total, as the docs do
+    exported = set(re.findall(r"^# TYPE (llmgw_[a-z0-9_]+) ", text, re.M))
+    assert exported - documented == set(), "undocumented families"
+    assert documented - exported == set(), "documented but not exported"

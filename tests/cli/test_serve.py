@@ -1,0 +1,133 @@
+"""``llmgw serve`` as README's first command runs it: the demo fleet, answered for real."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import openai
+import pytest
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _start(*args: str, cwd: Path) -> tuple[subprocess.Popen[str], list[str]]:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "llmgw", "serve", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=cwd,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    lines: list[str] = []
+    assert proc.stdout is not None
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        lines.append(line.rstrip("\n"))
+        if line.startswith("  curl "):
+            return proc, lines
+    proc.kill()
+    out, err = proc.communicate(timeout=10)
+    raise AssertionError(f"serve did not start: {lines} {out} {err}")
+
+
+@pytest.fixture
+def demo(tmp_path: Path) -> Iterator[tuple[str, str, list[str]]]:
+    port, admin = _free_port(), _free_port()
+    proc, lines = _start("--listen", f"127.0.0.1:{port}", "--admin", f"127.0.0.1:{admin}", cwd=tmp_path)
+    try:
+        yield f"http://127.0.0.1:{port}", f"http://127.0.0.1:{admin}", lines
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            _, err = proc.communicate(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate()
+            raise
+        assert proc.returncode == 0, err
+
+
+def test_demo_fleet_prints_where_and_how(demo: tuple[str, str, list[str]]) -> None:
+    base, admin, lines = demo
+    text = "\n".join(lines)
+    assert f"gateway on {base}" in text
+    assert f"admin {admin}" in text
+    assert "llama-3.1-8b" in text and "qwen2.5-0.5b" in text
+    assert "2 simulated vllm replicas" in text and "2 simulated llamacpp replicas" in text
+    assert f"curl -s {base}/v1/chat/completions" in lines[-1]
+
+
+def test_demo_fleet_serves_the_openai_client(demo: tuple[str, str, list[str]]) -> None:
+    base, _, _ = demo
+    client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=20)
+    models = {m.id for m in client.models.list()}
+    assert {"llama-3.1-8b", "qwen2.5-0.5b", "llama3", "qwen"} <= models
+    chat = client.chat.completions.create(
+        model="llama-3.1-8b", messages=[{"role": "user", "content": "Hello"}], max_tokens=5
+    )
+    assert chat.choices[0].message.content
+    assert chat.usage is not None and chat.usage.completion_tokens == 5
+    stream = client.chat.completions.create(
+        model="qwen",
+        messages=[{"role": "user", "content": "Hi"}],
+        max_tokens=4,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    pieces, usage = [], None
+    for chunk in stream:
+        if chunk.choices and chunk.choices[0].delta.content:
+            pieces.append(chunk.choices[0].delta.content)
+        if chunk.usage is not None:
+            usage = chunk.usage
+    assert len(pieces) == 4
+    assert usage is not None and usage.completion_tokens == 4
+    comp = client.completions.create(model="llama3", prompt="Once", max_tokens=3)
+    assert comp.choices[0].text
+    emb = client.embeddings.create(model="llama-3.1-8b", input=["a", "b"])
+    assert len(emb.data) == 2 and len(emb.data[0].embedding) > 0
+    with pytest.raises(openai.NotFoundError) as ei:
+        client.chat.completions.create(model="nope", messages=[{"role": "user", "content": "x"}])
+    assert ei.value.code == "model_not_found"
+
+
+def test_port_in_use_is_one_line(tmp_path: Path) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        busy = s.getsockname()[1]
+        res = subprocess.run(
+            [sys.executable, "-m", "llmgw", "serve", "--listen", f"127.0.0.1:{busy}", "--admin", "127.0.0.1:0"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            cwd=tmp_path,
+        )
+    assert res.returncode == 1
+    assert res.stderr.strip().splitlines()[-1] == (
+        f"llmgw: error: 127.0.0.1:{busy} is already in use (choose another address with --listen / --admin)"
+    )
+    assert "Traceback" not in res.stderr
+
+
+def test_sigint_stops_cleanly(tmp_path: Path) -> None:
+    proc, _ = _start("--listen", "127.0.0.1:0", "--admin", "127.0.0.1:0", cwd=tmp_path)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=15)
+    assert proc.returncode == 0, err
+    assert "shutting down" in err

@@ -1,0 +1,204 @@
+"""The scrape poller against live metrics pages on 127.0.0.1."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import pytest
+
+from llmgw.config import load
+from llmgw.fleet.poller import Poller
+from llmgw.fleet.registry import Registry
+from llmgw.http.server import HTTPServer
+
+VLLM_PAGE = b"""# HELP vllm:num_requests_running Number of requests in model execution batches.
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="m"} 3.0
+vllm:num_requests_running{engine="1",model_name="m"} 1.0
+vllm:num_requests_running{engine="0",model_name="other"} 50.0
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{engine="0",model_name="m"} 2.0
+# TYPE vllm:kv_cache_usage_perc gauge
+vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.25
+"""
+
+LLAMA_PAGE = b"""# HELP llamacpp:requests_processing Number of requests processing.
+# TYPE llamacpp:requests_processing gauge
+llamacpp:requests_processing 2
+# TYPE llamacpp:requests_deferred gauge
+llamacpp:requests_deferred 5
+"""
+
+
+class MetricsServer:
+    def __init__(self) -> None:
+        self.page = VLLM_PAGE
+        self.status = 200
+        self.key: bytes | None = None
+        self.hits = 0
+        self.auth_seen: list[bytes | None] = []
+        self.accept_seen: list[bytes | None] = []
+        self.server: HTTPServer | None = None
+        self.port = 0
+
+    async def start(self) -> None:
+        self.server = HTTPServer(self)
+        _, self.port = await self.server.listen("127.0.0.1", 0)
+
+    def handle(self, req: Any, w: Any) -> None:
+        self.hits += 1
+        self.auth_seen.append(req.authorization)
+        self.accept_seen.append(req.header(b"accept"))
+        if self.key is not None and req.authorization != b"Bearer " + self.key:
+            w.send(401, b'{"error":{"code":401,"message":"Invalid API Key","type":"authentication_error"}}')
+            return
+        w.send(self.status, self.page if self.status == 200 else b"not found", ((b"content-type", b"text/plain"),))
+
+
+async def _setup(server: MetricsServer, **ep: Any) -> tuple[Registry, Poller]:
+    await server.start()
+    cfg = load(
+        {
+            "scrape": {"interval": "50ms", "timeout": "40ms", "stale_after": "300ms"},
+            "endpoints": [{"id": "r0", "url": f"http://127.0.0.1:{server.port}", "model": "m", **ep}],
+        }
+    )
+    reg = Registry(cfg)
+    poller = Poller(reg, cfg.scrape)
+    poller.sync()
+    return reg, poller
+
+
+async def _until(pred: Any, timeout: float = 3.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not pred():
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError("condition not met in time")
+        await asyncio.sleep(0.01)
+
+
+async def test_vllm_scrape_sums_engines_and_filters_model() -> None:
+    srv = MetricsServer()
+    reg, poller = await _setup(srv, engine="vllm")
+    ep = reg.endpoints["r0"]
+    try:
+        assert ep.stale and ep.fresh() == (None, None, None)  # before any scrape: absent
+        await _until(lambda: ep.last_scrape is not None)
+        assert ep.fresh() == (2.0, 4.0, 0.25)
+        assert not ep.stale
+        assert b"text/plain;version=0.0.4" in (srv.accept_seen[-1] or b"")
+        # keep-alive: many scrapes, one connection
+        await _until(lambda: srv.hits >= 4)
+        assert ep.pool.open_connections == 1
+    finally:
+        await poller.close()
+        reg.close()
+        assert srv.server is not None
+        await srv.server.close(1)
+
+
+async def test_llamacpp_scrape_uses_key_and_kv_is_absent() -> None:
+    srv = MetricsServer()
+    srv.page = LLAMA_PAGE
+    srv.key = b"sekret"
+    reg, poller = await _setup(srv, engine="llamacpp", api_key="sekret")
+    ep = reg.endpoints["r0"]
+    try:
+        await _until(lambda: ep.last_scrape is not None)
+        assert ep.fresh() == (5.0, 2.0, None)  # no KV gauge on llama.cpp: absent, never 0
+        assert srv.auth_seen[-1] == b"Bearer sekret"
+    finally:
+        await poller.close()
+        reg.close()
+        assert srv.server is not None
+        await srv.server.close(1)
+
+
+async def test_goes_stale_when_scrapes_fail_and_warns_once(caplog: pytest.LogCaptureFixture) -> None:
+    srv = MetricsServer()
+    reg, poller = await _setup(srv, engine="vllm")
+    ep = reg.endpoints["r0"]
+    caplog.set_level(logging.DEBUG, logger="llmgw.scrape")
+    try:
+        await _until(lambda: ep.last_scrape is not None)
+        srv.status = 404
+        hits = srv.hits
+        await _until(lambda: srv.hits >= hits + 5)
+        await _until(lambda: ep.stale)
+        assert ep.fresh() == (None, None, None)  # stale numbers are never used as fresh
+        warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+        assert len(warnings) == 1, [r.getMessage() for r in warnings]
+        assert "r0" in warnings[0].getMessage() and "HTTP 404" in warnings[0].getMessage()
+        srv.status = 200
+        await _until(lambda: not ep.stale)
+        infos = [r for r in caplog.records if r.levelno == logging.INFO and "readable again" in r.getMessage()]
+        assert len(infos) == 1
+    finally:
+        await poller.close()
+        reg.close()
+        assert srv.server is not None
+        await srv.server.close(1)
+
+
+async def test_missing_metrics_are_named_once(caplog: pytest.LogCaptureFixture) -> None:
+    srv = MetricsServer()
+    srv.page = b"# TYPE something_else gauge\nsomething_else 1\n"
+    caplog.set_level(logging.WARNING, logger="llmgw.scrape")
+    reg, poller = await _setup(srv, engine="llamacpp")
+    ep = reg.endpoints["r0"]
+    try:
+        await _until(lambda: srv.hits >= 5)
+        msgs = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+        assert len(msgs) == 1, msgs
+        assert "llamacpp:requests_deferred" in msgs[0] and "llamacpp:requests_processing" in msgs[0]
+        assert ep.fresh() == (None, None, None)
+    finally:
+        await poller.close()
+        reg.close()
+        assert srv.server is not None
+        await srv.server.close(1)
+
+
+async def test_metric_name_overrides() -> None:
+    srv = MetricsServer()
+    srv.page = b"my_queue 7\nmy_running 1\n"
+    reg, poller = await _setup(
+        srv, engine="generic", metric_names={"waiting": "my_queue", "running": ["my_running"]}
+    )
+    ep = reg.endpoints["r0"]
+    try:
+        await _until(lambda: ep.last_scrape is not None)
+        assert ep.fresh() == (7.0, 1.0, None)
+    finally:
+        await poller.close()
+        reg.close()
+        assert srv.server is not None
+        await srv.server.close(1)
+
+
+async def test_sync_follows_the_endpoint_list() -> None:
+    srv = MetricsServer()
+    reg, poller = await _setup(srv, engine="vllm")
+    try:
+        assert poller.task_count == 1
+        reg.remove("r0")
+        poller.sync()
+        assert poller.task_count == 0
+    finally:
+        await poller.close()
+        reg.close()
+        assert srv.server is not None
+        await srv.server.close(1)
+
+
+async def test_external_endpoints_are_not_scraped() -> None:
+    cfg = load({"endpoints": [{"id": "x", "url": "http://127.0.0.1:9", "model": "m", "engine": "external"}]})
+    reg = Registry(cfg)
+    poller = Poller(reg, cfg.scrape)
+    poller.sync()
+    assert poller.task_count == 0
+    assert not reg.endpoints["x"].stale
+    await poller.close()
+    reg.close()

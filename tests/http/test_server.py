@@ -1,0 +1,707 @@
+"""``llmgw.http.server`` on real sockets on 127.0.0.1, under asyncio and uvloop.
+
+A small app on :class:`HTTPServer` answers by path; raw sockets speak to it so
+that every byte on the wire is the test's choice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+import socket
+import time
+from collections.abc import AsyncIterator, Callable, Coroutine
+from typing import Any
+
+import orjson
+import pytest
+import uvloop
+
+from llmgw.errors import HTTPError, RateLimitedError
+from llmgw.http.server import HTTPServer, ResponseWriter, ServerLimits
+
+WAIT = 5.0  # bound on every wait: a hang is a failure, not a stuck run
+
+
+# -- the app ------------------------------------------------------------------
+
+
+class App:
+    """Answers by path; records what happened for the test to check."""
+
+    def __init__(self) -> None:
+        self.seen: list[bytes] = []
+        self.events: list[str] = []
+        self.release = asyncio.Event()
+        self.writers: list[ResponseWriter] = []
+        self.sockopts: list[int] = []
+
+    def handle(self, req: Any, w: ResponseWriter) -> Any:
+        self.seen.append(req.target)
+        self.writers.append(w)
+        path = req.path
+        if path == b"/echo":
+            w.send_json(200, {"method": req.method.decode(), "target": req.target.decode(),
+                              "body": req.body.decode("latin-1"), "forward": req.forward.decode()})
+            return None
+        if path == b"/slow":
+            return self._slow(w, float(req.target.split(b"?")[1]))
+        if path == b"/stream":
+            return self._stream(w, int(req.target.partition(b"?")[2] or b"5"))
+        if path == b"/boom":
+            raise RuntimeError("secret traceback detail")
+        if path == b"/aboom":
+            return self._aboom()
+        if path == b"/limited":
+            raise RateLimitedError("slow down", retry_after=2)
+        if path == b"/ahttperror":
+            return self._ahttperror()
+        if path == b"/hang":
+            return self._hang(w)
+        if path == b"/noend":
+            return self._noend(w)
+        if path == b"/flood":
+            return self._flood(w)
+        if path == b"/nodelay":
+            sock = w._conn.transport.get_extra_info("socket")  # type: ignore[union-attr]
+            self.sockopts.append(sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
+            w.send(200, b"ok")
+            return None
+        if path == b"/204":
+            w.send(204, b"", ())
+            return None
+        if path == b"/wait":
+            return self._wait(w)
+        w.send(404, b'{"error":"no route"}')
+        return None
+
+    async def _slow(self, w: ResponseWriter, seconds: float) -> None:
+        await asyncio.sleep(seconds)
+        w.send(200, b"slow done", ())
+
+    async def _stream(self, w: ResponseWriter, n: int) -> None:
+        w.on_disconnect(lambda: self.events.append("disconnect"))
+        w.start(200, [(b"content-type", b"text/event-stream")])
+        try:
+            for i in range(n):
+                w.write(b"data: %d\n\n" % i)
+                await asyncio.sleep(0.01)
+            w.end()
+        except asyncio.CancelledError:
+            self.events.append("cancelled")
+            raise
+
+    async def _aboom(self) -> None:
+        await asyncio.sleep(0)
+        raise ValueError("secret async detail")
+
+    async def _ahttperror(self) -> None:
+        await asyncio.sleep(0)
+        raise HTTPError("nope", status=403, type="permission_error", code="forbidden")
+
+    async def _hang(self, w: ResponseWriter) -> None:
+        w.on_disconnect(lambda: self.events.append("disconnect"))
+        try:
+            await asyncio.sleep(3600)
+        except asyncio.CancelledError:
+            self.events.append("cancelled")
+            raise
+
+    async def _noend(self, w: ResponseWriter) -> None:
+        await asyncio.sleep(0)
+
+    async def _wait(self, w: ResponseWriter) -> None:
+        await self.release.wait()
+        w.send(200, b"released", ())
+
+    # flow listener (what the proxy's upstream connection is)
+    def pause_reading(self) -> None:
+        self.events.append("listener paused")
+
+    def resume_reading(self) -> None:
+        self.events.append("listener resumed")
+
+    async def _flood(self, w: ResponseWriter) -> None:
+        w.add_flow_listener(self)
+        w.start(200, [(b"content-type", b"application/octet-stream")])
+        block = b"x" * (1 << 20)
+        for _ in range(256):  # until the client's slowness shows
+            w.write(block)
+            if w.write_paused:
+                break
+        self.events.append(f"paused={w.write_paused}")
+        await asyncio.wait_for(w.drain(), WAIT)
+        self.events.append(f"drained paused={w.write_paused}")
+        w.end()
+
+
+@contextlib.asynccontextmanager
+async def serve(app: Any = None, **limits: Any) -> AsyncIterator[tuple[HTTPServer, int, Any]]:
+    app = app or App()
+    server = HTTPServer(app, ServerLimits(**limits), name="test")
+    _, port = await server.listen("127.0.0.1", 0)
+    try:
+        yield server, port, app
+    finally:
+        await asyncio.wait_for(server.close(1.0), WAIT)
+
+
+# -- a raw client -------------------------------------------------------------
+
+
+class Resp:
+    def __init__(self, status: int, headers: dict[bytes, bytes], body: bytes, raw_head: bytes) -> None:
+        self.status = status
+        self.headers = headers
+        self.body = body
+        self.raw_head = raw_head
+
+    def json(self) -> Any:
+        return orjson.loads(self.body)
+
+    def __repr__(self) -> str:
+        return f"Resp({self.status}, {self.headers!r}, {self.body[:200]!r})"
+
+
+async def read_response(r: asyncio.StreamReader, head_only: bool = False) -> Resp:
+    """One response, framed by Content-Length, chunked, or close."""
+    raw = await asyncio.wait_for(r.readuntil(b"\r\n\r\n"), WAIT)
+    lines = raw[:-4].split(b"\r\n")
+    status = int(lines[0].split(b" ", 2)[1])
+    headers: dict[bytes, bytes] = {}
+    for line in lines[1:]:
+        name, _, value = line.partition(b":")
+        assert name.lower() not in headers, f"duplicate header {name!r}"
+        headers[name.lower()] = value.strip()
+    if head_only or status < 200 or status in (204, 304):
+        return Resp(status, headers, b"", raw)
+    if b"content-length" in headers:
+        body = await asyncio.wait_for(r.readexactly(int(headers[b"content-length"])), WAIT)
+    elif headers.get(b"transfer-encoding") == b"chunked":
+        parts = []
+        while True:
+            size = int((await asyncio.wait_for(r.readuntil(b"\r\n"), WAIT))[:-2], 16)
+            parts.append(await asyncio.wait_for(r.readexactly(size + 2), WAIT))
+            if size == 0:
+                break
+        body = b"".join(p[:-2] for p in parts)
+    else:
+        body = await asyncio.wait_for(r.read(), WAIT)
+    return Resp(status, headers, body, raw)
+
+
+async def assert_closed(r: asyncio.StreamReader, within: float = WAIT) -> None:
+    """The server closed the connection, and sent nothing more."""
+    try:
+        rest = await asyncio.wait_for(r.read(), within)
+    except ConnectionResetError:
+        return
+    assert rest == b"", rest
+
+
+@contextlib.asynccontextmanager
+async def connect(port: int, rcvbuf: int = 0) -> AsyncIterator[tuple[asyncio.StreamReader, asyncio.StreamWriter]]:
+    if rcvbuf:
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+        sock.setblocking(False)
+        await asyncio.get_running_loop().sock_connect(sock, ("127.0.0.1", port))
+        r, w = await asyncio.wait_for(asyncio.open_connection(sock=sock, limit=1 << 16), WAIT)
+    else:
+        r, w = await asyncio.wait_for(asyncio.open_connection("127.0.0.1", port), WAIT)
+    try:
+        yield r, w
+    finally:
+        w.close()
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(w.wait_closed(), WAIT)
+
+
+def assert_openai_error(resp: Resp, status: int, code: str | None = None) -> dict[str, Any]:
+    assert resp.status == status, resp
+    assert resp.headers[b"content-type"] == b"application/json"
+    err = resp.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert isinstance(err["code"], str) and isinstance(err["message"], str) and isinstance(err["type"], str)
+    if code is not None:
+        assert err["code"] == code
+    return err
+
+
+GET = b"GET /echo HTTP/1.1\r\nHost: t\r\n\r\n"
+
+
+# -- keep-alive, pipelining, bodies ---------------------------------------------
+
+
+async def test_keep_alive_across_requests() -> None:
+    async with serve() as (server, port, _), connect(port) as (r, w):
+        for i in range(3):
+            w.write(b"POST /echo?%d HTTP/1.1\r\nHost: t\r\nContent-Length: 3\r\n\r\nabc" % i)
+            resp = await read_response(r)
+            assert resp.status == 200 and b"connection" not in resp.headers
+            assert resp.json()["target"] == f"/echo?{i}" and resp.json()["body"] == "abc"
+        assert len(server.connections) == 1
+
+
+async def test_connection_close_requested() -> None:
+    async with serve() as (_, port, _), connect(port) as (r, w):
+        w.write(b"GET /echo HTTP/1.1\r\nConnection: close\r\n\r\n")
+        resp = await read_response(r)
+        assert resp.status == 200 and resp.headers[b"connection"] == b"close"
+        await assert_closed(r)
+
+
+async def test_http10_closes() -> None:
+    async with serve() as (_, port, _), connect(port) as (r, w):
+        w.write(b"GET /echo HTTP/1.0\r\n\r\n")
+        resp = await read_response(r)
+        assert resp.status == 200 and resp.headers[b"connection"] == b"close"
+        await assert_closed(r)
+
+
+async def test_pipelining_answered_in_order() -> None:
+    async with serve() as (_, port, app), connect(port) as (r, w):
+        w.write(b"GET /slow?0.2 HTTP/1.1\r\n\r\n" + GET + b"GET /slow?0 HTTP/1.1\r\n\r\n" + GET)
+        t0 = time.monotonic()
+        first = await read_response(r)
+        assert (first.status, first.body) == (200, b"slow done")
+        assert time.monotonic() - t0 >= 0.15
+        second = await read_response(r)
+        assert second.json()["target"] == "/echo"
+        assert (await read_response(r)).body == b"slow done"
+        assert (await read_response(r)).json()["target"] == "/echo"
+        assert app.seen == [b"/slow?0.2", b"/echo", b"/slow?0", b"/echo"]
+
+
+async def test_pipelining_past_the_read_ahead_limit() -> None:
+    # More pipelined requests than max_pipelined: reading pauses, then resumes.
+    async with serve(max_pipelined=4) as (_, port, _), connect(port) as (r, w):
+        w.write(b"GET /slow?0.05 HTTP/1.1\r\n\r\n" + b"".join(b"GET /echo?%d HTTP/1.1\r\n\r\n" % i for i in range(20)))
+        assert (await read_response(r)).body == b"slow done"
+        for i in range(20):
+            assert (await read_response(r)).json()["target"] == f"/echo?{i}"
+
+
+async def test_chunked_request_body() -> None:
+    async with serve() as (_, port, _), connect(port) as (r, w):
+        w.write(b"POST /echo HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n4\r\nWiki\r\n")
+        await asyncio.sleep(0.05)
+        w.write(b"5\r\npedia\r\n0\r\n\r\n")
+        resp = await read_response(r)
+        assert resp.json()["body"] == "Wikipedia"
+
+
+async def test_expect_100_continue() -> None:
+    async with serve() as (_, port, app), connect(port) as (r, w):
+        w.write(b"POST /echo HTTP/1.1\r\nExpect: 100-continue\r\nContent-Length: 5\r\n\r\n")
+        interim = await asyncio.wait_for(r.readuntil(b"\r\n\r\n"), WAIT)
+        assert interim == b"HTTP/1.1 100 Continue\r\n\r\n"
+        assert app.seen == []
+        w.write(b"hello")
+        resp = await read_response(r)
+        assert resp.json()["body"] == "hello"
+        assert "expect" not in resp.json()["forward"].lower()
+
+
+async def test_expect_100_continue_behind_a_busy_connection() -> None:
+    # The 100 is owed until the pipelined request before it is answered, then sent.
+    async with serve() as (_, port, _), connect(port) as (r, w):
+        w.write(b"GET /slow?0.1 HTTP/1.1\r\n\r\nPOST /echo HTTP/1.1\r\nExpect: 100-continue\r\nContent-Length: 2\r\n\r\n")
+        assert (await read_response(r)).body == b"slow done"
+        interim = await asyncio.wait_for(r.readuntil(b"\r\n\r\n"), WAIT)
+        assert interim == b"HTTP/1.1 100 Continue\r\n\r\n"
+        w.write(b"ok")
+        assert (await read_response(r)).json()["body"] == "ok"
+
+
+async def test_on_disconnect_after_the_fact_runs_at_once() -> None:
+    async with serve() as (_, port, app):
+        async with connect(port) as (_r, w):
+            w.write(b"GET /hang HTTP/1.1\r\n\r\n")
+            for _ in range(100):
+                if app.writers:
+                    break
+                await asyncio.sleep(0.01)
+        for _ in range(100):
+            if app.writers[0].disconnected:
+                break
+            await asyncio.sleep(0.01)
+        late: list[int] = []
+        app.writers[0].on_disconnect(lambda: late.append(1))
+        assert late == [1]
+
+
+async def test_expect_other_is_417() -> None:
+    async with serve() as (_, port, _), connect(port) as (r, w):
+        w.write(b"POST /echo HTTP/1.1\r\nExpect: x-foo\r\nContent-Length: 5\r\n\r\nhello")
+        assert_openai_error(await read_response(r), 417, "expectation_failed")
+        await assert_closed(r)
+
+
+async def test_tcp_nodelay() -> None:
+    async with serve() as (_, port, app), connect(port) as (r, w):
+        w.write(b"GET /nodelay HTTP/1.1\r\n\r\n")
+        assert (await read_response(r)).status == 200
+        assert app.sockopts == [1]
+
+
+async def test_head_gets_no_body() -> None:
+    async with serve() as (_, port, _), connect(port) as (r, w):
+        w.write(b"HEAD /echo HTTP/1.1\r\n\r\nHEAD /stream HTTP/1.1\r\n\r\n" + GET)
+        head = await read_response(r, head_only=True)
+        assert head.status == 200 and int(head.headers[b"content-length"]) > 0
+        stream = await read_response(r, head_only=True)
+        assert stream.status == 200
+        # the next bytes are the third response: no body leaked in between
+        third = await read_response(r)
+        assert third.json()["target"] == "/echo"
+
+
+async def test_204_has_no_framing() -> None:
+    async with serve() as (_, port, _), connect(port) as (r, w):
+        w.write(b"GET /204 HTTP/1.1\r\n\r\n" + GET)
+        resp = await read_response(r)
+        assert resp.status == 204
+        assert b"content-length" not in resp.headers and b"transfer-encoding" not in resp.headers
+        assert (await read_response(r)).status == 200
+
+
+async def test_streamed_response_is_chunked() -> None:
+    async with serve() as (_, port, _), connect(port) as (r, w):
+        w.write(b"GET /stream?20 HTTP/1.1\r\n\r\n")
+        resp = await asyncio.wait_for(read_response(r), WAIT)
+        assert resp.headers[b"transfer-encoding"] == b"chunked"
+        assert resp.body == b"".join(b"data: %d\n\n" % i for i in range(20))
+
+
+# -- limits and malformed input ---------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("data", "status", "code"),
+    [
+        (b"GET /" + b"a" * 2000 + b" HTTP/1.1\r\n\r\n", 431, "request_header_fields_too_large"),
+        (b"GET / HTTP/1.1\r\n" + b"X-A: b\r\n" * 11 + b"\r\n", 431, "request_header_fields_too_large"),
+        (b"GET / HTTP/1.1\r\nX-Big: " + b"v" * 2000 + b"\r\n\r\n", 431, "request_header_fields_too_large"),
+        (b"POST /echo HTTP/1.1\r\nContent-Length: 2000\r\n\r\n", 413, "request_too_large"),
+        (b"POST /echo HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n" + (b"100\r\n" + b"x" * 256 + b"\r\n") * 5,
+         413, "request_too_large"),
+        (b"POST / HTTP/1.1\r\nContent-Length: 3\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n", 400, "invalid_request"),
+        (b"POST / HTTP/1.1\r\nContent-Length: 3\r\nContent-Length: 4\r\n\r\nabcd", 400, "invalid_request"),
+        (b"POST / HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n", 400, "invalid_request"),
+        (b"GET / HTTP/1.1\r\nX-A: a\r\n b\r\n\r\n", 400, "invalid_request"),
+        (b"GET / HTTP/2.0\r\n\r\n", 400, "invalid_request"),
+        (b"GET / HTTP/1.1\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n\r\n", 400, "invalid_request"),
+        (b"\x16\x03\x01\x00\xa5\x01\x00\x00\xa1\x03\x03", 400, "invalid_request"),
+    ],
+    ids=["long-line", "many-headers", "header-bytes", "413-cl", "413-chunked", "cl-te", "dup-cl",
+         "bad-chunk", "obs-fold", "http2", "upgrade", "tls"],
+)
+async def test_bad_requests_answered_and_closed(data: bytes, status: int, code: str) -> None:
+    async with serve(max_head_bytes=1024, max_headers=10, max_body=1000) as (_, port, app), connect(port) as (r, w):
+        w.write(data)
+        resp = await read_response(r)
+        assert_openai_error(resp, status, code)
+        assert resp.headers[b"connection"] == b"close"
+        await assert_closed(r)
+        assert app.seen == []
+
+
+async def test_413_while_the_client_is_still_sending() -> None:
+    # The server refuses by Content-Length while body bytes keep coming: the
+    # client must still read the 413 (not a reset that destroys it).
+    async with serve(max_body=1000) as (_, port, _), connect(port) as (r, w):
+        w.write(b"POST /echo HTTP/1.1\r\nContent-Length: 1000000\r\n\r\n" + b"x" * 200_000)
+        assert_openai_error(await read_response(r), 413, "request_too_large")
+
+
+async def test_valid_pipelined_requests_answered_before_the_400() -> None:
+    async with serve() as (_, port, app), connect(port) as (r, w):
+        w.write(b"GET /slow?0.05 HTTP/1.1\r\n\r\n" + GET + b"GET /bad HTTP/1.1\r\nX A: b\r\n\r\n")
+        assert (await read_response(r)).body == b"slow done"
+        assert (await read_response(r)).json()["target"] == "/echo"
+        assert_openai_error(await read_response(r), 400, "invalid_request")
+        await assert_closed(r)
+        assert app.seen == [b"/slow?0.05", b"/echo"]
+
+
+# -- timeouts ---------------------------------------------------------------------
+
+
+async def test_header_timeout_slowloris() -> None:
+    async with serve(header_timeout=0.3) as (server, port, _), connect(port) as (r, w):
+        t0 = time.monotonic()
+        w.write(b"GET / HTTP/1.1\r\nHost: t\r\n")
+        # trickling bytes does not extend the deadline
+        for _ in range(3):
+            await asyncio.sleep(0.05)
+            w.write(b"X")
+        resp = await read_response(r)
+        assert_openai_error(resp, 408, "request_timeout")
+        assert 0.25 <= time.monotonic() - t0 < 2.0
+        await assert_closed(r)
+        w.close()  # the server lingers (reading and dropping) until the client closes
+        for _ in range(100):
+            if not server.connections:
+                break
+            await asyncio.sleep(0.01)
+        assert not server.connections
+
+
+async def test_body_timeout() -> None:
+    async with serve(body_timeout=0.3) as (_, port, app), connect(port) as (r, w):
+        t0 = time.monotonic()
+        w.write(b"POST /echo HTTP/1.1\r\nContent-Length: 10\r\n\r\nabc")
+        assert_openai_error(await read_response(r), 408, "request_timeout")
+        assert 0.25 <= time.monotonic() - t0 < 2.0
+        await assert_closed(r)
+        assert app.seen == []
+
+
+async def test_idle_keep_alive_timeout_closes() -> None:
+    async with serve(keepalive_timeout=0.3) as (server, port, _), connect(port) as (r, w):
+        w.write(GET)
+        assert (await read_response(r)).status == 200
+        t0 = time.monotonic()
+        await assert_closed(r)
+        assert 0.25 <= time.monotonic() - t0 < 2.0
+        await asyncio.sleep(0.05)
+        assert not server.connections
+
+
+async def test_idle_before_first_request_closes() -> None:
+    async with serve(keepalive_timeout=0.3) as (_, port, _), connect(port) as (r, _w):
+        await assert_closed(r, within=2.0)
+
+
+async def test_partial_head_behind_a_slow_response_still_times_out() -> None:
+    # Regression: a head timer that fired while an earlier pipelined request was
+    # being answered was dropped, and none was armed after: the connection was
+    # held forever by a head that never completes.
+    async with serve(header_timeout=0.2) as (_, port, _), connect(port) as (r, w):
+        w.write(b"GET /slow?0.4 HTTP/1.1\r\n\r\nGET / HTTP/1.1\r\nX-Never: ")
+        assert (await read_response(r)).body == b"slow done"
+        t0 = time.monotonic()
+        assert_openai_error(await read_response(r), 408, "request_timeout")
+        assert time.monotonic() - t0 < 1.5
+        await assert_closed(r)
+
+
+# -- connection limit ---------------------------------------------------------------
+
+
+async def test_max_connections_answered_503_at_once() -> None:
+    async with serve(max_connections=2) as (server, port, _), connect(port) as (r1, w1), \
+            connect(port) as (r2, w2):
+        for r, w in ((r1, w1), (r2, w2)):
+            w.write(GET)
+            assert (await read_response(r)).status == 200
+        async with connect(port) as (r3, w3):
+            w3.write(GET)  # already sent when the 503 comes: must not turn into a reset
+            t0 = time.monotonic()
+            resp = await read_response(r3)
+            assert time.monotonic() - t0 < 1.0
+            assert_openai_error(resp, 503, "service_unavailable")
+            assert resp.headers[b"retry-after"] == b"1"
+            assert resp.headers[b"connection"] == b"close"
+            await assert_closed(r3)
+        assert server.rejected == 1
+        # the accepted ones still work
+        w1.write(GET)
+        assert (await read_response(r1)).status == 200
+
+
+# -- handler errors -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("path", [b"/boom", b"/aboom"])
+async def test_handler_exception_is_500_json(path: bytes, caplog: pytest.LogCaptureFixture) -> None:
+    async with serve() as (_, port, _), connect(port) as (r, w):
+        w.write(b"GET %s HTTP/1.1\r\n\r\n" % path)
+        resp = await read_response(r)
+        err = assert_openai_error(resp, 500, "internal_error")
+        assert b"secret" not in resp.body and b"Traceback" not in resp.body
+        assert err["type"] == "server_error"
+        await assert_closed(r)
+    assert "request handler failed" in caplog.text
+
+
+async def test_handler_http_error_keeps_its_status() -> None:
+    async with serve() as (_, port, _), connect(port) as (r, w):
+        w.write(b"GET /limited HTTP/1.1\r\n\r\n")
+        resp = await read_response(r)
+        assert_openai_error(resp, 429, "rate_limit_exceeded")
+        assert resp.headers[b"retry-after"] == b"2" and resp.headers[b"retry-after-ms"] == b"2000"
+        # not a connection-level error: keep-alive continues
+        w.write(b"GET /ahttperror HTTP/1.1\r\n\r\n")
+        err = assert_openai_error(await read_response(r), 403, "forbidden")
+        assert err["type"] == "permission_error" and err["message"] == "nope"
+        w.write(GET)
+        assert (await read_response(r)).status == 200
+
+
+async def test_handler_that_never_finishes_is_500(caplog: pytest.LogCaptureFixture) -> None:
+    async with serve() as (_, port, _), connect(port) as (r, w):
+        w.write(b"GET /noend HTTP/1.1\r\n\r\n")
+        assert_openai_error(await read_response(r), 500)
+    assert "without finishing" in caplog.text
+
+
+async def test_unknown_route_from_app() -> None:
+    async with serve() as (_, port, _), connect(port) as (r, w):
+        w.write(b"GET /nope HTTP/1.1\r\n\r\n")
+        assert (await read_response(r)).status == 404
+
+
+# -- disconnects and flow control -----------------------------------------------------
+
+
+async def test_client_disconnect_cancels_the_handler() -> None:
+    async with serve() as (_, port, app):
+        async with connect(port) as (r, w):
+            w.write(b"GET /stream?1000 HTTP/1.1\r\n\r\n")
+            await asyncio.wait_for(r.readuntil(b"data: 1\n\n"), WAIT)
+        for _ in range(100):
+            if "cancelled" in app.events:
+                break
+            await asyncio.sleep(0.02)
+        assert app.events == ["disconnect", "cancelled"]
+        assert app.writers[0].disconnected
+
+
+async def test_disconnect_while_waiting_cancels_and_calls_back() -> None:
+    async with serve() as (server, port, app):
+        async with connect(port) as (_r, w):
+            w.write(b"GET /hang HTTP/1.1\r\n\r\n")
+            for _ in range(100):
+                if app.seen:
+                    break
+                await asyncio.sleep(0.01)
+        for _ in range(100):
+            if "cancelled" in app.events:
+                break
+            await asyncio.sleep(0.02)
+        assert app.events == ["disconnect", "cancelled"]
+        assert not server.connections
+
+
+async def test_flow_control_pauses_and_resumes() -> None:
+    async with serve() as (_, port, app), connect(port, rcvbuf=4096) as (r, w):
+        w.write(b"GET /flood HTTP/1.1\r\n\r\n")
+        for _ in range(200):
+            if app.events:
+                break
+            await asyncio.sleep(0.02)
+        assert app.events == ["listener paused", "paused=True"]
+        await asyncio.sleep(0.1)
+        # drain() waits while the client does not read
+        assert app.events == ["listener paused", "paused=True"]
+        resp = await asyncio.wait_for(read_response(r), 20)
+        assert resp.status == 200 and len(resp.body) % (1 << 20) == 0 and resp.body
+        assert app.events == ["listener paused", "paused=True", "listener resumed", "drained paused=False"]
+
+
+# -- graceful shutdown ------------------------------------------------------------------
+
+
+async def test_graceful_shutdown_lets_in_flight_finish() -> None:
+    app = App()
+    server = HTTPServer(app, ServerLimits(), name="test")
+    _, port = await server.listen("127.0.0.1", 0)
+    async with connect(port) as (r, w), connect(port) as (r_idle, w_idle):
+        w_idle.write(GET)
+        assert (await read_response(r_idle)).status == 200
+        w.write(b"GET /slow?0.3 HTTP/1.1\r\n\r\n")
+        for _ in range(100):
+            if app.seen[-1:] == [b"/slow?0.3"]:
+                break
+            await asyncio.sleep(0.01)
+        t0 = time.monotonic()
+        closing = asyncio.create_task(server.close(timeout=3.0))
+        await asyncio.sleep(0.05)
+        # no new connections
+        with pytest.raises(OSError):
+            async with connect(port) as (r_new, w_new):
+                w_new.write(GET)
+                await read_response(r_new)
+        # the idle one is closed at once
+        await assert_closed(r_idle, within=1.0)
+        # the in-flight one completes, told the connection closes
+        resp = await read_response(r)
+        assert resp.body == b"slow done"
+        assert resp.headers.get(b"connection") == b"close"
+        await assert_closed(r)
+        await asyncio.wait_for(closing, WAIT)
+        assert time.monotonic() - t0 < 1.5
+        assert not server.connections
+
+
+async def test_graceful_shutdown_cuts_a_hung_handler() -> None:
+    app = App()
+    server = HTTPServer(app, ServerLimits(), name="test")
+    _, port = await server.listen("127.0.0.1", 0)
+    async with connect(port) as (r, w):
+        w.write(b"GET /hang HTTP/1.1\r\n\r\n")
+        for _ in range(100):
+            if app.seen:
+                break
+            await asyncio.sleep(0.01)
+        t0 = time.monotonic()
+        await asyncio.wait_for(server.close(timeout=0.3), WAIT)
+        assert 0.25 <= time.monotonic() - t0 < 1.5
+        await assert_closed(r)
+        for _ in range(50):
+            if "cancelled" in app.events:
+                break
+            await asyncio.sleep(0.02)
+        assert "cancelled" in app.events and "disconnect" in app.events
+
+
+async def test_listen_on_a_busy_port() -> None:
+    async with serve() as (_, port, _):
+        other = HTTPServer(App(), name="other")
+        with pytest.raises(OSError, match="already in use"):
+            await other.listen("127.0.0.1", port)
+
+
+async def test_runs_on_the_chosen_loop(loop_kind: str) -> None:
+    assert isinstance(asyncio.get_running_loop(), uvloop.Loop) == (loop_kind == "uvloop")
+
+
+# -- both loops -----------------------------------------------------------------------
+
+LOOPS = {"asyncio": asyncio.new_event_loop, "uvloop": uvloop.new_event_loop}
+
+
+def on_both_loops(fn: Callable[..., Coroutine[Any, Any, None]]) -> Callable[..., None]:
+    """Run the async test ``fn`` once on asyncio's loop and once on uvloop's.
+
+    The gateway serves on uvloop; tools and tests often run on asyncio. NOTE:
+    pytest-asyncio chooses loops only through a conftest hook, so each test here
+    runs its own ``asyncio.Runner``; ``fn``'s parameters and marks carry over.
+    """
+    sig = inspect.signature(fn)
+    wants_kind = "loop_kind" in sig.parameters
+
+    def test(loop_kind: str, **kwargs: Any) -> None:
+        if wants_kind:
+            kwargs["loop_kind"] = loop_kind
+        with asyncio.Runner(loop_factory=LOOPS[loop_kind]) as runner:
+            runner.run(asyncio.wait_for(fn(**kwargs), 60))
+
+    params = [p for p in sig.parameters.values() if p.name != "loop_kind"]
+    test.__signature__ = sig.replace(  # type: ignore[attr-defined]
+        parameters=[inspect.Parameter("loop_kind", inspect.Parameter.POSITIONAL_OR_KEYWORD), *params]
+    )
+    test.__name__ = fn.__name__
+    test.__qualname__ = fn.__qualname__
+    test.__doc__ = fn.__doc__
+    test.pytestmark = [*getattr(fn, "pytestmark", []), pytest.mark.parametrize("loop_kind", list(LOOPS))]  # type: ignore[attr-defined]
+    return test
+
+
+for _name, _fn in list(globals().items()):
+    if _name.startswith("test_") and inspect.iscoroutinefunction(_fn):
+        globals()[_name] = on_both_loops(_fn)
