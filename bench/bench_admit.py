@@ -8,6 +8,7 @@ Each benchmark runs ``N`` push+pop (or push+remove) pairs per round; the
 
 from __future__ import annotations
 
+import importlib
 from collections import deque
 from types import ModuleType
 from typing import Any
@@ -16,14 +17,19 @@ import pytest
 
 from llmgw._fast import admit_py
 
+admit_c: ModuleType | None
 try:
-    from llmgw._fast import admit as admit_c
+    admit_c = importlib.import_module("llmgw._fast.admit")
 except ImportError:  # pragma: no cover - pure build
     admit_c = None
 
 N = 100
 IMPLS = [
-    pytest.param(admit_c, id="c", marks=[pytest.mark.c_extension, pytest.mark.skipif(admit_c is None, reason="not built")]),
+    pytest.param(
+        admit_c,
+        id="c",
+        marks=[pytest.mark.c_extension, pytest.mark.skipif(admit_c is None, reason="not built")],
+    ),
     pytest.param(admit_py, id="py"),
 ]
 

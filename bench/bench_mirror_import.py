@@ -14,7 +14,8 @@ into a directory on the same file system, median of N runs each way:
   fsync, atomic rename, catalogue row.
 
 The source is read once before timing, so every row reads it from the page cache;
-``sync`` runs (untimed) before each run so one run's writeback does not slow the next.
+``sync`` runs (untimed) before each run so one run's writeback does not slow the next,
+and the rows take turns, so load from other processes weighs on all of them alike.
 This is a script, not a pytest benchmark: ``python bench/bench_mirror_import.py [--size-mib N] [--runs N]``.
 """
 
@@ -46,15 +47,21 @@ def _sync() -> None:
     subprocess.run(["sync"], check=True)
 
 
-def _timed(runs: int, prepare: Callable[[int], None], run: Callable[[int], None]) -> list[float]:
-    times = []
+Row = tuple[str, Callable[[int], None], Callable[[int], None]]
+
+
+def _timed(runs: int, rows: list[Row]) -> list[tuple[str, list[float]]]:
+    # Round-robin (run 1 of every row, then run 2, ...): load from other
+    # processes then weighs on every row alike instead of on whichever ran during it.
+    times: dict[str, list[float]] = {name: [] for name, _, _ in rows}
     for i in range(runs):
-        prepare(i)
-        _sync()
-        t0 = time.perf_counter()
-        run(i)
-        times.append(time.perf_counter() - t0)
-    return times
+        for name, prepare, run in rows:
+            prepare(i)
+            _sync()
+            t0 = time.perf_counter()
+            run(i)
+            times[name].append(time.perf_counter() - t0)
+    return [(name, times[name]) for name, _, _ in rows]
 
 
 def main() -> int:
@@ -99,12 +106,16 @@ def main() -> int:
                 check=True,
             )  # fmt: skip
 
-        rows: list[tuple[str, list[float]]] = []
-        rows.append(("cp", _timed(args.runs, rm_dst, sh("cp", str(src), str(dst)))))
-        rows.append(("cp + sync", _timed(args.runs, rm_dst, cp_then("sync", str(dst)))))
-        rows.append(("sha256sum", _timed(args.runs, rm_dst, sh("sha256sum", str(src)))))
-        rows.append(("cp + sha256sum", _timed(args.runs, rm_dst, cp_then("sha256sum", str(dst)))))
-        rows.append(("llmgw import", _timed(args.runs, rm_root, llmgw)))
+        rows = _timed(
+            args.runs,
+            [
+                ("cp", rm_dst, sh("cp", str(src), str(dst))),
+                ("cp + sync", rm_dst, cp_then("sync", str(dst))),
+                ("sha256sum", rm_dst, sh("sha256sum", str(src))),
+                ("cp + sha256sum", rm_dst, cp_then("sha256sum", str(dst))),
+                ("llmgw import", rm_root, llmgw),
+            ],
+        )
         for i in range(args.runs):
             rm_root(i)
         dst.unlink(missing_ok=True)

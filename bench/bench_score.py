@@ -8,6 +8,7 @@ decision over 64 replicas well under 5 µs compiled.
 
 from __future__ import annotations
 
+import importlib
 import random
 from types import ModuleType
 from typing import Any
@@ -16,14 +17,19 @@ import pytest
 
 from llmgw._fast import score_py
 
+score_c: ModuleType | None
 try:
-    from llmgw._fast import score as score_c
+    score_c = importlib.import_module("llmgw._fast.score")
 except ImportError:  # pragma: no cover - pure build
     score_c = None
 
 N = 100
 IMPLS = [
-    pytest.param(score_c, id="c", marks=[pytest.mark.c_extension, pytest.mark.skipif(score_c is None, reason="not built")]),
+    pytest.param(
+        score_c,
+        id="c",
+        marks=[pytest.mark.c_extension, pytest.mark.skipif(score_c is None, reason="not built")],
+    ),
     pytest.param(score_py, id="py"),
 ]
 

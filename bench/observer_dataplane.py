@@ -81,7 +81,7 @@ def main() -> None:
                                d / f"{name}.out")
         dp.wait_port(port, procs[name], f"llmgw ({name})")
     scripts = ["post.lua"] + ([] if args.no_stream else ["stream.lua"])
-    for name, (port, _) in gws.items():  # warm-up
+    for port, _ in gws.values():  # warm-up
         for s in scripts:
             dp.wrk(args.load_core, f"http://127.0.0.1:{port}", s, args.connections, 2)
     res: dict[tuple[str, str], list[float]] = {}

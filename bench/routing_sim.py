@@ -176,6 +176,8 @@ class Sim:
             elif kind == EV_DONE:
                 self.finish(now, payload)
             elif kind == EV_SNAP:
+                for st in self.states[payload]:
+                    st.on_scrape_sent()
                 snap = self.snapshot()
                 self.at(now + self.rng.uniform(0.010, 0.030), EV_DELIVER, (payload, snap))
                 self.at(now + self.scrape_interval, EV_SNAP, payload)
@@ -279,7 +281,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--impl", choices=("auto", "c", "py"), default="auto")
     ap.add_argument("--fleet", choices=sorted(FLEETS), default="mixed")
     ap.add_argument(
-        "--oracle", action="store_true", help="add `score*`: score fed exact numbers before every pick (the staleness cost)"
+        "--oracle",
+        action="store_true",
+        help="add `score*`: score fed exact numbers before every pick (the staleness cost)",
     )
     ap.add_argument("--scrape-interval", type=float, default=0.1)
     ap.add_argument("--stale-after", type=float, default=1.0)
@@ -299,7 +303,9 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     for strategy, oracle in runs:
         for routers in router_counts:
-            sim = Sim(mod, strategy, routers, base, args.seed, args.scrape_interval, args.stale_after, fleet, oracle)
+            sim = Sim(
+                mod, strategy, routers, base, args.seed, args.scrape_interval, args.stale_after, fleet, oracle
+            )
             sim.run()
             name = strategy + ("*" if oracle else "")
             results.append({"strategy": name, "routers": routers, **summarize(sim, args.warmup, args.slo)})
@@ -335,7 +341,9 @@ def main(argv: list[str] | None = None) -> int:
         )
     print(f"goodput: requests/s with TTFT <= {args.slo:g} s; 'to slow': share sent to the 4x slower replica")
     if args.oracle:
-        print("score*: score with an exact scrape before every pick (no staleness, sees every router's requests)")
+        print(
+            "score*: score with an exact scrape before every pick (no staleness, sees every router's requests)"
+        )
     return 0
 
 

@@ -45,3 +45,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if drop:
         config.hook.pytest_deselected(items=drop)
         items[:] = keep
+
+
+def pytest_asyncio_loop_factories(config: pytest.Config, item: pytest.Item) -> dict[str, object]:
+    """Run async tests on uvloop: the loop llmgw runs on in production."""
+    import uvloop
+
+    return {"uvloop": uvloop.new_event_loop}

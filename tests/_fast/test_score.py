@@ -8,6 +8,7 @@ breaker states.
 
 from __future__ import annotations
 
+import importlib
 import math
 from collections import Counter
 from types import ModuleType
@@ -19,15 +20,18 @@ from hypothesis import strategies as st
 
 from llmgw._fast import score_py
 
+score_c: ModuleType | None
 try:
-    from llmgw._fast import score as score_c
+    score_c = importlib.import_module("llmgw._fast.score")
 except ImportError:  # pragma: no cover - pure build
     score_c = None
 
 STALE = 3.0
 
 
-def fresh(mod: ModuleType, n: int, *, waiting: float = 0, running: float = 0, kv: float | None = None) -> list[Any]:
+def fresh(
+    mod: ModuleType, n: int, *, waiting: float = 0, running: float = 0, kv: float | None = None
+) -> list[Any]:
     """``n`` replicas scraped at t=0 with the same numbers."""
     states = []
     for i in range(n):
@@ -84,6 +88,21 @@ def test_on_scrape_stores_numbers_none_is_nan_and_resets_counters(score: ModuleT
     assert math.isnan(s.waiting)
     assert s.kv_cache_usage == 0.5
     assert s.max_running == 5.0  # the most ever seen
+
+
+def test_on_scrape_sent_keeps_what_happens_while_the_scrape_is_in_flight(score: ModuleType) -> None:
+    s = score.EndpointState()
+    s.on_scrape(0.0, 0, 2, None)
+    s.on_dispatch(0.01)
+    s.on_dispatch(0.02)  # before the scrape was sent: the page counts them
+    s.on_scrape_sent()
+    s.on_dispatch(0.03)  # while it is in flight: the page may not
+    s.on_complete(0.04)
+    s.on_scrape(0.05, 1, 4, None)
+    assert (s.dispatched_since_scrape, s.completed_since_scrape) == (1, 1)
+    s.on_dispatch(0.06)
+    s.on_scrape(0.1, 1, 4, None)  # no scrape sent since: restart at zero
+    assert (s.dispatched_since_scrape, s.completed_since_scrape) == (0, 0)
 
 
 def test_inflight_never_negative(score: ModuleType) -> None:
@@ -646,9 +665,13 @@ def test_same_public_names() -> None:
     assert score_c is not None
     for name in score_py.__all__:
         assert hasattr(score_c, name), name
+    for cls in ("EndpointState", "Picker", "Breaker", "RetryBudget"):
+        members = {n for n in dir(getattr(score_py, cls)) if not n.startswith("_")}
+        assert {n for n in dir(getattr(score_c, cls)) if not n.startswith("_")} == members, cls
     for name in (
         "DRAIN_TAU",
         "NEAR_TIE",
+        "PREFILL_SHARE",
         "KV_KNEE",
         "KV_WEIGHT",
         "RETRY_AFTER_MIN",
@@ -668,6 +691,7 @@ kv_value = st.one_of(st.none(), st.floats(0.0, 1.0))
 OPS = st.one_of(
     st.tuples(st.just("tick"), st.floats(0.0, 2.0)),
     st.tuples(st.just("scrape"), st.integers(0, 7), maybe_none, maybe_none, kv_value),
+    st.tuples(st.just("sent"), st.integers(0, 7)),
     st.tuples(st.just("dispatch"), st.integers(0, 7)),
     st.tuples(st.just("complete"), st.integers(0, 7)),
     st.tuples(st.just("abort"), st.integers(0, 7)),
@@ -690,11 +714,13 @@ def run_ops(mod: ModuleType, strategy: str, seed: int, n: int, ops: list[tuple[A
     trace: list[Any] = []
     for op in ops:
         kind = op[0]
-        s = states[op[1] % n] if len(op) > 1 and kind != "tick" else None
+        s: Any = states[op[1] % n] if len(op) > 1 and kind != "tick" else None
         if kind == "tick":
             now += op[1]
         elif kind == "scrape":
             s.on_scrape(now, op[2], op[3], op[4])
+        elif kind == "sent":
+            s.on_scrape_sent()
         elif kind == "dispatch":
             s.on_dispatch(now)
         elif kind == "complete":
@@ -750,7 +776,10 @@ def assert_same_trace(a: list[Any], b: list[Any]) -> None:
     st.integers(1, 8),
     st.lists(OPS, max_size=80),
 )
-def test_differential_operation_sequences(strategy: str, seed: int, n: int, ops: list[tuple[Any, ...]]) -> None:
+def test_differential_operation_sequences(
+    strategy: str, seed: int, n: int, ops: list[tuple[Any, ...]]
+) -> None:
+    assert score_c is not None
     assert_same_trace(run_ops(score_c, strategy, seed, n, ops), run_ops(score_py, strategy, seed, n, ops))
 
 
@@ -763,7 +792,9 @@ def test_differential_score_on_busy_fleets(seed: int, data: st.DataObject) -> No
     n = data.draw(st.integers(1, 64))
     rows = data.draw(
         st.lists(
-            st.tuples(st.integers(0, 20), st.integers(0, 16), kv_value, st.floats(0.1, 30.0), st.integers(0, 5)),
+            st.tuples(
+                st.integers(0, 20), st.integers(0, 16), kv_value, st.floats(0.1, 30.0), st.integers(0, 5)
+            ),
             min_size=n,
             max_size=n,
         )
@@ -786,6 +817,7 @@ def test_differential_score_on_busy_fleets(seed: int, data: st.DataObject) -> No
             states[i].on_dispatch(0.5)
         return out
 
+    assert score_c is not None
     assert run(score_c) == run(score_py)
 
 

@@ -130,7 +130,7 @@ async def test_stream_ends_with_done_on_the_wire(fleet: Fleet) -> None:
 async def test_burst_spreads_over_both_replicas(fleet: Fleet, replicas: list[LlamaServer]) -> None:
     """16 concurrent long streams: 8 per replica, and each engine really queues (2 slots each)."""
     client = fleet.client()
-    n, tokens = 16, 400
+    n, tokens = 16, 600
     seen: dict[str, dict[str, float]] = {s.url: {"processing": 0.0, "deferred": 0.0} for s in replicas}
     inflight: dict[str, int] = dict.fromkeys(REPLICA_IDS, 0)
     admin_inflight: dict[str, float] = {}
@@ -139,8 +139,8 @@ async def test_burst_spreads_over_both_replicas(fleet: Fleet, replicas: list[Lla
 
     async def watch_engines() -> None:
         while not stop.is_set():
-            for s in replicas:
-                m = await s.metrics_async()
+            pages = await asyncio.gather(*(s.metrics_async() for s in replicas))
+            for s, m in zip(replicas, pages):
                 for k in ("processing", "deferred"):
                     seen[s.url][k] = max(seen[s.url][k], m.get(f"llamacpp:requests_{k}", 0.0))
             for rep, v in prom_samples(await fleet.admin_metrics(), "llmgw_endpoint_inflight").items():
@@ -178,7 +178,7 @@ async def test_burst_spreads_over_both_replicas(fleet: Fleet, replicas: list[Lla
     # Each engine ran its 2 slots and queued the rest: the queue is real, not the router's.
     for s in replicas:
         assert seen[s.url]["processing"] == PARALLEL, seen
-        assert seen[s.url]["deferred"] >= 2, seen
+        assert seen[s.url]["deferred"] >= 1, seen
     # The router's own view: more in flight to each replica than it has slots, and
     # the admin page exports it.
     assert min(inflight.values()) > PARALLEL, inflight
@@ -289,17 +289,21 @@ async def test_replica_killed_mid_stream_openai_client(make_replica: Any) -> Non
     """The official client sees the cut as an error, never as a normal end."""
     servers = [await make_replica(), await make_replica()]
     async with run_fleet(servers) as fleet:
-        client = fleet.client()
+        client = fleet.client(timeout=10.0)
         raw = await client.chat.completions.with_raw_response.create(
             model=MODEL, messages=MESSAGES, max_tokens=LONG_TOKENS, stream=True
         )
         stream = raw.parse()
         got = 0
+        t0 = time.monotonic()
         with pytest.raises(openai.APIError) as info:
             async for _chunk in stream:
                 got += 1
                 if got == 3:
                     fleet.server_of(raw.headers["x-llmgw-replica"]).kill()
+        assert not isinstance(info.value, openai.APITimeoutError), (
+            f"the client waited {time.monotonic() - t0:.1f}s after {got} chunks: the cut never reached it"
+        )
         assert "interrupted" in str(info.value.message)
 
 

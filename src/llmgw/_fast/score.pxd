@@ -1,6 +1,7 @@
 # The contract of score.pyx; the spec is its pure twin, score_py.py.
 #
-# Call order. Poller, per scrape: EndpointState.on_scrape(). Data path, per request:
+# Call order. Poller, per scrape: EndpointState.on_scrape_sent() (optional) when the
+# request goes out, on_scrape() when the page has been read. Data path, per request:
 # Picker.pick() (which calls Breaker.allow() on the chosen replica only), then
 # EndpointState.on_dispatch(); when the request ends on_complete() or on_abort(), and
 # Breaker.record_success()/record_failure() for outcomes that count. Admission reads
@@ -60,6 +61,9 @@ cdef class EndpointState:
     cdef double _area                     # EWMA sums, time constant DRAIN_TAU:
     cdef double _done                     #   in-flight x time, completions,
     cdef double _window                   #   observed time
+    cdef bint _marked                     # on_scrape_sent() was called since the last scrape
+    cdef Py_ssize_t _mark_dispatched      # ... and the since-scrape counters then
+    cdef Py_ssize_t _mark_completed
 
     cdef void _advance(self, double now) noexcept
     cdef bint _usable(self, double now) noexcept

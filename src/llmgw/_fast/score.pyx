@@ -199,6 +199,9 @@ cdef class EndpointState:
         self._area = 0.0
         self._done = 0.0
         self._window = 0.0
+        self._marked = False
+        self._mark_dispatched = 0
+        self._mark_completed = 0
 
     @property
     def breaker(self):
@@ -213,14 +216,25 @@ cdef class EndpointState:
 
     # -- events ---------------------------------------------------------------
 
+    def on_scrape_sent(self):
+        """A scrape request was sent (optional): the next :meth:`on_scrape` keeps what happens after this."""
+        self._mark_dispatched = self.dispatched_since_scrape
+        self._mark_completed = self.completed_since_scrape
+        self._marked = True
+
     def on_scrape(self, double now, waiting, running, kv):
         """A scrape landed: store its numbers (``None``: absent) and reset the since-scrape counters."""
         self.waiting = _nan_if_none(waiting)
         self.running = _nan_if_none(running)
         self.kv_cache_usage = _nan_if_none(kv)
         self.scraped_at = now
-        self.dispatched_since_scrape = 0
-        self.completed_since_scrape = 0
+        if self._marked:
+            self.dispatched_since_scrape -= self._mark_dispatched
+            self.completed_since_scrape -= self._mark_completed
+            self._marked = False
+        else:
+            self.dispatched_since_scrape = 0
+            self.completed_since_scrape = 0
         if self.running > self.max_running:
             self.max_running = self.running
         if self.waiting > 0.0:

@@ -10,8 +10,9 @@ Per replica: :class:`EndpointState`
 What routing reads about one replica. Engine numbers come from scrapes
 (``waiting``, ``running``, ``kv_cache_usage``; NaN when the engine does not report
 them: absent, never 0). Between scrapes the router corrects them with what it saw
-itself: ``dispatched_since_scrape`` and ``completed_since_scrape`` (both reset by
-:meth:`EndpointState.on_scrape`). From its own requests the router also measures
+itself: ``dispatched_since_scrape`` and ``completed_since_scrape`` (reset by
+:meth:`EndpointState.on_scrape`, or kept from :meth:`EndpointState.on_scrape_sent`
+on when the poller says when it sent the scrape). From its own requests the router also measures
 
 * ``drain_rate``: completions per second, an exponentially weighted rate with time
   constant ``DRAIN_TAU`` over the router's own completions (NaN until the first);
@@ -311,7 +312,9 @@ class EndpointState:
     The data path calls :meth:`on_dispatch` when it sends a request here and
     :meth:`on_complete` (response received in full, any status the engine produced)
     or :meth:`on_abort` (no usable outcome: connect error, reset, timeout, engine
-    5xx, client gone) when it leaves. The poller calls :meth:`on_scrape`.
+    5xx, client gone) when it leaves. The poller calls :meth:`on_scrape_sent` when
+    it sends a scrape (optional, but it keeps the correction exact) and
+    :meth:`on_scrape` when one lands.
 
     Args:
         index: the replica's position in its pool.
@@ -322,6 +325,9 @@ class EndpointState:
         "_area",
         "_breaker",
         "_done",
+        "_mark_completed",
+        "_mark_dispatched",
+        "_marked",
         "_t_last",
         "_window",
         "completed_since_scrape",
@@ -362,6 +368,10 @@ class EndpointState:
         self._area = 0.0
         self._done = 0.0
         self._window = 0.0
+        # on_scrape_sent(): the since-scrape counters when the scrape was sent
+        self._marked = False
+        self._mark_dispatched = 0
+        self._mark_completed = 0
 
     @property
     def breaker(self) -> Breaker:
@@ -376,14 +386,33 @@ class EndpointState:
 
     # -- events ---------------------------------------------------------------
 
+    def on_scrape_sent(self) -> None:
+        """A scrape request was sent (optional): the next :meth:`on_scrape` keeps what happens after this.
+
+        Without it, requests dispatched while the scrape was in flight are dropped
+        from the correction when it lands, although the page may not count them.
+        """
+        self._mark_dispatched = self.dispatched_since_scrape
+        self._mark_completed = self.completed_since_scrape
+        self._marked = True
+
     def on_scrape(self, now: float, waiting: float | None, running: float | None, kv: float | None) -> None:
-        """A scrape landed: store its numbers (``None``: absent) and reset the since-scrape counters."""
+        """A scrape landed: store its numbers (``None``: absent) and reset the since-scrape counters.
+
+        After :meth:`on_scrape_sent`, the counters keep what was dispatched and
+        completed since the scrape was sent; otherwise they restart at zero.
+        """
         self.waiting = _nan_if_none(waiting)
         self.running = _nan_if_none(running)
         self.kv_cache_usage = _nan_if_none(kv)
         self.scraped_at = now
-        self.dispatched_since_scrape = 0
-        self.completed_since_scrape = 0
+        if self._marked:
+            self.dispatched_since_scrape -= self._mark_dispatched
+            self.completed_since_scrape -= self._mark_completed
+            self._marked = False
+        else:
+            self.dispatched_since_scrape = 0
+            self.completed_since_scrape = 0
         if self.running > self.max_running:
             self.max_running = self.running
         if self.waiting > 0.0:
@@ -467,10 +496,8 @@ class EndpointState:
             return _NAN
         net = float(self.dispatched_since_scrape - self.completed_since_scrape)
         r = self.running
-        if w > 0.0 or r != r:
-            q = w + net
-        else:
-            q = r + net - self.capacity()
+        # with a queue (or no running gauge) our requests queue; else they fill free slots first
+        q = w + net if w > 0.0 or r != r else r + net - self.capacity()
         return q if q > 0.0 else 0.0
 
     def saturation(self, now: float, stale_after: float, max_waiting: float, max_kv: float) -> float:
@@ -523,7 +550,9 @@ class Picker:
 
     def __init__(self, strategy: str = "score", seed: int | None = None) -> None:
         if strategy not in STRATEGIES:
-            raise ValueError(f"unknown routing strategy {strategy!r}; expected one of {', '.join(STRATEGIES)}")
+            raise ValueError(
+                f"unknown routing strategy {strategy!r}; expected one of {', '.join(STRATEGIES)}"
+            )
         self._strategy = STRATEGIES.index(strategy)
         if seed is None:
             seed = int.from_bytes(os.urandom(8), "little")

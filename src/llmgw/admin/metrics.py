@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import sys
-import time
 from bisect import bisect_left
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
@@ -555,7 +554,6 @@ class RuntimeCollector(Collector):
         self.runtime = runtime
         self.lag = lag
         self.reloads = reloads
-        self.started = time.time()
 
     def collect(self) -> Iterator[Metric]:
         build = GaugeMetricFamily(
@@ -564,9 +562,6 @@ class RuntimeCollector(Collector):
         )
         build.add_metric([__version__, sys.version.split()[0], _extensions()], 1.0)
         yield build
-        start = GaugeMetricFamily("llmgw_start_time_seconds", "When the gateway started (Unix time).")
-        start.add_metric([], self.started)
-        yield start
         conns = GaugeMetricFamily("llmgw_connections", "Open client connections, by listener.", labels=["listener"])
         rejected = CounterMetricFamily(
             "llmgw_connections_rejected_total", "Connections refused at the connection limit or during shutdown.",

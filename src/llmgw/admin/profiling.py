@@ -10,9 +10,14 @@
   next ones report the lines that hold the most memory (or what grew since the
   previous report).
 
-PERF: sampling costs the loop thread only the GIL hand-offs to the sampler
-(a stack walk of ~20 µs per sample: about 0.5% at 200 Hz). ``cProfile`` is a
+PERF: sampling costs the loop thread the GIL hand-offs to the sampler (a stack
+walk of ~20 µs per sample: about 0.5% at 200 Hz) and, while a profile runs, a
+short switch interval (see :meth:`Profiler.sample`). ``cProfile`` is a
 deterministic profiler and slows Python code several times while it runs.
+
+NOTE: only Python frames are seen. Time in C (uvloop's loop, socket calls, the
+compiled ``_fast`` modules) counts against the nearest Python frame; with uvloop,
+idle time and the loop's own work both show as its ``run`` frame.
 """
 
 from __future__ import annotations
@@ -47,7 +52,7 @@ MAX_SECONDS = 60.0
 MAX_HZ = 1000
 DEFAULT_HZ = 199  # not a divisor of common timer periods, so samples don't lock step with them
 _MAX_DEPTH = 256
-_SWITCH_INTERVAL = 0.0002  # seconds; see Profiler.sample
+_SWITCH_INTERVAL = 0.000005  # seconds; see Profiler.sample
 
 
 class ProfileBusyError(RuntimeError):
@@ -209,11 +214,12 @@ class Profiler:
                 except RuntimeError:  # the loop closed meanwhile
                     pass
 
-        # NOTE: a thread waiting for the GIL forces the holder to drop it only after
-        # the switch interval (5 ms by default): the sampler would mostly get the GIL
-        # when the loop thread blocks in epoll, and see it idle. A short interval makes
-        # the sample land within 0.2 ms of its due time; it costs nothing while no
-        # other thread waits for the GIL.
+        # NOTE: a thread waiting for the GIL makes the holder drop it only after the
+        # switch interval (5 ms by default). Until then the sampler gets the GIL
+        # when the loop thread lets go of it by itself: in epoll, or (uvloop)
+        # between two callbacks, so nearly every sample would look idle. With a
+        # 5 µs interval the loop thread drops it mid-callback, near the sample's due
+        # time. This costs nothing while no other thread waits for the GIL.
         switch = sys.getswitchinterval()
         sys.setswitchinterval(min(switch, _SWITCH_INTERVAL))
         try:
