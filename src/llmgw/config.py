@@ -27,13 +27,18 @@ from .engines import get as get_engine
 from .errors import ConfigError
 
 __all__ = [
+    "STRATEGIES",
     "AccessLogConfig",
+    "AdmissionConfig",
     "AuthConfig",
+    "BreakerConfig",
     "ClientKey",
     "Config",
     "EndpointConfig",
     "ModelConfig",
     "RetryConfig",
+    "RoutingConfig",
+    "SaturationConfig",
     "ScrapeConfig",
     "ServerConfig",
     "UpstreamConfig",
@@ -54,6 +59,7 @@ _SIZE_UNITS = {
     "b": 1, "k": 1024, "kb": 1000, "kib": 1024, "m": 1024**2, "mb": 1000**2, "mib": 1024**2,
     "g": 1024**3, "gb": 1000**3, "gib": 1024**3,
 }
+STRATEGIES = ("score", "least_inflight", "round_robin")
 _ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _MODEL = re.compile(r"^[^\s\x00-\x1f]{1,256}$")
 _ENV = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -122,6 +128,7 @@ class EndpointConfig:
     metrics_path: str = "/metrics"
     metric_names: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     draining: bool = False
+    slots: int | None = None
     # derived
     scheme: str = "http"
     host: str = "127.0.0.1"
@@ -144,6 +151,7 @@ class ModelConfig:
 
     name: str
     aliases: tuple[str, ...] = ()
+    strategy: str | None = None  # None: routing.strategy
     upstream_name: str | None = None  # rewrite `model` in the body to this before forwarding
 
 
@@ -177,6 +185,7 @@ class RetryConfig:
     """Retries before the first byte reached the client (``retries:`` section)."""
 
     attempts: int = 1
+    budget: float = 0.2
 
 
 @dataclass(frozen=True, slots=True)
@@ -190,11 +199,50 @@ class ScrapeConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class RoutingConfig:
+    """How a replica is chosen (``routing:`` section)."""
+
+    strategy: str = "score"
+
+
+@dataclass(frozen=True, slots=True)
+class SaturationConfig:
+    """When a replica counts as full (``saturation:`` section)."""
+
+    max_waiting: int = 8
+    max_kv_cache_usage: float = 0.9
+
+
+@dataclass(frozen=True, slots=True)
+class AdmissionConfig:
+    """Priority bands and their queues (``admission:`` section)."""
+
+    bands: tuple[str, ...] = ("critical", "standard", "batch")
+    default_band: str = "standard"
+    header: str = "x-llmgw-priority"
+    queue_size: int = 1000
+    queue_timeout: float = 30.0
+
+    def band_index(self, name: str) -> int:
+        return self.bands.index(name)
+
+
+@dataclass(frozen=True, slots=True)
+class BreakerConfig:
+    """Per-replica circuit breakers (``breaker:`` section)."""
+
+    failures: int = 5
+    cooldown: float = 5.0
+    max_cooldown: float = 60.0
+
+
+@dataclass(frozen=True, slots=True)
 class ClientKey:
     """A client API key, kept only as its SHA-256."""
 
     name: str
     sha256: bytes = field(repr=False)
+    band: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -227,6 +275,10 @@ class Config:
     upstream: UpstreamConfig = field(default_factory=UpstreamConfig)
     retries: RetryConfig = field(default_factory=RetryConfig)
     scrape: ScrapeConfig = field(default_factory=ScrapeConfig)
+    routing: RoutingConfig = field(default_factory=RoutingConfig)
+    saturation: SaturationConfig = field(default_factory=SaturationConfig)
+    admission: AdmissionConfig = field(default_factory=AdmissionConfig)
+    breaker: BreakerConfig = field(default_factory=BreakerConfig)
     auth: AuthConfig = field(default_factory=AuthConfig)
     access_log: AccessLogConfig = field(default_factory=AccessLogConfig)
     mirror_root: str | None = None
@@ -429,6 +481,7 @@ def _endpoint(r: _Reader, index: int, default_engine: str) -> EndpointConfig:
             names[sig] = tuple(v)
     mn.done()
     draining = r.flag("draining", False)
+    slots = r.integer("slots", 0, lo=0, hi=1_000_000) or None
     r.done()
     return EndpointConfig(
         id=ep_id,
@@ -440,6 +493,7 @@ def _endpoint(r: _Reader, index: int, default_engine: str) -> EndpointConfig:
         metrics_path=metrics_path or get_engine(engine).metrics_path,
         metric_names=names,
         draining=draining,
+        slots=slots,
         scheme=parts.scheme,
         host=parts.hostname,
         port=port,
@@ -511,8 +565,13 @@ def load(data: Any, source: str | None = None) -> Config:
                 raise sec.err("aliases", f"{a!r} is already an alias of {alias_owner[a]!r}")
             alias_owner[a] = name
         upstream_name = sec.text("upstream_name")
+        strategy = sec.text("strategy")
+        if strategy is not None and strategy not in STRATEGIES:
+            raise sec.err("strategy", f"unknown strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}")
         sec.done()
-        models[name] = ModelConfig(name=name, aliases=tuple(aliases_raw), upstream_name=upstream_name)
+        models[name] = ModelConfig(
+            name=name, aliases=tuple(aliases_raw), strategy=strategy, upstream_name=upstream_name
+        )
 
     s = r.section("server")
     server = ServerConfig(
@@ -538,8 +597,59 @@ def load(data: Any, source: str | None = None) -> Config:
     u.done()
 
     rt = r.section("retries")
-    retries = RetryConfig(attempts=rt.integer("attempts", 1, lo=0, hi=10))
+    retries = RetryConfig(
+        attempts=rt.integer("attempts", 1, lo=0, hi=10), budget=rt.number("budget", 0.2, lo=0.0, hi=1.0)
+    )
     rt.done()
+
+    ro = r.section("routing")
+    strategy = ro.text("strategy", "score")
+    assert strategy is not None
+    if strategy not in STRATEGIES:
+        raise ro.err("strategy", f"unknown strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}")
+    ro.done()
+    sa = r.section("saturation")
+    saturation = SaturationConfig(
+        max_waiting=sa.integer("max_waiting", 8, lo=1),
+        max_kv_cache_usage=sa.number("max_kv_cache_usage", 0.9, lo=0.01, hi=1.0),
+    )
+    sa.done()
+    ad = r.section("admission")
+    bands_raw = ad.raw("bands", ["critical", "standard", "batch"])
+    if (
+        not isinstance(bands_raw, list)
+        or not bands_raw
+        or not all(isinstance(b, str) and _ID.match(b) for b in bands_raw)
+        or len(set(bands_raw)) != len(bands_raw)
+    ):
+        raise ad.err("bands", "expected a list of distinct band names, highest priority first")
+    if len(bands_raw) > 16:
+        raise ad.err("bands", "at most 16 bands")
+    default_band = ad.text("default_band", "standard" if "standard" in bands_raw else bands_raw[len(bands_raw) // 2])
+    assert default_band is not None
+    if default_band not in bands_raw:
+        raise ad.err("default_band", f"{default_band!r} is not one of the bands ({', '.join(bands_raw)})")
+    header = (ad.text("header", "x-llmgw-priority") or "").lower()
+    if not _HEADER.match(header):
+        raise ad.err("header", f"not a valid header name: {header!r}")
+    admission = AdmissionConfig(
+        bands=tuple(bands_raw),
+        default_band=default_band,
+        header=header,
+        queue_size=ad.integer("queue_size", 1000, lo=0, hi=10_000_000),
+        queue_timeout=ad.duration("queue_timeout", 30.0, min_s=0.001),
+    )
+    ad.done()
+    br = r.section("breaker")
+    cooldown = br.duration("cooldown", 5.0, min_s=0.001)
+    breaker = BreakerConfig(
+        failures=br.integer("failures", 5, lo=1, hi=1000),
+        cooldown=cooldown,
+        max_cooldown=br.duration("max_cooldown", max(60.0, cooldown), min_s=0.001),
+    )
+    if breaker.max_cooldown < cooldown:
+        raise br.err("max_cooldown", "must be at least breaker.cooldown")
+    br.done()
 
     a = r.section("auth")
     keys: list[ClientKey] = []
@@ -565,8 +675,11 @@ def load(data: Any, source: str | None = None) -> Config:
             raise kr.err(given[0], "the same key is listed twice")
         seen_hash.add(digest)
         kname = kr.text("name", f"key{i}") or f"key{i}"
+        band = kr.text("band")
+        if band is not None and band not in admission.bands:
+            raise kr.err("band", f"unknown band {band!r}; admission.bands is {', '.join(admission.bands)}")
         kr.done()
-        keys.append(ClientKey(name=kname, sha256=digest))
+        keys.append(ClientKey(name=kname, sha256=digest, band=band))
     a.done()
     auth = AuthConfig(keys=tuple(keys))
 
@@ -590,6 +703,10 @@ def load(data: Any, source: str | None = None) -> Config:
         upstream=upstream,
         retries=retries,
         scrape=scrape,
+        routing=RoutingConfig(strategy=strategy),
+        saturation=saturation,
+        admission=admission,
+        breaker=breaker,
         auth=auth,
         access_log=AccessLogConfig(enabled=al),
         mirror_root=mirror_root,

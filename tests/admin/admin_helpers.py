@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -26,7 +27,11 @@ USAGE = {"prompt_tokens": 5, "completion_tokens": 7, "total_tokens": 12}
 
 
 class Engine:
-    """An OpenAI-ish engine: answers with usage, serves a vLLM metrics page (or 404 when ``page`` is None)."""
+    """An OpenAI-ish engine: answers with usage, serves a vLLM metrics page.
+
+    With ``page=None`` its metrics endpoint answers 404: routing calls such a
+    replica *blind* (fresh, but without engine gauges), not stale.
+    """
 
     def __init__(self, name: str, page: bytes | None = VLLM_PAGE) -> None:
         self.name = name
@@ -76,12 +81,25 @@ class Engine:
         w.end()
 
 
-def config_for(engines: list[Engine], **extra: Any) -> dict[str, Any]:
+def closed_port() -> int:
+    """A local port nothing listens on (connections are refused)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def gone(name: str = "gone") -> dict[str, Any]:
+    """An endpoint entry for a replica that cannot be reached: its scrapes fail, so it is stale."""
+    return {"id": name, "url": f"http://127.0.0.1:{closed_port()}", "model": "m", "engine": "vllm", "pool": "gpu"}
+
+
+def config_for(engines: list[Engine], more: list[dict[str, Any]] = (), **extra: Any) -> dict[str, Any]:  # type: ignore[assignment]
     return {
         "listen": "127.0.0.1:0",
         "admin": "127.0.0.1:0",
         "endpoints": [
-            {"id": e.name, "url": e.url, "model": "m", "engine": "vllm", "pool": "gpu"} for e in engines
+            *({"id": e.name, "url": e.url, "model": "m", "engine": "vllm", "pool": "gpu"} for e in engines),
+            *more,
         ],
         "scrape": {"interval": "100ms", "timeout": "80ms", "stale_after": "2s"},
         "upstream": {"first_byte_timeout": "2s", "read_timeout": "2s", "connect_timeout": "500ms"},
@@ -98,12 +116,17 @@ def admin_of(rt: GatewayRuntime) -> AdminApp:
 
 @contextlib.asynccontextmanager
 async def running(
-    engines: list[Engine], *, config: Config | None = None, wire: bool = True, **extra: Any
+    engines: list[Engine],
+    *,
+    config: Config | None = None,
+    wire: bool = True,
+    more: list[dict[str, Any]] | None = None,
+    **extra: Any,
 ) -> AsyncIterator[GatewayRuntime]:
     """Engines plus a gateway in front of them; ``wire``: make sure the data path reports to the admin observer."""
     for e in engines:
         await e.start()
-    rt = GatewayRuntime(config if config is not None else load(config_for(engines, **extra)))
+    rt = GatewayRuntime(config if config is not None else load(config_for(engines, more or [], **extra)))
     await rt.start()
     try:
         admin = admin_of(rt)

@@ -11,7 +11,7 @@ from typing import Any
 import orjson
 import pytest
 import yaml
-from admin_helpers import Engine, admin_of, admin_port, chat, client_port, config_for, http, running, wait_for
+from admin_helpers import Engine, admin_of, admin_port, chat, client_port, config_for, gone, http, running, wait_for
 
 from llmgw.admin.manage import install_sighup
 from llmgw.config import load_file
@@ -49,22 +49,31 @@ async def test_health_and_ready_names_unavailable_models() -> None:
 
 async def test_list_and_get_endpoints() -> None:
     a, dark = Engine("a"), Engine("dark", page=None)
-    async with running([a, dark]) as rt:
+    async with running([a, dark], more=[gone()]) as rt:
         assert rt.registry is not None
-        await wait_for(lambda: rt.registry.endpoints["a"].scrape_ok > 0)
+        eps_ = rt.registry.endpoints
+        await wait_for(lambda: eps_["a"].scrape_ok > 0 and eps_["dark"].scrape_failures > 0
+                       and eps_["gone"].scrape_failures > 0)
+        assert await chat(client_port(rt)) in (200, 502)
         status, body = await api(rt, "GET", "/admin/v1/endpoints")
         assert status == 200
         eps = {e["id"]: e for e in body["endpoints"]}
-        assert set(eps) == {"a", "dark"}
+        assert set(eps) == {"a", "dark", "gone"}
         ea = eps["a"]
         assert ea["state"] == "ok" and ea["models"] == ["m"] and ea["engine"] == "vllm" and ea["pool"] == "gpu"
         assert (ea["waiting"], ea["running"], ea["kv_cache_usage"]) == (2.0, 3.0, 0.25)
         assert ea["inflight"] == 0 and ea["stale"] is False and ea["scrape"]["ok"] >= 1
-        # absent, never 0
+        assert ea["breaker"] == "closed" and ea["usable"] is True
+        assert set(ea["score_inputs"]) >= {"latency_s", "capacity", "load", "slots"}
+        # blind (answers, but no metrics page): fresh, engine numbers absent, never 0
         ed = eps["dark"]
-        assert ed["state"] == "stale" and ed["waiting"] is None and ed["kv_cache_usage"] is None
+        assert ed["state"] == "ok" and ed["stale"] is False
+        assert ed["waiting"] is None and ed["running"] is None and ed["kv_cache_usage"] is None
         assert ed["scrape"]["problem"] and "404" in ed["scrape"]["problem"]
-        assert ed["drain_rate"] is None and ed["breaker"] is None
+        # unreachable: stale
+        eg = eps["gone"]
+        assert eg["state"] == "stale" and eg["stale"] is True and eg["waiting"] is None
+        assert eg["last_scrape_age_s"] is None and eg["scrape"]["ok"] == 0
         status, one = await api(rt, "GET", "/admin/v1/endpoints/a")
         assert status == 200 and one["id"] == "a"
         status, body = await api(rt, "GET", "/admin/v1/endpoints/nope")
@@ -144,19 +153,23 @@ async def test_add_remove_drain_endpoints() -> None:
 async def test_queues_view() -> None:
     a = Engine("a")
     async with running([a]) as rt:
+        assert rt.registry is not None
+        await wait_for(lambda: rt.registry.endpoints["a"].scrape_ok > 0)
+        assert await chat(client_port(rt)) == 200
         status, body = await api(rt, "GET", "/admin/v1/queues")
-        assert status == 200
-        assert body == {"admission": False, "bands": [], "pool_saturation": {}}
+        assert status == 200 and body["admission"] is True
+        bands = {b["band"]: b for b in body["bands"]}
+        assert list(bands) == list(rt.config.admission.bands)  # type: ignore[attr-defined]
+        assert all(b["depth"] == 0 for b in bands.values())
+        assert sum(b["decisions"].get("admitted", 0) for b in bands.values()) == 1
+        assert set(body["pool_saturation"]) == {"m"}
 
+        # another admission controller, read defensively: a mapping or a method, NaN/None left out
         class Admission:
-            def queue_depths(self) -> dict[str, int]:
-                return {"interactive": 0, "batch": 4}
+            def queue_depths(self) -> dict[str, float]:
+                return {"interactive": 0, "batch": 4, "ghost": float("nan")}
 
-            def queue_info(self) -> dict[str, dict[str, Any]]:
-                return {"batch": {"limit": 100, "oldest_wait_s": 1.5}}
-
-            def pool_saturation(self) -> dict[str, float]:
-                return {"m": 1.0}
+            pool_saturation = {"m": 1.5, "n": None}
 
         rt.admission = Admission()  # type: ignore[attr-defined]
         admin_of(rt).observer.admission("batch", "queued")
@@ -164,12 +177,10 @@ async def test_queues_view() -> None:
         status, body = await api(rt, "GET", "/admin/v1/queues")
         assert status == 200 and body["admission"] is True
         bands = {b["band"]: b for b in body["bands"]}
-        assert bands["batch"] == {
-            "band": "batch", "depth": 4, "limit": 100, "oldest_wait_s": 1.5,
-            "decisions": {"queued": 1, "rejected": 1},
-        }
-        assert bands["interactive"]["depth"] == 0
-        assert body["pool_saturation"] == {"m": 1.0}
+        assert bands["batch"]["depth"] == 4
+        assert bands["batch"]["decisions"] == {"queued": 1, "rejected": 1}
+        assert bands["interactive"]["depth"] == 0 and "ghost" not in bands
+        assert body["pool_saturation"] == {"m": 1.5}
 
 
 async def test_admin_token() -> None:

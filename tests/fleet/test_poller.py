@@ -116,7 +116,7 @@ async def test_llamacpp_scrape_uses_key_and_kv_is_absent() -> None:
         await srv.server.close(1)
 
 
-async def test_goes_stale_when_scrapes_fail_and_warns_once(caplog: pytest.LogCaptureFixture) -> None:
+async def test_a_404_warns_once_and_leaves_the_replica_blind(caplog: pytest.LogCaptureFixture) -> None:
     srv = MetricsServer()
     reg, poller = await _setup(srv, engine="vllm")
     ep = reg.endpoints["r0"]
@@ -126,13 +126,14 @@ async def test_goes_stale_when_scrapes_fail_and_warns_once(caplog: pytest.LogCap
         srv.status = 404
         hits = srv.hits
         await _until(lambda: srv.hits >= hits + 5)
-        await _until(lambda: ep.stale)
-        assert ep.fresh() == (None, None, None)  # stale numbers are never used as fresh
+        # up but telling nothing: fresh and blind, never 0s and never "full"
+        assert not ep.stale
+        assert ep.fresh() == (None, None, None)
         warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
         assert len(warnings) == 1, [r.getMessage() for r in warnings]
         assert "r0" in warnings[0].getMessage() and "HTTP 404" in warnings[0].getMessage()
         srv.status = 200
-        await _until(lambda: not ep.stale)
+        await _until(lambda: ep.fresh() == (2.0, 4.0, 0.25))
         infos = [r for r in caplog.records if r.levelno == logging.INFO and "readable again" in r.getMessage()]
         assert len(infos) == 1
     finally:
@@ -140,6 +141,25 @@ async def test_goes_stale_when_scrapes_fail_and_warns_once(caplog: pytest.LogCap
         reg.close()
         assert srv.server is not None
         await srv.server.close(1)
+
+
+async def test_goes_stale_when_the_replica_is_unreachable(caplog: pytest.LogCaptureFixture) -> None:
+    srv = MetricsServer()
+    reg, poller = await _setup(srv, engine="vllm")
+    ep = reg.endpoints["r0"]
+    caplog.set_level(logging.DEBUG, logger="llmgw.scrape")
+    try:
+        await _until(lambda: ep.last_scrape is not None)
+        assert srv.server is not None
+        await srv.server.close(1)
+        await _until(lambda: ep.stale)
+        assert ep.fresh() == (None, None, None)  # stale numbers are never used as fresh
+        assert ep.scrape_failures > 0
+        # an ordinary outage stays at debug
+        assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    finally:
+        await poller.close()
+        reg.close()
 
 
 async def test_missing_metrics_are_named_once(caplog: pytest.LogCaptureFixture) -> None:

@@ -20,6 +20,7 @@ Routes::
 from __future__ import annotations
 
 import asyncio
+import math
 import signal
 import time
 from collections.abc import Callable
@@ -33,7 +34,7 @@ from ..errors import BadRequestError, ConfigError, HTTPError, NotFoundError
 from ..http.parser import Request
 from ..http.server import ResponseWriter
 from ..log import admin_logger as log
-from .metrics import admission_of, breaker_state, read_mapping
+from .metrics import admission_of, breaker_state, pool_saturations, read_mapping
 
 if TYPE_CHECKING:
     from ..fleet.registry import Endpoint
@@ -84,12 +85,44 @@ def endpoint_state(ep: Any) -> str:
 
 
 def _num(v: Any) -> float | None:
+    """A finite float, else ``None`` (absent: None, NaN, a missing attribute)."""
     if v is None or isinstance(v, bool):
         return None
     try:
-        return float(v)
+        x = float(v)
     except (TypeError, ValueError):
         return None
+    return x if math.isfinite(x) else None
+
+
+def _call(obj: Any, name: str) -> Any:
+    fn = getattr(obj, name, None)
+    if not callable(fn):
+        return None
+    try:
+        return fn()
+    except Exception:
+        log.exception("reading %s.%s() for the admin API failed; leaving it out", type(obj).__name__, name)
+        return None
+
+
+def score_inputs(ep: Any) -> dict[str, Any]:
+    """What routing scores the replica on beyond the engine gauges (docs/routing.md §1, §2).
+
+    Read defensively from ``ep.state`` (the routing layer's ``EndpointState``):
+    fields it does not have are ``null``.
+    """
+    st = getattr(ep, "state", None)
+    return {
+        "latency_s": _num(getattr(ep, "latency", None)),
+        "capacity": _num(_call(st, "capacity")),
+        "slots": _num(getattr(st, "slots", None)),
+        "max_running": _num(getattr(st, "max_running", None)),
+        "seen_full": getattr(st, "seen_full", None),
+        "load": _num(_call(st, "load")),
+        "dispatched_since_scrape": getattr(st, "dispatched_since_scrape", None),
+        "completed_since_scrape": getattr(st, "completed_since_scrape", None),
+    }
 
 
 def endpoint_view(ep: Endpoint, now: float | None = None) -> dict[str, Any]:
@@ -119,7 +152,8 @@ def endpoint_view(ep: Endpoint, now: float | None = None) -> dict[str, Any]:
         "kv_cache_usage": kv,
         "drain_rate": _num(getattr(ep, "drain_rate", None)),
         "breaker": breaker_state(ep),
-        "score": _num(getattr(ep, "score", None)),
+        "usable": getattr(ep, "usable", None),
+        "score_inputs": score_inputs(ep),
         "stale": ep.stale,
         "scraped": ep.engine.scraped,
         "last_scrape_age_s": round(now - last, 3) if last is not None else None,
@@ -259,28 +293,42 @@ class ManagementAPI:
     # -- queues --
 
     def queues(self) -> dict[str, Any]:
+        """Admission queues: depth per band (and per model), decisions so far, pool saturation."""
         adm = admission_of(self.runtime)
         depths = read_mapping(adm, "queue_depths")
-        extra = getattr(adm, "queue_info", None) if adm is not None else None
-        info: dict[str, Any] = {}
-        if extra is not None:
-            try:
-                got = extra() if callable(extra) else extra
-                info = {str(k): dict(v) for k, v in (got or {}).items()}
-            except Exception:
-                log.exception("reading the admission queue_info failed; leaving it out")
+        per_model = self._model_depths()
         counts = self.admin.observer.admission_counts()
         bands: list[dict[str, Any]] = []
-        for band in dict.fromkeys([*(depths or {}), *info, *counts]):
+        for band in dict.fromkeys([*(depths or {}), *counts]):
             row: dict[str, Any] = {"band": band, "depth": int((depths or {}).get(band, 0))}
-            row.update(info.get(band, {}))
+            if band in per_model:
+                row["models"] = per_model[band]
             row["decisions"] = counts.get(band, {})
             bands.append(row)
         return {
-            "admission": adm is not None,
+            "admission": depths is not None,
             "bands": bands,
-            "pool_saturation": read_mapping(adm, "pool_saturation") or {},
+            "pool_saturation": pool_saturations(self.runtime),
         }
+
+    def _model_depths(self) -> dict[str, dict[str, int]]:
+        """Band -> model -> queued, from ``registry.pools[model].queue.depth(i)`` (empty if not there)."""
+        reg = getattr(self.runtime, "registry", None)
+        pools = getattr(reg, "pools", None)
+        bands = getattr(getattr(getattr(reg, "config", None), "admission", None), "bands", None)
+        out: dict[str, dict[str, int]] = {}
+        if not pools or not bands:
+            return out
+        try:
+            for model, pool in pools.items():
+                for i, band in enumerate(bands):
+                    n = int(pool.queue.depth(i))
+                    if n:
+                        out.setdefault(band, {})[model] = n
+        except Exception:
+            log.exception("reading the admission queues per model failed; leaving them out")
+            return {}
+        return out
 
 
 def install_sighup(runtime: GatewayRuntime, admin: AdminApp | None = None) -> Callable[[], None]:

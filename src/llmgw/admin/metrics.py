@@ -21,6 +21,7 @@ locks are taken. ``docs/metrics.md`` lists every family.
 from __future__ import annotations
 
 import asyncio
+import math
 import sys
 from bisect import bisect_left
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -51,6 +52,7 @@ __all__ = [
     "RuntimeCollector",
     "admission_of",
     "breaker_state",
+    "pool_saturations",
     "read_mapping",
     "status_class",
 ]
@@ -343,21 +345,42 @@ def _counter(name: str, doc: str, labels: list[str], values: Mapping[Any, int]) 
 
 
 def admission_of(runtime: Any) -> Any:
-    """The admission controller (``runtime.admission`` or ``runtime.gateway.admission``), or ``None``."""
+    """What reports admission state: ``runtime.admission`` if set, else the registry.
+
+    The registry answers ``queue_depths()`` (band -> requests queued, over all
+    models) and ``pool_saturation(model)``; ``None`` when neither exists.
+    """
     adm = getattr(runtime, "admission", None)
     if adm is None:
-        adm = getattr(getattr(runtime, "gateway", None), "admission", None)
+        adm = getattr(runtime, "registry", None)
     return adm
 
 
 _warned: set[str] = set()
 
 
+def _broken(obj: Any, name: str) -> None:
+    # The routing layer owns these numbers; a bug there must not take /metrics
+    # down, so it is logged once and the signal is treated as absent.
+    if name not in _warned:
+        _warned.add(name)
+        log.exception("reading %s.%s for the admin API failed; treating it as absent", type(obj).__name__, name)
+
+
+def _finite(v: Any) -> float | None:
+    if v is None or isinstance(v, bool):
+        return None
+    try:
+        x = float(v)
+    except (TypeError, ValueError):
+        return None
+    return x if math.isfinite(x) else None
+
+
 def read_mapping(obj: Any, name: str) -> dict[str, float] | None:
     """``obj.<name>`` (called if callable) as ``{str: number}``; ``None`` if absent or broken.
 
-    The routing layer owns these numbers; a bug there must not take ``/metrics``
-    down, so an exception is logged once and the signal is treated as absent.
+    Entries that are ``None`` or NaN (absent) are left out.
     """
     if obj is None:
         return None
@@ -368,12 +391,40 @@ def read_mapping(obj: Any, name: str) -> dict[str, float] | None:
         value = attr() if callable(attr) else attr
         if value is None:
             return None
-        return {str(k): float(v) for k, v in value.items() if v is not None}
+        out = {}
+        for k, v in value.items():
+            x = _finite(v)
+            if x is not None:
+                out[str(k)] = x
+        return out
     except Exception:
-        if name not in _warned:
-            _warned.add(name)
-            log.exception("reading %s.%s for the admin API failed; treating it as absent", type(obj).__name__, name)
+        _broken(obj, name)
         return None
+
+
+def pool_saturations(runtime: Any) -> dict[str, float]:
+    """Model -> pool saturation now, for the models that have an estimate.
+
+    Reads ``registry.pool_saturation(model)`` for each of ``registry.models()``,
+    or a ``pool_saturation`` mapping on ``runtime.admission``.
+    """
+    adm = getattr(runtime, "admission", None)
+    if adm is not None:
+        return read_mapping(adm, "pool_saturation") or {}
+    reg: Any = getattr(runtime, "registry", None)
+    fn = getattr(reg, "pool_saturation", None)
+    if reg is None or not callable(fn):
+        return {}
+    out: dict[str, float] = {}
+    try:
+        for model in reg.models():
+            v = fn(model)
+            # +Inf is a real state (no usable replica); only None and NaN are absent.
+            if v is not None and v == v:
+                out[model] = float(v)
+    except Exception:
+        _broken(reg, "pool_saturation")
+    return out
 
 
 def breaker_state(ep: Any) -> str | None:
@@ -390,13 +441,7 @@ _BREAKER_VALUE = {"open": 1.0, "half_open": 0.5, "closed": 0.0}
 
 
 def _number(ep: Any, name: str) -> float | None:
-    v = getattr(ep, name, None)
-    if v is None or isinstance(v, bool):
-        return None
-    try:
-        return float(v)
-    except (TypeError, ValueError):
-        return None
+    return _finite(getattr(ep, name, None))
 
 
 class FleetCollector(Collector):
@@ -424,7 +469,10 @@ class FleetCollector(Collector):
         waiting = gauge("llmgw_endpoint_waiting", "Requests waiting in the replica's own queue, as last scraped.")
         running = gauge("llmgw_endpoint_running", "Requests the replica is running, as last scraped.")
         kv = gauge("llmgw_endpoint_kv_cache_usage", "KV-cache usage of the replica (0..1), as last scraped.")
-        drain = gauge("llmgw_endpoint_drain_rate", "Requests per second the replica is estimated to finish.")
+        drain = gauge("llmgw_endpoint_drain_rate", "Requests per second the replica finishes for this gateway.")
+        latency = gauge(
+            "llmgw_endpoint_latency_seconds", "Mean time a request spends on the replica (routing's speed estimate)."
+        )
         draining = gauge("llmgw_endpoint_draining", "1 while the replica takes no new requests (drained).")
         stale = gauge(
             "llmgw_endpoint_metrics_stale",
@@ -456,6 +504,9 @@ class FleetCollector(Collector):
             rate = _number(ep, "drain_rate")
             if rate is not None:
                 drain.add_metric(lv, rate)
+            lat = _number(ep, "latency")
+            if lat is not None:
+                latency.add_metric(lv, lat)
             if not ep.engine.scraped:
                 continue
             stale.add_metric(lv, 1.0 if ep.stale else 0.0)
@@ -469,7 +520,9 @@ class FleetCollector(Collector):
                 running.add_metric(lv, r)
             if k is not None:
                 kv.add_metric(lv, k)
-        yield from (info, inflight, waiting, running, kv, drain, draining, stale, breaker, failures, scrapes, scrape_time)
+        yield from (
+            info, inflight, waiting, running, kv, drain, latency, draining, stale, breaker, failures, scrapes, scrape_time
+        )
 
         adm = admission_of(self.runtime)
         depth = GaugeMetricFamily(
@@ -479,9 +532,11 @@ class FleetCollector(Collector):
             depth.add_metric([band], n)
         yield depth
         sat = GaugeMetricFamily(
-            "llmgw_pool_saturation", "How full a model's replicas are (0..1; 1: new requests queue).", labels=["model"]
+            "llmgw_pool_saturation",
+            "How full a model's replicas are: at 1 or more new requests queue; +Inf: no usable replica.",
+            labels=["model"],
         )
-        for model, x in (read_mapping(adm, "pool_saturation") or {}).items():
+        for model, x in pool_saturations(self.runtime).items():
             sat.add_metric([model], x)
         yield sat
 

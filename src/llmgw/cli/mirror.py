@@ -87,9 +87,7 @@ def _root_option(func: F) -> F:
 
 
 def _json_option(func: F) -> F:
-    return click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts instead of a table.")(
-        func
-    )
+    return click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")(func)
 
 
 def _quiet_option(func: F) -> F:
@@ -183,7 +181,7 @@ def mirror(ctx: click.Context, root: Path | None) -> None:
     ctx.find_root().meta["llmgw.mirror.root"] = root.expanduser() if root is not None else None
 
 
-@mirror.command("import")
+@mirror.command("import", short_help="Copy a GGUF file (and its projectors) into the mirror.")
 @click.argument("file", type=click.Path(path_type=Path, dir_okay=True))
 @click.option(
     "--name",
@@ -228,7 +226,7 @@ def import_cmd(
     _report_import(result, root, quiet=quiet, as_json=as_json)
 
 
-@mirror.command("import-ollama")
+@mirror.command("import-ollama", short_help="Copy a model pulled by Ollama into the mirror.")
 @click.argument("model", metavar="MODEL[:TAG]")
 @click.option(
     "--ollama-dir",
@@ -304,7 +302,7 @@ def _load_models(root: Path) -> list[Any]:
         return models
 
 
-@mirror.command("ls")
+@mirror.command("ls", short_help="List the models.")
 @_json_option
 @_root_option
 @click.pass_context
@@ -375,7 +373,7 @@ def _require_store(root: Path, ref: str) -> None:
         )
 
 
-@mirror.command("show")
+@mirror.command("show", short_help="Show a model's files, blobs and header facts.")
 @click.argument("name", metavar="NAME[:TAG]")
 @_json_option
 @_root_option
@@ -458,7 +456,7 @@ def show_cmd(ctx: click.Context, name: str, as_json: bool, sub_root: Path | None
         console.print(extra)
 
 
-@mirror.command("rm")
+@mirror.command("rm", short_help="Remove a model from the catalogue (blobs stay until gc).")
 @click.argument("name", metavar="NAME[:TAG]")
 @_json_option
 @_root_option
@@ -482,7 +480,7 @@ def rm_cmd(ctx: click.Context, name: str, as_json: bool, sub_root: Path | None) 
     click.echo(f"removed {rec.ref}; llmgw mirror gc would free {_human(unused)}")
 
 
-@mirror.command("verify")
+@mirror.command("verify", short_help="Re-hash blobs and name each corrupt one.")
 @click.argument("name", metavar="[NAME[:TAG]]", required=False)
 @_quiet_option
 @_json_option
@@ -538,7 +536,7 @@ def verify_cmd(
         ctx.exit(EXIT_ERROR)
 
 
-@mirror.command("gc")
+@mirror.command("gc", short_help="Delete unused blobs and leftovers of interrupted imports.")
 @click.option("--dry-run", is_flag=True, help="Only list what would be removed.")
 @_json_option
 @_root_option

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import random
 import time
+from collections.abc import Callable
 from typing import Any
 
 from ..config import ScrapeConfig
@@ -83,6 +84,7 @@ async def scrape_once(ep: Endpoint, timeout: float) -> tuple[int, bytes]:
         _ACCEPT,
         ep.auth_line,
     )
+    ep.state.on_scrape_sent()
     conn.send(page, head, b"")
     try:
         await asyncio.wait_for(asyncio.shield(page.done), max(0.001, deadline - loop.time()))
@@ -96,8 +98,16 @@ async def scrape_once(ep: Endpoint, timeout: float) -> tuple[int, bytes]:
 class Poller:
     """Keeps one scrape task per scraped replica of the registry."""
 
-    def __init__(self, registry: Registry, cfg: ScrapeConfig, *, model_rewrites: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        registry: Registry,
+        cfg: ScrapeConfig,
+        *,
+        model_rewrites: dict[str, str] | None = None,
+        on_update: Callable[[Endpoint], Any] | None = None,
+    ) -> None:
         self.registry = registry
+        self._on_update = on_update
         self.cfg = cfg
         self._rewrites = model_rewrites or {}
         self._tasks: dict[str, asyncio.Task[None]] = {}
@@ -166,6 +176,11 @@ class Poller:
             elif status in (401, 403):
                 hint = "; set the replica's api_key (or api_key_env) in the config"
             self._problem(ep, f"{ep.metrics_path} answered HTTP {status}{hint}")
+            # The engine is up but tells nothing: fresh and blind (routed on this
+            # router's own counts), not stale, which would count it as full.
+            ep.state.on_scrape(time.monotonic(), None, None, None)
+            if self._on_update is not None:
+                self._on_update(ep)
             return
         try:
             stats, result = scan_stats(body, mapping, model)
@@ -173,9 +188,10 @@ class Poller:
             ep.scrape_failures += 1
             self._problem(ep, f"unreadable metrics page ({exc})")
             return
-        ep.waiting, ep.running, ep.kv_cache_usage = stats.waiting, stats.running, stats.kv_cache_usage
-        ep.last_scrape = time.monotonic()
+        ep.state.on_scrape(time.monotonic(), stats.waiting, stats.running, stats.kv_cache_usage)
         ep.scrape_ok += 1
+        if self._on_update is not None:
+            self._on_update(ep)
         if result.bad_lines and ep.scrape_ok % 100 == 1:
             # Rate-limited: a page with a few odd lines is still read.
             log.debug("replica %s: %d malformed metrics line(s) skipped, first: %s", ep.id, result.bad_lines, result.error)

@@ -65,7 +65,7 @@ class GatewayRuntime:
             await self.stop()
             raise
         rewrites = {m.name: m.upstream_name for m in cfg.models.values() if m.upstream_name}
-        self.poller = Poller(self.registry, cfg.scrape, model_rewrites=rewrites)
+        self.poller = Poller(self.registry, cfg.scrape, model_rewrites=rewrites, on_update=self.gateway.on_scrape)
         self.poller.sync()
         log.info(
             "gateway listening on http://%s:%d (admin http://%s:%d), %d replicas of %d models",
@@ -144,6 +144,7 @@ class GatewayRuntime:
             registry.add(new[i])
         for i in added:
             registry.add(new[i])
+        registry.reconfigure(config)
         gateway.reconfigure(config)
         poller.sync()
         not_applied = [k for k in ("listen", "admin") if getattr(config, k) != getattr(self.config, k)]
@@ -165,6 +166,8 @@ class GatewayRuntime:
         timeout = self.config.server.shutdown_timeout
         if self.poller is not None:
             await self.poller.close()
+        if self.gateway is not None:
+            self.gateway.close()
         if self.server is not None:
             await self.server.close(timeout)
         if self.admin_server is not None:

@@ -2,18 +2,25 @@
 
 ``POST /v1/*`` with a JSON body naming a ``model`` is proxied to one of that
 model's replicas; ``GET /v1/models`` lists the fleet's models. The body is read
-only for ``model`` and ``stream`` and forwarded byte for byte unless the model
-name must be rewritten (an alias, or ``upstream_name``).
+only for ``model`` and forwarded byte for byte unless the model name must be
+rewritten (an alias, or ``upstream_name``).
+
+A request travels as one :class:`Call`: admission (straight through below pool
+saturation 1.0, else a bounded priority-band queue), a replica chosen by the
+model's picker, an attempt on a pooled keep-alive connection, and the answer
+relayed back. Everything after parsing is driven by callbacks; a task is made
+only to open a new upstream connection.
 
 Failure semantics:
 
 * before any byte reached the client (connect refused or timed out, reset,
   502/503 from the engine, a non-streamed answer cut short) the request is retried
-  on another replica of the model (``retries.attempts`` times), then answered with
-  a clear error;
+  on another replica (``retries.attempts`` times, within ``retries.budget``), then
+  answered with a clear error;
 * after the first byte there is never a retry: a stream cut by the engine ends
   with an SSE ``data: {"error": ...}`` event and the connection is closed;
-* a client that goes away aborts the upstream request at once.
+* a client that goes away aborts the upstream request at once; every counter
+  returns to where it was.
 """
 
 from __future__ import annotations
@@ -22,9 +29,9 @@ import asyncio
 import hashlib
 import hmac
 import itertools
+import math
 import os
 import time
-from collections.abc import Awaitable
 from typing import Any
 
 import orjson
@@ -38,20 +45,24 @@ from ..errors import (
     ModelNotFoundError,
     NotFoundError,
     OverloadedError,
+    RateLimitedError,
     UnauthorizedError,
 )
-from ..fleet.registry import Endpoint, Registry
+from ..fleet.registry import Endpoint, ModelPool, Registry
 from ..http.client import UpstreamConnection
 from ..http.parser import Request, Response, upstream_head
 from ..http.server import ResponseWriter
 from ..log import access_logger, upstream_logger
+from ..routing import RetryBudget, retry_after
 from .observe import NullObserver, Observer
 
-__all__ = ["Gateway", "normalize_error"]
+__all__ = ["Call", "Gateway", "normalize_error"]
 
 _SSE_SEP = b"\n\n"
 _MAX_BUFFERED = 64 * 1024 * 1024
 _RETRYABLE_STATUS = (502, 503)
+_UNKNOWN = "(unknown)"  # the model label for requests naming no served model (bounded cardinality)
+_TICK = 0.05  # seconds between deadline sweeps
 
 _CODE_BY_STATUS = {
     400: "invalid_request",
@@ -72,6 +83,7 @@ _CODE_BY_STATUS = {
 }
 _TYPE_BY_STATUS = {401: "invalid_request_error", 429: "rate_limit_exceeded", 503: "service_unavailable_error"}
 _CODE_BY_TYPE = {"exceed_context_size_error": "context_length_exceeded"}
+_JSON_CT = ((b"content-type", b"application/json"),)
 
 
 def normalize_error(status: int, body: bytes) -> bytes:
@@ -130,173 +142,290 @@ def _sse_error(message: str, code: str) -> bytes:
     ) + _SSE_SEP
 
 
-class _Retry:
-    """An attempt failed before anything reached the client."""
+def _usage_slice(data: bytes, at: int) -> bytes | None:
+    """The ``{...}`` object that follows ``"usage"`` at ``at`` (it nests one level at most)."""
+    start = data.find(b"{", at, at + 32)
+    if start < 0:
+        return None
+    depth = 0
+    for i in range(start, min(len(data), start + 4096)):
+        c = data[i]
+        if c == 123:  # {
+            depth += 1
+        elif c == 125:  # }
+            depth -= 1
+            if depth == 0:
+                return data[start : i + 1]
+    return None
 
-    __slots__ = ("error", "fresh")
 
-    def __init__(self, error: HTTPError, fresh: bool = False) -> None:
-        self.error = error
-        self.fresh = fresh  # a reused keep-alive connection died: retry the same replica
+# Deadline kinds of a Call (checked by the gateway's sweep).
+_D_NONE = 0
+_D_QUEUE = 1
+_D_FIRST_BYTE = 2
+_D_READ = 3
+
+# Call phases.
+_P_NEW = 0
+_P_QUEUED = 1
+_P_CONNECTING = 2
+_P_SENT = 3
+_P_DONE = 4
 
 
-_DONE = object()
-_UNKNOWN = "(unknown)"  # the model label for requests naming no served model (bounded cardinality)
-_BAND = "standard"
+class Call:
+    """One client request, from admission to the last byte (and its attempts).
 
-
-class Exchange:
-    """One attempt: a client request relayed to one replica and its answer back."""
+    It is the sink of the upstream connection carrying the current attempt.
+    """
 
     __slots__ = (
         "_buf",
-        "_conn",
-        "_done",
-        "_loop",
         "_pending",
-        "_sent_bytes",
-        "_streaming",
-        "_timer",
+        "band",
+        "closed",
+        "band_name",
+        "body",
+        "client_model",
+        "conn",
+        "connect_task",
+        "deadline",
+        "dkind",
         "ep",
+        "error",
         "gw",
+        "head_tail",
         "model",
+        "phase",
+        "pool",
+        "probe",
+        "queued_at",
+        "req",
         "resp",
+        "retrying",
+        "rid",
         "rid_line",
         "sent_at",
+        "sent_bytes",
+        "started",
+        "streaming",
+        "tenant",
+        "tried",
+        "tries",
         "ttfb",
-        "writer",
+        "w",
     )
 
-    def __init__(self, gw: Gateway, writer: ResponseWriter, ep: Endpoint, rid_line: bytes, model: str) -> None:
+    def __init__(
+        self, gw: Gateway, req: Request, w: ResponseWriter, pool: ModelPool, model: str, body: bytes, rid: bytes
+    ) -> None:
         self.gw = gw
-        self.model = model
-        self.writer = writer
-        self.ep = ep
-        self.rid_line = rid_line
-        self._loop = gw.loop
-        self._conn: UpstreamConnection | None = None
-        self._done: asyncio.Future[Any] | None = None
-        self._timer: asyncio.TimerHandle | None = None
-        self._streaming = False
+        self.req = req
+        self.w = w
+        self.pool = pool
+        self.model = pool.name
+        self.client_model = model
+        self.body = body
+        self.rid = rid
+        self.rid_line = b"x-request-id: %s\r\n" % rid
+        self.started = time.monotonic()
+        self.band = gw.default_band
+        self.band_name = gw.bands[self.band]
+        self.tenant: Any = None
+        self.phase = _P_NEW
+        self.closed = False
+        self.tried: list[Endpoint] | None = None
+        self.ep: Endpoint | None = None
+        self.conn: UpstreamConnection | None = None
+        self.connect_task: asyncio.Task[None] | None = None
+        self.tries = 0
+        self.probe = False
+        self.retrying = False
+        self.deadline = 0.0
+        self.dkind = _D_NONE
+        self.queued_at = 0.0
+        self.resp: Response | None = None
+        self.streaming = False
         self._buf: list[bytes] = []
         self._pending = b""
-        self._sent_bytes = 0
-        self.resp: Response | None = None
+        self.sent_bytes = 0
         self.ttfb: float | None = None
         self.sent_at: float | None = None
+        self.error: HTTPError | None = None
+        self.head_tail = b""
 
-    async def run(self, head: bytes, body: bytes) -> Any:
-        ep = self.ep
-        conn = ep.pool.take_idle()
-        reused = conn is not None
-        if conn is None:
-            try:
-                conn = await ep.pool.connect()
-            except TimeoutError:
-                self.gw.observer.upstream_error(ep.id, "connect_timeout")
-                return _Retry(GatewayTimeoutError(f"replica {ep.id} did not accept a connection in time"))
-            except OSError as exc:
-                self.gw.observer.upstream_error(ep.id, "connect_refused")
-                return _Retry(BadGatewayError(f"replica {ep.id} refused the connection ({exc.strerror or exc})"))
-        writer = self.writer
-        if writer.disconnected:
-            conn.release()
-            return _DONE
-        self._conn = conn
-        self._done = self._loop.create_future()
-        writer.on_disconnect(self._client_gone)
-        self._arm(self.gw.first_byte_timeout)
-        self.sent_at = time.monotonic()
-        conn.send(self, head, body)
-        try:
-            outcome = await self._done
-        except asyncio.CancelledError:
-            self._abandon()
-            raise
-        if isinstance(outcome, _Retry) and reused and self.resp is None and isinstance(outcome.error, BadGatewayError):
-            outcome.fresh = True
-        return outcome
+    # -- admission --
 
-    # -- timers and endings --
-
-    def _arm(self, delay: float) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-        self._timer = self._loop.call_later(delay, self._timed_out)
-
-    def _disarm(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
-
-    def _finish(self, outcome: Any) -> None:
-        self._disarm()
-        done = self._done
-        if done is not None and not done.done():
-            done.set_result(outcome)
-
-    def _abandon(self) -> None:
-        self._disarm()
-        conn, self._conn = self._conn, None
-        if conn is not None:
-            conn.abort()
-
-    def _client_gone(self) -> None:
-        # PERF/NOTE: closing the upstream connection is how an engine learns to stop
-        # generating; the slot frees at once.
-        self._abandon()
-        self._finish(_DONE)
-
-    def _timed_out(self) -> None:
-        self._timer = None
-        conn, self._conn = self._conn, None
-        if conn is not None:
-            conn.abort()
-        self.gw.observer.upstream_error(self.ep.id, "first_byte_timeout" if self.resp is None else "read_timeout")
-        if self._streaming:
-            self._cut_stream("the replica stopped sending", "upstream_timeout")
-            self._finish(_DONE)
-        elif self.resp is None:
-            self._finish(
-                GatewayTimeoutError(f"replica {self.ep.id} did not answer within {self.gw.first_byte_timeout:g}s")
-            )
-        else:
-            self._finish(_Retry(BadGatewayError(f"replica {self.ep.id} stopped sending its answer")))
-
-    def _cut_stream(self, why: str, code: str) -> None:
-        w = self.writer
-        if w.finished:
+    def admit(self) -> None:
+        """Straight through below saturation 1.0 with nobody waiting; else queue (or shed)."""
+        gw = self.gw
+        pool = self.pool
+        now = time.monotonic()
+        if not len(pool.queue) and pool.saturation(now, gw.stale_after, gw.max_waiting, gw.max_kv) < 1.0:
+            gw.observer.admission(self.band_name, "admitted")
+            self.dispatch()
             return
-        w.keep_alive = False
-        if not w.disconnected:
-            # Never a fabricated [DONE] or finish_reason: the client learns the truth.
-            w.write(_sse_error(f"stream interrupted: {why}", code))
-        w.end()
+        evicted = pool.queue.push(self.band, self.tenant, self, now)
+        if evicted is False:
+            gw.observer.admission(self.band_name, "rejected", "queue_full")
+            self.shed("queue_full", f"the {self.model} pool is saturated and its {self.band_name} queue is full")
+            return
+        self.phase = _P_QUEUED
+        self.queued_at = now
+        self._deadline(_D_QUEUE, gw.queue_timeout)
+        gw.observer.admission(self.band_name, "queued")
+        if evicted is not None:
+            assert isinstance(evicted, Call)
+            gw.observer.admission(evicted.band_name, "rejected", "evicted")
+            evicted.shed("evicted", f"the {self.model} pool is saturated; a higher-priority request took this slot")
+        # A pool that is saturated only because nothing is known yet still moves.
+        gw.admit_next(pool)
 
-    # -- ResponseReader sink --
+    def shed(self, reason: str, message: str) -> None:
+        """Answer 429 (with Retry-After from the pool's drain rate) and finish."""
+        gw = self.gw
+        now = time.monotonic()
+        wait = retry_after(self.pool.states, len(self.pool.queue), now)
+        self.phase = _P_DONE
+        self._finish(RateLimitedError(f"{message}; retry after {math.ceil(wait)}s", retry_after=wait, code=reason))
+
+    # -- attempts --
+
+    def dispatch(self) -> None:
+        """Choose a replica and send the request (now if a pooled connection is idle)."""
+        gw = self.gw
+        now = time.monotonic()
+        ep = self.pool.pick(now, gw.stale_after, self.tried or ())
+        if ep is None:
+            err = self.error or OverloadedError(
+                f"no replica of model `{self.model}` is available (all draining or failing)", retry_after=1
+            )
+            self._finish(err)
+            return
+        self.ep = ep
+        self.tries += 1
+        state = ep.state
+        self.probe = state.breaker.state_code == 2  # half-open: this request is the probe
+        state.on_dispatch(now)
+        head = upstream_head(
+            self.req.method,
+            ep.target(self.req.target),
+            ep.host_header,
+            self.req.forward,
+            len(self.body),
+            self.rid_line + ep.auth_line,
+        )
+        conn = ep.pool.take_idle()
+        if conn is not None:
+            self._send(conn, head, reused=True)
+            return
+        self.phase = _P_CONNECTING
+        self.connect_task = gw.loop.create_task(self._connect(ep, head))
+
+    async def _connect(self, ep: Endpoint, head: bytes) -> None:
+        try:
+            conn = await ep.pool.connect()
+        except asyncio.CancelledError:
+            return
+        except TimeoutError:
+            self._attempt_failed(
+                GatewayTimeoutError(f"replica {ep.id} did not accept a connection in time"), "connect_timeout"
+            )
+            return
+        except OSError as exc:
+            self._attempt_failed(
+                BadGatewayError(f"replica {ep.id} refused the connection ({exc.strerror or exc})"), "connect_refused"
+            )
+            return
+        finally:
+            self.connect_task = None
+        if self.phase == _P_DONE or self.ep is not ep:
+            conn.release()
+            return
+        self._send(conn, head, reused=False)
+
+    def _send(self, conn: UpstreamConnection, head: bytes, reused: bool) -> None:
+        self.phase = _P_SENT
+        self.conn = conn
+        self.resp = None
+        self.head_tail = head if reused else b""
+        self._deadline(_D_FIRST_BYTE, self.gw.first_byte_timeout)
+        self.sent_at = time.monotonic()
+        conn.send(self, head, self.body)
+
+    def _deadline(self, kind: int, delay: float) -> None:
+        gw = self.gw
+        self.dkind = kind
+        self.deadline = gw.loop.time() + delay
+        gw.watch(self)
+
+    def _attempt_failed(self, error: HTTPError, kind: str, *, counts: bool = True) -> None:
+        """This attempt failed before any byte reached the client: retry or answer."""
+        gw = self.gw
+        ep = self.ep
+        assert ep is not None
+        now = time.monotonic()
+        conn, self.conn = self.conn, None
+        if conn is not None:
+            conn.abort()
+        ep.state.on_abort(now)
+        ep.failures += 1
+        if counts:
+            before = ep.state.breaker.state_code
+            ep.state.breaker.record_failure(now)
+            if ep.state.breaker.state_code != before:
+                gw.observer.breaker_transition(ep.id, ep.state.breaker.state)
+        elif self.probe:
+            ep.state.breaker.release()
+        gw.observer.upstream_error(ep.id, kind)
+        self.error = error
+        upstream_logger.debug("replica %s failed: %s", ep.id, error.message)
+        if self.retrying:
+            gw.budget.done_retry()
+            self.retrying = False
+        if self.w.disconnected:
+            self._finish(None)
+            return
+        if self.tries <= gw.retry_attempts and gw.budget.can_retry(gw.active_calls):
+            if self.tried is None:
+                self.tried = []
+            self.tried.append(ep)
+            gw.budget.record_retry()
+            self.retrying = True
+            gw.observer.retry(self.model, ep.id)
+            self.dispatch()
+            return
+        self._finish(error)
+
+    def _fresh_retry(self) -> bool:
+        """A reused keep-alive connection the replica had closed: try again on a new one."""
+        if not self.head_tail or self.resp is not None:
+            return False
+        head, self.head_tail = self.head_tail, b""
+        ep = self.ep
+        assert ep is not None
+        self.conn = None
+        self.phase = _P_CONNECTING
+        self.connect_task = self.gw.loop.create_task(self._connect(ep, head))
+        return True
+
+    # -- the ResponseReader sink (via the upstream connection) --
 
     def on_response_head(self, resp: Response) -> None:
         self.resp = resp
         self.ttfb = time.monotonic()
-        w = self.writer
         if resp.event_stream and resp.status < 300:
-            self._streaming = True
-            self._arm(self.gw.read_timeout)
-            w.start(resp.status, (), -1, resp.forward + self.rid_line + self.ep_line())
-            conn = self._conn
+            self.streaming = True
+            w = self.w
+            w.start(resp.status, (), -1, resp.forward + self.rid_line + self.ep.replica_line)  # type: ignore[union-attr]
+            conn = self.conn
             if conn is not None:
                 w.add_flow_listener(conn)
-        else:
-            self._arm(self.gw.read_timeout)
-
-    def ep_line(self) -> bytes:
-        return self.gw.replica_lines[self.ep.id]
+        self._deadline(_D_READ, self.gw.read_timeout)
 
     def on_response_body(self, data: bytes) -> None:
-        if self._streaming:
-            if self._timer is not None:
-                self._timer.cancel()
-                self._timer = self._loop.call_later(self.gw.read_timeout, self._timed_out)
+        if self.streaming:
+            self.deadline = self.gw.loop.time() + self.gw.read_timeout
             # Relay whole SSE events only, so a cut never leaves half an event.
             if self._pending:
                 data = self._pending + data
@@ -311,36 +440,41 @@ class Exchange:
             else:
                 self._pending = data[cut:]
                 out = data[:cut]
-            self._sent_bytes += len(out)
-            self.writer.write(out)
-            if self.gw.count_tokens and (b'"usage":{' in out or b'"usage": {' in out):
-                self._usage(out)
+            self.sent_bytes += len(out)
+            self.w.write(out)
+            if self.gw.count_tokens:
+                at = out.find(b'"usage":{')
+                if at < 0:
+                    at = out.find(b'"usage": {')
+                if at >= 0:
+                    self._usage(out, at)
         else:
             self._buf.append(data)
-            self._sent_bytes += len(data)
-            if self._sent_bytes > _MAX_BUFFERED:
-                conn, self._conn = self._conn, None
-                if conn is not None:
-                    conn.abort()
-                self._finish(BadGatewayError(f"replica {self.ep.id} sent an answer larger than {_MAX_BUFFERED} bytes"))
+            self.sent_bytes += len(data)
+            if self.sent_bytes > _MAX_BUFFERED:
+                self._attempt_failed(
+                    BadGatewayError(f"replica {self.ep.id} sent an answer larger than {_MAX_BUFFERED} bytes"),  # type: ignore[union-attr]
+                    "bad_response",
+                )
 
     def on_response_end(self) -> None:
-        self._disarm()
-        conn, self._conn = self._conn, None
+        conn, self.conn = self.conn, None
         resp = self.resp
-        assert resp is not None
-        w = self.writer
-        if self._streaming:
+        ep = self.ep
+        assert resp is not None and ep is not None
+        w = self.w
+        if self.streaming:
             if self._pending:
                 w.write(self._pending)
-                self._sent_bytes += len(self._pending)
+                self.sent_bytes += len(self._pending)
                 self._pending = b""
             if conn is not None:
                 conn.release()
             w.end()
-            self._finish(_DONE)
+            self._completed(True)
             return
-        body = b"".join(self._buf) if len(self._buf) != 1 else self._buf[0]
+        buf = self._buf
+        body = buf[0] if len(buf) == 1 else b"".join(buf)
         self._buf = []
         if conn is not None:
             conn.release()
@@ -348,59 +482,197 @@ class Exchange:
         if status >= 400:
             normalized = normalize_error(status, body)
             if status >= 500:
-                self.gw.observer.upstream_error(self.ep.id, "status_5xx")
-            if status in _RETRYABLE_STATUS:
-                message = orjson.loads(normalized)["error"]["message"]
-                err = HTTPError(
-                    f"replica {self.ep.id} answered {status}: {message}",
-                    status=status,
-                    type="service_unavailable_error" if status == 503 else "server_error",
-                    code=_CODE_BY_STATUS[status],
-                    retry_after=1 if status == 503 else None,
-                )
-                self._finish(_Retry(err))
-                return
-            body = normalized
-            raw = self.rid_line + self.ep_line()
-            w.send(status, body, ((b"content-type", b"application/json"),), raw)
-        else:
-            w.send(status, body, (), resp.forward + self.rid_line + self.ep_line())
-            if self.gw.count_tokens:
-                self._usage(body)
-        self._finish(_DONE)
+                if status in _RETRYABLE_STATUS:
+                    message = orjson.loads(normalized)["error"]["message"]
+                    err = HTTPError(
+                        f"replica {ep.id} answered {status}: {message}",
+                        status=status,
+                        type="service_unavailable_error" if status == 503 else "server_error",
+                        code=_CODE_BY_STATUS[status],
+                        retry_after=1 if status == 503 else None,
+                    )
+                    self._attempt_failed(err, "status_5xx")
+                    return
+                self.gw.observer.upstream_error(ep.id, "status_5xx")
+            w.send(status, normalized, _JSON_CT, self.rid_line + ep.replica_line)
+            self._completed(status < 500)
+            return
+        w.send(status, body, (), resp.forward + self.rid_line + ep.replica_line)
+        if self.gw.count_tokens:
+            at = body.rfind(b'"usage"')
+            if at >= 0:
+                self._usage(body, at)
+        self._completed(True)
 
-    def _usage(self, data: bytes) -> None:
-        """Report token usage when the answer (or an SSE event in it) carries it."""
-        at = data.find(b'"usage"')
-        if at < 0:
+    def on_upstream_lost(self, exc: BaseException | None) -> None:
+        self.conn = None
+        if self.phase != _P_SENT:
             return
-        if self._streaming:
-            start = data.rfind(b"data:", 0, at)
-            end = data.find(_SSE_SEP, at)
-            if start < 0:
-                return
-            data = data[start + 5 : end if end >= 0 else len(data)]
+        kind = "bad_response" if isinstance(exc, ValueError) else "reset"
+        if self.streaming:
+            ep = self.ep
+            assert ep is not None
+            self.gw.observer.upstream_error(ep.id, kind)
+            self._cut_stream("the replica closed the connection", "upstream_disconnected")
+            self._completed(False)
+            return
+        if kind == "reset" and self._fresh_retry():
+            return
+        ep = self.ep
+        assert ep is not None
+        self._attempt_failed(
+            BadGatewayError(f"replica {ep.id} closed the connection before a complete answer"), kind
+        )
+
+    def _cut_stream(self, why: str, code: str) -> None:
+        w = self.w
+        if w.finished:
+            return
+        w.keep_alive = False
+        if not w.disconnected:
+            # Never a fabricated [DONE] or finish_reason: the client learns the truth.
+            w.write(_sse_error(f"stream interrupted: {why}", code))
+        w.end()
+
+    def _usage(self, data: bytes, at: int) -> None:
+        """Report token usage from the ``usage`` object at ``at``."""
+        chunk = _usage_slice(data, at)
+        if chunk is None:
+            return
         try:
-            usage = orjson.loads(data).get("usage")
-            prompt = usage.get("prompt_tokens") or 0
-            completion = usage.get("completion_tokens") or 0
-        except (orjson.JSONDecodeError, AttributeError):
+            usage = orjson.loads(chunk)
+        except orjson.JSONDecodeError:
             return
+        prompt = usage.get("prompt_tokens")
+        completion = usage.get("completion_tokens")
         if isinstance(prompt, int) and isinstance(completion, int):
             self.gw.observer.tokens(self.model, prompt, completion)
 
-    def on_upstream_lost(self, exc: BaseException | None) -> None:
-        self._conn = None
-        if self._done is None or self._done.done():
+    # -- deadlines (from the gateway's sweep) --
+
+    def expired(self) -> None:
+        kind = self.dkind
+        self.dkind = _D_NONE
+        gw = self.gw
+        if kind == _D_QUEUE:
+            if self.phase == _P_QUEUED and self.pool.queue.remove(self):
+                gw.observer.admission(self.band_name, "rejected", "queue_timeout")
+                self.shed("queue_timeout", f"the {self.model} pool stayed saturated for {gw.queue_timeout:g}s")
             return
-        self.gw.observer.upstream_error(self.ep.id, "bad_response" if isinstance(exc, ValueError) else "reset")
-        if self._streaming:
-            self._cut_stream("the replica closed the connection", "upstream_disconnected")
-            self._finish(_DONE)
+        if self.phase != _P_SENT:
+            return
+        ep = self.ep
+        assert ep is not None
+        if kind == _D_FIRST_BYTE and self.resp is None:
+            conn, self.conn = self.conn, None
+            if conn is not None:
+                conn.abort()
+            now = time.monotonic()
+            ep.state.on_abort(now)
+            ep.failures += 1
+            before = ep.state.breaker.state_code
+            ep.state.breaker.record_failure(now)
+            if ep.state.breaker.state_code != before:
+                gw.observer.breaker_transition(ep.id, ep.state.breaker.state)
+            gw.observer.upstream_error(ep.id, "first_byte_timeout")
+            # Not retried: the engine may be working on it.
+            self._finish(GatewayTimeoutError(f"replica {ep.id} did not answer within {gw.first_byte_timeout:g}s"))
+        elif kind == _D_READ:
+            conn, self.conn = self.conn, None
+            if conn is not None:
+                conn.abort()
+            gw.observer.upstream_error(ep.id, "read_timeout")
+            if self.streaming:
+                self._cut_stream("the replica stopped sending", "upstream_timeout")
+                self._completed(False)
+            else:
+                self._attempt_failed(BadGatewayError(f"replica {ep.id} stopped sending its answer"), "read_timeout")
+
+    # -- endings --
+
+    def client_gone(self) -> None:
+        """The client disconnected: abort whatever is in progress, release everything."""
+        phase = self.phase
+        if phase == _P_DONE:
+            return
+        gw = self.gw
+        if phase == _P_QUEUED:
+            self.pool.queue.remove(self)
+            gw.observer.admission(self.band_name, "rejected", "client_gone")
+        task = self.connect_task
+        if task is not None:
+            task.cancel()
+            self.connect_task = None
+        conn, self.conn = self.conn, None
+        if conn is not None:
+            # NOTE: closing the upstream connection is how an engine learns to stop
+            # generating; the slot frees at once.
+            conn.abort()
+        ep = self.ep
+        if ep is not None and phase in (_P_CONNECTING, _P_SENT):
+            ep.state.on_abort(time.monotonic())
+            if self.probe:
+                ep.state.breaker.release()
+        self._done(None)
+
+    def _completed(self, success: bool) -> None:
+        """The replica answered (fully, or a stream that was then cut)."""
+        ep = self.ep
+        assert ep is not None
+        now = time.monotonic()
+        state = ep.state
+        gw = self.gw
+        if success:
+            state.on_complete(now)
+            ep.completed += 1
+            before = state.breaker.state_code
+            state.breaker.record_success(now)
+            if state.breaker.state_code != before:
+                gw.observer.breaker_transition(ep.id, state.breaker.state)
         else:
-            self._finish(
-                _Retry(BadGatewayError(f"replica {self.ep.id} closed the connection before a complete answer"))
-            )
+            state.on_abort(now)
+            ep.failures += 1
+            before = state.breaker.state_code
+            state.breaker.record_failure(now)
+            if state.breaker.state_code != before:
+                gw.observer.breaker_transition(ep.id, state.breaker.state)
+        if self.retrying:
+            gw.budget.done_retry()
+            self.retrying = False
+        self._done(None)
+
+    def _finish(self, error: HTTPError | None) -> None:
+        """Answer ``error`` (if the client is still there) and finish."""
+        w = self.w
+        if error is not None and not w.started and not w.disconnected:
+            w.send_error(error, ((b"x-request-id", self.rid),))
+        elif not w.finished and w.started:
+            w.abort()
+        if self.retrying:
+            self.gw.budget.done_retry()
+            self.retrying = False
+        self._done(error)
+
+    def _done(self, error: HTTPError | None) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        self.phase = _P_DONE
+        self.dkind = _D_NONE
+        gw = self.gw
+        gw.unwatch(self)
+        gw.active_calls -= 1
+        now = time.monotonic()
+        ep = self.ep
+        w = self.w
+        ttfb = self.ttfb - self.started if self.ttfb is not None else None
+        upstream = now - self.sent_at if self.sent_at is not None else None
+        gw.observer.request_done(
+            self.model, ep.id if ep is not None else None, w.status, self.band_name, now - self.started, ttfb, upstream
+        )
+        if gw.access_log:
+            gw.log_access(self, now)
+        gw.admit_next(self.pool)
 
 
 class Gateway:
@@ -409,11 +681,15 @@ class Gateway:
     def __init__(self, config: Config, registry: Registry) -> None:
         self.loop = asyncio.get_running_loop()
         self.registry = registry
-        self._rid_prefix = os.urandom(6).hex()
+        self._rid_prefix = os.urandom(6).hex().encode()
         self._rid_counter = itertools.count(1)
         self.created = int(time.time())
         self.observer: Observer = NullObserver()
         self.count_tokens = False
+        self.active_calls = 0
+        self._admitting = False
+        self._watched: set[Call] = set()
+        self._sweep_handle: asyncio.TimerHandle | None = None
         self.reconfigure(config)
 
     def reconfigure(self, config: Config) -> None:
@@ -422,6 +698,15 @@ class Gateway:
         self.first_byte_timeout = config.upstream.first_byte_timeout
         self.read_timeout = config.upstream.read_timeout
         self.retry_attempts = config.retries.attempts
+        self.budget = RetryBudget(config.retries.budget)
+        self.stale_after = config.scrape.stale_after
+        self.max_waiting = float(config.saturation.max_waiting)
+        self.max_kv = config.saturation.max_kv_cache_usage
+        adm = config.admission
+        self.bands = adm.bands
+        self.band_index = {b.encode(): i for i, b in enumerate(adm.bands)}
+        self.default_band = adm.bands.index(adm.default_band)
+        self.queue_timeout = adm.queue_timeout
         self.aliases = config.aliases()
         # model name as the client says it -> name to put in the upstream body
         rewrites: dict[str, str] = {}
@@ -432,38 +717,102 @@ class Gateway:
             rewrites[alias] = config.models[real].upstream_name or real
         self.rewrites = rewrites
         self.keys = {k.sha256: k for k in config.auth.keys}
+        self.key_bands = {
+            k.sha256: adm.bands.index(k.band) for k in config.auth.keys if k.band is not None and k.band in adm.bands
+        }
         self.auth = bool(self.keys)
         self.access_log = config.access_log.enabled
-        self.refresh()
+
+    def refresh(self) -> None:
+        """Recompute what depends on the endpoint list (after add/remove)."""
 
     def set_observer(self, observer: Observer) -> None:
         """Report the data path's work to ``observer`` (metrics)."""
         self.observer = observer
         self.count_tokens = not isinstance(observer, NullObserver)
 
-    def refresh(self) -> None:
-        """Recompute what depends on the endpoint list (after add/remove)."""
-        self.replica_lines = {
-            ep.id: b"x-llmgw-replica: %s\r\n" % ep.id.encode() for ep in self.registry.endpoints.values()
-        }
+    # -- deadlines: one sweep for every call, instead of a timer per call --
+
+    def watch(self, call: Call) -> None:
+        self._watched.add(call)
+        if self._sweep_handle is None:
+            self._sweep_handle = self.loop.call_later(_TICK, self._sweep)
+
+    def unwatch(self, call: Call) -> None:
+        self._watched.discard(call)
+
+    def _sweep(self) -> None:
+        self._sweep_handle = None
+        now = self.loop.time()
+        expired = [c for c in self._watched if c.dkind != _D_NONE and c.deadline <= now]
+        for c in expired:
+            c.expired()
+        self._watched = {c for c in self._watched if c.dkind != _D_NONE}
+        if self._watched:
+            self._sweep_handle = self.loop.call_later(_TICK, self._sweep)
+        # Breakers reopen and scrapes move on with time: let queued requests re-check.
+        for pool in self.registry.pools.values():
+            if len(pool.queue):
+                self.admit_next(pool)
+
+    def admit_next(self, pool: ModelPool) -> None:
+        """Dispatch queued requests while the pool is below saturation 1.0."""
+        queue = pool.queue
+        if not len(queue) or self._admitting:
+            return
+        self._admitting = True
+        try:
+            self._admit(pool)
+        finally:
+            self._admitting = False
+
+    def _admit(self, pool: ModelPool) -> None:
+        queue = pool.queue
+        for _ in range(len(queue)):
+            now = time.monotonic()
+            if pool.saturation(now, self.stale_after, self.max_waiting, self.max_kv) >= 1.0:
+                # Nothing in flight and still "full": nothing will free capacity but
+                # time; the sweep checks again.
+                if not any(st.inflight for st in pool.states):
+                    self._ensure_sweep()
+                return
+            call = queue.pop()
+            if call is None:
+                return
+            assert isinstance(call, Call)
+            call.dkind = _D_NONE
+            self.observer.admission(call.band_name, "dequeued")
+            call.dispatch()
+
+    def _ensure_sweep(self) -> None:
+        if self._sweep_handle is None:
+            self._sweep_handle = self.loop.call_later(_TICK, self._sweep)
+
+    def on_scrape(self, ep: Endpoint) -> None:
+        """A scrape of ``ep`` landed: queued requests of its models may go now."""
+        pools = self.registry.pools
+        for m in ep.models:
+            pool = pools.get(m)
+            if pool is not None and len(pool.queue):
+                self.admit_next(pool)
 
     # -- routing --
 
-    def handle(self, req: Request, w: ResponseWriter) -> Awaitable[None] | None:
+    def handle(self, req: Request, w: ResponseWriter) -> None:
         path = req.path
         if not path.startswith(b"/v1/"):
             raise NotFoundError(f"no route for {path.decode('latin-1')[:200]}; llmgw serves the OpenAI API under /v1/")
-        if self.auth:
-            self._authenticate(req)
+        key = self._authenticate(req) if self.auth else None
         method = req.method
         if method == b"POST":
-            return self._proxy(req, w)
+            self._proxy(req, w, key)
+            return None
         if method == b"GET" or method == b"HEAD":
             if path == b"/v1/models":
                 w.send_json(200, {"object": "list", "data": self._model_cards()})
                 return None
             if path.startswith(b"/v1/models/"):
-                name = path[len(b"/v1/models/"):].decode("utf-8", "replace")
+                name = path[len(b"/v1/models/") :].decode("utf-8", "replace")
                 for card in self._model_cards():
                     if card["id"] == name:
                         w.send_json(200, card)
@@ -476,7 +825,7 @@ class Gateway:
             code="method_not_allowed",
         )
 
-    def _authenticate(self, req: Request) -> None:
+    def _authenticate(self, req: Request) -> bytes:
         key: bytes | None = None
         auth = req.authorization
         if auth is not None:
@@ -493,13 +842,15 @@ class Gateway:
         # SECURITY: compare in constant time; never echo the key.
         if found is None or not hmac.compare_digest(found.sha256, digest):
             raise UnauthorizedError("Incorrect API key provided.")
+        return digest
 
     def _model_cards(self) -> list[dict[str, Any]]:
         cards = [
             {"id": m, "object": "model", "created": self.created, "owned_by": "llmgw"} for m in self.registry.models()
         ]
+        served = set(self.registry.models())
         for alias, real in self.aliases.items():
-            if real in self.registry.by_model:
+            if real in served:
                 cards.append({"id": alias, "object": "model", "created": self.created, "owned_by": "llmgw", "root": real})
         return cards
 
@@ -508,35 +859,21 @@ class Gateway:
         # Accept the client's id when it is a short token of visible ASCII.
         if rid is not None and 0 < len(rid) <= 128 and all(33 <= c < 127 for c in rid):
             return rid
-        return b"%s-%d" % (self._rid_prefix.encode(), next(self._rid_counter))
+        return b"%s-%d" % (self._rid_prefix, next(self._rid_counter))
 
-    async def _proxy(self, req: Request, w: ResponseWriter) -> None:
-        started = time.monotonic()
+    def _proxy(self, req: Request, w: ResponseWriter, key: bytes | None) -> None:
         rid = self._request_id(req)
-        model = _UNKNOWN
-        ep: Endpoint | None = None
-        ex: Exchange | None = None
         try:
-            model, ep, ex = await self._forward(req, w, rid)
+            call = self._prepare(req, w, rid, key)
         except HTTPError as exc:
-            if not w.started:
-                w.send_error(exc, ((b"x-request-id", rid),))
-            elif not w.finished:
-                w.abort()
-        finally:
-            now = time.monotonic()
-            ttfb = ex.ttfb - started if ex is not None and ex.ttfb is not None else None
-            upstream = now - ex.sent_at if ex is not None and ex.sent_at is not None else None
-            self.observer.request_done(
-                model, ep.id if ep is not None else None, w.status, _BAND, now - started, ttfb, upstream
-            )
-            if self.access_log:
-                self._log(req, w, model, ep, ex, started, rid)
+            w.send_error(exc, ((b"x-request-id", rid),))
+            self.observer.request_done(_UNKNOWN, None, w.status, self.bands[self.default_band], 0.0, None, None)
+            return
+        self.active_calls += 1
+        w.on_disconnect(call.client_gone)
+        call.admit()
 
-    async def _forward(
-        self, req: Request, w: ResponseWriter, rid: bytes
-    ) -> tuple[str, Endpoint | None, Exchange | None]:
-        """Send the request to a replica (retrying before the first byte); returns what served it."""
+    def _prepare(self, req: Request, w: ResponseWriter, rid: bytes, key: bytes | None) -> Call:
         body = req.body
         try:
             data = orjson.loads(body)
@@ -551,7 +888,8 @@ class Gateway:
         if not isinstance(model, str) or not model:
             raise BadRequestError("You must provide a model parameter.", param="model", code="missing_model")
         real = self.aliases.get(model, model)
-        if real not in self.registry.by_model:
+        pool = self.registry.pools.get(real)
+        if pool is None or not pool.endpoints:
             raise ModelNotFoundError(
                 f"The model `{model[:200]}` does not exist or you do not have access to it.", param="model"
             )
@@ -559,79 +897,49 @@ class Gateway:
         if rewrite is not None and rewrite != model:
             data["model"] = rewrite
             body = orjson.dumps(data)
-        rid_line = b"x-request-id: %s\r\n" % rid
-        registry = self.registry
-        tried: list[Endpoint] = []
-        error: HTTPError | None = None
-        attempts = 1 + self.retry_attempts
-        ex: Exchange | None = None
-        ep: Endpoint | None = None
-        while attempts > 0:
-            nxt = registry.pick(real, tried)
-            if nxt is None:
-                break
-            if ep is not None:
-                self.observer.retry(real, ep.id)
-            ep = nxt
-            attempts -= 1
-            tried.append(ep)
-            head = upstream_head(
-                req.method, ep.target(req.target), ep.host_header, req.forward, len(body), rid_line + ep.auth_line
-            )
-            for _fresh_try in range(2):
-                ex = Exchange(self, w, ep, rid_line, real)
-                ep.inflight += 1
-                try:
-                    outcome = await ex.run(head, body)
-                finally:
-                    ep.inflight -= 1
-                if not (isinstance(outcome, _Retry) and outcome.fresh):
-                    break
-            if outcome is _DONE:
-                ep.completed += 1
-                ep.consecutive_failures = 0
-                return real, ep, ex
-            ep.failures += 1
-            ep.consecutive_failures += 1
-            if isinstance(outcome, _Retry):
-                error = outcome.error
-                upstream_logger.debug("replica %s failed: %s", ep.id, error.message)
-                continue
-            error = outcome  # final (a first-byte timeout): never retried
-            break
-        if error is None:
-            error = OverloadedError(f"no replica of model `{real}` is available", retry_after=1)
-        w.send_error(error, ((b"x-request-id", rid),))
-        return real, ep, ex
+        call = Call(self, req, w, pool, model, body, rid)
+        band = self.default_band
+        if key is not None:
+            band = self.key_bands.get(key, band)
+            call.tenant = key
+        prio = req.priority
+        if prio is not None:
+            idx = self.band_index.get(prio.strip().lower())
+            if idx is None:
+                raise BadRequestError(
+                    f"unknown priority band {prio.decode('latin-1')[:64]!r}; use one of {', '.join(self.bands)}",
+                    code="invalid_priority",
+                )
+            band = idx
+        call.band = band
+        call.band_name = self.bands[band]
+        return call
 
-    def _log(
-        self,
-        req: Request,
-        w: ResponseWriter,
-        model: str,
-        ep: Endpoint | None,
-        ex: Exchange | None,
-        started: float,
-        rid: bytes,
-    ) -> None:
-        if not self.access_log:
-            return
-        now = time.monotonic()
-        ttfb = ex.ttfb if ex is not None else None
+    def log_access(self, call: Call, now: float) -> None:
+        req = call.req
+        ep = call.ep
         access_logger.info(
             orjson.dumps(
                 {
                     "ts": time.time(),
-                    "id": rid.decode("latin-1"),
+                    "id": call.rid.decode("latin-1"),
                     "method": req.method.decode("latin-1"),
                     "path": req.path.decode("latin-1"),
-                    "model": model,
+                    "model": call.model,
+                    "band": call.band_name,
                     "replica": ep.id if ep is not None else None,
-                    "status": w.status,
-                    "bytes": ex._sent_bytes if ex is not None else 0,
-                    "ttfb_ms": round((ttfb - started) * 1000, 3) if ttfb is not None else None,
-                    "duration_ms": round((now - started) * 1000, 3),
-                    "client_disconnected": w.disconnected,
+                    "attempts": call.tries,
+                    "status": call.w.status,
+                    "bytes": call.sent_bytes,
+                    "ttfb_ms": round((call.ttfb - call.started) * 1000, 3) if call.ttfb is not None else None,
+                    "duration_ms": round((now - call.started) * 1000, 3),
+                    "client_disconnected": call.w.disconnected,
                 }
             ).decode()
         )
+
+    def close(self) -> None:
+        """Stop the deadline sweep."""
+        if self._sweep_handle is not None:
+            self._sweep_handle.cancel()
+            self._sweep_handle = None

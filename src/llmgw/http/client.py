@@ -57,7 +57,9 @@ class UpstreamConnection(asyncio.Protocol):
             return
         try:
             self.reader.feed(data)
-        except ValueError as exc:
+        except Exception as exc:
+            if not isinstance(exc, ValueError):
+                log.exception("error while handling a response from %s:%d", self.pool.host, self.pool.port)
             self.reusable = False
             sink, self.sink = self.sink, None
             if self.transport is not None:

@@ -480,6 +480,9 @@ class HTTPProtocol(asyncio.Protocol):
             writer.send_error(HTTPError("internal error in the gateway", close=True))
 
     def _response_done(self, writer: ResponseWriter) -> None:
+        # PERF: drop the disconnect callbacks: they usually point back at the app's
+        # request object, and that cycle would otherwise wait for the GC.
+        writer._listeners = None
         if writer is not self._current:
             return
         self._current = None
