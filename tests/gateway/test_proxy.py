@@ -221,7 +221,7 @@ async def test_proxies_and_rewrites_credentials() -> None:
 async def test_alias_is_rewritten_and_request_id_generated() -> None:
     a = FakeEngine("a")
     async with gateway([a]) as rt:
-        status, hdrs, body = await request(port_of(rt), chat(model="m-alias"))
+        status, hdrs, _ = await request(port_of(rt), chat(model="m-alias"))
         assert status == 200
         assert orjson.loads(a.seen[-1]["body"])["model"] == "m"
         assert hdrs[b"x-request-id"] == a.seen[-1]["rid"]

@@ -23,8 +23,8 @@ from collections.abc import Callable
 from typing import Any
 
 from ..config import ScrapeConfig
-from ..http.parser import Response
 from ..errors import PromParseError
+from ..http.parser import Response
 from ..log import scrape_logger as log
 from ..scrape import mapping_for, missing_signals, scan_stats
 from .registry import Endpoint, Registry

@@ -183,10 +183,10 @@ class Call:
         "_buf",
         "_pending",
         "band",
-        "closed",
         "band_name",
         "body",
         "client_model",
+        "closed",
         "conn",
         "connect_task",
         "deadline",
@@ -283,7 +283,6 @@ class Call:
 
     def shed(self, reason: str, message: str) -> None:
         """Answer 429 (with Retry-After from the pool's drain rate) and finish."""
-        gw = self.gw
         now = time.monotonic()
         wait = retry_after(self.pool.states, len(self.pool.queue), now)
         self.phase = _P_DONE
