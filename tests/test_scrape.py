@@ -136,13 +136,23 @@ def test_overrides(promscan: ModuleType) -> None:
     body = b'vllm:kv_cache_usage_perc_v2{model_name="m"} 0.4\nvllm:num_requests_waiting{model_name="m"} 3\n'
     m = mapping_for("vllm", {"kv_cache_usage": ["vllm:kv_cache_usage_perc_v2", "vllm:kv_cache_usage_perc"]},
                     impl=promscan)  # fmt: skip
-    assert m.names[0] == ("vllm:num_requests_waiting",)  # not overridden: the engine's
+    # not overridden: the engine's (and its OpenMetrics-escaped spelling)
+    assert m.names[0] == ("vllm:num_requests_waiting", "vllm_num_requests_waiting")
     assert m.model_label == "model_name"
     assert scan_stats(body, m, "m")[0] == Stats(3.0, None, 0.4)
     # An empty list switches a signal off; a MetricSpec also sets the aggregate.
     m = mapping_for("vllm", {"waiting": [], "running": MetricSpec(("vllm:num_requests_waiting",), "max")},
                     impl=promscan)  # fmt: skip
     assert scan_stats(body, m)[0] == Stats(None, 3.0, None)
+
+
+def test_openmetrics_escaped_names_are_read(promscan: ModuleType) -> None:
+    # prometheus_client's OpenMetrics output escapes ':' to '_'
+    body = (
+        b'# TYPE vllm_num_requests_waiting gauge\nvllm_num_requests_waiting{model_name="m"} 2.0\n'
+        b'# TYPE vllm_num_requests_running gauge\nvllm_num_requests_running{model_name="m"} 5.0\n# EOF\n'
+    )
+    assert scan_stats(body, mapping_for("vllm", impl=promscan), "m")[0] == Stats(2.0, 5.0, None)
 
 
 def test_generic(promscan: ModuleType) -> None:

@@ -65,7 +65,12 @@ SIGNALS: Final = ("waiting", "running", "kv_cache_usage")
 GENERIC: Final = "generic"
 """The engine for "anything else" (``llmgw.engines.generic``): it reads only overridden names."""
 
-ACCEPT: Final = "text/plain;version=0.0.4;q=1.0,application/openmetrics-text;version=1.0.0;q=0.5,*/*;q=0.1"
+# NOTE: no OpenMetrics in the offer. prometheus_client (what vLLM and SGLang serve
+# with) picks OpenMetrics whenever the Accept header mentions it, whatever its q, and
+# its OpenMetrics output escapes ':' in names to '_' (vllm:num_requests_waiting
+# becomes vllm_num_requests_waiting). The scanner still reads OpenMetrics, and the
+# escaped names too, for servers that answer it unasked.
+ACCEPT: Final = "text/plain;version=0.0.4;q=1.0,*/*;q=0.1"
 """The ``Accept`` header for scrapes: classic text preferred (smaller), OpenMetrics read too."""
 
 
@@ -144,6 +149,16 @@ def mapping_for(
                 raise ValueError(f"metric overrides for {signal!r}: expected a list of metric names")
             else:
                 specs[signal] = MetricSpec(tuple(names), specs[signal].aggregate)
+    # Accept each name's underscore-escaped spelling (OpenMetrics output of
+    # prometheus_client) after the name itself.
+    for signal, spec in list(specs.items()):
+        names = list(spec.names)
+        for n in spec.names:
+            alt = n.replace(":", "_")
+            if alt != n and alt not in names:
+                names.append(alt)
+        if len(names) != len(spec.names):
+            specs[signal] = MetricSpec(tuple(names), spec.aggregate)
     label = info.model_label if model_label is _Default.ENGINE else model_label
     module = promscan if impl is None else impl
     mapping: Mapping = module.Mapping(

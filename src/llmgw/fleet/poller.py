@@ -26,12 +26,12 @@ from ..config import ScrapeConfig
 from ..errors import PromParseError
 from ..http.parser import Response
 from ..log import scrape_logger as log
-from ..scrape import mapping_for, missing_signals, scan_stats
+from ..scrape import ACCEPT, mapping_for, missing_signals, scan_stats
 from .registry import Endpoint, Registry
 
 __all__ = ["Poller", "scrape_once"]
 
-_ACCEPT = b"accept: text/plain;version=0.0.4;q=0.9,application/openmetrics-text;version=1.0.0;q=0.5,*/*;q=0.1\r\n"
+_ACCEPT = b"accept: %s\r\n" % ACCEPT.encode()
 _MAX_PAGE = 8 * 1024 * 1024
 
 
@@ -197,8 +197,7 @@ class Poller:
             log.debug("replica %s: %d malformed metrics line(s) skipped, first: %s", ep.id, result.bad_lines, result.error)
         missing = missing_signals(mapping, result)
         if missing:
-            names = sorted(n for group in missing.values() for n in group)
-            self._problem(ep, "its metrics page lacks " + ", ".join(names))
+            self._problem(ep, "its metrics page lacks " + ", ".join(sorted(g[0] for g in missing.values())))
         elif ep.scrape_problem is not None:
             log.info("replica %s (%s): metrics readable again", ep.id, ep.engine.title)
             ep.scrape_problem = None

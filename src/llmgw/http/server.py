@@ -298,6 +298,8 @@ class HTTPProtocol(asyncio.Protocol):
         self._task: asyncio.Task[None] | None = None
         self._timer: asyncio.TimerHandle | None = None
         self._timer_kind = 0  # 0 none, 1 keep-alive, 2 head, 3 body, 4 linger
+        self._timer_at = 0.0  # when the pending handle fires
+        self._deadline = 0.0  # when the armed kind expires
         self._read_paused = False
         self._write_paused = False
         self._drain_waiter: asyncio.Future[None] | None = None
@@ -344,11 +346,11 @@ class HTTPProtocol(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         """Called when the connection closes, for any reason."""
         if self._rejected:
-            self._cancel_timer()
+            self._drop_timer()
             self.transport = None
             return
         self._server.connections.discard(self)
-        self._cancel_timer()
+        self._drop_timer()
         self.transport = None
         self._pipeline.clear()
         cur = self._current
@@ -548,25 +550,44 @@ class HTTPProtocol(asyncio.Protocol):
         self._current = writer
         writer.send_error(exc)
 
+    # PERF: timers are lazy. Arming only records a deadline; one TimerHandle per
+    # connection fires at the earliest deadline it was set for and, if the deadline
+    # has since moved later, re-arms itself for the rest. A keep-alive connection
+    # then costs no call_later/cancel pair per request (about 3.6 us each here).
+
     def _arm(self, kind: int, delay: float) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
+        when = self._loop.time() + delay
         self._timer_kind = kind
+        self._deadline = when
+        t = self._timer
+        if t is not None:
+            if self._timer_at <= when:
+                return  # fires first, then re-arms for the rest
+            t.cancel()
+        self._timer_at = when
         self._timer = self._loop.call_later(delay, self._on_timer)
 
     def _cancel_timer(self) -> None:
+        self._timer_kind = 0  # the pending handle, if any, will find nothing to do
+
+    def _drop_timer(self) -> None:
+        self._timer_kind = 0
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
-        self._timer_kind = 0
 
     def _on_timer(self) -> None:
-        kind = self._timer_kind
         self._timer = None
-        self._timer_kind = 0
-        if self.transport is None:
+        kind = self._timer_kind
+        if kind == 0 or self.transport is None:
             return
-        if kind == 1:
+        now = self._loop.time()
+        if now < self._deadline - 0.001:
+            self._timer_at = self._deadline
+            self._timer = self._loop.call_later(self._deadline - now, self._on_timer)
+            return
+        self._timer_kind = 0
+        if kind == 1 or kind == 4:
             self._close()
         elif kind in (2, 3) and self._current is None:
             # (while a response is being written, _response_done restarts it)
@@ -615,8 +636,7 @@ class HTTPProtocol(asyncio.Protocol):
             return
         t.write_eof()
         t.resume_reading()
-        self._timer_kind = 4
-        self._timer = self._loop.call_later(_LINGER_S, self._close)
+        self._arm(4, _LINGER_S)
 
     def _abort(self) -> None:
         self._cancel_timer()
