@@ -26,6 +26,19 @@ def test_example_config_loads(monkeypatch: pytest.MonkeyPatch) -> None:
     assert cfg.server.max_body_size == 16 * 1024 * 1024
     assert cfg.upstream.connect_timeout == 2.0
     assert len(cfg.auth.keys) == 2
+    assert cfg.auth.keys[0].band == "critical"
+    assert cfg.models["llama-3-8b"].strategy == "score"
+    assert cfg.routing.strategy == "score"
+    assert cfg.saturation.max_waiting == 8 and cfg.saturation.max_kv_cache_usage == 0.9
+    assert cfg.admission.bands == ("critical", "standard", "batch")
+    assert cfg.admission.queue_timeout == 30.0
+    assert cfg.breaker.failures == 5 and cfg.breaker.cooldown == 5.0
+    assert cfg.retries.budget == 0.2
+    assert cfg.scrape.interval == 1.0 and cfg.scrape.timeout == 0.8 and cfg.scrape.stale_after == 3.0
+    qwen = cfg.endpoints[2]
+    assert qwen.slots == 4
+    assert qwen.metric_names["waiting"] == ("llamacpp:requests_deferred",)
+    assert cfg.endpoints[0].metrics_path == "/metrics"
     # secrets never show in repr
     assert "k0" not in repr(cfg) and "ka" not in repr(cfg)
 
@@ -66,6 +79,19 @@ def test_config_is_immutable() -> None:
         ({"auth": {"api_keys": [{"name": "x"}]}}, "auth.api_keys[0].key", "exactly one of"),
         ({"auth": {"api_keys": [{"key_sha256": "zz"}]}}, "auth.api_keys[0].key_sha256", "64 hex"),
         ({"access_log": "yes"}, "access_log", "true or false"),
+        ({"routing": {"strategy": "random"}}, "routing.strategy", "choose one of score"),
+        ({"endpoints": [EP], "models": {"m": {"strategy": "x"}}}, "models.m.strategy", "unknown strategy"),
+        ({"admission": {"default_band": "vip"}}, "admission.default_band", "not one of the bands"),
+        ({"admission": {"bands": []}}, "admission.bands", "distinct band names"),
+        ({"admission": {"bands": ["a", "a"]}}, "admission.bands", "distinct band names"),
+        ({"auth": {"api_keys": [{"key": "k", "band": "gold"}]}}, "auth.api_keys[0].band", "unknown band"),
+        ({"saturation": {"max_kv_cache_usage": 1.5}}, "saturation.max_kv_cache_usage", "at most 1.0"),
+        ({"breaker": {"failures": 0}}, "breaker.failures", "at least 1"),
+        ({"scrape": {"interval": "1s", "timeout": "2s"}}, "scrape.timeout", "shorter than scrape.interval"),
+        ({"scrape": {"interval": "10ms"}}, "scrape.interval", "at least 50ms"),
+        ({"endpoints": [{**EP, "metrics_path": "metrics"}]}, "endpoints[0].metrics_path", "must start with"),
+        ({"endpoints": [{**EP, "metric_names": {"waiting": "bad name"}}]}, "endpoints[0].metric_names.waiting", "metric name"),
+        ({"endpoints": [{**EP, "metric_names": {"queue": "x"}}]}, "endpoints[0].metric_names.queue", "unknown key"),
         ({"bogus": 1}, "bogus", "unknown key"),
         ([1, 2], "(top level)", "mapping"),
     ],

@@ -456,3 +456,36 @@ async def test_admin_health_ready_metrics() -> None:
         # the admin port is not the client port
         status, _, _ = await request(port_of(rt), b"", path=b"/metrics", method=b"GET")
         assert status == 404
+
+
+async def test_access_log_is_one_json_line_per_request(caplog: pytest.LogCaptureFixture) -> None:
+    import logging
+
+    a = FakeEngine("a")
+    caplog.set_level(logging.INFO, logger="llmgw.access")
+    async with gateway([a], access_log=True, auth={"api_keys": [{"key": "sekrit-key"}]}) as rt:
+        status, _, _ = await request(
+            port_of(rt), chat(), headers=b"authorization: Bearer sekrit-key\r\nx-request-id: rid-9\r\n"
+        )
+        assert status == 200
+        status, _, _ = await request(port_of(rt), b'{"model": "nope"}', headers=b"authorization: Bearer sekrit-key\r\n")
+        assert status == 404
+    lines = [r.getMessage() for r in caplog.records if r.name == "llmgw.access"]
+    assert len(lines) == 2
+    entry = orjson.loads(lines[0])
+    assert entry["id"] == "rid-9" and entry["model"] == "m" and entry["replica"] == "a"
+    assert entry["status"] == 200 and entry["bytes"] > 0
+    assert entry["ttfb_ms"] is not None and entry["duration_ms"] >= entry["ttfb_ms"]
+    refused = orjson.loads(lines[1])
+    assert refused["status"] == 404 and refused["model"] == "(unknown)" and refused["replica"] is None
+    assert not any("sekrit" in line for line in lines)
+
+
+async def test_no_access_log_by_default(caplog: pytest.LogCaptureFixture) -> None:
+    import logging
+
+    caplog.set_level(logging.INFO, logger="llmgw.access")
+    async with gateway([FakeEngine("a")]) as rt:
+        status, _, _ = await request(port_of(rt), chat())
+        assert status == 200
+    assert not [r for r in caplog.records if r.name == "llmgw.access"]

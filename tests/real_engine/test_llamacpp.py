@@ -173,8 +173,8 @@ async def test_burst_spreads_over_both_replicas(fleet: Fleet, replicas: list[Lla
         await asyncio.gather(*watchers)
     per_replica = {rid: sum(1 for r, _ in results if r == rid) for rid in REPLICA_IDS}
     assert all(t == tokens for _, t in results)
-    # Least-in-flight routing sends half the burst to each replica.
-    assert min(per_replica.values()) >= n // 2 - 1, per_replica
+    # Both replicas take a fair share (the scorer weighs measured latency, so not exactly half).
+    assert min(per_replica.values()) >= n // 4, per_replica
     # Each engine ran its 2 slots and queued the rest: the queue is real, not the router's.
     for s in replicas:
         assert seen[s.url]["processing"] == PARALLEL, seen

@@ -866,7 +866,10 @@ class Gateway:
             call = self._prepare(req, w, rid, key)
         except HTTPError as exc:
             w.send_error(exc, ((b"x-request-id", rid),))
-            self.observer.request_done(_UNKNOWN, None, w.status, self.bands[self.default_band], 0.0, None, None)
+            band = self.bands[self.default_band]
+            self.observer.request_done(_UNKNOWN, None, w.status, band, 0.0, None, None)
+            if self.access_log:
+                self._access_line(req, rid, _UNKNOWN, band, None, 0, w, 0, None, 0.0)
             return
         self.active_calls += 1
         w.on_disconnect(call.client_gone)
@@ -915,24 +918,48 @@ class Gateway:
         return call
 
     def log_access(self, call: Call, now: float) -> None:
-        req = call.req
-        ep = call.ep
+        self._access_line(
+            call.req,
+            call.rid,
+            call.model,
+            call.band_name,
+            call.ep.id if call.ep is not None else None,
+            call.tries,
+            call.w,
+            call.sent_bytes,
+            round((call.ttfb - call.started) * 1000, 3) if call.ttfb is not None else None,
+            round((now - call.started) * 1000, 3),
+        )
+
+    def _access_line(
+        self,
+        req: Request,
+        rid: bytes,
+        model: str,
+        band: str,
+        replica: str | None,
+        attempts: int,
+        w: ResponseWriter,
+        nbytes: int,
+        ttfb_ms: float | None,
+        duration_ms: float,
+    ) -> None:
         access_logger.info(
             orjson.dumps(
                 {
                     "ts": time.time(),
-                    "id": call.rid.decode("latin-1"),
+                    "id": rid.decode("latin-1"),
                     "method": req.method.decode("latin-1"),
                     "path": req.path.decode("latin-1"),
-                    "model": call.model,
-                    "band": call.band_name,
-                    "replica": ep.id if ep is not None else None,
-                    "attempts": call.tries,
-                    "status": call.w.status,
-                    "bytes": call.sent_bytes,
-                    "ttfb_ms": round((call.ttfb - call.started) * 1000, 3) if call.ttfb is not None else None,
-                    "duration_ms": round((now - call.started) * 1000, 3),
-                    "client_disconnected": call.w.disconnected,
+                    "model": model,
+                    "band": band,
+                    "replica": replica,
+                    "attempts": attempts,
+                    "status": w.status,
+                    "bytes": nbytes,
+                    "ttfb_ms": ttfb_ms,
+                    "duration_ms": duration_ms,
+                    "client_disconnected": w.disconnected,
                 }
             ).decode()
         )
