@@ -168,6 +168,7 @@ def start_gateway(servers: list[LlamaServer], workdir: Path) -> tuple[subprocess
     proc = subprocess.Popen(
         [sys.executable, "-m", "llmgw", "--log-level", "warning", "serve", "-c", str(cfg)],
         stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,  # its banner; warnings still reach stderr
     )
     import http.client
 

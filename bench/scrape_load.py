@@ -57,6 +57,22 @@ uvloop.run(main(int(sys.argv[1])))
 """
 
 
+def scrape_counts(admin: str) -> tuple[float, float]:
+    """Scrapes that succeeded and failed so far, from the router's own /metrics."""
+    import urllib.request
+
+    ok = failed = 0.0
+    with urllib.request.urlopen(f"http://{admin}/metrics", timeout=10) as resp:
+        for line in resp.read().decode().splitlines():
+            if line.startswith("llmgw_scrapes_total{"):
+                value = float(line.rsplit(" ", 1)[1])
+                if 'result="ok"' in line:
+                    ok += value
+                else:
+                    failed += value
+    return ok, failed
+
+
 def run_once(replicas: int, interval: str, seconds: float, cpus: int) -> dict[str, float]:
     eng = subprocess.Popen(
         ["taskset", "-c", str(cpus - 1), sys.executable, "-c", ENGINES, str(replicas)],
@@ -88,10 +104,11 @@ def run_once(replicas: int, interval: str, seconds: float, cpus: int) -> dict[st
                 c0, t0 = cpu_seconds(gw.pid), time.monotonic()
                 time.sleep(seconds)
                 c1, t1 = cpu_seconds(gw.pid), time.monotonic()
+                ok, failed = scrape_counts(doc["admin"])
             finally:
                 gw.send_signal(signal.SIGTERM)
                 gw.wait(timeout=30)
-        return {"cpu_share": (c1 - c0) / (t1 - t0)}
+        return {"cpu_share": (c1 - c0) / (t1 - t0), "scrapes_ok": ok, "scrapes_failed": failed}
     finally:
         eng.kill()
         eng.wait()
@@ -109,7 +126,11 @@ def main() -> None:
     for i in range(args.runs):
         r = run_once(args.replicas, args.interval, args.seconds, cpus)
         shares.append(r["cpu_share"])
-        print(f"run {i + 1}: router CPU {r['cpu_share'] * 100:.1f}% of one core", flush=True)
+        print(
+            f"run {i + 1}: router CPU {r['cpu_share'] * 100:.1f}% of one core; "
+            f"scrapes ok {r['scrapes_ok']:.0f}, failed {r['scrapes_failed']:.0f}",
+            flush=True,
+        )
     print(
         f"{args.replicas} replicas every {args.interval}: median router CPU "
         f"{statistics.median(shares) * 100:.1f}% of one core (runs: {', '.join(f'{s * 100:.1f}%' for s in shares)})"

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from admin_helpers import Engine, admin_port, client_port, config_for, running, wait_for
+from admin_helpers import Engine, admin_port, client_port, config_for, gone, running, wait_for
 from click.testing import CliRunner, Result
 
 from llmgw.cli.ctl import ctl
@@ -28,9 +28,10 @@ def url(rt: Any) -> str:
 
 async def test_endpoints_table_and_json() -> None:
     a, dark = Engine("a"), Engine("dark", page=None)
-    async with running([a, dark]) as rt:
+    async with running([a, dark], more=[gone()]) as rt:
         assert rt.registry is not None
-        await wait_for(lambda: rt.registry.endpoints["a"].scrape_ok > 0)
+        eps = rt.registry.endpoints
+        await wait_for(lambda: eps["a"].scrape_ok > 0 and eps["dark"].scrape_failures > 0)
         res = await invoke("--admin", url(rt), "endpoints")
         assert res.exit_code == 0, res.output
         lines = res.output.splitlines()
@@ -39,13 +40,14 @@ async def test_endpoints_table_and_json() -> None:
         ]
         rows = {line.split()[0]: line.split() for line in lines[1:]}
         assert rows["a"] == ["a", "m", "vllm", "gpu", "ok", "0", "2", "3", "25%", "–"]
-        # absent is –, never 0
-        assert rows["dark"] == ["dark", "m", "vllm", "gpu", "stale", "0", "–", "–", "–", "–"]
+        # absent is –, never 0: an engine without a metrics page, and one that cannot be reached
+        assert rows["dark"] == ["dark", "m", "vllm", "gpu", "ok", "0", "–", "–", "–", "–"]
+        assert rows["gone"] == ["gone", "m", "vllm", "gpu", "stale", "0", "–", "–", "–", "–"]
 
         res = await invoke("endpoints", "--json", env={"LLMGW_ADMIN": url(rt)})
         assert res.exit_code == 0, res.output
         data = json.loads(res.output)
-        assert {e["id"] for e in data["endpoints"]} == {"a", "dark"}
+        assert {e["id"] for e in data["endpoints"]} == {"a", "dark", "gone"}
 
 
 async def test_drain_undrain_queues() -> None:

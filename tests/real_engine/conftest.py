@@ -49,10 +49,10 @@ LONG_TOKENS = SLOT_CTX - 200
 _ENGINE = pytest.StashKey[Any]()
 
 
-def acquire_engine(
+def find_engine(
     *, shared: Path | None = None, cache: Path | None = None, build: bool = True, log: Any = None
-) -> Path:
-    """The ``llama-server`` to test with, or ``pytest.fail`` saying how to provide one.
+) -> Path | str:
+    """The ``llama-server`` to test with, or a message saying why there is none and how to provide one.
 
     ``shared`` defaults to ``$LLMGW_SHARED_DIR``, else ``../shared`` next to the repository.
     """
@@ -62,7 +62,15 @@ def acquire_engine(
     try:
         return find_llama_server(shared=shared, cache=cache, build=build, log=log)
     except EngineUnavailableError as exc:
-        pytest.fail(f"the real-engine tests need llama.cpp's llama-server: {exc}", pytrace=False)
+        return f"the real-engine tests need llama.cpp's llama-server: {exc}"
+
+
+def acquire_engine(**kw: Any) -> Path:
+    """:func:`find_engine`, failing the calling test (never skipping it) when there is no engine."""
+    found = find_engine(**kw)
+    if isinstance(found, str):
+        pytest.fail(found, pytrace=False)
+    return found
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
@@ -71,11 +79,7 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     if not any(item.get_closest_marker("real_engine") for item in session.items):
         return
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")
-    log = reporter.write_line if reporter is not None else None
-    try:
-        session.config.stash[_ENGINE] = acquire_engine(log=log)
-    except pytest.fail.Exception as exc:
-        session.config.stash[_ENGINE] = exc
+    session.config.stash[_ENGINE] = find_engine(log=reporter.write_line if reporter is not None else None)
 
 
 @pytest.fixture(scope="session")
@@ -83,9 +87,9 @@ def llama_server_bin(pytestconfig: pytest.Config) -> Path:
     """The ``llama-server`` binary (fails the test when there is none)."""
     found = pytestconfig.stash.get(_ENGINE, None)
     if found is None:
-        found = acquire_engine()
-    if isinstance(found, BaseException):
-        raise found
+        found = find_engine()
+    if isinstance(found, str):
+        pytest.fail(found, pytrace=False)
     return Path(found)
 
 

@@ -70,7 +70,7 @@ def test_env_variable_wins(fake_env: Path, monkeypatch: pytest.MonkeyPatch) -> N
     monkeypatch.setenv("LLAMA_SERVER", str(mine))
     shared = make_shared(fake_env / "shared")
     assert find_llama_server(shared=shared) == mine
-    assert not (fake_env / "cache").exists()  # the shared copy was not even looked at
+    assert not list((fake_env / "cache").rglob("llama-server*"))  # the shared copy was not even looked at
 
 
 def test_env_variable_must_be_an_executable(fake_env: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -113,6 +113,14 @@ def test_malformed_checksum_file_is_refused(fake_env: Path) -> None:
     (shared / "engines" / "llama-server.sha256").write_text("not a digest\n")
     with pytest.raises(EngineIntegrityError, match="does not hold a SHA-256 digest"):
         find_llama_server(shared=shared)
+
+
+def test_unwritable_cache_falls_back_to_tmp(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(blocker))
+    monkeypatch.setattr(llamacpp.tempfile, "gettempdir", lambda: str(tmp_path / "tmp"))
+    assert llamacpp.cache_dir() == tmp_path / "tmp" / f"llmgw-cache-{os.getuid()}"
 
 
 def test_an_earlier_build_is_used(fake_env: Path) -> None:

@@ -140,7 +140,7 @@ async def test_burst_spreads_over_both_replicas(fleet: Fleet, replicas: list[Lla
     async def watch_engines() -> None:
         while not stop.is_set():
             pages = await asyncio.gather(*(s.metrics_async() for s in replicas))
-            for s, m in zip(replicas, pages):
+            for s, m in zip(replicas, pages, strict=True):
                 for k in ("processing", "deferred"):
                     seen[s.url][k] = max(seen[s.url][k], m.get(f"llamacpp:requests_{k}", 0.0))
             for rep, v in prom_samples(await fleet.admin_metrics(), "llmgw_endpoint_inflight").items():
@@ -210,17 +210,18 @@ async def _open_stream(addr: tuple[str, int], body: dict[str, Any]) -> tuple[asy
 async def test_client_disconnect_frees_the_slot(fleet: Fleet) -> None:
     rt = fleet.rt
     assert rt.registry is not None
+    idle = {s.url: (await s.metrics_async())["llamacpp:requests_processing"] for s in fleet.servers}
     body = {"model": MODEL, "messages": MESSAGES, "max_tokens": LONG_TOKENS, "stream": True}
     _, writer, headers, _ = await _open_stream(fleet.addr, body)
     server = fleet.server_of(headers["x-llmgw-replica"])
     before = await server.metrics_async()
-    assert before["llamacpp:requests_processing"] == 1
-    # Hang up mid-stream, then watch the engine's own slot count.
+    assert before["llamacpp:requests_processing"] == idle[server.url] + 1
+    # Hang up mid-stream, then watch the engine's own slot count return to its earlier value.
     writer.transport.abort()
     t0 = time.monotonic()
     while True:
         now = await server.metrics_async()
-        if now["llamacpp:requests_processing"] == 0:
+        if now["llamacpp:requests_processing"] == idle[server.url]:
             break
         assert time.monotonic() - t0 < 1.0, "the engine still generates for a client that left"
         await asyncio.sleep(0.02)

@@ -66,33 +66,76 @@ class _Page:
             self.done.set_exception(ConnectionError(f"connection lost: {exc}"))
 
 
+def _expire(page: _Page) -> None:
+    if not page.done.done():
+        page.done.set_exception(TimeoutError("scrape timed out"))
+
+
 async def scrape_once(ep: Endpoint, timeout: float) -> tuple[int, bytes]:
     """GET the replica's metrics page; returns (status, body).
+
+    A pooled keep-alive connection that turns out closed before any byte of the
+    answer (engines such as llama-server close after streamed answers while
+    advertising keep-alive) is retried once on a new connection.
 
     Raises:
         OSError, TimeoutError, ValueError: the scrape failed.
     """
+    try:
+        return await _scrape_once(ep, timeout, reuse=True)
+    except _StaleConnection:
+        return await _scrape_once(ep, timeout, reuse=False)
+
+
+class _StaleConnection(ConnectionError):
+    """A reused connection was closed before the answer began."""
+
+
+async def _scrape_once(ep: Endpoint, timeout: float, *, reuse: bool) -> tuple[int, bytes]:
     loop = asyncio.get_running_loop()
     page = _Page(loop)
-    deadline = loop.time() + timeout
-    conn = ep.pool.take_idle()
-    if conn is None:
-        conn = await asyncio.wait_for(ep.pool.connect(), timeout)
-    head = b"GET %s HTTP/1.1\r\nhost: %s\r\n%s%s\r\n" % (
-        ep.target(ep.metrics_path.encode()),
-        ep.host_header,
-        _ACCEPT,
-        ep.auth_line,
-    )
-    ep.state.on_scrape_sent()
-    conn.send(page, head, b"")
+    # PERF: one timer handle for the whole scrape, not wait_for + shield (which
+    # make a task, futures and callbacks each time): at 100 ms over hundreds of
+    # replicas this is most of the poller's own cost.
+    timer = loop.call_later(timeout, _expire, page)
+    conn = None
+    reused = False
     try:
-        await asyncio.wait_for(asyncio.shield(page.done), max(0.001, deadline - loop.time()))
-    except BaseException:
-        conn.abort()
+        conn = ep.pool.take_idle() if reuse else None
+        reused = conn is not None
+        if conn is None:
+            connecting = loop.create_task(ep.pool.connect())
+            page.done.add_done_callback(lambda _f: connecting.cancel())
+            try:
+                conn = await connecting
+            except asyncio.CancelledError:
+                if page.done.done() and not page.done.cancelled():
+                    page.done.result()  # raises the TimeoutError
+                raise
+        head = b"GET %s HTTP/1.1\r\nhost: %s\r\n%s%s\r\n" % (
+            ep.target(ep.metrics_path.encode()),
+            ep.host_header,
+            _ACCEPT,
+            ep.auth_line,
+        )
+        ep.state.on_scrape_sent()
+        conn.send(page, head, b"")
+        await page.done
+    except ConnectionError as exc:
+        if conn is not None:
+            conn.abort()
+        if reused and page.status == 0 and not page.body:
+            raise _StaleConnection(str(exc)) from exc
         raise
+    except BaseException:
+        if conn is not None:
+            conn.abort()
+        raise
+    finally:
+        timer.cancel()
     conn.release()
-    return page.status, b"".join(page.body)
+    body = page.body
+    return page.status, body[0] if len(body) == 1 else b"".join(body)
 
 
 class Poller:
@@ -170,12 +213,19 @@ class Poller:
             ep.scrape_seconds += time.monotonic() - t0
         if status != 200:
             ep.scrape_failures += 1
-            hint = ""
-            if status == 404:
-                hint = f"; {ep.engine.notes[0]}" if ep.engine.notes else "; is the metrics endpoint enabled?"
+            wanted = ", ".join(sorted(names[0] for names in mapping.names if names))
+            if status in (404, 501):
+                # 404: no such route; 501: llama-server without --metrics.
+                hint = ep.engine.notes[0] if ep.engine.notes else "is its metrics endpoint enabled?"
+                why = f"{ep.metrics_path} answered HTTP {status}: no metrics served ({hint}); missing {wanted}"
             elif status in (401, 403):
-                hint = "; set the replica's api_key (or api_key_env) in the config"
-            self._problem(ep, f"{ep.metrics_path} answered HTTP {status}{hint}")
+                why = (
+                    f"{ep.metrics_path} answered HTTP {status}: set the replica's api_key (or api_key_env) "
+                    f"so llmgw can read {wanted}"
+                )
+            else:
+                why = f"{ep.metrics_path} answered HTTP {status}; cannot read {wanted}"
+            self._problem(ep, why)
             # The engine is up but tells nothing: fresh and blind (routed on this
             # router's own counts), not stale, which would count it as full.
             ep.state.on_scrape(time.monotonic(), None, None, None)

@@ -98,9 +98,20 @@ class EngineIntegrityError(EngineUnavailableError):
 
 
 def cache_dir() -> Path:
-    """Where decompressed and built engines are kept: ``$XDG_CACHE_HOME/llmgw`` or ``~/.cache/llmgw``."""
+    """Where decompressed and built engines are kept: ``$XDG_CACHE_HOME/llmgw`` or ``~/.cache/llmgw``.
+
+    If that cannot be created or written (a read-only home in a CI sandbox), a
+    per-user directory under the system's temporary directory is used instead.
+    """
     base = os.environ.get("XDG_CACHE_HOME")
-    return (Path(base) if base else Path.home() / ".cache") / "llmgw"
+    preferred = (Path(base) if base else Path.home() / ".cache") / "llmgw"
+    try:
+        preferred.mkdir(parents=True, exist_ok=True)
+        if os.access(preferred, os.W_OK | os.X_OK):
+            return preferred
+    except OSError:
+        pass
+    return Path(tempfile.gettempdir()) / f"llmgw-cache-{os.getuid()}"
 
 
 def shared_dir() -> Path | None:
