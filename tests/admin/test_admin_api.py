@@ -11,7 +11,18 @@ from typing import Any
 import orjson
 import pytest
 import yaml
-from admin_helpers import Engine, admin_of, admin_port, chat, client_port, config_for, gone, http, running, wait_for
+from admin_helpers import (
+    Engine,
+    admin_of,
+    admin_port,
+    chat,
+    client_port,
+    config_for,
+    gone,
+    http,
+    running,
+    wait_for,
+)
 
 from llmgw.admin.manage import install_sighup
 from llmgw.config import load_file

@@ -67,7 +67,11 @@ async def test_drain_undrain_queues() -> None:
         assert res.exit_code == 1
         assert res.output == "llmgw: error: no endpoint 'nope'; GET /admin/v1/endpoints lists them\n"
         res = await invoke("--admin", url(rt), "queues")
-        assert res.exit_code == 0 and "admission control is off" in res.output
+        assert res.exit_code == 0, res.output
+        lines = res.output.splitlines()
+        assert lines[0].split() == ["BAND", "DEPTH", "ADMITTED", "QUEUED", "REJECTED"]
+        assert [line.split()[0] for line in lines[1:4]] == list(rt.config.admission.bands)  # type: ignore[attr-defined]
+        assert lines[-1].startswith("saturation: m ")
 
 
 async def test_reload(tmp_path: Path) -> None:

@@ -18,6 +18,7 @@ from admin_helpers import (
     chat,
     client_port,
     families,
+    gone,
     http,
     running,
     sample,
@@ -80,17 +81,27 @@ async def test_metrics_after_traffic() -> None:
         assert sample(fams, "llmgw_endpoint_kv_cache_usage", replica="a") == 0.25
         for name in ("llmgw_endpoint_waiting", "llmgw_endpoint_running", "llmgw_endpoint_kv_cache_usage"):
             assert sample(fams, name, replica="dark") is None, name
-        assert sample(fams, "llmgw_endpoint_metrics_stale", replica="dark") == 1.0
+        # "dark" answers but has no metrics page: blind, not stale
+        assert sample(fams, "llmgw_endpoint_metrics_stale", replica="dark") == 0.0
         assert sample(fams, "llmgw_endpoint_metrics_stale", replica="a") == 0.0
         assert sample(fams, "llmgw_endpoint_inflight", replica="dark") == 0.0
-        # no routing layer signals yet for these replicas: omitted, not 0
-        assert sample(fams, "llmgw_endpoint_breaker_open", replica="a") is None
-        assert sample(fams, "llmgw_endpoint_drain_rate", replica="a") is None
+        # routing's own numbers: the breaker, and drain rate and latency once a replica has finished requests
+        for r in ("a", "b", "dark"):
+            assert sample(fams, "llmgw_endpoint_breaker_open", replica=r) in (0.0, 0.5, 1.0)
+        served = [r for r in ("a", "b", "dark") if sample(fams, "llmgw_requests_total", replica=r)]
+        assert served
+        for r in served:
+            assert (sample(fams, "llmgw_endpoint_drain_rate", replica=r) or 0) > 0, r
+            assert (sample(fams, "llmgw_endpoint_latency_seconds", replica=r) or 0) > 0, r
         assert sample(fams, "llmgw_endpoint_info", replica="a", model="m", engine="vllm") == 1.0
+        assert sample(fams, "llmgw_admission_total", band="standard", outcome="admitted") == 15
+        assert sample(fams, "llmgw_admission_queue_depth", band="standard") == 0.0
+        assert sample(fams, "llmgw_pool_saturation", model="m") is not None
 
         # scrapes by result, and their duration
         assert (sample(fams, "llmgw_scrapes_total", replica="a", result="ok") or 0) >= 1
         assert (sample(fams, "llmgw_scrapes_total", replica="dark", result="failed") or 0) >= 1
+        assert sample(fams, "llmgw_scrapes_total", replica="dark", result="ok") == 0
         assert (sample(fams, "llmgw_scrape_duration_seconds_count", replica="a") or 0) >= 1
         assert fams["llmgw_scrape_duration_seconds"].type == "summary"
 
@@ -99,6 +110,21 @@ async def test_metrics_after_traffic() -> None:
         assert sample(fams, "llmgw_build_info") == 1.0
         assert (sample(fams, "llmgw_asyncio_tasks") or 0) >= 1
         assert sample(fams, "llmgw_connections", listener="admin") == 1.0
+
+
+async def test_unreachable_replica_is_stale_and_its_signals_omitted() -> None:
+    a = Engine("a")
+    async with running([a], more=[gone()]) as rt:
+        assert rt.registry is not None
+        await wait_for(lambda: rt.registry.endpoints["gone"].scrape_failures > 1)
+        _, text = await scrape(rt)
+    fams = families(text)
+    assert sample(fams, "llmgw_endpoint_metrics_stale", replica="gone") == 1.0
+    for name in ("llmgw_endpoint_waiting", "llmgw_endpoint_running", "llmgw_endpoint_kv_cache_usage",
+                 "llmgw_endpoint_drain_rate", "llmgw_endpoint_latency_seconds"):
+        assert sample(fams, name, replica="gone") is None, name
+    assert sample(fams, "llmgw_scrapes_total", replica="gone", result="ok") == 0
+    assert (sample(fams, "llmgw_scrapes_total", replica="gone", result="failed") or 0) >= 2
 
 
 async def test_openmetrics_by_accept_and_gzip() -> None:
@@ -199,7 +225,7 @@ def test_routing_signals_exported_when_present_and_omitted_when_absent() -> None
         "half": _fake_ep("half", breaker=_Breaker("half_open")),
         "without": _fake_ep("without"),
     }
-    rt = SimpleNamespace(registry=SimpleNamespace(endpoints=eps), gateway=SimpleNamespace(admission=Admission()))
+    rt = SimpleNamespace(registry=SimpleNamespace(endpoints=eps), admission=Admission())
     fams = _render(rt)
     assert sample(fams, "llmgw_endpoint_breaker_open", replica="with") == 1.0
     assert sample(fams, "llmgw_endpoint_breaker_open", replica="half") == 0.5

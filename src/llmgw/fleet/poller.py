@@ -109,8 +109,12 @@ async def _scrape_once(ep: Endpoint, timeout: float, *, reuse: bool) -> tuple[in
             try:
                 conn = await connecting
             except asyncio.CancelledError:
-                if page.done.done() and not page.done.cancelled():
-                    page.done.result()  # raises the TimeoutError
+                # Our own timeout cancelled the connect: say so. A cancellation from
+                # outside (the poller closing) stays a cancellation.
+                if connecting.cancelled() and page.done.done() and not page.done.cancelled():
+                    task = asyncio.current_task()
+                    if task is None or not getattr(task, "cancelling", lambda: 0)():
+                        page.done.result()  # raises the TimeoutError
                 raise
         head = b"GET %s HTTP/1.1\r\nhost: %s\r\n%s%s\r\n" % (
             ep.target(ep.metrics_path.encode()),
@@ -154,6 +158,7 @@ class Poller:
         self.cfg = cfg
         self._rewrites = model_rewrites or {}
         self._tasks: dict[str, asyncio.Task[None]] = {}
+        self._closed = False
         self._rng = random.Random()
         self._loop = asyncio.get_running_loop()
 
@@ -173,15 +178,16 @@ class Poller:
         return len(self._tasks)
 
     async def close(self) -> None:
+        """Stop every scrape task (bounded: a task that does not stop is left behind, logged)."""
+        self._closed = True
         tasks = list(self._tasks.values())
         self._tasks.clear()
         for t in tasks:
             t.cancel()
-        for t in tasks:
-            try:
-                await t
-            except asyncio.CancelledError:
-                pass
+        if tasks:
+            _, pending = await asyncio.wait(tasks, timeout=2.0)
+            if pending:
+                log.warning("%d scrape task(s) did not stop within 2s", len(pending))
 
     async def _run(self, ep: Endpoint) -> None:
         interval = self.cfg.interval
@@ -191,7 +197,7 @@ class Poller:
             model = self._rewrites.get(ep.models[0], ep.models[0])
         # Spread the first scrapes over one interval.
         await asyncio.sleep(self._rng.random() * interval)
-        while True:
+        while not self._closed:
             started = time.monotonic()
             await self._scrape(ep, mapping, model)
             elapsed = time.monotonic() - started
