@@ -54,6 +54,11 @@ class BuildExt(build_ext):
 
     force_all = False  # set when the build mode changed since the last build
 
+    def finalize_options(self) -> None:
+        super().finalize_options()
+        if not self.parallel:
+            self.parallel = os.cpu_count() or 1  # compile the modules side by side
+
     def run(self) -> None:
         if self.force_all:
             self.force = True
@@ -115,7 +120,7 @@ def extensions() -> list[Extension]:
         exts,
         compiler_directives=DIRECTIVES,
         annotate=ANNOTATE,
-        nthreads=0,
+        nthreads=os.cpu_count() or 0,
         quiet=True,
         force=force,
         include_path=[str(FAST.parent.parent.relative_to(ROOT))],
