@@ -13,7 +13,7 @@ Implementations:
 * ``prom_children``: prometheus-client metrics with the labelled children cached per label tuple;
 * ``prom_labels``: prometheus-client calling ``.labels(...)`` on every hook (the naive way).
 
-    .venv/bin/python -m pytest bench/bench_observer.py --benchmark-enable
+    .venv/bin/python -m pytest bench/bench_observer.py --benchmark-only
 """
 
 from __future__ import annotations

@@ -2,9 +2,14 @@
 
 Each engine first serves some traffic (completions, a stream, an abort) so every series has
 values, then is scraped ``--n`` times in a row with the text-format ``Accept`` llmgw's poller
-sends. Reports the median of ``--runs`` timings per dialect.
+sends. Reports the median of ``--runs`` timings per dialect: wall clock, and CPU time of this
+process (engine and client share it), which stays meaningful on a busy machine.
+``--churn`` adds one observation to every histogram before each scrape (as under traffic,
+so no histogram text can be reused). ``--floor`` answers every scrape with a page rendered
+beforehand (same size, no work): the cost of HTTP and of this client alone, to subtract.
+``--registry`` renders with ``prometheus_client`` as before the templates (the reference path).
 
-    .venv/bin/python bench/bench_sim_metrics.py --n 500 --runs 5
+    .venv/bin/python bench/bench_sim_metrics.py --n 500 --runs 5 [--churn]
 """
 
 from __future__ import annotations
@@ -43,24 +48,33 @@ async def _traffic(host: str, port: int) -> None:
     w.close()
 
 
-async def bench(engine: str, n: int, runs: int) -> tuple[float, int]:
+async def bench(engine: str, n: int, runs: int, churn: bool, floor: bool, registry: bool) -> tuple[float, float, int]:
     e = SimEngine(SimConfig(model="m", engine=engine, ttft_ms=0.0, tokens_per_second=1e6))
     host, port = await e.start("127.0.0.1", 0)
     await _traffic(host, port)
+    if floor:
+        page = e.app.dialect.metrics_page(ACCEPT)
+        e.app.dialect.metrics_page = lambda accept: page  # type: ignore[method-assign]
+    elif registry and engine != "llamacpp":
+        e.app.dialect.metrics_page = e.app.dialect.registry_page  # type: ignore[method-assign]
     path = b"/prometheus/metrics" if engine == "trtllm" else b"/metrics"
     req = b"GET %s HTTP/1.1\r\nhost: x\r\naccept: %s\r\n\r\n" % (path, ACCEPT)
     r, w = await asyncio.open_connection(host, port)
-    times = []
+    hists = list(e.app.stats.hist.values()) if churn else []
+    times, cpu = [], []
     size = 0
     for _ in range(runs):
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.process_time()
         for _ in range(n):
+            for h in hists:
+                h.observe(h.bounds[0])
             w.write(req)
             size = len(await _read_response(r))
         times.append((time.perf_counter() - t) / n * 1e6)
+        cpu.append((time.process_time() - c) / n * 1e6)
     w.close()
     await e.stop()
-    return statistics.median(times), size
+    return statistics.median(times), statistics.median(cpu), size
 
 
 async def main() -> None:
@@ -68,10 +82,13 @@ async def main() -> None:
     ap.add_argument("--n", type=int, default=500, help="scrapes per run")
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--engine", action="append", choices=ENGINES, help="default: all")
+    ap.add_argument("--churn", action="store_true", help="change every histogram before each scrape")
+    ap.add_argument("--floor", action="store_true", help="serve a prepared page: HTTP and client cost only")
+    ap.add_argument("--registry", action="store_true", help="render with prometheus_client (the old way)")
     args = ap.parse_args()
     for eng in args.engine or ENGINES:
-        us, size = await bench(eng, args.n, args.runs)
-        print(f"{eng:9s} {us:8.1f} us per scrape, {size} bytes")
+        us, cpu, size = await bench(eng, args.n, args.runs, args.churn, args.floor, args.registry)
+        print(f"{eng:9s} {us:8.1f} us per scrape (wall), {cpu:8.1f} us CPU, {size} bytes")
 
 
 if __name__ == "__main__":

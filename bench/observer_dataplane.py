@@ -1,14 +1,15 @@
 #!/usr/bin/env python3
 """The data path with metrics on vs off: CPU per proxied request, side by side.
 
-Two gateways run in front of the same nginx "engine" (``dataplane/run.py``'s),
+Gateways run in front of the same nginx "engine" (``dataplane/run.py``'s),
 identical but for the observer: one reports to the admin app's
-``PrometheusObserver`` (metrics on), the other to ``NullObserver`` (off). Rounds
-are interleaved (on, off, on, ...) and each measures the gateway's CPU per
+``PrometheusObserver`` (metrics on), one to ``NullObserver`` (off) and, with
+``--hooks``, one to the observer but without reading token usage from answers.
+Rounds are interleaved (on, off, on, ...) and each measures the gateway's CPU per
 request under ``wrk -t1 -c16`` with ``post.lua`` (and ``stream.lua`` unless
 ``--no-stream``). The issue's bar: the difference stays under 5%.
 
-    .venv/bin/python bench/observer_dataplane.py --rounds 5
+    .venv/bin/python bench/observer_dataplane.py --rounds 5 --hooks
 """
 
 from __future__ import annotations
@@ -36,7 +37,10 @@ async def main():
     rt = GatewayRuntime(load_file(sys.argv[1]))
     await rt.start()
     admin = rt.admin_server.app
-    rt.gateway.set_observer(admin.observer if sys.argv[2] == "on" else NullObserver())
+    mode = sys.argv[2]
+    rt.gateway.set_observer(NullObserver() if mode == "off" else admin.observer)
+    if mode == "hooks":
+        rt.gateway.count_tokens = False  # the observer's hooks alone, without reading usage from answers
     await asyncio.Event().wait()
 
 uvloop.run(main())
@@ -52,11 +56,14 @@ def main() -> None:
     ap.add_argument("--load-core", type=int, default=1)
     ap.add_argument("--port-base", type=int, default=29000)
     ap.add_argument("--no-stream", action="store_true")
+    ap.add_argument("--hooks", action="store_true",
+                    help="also run metrics on without token counting (the observer's hooks alone)")
     args = ap.parse_args()
 
     base = args.port_base
     up = (base + 1, base + 2)
-    gws = {"on": (base + 10, base + 20), "off": (base + 11, base + 21)}
+    modes = ["on", "off"] + (["hooks"] if args.hooks else [])
+    gws = {m: (base + 10 + i, base + 20 + i) for i, m in enumerate(modes)}
     d = Path(tempfile.mkdtemp(prefix="llmgw-observer-bench-"))
     (d / "tmp").mkdir()
     lines = []
@@ -86,7 +93,7 @@ def main() -> None:
             dp.wrk(args.load_core, f"http://127.0.0.1:{port}", s, args.connections, 2)
     res: dict[tuple[str, str], list[float]] = {}
     for r in range(args.rounds):
-        for name in (("on", "off") if r % 2 == 0 else ("off", "on")):
+        for name in (modes if r % 2 == 0 else modes[::-1]):
             port = gws[name][0]
             for s in scripts:
                 c0, t0 = dp.cpu_seconds(procs[name].pid), time.monotonic()
@@ -100,9 +107,12 @@ def main() -> None:
                       f"({w['rps']:.0f}/s in {time.monotonic() - t0:.1f}s)", flush=True)
     print()
     for s in scripts:
-        on, off = statistics.median(res[("on", s)]), statistics.median(res[("off", s)])
-        print(f"{s:10s} median CPU per request: metrics on {on:.1f} us, off {off:.1f} us: "
-              f"{(on - off) / off * 100:+.1f}%")
+        off = statistics.median(res[("off", s)])
+        for m in modes[::-1]:
+            if m != "off":
+                v = statistics.median(res[(m, s)])
+                print(f"{s:10s} median CPU per request: metrics {m} {v:.1f} us, off {off:.1f} us: "
+                      f"{(v - off) / off * 100:+.1f}%")
     dp._stop_all()
 
 

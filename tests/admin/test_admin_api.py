@@ -137,7 +137,7 @@ async def test_add_remove_drain_endpoints() -> None:
                 )
                 assert hdrs["x-llmgw-replica"] == "b"
             status, body = await api(rt, "POST", "/admin/v1/endpoints/a/undrain")
-            assert status == 200 and body["state"] == "ok"
+            assert status == 200 and body["draining"] is False and body["state"] != "draining"
             status, body = await api(rt, "POST", "/admin/v1/endpoints/zzz/drain")
             assert status == 404
 
@@ -295,3 +295,15 @@ async def test_unknown_admin_routes(path: str) -> None:
         status, body = await api(rt, "GET", path)
         assert status == 404 and body["error"]["type"] == "invalid_request_error"
         await asyncio.sleep(0)
+
+
+def test_warns_when_admin_is_exposed_without_token(caplog: pytest.LogCaptureFixture) -> None:
+    from types import SimpleNamespace
+
+    from llmgw.admin.app import AdminApp
+
+    for host, token, warned in (("0.0.0.0", None, True), ("10.1.2.3", "t", False), ("127.0.0.1", None, False),
+                                ("::1", None, False), ("localhost", None, False)):
+        caplog.clear()
+        AdminApp(SimpleNamespace(config=SimpleNamespace(admin=(host, 9090), admin_token=token)))  # type: ignore[arg-type]
+        assert ("without admin_token" in caplog.text) is warned, host

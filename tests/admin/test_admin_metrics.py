@@ -94,7 +94,10 @@ async def test_metrics_after_traffic() -> None:
             assert (sample(fams, "llmgw_endpoint_drain_rate", replica=r) or 0) > 0, r
             assert (sample(fams, "llmgw_endpoint_latency_seconds", replica=r) or 0) > 0, r
         assert sample(fams, "llmgw_endpoint_info", replica="a", model="m", engine="vllm") == 1.0
-        assert sample(fams, "llmgw_admission_total", band="standard", outcome="admitted") == 15
+        # each request is admitted straight through, or queued (then dequeued) while the pool looked full
+        admitted = sample(fams, "llmgw_admission_total", band="standard", outcome="admitted") or 0
+        queued = sample(fams, "llmgw_admission_total", band="standard", outcome="queued") or 0
+        assert admitted + queued == 15
         assert sample(fams, "llmgw_admission_queue_depth", band="standard") == 0.0
         assert sample(fams, "llmgw_pool_saturation", model="m") is not None
 

@@ -4,9 +4,13 @@ Each dialect reads its metric names from ``llmgw.engines.<engine>``; names that
 module does not define yet are spelled here, next to the engine's own help text.
 Facts and sources: ``shared/reference/engines.md`` sections 0 to 4.
 
-vLLM, TensorRT-LLM and SGLang render ``/metrics`` with ``prometheus_client`` (as the
-engines do), from a private registry per engine, so several engines can share a
-process. Their series are built at scrape time from the scheduler and
+vLLM, TensorRT-LLM and SGLang answer ``/metrics`` with what ``prometheus_client``
+renders (as the engines do). The text format 0.0.4 (what llmgw's poller asks for) is
+written from templates laid out when the engine starts (:mod:`.promtext`): a scrape
+only formats the numbers that change, tens of microseconds instead of milliseconds.
+Any other negotiated format (OpenMetrics) goes through a private ``prometheus_client``
+registry per engine built from :meth:`Dialect.families`, the reference the fast text is
+tested against. Series are read at scrape time from the scheduler and
 :class:`~llmgw.engines.sim.scheduler.Stats`: the hot path only adds numbers.
 llama.cpp writes its page by hand, and so does this module.
 """
@@ -20,7 +24,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import orjson
 from prometheus_client import CollectorRegistry, GCCollector, PlatformCollector, ProcessCollector
-from prometheus_client.exposition import choose_encoder
+from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4, choose_encoder, generate_latest
 from prometheus_client.metrics_core import (
     CounterMetricFamily,
     GaugeMetricFamily,
@@ -33,6 +37,7 @@ from prometheus_client.utils import floatToGoString
 from .. import llamacpp, sglang, trtllm, vllm
 from ..base import EngineInfo
 from .openai import WORDS, Job, RequestError
+from .promtext import HistText, TextPage, process_text, process_text_available
 
 if TYPE_CHECKING:
     from ...http.parser import Request
@@ -43,6 +48,21 @@ __all__ = ["DIALECTS", "Dialect", "make_dialect"]
 
 JSON_CT = (b"content-type", b"application/json")
 TEXT_CT = (b"content-type", b"text/plain; charset=utf-8")
+_PLAIN_CT = CONTENT_TYPE_PLAIN_0_0_4.encode()
+
+# Accept header -> prometheus_client's (encoder, content type); text 0.0.4 is the fast path.
+_NEGOTIATED: dict[bytes | None, tuple[Any, bytes]] = {}
+
+
+def _negotiate(accept: bytes | None) -> tuple[Any, bytes]:
+    got = _NEGOTIATED.get(accept)
+    if got is None:
+        encoder, content_type = choose_encoder(accept.decode("latin-1") if accept else "")
+        got = (encoder, content_type.encode())
+        if len(_NEGOTIATED) >= 256:
+            _NEGOTIATED.clear()
+        _NEGOTIATED[accept] = got
+    return got
 
 # vLLM v1 buckets (vllm/v1/metrics/loggers.py); TensorRT-LLM copies them.
 _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
@@ -118,6 +138,11 @@ class Dialect:
         self.model = cfg.model
         self._keys = self._parse_keys(cfg.api_key)
         self._registry: CollectorRegistry | None = None
+        self._text: TextPage | None = None
+        self._text_built = False
+        self._hists: list[HistText] = []
+        self._with_process = False
+        self._reasons: tuple[str, ...] = ()  # finish reasons laid out in the template
 
     @classmethod
     def buckets_for(cls, cfg: SimConfig) -> dict[str, Sequence[float]]:
@@ -199,11 +224,59 @@ class Dialect:
         return self.info.metrics_path.encode()
 
     def metrics_page(self, accept: bytes | None) -> tuple[bytes, bytes]:
-        """The Prometheus page and its content type, negotiated from ``Accept``."""
+        """The Prometheus page and its content type, negotiated from ``Accept``.
+
+        Text format 0.0.4 comes from the precomputed template (:meth:`fast_text`);
+        other formats (OpenMetrics) from the ``prometheus_client`` registry.
+        """
+        encoder, content_type = _negotiate(accept)
+        if encoder is generate_latest:
+            text = self.fast_text()
+            if text is not None:
+                return text.encode(), content_type
+        return self.registry_page(accept)
+
+    def registry_page(self, accept: bytes | None) -> tuple[bytes, bytes]:
+        """The page as ``prometheus_client`` renders it from :meth:`families` (slow)."""
         if self._registry is None:
             self._registry = self._make_registry()
-        encoder, content_type = choose_encoder(accept.decode("latin-1") if accept else "")
-        return encoder(self._registry), content_type.encode()
+        encoder, content_type = _negotiate(accept)
+        return encoder(self._registry), content_type
+
+    def fast_text(self) -> str | None:
+        """The text-format page from the template; None: use the registry."""
+        if not self._text_built:
+            self._text = self._build_text()
+            self._text_built = True
+        page = self._text
+        if page is None:
+            return None
+        values = self._text_values()
+        if values is None:
+            return None
+        self.stats.flush()
+        parts = [page.render(values)]
+        parts += [h.render() for h in self._hists]
+        if self._with_process:
+            try:
+                parts.append(process_text())
+            except (OSError, ValueError, IndexError):
+                return None
+        return "".join(parts)
+
+    def _build_text(self) -> TextPage | None:
+        """Lay out the page's scalar families (and set ``_hists``); None: no fast text."""
+        return None
+
+    def _text_values(self) -> Sequence[float] | None:
+        """The values of the template's slots, in order; None: the layout no longer fits."""
+        return None
+
+    def _hist_text(self, specs: Sequence[tuple[str, str, str]], labels: Sequence[str], values: Sequence[str],
+                   created: bool) -> list[HistText]:
+        lab = dict(zip(labels, values, strict=True))
+        cr = self.stats.created if created else None
+        return [HistText(name, doc, lab, self.stats.hist[kind], cr) for name, doc, kind in specs]
 
     def _make_registry(self) -> CollectorRegistry:
         reg = CollectorRegistry(auto_describe=False)
@@ -319,6 +392,28 @@ class VllmDialect(Dialect):
     def route_version(self, request: Request, now: float) -> tuple[int, bytes, list[tuple[bytes, bytes]]]:
         return 200, b'{"version":"0.11.0+sim"}', [JSON_CT]
 
+    HISTS: ClassVar[tuple[tuple[str, str, str], ...]] = (
+        (vllm.PROMPT_TOKENS_HIST, "Number of prefill tokens processed.", "prompt_tokens"),
+        (vllm.GENERATION_TOKENS_HIST, "Number of generation tokens processed.", "generation_tokens"),
+        (MAX_TOKENS_HIST, "Histogram of the max_tokens request parameter.", "max_tokens"),
+        (N_HIST, "Histogram of the n request parameter.", "n"),
+        (vllm.TTFT, "Histogram of time to first token in seconds.", "ttft"),
+        (vllm.ITL, "Histogram of inter-token latency in seconds.", "itl"),
+        (TPOT, "Histogram of time_per_output_token_seconds per request.", "tpot"),
+        (vllm.E2E, "Histogram of e2e request latency in seconds.", "e2e"),
+        (vllm.QUEUE_TIME, "Histogram of time spent in WAITING phase for request.", "queue"),
+        (INFERENCE_TIME, "Histogram of time spent in RUNNING phase for request.", "inference"),
+        (PREFILL_TIME, "Histogram of time spent in PREFILL phase for request.", "prefill"),
+        (DECODE_TIME, "Histogram of time spent in DECODE phase for request.", "decode"),
+    )
+
+    def _cache_config(self) -> dict[str, str]:
+        return {
+            "block_size": "16", "cache_dtype": "auto", "enable_prefix_caching": "True",
+            "gpu_memory_utilization": "0.9", "num_cpu_blocks": "0",
+            "num_gpu_blocks": str(self.sched.kv_tokens // 16), "engine": "0",
+        }
+
     def _make_registry(self) -> CollectorRegistry:
         reg = super()._make_registry()
         # vLLM's single API server uses the default registry, which carries these.
@@ -337,11 +432,7 @@ class VllmDialect(Dialect):
         yield _gauge(vllm.RUNNING, "Number of requests in model execution batches.", L, V, sched.n_running)
         yield _gauge(vllm.WAITING, "Number of requests waiting to be processed.", L, V, sched.n_waiting)
         yield _gauge(vllm.KV_CACHE_USAGE, "KV-cache usage. 1 means 100 percent usage.", L, V, kv)
-        info = {
-            "block_size": "16", "cache_dtype": "auto", "enable_prefix_caching": "True",
-            "gpu_memory_utilization": "0.9", "num_cpu_blocks": "0",
-            "num_gpu_blocks": str(sched.kv_tokens // 16), "engine": "0",
-        }
+        info = self._cache_config()
         yield _gauge(vllm.CACHE_CONFIG_INFO, "Information of the LLMEngine CacheConfig", list(info),
                      list(info.values()), 1.0)
         yield _counter(vllm.NUM_PREEMPTIONS, "Cumulative number of preemption from the engine.", L, V, 0, cr)
@@ -357,21 +448,49 @@ class VllmDialect(Dialect):
         for reason, count in st.finished.items():
             ok.add_metric([*V, reason], count, created=cr)
         yield ok
-        for name, doc, kind in (
-            (vllm.PROMPT_TOKENS_HIST, "Number of prefill tokens processed.", "prompt_tokens"),
-            (vllm.GENERATION_TOKENS_HIST, "Number of generation tokens processed.", "generation_tokens"),
-            (self.MAX_TOKENS_HIST, "Histogram of the max_tokens request parameter.", "max_tokens"),
-            (self.N_HIST, "Histogram of the n request parameter.", "n"),
-            (vllm.TTFT, "Histogram of time to first token in seconds.", "ttft"),
-            (vllm.ITL, "Histogram of inter-token latency in seconds.", "itl"),
-            (self.TPOT, "Histogram of time_per_output_token_seconds per request.", "tpot"),
-            (vllm.E2E, "Histogram of e2e request latency in seconds.", "e2e"),
-            (vllm.QUEUE_TIME, "Histogram of time spent in WAITING phase for request.", "queue"),
-            (self.INFERENCE_TIME, "Histogram of time spent in RUNNING phase for request.", "inference"),
-            (self.PREFILL_TIME, "Histogram of time spent in PREFILL phase for request.", "prefill"),
-            (self.DECODE_TIME, "Histogram of time spent in DECODE phase for request.", "decode"),
-        ):
+        for name, doc, kind in self.HISTS:
             yield self._hist(name, doc, kind, L, V, created=True)
+
+    # The fast text: the layout of families(), then prometheus_client's default collectors.
+
+    def _build_text(self) -> TextPage | None:
+        if not process_text_available():
+            return None
+        L = {vllm.MODEL_LABEL: self.model, vllm.ENGINE_LABEL: "0"}
+        cr = self.stats.created
+        self._reasons = tuple(self.stats.finished)
+        page = TextPage()
+        page.gauge(vllm.RUNNING, "Number of requests in model execution batches.", L)
+        page.gauge(vllm.WAITING, "Number of requests waiting to be processed.", L)
+        page.gauge(vllm.KV_CACHE_USAGE, "KV-cache usage. 1 means 100 percent usage.", L)
+        page.gauge(vllm.CACHE_CONFIG_INFO, "Information of the LLMEngine CacheConfig", self._cache_config(), 1.0)
+        page.counter(vllm.NUM_PREEMPTIONS, "Cumulative number of preemption from the engine.", [L], cr, [0])
+        page.counter(vllm.PROMPT_TOKENS, "Number of prefill tokens processed.", [L], cr)
+        page.counter(vllm.GENERATION_TOKENS, "Number of generation tokens processed.", [L], cr)
+        page.counter(self.PREFIX_CACHE_QUERIES, "Prefix cache queries, in terms of number of queried tokens.",
+                     [L], cr)
+        page.counter(self.PREFIX_CACHE_HITS, "Prefix cache hits, in terms of number of cached tokens.", [L], cr,
+                     [0])
+        page.counter(vllm.REQUEST_SUCCESS, "Count of successfully processed requests.",
+                     [{**L, "finished_reason": r} for r in self._reasons], cr)
+        self._hists = self._hist_text(self.HISTS, list(L), list(L.values()), created=True)
+        self._with_process = True
+        return page
+
+    def _text_values(self) -> Sequence[float] | None:
+        sched, st = self.sched, self.stats
+        finished = st.finished
+        if len(finished) != len(self._reasons):
+            return None
+        now = sched.now()
+        running = sched.running
+        kv = gen = 0
+        for r in running:
+            g = r.generated(now)
+            gen += g
+            kv += r.prompt_tokens + g
+        return (len(running), sched.n_waiting, kv / sched.kv_tokens, st.prompt_tokens,
+                st.generation_tokens + gen, st.prompt_tokens, *finished.values())
 
 
 # ---------------------------------------------------------------------------
@@ -576,6 +695,14 @@ class TrtllmDialect(Dialect):
     KV_TOKENS_PER_BLOCK = "trtllm_kv_cache_tokens_per_block"
     KV_HIT_RATE = "trtllm_kv_cache_hit_rate"
     REQUEST_ERROR = "trtllm_request_error"
+    HISTS: ClassVar[tuple[tuple[str, str, str], ...]] = (
+        (trtllm.E2E, "Histogram of end to end request latency in seconds.", "e2e"),
+        (trtllm.TTFT, "Histogram of time to first token in seconds.", "ttft"),
+        (TPOT, "Histogram of time per output token in seconds.", "tpot"),
+        (trtllm.QUEUE_TIME, "Histogram of time spent in WAITING phase for request.", "queue"),
+        (PREFILL_TIME, "Histogram of time spent in PREFILL phase for request.", "prefill"),
+        (DECODE_TIME, "Histogram of time spent in DECODE phase for request.", "decode"),
+    )
 
     def __init__(self, cfg: SimConfig, sched: Scheduler, stats: Stats, created: int) -> None:
         super().__init__(cfg, sched, stats, created)
@@ -661,15 +788,49 @@ class TrtllmDialect(Dialect):
         yield _counter(trtllm.PROMPT_TOKENS, "Number of prefill tokens processed.", L, V, st.prompt_tokens, cr)
         yield _counter(trtllm.GENERATION_TOKENS, "Number of generation tokens processed.", L, V,
                        st.generation_tokens + sched.generating(now), cr)
-        for name, doc, kind in (
-            (trtllm.E2E, "Histogram of end to end request latency in seconds.", "e2e"),
-            (trtllm.TTFT, "Histogram of time to first token in seconds.", "ttft"),
-            (self.TPOT, "Histogram of time per output token in seconds.", "tpot"),
-            (trtllm.QUEUE_TIME, "Histogram of time spent in WAITING phase for request.", "queue"),
-            (self.PREFILL_TIME, "Histogram of time spent in PREFILL phase for request.", "prefill"),
-            (self.DECODE_TIME, "Histogram of time spent in DECODE phase for request.", "decode"),
-        ):
+        for name, doc, kind in self.HISTS:
             yield self._hist(name, doc, kind, L, V, created=True)
+
+    def _build_text(self) -> TextPage | None:
+        if not process_text_available():
+            return None
+        L = dict(zip(self.LABELS, self.VALUES, strict=True))
+        cr = self.stats.created
+        self._reasons = tuple(self.stats.finished)
+        page = TextPage()
+        page.gauge(trtllm.WAITING, "Number of requests waiting to be scheduled.", L)
+        page.gauge(trtllm.RUNNING, "Number of requests currently running.", L)
+        page.gauge(trtllm.KV_CACHE_USAGE, "KV cache utilization (used blocks / max blocks).", L)
+        page.gauge(self.KV_MAX_BLOCKS, "Maximum number of KV cache blocks.", L)
+        page.gauge(self.KV_FREE_BLOCKS, "Number of free KV cache blocks.", L)
+        page.gauge(self.KV_USED_BLOCKS, "Number of used KV cache blocks.", L)
+        page.gauge(self.KV_TOKENS_PER_BLOCK, "Number of tokens per KV cache block.", L, self.TOKENS_PER_BLOCK)
+        page.gauge(self.KV_HIT_RATE, "KV cache hit rate.", L, 0.0)
+        page.counter(trtllm.REQUEST_SUCCESS, "Count of successfully processed requests.",
+                     [{**L, "finished_reason": r} for r in self._reasons], cr)
+        page.counter(self.REQUEST_ERROR, "Count of failed requests.", [L], cr)
+        page.counter(trtllm.PROMPT_TOKENS, "Number of prefill tokens processed.", [L], cr)
+        page.counter(trtllm.GENERATION_TOKENS, "Number of generation tokens processed.", [L], cr)
+        self._hists = self._hist_text(self.HISTS, self.LABELS, self.VALUES, created=True)
+        self._with_process = True
+        return page
+
+    def _text_values(self) -> Sequence[float] | None:
+        sched, st = self.sched, self.stats
+        finished = st.finished
+        if len(finished) != len(self._reasons):
+            return None
+        now = sched.now()
+        tpb = self.TOKENS_PER_BLOCK
+        kv = gen = used = 0
+        for r in sched.running:
+            g = r.generated(now)
+            gen += g
+            kv += r.prompt_tokens + g
+            used += -(-(r.prompt_tokens + g) // tpb)
+        max_blocks = sched.kv_tokens // tpb
+        return (sched.n_waiting, len(sched.running), kv / sched.kv_tokens, max_blocks, max_blocks - used, used,
+                *finished.values(), st.errors, st.prompt_tokens, st.generation_tokens + gen)
 
 
 # ---------------------------------------------------------------------------
@@ -684,6 +845,11 @@ class SglangDialect(Dialect):
         (b"GET", b"/get_model_info"): "model_info",
     }
     ITL = "sglang:inter_token_latency_seconds"
+    HISTS: ClassVar[tuple[tuple[str, str, str], ...]] = (
+        (sglang.TTFT, "Histogram of time to first token in seconds.", "ttft"),
+        (ITL, "Histogram of inter-token latency in seconds.", "itl"),
+        (sglang.E2E, "Histogram of End-to-end request latency in seconds", "e2e"),
+    )
 
     @classmethod
     def buckets_for(cls, cfg: SimConfig) -> dict[str, Sequence[float]]:
@@ -728,12 +894,39 @@ class SglangDialect(Dialect):
         yield _counter(sglang.GENERATION_TOKENS, "Number of generation tokens processed.", TL, TV,
                        st.generation_tokens + sched.generating(now), None)
         yield _counter(sglang.NUM_REQUESTS, "Number of requests processed.", TL, TV, sum(st.finished.values()), None)
-        for name, doc, kind in (
-            (sglang.TTFT, "Histogram of time to first token in seconds.", "ttft"),
-            (self.ITL, "Histogram of inter-token latency in seconds.", "itl"),
-            (sglang.E2E, "Histogram of End-to-end request latency in seconds", "e2e"),
-        ):
+        for name, doc, kind in self.HISTS:
             yield self._hist(name, doc, kind, TL, TV, created=False)
+
+    def _build_text(self) -> TextPage | None:
+        GL = {sglang.MODEL_LABEL: self.model, "engine_type": "unified", "tp_rank": "0", "pp_rank": "0"}
+        TL = {sglang.MODEL_LABEL: self.model, "engine_type": "unified"}
+        page = TextPage()
+        page.gauge(sglang.RUNNING, "The number of running requests.", GL)
+        page.gauge(sglang.WAITING, "The number of requests in the waiting queue.", GL)
+        page.gauge(sglang.NUM_USED_TOKENS, "The number of used tokens.", GL)
+        page.gauge(sglang.KV_CACHE_USAGE, "The token usage.", GL)
+        page.gauge(sglang.MAX_TOTAL_NUM_TOKENS, "Maximum total number of tokens in the KV cache pool.", GL,
+                   self.sched.kv_tokens)
+        page.gauge(sglang.GEN_THROUGHPUT, "The generation throughput (token/s).", GL)
+        page.gauge(sglang.CACHE_HIT_RATE, "The prefix cache hit rate.", GL, 0.0)
+        page.counter(sglang.PROMPT_TOKENS, "Number of prefill tokens processed.", [TL], None)
+        page.counter(sglang.GENERATION_TOKENS, "Number of generation tokens processed.", [TL], None)
+        page.counter(sglang.NUM_REQUESTS, "Number of requests processed.", [TL], None)
+        self._hists = self._hist_text(self.HISTS, list(TL), list(TL.values()), created=False)
+        return page
+
+    def _text_values(self) -> Sequence[float] | None:
+        sched, st = self.sched, self.stats
+        now = sched.now()
+        used = gen = 0
+        for r in sched.running:
+            g = r.generated(now)
+            gen += g
+            used += r.prompt_tokens + g
+        # Summed in the running set's order, as families() does (float sums depend on order).
+        throughput = sum(1.0 / r.tpi for r in sched.running if r.tpi > 0 and r.t_first <= now)
+        return (len(sched.running), sched.n_waiting, used, used / sched.kv_tokens, throughput, st.prompt_tokens,
+                st.generation_tokens + gen, sum(st.finished.values()))
 
 
 DIALECTS: dict[str, type[Dialect]] = {
