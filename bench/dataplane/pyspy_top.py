@@ -34,7 +34,9 @@ def main() -> None:
     selfc: collections.Counter[str] = collections.Counter()
     total: collections.Counter[str] = collections.Counter()
     n = idle = 0
-    for line in open(args.raw):
+    with open(args.raw) as fh:
+        lines = fh.read().splitlines()
+    for line in lines:
         line = line.rstrip("\n")
         if not line:
             continue

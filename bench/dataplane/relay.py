@@ -66,9 +66,8 @@ class Client(asyncio.Protocol):
         fut.add_done_callback(self._connected)
 
     def _connected(self, fut: asyncio.Future) -> None:  # type: ignore[type-arg]
-        if fut.cancelled() or fut.exception() is not None:
-            if self.transport is not None:
-                self.transport.close()
+        if (fut.cancelled() or fut.exception() is not None) and self.transport is not None:
+            self.transport.close()
 
     def upstream_ready(self, up: Upstream) -> None:
         self.up = up

@@ -162,8 +162,8 @@ signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 
 
 def start(cmd: list[str], log: Path, env: dict[str, str] | None = None) -> subprocess.Popen:  # type: ignore[type-arg]
-    f = open(log, "ab")
-    p = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    with open(log, "ab") as f:  # the child keeps its own copy of the descriptor
+        p = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     _procs.append(p)
     return p
 

@@ -22,7 +22,6 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.utils import floatToGoString
 
-
 from llmgw.engines.sim import SimConfig, SimEngine, promtext
 from llmgw.engines.sim.dialects import Dialect
 

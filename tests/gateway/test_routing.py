@@ -104,7 +104,7 @@ async def test_dead_replica_is_avoided_then_taken_back() -> None:
     b = SimConfig(model="m", engine="vllm", slots=8, ttft_ms=5, tokens_per_second=1000, seed=2)
     async with fleet([a, b], breaker={"failures": 2, "cooldown": "300ms"}, routing={"strategy": "round_robin"}) as (
         rt,
-        (ea, eb),
+        (_, eb),
     ):
         port = gw_port(rt)
         eb.set_faults(error_rate=1.0, error_status=503)
@@ -189,7 +189,7 @@ async def test_disconnected_queued_client_leaves_no_trace() -> None:
         busy = [asyncio.create_task(post(port, chat(max_tokens=5))) for _ in range(2)]
         await asyncio.sleep(0.3)
         body = orjson.dumps(chat())
-        r, w = await asyncio.open_connection("127.0.0.1", port)
+        _, w = await asyncio.open_connection("127.0.0.1", port)
         w.write(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body))
         for _ in range(100):
             if sum(rt.registry.queue_depths().values()) >= 1:
