@@ -38,7 +38,7 @@ async def main():
     await rt.start()
     admin = rt.admin_server.app
     mode = sys.argv[2]
-    rt.gateway.set_observer(NullObserver() if mode == "off" else admin.observer)
+    rt.gateway.set_observer(NullObserver() if mode.startswith("off") else admin.observer)
     if mode == "hooks":
         rt.gateway.count_tokens = False  # the observer's hooks alone, without reading usage from answers
     await asyncio.Event().wait()
@@ -58,11 +58,12 @@ def main() -> None:
     ap.add_argument("--no-stream", action="store_true")
     ap.add_argument("--hooks", action="store_true",
                     help="also run metrics on without token counting (the observer's hooks alone)")
+    ap.add_argument("--modes", help="comma list of on, off, hooks, off2 (a second 'off': the noise floor)")
     args = ap.parse_args()
 
     base = args.port_base
     up = (base + 1, base + 2)
-    modes = ["on", "off"] + (["hooks"] if args.hooks else [])
+    modes = args.modes.split(",") if args.modes else ["on", "off"] + (["hooks"] if args.hooks else [])
     gws = {m: (base + 10 + i, base + 20 + i) for i, m in enumerate(modes)}
     d = Path(tempfile.mkdtemp(prefix="llmgw-observer-bench-"))
     (d / "tmp").mkdir()

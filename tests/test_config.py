@@ -17,7 +17,9 @@ EP = {"id": "a", "url": "http://127.0.0.1:8001", "model": "m"}
 def test_example_config_loads(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("GPU0_KEY", "k0")
     monkeypatch.setenv("TEAM_A_KEY", "ka")
+    monkeypatch.setenv("LLMGW_ADMIN_TOKEN", "tok-9f3e")
     cfg = load_file(ROOT / "llmgw.example.yaml")
+    assert cfg.admin_token == "tok-9f3e"
     assert cfg.listen == ("127.0.0.1", 8080)
     assert [e.id for e in cfg.endpoints] == ["gpu0-llama", "gpu1-llama", "cpu0-qwen"]
     assert cfg.endpoints[0].api_key == "k0"
@@ -40,7 +42,7 @@ def test_example_config_loads(monkeypatch: pytest.MonkeyPatch) -> None:
     assert qwen.metric_names["waiting"] == ("llamacpp:requests_deferred",)
     assert cfg.endpoints[0].metrics_path == "/metrics"
     # secrets never show in repr
-    assert "k0" not in repr(cfg) and "ka" not in repr(cfg)
+    assert "k0" not in repr(cfg) and "ka" not in repr(cfg) and "tok-9f3e" not in repr(cfg)
 
 
 def test_defaults_without_a_file() -> None:

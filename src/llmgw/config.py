@@ -282,6 +282,7 @@ class Config:
     auth: AuthConfig = field(default_factory=AuthConfig)
     access_log: AccessLogConfig = field(default_factory=AccessLogConfig)
     mirror_root: str | None = None
+    admin_token: str | None = field(default=None, repr=False)
     source: str | None = None
 
     def model_names(self) -> tuple[str, ...]:
@@ -687,6 +688,7 @@ def load(data: Any, source: str | None = None) -> Config:
     if not isinstance(al, bool):
         raise r.err("access_log", f"expected true or false, got {al!r}")
 
+    admin_token = r.secret("admin_token", "admin_token_env")
     mirror = r.section("mirror")
     mirror_root = mirror.text("root")
     if mirror_root is not None:
@@ -710,6 +712,7 @@ def load(data: Any, source: str | None = None) -> Config:
         auth=auth,
         access_log=AccessLogConfig(enabled=al),
         mirror_root=mirror_root,
+        admin_token=admin_token,
         source=source,
     )
 

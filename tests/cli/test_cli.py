@@ -51,6 +51,7 @@ def test_serve_help() -> None:
 def test_check_config_ok(monkeypatch) -> None:  # type: ignore[no-untyped-def]
     monkeypatch.setenv("GPU0_KEY", "x")
     monkeypatch.setenv("TEAM_A_KEY", "y")
+    monkeypatch.setenv("LLMGW_ADMIN_TOKEN", "z")
     res = CliRunner().invoke(main, ["check-config", str(ROOT / "llmgw.example.yaml")])
     assert res.exit_code == 0, res.output
     assert "OK" in res.output

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 from mirror_helpers import (
@@ -480,15 +481,28 @@ def test_oversized_small_layer_claim(ollama: OllamaStore, store: MirrorStore, ti
         import_ollama(store, "huge", ollama_dir=ollama.root)
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="root reads everything")
-def test_unreadable_store(ollama: OllamaStore, store: MirrorStore, tiny: bytes) -> None:  # pragma: no cover
+def test_unreadable_store(
+    ollama: OllamaStore, store: MirrorStore, tiny: bytes, monkeypatch: pytest.MonkeyPatch
+) -> None:
     ollama.add_model("tiny", gguf=tiny)
-    os.chmod(ollama.root / "manifests", 0)
+    manifests = ollama.root / "manifests"
+    if os.geteuid() == 0:
+        # root reads a mode-0 directory anyway: refuse the listing as the kernel
+        # would for any other user.
+        real_listdir = os.listdir
+
+        def listdir(path: Any = ".") -> list[str]:
+            if os.fspath(path) == os.fspath(manifests):
+                raise PermissionError(13, "Permission denied", os.fspath(path))
+            return real_listdir(path)
+
+        monkeypatch.setattr(os, "listdir", listdir)
+    os.chmod(manifests, 0)
     try:
         with pytest.raises(PermissionError, match="permission denied"):
             import_ollama(store, "tiny", roots=[ollama.root])
     finally:
-        os.chmod(ollama.root / "manifests", 0o755)
+        os.chmod(manifests, 0o755)
 
 
 def test_ollama_name_display_rules() -> None:

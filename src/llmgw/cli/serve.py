@@ -15,7 +15,6 @@ import click
 from .. import __version__
 from ..config import Config, EndpointConfig, ModelConfig, find_config, load, load_file, parse_hostport
 from ..errors import ConfigError
-from ..log import server_logger as log
 
 __all__ = ["DEMO_MODELS", "check_config", "serve"]
 
@@ -121,20 +120,19 @@ async def _serve(cfg: Config, demo: bool) -> int:
         gc.collect()
         gc.freeze()
 
-        def _reload() -> None:
-            try:
-                runtime.reload()
-            except (ConfigError, RuntimeError) as exc:
-                log.error("reload failed, keeping the running configuration: %s", exc)
+        from ..admin.manage import install_sighup
 
-        loop.add_signal_handler(signal.SIGHUP, _reload)
-        await stop.wait()
+        uninstall = install_sighup(runtime)
+        try:
+            await stop.wait()
+        finally:
+            uninstall()
         click.echo("llmgw: shutting down (finishing in-flight requests)", err=True)
         await runtime.stop()
     finally:
         for sim in engines:
             await sim.stop()
-        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        for sig in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(sig)
     return 0
 

@@ -36,6 +36,7 @@ class GatewayRuntime:
         self.listen_addr: tuple[str, int] | None = None
         self.admin_addr: tuple[str, int] | None = None
         self.poller: Poller | None = None
+        self.admin: AdminApp | None = None
 
     async def start(self) -> None:
         """Bind both listeners.
@@ -57,7 +58,9 @@ class GatewayRuntime:
             max_connections=s.max_connections,
         )
         self.server = HTTPServer(self.gateway, limits, name="gateway")
-        self.admin_server = HTTPServer(AdminApp(self), ServerLimits(max_body=1024 * 1024), name="admin")
+        self.admin = AdminApp(self)
+        self.gateway.set_observer(self.admin.observer)
+        self.admin_server = HTTPServer(self.admin, ServerLimits(max_body=1024 * 1024), name="admin")
         try:
             self.listen_addr = await self.server.listen(*cfg.listen)
             self.admin_addr = await self.admin_server.listen(*cfg.admin)
@@ -135,6 +138,15 @@ class GatewayRuntime:
         added = [i for i in new if i not in old]
         removed = [i for i in old if i not in new]
         changed = [i for i in new if i in old and new[i] != old[i]]
+        # Check before changing anything: an id added at run time (API) that the
+        # file now also names would fail half-way.
+        clash = [i for i in added if i in registry.endpoints]
+        if clash:
+            raise ConfigError(
+                "endpoints",
+                f"{', '.join(clash)} already exist(s) (added at run time); remove them first or rename them in the file",
+                source=config.source,
+            )
         for i in removed:
             if i in registry.endpoints:
                 registry.remove(i).pool.close_idle()
@@ -172,5 +184,7 @@ class GatewayRuntime:
             await self.server.close(timeout)
         if self.admin_server is not None:
             await self.admin_server.close(1.0)
+        if self.admin is not None:
+            self.admin.close()
         if self.registry is not None:
             self.registry.close()

@@ -10,7 +10,7 @@ Upstream error ``kind`` values: ``connect_refused``, ``connect_timeout``,
 ``read_timeout``, ``bad_response`` (not valid HTTP), ``status_5xx``.
 Admission ``outcome``: ``admitted`` (straight through), ``queued``, ``dequeued``,
 ``rejected``; ``reason`` for rejections: ``queue_full``, ``queue_timeout``,
-``evicted``, ``no_capacity``.
+``evicted``, ``client_gone`` (the client left while queued).
 """
 
 from __future__ import annotations

@@ -147,16 +147,12 @@ def _usage_slice(data: bytes, at: int) -> bytes | None:
     start = data.find(b"{", at, at + 32)
     if start < 0:
         return None
-    depth = 0
-    for i in range(start, min(len(data), start + 4096)):
-        c = data[i]
-        if c == 123:  # {
-            depth += 1
-        elif c == 125:  # }
-            depth -= 1
-            if depth == 0:
-                return data[start : i + 1]
-    return None
+    limit = min(len(data), start + 4096)
+    # PERF: C-level find/count instead of a Python loop over the bytes.
+    end = data.find(b"}", start, limit)
+    while end >= 0 and data.count(b"{", start, end) > data.count(b"}", start, end + 1):
+        end = data.find(b"}", end + 1, limit)
+    return data[start : end + 1] if end >= 0 else None
 
 
 # Deadline kinds of a Call (checked by the gateway's sweep).
