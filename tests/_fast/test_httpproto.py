@@ -854,3 +854,34 @@ def test_differential_valid_requests(reqs: list[tuple[bytes, dict[str, Any]]], d
         assert got["target"] == want["target"]
         assert got["body"] == want["body"]
         assert got["headers"][: len(want["headers"])] == want["headers"]
+
+
+USAGE_CASES = [
+    (b'{"x":1,"usage":{"prompt_tokens":10,"total_tokens":30,"completion_tokens":20}}', (10, 20)),
+    (b'{"usage": {"prompt_tokens" : 7, "completion_tokens": 3, "prompt_tokens_details": {"cached_tokens": 2}}}', (7, 3)),
+    (b'{"usage":{"prompt_tokens_details":{"cached_tokens":0},"prompt_tokens":5,"completion_tokens":6}}', (5, 6)),
+    (b'data: {"choices":[],"usage":{"prompt_tokens":1,"completion_tokens":64}}\n\n', (1, 64)),
+    (b'{"usage":{"prompt_tokens":1,"completion_tokens":2}} {"usage":{"prompt_tokens":3,"completion_tokens":4}}', (3, 4)),
+    (b'{"usage":null}', None),
+    (b'{"usage":{"prompt_tokens":5}}', None),
+    (b'{"usage":{"prompt_tokens":"5","completion_tokens":1}}', None),
+    (b'{"usage":{"prompt_tokens":5,' + b" " * 2000 + b'"completion_tokens":1}}', None),
+    (b"", None),
+    (b'"usage"', None),
+]
+
+
+@pytest.mark.parametrize(("data", "expected"), USAGE_CASES)
+def test_usage_counts(httpproto: ModuleType, data: bytes, expected: object) -> None:
+    assert httpproto.usage_counts(data) == expected
+
+
+@pytest.mark.c_extension
+@given(st.binary(max_size=300))
+def test_usage_counts_twins_agree(data: bytes) -> None:
+    from llmgw._fast import httpproto as compiled
+    from llmgw._fast import httpproto_py
+
+    blob = b'{"usage":{"prompt_tokens":' + data + b'"completion_tokens":2}}'
+    for x in (data, blob, data + blob, blob + data):
+        assert compiled.usage_counts(x) == httpproto_py.usage_counts(x)

@@ -240,3 +240,34 @@ async def test_strategy_per_model_is_configurable() -> None:
             _, hdrs, _ = await post(gw_port(rt), chat())
             order.append(hdrs[b"x-llmgw-replica"])
         assert order[0::2] == [order[0]] * 3 and order[1::2] == [order[1]] * 3 and order[0] != order[1]
+
+
+async def test_token_usage_is_counted_for_whole_and_streamed_answers() -> None:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    async with fleet([SimConfig(model="m", engine="vllm", seed=1, ttft_ms=1, tokens_per_second=1000)]) as (rt, _):
+        port = gw_port(rt)
+        status, _, _ = await post(port, chat(max_tokens=5))
+        assert status == 200
+        body = orjson.dumps(
+            {**chat(max_tokens=7), "stream": True, "stream_options": {"include_usage": True}}
+        )
+        r, w = await asyncio.open_connection("127.0.0.1", port)
+        w.write(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\nconnection: close\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body))
+        data = await asyncio.wait_for(r.read(), 10)
+        w.close()
+        assert b"[DONE]" in data
+        assert rt.admin_addr is not None
+        r, w = await asyncio.open_connection(*rt.admin_addr)
+        w.write(b"GET /metrics HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n")
+        page = (await asyncio.wait_for(r.read(), 10)).split(b"\r\n\r\n", 1)[1].decode()
+        w.close()
+        tokens = {
+            s.labels["kind"]: s.value
+            for fam in text_string_to_metric_families(page)
+            if fam.name == "llmgw_tokens"
+            for s in fam.samples
+            if s.name == "llmgw_tokens_total" and s.labels.get("model") == "m"
+        }
+        assert tokens["completion"] == 12
+        assert tokens["prompt"] >= 2

@@ -3,7 +3,7 @@
 
 cimport cython
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize, PyBytes_GET_SIZE
-from libc.string cimport memcpy
+from libc.string cimport memcmp, memcpy
 
 import httptools
 
@@ -514,3 +514,72 @@ cdef class ResponseReader:
             self._interim = False
             return
         self._on_end()
+
+
+cdef Py_ssize_t _find(const char* s, Py_ssize_t start, Py_ssize_t end, const char* pat, Py_ssize_t m) noexcept nogil:
+    cdef Py_ssize_t i
+    if m == 0:
+        return start
+    i = start
+    while i + m <= end:
+        if s[i] == pat[0] and memcmp(s + i, pat, m) == 0:
+            return i
+        i += 1
+    return -1
+
+
+cdef Py_ssize_t _rfind(const char* s, Py_ssize_t n, const char* pat, Py_ssize_t m) noexcept nogil:
+    cdef Py_ssize_t i = n - m
+    while i >= 0:
+        if s[i] == pat[0] and memcmp(s + i, pat, m) == 0:
+            return i
+        i -= 1
+    return -1
+
+
+cdef inline bint _is_ws(char c) noexcept nogil:
+    return c == 32 or c == 9 or c == 13 or c == 10
+
+
+cdef long long _int_value(const char* s, Py_ssize_t start, Py_ssize_t end, const char* key,
+                          Py_ssize_t klen) noexcept nogil:
+    # -1: absent or not an integer
+    cdef Py_ssize_t i = _find(s, start, end, key, klen)
+    cdef Py_ssize_t j
+    cdef long long v = 0
+    if i < 0:
+        return -1
+    i += klen
+    while i < end and _is_ws(s[i]):
+        i += 1
+    if i >= end or s[i] != 58:
+        return -1
+    i += 1
+    while i < end and _is_ws(s[i]):
+        i += 1
+    j = i
+    while j < end and j - i < 18 and s[j] >= 48 and s[j] <= 57:
+        v = v * 10 + (s[j] - 48)
+        j += 1
+    if j == i:
+        return -1
+    return v
+
+
+def usage_counts(bytes data):
+    """``(prompt_tokens, completion_tokens)`` of the last ``"usage"`` object (see the twin)."""
+    cdef const char* s = PyBytes_AS_STRING(data)
+    cdef Py_ssize_t n = PyBytes_GET_SIZE(data)
+    cdef Py_ssize_t at, end
+    cdef long long prompt, completion
+    at = _rfind(s, n, b'"usage"', 7)
+    if at < 0:
+        return None
+    end = n if n < at + 1024 else at + 1024
+    prompt = _int_value(s, at, end, b'"prompt_tokens"', 15)
+    if prompt < 0:
+        return None
+    completion = _int_value(s, at, end, b'"completion_tokens"', 19)
+    if completion < 0:
+        return None
+    return (prompt, completion)

@@ -42,6 +42,7 @@ __all__ = [
     "chunk_head",
     "response_head",
     "upstream_head",
+    "usage_counts",
 ]
 
 DEFAULT_MAX_HEAD_BYTES = 16 * 1024
@@ -635,3 +636,49 @@ class ResponseReader:
             self._interim = False
             return
         self._on_end()
+
+
+_USAGE_KEY = b'"usage"'
+_USAGE_WINDOW = 1024
+
+
+def _int_value(data: bytes, key: bytes, start: int, end: int) -> int | None:
+    i = data.find(key, start, end)
+    if i < 0:
+        return None
+    i += len(key)
+    while i < end and data[i] in b" \t\r\n":
+        i += 1
+    if i >= end or data[i] != 58:  # ':'
+        return None
+    i += 1
+    while i < end and data[i] in b" \t\r\n":
+        i += 1
+    j = i
+    while j < end and j - i < 18 and 48 <= data[j] <= 57:
+        j += 1
+    if j == i:
+        return None
+    return int(data[i:j])
+
+
+def usage_counts(data: bytes) -> tuple[int, int] | None:
+    """``(prompt_tokens, completion_tokens)`` of the last ``"usage"`` object in ``data``.
+
+    A JSON answer (or SSE event) reports its token usage in a small object near
+    its end. This finds the last ``"usage"`` key and reads the two integers
+    within the next 1024 bytes, without parsing the JSON; ``None`` when either is
+    missing (``"usage": null`` included). Keys inside ``*_details`` objects do not
+    match (the closing quote is part of the key).
+    """
+    at = data.rfind(_USAGE_KEY)
+    if at < 0:
+        return None
+    end = min(len(data), at + _USAGE_WINDOW)
+    prompt = _int_value(data, b'"prompt_tokens"', at, end)
+    if prompt is None:
+        return None
+    completion = _int_value(data, b'"completion_tokens"', at, end)
+    if completion is None:
+        return None
+    return prompt, completion

@@ -50,7 +50,7 @@ from ..errors import (
 )
 from ..fleet.registry import Endpoint, ModelPool, Registry
 from ..http.client import UpstreamConnection
-from ..http.parser import Request, Response, upstream_head
+from ..http.parser import Request, Response, upstream_head, usage_counts
 from ..http.server import ResponseWriter
 from ..log import access_logger, upstream_logger
 from ..routing import RetryBudget, retry_after
@@ -140,19 +140,6 @@ def _sse_error(message: str, code: str) -> bytes:
     return b"data: " + orjson.dumps(
         {"error": {"message": message, "type": "server_error", "param": None, "code": code}}
     ) + _SSE_SEP
-
-
-def _usage_slice(data: bytes, at: int) -> bytes | None:
-    """The ``{...}`` object that follows ``"usage"`` at ``at`` (it nests one level at most)."""
-    start = data.find(b"{", at, at + 32)
-    if start < 0:
-        return None
-    limit = min(len(data), start + 4096)
-    # PERF: C-level find/count instead of a Python loop over the bytes.
-    end = data.find(b"}", start, limit)
-    while end >= 0 and data.count(b"{", start, end) > data.count(b"}", start, end + 1):
-        end = data.find(b"}", end + 1, limit)
-    return data[start : end + 1] if end >= 0 else None
 
 
 # Deadline kinds of a Call (checked by the gateway's sweep).
@@ -438,11 +425,9 @@ class Call:
             self.sent_bytes += len(out)
             self.w.write(out)
             if self.gw.count_tokens:
-                at = out.find(b'"usage":{')
-                if at < 0:
-                    at = out.find(b'"usage": {')
-                if at >= 0:
-                    self._usage(out, at)
+                counts = usage_counts(out)
+                if counts is not None:
+                    self.gw.observer.tokens(self.model, counts[0], counts[1])
         else:
             self._buf.append(data)
             self.sent_bytes += len(data)
@@ -494,9 +479,9 @@ class Call:
             return
         w.send(status, body, (), resp.forward + self.rid_line + ep.replica_line)
         if self.gw.count_tokens:
-            at = body.rfind(b'"usage"')
-            if at >= 0:
-                self._usage(body, at)
+            counts = usage_counts(body)
+            if counts is not None:
+                self.gw.observer.tokens(self.model, counts[0], counts[1])
         self._completed(True)
 
     def on_upstream_lost(self, exc: BaseException | None) -> None:
@@ -528,20 +513,6 @@ class Call:
             # Never a fabricated [DONE] or finish_reason: the client learns the truth.
             w.write(_sse_error(f"stream interrupted: {why}", code))
         w.end()
-
-    def _usage(self, data: bytes, at: int) -> None:
-        """Report token usage from the ``usage`` object at ``at``."""
-        chunk = _usage_slice(data, at)
-        if chunk is None:
-            return
-        try:
-            usage = orjson.loads(chunk)
-        except orjson.JSONDecodeError:
-            return
-        prompt = usage.get("prompt_tokens")
-        completion = usage.get("completion_tokens")
-        if isinstance(prompt, int) and isinstance(completion, int):
-            self.gw.observer.tokens(self.model, prompt, completion)
 
     # -- deadlines (from the gateway's sweep) --
 

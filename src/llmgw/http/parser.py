@@ -22,6 +22,7 @@ if TYPE_CHECKING:
         chunk_head,
         response_head,
         upstream_head,
+        usage_counts,
     )
 else:
     _impl = select("httpproto")
@@ -36,6 +37,7 @@ else:
     chunk_head = _impl.chunk_head
     response_head = _impl.response_head
     upstream_head = _impl.upstream_head
+    usage_counts = _impl.usage_counts
 
 __all__ = [
     "DEFAULT_MAX_BODY",
@@ -49,4 +51,5 @@ __all__ = [
     "chunk_head",
     "response_head",
     "upstream_head",
+    "usage_counts",
 ]
