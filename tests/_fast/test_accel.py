@@ -13,8 +13,6 @@ import textwrap
 
 import pytest
 
-from llmgw._accel import NO_EXTENSIONS
-
 
 def run_python(code: str, **env: str) -> subprocess.CompletedProcess[str]:
     full_env = {k: v for k, v in os.environ.items() if k != "LLMGW_NO_EXTENSIONS"}
@@ -30,7 +28,7 @@ def run_python(code: str, **env: str) -> subprocess.CompletedProcess[str]:
 
 
 @pytest.mark.c_extension
-@pytest.mark.skipif(NO_EXTENSIONS, reason="pure build requested")
+@pytest.mark.c_extension  # needs the compiled module to exist; deselected in pure runs
 def test_compiled_httpproto_is_loaded() -> None:
     from llmgw import _accel
     from llmgw.http import parser
@@ -61,7 +59,7 @@ def test_no_extensions_off_values(value: str) -> None:
     assert res.stdout.strip() == ("True" if sys.implementation.name != "cpython" else "False")
 
 
-@pytest.mark.skipif(NO_EXTENSIONS, reason="pure build requested")
+@pytest.mark.c_extension  # needs the compiled module to exist; deselected in pure runs
 def test_missing_compiled_module_warns_and_uses_the_twin() -> None:
     res = run_python(
         """
