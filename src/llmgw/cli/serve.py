@@ -13,8 +13,9 @@ from typing import Any
 import click
 
 from .. import __version__
-from ..config import Config, EndpointConfig, ModelConfig, find_config, load, load_file, parse_hostport
+from ..config import Config, EndpointConfig, ModelConfig, find_config, load, load_file
 from ..errors import ConfigError
+from ._common import Fail, hostport, run_loop
 
 __all__ = ["DEMO_MODELS", "check_config", "serve"]
 
@@ -25,22 +26,6 @@ DEMO_MODELS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
 )
 
 
-class _Fail(click.ClickException):
-    """A one-line error: ``llmgw: error: ...``."""
-
-    def show(self, file: Any = None) -> None:
-        click.echo(f"llmgw: error: {self.message}", err=True)
-
-
-def _hostport(ctx: click.Context, param: click.Parameter, value: str | None) -> tuple[str, int] | None:
-    if value is None:
-        return None
-    try:
-        return parse_hostport(value, f"--{param.name}")
-    except ConfigError as exc:
-        raise click.BadParameter(exc.message) from None
-
-
 def _load(config_path: str | None) -> tuple[Config | None, Path | None]:
     path = find_config(config_path)
     if path is None:
@@ -48,7 +33,7 @@ def _load(config_path: str | None) -> tuple[Config | None, Path | None]:
     try:
         return load_file(path), path
     except ConfigError as exc:
-        raise _Fail(str(exc)) from None
+        raise Fail(str(exc)) from None
 
 
 async def _start_demo_fleet(seed: int) -> tuple[list[Any], list[EndpointConfig], dict[str, ModelConfig]]:
@@ -95,7 +80,7 @@ async def _serve(cfg: Config, demo: bool) -> int:
         try:
             await runtime.start()
         except OSError as exc:
-            raise _Fail(f"{exc.strerror or exc} (choose another address with --listen / --admin)") from None
+            raise Fail(f"{exc.strerror or exc} (choose another address with --listen / --admin)") from None
         assert runtime.listen_addr is not None and runtime.admin_addr is not None
         host, port = runtime.listen_addr
         ahost, aport = runtime.admin_addr
@@ -137,20 +122,12 @@ async def _serve(cfg: Config, demo: bool) -> int:
     return 0
 
 
-def _run(coro: Any) -> Any:
-    try:
-        import uvloop
-    except ImportError:  # pragma: no cover - uvloop is a dependency on POSIX
-        return asyncio.run(coro)
-    return uvloop.run(coro)
-
-
 @click.command()
 @click.option(
     "-c", "--config", "config_path", metavar="FILE", help="YAML config (default: ./llmgw.yaml, else the demo fleet)."
 )
-@click.option("--listen", callback=_hostport, metavar="HOST:PORT", help="Client address (default 127.0.0.1:8080).")
-@click.option("--admin", callback=_hostport, metavar="HOST:PORT", help="Admin address (default 127.0.0.1:9090).")
+@click.option("--listen", callback=hostport, metavar="HOST:PORT", help="Client address (default 127.0.0.1:8080).")
+@click.option("--admin", callback=hostport, metavar="HOST:PORT", help="Admin address (default 127.0.0.1:9090).")
 def serve(config_path: str | None, listen: tuple[str, int] | None, admin: tuple[str, int] | None) -> None:
     """Run the gateway.
 
@@ -167,8 +144,8 @@ def serve(config_path: str | None, listen: tuple[str, int] | None, admin: tuple[
     if admin is not None:
         cfg = dataclasses.replace(cfg, admin=admin)
     if not demo and not cfg.endpoints:
-        raise _Fail(f"{cfg.source}: endpoints: no endpoints configured; add at least one (see docs/config.md)")
-    sys.exit(_run(_serve(cfg, demo)))
+        raise Fail(f"{cfg.source}: endpoints: no endpoints configured; add at least one (see docs/config.md)")
+    sys.exit(run_loop(_serve(cfg, demo)))
 
 
 @click.command("check-config")
@@ -177,7 +154,7 @@ def check_config(path: str | None) -> None:
     """Validate a config file (default ./llmgw.yaml) and summarise it."""
     cfg, p = _load(path)
     if cfg is None:
-        raise _Fail("no config file: pass FILE or create ./llmgw.yaml")
+        raise Fail("no config file: pass FILE or create ./llmgw.yaml")
     click.echo(f"{p}: OK")
     click.echo(f"  listen {cfg.listen[0]}:{cfg.listen[1]}, admin {cfg.admin[0]}:{cfg.admin[1]}")
     for m in cfg.model_names():

@@ -9,35 +9,11 @@ from typing import Any
 
 import click
 
-from ..config import parse_hostport
 from ..engines import ENGINES, SIMULATED_ENGINES
 from ..errors import ConfigError
+from ._common import Fail, hostport, run_loop
 
 __all__ = ["sim_engine"]
-
-
-class _Fail(click.ClickException):
-    """A one-line error: ``llmgw: error: ...``, exit code 1."""
-
-    def show(self, file: Any = None) -> None:
-        click.echo(f"llmgw: error: {self.message}", err=True)
-
-
-def _hostport(ctx: click.Context, param: click.Parameter, value: str | None) -> tuple[str, int] | None:
-    if value is None:
-        return None
-    try:
-        return parse_hostport(value, "--listen")
-    except ConfigError as exc:
-        raise click.BadParameter(exc.message) from None
-
-
-def _run(coro: Any) -> Any:
-    try:
-        import uvloop
-    except ImportError:  # pragma: no cover - uvloop is a dependency on POSIX
-        return asyncio.run(coro)
-    return uvloop.run(coro)
 
 
 async def _serve(cfg: Any, host: str, port: int) -> int:
@@ -52,7 +28,7 @@ async def _serve(cfg: Any, host: str, port: int) -> int:
         try:
             bound = await eng.start(host, port)
         except OSError as exc:
-            raise _Fail(exc.strerror or str(exc)) from None
+            raise Fail(exc.strerror or str(exc)) from None
         h, p = bound
         where = f"[{h}]:{p}" if ":" in h else f"{h}:{p}"
         click.echo(
@@ -69,7 +45,7 @@ async def _serve(cfg: Any, host: str, port: int) -> int:
 
 
 @click.command("sim-engine")
-@click.option("--listen", callback=_hostport, metavar="HOST:PORT",
+@click.option("--listen", callback=hostport, metavar="HOST:PORT",
               help="Address to listen on; port 0 picks a free one.  [default: 127.0.0.1:<engine's port>]")
 @click.option("--model", required=True, metavar="NAME", help="Served model name (what /v1/models lists).")
 @click.option("--engine", type=click.Choice(SIMULATED_ENGINES), default="vllm", show_default=True,
@@ -152,4 +128,4 @@ def sim_engine(listen: tuple[str, int] | None, model: str, engine: str, api_key:
     except ConfigError as exc:
         flag = "--" + exc.key.replace("_", "-") if exc.key else "a flag"
         raise click.UsageError(f"{flag}: {exc.message}") from None
-    sys.exit(_run(_serve(cfg, host, port)))
+    sys.exit(run_loop(_serve(cfg, host, port)))

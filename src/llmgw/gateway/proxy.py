@@ -353,10 +353,7 @@ class Call:
         ep.state.on_abort(now)
         ep.failures += 1
         if counts:
-            before = ep.state.breaker.state_code
-            ep.state.breaker.record_failure(now)
-            if ep.state.breaker.state_code != before:
-                gw.observer.breaker_transition(ep.id, ep.state.breaker.state)
+            gw.breaker_outcome(ep, False, now)
         elif self.probe:
             ep.state.breaker.release()
         gw.observer.upstream_error(ep.id, kind)
@@ -536,10 +533,7 @@ class Call:
             now = time.monotonic()
             ep.state.on_abort(now)
             ep.failures += 1
-            before = ep.state.breaker.state_code
-            ep.state.breaker.record_failure(now)
-            if ep.state.breaker.state_code != before:
-                gw.observer.breaker_transition(ep.id, ep.state.breaker.state)
+            gw.breaker_outcome(ep, False, now)
             gw.observer.upstream_error(ep.id, "first_byte_timeout")
             # Not retried: the engine may be working on it.
             self._finish(GatewayTimeoutError(f"replica {ep.id} did not answer within {gw.first_byte_timeout:g}s"))
@@ -591,17 +585,11 @@ class Call:
         if success:
             state.on_complete(now)
             ep.completed += 1
-            before = state.breaker.state_code
-            state.breaker.record_success(now)
-            if state.breaker.state_code != before:
-                gw.observer.breaker_transition(ep.id, state.breaker.state)
+            gw.breaker_outcome(ep, True, now)
         else:
             state.on_abort(now)
             ep.failures += 1
-            before = state.breaker.state_code
-            state.breaker.record_failure(now)
-            if state.breaker.state_code != before:
-                gw.observer.breaker_transition(ep.id, state.breaker.state)
+            gw.breaker_outcome(ep, False, now)
         if self.retrying:
             gw.budget.done_retry()
             self.retrying = False
@@ -749,6 +737,17 @@ class Gateway:
             call.dkind = _D_NONE
             self.observer.admission(call.band_name, "dequeued")
             call.dispatch()
+
+    def breaker_outcome(self, ep: Endpoint, success: bool, now: float) -> None:
+        """Tell ``ep``'s breaker how an attempt ended; report a state change."""
+        breaker = ep.state.breaker
+        before = breaker.state_code
+        if success:
+            breaker.record_success(now)
+        else:
+            breaker.record_failure(now)
+        if breaker.state_code != before:
+            self.observer.breaker_transition(ep.id, breaker.state)
 
     def _ensure_sweep(self) -> None:
         if self._sweep_handle is None:
