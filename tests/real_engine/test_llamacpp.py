@@ -137,12 +137,16 @@ async def test_burst_spreads_over_both_replicas(fleet: Fleet, replicas: list[Lla
     eps = fleet.rt.registry.endpoints  # type: ignore[union-attr]
     stop = asyncio.Event()
 
-    async def watch_engines() -> None:
+    async def watch_engine(s: LlamaServer) -> None:
+        # One sampler per engine, so a slow read of one page never hides the other.
         while not stop.is_set():
-            pages = await asyncio.gather(*(s.metrics_async() for s in replicas))
-            for s, m in zip(replicas, pages, strict=True):
-                for k in ("processing", "deferred"):
-                    seen[s.url][k] = max(seen[s.url][k], m.get(f"llamacpp:requests_{k}", 0.0))
+            m = await s.metrics_async()
+            for k in ("processing", "deferred"):
+                seen[s.url][k] = max(seen[s.url][k], m.get(f"llamacpp:requests_{k}", 0.0))
+            await asyncio.sleep(0.01)
+
+    async def watch_admin() -> None:
+        while not stop.is_set():
             for rep, v in prom_samples(await fleet.admin_metrics(), "llmgw_endpoint_inflight").items():
                 admin_inflight[rep] = max(admin_inflight.get(rep, 0.0), v)
             await asyncio.sleep(0.02)
@@ -165,7 +169,11 @@ async def test_burst_spreads_over_both_replicas(fleet: Fleet, replicas: list[Lla
         assert usage is not None
         return raw.headers["x-llmgw-replica"], usage.completion_tokens
 
-    watchers = [asyncio.create_task(watch_engines()), asyncio.create_task(watch_router())]
+    watchers = [
+        *(asyncio.create_task(watch_engine(s)) for s in replicas),
+        asyncio.create_task(watch_admin()),
+        asyncio.create_task(watch_router()),
+    ]
     try:
         results = await asyncio.gather(*(one() for _ in range(n)))
     finally:
