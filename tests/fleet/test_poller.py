@@ -71,6 +71,13 @@ async def _setup(server: MetricsServer, **ep: Any) -> tuple[Registry, Poller]:
     return reg, poller
 
 
+async def _teardown(srv: MetricsServer, reg: Registry, poller: Poller) -> None:
+    await poller.close()
+    reg.close()
+    assert srv.server is not None
+    await srv.server.close(1)
+
+
 async def _until(pred: Any, timeout: float = 3.0) -> None:
     deadline = asyncio.get_running_loop().time() + timeout
     while not pred():
@@ -93,10 +100,7 @@ async def test_vllm_scrape_sums_engines_and_filters_model() -> None:
         await _until(lambda: srv.hits >= 4)
         assert ep.pool.open_connections == 1
     finally:
-        await poller.close()
-        reg.close()
-        assert srv.server is not None
-        await srv.server.close(1)
+        await _teardown(srv, reg, poller)
 
 
 async def test_llamacpp_scrape_uses_key_and_kv_is_absent() -> None:
@@ -110,10 +114,7 @@ async def test_llamacpp_scrape_uses_key_and_kv_is_absent() -> None:
         assert ep.fresh() == (5.0, 2.0, None)  # no KV gauge on llama.cpp: absent, never 0
         assert srv.auth_seen[-1] == b"Bearer sekret"
     finally:
-        await poller.close()
-        reg.close()
-        assert srv.server is not None
-        await srv.server.close(1)
+        await _teardown(srv, reg, poller)
 
 
 async def test_a_404_warns_once_and_leaves_the_replica_blind(caplog: pytest.LogCaptureFixture) -> None:
@@ -137,10 +138,7 @@ async def test_a_404_warns_once_and_leaves_the_replica_blind(caplog: pytest.LogC
         infos = [r for r in caplog.records if r.levelno == logging.INFO and "readable again" in r.getMessage()]
         assert len(infos) == 1
     finally:
-        await poller.close()
-        reg.close()
-        assert srv.server is not None
-        await srv.server.close(1)
+        await _teardown(srv, reg, poller)
 
 
 async def test_goes_stale_when_the_replica_is_unreachable(caplog: pytest.LogCaptureFixture) -> None:
@@ -175,10 +173,7 @@ async def test_missing_metrics_are_named_once(caplog: pytest.LogCaptureFixture) 
         assert "llamacpp:requests_deferred" in msgs[0] and "llamacpp:requests_processing" in msgs[0]
         assert ep.fresh() == (None, None, None)
     finally:
-        await poller.close()
-        reg.close()
-        assert srv.server is not None
-        await srv.server.close(1)
+        await _teardown(srv, reg, poller)
 
 
 async def test_metric_name_overrides() -> None:
@@ -192,10 +187,7 @@ async def test_metric_name_overrides() -> None:
         await _until(lambda: ep.last_scrape is not None)
         assert ep.fresh() == (7.0, 1.0, None)
     finally:
-        await poller.close()
-        reg.close()
-        assert srv.server is not None
-        await srv.server.close(1)
+        await _teardown(srv, reg, poller)
 
 
 async def test_sync_follows_the_endpoint_list() -> None:
@@ -207,10 +199,7 @@ async def test_sync_follows_the_endpoint_list() -> None:
         poller.sync()
         assert poller.task_count == 0
     finally:
-        await poller.close()
-        reg.close()
-        assert srv.server is not None
-        await srv.server.close(1)
+        await _teardown(srv, reg, poller)
 
 
 async def test_external_endpoints_are_not_scraped() -> None:

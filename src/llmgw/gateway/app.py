@@ -88,9 +88,8 @@ class GatewayRuntime:
         Raises:
             ValueError: an endpoint with that id exists.
         """
-        registry, gateway, poller = self._require()
+        registry, _, poller = self._require()
         registry.add(ep)
-        gateway.refresh()
         poller.sync()
         log.info("endpoint %s added (%s, model %s)", ep.id, ep.url, ", ".join(ep.models))
 
@@ -100,10 +99,9 @@ class GatewayRuntime:
         Raises:
             KeyError: no such endpoint.
         """
-        registry, gateway, poller = self._require()
+        registry, _, poller = self._require()
         ep = registry.remove(endpoint_id)
         poller.sync()
-        gateway.refresh()
         # Idle connections close now; busy ones close when their exchange ends.
         ep.pool.close_idle()
         log.info("endpoint %s removed", endpoint_id)

@@ -182,7 +182,6 @@ class Call:
         "phase",
         "pool",
         "probe",
-        "queued_at",
         "req",
         "resp",
         "retrying",
@@ -226,7 +225,6 @@ class Call:
         self.retrying = False
         self.deadline = 0.0
         self.dkind = _D_NONE
-        self.queued_at = 0.0
         self.resp: Response | None = None
         self.streaming = False
         self._buf: list[bytes] = []
@@ -254,7 +252,6 @@ class Call:
             self.shed("queue_full", f"the {self.model} pool is saturated and its {self.band_name} queue is full")
             return
         self.phase = _P_QUEUED
-        self.queued_at = now
         self._deadline(_D_QUEUE, gw.queue_timeout)
         gw.observer.admission(self.band_name, "queued")
         if evicted is not None:
@@ -676,9 +673,6 @@ class Gateway:
         }
         self.auth = bool(self.keys)
         self.access_log = config.access_log.enabled
-
-    def refresh(self) -> None:
-        """Recompute what depends on the endpoint list (after add/remove)."""
 
     def set_observer(self, observer: Observer) -> None:
         """Report the data path's work to ``observer`` (metrics)."""

@@ -30,7 +30,6 @@ __all__ = [
     "ResponseWriter",
     "ServerLimits",
     "error_body",
-    "json_headers",
 ]
 
 _CRLF = b"\r\n"
@@ -41,11 +40,6 @@ _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 _LINGER_S = 2.0
 JSON = b"application/json"
 _JSON_CT = ((b"content-type", JSON),)
-
-
-def json_headers() -> tuple[tuple[bytes, bytes], ...]:
-    """``Content-Type: application/json`` as a header list."""
-    return _JSON_CT
 
 
 def error_body(exc: HTTPError) -> bytes:
