@@ -2,7 +2,9 @@
 
 Every ``.pyx`` in ``src/llmgw/_fast`` becomes one extension module; each has a
 pure-Python twin (``<name>_py.py``) that the package uses under
-``LLMGW_NO_EXTENSIONS=1``.
+``LLMGW_NO_EXTENSIONS=1``. A ``<name>.pxd`` with no ``.pyx`` beside it declares
+types for ``<name>_py.py`` itself (Cython's pure-Python mode): that file is both
+the twin and, compiled, the extension ``<name>`` (the data path is built so).
 
 Build switches (environment variables, so that ``pip install .`` carries them):
 
@@ -96,16 +98,21 @@ def extensions() -> list[Extension]:
         macros = [("LLMGW_DEBUG", "0")]
     if sys.platform != "win32":
         cflags += ["-fno-strict-aliasing", "-Wno-unused-function", "-Wno-unreachable-code"]
+    sources = {pyx.stem: pyx for pyx in FAST.glob("*.pyx")}
+    for pxd in FAST.glob("*.pxd"):
+        twin = FAST / f"{pxd.stem}_py.py"
+        if pxd.stem not in sources and twin.exists():
+            sources[pxd.stem] = twin  # pure-Python mode: the twin is the source
     exts = [
         Extension(
-            f"llmgw._fast.{pyx.stem}",
-            [str(pyx.relative_to(ROOT))],
+            f"llmgw._fast.{name}",
+            [str(src.relative_to(ROOT))],
             extra_compile_args=cflags,
             define_macros=macros,
             include_dirs=[str(FAST.relative_to(ROOT))],
         )
-        for pyx in sorted(FAST.glob("*.pyx"))
-        if not ONLY or pyx.stem in ONLY
+        for name, src in sorted(sources.items())
+        if not ONLY or name in ONLY
     ]
     # Directives and macros are not part of Cython's or setuptools' up-to-date
     # checks: a build mode switch (debug <-> release) must regenerate and recompile.

@@ -1,0 +1,230 @@
+# Declarations that compile dataplane_py.py into the extension llmgw._fast.dataplane
+# (Cython "augmenting .pxd"): the classes below become extension types with C-level
+# attributes, and the methods declared cpdef are called directly from C inside the
+# module (and stay callable from Python). Every attribute a class sets must be
+# declared here; cpdef methods may not hold closures.
+
+cdef class HTTPProtocol
+cdef class UpstreamPool
+cdef class Gateway
+
+cdef class HTTPServer:
+    cdef public object app
+    cdef public object limits
+    cdef public object name
+    cdef public object loop
+    cdef public set connections
+    cdef public bint closing
+    cdef public Py_ssize_t rejected
+    cdef public object _server
+    cdef public object _idle
+    cpdef _maybe_closed(self)
+
+
+cdef class ResponseWriter:
+    cdef public bint _chunked
+    cdef public HTTPProtocol _conn
+    cdef public bint _head_only
+    cdef public list _listeners
+    cdef public bint disconnected
+    cdef public bint finished
+    cdef public bint keep_alive
+    cdef public object request
+    cdef public bint started
+    cdef public int status
+
+    cpdef start(self, int status, headers=*, Py_ssize_t content_length=*, raw=*)
+    cpdef write(self, data)
+    cpdef end(self, trailer=*)
+    cpdef send(self, int status, body=*, headers=*, raw=*)
+    cpdef send_json(self, int status, obj, headers=*)
+    cpdef send_error(self, exc, headers=*)
+    cpdef abort(self)
+    cpdef add_flow_listener(self, listener)
+    cpdef on_disconnect(self, callback)
+    cpdef _client_gone(self)
+
+
+cdef class HTTPProtocol:
+    cdef public HTTPServer _server
+    cdef public object _app
+    cdef public object _limits
+    cdef public object _loop
+    cdef public object transport
+    cdef public object peer
+    cdef public object _reader
+    cdef public object _pipeline
+    cdef public ResponseWriter _current
+    cdef public object _task
+    cdef public object _timer
+    cdef public int _timer_kind
+    cdef public double _timer_at
+    cdef public double _deadline
+    cdef public bint _read_paused
+    cdef public bint _write_paused
+    cdef public object _drain_waiter
+    cdef public object _flow_listener
+    cdef public bint _closing
+    cdef public bint _rejected
+    cdef public bint _lingering
+    cdef public bint _lingering_due
+    cdef public object _failure
+    cdef public bint _continue_due
+
+    cpdef data_received(self, data)
+    cpdef _on_head(self, request)
+    cpdef _on_request(self, request)
+    cpdef _run(self, request)
+    cpdef _internal_error(self, ResponseWriter writer)
+    cpdef _response_done(self, ResponseWriter writer)
+    cpdef _fail(self, exc)
+    cpdef _send_failure(self, exc)
+    cpdef _arm(self, int kind, double delay)
+    cpdef _cancel_timer(self)
+    cpdef _drop_timer(self)
+    cpdef _on_timer(self)
+    cpdef _transport_write(self, data)
+    cpdef _close(self)
+    cpdef _linger_close(self)
+    cpdef _abort(self)
+    cpdef shutdown(self)
+
+
+cdef class UpstreamConnection:
+    cdef public UpstreamPool pool
+    cdef public object transport
+    cdef public object sink
+    cdef public object reader
+    cdef public bint reusable
+    cdef public double idle_since
+    cdef public Py_ssize_t requests
+    cdef public object _connected
+    cdef public bint _read_paused
+
+    cpdef data_received(self, data)
+    cpdef on_response_head(self, resp)
+    cpdef on_response_body(self, data)
+    cpdef on_response_end(self)
+    cpdef send(self, sink, head, body)
+    cpdef pause_reading(self)
+    cpdef resume_reading(self)
+    cpdef abort(self)
+    cpdef release(self)
+
+
+cdef class UpstreamPool:
+    cdef public object host
+    cdef public int port
+    cdef public double connect_timeout
+    cdef public Py_ssize_t max_idle
+    cdef public double idle_timeout
+    cdef public object _idle
+    cdef public set _all
+    cdef public object _loop
+    cdef public object _sweeper
+    cdef public bint closed
+
+    cpdef UpstreamConnection take_idle(self)
+    cpdef _put_idle(self, UpstreamConnection conn)
+    cpdef _sweep(self)
+    cpdef _forget(self, UpstreamConnection conn)
+    cpdef close_idle(self)
+    cpdef close(self)
+
+
+cdef class Call:
+    cdef public list _buf
+    cdef public bytes _pending
+    cdef public int band
+    cdef public object band_name
+    cdef public bytes body
+    cdef public object client_model
+    cdef public bint closed
+    cdef public UpstreamConnection conn
+    cdef public object connect_task
+    cdef public double deadline
+    cdef public int dkind
+    cdef public object ep
+    cdef public object error
+    cdef public Gateway gw
+    cdef public bytes head_tail
+    cdef public object model
+    cdef public int phase
+    cdef public object pool
+    cdef public bint probe
+    cdef public object req
+    cdef public object resp
+    cdef public bint retrying
+    cdef public bytes rid
+    cdef public bytes rid_line
+    cdef public object sent_at
+    cdef public Py_ssize_t sent_bytes
+    cdef public double started
+    cdef public bint streaming
+    cdef public object tenant
+    cdef public list tried
+    cdef public int tries
+    cdef public object ttfb
+    cdef public ResponseWriter w
+
+    cpdef admit(self)
+    cpdef shed(self, reason, message)
+    cpdef dispatch(self)
+    cpdef _send(self, UpstreamConnection conn, bytes head, bint reused)
+    cpdef _deadline(self, int kind, double delay)
+    cpdef _attempt_failed(self, error, kind, bint counts=*)
+    cpdef bint _fresh_retry(self)
+    cpdef on_response_head(self, resp)
+    cpdef on_response_body(self, data)
+    cpdef on_response_end(self)
+    cpdef on_upstream_lost(self, exc)
+    cpdef _cut_stream(self, why, code)
+    cpdef expired(self)
+    cpdef client_gone(self)
+    cpdef _completed(self, bint success)
+    cpdef _finish(self, error)
+    cpdef _done(self, error)
+
+
+cdef class Gateway:
+    cdef public object loop
+    cdef public object registry
+    cdef public bytes _rid_prefix
+    cdef public object _rid_counter
+    cdef public object created
+    cdef public object observer
+    cdef public bint count_tokens
+    cdef public Py_ssize_t active_calls
+    cdef public bint _admitting
+    cdef public set _watched
+    cdef public object _sweep_handle
+    cdef public object config
+    cdef public double first_byte_timeout
+    cdef public double read_timeout
+    cdef public int retry_attempts
+    cdef public object budget
+    cdef public double stale_after
+    cdef public double max_waiting
+    cdef public double max_kv
+    cdef public object bands
+    cdef public dict band_index
+    cdef public int default_band
+    cdef public double queue_timeout
+    cdef public dict aliases
+    cdef public dict rewrites
+    cdef public dict keys
+    cdef public dict key_bands
+    cdef public bint auth
+    cdef public bint access_log
+
+    cpdef watch(self, Call call)
+    cpdef unwatch(self, Call call)
+    cpdef admit_next(self, pool)
+    cpdef breaker_outcome(self, ep, bint success, double now)
+    cpdef _ensure_sweep(self)
+    cpdef on_scrape(self, ep)
+    cpdef handle(self, req, ResponseWriter w)
+    cpdef bytes _request_id(self, req)
+    cpdef _proxy(self, req, ResponseWriter w, key)
+    cpdef Call _prepare(self, req, ResponseWriter w, bytes rid, key)
+    cpdef log_access(self, Call call, double now)

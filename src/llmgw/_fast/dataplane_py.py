@@ -1,0 +1,1929 @@
+# cython: annotation_typing=False
+"""The data path: the HTTP/1.1 server, the upstream client and the proxy call.
+
+This file is both the pure-Python implementation and, compiled by Cython with the
+declarations in ``dataplane.pxd``, the extension module ``llmgw._fast.dataplane``
+(the classes become extension types with C-level attributes and methods). One
+source means the twins cannot drift apart. Import it through the facades
+:mod:`llmgw.http.server`, :mod:`llmgw.http.client` and :mod:`llmgw.gateway.proxy`.
+
+**The server.** One protocol object per client connection on uvloop. An *app* is any
+object with ``handle(request, writer)``; it may answer at once (returning ``None``)
+or return an awaitable, which runs as a task. The server owns everything else:
+limits and timeouts, pipelining (answered in order), ``100 Continue``,
+keep-alive, flow control in both directions, the connection limit, OpenAI-shaped
+error answers, and a graceful shutdown.
+
+**The upstream client.** Pooled keep-alive HTTP/1.1 connections to one replica, one
+raw protocol per connection with httptools' response parser (through
+:class:`~llmgw.http.parser.ResponseReader`). A connection serves one exchange at a
+time. The exchange is a *sink* object with ``on_response_head(resp)``,
+``on_response_body(data)``, ``on_response_end()`` and ``on_upstream_lost(exc)``;
+bytes are passed to it as they arrive. The same client serves proxying and scraping.
+
+**The proxy.** ``POST /v1/*`` with a JSON body naming a ``model`` is proxied to one of
+that model's replicas; ``GET /v1/models`` lists the fleet's models. The body is
+read only for ``model`` and forwarded byte for byte unless the model name must be
+rewritten (an alias, or ``upstream_name``).
+
+A request travels as one :class:`Call`: admission (straight through below pool
+saturation 1.0, else a bounded priority-band queue), a replica chosen by the
+model's picker, an attempt on a pooled keep-alive connection, and the answer
+relayed back. Everything after parsing is driven by callbacks; a task is made
+only to open a new upstream connection.
+
+Failure semantics:
+
+* before any byte reached the client (connect refused or timed out, reset,
+  502/503 from the engine, a non-streamed answer cut short) the request is retried
+  on another replica (``retries.attempts`` times, within ``retries.budget``), then
+  answered with a clear error;
+* after the first byte there is never a retry: a stream cut by the engine ends
+  with an SSE ``data: {"error": ...}`` event and the connection is closed;
+* a client that goes away aborts the upstream request at once; every counter
+  returns to where it was.
+
+NOTE (compiled build): classes declared in ``dataplane.pxd`` are extension types,
+so they cannot grow attributes that are not declared there, and methods declared
+``cpdef`` there may not hold closures (lambdas, generator expressions).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import errno
+import hashlib
+import hmac
+import itertools
+import math
+import os
+import socket
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+import orjson
+
+from ..errors import (
+    BadGatewayError,
+    BadRequestError,
+    GatewayTimeoutError,
+    HTTPError,
+    InternalError,
+    ModelNotFoundError,
+    NotFoundError,
+    OverloadedError,
+    RateLimitedError,
+    UnauthorizedError,
+)
+from ..gateway.observe import NullObserver
+from ..http.parser import (
+    Request,
+    RequestReader,
+    Response,
+    ResponseReader,
+    chunk_head,
+    response_head,
+    upstream_head,
+    usage_counts,
+)
+from ..log import access_logger, server_logger, upstream_logger
+from ..routing import RetryBudget, retry_after
+
+if TYPE_CHECKING:
+    from ..config import Config
+    from ..fleet.registry import Endpoint, ModelPool, Registry
+    from ..gateway.observe import Observer
+
+__all__ = [
+    "App",
+    "Call",
+    "Gateway",
+    "HTTPProtocol",
+    "HTTPServer",
+    "ResponseWriter",
+    "ServerLimits",
+    "UpstreamConnection",
+    "UpstreamPool",
+    "error_body",
+    "normalize_error",
+]
+
+log = server_logger
+
+
+# ---------------------------------------------------------------- the server
+
+_CRLF = b"\r\n"
+_LAST_CHUNK = b"0\r\n\r\n"
+_CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
+# Seconds a connection closed after an error answer keeps reading (and dropping)
+# what the client still sends; see HTTPProtocol._linger_close.
+_LINGER_S = 2.0
+JSON = b"application/json"
+_JSON_CT = ((b"content-type", JSON),)
+
+
+def error_body(exc: HTTPError) -> bytes:
+    """The OpenAI-shaped JSON body for ``exc``."""
+    return orjson.dumps(
+        {"error": {"message": exc.message, "type": exc.type, "param": exc.param, "code": exc.code}}
+    )
+
+
+def _error_headers(exc: HTTPError, extra: tuple[tuple[bytes, bytes], ...] = ()) -> list[tuple[bytes, bytes]]:
+    headers = [(b"content-type", JSON), *extra]
+    if exc.retry_after is not None:
+        seconds = max(1, int(exc.retry_after + 0.999))
+        headers.append((b"retry-after", b"%d" % seconds))
+        headers.append((b"retry-after-ms", b"%d" % max(1, int(exc.retry_after * 1000))))
+    return headers
+
+
+@dataclass(frozen=True, slots=True)
+class ServerLimits:
+    """Per-listener limits; plain values the hot path reads.
+
+    Attributes:
+        max_head_bytes: request line plus headers (431 past it).
+        max_headers: header lines per request (431 past it).
+        max_body: request body bytes (413 past it).
+        header_timeout: seconds from a request's first byte to its complete head (408).
+        body_timeout: seconds from a complete head to a complete body (408).
+        keepalive_timeout: seconds an idle keep-alive connection is kept.
+        max_connections: open connections; more are answered 503 and closed at once.
+        max_pipelined: requests read ahead of the one being answered before reading pauses.
+        priority_header: lower-case name of the priority-band header.
+    """
+
+    max_head_bytes: int = 16 * 1024
+    max_headers: int = 100
+    max_body: int = 16 * 1024 * 1024
+    header_timeout: float = 10.0
+    body_timeout: float = 60.0
+    keepalive_timeout: float = 75.0
+    max_connections: int = 10_000
+    max_pipelined: int = 16
+    priority_header: bytes = b"x-llmgw-priority"
+
+
+class App(Protocol):
+    """What the server calls for each request."""
+
+    def handle(self, request: Request, writer: ResponseWriter) -> Awaitable[None] | None: ...
+
+
+class ResponseWriter:
+    """Writes the response to one request, in order, on its connection.
+
+    Use :meth:`send` for a whole response, or :meth:`start` then :meth:`write`
+    (any number of times) then :meth:`end`. :meth:`drain` waits while the client
+    reads slower than the app writes. ``disconnected`` turns true when the client
+    goes away; ``on_disconnect`` callbacks run then (at most once).
+    """
+
+    __slots__ = (
+        "_chunked",
+        "_conn",
+        "_head_only",
+        "_listeners",
+        "disconnected",
+        "finished",
+        "keep_alive",
+        "request",
+        "started",
+        "status",
+    )
+
+    def __init__(self, conn: HTTPProtocol, request: Request) -> None:
+        self._conn = conn
+        self.request = request
+        self.keep_alive: bool = request.keep_alive and not conn._closing
+        self.started = False
+        self.finished = False
+        self.disconnected = False
+        self.status = 0
+        self._chunked = False
+        self._head_only = request.method == b"HEAD"
+        self._listeners: list[Callable[[], Any]] | None = None
+
+    # -- writing --
+
+    def start(
+        self,
+        status: int,
+        headers: list[tuple[bytes, bytes]] | tuple[tuple[bytes, bytes], ...] = (),
+        content_length: int = -1,
+        raw: bytes = b"",
+    ) -> None:
+        """Send the status line and headers.
+
+        ``content_length`` -1 streams the body chunked; ``raw`` is pre-built header lines.
+        """
+        if self.started:
+            raise InternalError("response already started")
+        self.started = True
+        self.status = status
+        no_body = status < 200 or status in (204, 304)
+        if no_body:
+            content_length = -2
+        self._chunked = content_length == -1
+        if self._conn._server.closing:
+            # NOTE: a response that begins after shutdown began is the last on its
+            # connection; saying so lets the client retry elsewhere instead of
+            # reusing a connection about to close.
+            self.keep_alive = False
+        if not self.disconnected:
+            self._conn._transport_write(
+                response_head(status, headers, content_length, self.keep_alive, raw)
+            )
+
+    def write(self, data: bytes) -> None:
+        """Send part of the body (framed as a chunk when streaming chunked)."""
+        if not data or self.disconnected or self._head_only:
+            return
+        t = self._conn.transport
+        if t is None:
+            return
+        if self._chunked:
+            t.writelines((chunk_head(len(data)), data, _CRLF))
+        else:
+            t.write(data)
+
+    def end(self, trailer: bytes = b"") -> None:
+        """Finish the response; the connection moves on to the next request."""
+        if self.finished:
+            return
+        if not self.started:
+            raise InternalError("response ended before it started")
+        if trailer:
+            self.write(trailer)
+        if self._chunked and not self.disconnected and not self._head_only:
+            self._conn._transport_write(_LAST_CHUNK)
+        self.finished = True
+        self._conn._response_done(self)
+
+    def send(
+        self,
+        status: int,
+        body: bytes = b"",
+        headers: list[tuple[bytes, bytes]] | tuple[tuple[bytes, bytes], ...] = _JSON_CT,
+        raw: bytes = b"",
+    ) -> None:
+        """Send a whole response with a Content-Length body."""
+        if self.started:
+            raise InternalError("response already started")
+        self.started = True
+        self.status = status
+        if self._conn._server.closing:
+            self.keep_alive = False  # see start()
+        # RFC 9110 §8.6: no Content-Length in a 1xx or 204; a 304's would describe
+        # the representation, not this empty body.
+        no_body = status < 200 or status in (204, 304)
+        if not self.disconnected:
+            head = response_head(status, headers, -2 if no_body else len(body), self.keep_alive, raw)
+            t = self._conn.transport
+            if t is not None:
+                if body and not self._head_only and not no_body:
+                    t.writelines((head, body))
+                else:
+                    t.write(head)
+        self.finished = True
+        self._conn._response_done(self)
+
+    def send_json(self, status: int, obj: Any, headers: tuple[tuple[bytes, bytes], ...] = ()) -> None:
+        """Send ``obj`` serialised as JSON."""
+        self.send(status, orjson.dumps(obj), (*_JSON_CT, *headers))
+
+    def send_error(self, exc: HTTPError, headers: tuple[tuple[bytes, bytes], ...] = ()) -> None:
+        """Answer ``exc`` as an OpenAI-shaped JSON error (closing if it says so)."""
+        if exc.close:
+            self.keep_alive = False
+        self.send(exc.status, error_body(exc), _error_headers(exc, headers))
+
+    def abort(self) -> None:
+        """Cut the connection now (a response that cannot be finished honestly)."""
+        self.keep_alive = False
+        self.finished = True
+        self._conn._abort()
+
+    async def drain(self) -> None:
+        """Wait until the client's socket buffer has room (flow control)."""
+        conn = self._conn
+        if conn._write_paused and not self.disconnected:
+            await conn._drain()
+
+    @property
+    def write_paused(self) -> bool:
+        """Whether the client reads slower than the response is written."""
+        return self._conn._write_paused
+
+    def add_flow_listener(self, listener: Any) -> None:
+        """``listener.pause_reading()``/``resume_reading()`` follow the client's pace."""
+        self._conn._flow_listener = listener
+        if self._conn._write_paused:
+            listener.pause_reading()
+
+    def on_disconnect(self, callback: Callable[[], Any]) -> None:
+        """Call ``callback()`` if the client disconnects before the response ends."""
+        if self.disconnected:
+            callback()
+            return
+        if self._listeners is None:
+            self._listeners = []
+        self._listeners.append(callback)
+
+    def _client_gone(self) -> None:
+        if self.disconnected:
+            return
+        self.disconnected = True
+        listeners, self._listeners = self._listeners, None
+        for cb in listeners or ():
+            try:
+                cb()
+            except Exception:  # one listener's bug must not skip the others
+                log.exception("disconnect callback failed")
+
+    @property
+    def peer(self) -> Any:
+        return self._conn.peer
+
+
+class HTTPProtocol:
+    """One client connection."""
+
+    def __init__(self, server: HTTPServer) -> None:
+        # config and shared state
+        self._server = server
+        self._app = server.app
+        self._limits = server.limits
+        self._loop = server.loop
+        # connection state
+        self.transport: asyncio.Transport | None = None
+        self.peer: Any = None
+        self._reader = RequestReader(
+            self._on_request,
+            self._on_head,
+            server.limits.max_head_bytes,
+            server.limits.max_headers,
+            server.limits.max_body,
+            server.limits.priority_header,
+        )
+        self._pipeline: collections.deque[Request] = collections.deque()
+        self._current: ResponseWriter | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_kind = 0  # 0 none, 1 keep-alive, 2 head, 3 body, 4 linger
+        self._timer_at = 0.0  # when the pending handle fires
+        self._deadline = 0.0  # when the armed kind expires
+        self._read_paused = False
+        self._write_paused = False
+        self._drain_waiter: asyncio.Future[None] | None = None
+        self._flow_listener: Any = None
+        self._closing = False
+        self._rejected = False
+        self._lingering = False  # answered and half-closed: input is read and dropped
+        self._lingering_due = False  # close by _linger_close: input was left unread
+        self._failure: HTTPError | None = None  # answered after the requests read before it
+        self._continue_due = False  # a 100 Continue owed once the connection is free
+
+    # -- asyncio callbacks --
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        """Called when a client connects."""
+        self.transport = transport  # type: ignore[assignment]
+        self.peer = transport.get_extra_info("peername")
+        sock = transport.get_extra_info("socket")
+        if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+            try:
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            except OSError:
+                pass
+        server = self._server
+        if len(server.connections) >= self._limits.max_connections or server.closing:
+            self._rejected = True
+            exc = HTTPError(
+                "the gateway is at its connection limit; retry shortly"
+                if not server.closing
+                else "the gateway is shutting down",
+                status=503,
+                type="service_unavailable_error",
+                code="service_unavailable",
+                retry_after=1,
+            )
+            body = error_body(exc)
+            self._transport_write(response_head(503, _error_headers(exc), len(body), False) + body)
+            self._linger_close()
+            server.rejected += 1
+            return
+        server.connections.add(self)
+        self._arm(1, self._limits.keepalive_timeout)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        """Called when the connection closes, for any reason."""
+        if self._rejected:
+            self._drop_timer()
+            self.transport = None
+            return
+        self._server.connections.discard(self)
+        self._drop_timer()
+        self.transport = None
+        self._pipeline.clear()
+        cur = self._current
+        if cur is not None and not cur.finished:
+            cur._client_gone()
+            task = self._task
+            if task is not None and not task.done():
+                task.cancel()
+        waiter = self._drain_waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+        self._drain_waiter = None
+        self._server._maybe_closed()
+
+    def data_received(self, data: bytes) -> None:
+        """Called with bytes from the client."""
+        if self._lingering:
+            return
+        if self._timer_kind == 1:
+            self._cancel_timer()
+        try:
+            self._reader.feed(data)
+        except HTTPError as exc:
+            self._fail(exc)
+            return
+        if self._timer_kind == 0 and self._reader.in_message:
+            self._arm(2 if self._reader.in_head else 3, self._limits.header_timeout
+                      if self._reader.in_head else self._limits.body_timeout)
+        elif self._timer_kind == 2 and not self._reader.in_head and self._reader.in_message:
+            self._arm(3, self._limits.body_timeout)
+
+    def eof_received(self) -> bool | None:
+        """Called when the client half-closes: treated as gone, as uvicorn does.
+
+        NOTE: HTTP clients do not half-close while waiting for an answer; a proxy
+        that aborts a request closes its side, and that must cancel the work (an
+        engine frees the slot), so the transport closes and ``connection_lost`` runs.
+        """
+        return None
+
+    def pause_writing(self) -> None:
+        """Called when the transport's write buffer passes its high-water mark."""
+        self._write_paused = True
+        if self._flow_listener is not None:
+            self._flow_listener.pause_reading()
+
+    def resume_writing(self) -> None:
+        """Called when the write buffer drains below its low-water mark."""
+        self._write_paused = False
+        waiter = self._drain_waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+        self._drain_waiter = None
+        if self._flow_listener is not None:
+            self._flow_listener.resume_reading()
+
+    # -- requests --
+
+    def _on_head(self, request: Request) -> None:
+        # The client waits for 100 Continue before sending the body.
+        if self._current is None and not self._pipeline and self.transport is not None:
+            self.transport.write(_CONTINUE)
+        else:
+            # NOTE: sent when the requests before it are answered (_response_done),
+            # so a client that waits for it is not left to its own timeout.
+            self._continue_due = True
+
+    def _on_request(self, request: Request) -> None:
+        self._continue_due = False
+        if self._timer_kind in (2, 3):
+            self._cancel_timer()
+        if self._current is None:
+            self._run(request)
+        else:
+            self._pipeline.append(request)
+            if len(self._pipeline) >= self._limits.max_pipelined and not self._read_paused:
+                self._read_paused = True
+                if self.transport is not None:
+                    self.transport.pause_reading()
+
+    def _run(self, request: Request) -> None:
+        writer = ResponseWriter(self, request)
+        self._current = writer
+        try:
+            result = self._app.handle(request, writer)
+        except HTTPError as exc:
+            if not writer.started:
+                writer.send_error(exc)
+            else:
+                writer.abort()
+            return
+        except Exception:
+            log.exception("request handler failed")
+            self._internal_error(writer)
+            return
+        if result is not None:
+            self._task = self._loop.create_task(self._await(writer, result))
+
+    async def _await(self, writer: ResponseWriter, result: Awaitable[None]) -> None:
+        try:
+            await result
+        except asyncio.CancelledError:
+            if not writer.disconnected and not writer.finished:
+                self._internal_error(writer)
+            raise
+        except HTTPError as exc:
+            if writer.finished or writer.disconnected:
+                return
+            if not writer.started:
+                writer.send_error(exc)
+            else:
+                writer.abort()
+        except Exception:
+            if writer.disconnected:
+                return
+            log.exception("request handler failed")
+            self._internal_error(writer)
+        else:
+            if not writer.finished and not writer.disconnected:
+                log.error("request handler returned without finishing its response")
+                self._internal_error(writer)
+
+    def _internal_error(self, writer: ResponseWriter) -> None:
+        if writer.finished:
+            return
+        if writer.started:
+            writer.abort()
+        else:
+            writer.send_error(HTTPError("internal error in the gateway", close=True))
+
+    def _response_done(self, writer: ResponseWriter) -> None:
+        # PERF: drop the disconnect callbacks: they usually point back at the app's
+        # request object, and that cycle would otherwise wait for the GC.
+        writer._listeners = None
+        if writer is not self._current:
+            return
+        self._current = None
+        self._task = None
+        self._flow_listener = None
+        if self.transport is None:
+            return
+        if not writer.keep_alive:
+            if self._lingering_due:
+                self._linger_close()
+            else:
+                self._close()
+            return
+        if self._pipeline:
+            nxt = self._pipeline.popleft()
+            if (
+                self._read_paused
+                and self._failure is None
+                and len(self._pipeline) < self._limits.max_pipelined // 2
+            ):
+                self._read_paused = False
+                self.transport.resume_reading()
+            self._run(nxt)
+        elif self._failure is not None:
+            exc, self._failure = self._failure, None
+            self._send_failure(exc)
+        elif self._closing or self._server.closing:
+            self._close()
+        elif self._reader.in_message:
+            # NOTE: a head or body timer that fired while the connection was busy
+            # was dropped (the delay was ours); restart it now that only the client
+            # can be slow, or a head that never ends would hold the slot forever.
+            if self._continue_due:
+                self._continue_due = False
+                self.transport.write(_CONTINUE)
+            if self._reader.in_head:
+                self._arm(2, self._limits.header_timeout)
+            else:
+                self._arm(3, self._limits.body_timeout)
+        else:
+            self._arm(1, self._limits.keepalive_timeout)
+
+    # -- errors, timers, closing --
+
+    def _fail(self, exc: HTTPError) -> None:
+        """A protocol-level error: answer it (in order) and close."""
+        self._cancel_timer()
+        if self.transport is not None:
+            self.transport.pause_reading()
+        self._read_paused = True
+        if self._current is None:
+            self._send_failure(exc)
+        else:
+            # NOTE: the requests read before the bad one are valid and answered
+            # first, in order (they used to be dropped, with no answer to the
+            # error either); _response_done sends the error after the last.
+            self._failure = exc
+
+    def _send_failure(self, exc: HTTPError) -> None:
+        self._lingering_due = True  # the client may still be sending what was refused
+        writer = ResponseWriter(self, Request())
+        writer.keep_alive = False
+        self._current = writer
+        writer.send_error(exc)
+
+    # PERF: timers are lazy. Arming only records a deadline; one TimerHandle per
+    # connection fires at the earliest deadline it was set for and, if the deadline
+    # has since moved later, re-arms itself for the rest. A keep-alive connection
+    # then costs no call_later/cancel pair per request (about 3.6 us each here).
+
+    def _arm(self, kind: int, delay: float) -> None:
+        when = self._loop.time() + delay
+        self._timer_kind = kind
+        self._deadline = when
+        t = self._timer
+        if t is not None:
+            if self._timer_at <= when:
+                return  # fires first, then re-arms for the rest
+            t.cancel()
+        self._timer_at = when
+        self._timer = self._loop.call_later(delay, self._on_timer)
+
+    def _cancel_timer(self) -> None:
+        self._timer_kind = 0  # the pending handle, if any, will find nothing to do
+
+    def _drop_timer(self) -> None:
+        self._timer_kind = 0
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _on_timer(self) -> None:
+        self._timer = None
+        kind = self._timer_kind
+        if kind == 0 or self.transport is None:
+            return
+        now = self._loop.time()
+        if now < self._deadline - 0.001:
+            self._timer_at = self._deadline
+            self._timer = self._loop.call_later(self._deadline - now, self._on_timer)
+            return
+        self._timer_kind = 0
+        if kind == 1 or kind == 4:
+            self._close()
+        elif kind in (2, 3) and self._current is None:
+            # (while a response is being written, _response_done restarts it)
+            what = "headers" if kind == 2 else "body"
+            self._fail(
+                HTTPError(
+                    f"timed out reading the request {what}",
+                    status=408,
+                    type="invalid_request_error",
+                    code="request_timeout",
+                    close=True,
+                )
+            )
+
+    def _transport_write(self, data: bytes) -> None:
+        if self.transport is not None:
+            self.transport.write(data)
+
+    async def _drain(self) -> None:
+        if self._drain_waiter is None or self._drain_waiter.done():
+            self._drain_waiter = self._loop.create_future()
+        await self._drain_waiter
+
+    def _close(self) -> None:
+        self._cancel_timer()
+        if self.transport is not None:
+            self.transport.close()
+
+    def _linger_close(self) -> None:
+        """Close after a final answer without destroying it.
+
+        NOTE: closing a socket with unread input makes the kernel send RST, which
+        can overtake the answer: a 413 sent while the body is still arriving, or
+        a 503 to a request already sent, reached the client as "connection reset".
+        As nginx's lingering close does: half-close (the client reads the answer
+        and EOF), drop whatever still arrives, and close when the client does or
+        after ``_LINGER_S``.
+        """
+        t = self.transport
+        if t is None or self._lingering:
+            return
+        self._cancel_timer()
+        self._lingering = True
+        if self._server.closing or not t.can_write_eof():  # shutdown does not wait on it
+            t.close()
+            return
+        t.write_eof()
+        t.resume_reading()
+        self._arm(4, _LINGER_S)
+
+    def _abort(self) -> None:
+        self._cancel_timer()
+        t = self.transport
+        if t is not None:
+            t.abort()
+
+    def shutdown(self) -> None:
+        """Finish the current response, then close (graceful shutdown)."""
+        self._closing = True
+        if self._current is None:
+            self._close()
+
+
+class HTTPServer:
+    """A listening socket and its connections.
+
+    Args:
+        app: the request handler.
+        limits: per-connection limits.
+        name: for logs (``"gateway"``, ``"admin"``, ...).
+    """
+
+    def __init__(self, app: App, limits: ServerLimits | None = None, name: str = "http") -> None:
+        self.app = app
+        self.limits = limits or ServerLimits()
+        self.name = name
+        self.loop = asyncio.get_running_loop()
+        self.connections: set[HTTPProtocol] = set()
+        self.closing = False
+        self.rejected = 0
+        self._server: asyncio.Server | None = None
+        self._idle: asyncio.Future[None] | None = None
+
+    async def listen(self, host: str, port: int, *, backlog: int = 2048, reuse_port: bool = False) -> tuple[str, int]:
+        """Bind and start accepting; returns the bound (host, port).
+
+        Raises:
+            OSError: the address cannot be bound (in use, not permitted, ...).
+        """
+        try:
+            # NOTE: the protocols duck-type asyncio.Protocol (an extension type
+            # cannot subclass it); uvloop and asyncio only call the methods.
+            self._server = await self.loop.create_server(
+                lambda: HTTPProtocol(self),  # type: ignore[arg-type, return-value]
+                host,
+                port,
+                backlog=backlog,
+                reuse_address=True,
+                reuse_port=reuse_port or None,
+            )
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                raise OSError(exc.errno, f"{host}:{port} is already in use") from exc
+            raise
+        sock = self._server.sockets[0]
+        addr = sock.getsockname()
+        return addr[0], addr[1]
+
+    @property
+    def sockets(self) -> list[socket.socket]:
+        return list(self._server.sockets) if self._server else []
+
+    async def close(self, timeout: float = 10.0) -> None:
+        """Stop accepting, let in-flight responses finish for ``timeout`` s, then cut."""
+        self.closing = True
+        if self._server is not None:
+            self._server.close()
+        for conn in list(self.connections):
+            conn.shutdown()
+        if self.connections:
+            self._idle = self.loop.create_future()
+            try:
+                await asyncio.wait_for(asyncio.shield(self._idle), timeout)
+            except asyncio.TimeoutError:
+                log.warning(
+                    "%s: %d connection(s) still busy after %.1fs; closing them", self.name,
+                    len(self.connections), timeout,
+                )
+            for conn in list(self.connections):
+                conn._abort()
+        if self._server is not None:
+            await self._server.wait_closed()
+
+    def _maybe_closed(self) -> None:
+        if self._idle is not None and not self.connections and not self._idle.done():
+            self._idle.set_result(None)
+
+
+# ---------------------------------------------------------------- the upstream client
+
+class UpstreamConnection:
+    """One connection to a replica."""
+
+    def __init__(self, pool: UpstreamPool) -> None:
+        self.pool = pool
+        self.transport: asyncio.Transport | None = None
+        self.sink: Any = None
+        self.reader = ResponseReader(self)
+        self.reusable = True
+        self.idle_since = 0.0
+        self.requests = 0
+        self._connected: asyncio.Future[None] | None = None
+        self._read_paused = False
+
+    # -- asyncio callbacks --
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            try:
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            except OSError:
+                pass
+
+    def data_received(self, data: bytes) -> None:
+        if self.sink is None:
+            # Bytes nobody asked for: the connection is out of step; drop it.
+            self.reusable = False
+            if self.transport is not None:
+                self.transport.close()
+            return
+        try:
+            self.reader.feed(data)
+        except Exception as exc:
+            if not isinstance(exc, ValueError):
+                upstream_logger.exception("error while handling a response from %s:%d", self.pool.host, self.pool.port)
+            self.reusable = False
+            sink, self.sink = self.sink, None
+            if self.transport is not None:
+                self.transport.abort()
+            if sink is not None:
+                sink.on_upstream_lost(exc)
+
+    def eof_received(self) -> bool | None:
+        self.reusable = False
+        if self.sink is not None:
+            self.reader.feed_eof()
+        return None
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.transport = None
+        self.reusable = False
+        self.pool._forget(self)
+        sink, self.sink = self.sink, None
+        if sink is not None:
+            sink.on_upstream_lost(exc or ConnectionResetError("the replica closed the connection"))
+
+    # -- used by the exchange --
+
+    # ResponseReader sink: forwards to the current exchange.
+    def on_response_head(self, resp: Any) -> None:
+        if not resp.keep_alive:
+            self.reusable = False
+        self.sink.on_response_head(resp)
+
+    def on_response_body(self, data: bytes) -> None:
+        self.sink.on_response_body(data)
+
+    def on_response_end(self) -> None:
+        sink, self.sink = self.sink, None
+        if sink is not None:
+            sink.on_response_end()
+
+    def send(self, sink: Any, head: bytes, body: bytes) -> None:
+        """Start an exchange: ``sink`` will hear about the response."""
+        self.sink = sink
+        self.requests += 1
+        t = self.transport
+        if t is None:
+            # NOTE: the replica can close between connect() returning and this
+            # call (the exchange awaited in between); that is a lost upstream,
+            # which the sink knows how to retry, not an assertion failure.
+            self.sink = None
+            sink.on_upstream_lost(ConnectionResetError("the replica closed the connection"))
+            return
+        if body:
+            t.writelines((head, body))
+        else:
+            t.write(head)
+
+    def pause_reading(self) -> None:
+        """Stop reading from the replica (the client is slower than it)."""
+        if not self._read_paused and self.transport is not None:
+            self._read_paused = True
+            self.transport.pause_reading()
+
+    def resume_reading(self) -> None:
+        if self._read_paused and self.transport is not None:
+            self._read_paused = False
+            self.transport.resume_reading()
+
+    def abort(self) -> None:
+        """Drop the connection now (the exchange was abandoned)."""
+        self.reusable = False
+        self.sink = None
+        if self.transport is not None:
+            self.transport.abort()
+
+    def release(self) -> None:
+        """The exchange is over: back to the pool if reusable, else closed."""
+        self.sink = None
+        if self._read_paused:
+            self.resume_reading()
+        if self.reusable and self.transport is not None and not self.reader.in_message:
+            self.pool._put_idle(self)
+        else:
+            self.reusable = False
+            if self.transport is not None:
+                self.transport.close()
+
+
+class UpstreamPool:
+    """Keep-alive connections to one ``host:port``.
+
+    Args:
+        host, port: the replica's address.
+        connect_timeout: seconds to establish a TCP connection.
+        max_idle: idle connections kept for reuse.
+        idle_timeout: seconds an idle connection is kept.
+    """
+
+    def __init__(
+        self, host: str, port: int, *, connect_timeout: float = 2.0, max_idle: int = 64, idle_timeout: float = 30.0
+    ) -> None:
+        self.host = host
+        self.port = port
+        self.connect_timeout = connect_timeout
+        self.max_idle = max_idle
+        self.idle_timeout = idle_timeout
+        self._idle: collections.deque[UpstreamConnection] = collections.deque()
+        self._all: set[UpstreamConnection] = set()
+        self._loop = asyncio.get_running_loop()
+        self._sweeper: asyncio.TimerHandle | None = None
+        self.closed = False
+
+    @property
+    def open_connections(self) -> int:
+        return len(self._all)
+
+    @property
+    def idle_connections(self) -> int:
+        return len(self._idle)
+
+    def take_idle(self) -> UpstreamConnection | None:
+        """A connected idle connection, if there is one (no await)."""
+        idle = self._idle
+        while idle:
+            conn = idle.pop()  # most recently used: warmest, least likely closed by the peer
+            if conn.transport is not None and not conn.transport.is_closing():
+                return conn
+        return None
+
+    async def connect(self) -> UpstreamConnection:
+        """Open a new connection.
+
+        Raises:
+            ConnectionError / OSError: refused or unreachable.
+            TimeoutError: not connected within ``connect_timeout``.
+        """
+        if self.closed:
+            raise ConnectionError("upstream pool is closed")
+        try:
+            _, conn = await asyncio.wait_for(
+                self._loop.create_connection(  # type: ignore[type-var]
+                    lambda: UpstreamConnection(self), self.host, self.port
+                ),
+                self.connect_timeout,
+            )
+        except asyncio.TimeoutError:
+            raise TimeoutError(f"connect to {self.host}:{self.port} timed out after {self.connect_timeout:g}s") from None
+        if self.closed:
+            conn.abort()
+            raise ConnectionError("upstream pool is closed")
+        self._all.add(conn)
+        return conn
+
+    async def acquire(self) -> UpstreamConnection:
+        """An idle connection, or a new one."""
+        conn = self.take_idle()
+        if conn is not None:
+            return conn
+        return await self.connect()
+
+    def _put_idle(self, conn: UpstreamConnection) -> None:
+        if self.closed or len(self._idle) >= self.max_idle:
+            conn.reusable = False
+            if conn.transport is not None:
+                conn.transport.close()
+            return
+        conn.idle_since = time.monotonic()
+        self._idle.append(conn)
+        if self._sweeper is None:
+            self._sweeper = self._loop.call_later(self.idle_timeout, self._sweep)
+
+    def _sweep(self) -> None:
+        self._sweeper = None
+        cutoff = time.monotonic() - self.idle_timeout
+        keep: collections.deque[UpstreamConnection] = collections.deque()
+        for conn in self._idle:
+            if conn.idle_since < cutoff:
+                if conn.transport is not None:
+                    conn.transport.close()
+            else:
+                keep.append(conn)
+        self._idle = keep
+        if keep:
+            self._sweeper = self._loop.call_later(self.idle_timeout / 2, self._sweep)
+
+    def _forget(self, conn: UpstreamConnection) -> None:
+        self._all.discard(conn)
+        try:
+            self._idle.remove(conn)
+        except ValueError:
+            pass
+
+    def close_idle(self) -> None:
+        """Close idle connections and keep no more: busy ones close when their exchange ends."""
+        self.closed = True
+        for conn in list(self._idle):
+            if conn.transport is not None:
+                conn.transport.close()
+        self._idle.clear()
+
+    def close(self) -> None:
+        """Close every connection (in-flight exchanges see the loss)."""
+        self.closed = True
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            self._sweeper = None
+        for conn in list(self._all):
+            if conn.transport is not None:
+                conn.transport.close()
+        self._idle.clear()
+        upstream_logger.debug("closed pool to %s:%d", self.host, self.port)
+
+
+# ---------------------------------------------------------------- the proxy
+
+_SSE_SEP = b"\n\n"
+_VISIBLE_ASCII = bytes(range(33, 127))
+_MAX_BUFFERED = 64 * 1024 * 1024
+_RETRYABLE_STATUS = (502, 503)
+_UNKNOWN = "(unknown)"  # the model label for requests naming no served model (bounded cardinality)
+_TICK = 0.05  # seconds between deadline sweeps
+
+_CODE_BY_STATUS = {
+    400: "invalid_request",
+    401: "invalid_api_key",
+    403: "permission_denied",
+    404: "not_found",
+    405: "method_not_allowed",
+    408: "request_timeout",
+    409: "conflict",
+    413: "request_too_large",
+    422: "invalid_request",
+    429: "rate_limit_exceeded",
+    500: "internal_error",
+    501: "not_implemented",
+    502: "bad_gateway",
+    503: "service_unavailable",
+    504: "gateway_timeout",
+}
+_TYPE_BY_STATUS = {401: "invalid_request_error", 429: "rate_limit_exceeded", 503: "service_unavailable_error"}
+_CODE_BY_TYPE = {"exceed_context_size_error": "context_length_exceeded"}
+_JSON_CT = ((b"content-type", b"application/json"),)
+
+
+def normalize_error(status: int, body: bytes) -> bytes:
+    """An engine's error body in OpenAI's shape, with a string ``code``.
+
+    Engines put the HTTP status (an integer) in ``code`` (vLLM, llama.cpp,
+    TensorRT-LLM), answer ``{"error": "Unauthorized"}`` (vLLM, SGLang), use the flat
+    pre-0.10.1 vLLM shape, or send plain text; all become
+    ``{"error": {"message", "type", "param", "code"}}``.
+    """
+    message: str | None = None
+    etype: Any = None
+    param: Any = None
+    code: Any = None
+    extra: dict[str, Any] = {}
+    try:
+        data = orjson.loads(body) if body else None
+    except orjson.JSONDecodeError:
+        data = None
+    if isinstance(data, dict):
+        err = data.get("error")
+        if isinstance(err, dict):
+            src = err
+        elif isinstance(err, str):
+            src = {"message": err}
+        elif data.get("object") == "error" or "message" in data or "detail" in data:
+            src = data
+        else:
+            src = {}
+        msg = src.get("message", src.get("detail"))
+        message = msg if isinstance(msg, str) else (orjson.dumps(msg).decode() if msg is not None else None)
+        etype = src.get("type")
+        param = src.get("param")
+        code = src.get("code")
+        for k in ("n_prompt_tokens", "n_ctx"):
+            if k in src:
+                extra[k] = src[k]
+    elif body:
+        message = body[:500].decode("utf-8", "replace").strip() or None
+    if not isinstance(etype, str) or not etype:
+        etype = _TYPE_BY_STATUS.get(status, "invalid_request_error" if status < 500 else "server_error")
+    if not isinstance(code, str) or not code:
+        code = _CODE_BY_TYPE.get(etype) or _CODE_BY_STATUS.get(status, f"http_{status}")
+    if not isinstance(param, str):
+        param = None
+    if not message:
+        message = f"the engine answered HTTP {status}"
+    out: dict[str, Any] = {"message": message, "type": etype, "param": param, "code": code}
+    out.update(extra)
+    return orjson.dumps({"error": out})
+
+
+def _sse_error(message: str, code: str) -> bytes:
+    return b"data: " + orjson.dumps(
+        {"error": {"message": message, "type": "server_error", "param": None, "code": code}}
+    ) + _SSE_SEP
+
+
+# Deadline kinds of a Call (checked by the gateway's sweep).
+_D_NONE = 0
+_D_QUEUE = 1
+_D_FIRST_BYTE = 2
+_D_READ = 3
+
+# Call phases.
+_P_NEW = 0
+_P_QUEUED = 1
+_P_CONNECTING = 2
+_P_SENT = 3
+_P_DONE = 4
+
+
+class Call:
+    """One client request, from admission to the last byte (and its attempts).
+
+    It is the sink of the upstream connection carrying the current attempt.
+    """
+
+    __slots__ = (
+        "_buf",
+        "_pending",
+        "band",
+        "band_name",
+        "body",
+        "client_model",
+        "closed",
+        "conn",
+        "connect_task",
+        "deadline",
+        "dkind",
+        "ep",
+        "error",
+        "gw",
+        "head_tail",
+        "model",
+        "phase",
+        "pool",
+        "probe",
+        "req",
+        "resp",
+        "retrying",
+        "rid",
+        "rid_line",
+        "sent_at",
+        "sent_bytes",
+        "started",
+        "streaming",
+        "tenant",
+        "tried",
+        "tries",
+        "ttfb",
+        "w",
+    )
+
+    def __init__(
+        self, gw: Gateway, req: Request, w: ResponseWriter, pool: ModelPool, model: str, body: bytes, rid: bytes
+    ) -> None:
+        self.gw = gw
+        self.req = req
+        self.w = w
+        self.pool = pool
+        self.model = pool.name
+        self.client_model = model
+        self.body = body
+        self.rid = rid
+        self.rid_line = b"x-request-id: %s\r\n" % rid
+        self.started = time.monotonic()
+        self.band = gw.default_band
+        self.band_name = gw.bands[self.band]
+        self.tenant: Any = None
+        self.phase = _P_NEW
+        self.closed = False
+        self.tried: list[Endpoint] | None = None
+        self.ep: Endpoint | None = None
+        self.conn: UpstreamConnection | None = None
+        self.connect_task: asyncio.Task[None] | None = None
+        self.tries = 0
+        self.probe = False
+        self.retrying = False
+        self.deadline = 0.0
+        self.dkind = _D_NONE
+        self.resp: Response | None = None
+        self.streaming = False
+        self._buf: list[bytes] = []
+        self._pending = b""
+        self.sent_bytes = 0
+        self.ttfb: float | None = None
+        self.sent_at: float | None = None
+        self.error: HTTPError | None = None
+        self.head_tail = b""
+
+    # -- admission --
+
+    def admit(self) -> None:
+        """Straight through below saturation 1.0 with nobody waiting; else queue (or shed)."""
+        gw = self.gw
+        pool = self.pool
+        now = time.monotonic()
+        if not len(pool.queue) and pool.saturation(now, gw.stale_after, gw.max_waiting, gw.max_kv) < 1.0:
+            gw.observer.admission(self.band_name, "admitted")
+            self.dispatch()
+            return
+        evicted = pool.queue.push(self.band, self.tenant, self, now)
+        if evicted is False:
+            gw.observer.admission(self.band_name, "rejected", "queue_full")
+            self.shed("queue_full", f"the {self.model} pool is saturated and its {self.band_name} queue is full")
+            return
+        self.phase = _P_QUEUED
+        self._deadline(_D_QUEUE, gw.queue_timeout)
+        gw.observer.admission(self.band_name, "queued")
+        if evicted is not None:
+            assert isinstance(evicted, Call)
+            gw.observer.admission(evicted.band_name, "rejected", "evicted")
+            evicted.shed("evicted", f"the {self.model} pool is saturated; a higher-priority request took this slot")
+        # A pool that is saturated only because nothing is known yet still moves.
+        gw.admit_next(pool)
+
+    def shed(self, reason: str, message: str) -> None:
+        """Answer 429 (with Retry-After from the pool's drain rate) and finish."""
+        now = time.monotonic()
+        wait = retry_after(self.pool.states, len(self.pool.queue), now)
+        self.phase = _P_DONE
+        self._finish(RateLimitedError(f"{message}; retry after {math.ceil(wait)}s", retry_after=wait, code=reason))
+
+    # -- attempts --
+
+    def dispatch(self) -> None:
+        """Choose a replica and send the request (now if a pooled connection is idle)."""
+        gw = self.gw
+        now = time.monotonic()
+        ep = self.pool.pick(now, gw.stale_after, self.tried or ())
+        if ep is None:
+            err = self.error or OverloadedError(
+                f"no replica of model `{self.model}` is available (all draining or failing)", retry_after=1
+            )
+            self._finish(err)
+            return
+        self.ep = ep
+        self.tries += 1
+        state = ep.state
+        self.probe = state.breaker.state_code == 2  # half-open: this request is the probe
+        state.on_dispatch(now)
+        head = upstream_head(
+            self.req.method,
+            ep.target(self.req.target),
+            ep.host_header,
+            self.req.forward,
+            len(self.body),
+            self.rid_line + ep.auth_line,
+        )
+        conn = ep.pool.take_idle()
+        if conn is not None:
+            self._send(conn, head, reused=True)
+            return
+        self.phase = _P_CONNECTING
+        self.connect_task = gw.loop.create_task(self._connect(ep, head))
+
+    async def _connect(self, ep: Endpoint, head: bytes) -> None:
+        try:
+            conn = await ep.pool.connect()
+        except asyncio.CancelledError:
+            return
+        except TimeoutError:
+            self._attempt_failed(
+                GatewayTimeoutError(f"replica {ep.id} did not accept a connection in time"), "connect_timeout"
+            )
+            return
+        except OSError as exc:
+            self._attempt_failed(
+                BadGatewayError(f"replica {ep.id} refused the connection ({exc.strerror or exc})"), "connect_refused"
+            )
+            return
+        finally:
+            self.connect_task = None
+        if self.phase == _P_DONE or self.ep is not ep:
+            conn.release()
+            return
+        self._send(conn, head, reused=False)
+
+    def _send(self, conn: UpstreamConnection, head: bytes, reused: bool) -> None:
+        self.phase = _P_SENT
+        self.conn = conn
+        self.resp = None
+        self.head_tail = head if reused else b""
+        self._deadline(_D_FIRST_BYTE, self.gw.first_byte_timeout)
+        self.sent_at = time.monotonic()
+        conn.send(self, head, self.body)
+
+    def _deadline(self, kind: int, delay: float) -> None:
+        gw = self.gw
+        self.dkind = kind
+        self.deadline = gw.loop.time() + delay
+        gw.watch(self)
+
+    def _attempt_failed(self, error: HTTPError, kind: str, counts: bool = True) -> None:
+        """This attempt failed before any byte reached the client: retry or answer."""
+        gw = self.gw
+        ep = self.ep
+        assert ep is not None
+        now = time.monotonic()
+        conn, self.conn = self.conn, None
+        if conn is not None:
+            conn.abort()
+        ep.state.on_abort(now)
+        ep.failures += 1
+        if counts:
+            gw.breaker_outcome(ep, False, now)
+        elif self.probe:
+            ep.state.breaker.release()
+        gw.observer.upstream_error(ep.id, kind)
+        self.error = error
+        upstream_logger.debug("replica %s failed: %s", ep.id, error.message)
+        if self.retrying:
+            gw.budget.done_retry()
+            self.retrying = False
+        if self.w.disconnected:
+            self._finish(None)
+            return
+        if self.tries <= gw.retry_attempts and gw.budget.can_retry(gw.active_calls):
+            if self.tried is None:
+                self.tried = []
+            self.tried.append(ep)
+            gw.budget.record_retry()
+            self.retrying = True
+            gw.observer.retry(self.model, ep.id)
+            self.dispatch()
+            return
+        self._finish(error)
+
+    def _fresh_retry(self) -> bool:
+        """A reused keep-alive connection the replica had closed: try again on a new one."""
+        if not self.head_tail or self.resp is not None:
+            return False
+        head, self.head_tail = self.head_tail, b""
+        ep = self.ep
+        assert ep is not None
+        self.conn = None
+        self.phase = _P_CONNECTING
+        self.connect_task = self.gw.loop.create_task(self._connect(ep, head))
+        return True
+
+    # -- the ResponseReader sink (via the upstream connection) --
+
+    def on_response_head(self, resp: Response) -> None:
+        self.resp = resp
+        self.ttfb = time.monotonic()
+        if resp.event_stream and resp.status < 300:
+            self.streaming = True
+            w = self.w
+            w.start(resp.status, (), -1, resp.forward + self.rid_line + self.ep.replica_line)  # type: ignore[union-attr]
+            conn = self.conn
+            if conn is not None:
+                w.add_flow_listener(conn)
+        self._deadline(_D_READ, self.gw.read_timeout)
+
+    def on_response_body(self, data: bytes) -> None:
+        if self.streaming:
+            self.deadline = self.gw.loop.time() + self.gw.read_timeout
+            # Relay whole SSE events only, so a cut never leaves half an event.
+            if self._pending:
+                data = self._pending + data
+            cut = data.rfind(_SSE_SEP)
+            if cut < 0:
+                self._pending = data
+                return
+            cut += 2
+            if cut == len(data):
+                self._pending = b""
+                out = data
+            else:
+                self._pending = data[cut:]
+                out = data[:cut]
+            self.sent_bytes += len(out)
+            self.w.write(out)
+            if self.gw.count_tokens:
+                counts = usage_counts(out)
+                if counts is not None:
+                    self.gw.observer.tokens(self.model, counts[0], counts[1])
+        else:
+            self._buf.append(data)
+            self.sent_bytes += len(data)
+            if self.sent_bytes > _MAX_BUFFERED:
+                self._attempt_failed(
+                    BadGatewayError(f"replica {self.ep.id} sent an answer larger than {_MAX_BUFFERED} bytes"),  # type: ignore[union-attr]
+                    "bad_response",
+                )
+
+    def on_response_end(self) -> None:
+        conn, self.conn = self.conn, None
+        resp = self.resp
+        ep = self.ep
+        assert resp is not None and ep is not None
+        w = self.w
+        if self.streaming:
+            if self._pending:
+                w.write(self._pending)
+                self.sent_bytes += len(self._pending)
+                self._pending = b""
+            if conn is not None:
+                conn.release()
+            w.end()
+            self._completed(True)
+            return
+        buf = self._buf
+        body = buf[0] if len(buf) == 1 else b"".join(buf)
+        self._buf = []
+        if conn is not None:
+            conn.release()
+        status = resp.status
+        if status >= 400:
+            normalized = normalize_error(status, body)
+            if status >= 500:
+                if status in _RETRYABLE_STATUS:
+                    message = orjson.loads(normalized)["error"]["message"]
+                    err = HTTPError(
+                        f"replica {ep.id} answered {status}: {message}",
+                        status=status,
+                        type="service_unavailable_error" if status == 503 else "server_error",
+                        code=_CODE_BY_STATUS[status],
+                        retry_after=1 if status == 503 else None,
+                    )
+                    self._attempt_failed(err, "status_5xx")
+                    return
+                self.gw.observer.upstream_error(ep.id, "status_5xx")
+            w.send(status, normalized, _JSON_CT, self.rid_line + ep.replica_line)
+            self._completed(status < 500)
+            return
+        w.send(status, body, (), resp.forward + self.rid_line + ep.replica_line)
+        if self.gw.count_tokens:
+            counts = usage_counts(body)
+            if counts is not None:
+                self.gw.observer.tokens(self.model, counts[0], counts[1])
+        self._completed(True)
+
+    def on_upstream_lost(self, exc: BaseException | None) -> None:
+        self.conn = None
+        if self.phase != _P_SENT:
+            return
+        kind = "bad_response" if isinstance(exc, ValueError) else "reset"
+        if self.streaming:
+            ep = self.ep
+            assert ep is not None
+            self.gw.observer.upstream_error(ep.id, kind)
+            self._cut_stream("the replica closed the connection", "upstream_disconnected")
+            self._completed(False)
+            return
+        if kind == "reset" and self._fresh_retry():
+            return
+        ep = self.ep
+        assert ep is not None
+        self._attempt_failed(
+            BadGatewayError(f"replica {ep.id} closed the connection before a complete answer"), kind
+        )
+
+    def _cut_stream(self, why: str, code: str) -> None:
+        w = self.w
+        if w.finished:
+            return
+        w.keep_alive = False
+        if not w.disconnected:
+            # Never a fabricated [DONE] or finish_reason: the client learns the truth.
+            w.write(_sse_error(f"stream interrupted: {why}", code))
+        w.end()
+
+    # -- deadlines (from the gateway's sweep) --
+
+    def expired(self) -> None:
+        kind = self.dkind
+        self.dkind = _D_NONE
+        gw = self.gw
+        if kind == _D_QUEUE:
+            if self.phase == _P_QUEUED and self.pool.queue.remove(self):
+                gw.observer.admission(self.band_name, "rejected", "queue_timeout")
+                self.shed("queue_timeout", f"the {self.model} pool stayed saturated for {gw.queue_timeout:g}s")
+            return
+        if self.phase != _P_SENT:
+            return
+        ep = self.ep
+        assert ep is not None
+        if kind == _D_FIRST_BYTE and self.resp is None:
+            conn, self.conn = self.conn, None
+            if conn is not None:
+                conn.abort()
+            now = time.monotonic()
+            ep.state.on_abort(now)
+            ep.failures += 1
+            gw.breaker_outcome(ep, False, now)
+            gw.observer.upstream_error(ep.id, "first_byte_timeout")
+            # Not retried: the engine may be working on it.
+            self._finish(GatewayTimeoutError(f"replica {ep.id} did not answer within {gw.first_byte_timeout:g}s"))
+        elif kind == _D_READ:
+            conn, self.conn = self.conn, None
+            if conn is not None:
+                conn.abort()
+            gw.observer.upstream_error(ep.id, "read_timeout")
+            if self.streaming:
+                self._cut_stream("the replica stopped sending", "upstream_timeout")
+                self._completed(False)
+            else:
+                self._attempt_failed(BadGatewayError(f"replica {ep.id} stopped sending its answer"), "read_timeout")
+
+    # -- endings --
+
+    def client_gone(self) -> None:
+        """The client disconnected: abort whatever is in progress, release everything."""
+        phase = self.phase
+        if phase == _P_DONE:
+            return
+        gw = self.gw
+        if phase == _P_QUEUED:
+            self.pool.queue.remove(self)
+            gw.observer.admission(self.band_name, "rejected", "client_gone")
+        task = self.connect_task
+        if task is not None:
+            task.cancel()
+            self.connect_task = None
+        conn, self.conn = self.conn, None
+        if conn is not None:
+            # NOTE: closing the upstream connection is how an engine learns to stop
+            # generating; the slot frees at once.
+            conn.abort()
+        ep = self.ep
+        if ep is not None and phase in (_P_CONNECTING, _P_SENT):
+            ep.state.on_abort(time.monotonic())
+            if self.probe:
+                ep.state.breaker.release()
+        self._done(None)
+
+    def _completed(self, success: bool) -> None:
+        """The replica answered (fully, or a stream that was then cut)."""
+        ep = self.ep
+        assert ep is not None
+        now = time.monotonic()
+        state = ep.state
+        gw = self.gw
+        if success:
+            state.on_complete(now)
+            ep.completed += 1
+            gw.breaker_outcome(ep, True, now)
+        else:
+            state.on_abort(now)
+            ep.failures += 1
+            gw.breaker_outcome(ep, False, now)
+        if self.retrying:
+            gw.budget.done_retry()
+            self.retrying = False
+        self._done(None)
+
+    def _finish(self, error: HTTPError | None) -> None:
+        """Answer ``error`` (if the client is still there) and finish."""
+        w = self.w
+        if error is not None and not w.started and not w.disconnected:
+            w.send_error(error, ((b"x-request-id", self.rid),))
+        elif not w.finished and w.started:
+            w.abort()
+        if self.retrying:
+            self.gw.budget.done_retry()
+            self.retrying = False
+        self._done(error)
+
+    def _done(self, error: HTTPError | None) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        self.phase = _P_DONE
+        self.dkind = _D_NONE
+        gw = self.gw
+        gw.unwatch(self)
+        gw.active_calls -= 1
+        now = time.monotonic()
+        ep = self.ep
+        w = self.w
+        ttfb = self.ttfb - self.started if self.ttfb is not None else None
+        upstream = now - self.sent_at if self.sent_at is not None else None
+        gw.observer.request_done(
+            self.model, ep.id if ep is not None else None, w.status, self.band_name, now - self.started, ttfb, upstream
+        )
+        if gw.access_log:
+            gw.log_access(self, now)
+        gw.admit_next(self.pool)
+
+
+class Gateway:
+    """The client port's app (see the module docstring)."""
+
+    def __init__(self, config: Config, registry: Registry) -> None:
+        self.loop = asyncio.get_running_loop()
+        self.registry = registry
+        self._rid_prefix = os.urandom(6).hex().encode()
+        self._rid_counter = itertools.count(1)
+        self.created = int(time.time())
+        self.observer: Observer = NullObserver()
+        self.count_tokens = False
+        self.active_calls = 0
+        self._admitting = False
+        self._watched: set[Call] = set()
+        self._sweep_handle: asyncio.TimerHandle | None = None
+        self.reconfigure(config)
+
+    def reconfigure(self, config: Config) -> None:
+        """Adopt a new configuration (a reload): tables are rebuilt, connections kept."""
+        self.config = config
+        self.first_byte_timeout = config.upstream.first_byte_timeout
+        self.read_timeout = config.upstream.read_timeout
+        self.retry_attempts = config.retries.attempts
+        self.budget = RetryBudget(config.retries.budget)
+        self.stale_after = config.scrape.stale_after
+        self.max_waiting = float(config.saturation.max_waiting)
+        self.max_kv = config.saturation.max_kv_cache_usage
+        adm = config.admission
+        self.bands = adm.bands
+        self.band_index = {b.encode(): i for i, b in enumerate(adm.bands)}
+        self.default_band = adm.bands.index(adm.default_band)
+        self.queue_timeout = adm.queue_timeout
+        self.aliases = config.aliases()
+        # model name as the client says it -> name to put in the upstream body
+        rewrites: dict[str, str] = {}
+        for m in config.models.values():
+            if m.upstream_name:
+                rewrites[m.name] = m.upstream_name
+        for alias, real in self.aliases.items():
+            rewrites[alias] = config.models[real].upstream_name or real
+        self.rewrites = rewrites
+        self.keys = {k.sha256: k for k in config.auth.keys}
+        self.key_bands = {
+            k.sha256: adm.bands.index(k.band) for k in config.auth.keys if k.band is not None and k.band in adm.bands
+        }
+        self.auth = bool(self.keys)
+        self.access_log = config.access_log.enabled
+
+    def set_observer(self, observer: Observer) -> None:
+        """Report the data path's work to ``observer`` (metrics)."""
+        self.observer = observer
+        self.count_tokens = not isinstance(observer, NullObserver)
+
+    # -- deadlines: one sweep for every call, instead of a timer per call --
+
+    def watch(self, call: Call) -> None:
+        self._watched.add(call)
+        if self._sweep_handle is None:
+            self._sweep_handle = self.loop.call_later(_TICK, self._sweep)
+
+    def unwatch(self, call: Call) -> None:
+        self._watched.discard(call)
+
+    def _sweep(self) -> None:
+        self._sweep_handle = None
+        now = self.loop.time()
+        expired = [c for c in self._watched if c.dkind != _D_NONE and c.deadline <= now]
+        for c in expired:
+            c.expired()
+        self._watched = {c for c in self._watched if c.dkind != _D_NONE}
+        if self._watched:
+            self._sweep_handle = self.loop.call_later(_TICK, self._sweep)
+        # Breakers reopen and scrapes move on with time: let queued requests re-check.
+        for pool in self.registry.pools.values():
+            if len(pool.queue):
+                self.admit_next(pool)
+
+    def admit_next(self, pool: ModelPool) -> None:
+        """Dispatch queued requests while the pool is below saturation 1.0."""
+        queue = pool.queue
+        if not len(queue) or self._admitting:
+            return
+        self._admitting = True
+        try:
+            self._admit(pool)
+        finally:
+            self._admitting = False
+
+    def _admit(self, pool: ModelPool) -> None:
+        queue = pool.queue
+        for _ in range(len(queue)):
+            now = time.monotonic()
+            if pool.saturation(now, self.stale_after, self.max_waiting, self.max_kv) >= 1.0:
+                # Nothing in flight and still "full": nothing will free capacity but
+                # time; the sweep checks again.
+                if not any(st.inflight for st in pool.states):
+                    self._ensure_sweep()
+                return
+            call = queue.pop()
+            if call is None:
+                return
+            assert isinstance(call, Call)
+            call.dkind = _D_NONE
+            self.observer.admission(call.band_name, "dequeued")
+            call.dispatch()
+
+    def breaker_outcome(self, ep: Endpoint, success: bool, now: float) -> None:
+        """Tell ``ep``'s breaker how an attempt ended; report a state change."""
+        breaker = ep.state.breaker
+        before = breaker.state_code
+        if success:
+            breaker.record_success(now)
+        else:
+            breaker.record_failure(now)
+        if breaker.state_code != before:
+            self.observer.breaker_transition(ep.id, breaker.state)
+
+    def _ensure_sweep(self) -> None:
+        if self._sweep_handle is None:
+            self._sweep_handle = self.loop.call_later(_TICK, self._sweep)
+
+    def on_scrape(self, ep: Endpoint) -> None:
+        """A scrape of ``ep`` landed: queued requests of its models may go now."""
+        pools = self.registry.pools
+        for m in ep.models:
+            pool = pools.get(m)
+            if pool is not None and len(pool.queue):
+                self.admit_next(pool)
+
+    # -- routing --
+
+    def handle(self, req: Request, w: ResponseWriter) -> None:
+        path = req.path
+        if not path.startswith(b"/v1/"):
+            raise NotFoundError(f"no route for {path.decode('latin-1')[:200]}; llmgw serves the OpenAI API under /v1/")
+        key = self._authenticate(req) if self.auth else None
+        method = req.method
+        if method == b"POST":
+            self._proxy(req, w, key)
+            return None
+        if method == b"GET" or method == b"HEAD":
+            if path == b"/v1/models":
+                w.send_json(200, {"object": "list", "data": self._model_cards()})
+                return None
+            if path.startswith(b"/v1/models/"):
+                name = path[len(b"/v1/models/") :].decode("utf-8", "replace")
+                for card in self._model_cards():
+                    if card["id"] == name:
+                        w.send_json(200, card)
+                        return None
+                raise ModelNotFoundError(f"The model `{name}` does not exist or you do not have access to it.")
+        raise HTTPError(
+            f"method {method.decode('latin-1')} is not allowed on {path.decode('latin-1')[:200]}",
+            status=405,
+            type="invalid_request_error",
+            code="method_not_allowed",
+        )
+
+    def _authenticate(self, req: Request) -> bytes:
+        key: bytes | None = None
+        auth = req.authorization
+        if auth is not None:
+            if auth[:7].lower() == b"bearer ":
+                key = auth[7:].strip()
+        elif req.x_api_key is not None:
+            key = req.x_api_key.strip()
+        if not key:
+            raise UnauthorizedError(
+                "You didn't provide an API key. Send it as Authorization: Bearer <key>.", code="missing_api_key"
+            )
+        digest = hashlib.sha256(key).digest()
+        found = self.keys.get(digest)
+        # SECURITY: compare in constant time; never echo the key.
+        if found is None or not hmac.compare_digest(found.sha256, digest):
+            raise UnauthorizedError("Incorrect API key provided.")
+        return digest
+
+    def _model_cards(self) -> list[dict[str, Any]]:
+        cards = [
+            {"id": m, "object": "model", "created": self.created, "owned_by": "llmgw"} for m in self.registry.models()
+        ]
+        served = set(self.registry.models())
+        for alias, real in self.aliases.items():
+            if real in served:
+                cards.append({"id": alias, "object": "model", "created": self.created, "owned_by": "llmgw", "root": real})
+        return cards
+
+    def _request_id(self, req: Request) -> bytes:
+        rid = req.request_id
+        # Accept the client's id when it is a short token of visible ASCII.
+        if rid is not None and 0 < len(rid) <= 128 and not rid.translate(None, _VISIBLE_ASCII):
+            return rid
+        return b"%s-%d" % (self._rid_prefix, next(self._rid_counter))
+
+    def _proxy(self, req: Request, w: ResponseWriter, key: bytes | None) -> None:
+        rid = self._request_id(req)
+        try:
+            call = self._prepare(req, w, rid, key)
+        except HTTPError as exc:
+            w.send_error(exc, ((b"x-request-id", rid),))
+            band = self.bands[self.default_band]
+            self.observer.request_done(_UNKNOWN, None, w.status, band, 0.0, None, None)
+            if self.access_log:
+                self._access_line(req, rid, _UNKNOWN, band, None, 0, w, 0, None, 0.0)
+            return
+        self.active_calls += 1
+        w.on_disconnect(call.client_gone)
+        call.admit()
+
+    def _prepare(self, req: Request, w: ResponseWriter, rid: bytes, key: bytes | None) -> Call:
+        body = req.body
+        try:
+            data = orjson.loads(body)
+        except orjson.JSONDecodeError as exc:
+            raise BadRequestError(
+                f"We could not parse the JSON body of your request ({exc}). Send a JSON object.",
+                code="invalid_json",
+            ) from None
+        if not isinstance(data, dict):
+            raise BadRequestError("The request body must be a JSON object.", code="invalid_json")
+        model = data.get("model")
+        if not isinstance(model, str) or not model:
+            raise BadRequestError("You must provide a model parameter.", param="model", code="missing_model")
+        real = self.aliases.get(model, model)
+        pool = self.registry.pools.get(real)
+        if pool is None or not pool.endpoints:
+            raise ModelNotFoundError(
+                f"The model `{model[:200]}` does not exist or you do not have access to it.", param="model"
+            )
+        rewrite = self.rewrites.get(model)
+        if rewrite is not None and rewrite != model:
+            data["model"] = rewrite
+            body = orjson.dumps(data)
+        call = Call(self, req, w, pool, model, body, rid)
+        band = self.default_band
+        if key is not None:
+            band = self.key_bands.get(key, band)
+            call.tenant = key
+        prio = req.priority
+        if prio is not None:
+            idx = self.band_index.get(prio.strip().lower())
+            if idx is None:
+                raise BadRequestError(
+                    f"unknown priority band {prio.decode('latin-1')[:64]!r}; use one of {', '.join(self.bands)}",
+                    code="invalid_priority",
+                )
+            band = idx
+        call.band = band
+        call.band_name = self.bands[band]
+        return call
+
+    def log_access(self, call: Call, now: float) -> None:
+        self._access_line(
+            call.req,
+            call.rid,
+            call.model,
+            call.band_name,
+            call.ep.id if call.ep is not None else None,
+            call.tries,
+            call.w,
+            call.sent_bytes,
+            round((call.ttfb - call.started) * 1000, 3) if call.ttfb is not None else None,
+            round((now - call.started) * 1000, 3),
+        )
+
+    def _access_line(
+        self,
+        req: Request,
+        rid: bytes,
+        model: str,
+        band: str,
+        replica: str | None,
+        attempts: int,
+        w: ResponseWriter,
+        nbytes: int,
+        ttfb_ms: float | None,
+        duration_ms: float,
+    ) -> None:
+        access_logger.info(
+            orjson.dumps(
+                {
+                    "ts": time.time(),
+                    "id": rid.decode("latin-1"),
+                    "method": req.method.decode("latin-1"),
+                    "path": req.path.decode("latin-1"),
+                    "model": model,
+                    "band": band,
+                    "replica": replica,
+                    "attempts": attempts,
+                    "status": w.status,
+                    "bytes": nbytes,
+                    "ttfb_ms": ttfb_ms,
+                    "duration_ms": duration_ms,
+                    "client_disconnected": w.disconnected,
+                }
+            ).decode()
+        )
+
+    def close(self) -> None:
+        """Stop the deadline sweep."""
+        if self._sweep_handle is not None:
+            self._sweep_handle.cancel()
+            self._sweep_handle = None
