@@ -34,6 +34,7 @@ httpproto = _twin_fixture("httpproto")
 promscan = _twin_fixture("promscan")
 score = _twin_fixture("score")
 admit = _twin_fixture("admit")
+jsonscan = _twin_fixture("jsonscan")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

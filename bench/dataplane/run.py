@@ -206,17 +206,23 @@ def tree(pid: int) -> list[int]:
     return out
 
 
-def cpu_seconds(pid: int) -> float:
-    """utime+stime of ``pid`` and its descendants (all threads), seconds."""
-    ticks = 0
+def cpu_split(pid: int) -> tuple[float, float]:
+    """(utime, stime) of ``pid`` and its descendants (all threads), seconds."""
+    user = sys_ = 0
     for p in tree(pid):
         try:
             stat = Path(f"/proc/{p}/stat").read_text()
         except OSError:
             continue
         fields = stat.rsplit(")", 1)[1].split()
-        ticks += int(fields[11]) + int(fields[12])  # utime, stime (fields 14, 15)
-    return ticks / CLK_TCK
+        user += int(fields[11])  # utime (field 14)
+        sys_ += int(fields[12])  # stime (field 15)
+    return user / CLK_TCK, sys_ / CLK_TCK
+
+
+def cpu_seconds(pid: int) -> float:
+    """utime+stime of ``pid`` and its descendants (all threads), seconds."""
+    return sum(cpu_split(pid))
 
 
 def rss_mib(pid: int) -> float:
@@ -336,18 +342,21 @@ class Relay(Proxy):
 
 
 def measure_load(p: Proxy, args: argparse.Namespace, script: str) -> dict:
-    c0 = cpu_seconds(p.pid)
+    u0, s0 = cpu_split(p.pid)
     t0 = time.monotonic()
     r = wrk(args.load_core, p.url, script, args.connections, args.duration)
     elapsed = time.monotonic() - t0
-    c1 = cpu_seconds(p.pid)
-    cpu = c1 - c0
+    u1, s1 = cpu_split(p.pid)
+    cpu = (u1 - u0) + (s1 - s0)
+    n = r["requests"]
     return {
         "requests": r["requests"],
         "rps": r["rps"],
         "cpu_s": round(cpu, 3),
         "util": round(cpu / elapsed, 3),
-        "us_per": round(cpu / r["requests"] * 1e6, 2) if r["requests"] else None,
+        "us_per": round(cpu / n * 1e6, 2) if n else None,
+        "user_us_per": round((u1 - u0) / n * 1e6, 2) if n else None,
+        "sys_us_per": round((s1 - s0) / n * 1e6, 2) if n else None,
         "errors": r["errors"],
         "error_detail": {k: r[k] for k in ("socket_errors", "non2xx", "bad_body")},
         "rss_mib": round(rss_mib(p.pid), 1),
@@ -465,6 +474,7 @@ def main() -> None:
                 rd["proxies"][p.name] = res
                 s = res.get("stream", {})
                 print(f"round {r + 1} {p.name:6s} req {res['nonstream']['us_per']} us "
+                      f"[user {res['nonstream']['user_us_per']} sys {res['nonstream']['sys_us_per']}] "
                       f"({res['nonstream']['rps']:.0f}/s, util {res['nonstream']['util']:.2f})  "
                       f"stream {s.get('us_per')} us ({s.get('rps', 0):.0f}/s, util {s.get('util', 0):.2f})  "
                       f"p50 +{res['added_p50_us']} us  rss {res['rss_mib']} MiB  "

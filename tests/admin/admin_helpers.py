@@ -73,6 +73,15 @@ class Engine:
 
     async def _stream(self, w: Any, body: dict[str, Any]) -> None:
         w.start(200, [(b"content-type", b"text/event-stream")])
+        if self.mode == "continuous_usage":
+            # vLLM's continuous usage stats: every event carries the running totals
+            for i in range(1, 4):
+                usage = {"prompt_tokens": 5, "completion_tokens": i, "total_tokens": 5 + i}
+                w.write(b'data: {"choices":[{"delta":{"content":"t"}}],"usage":%s}\r\n\r\n' % orjson.dumps(usage))
+                await asyncio.sleep(0.001)
+            w.write(b"data: [DONE]\r\n\r\n")
+            w.end()
+            return
         for i in range(3):
             w.write(b'data: {"choices":[{"delta":{"content":"t%d"}}]}\n\n' % i)
             await asyncio.sleep(0.001)

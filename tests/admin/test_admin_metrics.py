@@ -38,6 +38,25 @@ async def scrape(rt: Any, accept: str | None = None) -> tuple[dict[str, str], st
     return hdrs, body.decode()
 
 
+async def test_streamed_usage_is_counted_once_per_answer() -> None:
+    # Running totals in every event (and CRLF event framing) count as the last
+    # totals, once: summing them would report 1+2+3 completion tokens.
+    a = Engine("a")
+    a.mode = "continuous_usage"
+    async with running([a]) as rt:
+        port = client_port(rt)
+        status, hdrs, body = await http(
+            port, "POST", "/v1/chat/completions", {"model": "m", "stream": True, "messages": []},
+            headers={"content-type": "application/json"},
+        )
+        assert status == 200 and hdrs["content-type"] == "text/event-stream"
+        assert body.count(b"\r\n\r\n") == 4 and body.endswith(b"data: [DONE]\r\n\r\n")
+        _, text = await scrape(rt)
+        fams = families(text)
+        assert sample(fams, "llmgw_tokens_total", model="m", kind="completion") == 3
+        assert sample(fams, "llmgw_tokens_total", model="m", kind="prompt") == 5
+
+
 async def test_metrics_after_traffic() -> None:
     a, b, dark = Engine("a"), Engine("b"), Engine("dark", page=None)
     async with running([a, b, dark], retries={"attempts": 2}) as rt:

@@ -227,6 +227,20 @@ async def test_alias_is_rewritten_and_request_id_generated() -> None:
         assert hdrs[b"x-request-id"] == a.seen[-1]["rid"]
 
 
+async def test_alias_rewrite_changes_only_the_name() -> None:
+    # The client's formatting, key order, number spellings and escapes reach the
+    # engine untouched; only the value of the top-level "model" is replaced.
+    a = FakeEngine("a")
+    body = (
+        b'{ "messages" : [ {"role":"user","content":"caf\\u00e9 \\"model\\": 1.50e2"} ],\n'
+        b'  "model" :"m-alias", "temperature": 1.0, "x": {"model": "inner"} }'
+    )
+    async with gateway([a]) as rt:
+        status, _, _ = await request(port_of(rt), body)
+        assert status == 200
+        assert a.seen[-1]["body"] == body.replace(b'"model" :"m-alias"', b'"model" :"m"')
+
+
 async def test_models_list() -> None:
     async with gateway([FakeEngine("a")]) as rt:
         status, _, body = await request(port_of(rt), b"", path=b"/v1/models", method=b"GET")

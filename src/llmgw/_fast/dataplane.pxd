@@ -165,6 +165,7 @@ cdef class Call:
     cdef public list tried
     cdef public int tries
     cdef public object ttfb
+    cdef public object usage
     cdef public ResponseWriter w
 
     cpdef admit(self)

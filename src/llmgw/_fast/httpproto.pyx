@@ -5,6 +5,10 @@ cimport cython
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize, PyBytes_GET_SIZE
 from libc.string cimport memcmp, memcpy
 
+
+cdef extern from "string.h" nogil:
+    void* memmem(const void* haystack, size_t haystacklen, const void* needle, size_t needlelen)
+
 import httptools
 
 from llmgw.errors import BadRequestError, HeadersTooLargeError, HTTPError, PayloadTooLargeError
@@ -176,6 +180,52 @@ def upstream_head(bytes method, bytes target, bytes host, bytes forward, Py_ssiz
 def chunk_head(Py_ssize_t size):
     """The size line that opens one chunk of a chunked body."""
     return b"%x\r\n" % size
+
+
+cdef const char* _HEX = b"0123456789abcdef"
+
+
+def chunk(bytes data):
+    """``data`` framed as one chunk of a chunked body, one object (see the twin)."""
+    cdef Py_ssize_t n = PyBytes_GET_SIZE(data)
+    cdef char digits[16]
+    cdef int k = 0
+    cdef size_t v = <size_t>n
+    cdef bytes out
+    cdef char* p
+    while True:
+        digits[k] = _HEX[v & 15]
+        k += 1
+        v >>= 4
+        if v == 0:
+            break
+    out = PyBytes_FromStringAndSize(NULL, k + 2 + n + 2)
+    p = PyBytes_AS_STRING(out)
+    while k > 0:
+        k -= 1
+        p[0] = digits[k]
+        p += 1
+    p[0] = 13
+    p[1] = 10
+    memcpy(p + 2, PyBytes_AS_STRING(data), n)
+    p[n + 2] = 13
+    p[n + 3] = 10
+    return out
+
+
+def sse_cut(bytes data):
+    """Where the last complete server-sent event in ``data`` ends; 0: none (see the twin)."""
+    cdef const char* s = PyBytes_AS_STRING(data)
+    cdef Py_ssize_t i = PyBytes_GET_SIZE(data) - 1
+    # from the end: the last LF that closes a blank line (LF LF, or LF CR LF)
+    while i >= 1:
+        if s[i] == 10:
+            if s[i - 1] == 10:
+                return i + 1
+            if s[i - 1] == 13 and i >= 2 and s[i - 2] == 10:
+                return i + 1
+        i -= 1
+    return 0
 
 
 @cython.final
@@ -517,24 +567,21 @@ cdef class ResponseReader:
 
 
 cdef Py_ssize_t _find(const char* s, Py_ssize_t start, Py_ssize_t end, const char* pat, Py_ssize_t m) noexcept nogil:
-    cdef Py_ssize_t i
-    if m == 0:
-        return start
-    i = start
-    while i + m <= end:
-        if s[i] == pat[0] and memcmp(s + i, pat, m) == 0:
-            return i
-        i += 1
-    return -1
+    cdef const char* hit
+    if end - start < m:
+        return -1
+    hit = <const char*>memmem(s + start, <size_t>(end - start), pat, <size_t>m)
+    return -1 if hit == NULL else hit - s
 
 
 cdef Py_ssize_t _rfind(const char* s, Py_ssize_t n, const char* pat, Py_ssize_t m) noexcept nogil:
-    cdef Py_ssize_t i = n - m
-    while i >= 0:
-        if s[i] == pat[0] and memcmp(s + i, pat, m) == 0:
-            return i
-        i -= 1
-    return -1
+    # the last occurrence, found forwards (memmem is vectorised; the pattern is rare)
+    cdef Py_ssize_t last = -1
+    cdef Py_ssize_t at = _find(s, 0, n, pat, m)
+    while at >= 0:
+        last = at
+        at = _find(s, at + 1, n, pat, m)
+    return last
 
 
 cdef inline bint _is_ws(char c) noexcept nogil:

@@ -203,6 +203,25 @@ def chunk_head(size: int) -> bytes:
     return b"%x\r\n" % size
 
 
+def chunk(data: bytes) -> bytes:
+    """``data`` framed as one chunk of a chunked body (size line, data, CRLF), one object.
+
+    ``data`` must not be empty: an empty chunk is the last-chunk marker.
+    """
+    return b"%x\r\n%b\r\n" % (len(data), data)
+
+
+def sse_cut(data: bytes) -> int:
+    """Where the last complete server-sent event in ``data`` ends (0: none yet).
+
+    An event ends at a blank line: ``\n\n``, or ``\n\r\n`` when the engine uses CRLF
+    line endings. ``data[:cut]`` is whole events; ``data[cut:]`` the start of the next.
+    """
+    lf = data.rfind(b"\n\n")
+    crlf = data.rfind(b"\n\r\n")
+    return max(lf + 2 if lf >= 0 else 0, crlf + 3 if crlf >= 0 else 0)
+
+
 class Request:
     """One HTTP request as the server read it.
 

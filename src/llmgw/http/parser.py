@@ -19,8 +19,10 @@ if TYPE_CHECKING:
         RequestReader,
         Response,
         ResponseReader,
+        chunk,
         chunk_head,
         response_head,
+        sse_cut,
         upstream_head,
         usage_counts,
     )
@@ -34,8 +36,10 @@ else:
     RequestReader = _impl.RequestReader
     Response = _impl.Response
     ResponseReader = _impl.ResponseReader
+    chunk = _impl.chunk
     chunk_head = _impl.chunk_head
     response_head = _impl.response_head
+    sse_cut = _impl.sse_cut
     upstream_head = _impl.upstream_head
     usage_counts = _impl.usage_counts
 
@@ -48,8 +52,10 @@ __all__ = [
     "RequestReader",
     "Response",
     "ResponseReader",
+    "chunk",
     "chunk_head",
     "response_head",
+    "sse_cut",
     "upstream_head",
     "usage_counts",
 ]

@@ -1,0 +1,167 @@
+#!/usr/bin/env python3
+"""Instructions per proxied request, by function: llmgw under callgrind.
+
+Wall-clock CPU numbers on a shared 2-core VM move by 10-15% between runs;
+callgrind's instruction counts do not (same binary, same input: same count), so
+this is the tool for deciding whether a change to the data path helped. It starts
+the ``run.py`` nginx "engine", runs ``llmgw serve`` under
+``valgrind --tool=callgrind`` with collection off, warms it up, switches
+collection on for a fixed number of requests (a bounded keep-alive client on
+16 connections, ``post.lua``'s request) and prints instructions per request, user
+space only (kernel time is not seen), plus the top functions.
+
+    .venv/bin/python bench/dataplane/callgrind.py --requests 4000
+    .venv/bin/python bench/dataplane/callgrind.py --stream --requests 300
+
+Needs valgrind (``callgrind_control``, ``callgrind_annotate``) and nginx with the
+echo module, as ``run.py`` does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+import run as dp  # noqa: E402
+
+_BODY = (HERE / "post.lua").read_text()
+
+
+def _request(stream: bool) -> bytes:
+    body = re.search(r"^wrk\.body = '(.*)'$", _BODY, re.M)
+    if body is None:
+        raise SystemExit("post.lua: no wrk.body line")
+    payload = body.group(1).encode()
+    if stream:
+        payload = payload.replace(b'"stream":false', b'"stream":true', 1)
+    head = (
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\ncontent-type: application/json\r\n"
+        + (b"x-bench-stream: 1\r\n" if stream else b"")
+        + b"content-length: %d\r\n\r\n" % len(payload)
+    )
+    return head + payload
+
+
+def _read_response(sock: socket.socket, buf: bytearray) -> None:
+    """Read one HTTP/1.1 response (Content-Length or chunked) off ``sock``."""
+    while True:
+        end = buf.find(b"\r\n\r\n")
+        if end >= 0:
+            break
+        chunk = sock.recv(65536)
+        if not chunk:
+            raise ConnectionError("closed")
+        buf += chunk
+    head = bytes(buf[:end]).lower()
+    del buf[: end + 4]
+    m = re.search(rb"content-length: (\d+)", head)
+    if m:
+        n = int(m.group(1))
+        while len(buf) < n:
+            chunk = sock.recv(65536)
+            if not chunk:
+                raise ConnectionError("closed")
+            buf += chunk
+        del buf[:n]
+        return
+    while True:  # chunked: until the last chunk
+        i = buf.find(b"0\r\n\r\n")
+        if i >= 0 and (i == 0 or buf[i - 2 : i] == b"\r\n"):
+            del buf[: i + 5]
+            return
+        chunk = sock.recv(65536)
+        if not chunk:
+            raise ConnectionError("closed")
+        buf += chunk
+
+
+def drive(port: int, total: int, conns: int, stream: bool) -> None:
+    """Send ``total`` requests over ``conns`` keep-alive connections, one at a time each."""
+    req = _request(stream)
+    per = [total // conns + (1 if i < total % conns else 0) for i in range(conns)]
+
+    def worker(n: int) -> None:
+        with socket.create_connection(("127.0.0.1", port), timeout=60) as s:
+            buf = bytearray()
+            for _ in range(n):
+                s.sendall(req)
+                _read_response(s, buf)
+
+    threads = [threading.Thread(target=worker, args=(n,)) for n in per]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--requests", type=int, default=4000)
+    ap.add_argument("--connections", type=int, default=16)
+    ap.add_argument("--stream", action="store_true", help="65-event SSE answers instead of the JSON one")
+    ap.add_argument("--port-base", type=int, default=29000)
+    ap.add_argument("--top", type=int, default=40)
+    ap.add_argument("--llmgw", default=str(dp.REPO / ".venv" / "bin" / "llmgw"))
+    ap.add_argument("--out", default=None, help="keep the callgrind file here")
+    args = ap.parse_args()
+
+    base = args.port_base
+    up = (base + 1, base + 2)
+    d = Path(tempfile.mkdtemp(prefix="llmgw-callgrind-"))
+    (d / "tmp").mkdir()
+    lines = []
+    for ev in dp.sse_events():
+        lines.append(f"            echo -n '{dp._nginx_str(ev)}';")
+        lines.append("            echo_flush;")
+    conf = d / "upstream.conf"
+    conf.write_text(dp.render("nginx_upstream.conf.tmpl", DIR=d, UP0=up[0], UP1=up[1],
+                              CHAT_JSON=dp._nginx_str(dp.chat_json()), METRICS=dp._nginx_str(dp.METRICS),
+                              SSE_DIRECTIVES="\n".join(lines), SSE_GAP_S="0"))
+    upstream = dp.start(["nginx", "-p", str(d), "-c", str(conf)], d / "upstream.out")
+    dp.wait_port(up[0], upstream, "upstream nginx")
+
+    port, admin = base + 81, base + 91
+    (d / "llmgw.yaml").write_text(
+        f"listen: 127.0.0.1:{port}\nadmin: 127.0.0.1:{admin}\nendpoints:\n"
+        f'  - {{id: up0, url: "http://127.0.0.1:{up[0]}", model: m, engine: vllm}}\n'
+        f'  - {{id: up1, url: "http://127.0.0.1:{up[1]}", model: m, engine: vllm}}\n'
+    )
+    out = Path(args.out) if args.out else d / "callgrind.out"
+    gw = dp.start(["valgrind", "--tool=callgrind", "--instr-atstart=no", f"--callgrind-out-file={out}",
+                   args.llmgw, "serve", "-c", str(d / "llmgw.yaml")], d / "llmgw.out")
+    dp.wait_port(port, gw, "llmgw under callgrind", timeout=180)
+    drive(port, 200, args.connections, args.stream)  # warm-up: pools, caches, first-use allocations
+    subprocess.run(["callgrind_control", "-i", "on", str(gw.pid)], check=True, capture_output=True)
+    t0 = time.monotonic()
+    drive(port, args.requests, args.connections, args.stream)
+    wall = time.monotonic() - t0
+    subprocess.run(["callgrind_control", "-i", "off", str(gw.pid)], check=True, capture_output=True)
+    subprocess.run(["callgrind_control", "-d", str(gw.pid)], check=True, capture_output=True)
+    gw.terminate()
+    gw.wait(60)
+    upstream.terminate()
+    dump = max(out.parent.glob(out.name + ".*"), key=lambda p: p.stat().st_size)  # the -d dump
+    ann = subprocess.run(["callgrind_annotate", "--inclusive=no", str(dump)], capture_output=True, text=True).stdout
+    m = re.search(r"^([\d,]+) \(100\.0%\)\s+PROGRAM TOTALS", ann, re.M)
+    total = int(m.group(1).replace(",", "")) if m else 0
+    kind = "stream" if args.stream else "request"
+    print(f"{args.requests} {kind}s in {wall:.1f}s under callgrind; "
+          f"{total / args.requests:,.0f} instructions per {kind} (user space)")
+    body = ann.split("file:function", 1)[-1].splitlines()[1 : args.top + 1]
+    for line in body:
+        print(line[:150])
+    print(f"callgrind file: {dump}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,413 @@
+# cython: language_level=3
+"""A validating JSON scan that reads only the top-level ``model`` (compiled twin of
+``jsonscan_py``; see its docstring for the contract).
+
+One pass over the body, no objects built: the grammar of RFC 8259 with the same
+extra rules as orjson (UTF-8 only, no BOM, unpaired surrogate escapes refused,
+nesting at most 1024 deep, numbers that overflow a double refused).
+"""
+
+cimport cython
+from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_GET_SIZE
+from cpython.unicode cimport PyUnicode_DecodeUTF8
+from libc.stdint cimport uint64_t
+from libc.string cimport memcpy
+
+import orjson
+
+MAX_DEPTH = 1024
+
+cdef enum:
+    J_OK = 0
+    J_EOF = 1
+    J_CHAR = 2
+    J_CONTROL = 3
+    J_ESCAPE = 4
+    J_SURROGATE = 5
+    J_UTF8 = 6
+    J_NUMBER = 7
+    J_DEPTH = 8
+    J_TRAILING = 9
+    J_RANGE = 10
+    J_BOM = 11
+    J_KEY = 12
+
+cdef tuple _MESSAGES = (
+    "",
+    "unexpected end of the body",
+    "unexpected character",
+    "unescaped control character in a string",
+    "invalid escape in a string",
+    "unpaired surrogate escape in a string",
+    "invalid UTF-8",
+    "malformed number",
+    "nesting deeper than 1024 levels",
+    "unexpected content after the JSON value",
+    "number out of range",
+    "a UTF-8 byte order mark is not allowed",
+    "expected a string key",
+)
+
+
+class JSONScanError(ValueError):
+    """The body is not valid JSON; ``pos`` is the byte offset of the problem."""
+
+    def __init__(self, message, pos):
+        super().__init__(f"{message} at byte {pos}")
+        self.pos = pos
+
+
+# 1 for bytes that may appear unescaped in a string and need no more checks
+cdef unsigned char _PLAIN[256]
+cdef int _k
+for _k in range(256):
+    _PLAIN[_k] = 1 if 0x20 <= _k < 0x80 and _k != 0x22 and _k != 0x5C else 0
+
+
+cdef inline bint _plain8(const unsigned char* p) noexcept nogil:
+    """Whether all 8 bytes at ``p`` are plain string bytes (SWAR: no byte < 0x20,
+    ``"``, backslash or >= 0x80)."""
+    cdef uint64_t x, q, b
+    memcpy(&x, p, 8)
+    q = x ^ 0x2222222222222222ULL
+    b = x ^ 0x5C5C5C5C5C5C5C5CULL
+    return (((x - 0x2020202020202020ULL) & ~x)
+            | ((q - 0x0101010101010101ULL) & ~q)
+            | ((b - 0x0101010101010101ULL) & ~b)
+            | x) & 0x8080808080808080ULL == 0
+
+
+cdef inline bint _ws(unsigned char c) noexcept nogil:
+    return c == 0x20 or c == 0x0A or c == 0x0D or c == 0x09
+
+
+cdef inline int _hexval(unsigned char c) noexcept nogil:
+    if 0x30 <= c <= 0x39:
+        return c - 0x30
+    if 0x61 <= c <= 0x66:
+        return c - 0x61 + 10
+    if 0x41 <= c <= 0x46:
+        return c - 0x41 + 10
+    return -1
+
+
+cdef inline long _hex4(const unsigned char* s, Py_ssize_t i, Py_ssize_t n) noexcept nogil:
+    cdef long v = 0
+    cdef int d, k
+    if i + 4 > n:
+        return -1
+    for k in range(4):
+        d = _hexval(s[i + k])
+        if d < 0:
+            return -1
+        v = v * 16 + d
+    return v
+
+
+cdef inline bint _cont(unsigned char c) noexcept nogil:
+    return 0x80 <= c <= 0xBF
+
+
+@cython.final
+cdef class _Scan:
+    """State of one scan: the error and the top-level ``model`` value's span."""
+
+    cdef const unsigned char* s
+    cdef Py_ssize_t n
+    cdef int err
+    cdef Py_ssize_t err_pos
+    cdef bint escaped             # the last string scanned held an escape
+    cdef Py_ssize_t model_start   # -1: no top-level "model" key
+    cdef Py_ssize_t model_end
+    cdef bint model_escaped
+    cdef bint want_model          # the next value is the top-level "model"
+    cdef unsigned char top        # first byte of the top-level value
+
+    cdef Py_ssize_t fail(self, int err, Py_ssize_t pos) noexcept:
+        self.err = err
+        self.err_pos = pos
+        return -1
+
+    cdef Py_ssize_t string(self, Py_ssize_t i) noexcept:
+        """``i`` just past the opening quote; returns the index past the closing one."""
+        cdef const unsigned char* s = self.s
+        cdef Py_ssize_t n = self.n
+        cdef unsigned char c, c1
+        cdef long cp, lo
+        self.escaped = False
+        while True:
+            while i + 8 <= n and _plain8(s + i):
+                i += 8
+            while i < n and _PLAIN[s[i]]:
+                i += 1
+            if i >= n:
+                return self.fail(J_EOF, n)
+            c = s[i]
+            if c == 0x22:
+                return i + 1
+            if c == 0x5C:
+                self.escaped = True
+                if i + 1 >= n:
+                    return self.fail(J_EOF, n)
+                c1 = s[i + 1]
+                if c1 == 0x75:  # \uXXXX
+                    cp = _hex4(s, i + 2, n)
+                    if cp < 0:
+                        return self.fail(J_ESCAPE, i)
+                    if 0xDC00 <= cp <= 0xDFFF:
+                        return self.fail(J_SURROGATE, i)
+                    if 0xD800 <= cp <= 0xDBFF:
+                        if i + 12 <= n and s[i + 6] == 0x5C and s[i + 7] == 0x75:
+                            lo = _hex4(s, i + 8, n)
+                            if 0xDC00 <= lo <= 0xDFFF:
+                                i += 12
+                                continue
+                        return self.fail(J_SURROGATE, i)
+                    i += 6
+                    continue
+                if (c1 == 0x22 or c1 == 0x5C or c1 == 0x2F or c1 == 0x62 or c1 == 0x66
+                        or c1 == 0x6E or c1 == 0x72 or c1 == 0x74):
+                    i += 2
+                    continue
+                return self.fail(J_ESCAPE, i)
+            if c < 0x20:
+                return self.fail(J_CONTROL, i)
+            # a multi-byte UTF-8 sequence (RFC 3629 table 3-7)
+            if 0xC2 <= c <= 0xDF:
+                if i + 1 < n and _cont(s[i + 1]):
+                    i += 2
+                    continue
+            elif 0xE0 <= c <= 0xEF:
+                if i + 2 < n and _cont(s[i + 2]):
+                    c1 = s[i + 1]
+                    if ((c == 0xE0 and 0xA0 <= c1 <= 0xBF) or (c == 0xED and 0x80 <= c1 <= 0x9F)
+                            or (c != 0xE0 and c != 0xED and _cont(c1))):
+                        i += 3
+                        continue
+            elif 0xF0 <= c <= 0xF4:
+                if i + 3 < n and _cont(s[i + 2]) and _cont(s[i + 3]):
+                    c1 = s[i + 1]
+                    if ((c == 0xF0 and 0x90 <= c1 <= 0xBF) or (c == 0xF4 and 0x80 <= c1 <= 0x8F)
+                            or (0xF1 <= c <= 0xF3 and _cont(c1))):
+                        i += 4
+                        continue
+            return self.fail(J_UTF8, i)
+
+    cdef Py_ssize_t number(self, Py_ssize_t i) except? -2:
+        cdef const unsigned char* s = self.s
+        cdef Py_ssize_t n = self.n
+        cdef Py_ssize_t start = i
+        cdef bint big = False
+        if s[i] == 0x2D:
+            i += 1
+        if i >= n:
+            return self.fail(J_EOF, n)
+        if s[i] == 0x30:
+            i += 1
+        elif 0x31 <= s[i] <= 0x39:
+            while i < n and 0x30 <= s[i] <= 0x39:
+                i += 1
+        else:
+            return self.fail(J_NUMBER, i)
+        if i - start > 300:
+            big = True
+        if i < n and s[i] == 0x2E:
+            i += 1
+            if i >= n or not (0x30 <= s[i] <= 0x39):
+                return self.fail(J_NUMBER, i)
+            while i < n and 0x30 <= s[i] <= 0x39:
+                i += 1
+        if i < n and (s[i] == 0x65 or s[i] == 0x45):
+            i += 1
+            if i < n and (s[i] == 0x2B or s[i] == 0x2D):
+                i += 1
+            if i >= n or not (0x30 <= s[i] <= 0x39):
+                return self.fail(J_NUMBER, i)
+            while i < n and 0x30 <= s[i] <= 0x39:
+                i += 1
+            big = True
+        if big:
+            # Rare: a number that may not fit a double (as orjson, refuse infinity).
+            v = float((<const char*>s)[start:i])
+            if v == float("inf") or v == float("-inf"):
+                return self.fail(J_RANGE, start)
+        return i
+
+    cdef Py_ssize_t literal(self, Py_ssize_t i) noexcept:
+        cdef const unsigned char* s = self.s
+        cdef Py_ssize_t n = self.n
+        cdef unsigned char c = s[i]
+        if c == 0x74:  # true
+            if i + 4 <= n and s[i + 1] == 0x72 and s[i + 2] == 0x75 and s[i + 3] == 0x65:
+                return i + 4
+        elif c == 0x66:  # false
+            if (i + 5 <= n and s[i + 1] == 0x61 and s[i + 2] == 0x6C and s[i + 3] == 0x73
+                    and s[i + 4] == 0x65):
+                return i + 5
+        elif c == 0x6E:  # null
+            if i + 4 <= n and s[i + 1] == 0x75 and s[i + 2] == 0x6C and s[i + 3] == 0x6C:
+                return i + 4
+        return self.fail(J_CHAR, i)
+
+    cdef bint is_model_key(self, Py_ssize_t start, Py_ssize_t end) except -1:
+        """Whether the key string ``s[start:end]`` (quotes included) reads ``model``."""
+        cdef const unsigned char* s = self.s
+        if not self.escaped:
+            return (end - start == 7 and s[start + 1] == 0x6D and s[start + 2] == 0x6F
+                    and s[start + 3] == 0x64 and s[start + 4] == 0x65 and s[start + 5] == 0x6C)
+        return orjson.loads((<const char*>s)[start:end]) == "model"
+
+    cdef Py_ssize_t key(self, Py_ssize_t i, Py_ssize_t depth) except -2:
+        """A member's key at ``i``: returns the index of its value (past the colon)."""
+        cdef const unsigned char* s = self.s
+        cdef Py_ssize_t n = self.n
+        cdef Py_ssize_t start = i
+        if i >= n:
+            return self.fail(J_EOF, n)
+        if s[i] != 0x22:
+            return self.fail(J_KEY, i)
+        i = self.string(i + 1)
+        if i < 0:
+            return -1
+        self.want_model = depth == 1 and self.is_model_key(start, i)
+        while i < n and _ws(s[i]):
+            i += 1
+        if i >= n:
+            return self.fail(J_EOF, n)
+        if s[i] != 0x3A:
+            return self.fail(J_CHAR, i)
+        i += 1
+        while i < n and _ws(s[i]):
+            i += 1
+        return i
+
+    cdef int run(self) except -1:
+        """Scan the whole body; ``err`` says how it ended."""
+        cdef const unsigned char* s = self.s
+        cdef Py_ssize_t n = self.n
+        cdef Py_ssize_t i = 0
+        cdef Py_ssize_t depth = 0
+        cdef unsigned char c
+        cdef bint model_open = False
+        cdef unsigned char stack[1024]  # 1: object, 0: array
+        if n >= 3 and s[0] == 0xEF and s[1] == 0xBB and s[2] == 0xBF:
+            self.fail(J_BOM, 0)
+            return 0
+        while i < n and _ws(s[i]):
+            i += 1
+        if i < n:
+            self.top = s[i]
+        while True:
+            # -- a value starts at i --
+            if i >= n:
+                self.fail(J_EOF, n)
+                return 0
+            c = s[i]
+            if self.want_model:
+                # (the last top-level "model" wins, as in any JSON parser)
+                self.want_model = False
+                model_open = True
+                self.model_start = i
+                self.model_end = -1
+            if c == 0x7B or c == 0x5B:  # { [
+                if depth >= 1024:
+                    self.fail(J_DEPTH, i)
+                    return 0
+                stack[depth] = 1 if c == 0x7B else 0
+                depth += 1
+                i += 1
+                while i < n and _ws(s[i]):
+                    i += 1
+                if i >= n:
+                    self.fail(J_EOF, n)
+                    return 0
+                if c == 0x7B and s[i] == 0x7D or c == 0x5B and s[i] == 0x5D:
+                    i += 1
+                    depth -= 1
+                elif c == 0x7B:
+                    i = self.key(i, depth)
+                    if i < 0:
+                        return 0
+                    continue
+                else:
+                    continue
+            elif c == 0x22:
+                i = self.string(i + 1)
+                if i < 0:
+                    return 0
+            elif c == 0x2D or 0x30 <= c <= 0x39:
+                i = self.number(i)
+                if i < 0:
+                    return 0
+            elif c == 0x74 or c == 0x66 or c == 0x6E:
+                i = self.literal(i)
+                if i < 0:
+                    return 0
+            else:
+                self.fail(J_CHAR, i)
+                return 0
+            # -- a value ended at i; close containers as they end --
+            while True:
+                if model_open and depth == 1:
+                    model_open = False
+                    self.model_end = i
+                    self.model_escaped = self.escaped
+                while i < n and _ws(s[i]):
+                    i += 1
+                if depth == 0:
+                    if i < n:
+                        self.fail(J_TRAILING, i)
+                    return 0
+                if i >= n:
+                    self.fail(J_EOF, n)
+                    return 0
+                c = s[i]
+                if c == 0x2C:  # ,
+                    i += 1
+                    while i < n and _ws(s[i]):
+                        i += 1
+                    if stack[depth - 1]:
+                        i = self.key(i, depth)
+                        if i < 0:
+                            return 0
+                    break  # the next value
+                if (c == 0x7D and stack[depth - 1]) or (c == 0x5D and not stack[depth - 1]):
+                    i += 1
+                    depth -= 1
+                    continue  # a container ended: a value ended
+                self.fail(J_CHAR, i)
+                return 0
+
+
+cdef _Scan _scan(bytes body):
+    cdef _Scan sc = _Scan.__new__(_Scan)
+    sc.s = <const unsigned char*>PyBytes_AS_STRING(body)
+    sc.n = PyBytes_GET_SIZE(body)
+    sc.err = J_OK
+    sc.model_start = -1
+    sc.model_end = -1
+    sc.want_model = False
+    sc.top = 0
+    sc.run()
+    if sc.err != J_OK:
+        raise JSONScanError(_MESSAGES[sc.err], sc.err_pos)
+    return sc
+
+
+def json_model(bytes body):
+    """``(is_object, model)`` of a JSON body (see the twin); ``JSONScanError`` if invalid."""
+    cdef _Scan sc = _scan(body)
+    cdef Py_ssize_t start = sc.model_start
+    if sc.top != 0x7B:
+        return (False, None)
+    if start < 0 or sc.s[start] != 0x22:
+        return (True, None)
+    if not sc.model_escaped:
+        return (True, PyUnicode_DecodeUTF8(<const char*>sc.s + start + 1, sc.model_end - start - 2, NULL))
+    return (True, orjson.loads(body[start:sc.model_end]))
+
+
+def model_span(bytes body):
+    """``(start, end)`` of the top-level ``model`` value (see the twin); ``(-1, -1)`` if none."""
+    cdef _Scan sc = _scan(body)
+    return (sc.model_start, sc.model_end)

@@ -1,0 +1,116 @@
+"""Reading a request body's ``model`` without building the document (pure twin of
+``jsonscan.pyx``).
+
+The gateway needs one field of an OpenAI request body, the top-level ``model``,
+and must answer 400 to a body that is not JSON. Building the whole document
+(messages, tools, images as base64) to read one string costs more than the rest of
+the request's handling, so the compiled twin validates in one pass and builds
+nothing. The rules are orjson's, which both twins follow exactly:
+
+* RFC 8259 grammar, whitespace of space, tab, LF and CR only, one value per body;
+* UTF-8 only (no byte order mark, no overlong forms, no encoded surrogates);
+* escapes ``\\" \\\\ \\/ \\b \\f \\n \\r \\t \\uXXXX``, a ``\\uD800``-``\\uDBFF`` escape only
+  followed by a ``\\uDC00``-``\\uDFFF`` one, never a lone low surrogate;
+* nesting at most :data:`MAX_DEPTH` (1024) arrays and objects deep;
+* a number that overflows a double (``1e400``) is refused; large integers are not.
+
+Duplicate keys are allowed and the last one wins, as in every JSON parser.
+
+This twin validates with orjson itself (the reference) and scans for the span
+only when asked (:func:`model_span`, used for rewriting the name).
+"""
+
+from __future__ import annotations
+
+import re
+
+import orjson
+
+__all__ = ["MAX_DEPTH", "JSONScanError", "json_model", "model_span"]
+
+MAX_DEPTH = 1024
+
+
+class JSONScanError(ValueError):
+    """The body is not valid JSON; ``pos`` is the byte offset of the problem."""
+
+    def __init__(self, message: str, pos: int) -> None:
+        super().__init__(f"{message} at byte {pos}")
+        self.pos = pos
+
+
+_CHAR_POS = re.compile(r"\(char (\d+)\)")
+
+
+def _load(body: bytes) -> object:
+    try:
+        return orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        m = _CHAR_POS.search(str(exc))
+        raise JSONScanError(exc.msg, int(m.group(1)) if m else exc.pos) from None
+
+
+def json_model(body: bytes) -> tuple[bool, str | None]:
+    """``(is_object, model)`` of a JSON request body.
+
+    Returns:
+        ``is_object``: whether the top-level value is an object; ``model``: its
+        ``"model"`` member if that is a string (the last one if repeated), else ``None``.
+
+    Raises:
+        JSONScanError: the body is not valid JSON (see the module docstring).
+    """
+    data = _load(body)
+    if not isinstance(data, dict):
+        return (False, None)
+    model = data.get("model")
+    return (True, model if isinstance(model, str) else None)
+
+
+# Tokens of a valid JSON text: strings, structural characters, and the rest
+# (numbers, literals) as runs of other non-space bytes.
+_TOKEN = re.compile(rb'"(?:[^"\\]|\\.)*"|[{}\[\]:,]|[^\s{}\[\]:,"]+')
+
+
+def model_span(body: bytes) -> tuple[int, int]:
+    """``(start, end)`` byte offsets of the top-level ``model`` member's value.
+
+    The last one if repeated; ``(-1, -1)`` if there is none (or the body is not an
+    object). ``body[start:end]`` is the value's JSON text (a string keeps its quotes).
+
+    Raises:
+        JSONScanError: the body is not valid JSON.
+    """
+    _load(body)  # valid from here on: the tokens below are well formed
+    start = end = -1
+    stack: list[int] = []  # open containers, innermost last
+    expect_key = False
+    model_next = False  # the next value is a top-level "model"
+    open_at = -1  # where that value began, while it is being read
+    for m in _TOKEN.finditer(body):
+        tok = m.group()
+        c = tok[0]
+        if c == 0x3A:  # :
+            continue
+        if c == 0x2C:  # ,
+            expect_key = stack[-1] == 0x7B
+            continue
+        if c == 0x7D or c == 0x5D:  # } ]
+            stack.pop()
+            if open_at >= 0 and len(stack) == 1:
+                start, end, open_at = open_at, m.end(), -1
+            continue
+        if expect_key:  # a member's key
+            expect_key = False
+            model_next = len(stack) == 1 and orjson.loads(tok) == "model"
+            continue
+        # a value begins
+        if model_next:
+            model_next = False
+            open_at = m.start()
+        if c == 0x7B or c == 0x5B:  # { [
+            stack.append(c)
+            expect_key = c == 0x7B
+        elif open_at >= 0 and len(stack) == 1:
+            start, end, open_at = open_at, m.end(), -1
+    return (start, end)

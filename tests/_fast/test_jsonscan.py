@@ -1,0 +1,194 @@
+"""``_fast.jsonscan``: reading the top-level ``model`` of a request body, both twins.
+
+The rules are orjson's (the gateway used to parse bodies with it): every body is
+checked against ``orjson.loads`` as the reference, by example and by hypothesis.
+"""
+
+from __future__ import annotations
+
+import json
+from types import ModuleType
+
+import orjson
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+
+def reference(body: bytes) -> tuple[bool, str | None] | None:
+    """What orjson makes of ``body``: ``None`` if it refuses it."""
+    try:
+        data = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return None
+    if not isinstance(data, dict):
+        return (False, None)
+    model = data.get("model")
+    return (True, model if isinstance(model, str) else None)
+
+
+def scan(mod: ModuleType, body: bytes) -> tuple[bool, str | None] | None:
+    try:
+        return mod.json_model(body)  # type: ignore[no-any-return]
+    except mod.JSONScanError as exc:
+        assert isinstance(exc, ValueError)
+        assert exc.pos >= 0
+        return None
+
+
+VALID = [
+    b'{"model": "m", "messages": [{"role": "user", "content": "hi"}]}',
+    b'  {"model":"llama-3.1-8b"}  \n',
+    b'{"model":"a","model":"b"}',  # the last one wins
+    b'{"model":"a","model":[1]}',
+    b'{"m\\u006fdel":"escaped key"}',
+    b'{"model":"caf\xc3\xa9 \\n \\u00e9 \\ud83d\\ude00"}',
+    b'{"x":{"model":"inner"},"model" : "outer" }',
+    b'{"model":{"a":[1,{}]},"b":2}',
+    b'{"model":123}',
+    b'{"model":null}',
+    b'{"model":""}',
+    b'{}',
+    b'[{"model":"x"}]',
+    b'"model"',
+    b'-0.5e+10',
+    b'{"a":123456789012345678901234567890}',
+    b'{"a":"\x7f\xf4\x8f\xbf\xbf"}',
+    b'{"a":[true,false,null,1E+2,-0,0.0]}',
+    b"[" * 1024 + b"]" * 1024,
+]
+
+INVALID = [
+    b"",
+    b"   ",
+    b"\xef\xbb\xbf{}",  # BOM
+    b'{"a":"\\ud800"}',  # lone high surrogate
+    b'{"a":"\\udc00"}',  # lone low surrogate
+    b'{"a":"\\ud800\\u0041"}',
+    b'{"a":1e400}',  # overflows a double
+    b'{"a":"\xed\xa0\x80"}',  # an encoded surrogate
+    b'{"a":"\xc0\xaf"}',  # overlong
+    b'{"a":"\xf4\x90\x80\x80"}',  # past U+10FFFF
+    b'{"a":"\xe2\x82"}',  # truncated sequence
+    b'{"a":"\x80"}',
+    b"[" * 1025 + b"]" * 1025,
+    b'{"a":"x\ty"}',  # raw control character
+    b"{}\x00",
+    b"{} {}",
+    b'{"a":1.}',
+    b'{"a":01}',
+    b'{"a":.5}',
+    b'{"a":+1}',
+    b'{"a":-}',
+    b'{"a":1e}',
+    b'{"a":tru}',
+    b'{"a":nul}',
+    b'{"a":NaN}',
+    b'{"a":Infinity}',
+    b'{"a":1,}',
+    b'[1,]',
+    b"{,}",
+    b'{"a" 1}',
+    b'{"a":}',
+    b"{'a':1}",
+    b'{"a":"\\x"}',
+    b'{"a":"\\u12"}',
+    b'{"a":"unterminated',
+    b'{"a":[1,2}',
+    b'{"a":{"b":1]}',
+    b'{"model":"m"',
+    b"{1:2}",
+]
+
+
+@pytest.mark.parametrize("body", VALID + INVALID)
+def test_matches_orjson(jsonscan: ModuleType, body: bytes) -> None:
+    assert scan(jsonscan, body) == reference(body)
+
+
+@pytest.mark.parametrize("body", INVALID)
+def test_invalid_bodies_raise(jsonscan: ModuleType, body: bytes) -> None:
+    with pytest.raises(jsonscan.JSONScanError) as info:
+        jsonscan.json_model(body)
+    assert "at byte" in str(info.value)
+
+
+def test_reads_the_model(jsonscan: ModuleType) -> None:
+    assert jsonscan.json_model(b'{"stream":true,"model":"qwen"}') == (True, "qwen")
+    assert jsonscan.json_model(b'{"messages":[]}') == (True, None)
+    assert jsonscan.json_model(b"[]") == (False, None)
+
+
+@pytest.mark.parametrize(
+    "body, value",
+    [
+        (b'{"model":"m","x":1}', b'"m"'),
+        (b'{"x":{"model":"no"}, "model" :  "yes" }', b'"yes"'),
+        (b'{"model":"a","model":"b"}', b'"b"'),
+        (b'{"model":[1,{"a":2}],"y":3}', b'[1,{"a":2}]'),
+        (b'{"model":12.5e3}', b"12.5e3"),
+        (b'{"model":"\\u006d"}', b'"\\u006d"'),
+    ],
+)
+def test_model_span(jsonscan: ModuleType, body: bytes, value: bytes) -> None:
+    start, end = jsonscan.model_span(body)
+    assert body[start:end] == value
+
+
+def test_model_span_absent(jsonscan: ModuleType) -> None:
+    assert jsonscan.model_span(b'{"a":{"model":"inner"}}') == (-1, -1)
+    assert jsonscan.model_span(b'["model"]') == (-1, -1)
+    with pytest.raises(jsonscan.JSONScanError):
+        jsonscan.model_span(b'{"model":')
+
+
+# -- hypothesis: arbitrary JSON documents, and byte-level damage to them --
+
+_json = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(min_value=-(10**30), max_value=10**30)
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(max_size=20),
+    lambda inner: st.lists(inner, max_size=5) | st.dictionaries(st.sampled_from(["model", "a", "b", "modèl"]) | st.text(max_size=6), inner, max_size=5),
+    max_leaves=25,
+)
+
+
+def _encode(doc: object, pretty: bool) -> bytes:
+    text = json.dumps(doc, ensure_ascii=False, indent=1 if pretty else None)
+    return text.encode("utf-8", "surrogatepass")
+
+
+_SETTINGS = [HealthCheck.too_slow, HealthCheck.function_scoped_fixture]
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=_SETTINGS)
+@given(doc=_json, pretty=st.booleans(), ascii_=st.booleans())
+def test_documents_agree_with_orjson(jsonscan: ModuleType, doc: object, pretty: bool, ascii_: bool) -> None:
+    body = json.dumps(doc, ensure_ascii=ascii_, indent=1 if pretty else None).encode("utf-8", "surrogatepass")
+    want = reference(body)
+    assert scan(jsonscan, body) == want, body
+    if want is not None and want[0]:
+        start, end = jsonscan.model_span(body)
+        if isinstance(doc, dict) and "model" in doc:
+            assert orjson.loads(body[start:end]) == orjson.loads(body)["model"]
+        else:
+            assert (start, end) == (-1, -1)
+
+
+@settings(max_examples=600, deadline=None, suppress_health_check=_SETTINGS)
+@given(doc=_json, data=st.data())
+def test_damaged_documents_agree_with_orjson(jsonscan: ModuleType, doc: object, data: st.DataObject) -> None:
+    body = bytearray(_encode({"model": "m", "x": doc}, pretty=False))
+    for _ in range(data.draw(st.integers(1, 3))):
+        op = data.draw(st.sampled_from(["flip", "cut", "insert"]))
+        at = data.draw(st.integers(0, max(0, len(body) - 1)))
+        if op == "flip" and body:
+            body[at] = data.draw(st.integers(0, 255))
+        elif op == "cut":
+            del body[at:]
+        else:
+            body[at:at] = data.draw(st.sampled_from([b"\\", b'"', b",", b"]", b"}", b"\\u", b"\xff", b"\xc3", b" ", b"e", b"-"]))
+    raw = bytes(body)
+    assert scan(jsonscan, raw) == reference(raw), raw
