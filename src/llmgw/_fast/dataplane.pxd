@@ -4,9 +4,12 @@
 # module (and stay callable from Python). Every attribute a class sets must be
 # declared here; cpdef methods may not hold closures.
 
+cimport cython
+
 cdef class HTTPProtocol
 cdef class UpstreamPool
 cdef class Gateway
+cdef class TrafficCounters
 
 cdef class HTTPServer:
     cdef public object app
@@ -132,6 +135,44 @@ cdef class UpstreamPool:
     cpdef close(self)
 
 
+cdef class Hist:
+    cdef public list counts
+    cdef public double total
+
+
+cdef class RequestSeries:
+    cdef public Py_ssize_t n
+    cdef public Hist dur
+    cdef public Hist ttfb
+    cdef public Hist up
+
+
+cdef class TrafficCounters:
+    cdef public list bounds
+    cdef public Py_ssize_t max_series
+    cdef public dict _requests
+    cdef public dict _duration
+    cdef public dict _ttfb
+    cdef public dict _upstream
+    cdef public dict _tokens
+    cdef public dict _errors
+    cdef public dict _retries
+    cdef public dict _admission
+    cdef public dict _breaker
+    cdef public set _overflowed
+
+    @cython.locals(i=Py_ssize_t, n=Py_ssize_t, b=double)
+    cdef Py_ssize_t _bucket(self, double value)
+    cpdef request_done(self, model, replica, int status, band, double duration, ttfb, upstream)
+    cpdef upstream_error(self, replica, kind)
+    cpdef retry(self, model, replica)
+    cpdef tokens(self, model, prompt, completion)
+    cpdef admission(self, band, outcome, reason=*)
+    cpdef breaker_transition(self, replica, state)
+    cpdef _first(self, dict d, key, family, other)
+    cpdef RequestSeries _new_requests(self, model, replica, int status, band)
+
+
 cdef class Call:
     cdef public list _buf
     cdef public bytes _pending
@@ -194,6 +235,7 @@ cdef class Gateway:
     cdef public object _rid_counter
     cdef public object created
     cdef public object observer
+    cdef public TrafficCounters counters
     cdef public bint count_tokens
     cdef public Py_ssize_t active_calls
     cdef public bint _admitting

@@ -37,6 +37,7 @@ from prometheus_client.metrics_core import (
 from prometheus_client.registry import Collector
 
 from .. import __version__
+from ..gateway.proxy import Hist, TrafficCounters
 from ..log import admin_logger as log
 
 if TYPE_CHECKING:
@@ -68,7 +69,7 @@ LOOP_LAG_BUCKETS: tuple[float, ...] = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 
 # passes the resolved model name, so this is a guard against a bug, not a limit
 # an operator should meet. Series past it are counted under "(other)".
 MAX_SERIES = 10_000
-OTHER = "(other)"
+OTHER = "(other)"  # (the same label value as the counters use)
 
 _CLASSES = {c: f"{c}xx" for c in range(1, 6)}
 
@@ -78,29 +79,7 @@ def status_class(status: int) -> str:
     return _CLASSES.get(status // 100, "none")
 
 
-class _Hist:
-    """One histogram series: per-bucket (not cumulative) counts, the last one +Inf."""
-
-    __slots__ = ("counts", "total")
-
-    def __init__(self, n_bounds: int) -> None:
-        self.counts = [0] * (n_bounds + 1)
-        self.total = 0.0
-
-
-class _Requests:
-    """One (model, replica, status, band) combination and the histograms it feeds."""
-
-    __slots__ = ("dur", "n", "ttfb", "up")
-
-    def __init__(self, dur: _Hist, ttfb: _Hist, up: _Hist | None) -> None:
-        self.n = 0
-        self.dur = dur
-        self.ttfb = ttfb
-        self.up = up
-
-
-def _buckets(bounds: tuple[str, ...], h: _Hist) -> list[tuple[str, float]]:
+def _buckets(bounds: tuple[str, ...], h: Any) -> list[tuple[str, float]]:
     out: list[tuple[str, float]] = []
     acc = 0
     for le, c in zip(bounds, h.counts, strict=True):
@@ -109,8 +88,9 @@ def _buckets(bounds: tuple[str, ...], h: _Hist) -> list[tuple[str, float]]:
     return out
 
 
-class PrometheusObserver(Collector):
-    """The data path's hooks, counted in plain dicts and rendered at scrape time.
+class PrometheusObserver(TrafficCounters, Collector):
+    """The data path's hooks (:class:`~llmgw.gateway.proxy.TrafficCounters`: plain
+    dicts, compiled with the data path) rendered as Prometheus families at scrape time.
 
     Implements :class:`llmgw.gateway.observe.Observer`; register it on a
     ``CollectorRegistry`` (the admin app does) to export it. Not thread-safe: the
@@ -123,129 +103,8 @@ class PrometheusObserver(Collector):
     """
 
     def __init__(self, buckets: Iterable[float] = LATENCY_BUCKETS, max_series: int = MAX_SERIES) -> None:
-        self.bounds: list[float] = sorted(float(b) for b in buckets)
+        TrafficCounters.__init__(self, sorted(float(b) for b in buckets), max_series)
         self._le = (*(_fmt(b) for b in self.bounds), "+Inf")
-        self.max_series = max_series
-        # (model, replica | None, status, band) -> _Requests
-        self._requests: dict[tuple[str, str | None, int, str], _Requests] = {}
-        self._duration: dict[tuple[str, str], _Hist] = {}  # (model, band)
-        self._ttfb: dict[tuple[str, str], _Hist] = {}  # (model, band)
-        self._upstream: dict[tuple[str, str], _Hist] = {}  # (model, replica)
-        self._tokens: dict[str, list[int]] = {}  # model -> [prompt, completion]
-        self._errors: dict[tuple[str, str], int] = {}  # (replica, kind)
-        self._retries: dict[str, int] = {}  # model
-        self._admission: dict[tuple[str, str, str], int] = {}  # (band, outcome, reason)
-        self._breaker: dict[tuple[str, str], int] = {}  # (replica, state)
-        self._overflowed: set[str] = set()
-
-    # -- the Observer hooks (hot path) --
-
-    def request_done(
-        self,
-        model: str,
-        replica: str | None,
-        status: int,
-        band: str,
-        duration: float,
-        ttfb: float | None,
-        upstream: float | None,
-    ) -> None:
-        """A client request finished (any outcome). Times in seconds; ``None`` when not reached."""
-        s = self._requests.get((model, replica, status, band))
-        if s is None:
-            s = self._new_requests(model, replica, status, band)
-        s.n += 1
-        bounds = self.bounds
-        h = s.dur
-        h.counts[bisect_left(bounds, duration)] += 1
-        h.total += duration
-        if ttfb is not None:
-            h = s.ttfb
-            h.counts[bisect_left(bounds, ttfb)] += 1
-            h.total += ttfb
-        if upstream is not None:
-            u = s.up
-            if u is not None:
-                u.counts[bisect_left(bounds, upstream)] += 1
-                u.total += upstream
-
-    def upstream_error(self, replica: str, kind: str) -> None:
-        """An attempt on ``replica`` failed (``kind``: see :mod:`llmgw.gateway.observe`)."""
-        key = (replica, kind)
-        try:
-            self._errors[key] += 1
-        except KeyError:
-            self._first(self._errors, key, "llmgw_upstream_errors_total", (OTHER, kind))
-
-    def retry(self, model: str, replica: str) -> None:
-        """A request is retried on another replica (``replica`` failed)."""
-        try:
-            self._retries[model] += 1
-        except KeyError:
-            self._first(self._retries, model, "llmgw_retries_total", OTHER)
-
-    def tokens(self, model: str, prompt: int, completion: int) -> None:
-        """A response reported its token usage."""
-        t = self._tokens.get(model)
-        if t is None:
-            if len(self._tokens) >= self.max_series:
-                self._overflow("llmgw_tokens_total")
-                model = OTHER
-            t = self._tokens.setdefault(model, [0, 0])
-        t[0] += prompt
-        t[1] += completion
-
-    def admission(self, band: str, outcome: str, reason: str = "") -> None:
-        """An admission decision."""
-        key = (band, outcome, reason)
-        try:
-            self._admission[key] += 1
-        except KeyError:
-            self._first(self._admission, key, "llmgw_admission_total", (OTHER, outcome, reason))
-
-    def breaker_transition(self, replica: str, state: str) -> None:
-        """A replica's circuit breaker moved to ``state`` (closed, open, half_open)."""
-        key = (replica, state)
-        try:
-            self._breaker[key] += 1
-        except KeyError:
-            self._first(self._breaker, key, "llmgw_breaker_transitions_total", (OTHER, state))
-
-    # -- first sight of a label set (cold path) --
-
-    def _first(self, d: dict[Any, int], key: Any, family: str, other: Any) -> None:
-        if len(d) >= self.max_series:
-            self._overflow(family)
-            key = other
-        d[key] = d.get(key, 0) + 1
-
-    def _overflow(self, family: str) -> None:
-        if family not in self._overflowed:
-            self._overflowed.add(family)
-            log.warning(
-                "%s has %d label sets; new ones are counted under %r (a label is probably unbounded)",
-                family, self.max_series, OTHER,
-            )
-
-    def _new_requests(self, model: str, replica: str | None, status: int, band: str) -> _Requests:
-        if len(self._requests) >= self.max_series:
-            self._overflow("llmgw_requests_total")
-            model, replica, band = OTHER, OTHER if replica is not None else None, OTHER
-            s = self._requests.get((model, replica, status, band))
-            if s is not None:
-                return s
-        n = len(self.bounds)
-        mb = (model, band)
-        dur = self._duration.get(mb) or self._duration.setdefault(mb, _Hist(n))
-        ttfb = self._ttfb.get(mb) or self._ttfb.setdefault(mb, _Hist(n))
-        up = None
-        if replica is not None:
-            mr = (model, replica)
-            up = self._upstream.get(mr) or self._upstream.setdefault(mr, _Hist(n))
-        s = _Requests(dur, ttfb, up)
-        # NOTE: not stored under the original key when overflowing, so the dict stays bounded.
-        self._requests[(model, replica, status, band)] = s
-        return s
 
     # -- reading --
 
@@ -322,7 +181,7 @@ class PrometheusObserver(Collector):
             ["replica", "state"], self._breaker,
         )
 
-    def _histograms(self, name: str, doc: str, labels: list[str], series: dict[tuple[str, str], _Hist]) -> Metric:
+    def _histograms(self, name: str, doc: str, labels: list[str], series: dict[tuple[str, str], Any]) -> Metric:
         fam = HistogramMetricFamily(name, doc, labels=labels)
         le = self._le
         for key, h in list(series.items()):
@@ -553,7 +412,7 @@ class LoopLagMonitor:
         self.interval = interval
         self.bounds = list(LOOP_LAG_BUCKETS)
         self._le = (*(_fmt(b) for b in self.bounds), "+Inf")
-        self.hist = _Hist(len(self.bounds))
+        self.hist = Hist(len(self.bounds))
         self._stopped = stopped
         self._handle: asyncio.TimerHandle | None = None
         self._loop: asyncio.AbstractEventLoop | None = None

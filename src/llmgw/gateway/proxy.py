@@ -30,11 +30,13 @@ from typing import TYPE_CHECKING
 from .._accel import select
 
 if TYPE_CHECKING:
-    from .._fast.dataplane_py import Call, Gateway, normalize_error
+    from .._fast.dataplane_py import Call, Gateway, Hist, TrafficCounters, normalize_error
 else:
     _impl = select("dataplane")
     Call = _impl.Call
     Gateway = _impl.Gateway
+    Hist = _impl.Hist
+    TrafficCounters = _impl.TrafficCounters
     normalize_error = _impl.normalize_error
 
-__all__ = ["Call", "Gateway", "normalize_error"]
+__all__ = ["Call", "Gateway", "Hist", "TrafficCounters", "normalize_error"]
