@@ -6,6 +6,10 @@
 
 cimport cython
 
+# The compiled data path runs with the compiled HTTP module (one build makes both):
+# typed, their attributes are read from the C structs, not looked up by name.
+from llmgw._fast.httpproto cimport Request as _Request, Response as _Response
+
 cdef class HTTPProtocol
 cdef class UpstreamPool
 cdef class Gateway
@@ -32,7 +36,7 @@ cdef class ResponseWriter:
     cdef public bint disconnected
     cdef public bint finished
     cdef public bint keep_alive
-    cdef public object request
+    cdef public _Request request
     cdef public bint started
     cdef public int status
 
@@ -75,9 +79,9 @@ cdef class HTTPProtocol:
     cdef public bint _continue_due
 
     cpdef data_received(self, data)
-    cpdef _on_head(self, request)
-    cpdef _on_request(self, request)
-    cpdef _run(self, request)
+    cpdef _on_head(self, _Request request)
+    cpdef _on_request(self, _Request request)
+    cpdef _run(self, _Request request)
     cpdef _internal_error(self, ResponseWriter writer)
     cpdef _response_done(self, ResponseWriter writer)
     cpdef _fail(self, exc)
@@ -105,7 +109,7 @@ cdef class UpstreamConnection:
     cdef public bint _read_paused
 
     cpdef data_received(self, data)
-    cpdef on_response_head(self, resp)
+    cpdef on_response_head(self, _Response resp)
     cpdef on_response_body(self, data)
     cpdef on_response_end(self)
     cpdef send(self, sink, head, body)
@@ -133,6 +137,43 @@ cdef class UpstreamPool:
     cpdef _forget(self, UpstreamConnection conn)
     cpdef close_idle(self)
     cpdef close(self)
+
+
+cdef class Endpoint:
+    cdef public bytes auth_line
+    cdef public bytes base_path
+    cdef public object cfg
+    cdef public Py_ssize_t completed
+    cdef public object engine
+    cdef public Py_ssize_t failures
+    cdef public bytes host_header
+    cdef public object id
+    cdef public object metrics_path
+    cdef public object models
+    cdef public UpstreamPool pool
+    cdef public bytes replica_line
+    cdef public Py_ssize_t scrape_failures
+    cdef public Py_ssize_t scrape_ok
+    cdef public object scrape_problem
+    cdef public double scrape_seconds
+    cdef public double stale_after
+    cdef public object state
+
+    cpdef bytes target(self, bytes path)
+    cpdef close(self)
+
+
+cdef class ModelPool:
+    cdef public list endpoints
+    cdef public object name
+    cdef public object picker
+    cdef public object queue
+    cdef public list states
+
+    cpdef add(self, Endpoint ep)
+    cpdef remove(self, Endpoint ep)
+    cpdef Endpoint pick(self, double now, double stale_after, exclude=*)
+    cpdef double saturation(self, double now, double stale_after, double max_waiting, double max_kv)
 
 
 cdef class Hist:
@@ -163,6 +204,7 @@ cdef class TrafficCounters:
 
     @cython.locals(i=Py_ssize_t, n=Py_ssize_t, b=double)
     cdef Py_ssize_t _bucket(self, double value)
+    @cython.locals(s=RequestSeries, h=Hist, u=Hist)
     cpdef request_done(self, model, replica, int status, band, double duration, ttfb, upstream)
     cpdef upstream_error(self, replica, kind)
     cpdef retry(self, model, replica)
@@ -185,16 +227,16 @@ cdef class Call:
     cdef public object connect_task
     cdef public double deadline
     cdef public int dkind
-    cdef public object ep
+    cdef public Endpoint ep
     cdef public object error
     cdef public Gateway gw
     cdef public bytes head_tail
     cdef public object model
     cdef public int phase
-    cdef public object pool
+    cdef public ModelPool pool
     cdef public bint probe
-    cdef public object req
-    cdef public object resp
+    cdef public _Request req
+    cdef public _Response resp
     cdef public bint retrying
     cdef public bytes rid
     cdef public bytes rid_line
@@ -216,7 +258,7 @@ cdef class Call:
     cpdef _deadline(self, int kind, double delay)
     cpdef _attempt_failed(self, error, kind, bint counts=*)
     cpdef bint _fresh_retry(self)
-    cpdef on_response_head(self, resp)
+    cpdef on_response_head(self, _Response resp)
     cpdef on_response_body(self, data)
     cpdef on_response_end(self)
     cpdef on_upstream_lost(self, exc)
@@ -262,12 +304,12 @@ cdef class Gateway:
 
     cpdef watch(self, Call call)
     cpdef unwatch(self, Call call)
-    cpdef admit_next(self, pool)
-    cpdef breaker_outcome(self, ep, bint success, double now)
+    cpdef admit_next(self, ModelPool pool)
+    cpdef breaker_outcome(self, Endpoint ep, bint success, double now)
     cpdef _ensure_sweep(self)
     cpdef on_scrape(self, ep)
-    cpdef handle(self, req, ResponseWriter w)
-    cpdef bytes _request_id(self, req)
-    cpdef _proxy(self, req, ResponseWriter w, key)
-    cpdef Call _prepare(self, req, ResponseWriter w, bytes rid, key)
+    cpdef handle(self, _Request req, ResponseWriter w)
+    cpdef bytes _request_id(self, _Request req)
+    cpdef _proxy(self, _Request req, ResponseWriter w, key)
+    cpdef Call _prepare(self, _Request req, ResponseWriter w, bytes rid, key)
     cpdef log_access(self, Call call, double now)

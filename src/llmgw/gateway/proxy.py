@@ -30,13 +30,23 @@ from typing import TYPE_CHECKING
 from .._accel import select
 
 if TYPE_CHECKING:
-    from .._fast.dataplane_py import Call, Gateway, Hist, TrafficCounters, normalize_error
+    from .._fast.dataplane_py import (
+        Call,
+        Endpoint,
+        Gateway,
+        Hist,
+        ModelPool,
+        TrafficCounters,
+        normalize_error,
+    )
 else:
     _impl = select("dataplane")
     Call = _impl.Call
+    Endpoint = _impl.Endpoint
+    ModelPool = _impl.ModelPool
     Gateway = _impl.Gateway
     Hist = _impl.Hist
     TrafficCounters = _impl.TrafficCounters
     normalize_error = _impl.normalize_error
 
-__all__ = ["Call", "Gateway", "Hist", "TrafficCounters", "normalize_error"]
+__all__ = ["Call", "Endpoint", "Gateway", "Hist", "ModelPool", "TrafficCounters", "normalize_error"]
