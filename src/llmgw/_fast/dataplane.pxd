@@ -15,6 +15,9 @@ cdef class UpstreamPool
 cdef class Gateway
 cdef class TrafficCounters
 
+cdef _write_two(t, bytes head, bytes body)
+
+
 cdef class HTTPServer:
     cdef public object app
     cdef public object limits

@@ -138,6 +138,18 @@ JSONScanError = _jsonscan.JSONScanError
 
 # ---------------------------------------------------------------- the server
 
+# Below this, a head and its body go to the transport as one buffer: copying a
+# small body costs less than the transport's bookkeeping for a second one.
+_JOIN_BELOW = 64 * 1024
+
+
+def _write_two(t: Any, head: bytes, body: bytes) -> None:
+    if len(body) < _JOIN_BELOW:
+        t.write(head + body)
+    else:
+        t.writelines((head, body))
+
+
 _LAST_CHUNK = b"0\r\n\r\n"
 _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 # Seconds a connection closed after an error answer keeps reading (and dropping)
@@ -219,15 +231,16 @@ class ResponseWriter:
     )
 
     def __init__(self, conn: HTTPProtocol, request: Request) -> None:
+        # (read back through the typed attributes: C struct reads when compiled)
         self._conn = conn
         self.request = request
-        self.keep_alive: bool = request.keep_alive and not conn._closing
+        self.keep_alive: bool = self.request.keep_alive and not self._conn._closing
         self.started = False
         self.finished = False
         self.disconnected = False
         self.status = 0
         self._chunked = False
-        self._head_only = request.method == b"HEAD"
+        self._head_only = self.request.method == b"HEAD"
         self._listeners: list[Callable[[], Any]] | None = None
 
     # -- writing --
@@ -310,7 +323,7 @@ class ResponseWriter:
             t = self._conn.transport
             if t is not None:
                 if body and not self._head_only and not no_body:
-                    t.writelines((head, body))
+                    _write_two(t, head, body)
                 else:
                     t.write(head)
         self.finished = True
@@ -916,7 +929,7 @@ class UpstreamConnection:
             sink.on_upstream_lost(ConnectionResetError("the replica closed the connection"))
             return
         if body:
-            t.writelines((head, body))
+            _write_two(t, head, body)
         else:
             t.write(head)
 
@@ -1587,18 +1600,19 @@ class Call:
     def __init__(
         self, gw: Gateway, req: Request, w: ResponseWriter, pool: ModelPool, model: str, body: bytes, rid: bytes
     ) -> None:
+        # (read back through the typed attributes: C struct reads when compiled)
         self.gw = gw
         self.req = req
         self.w = w
         self.pool = pool
-        self.model = pool.name
+        self.model = self.pool.name
         self.client_model = model
         self.body = body
         self.rid = rid
-        self.rid_line = b"x-request-id: %s\r\n" % rid
+        self.rid_line = b"x-request-id: " + rid + b"\r\n"
         self.started = time.monotonic()
-        self.band = gw.default_band
-        self.band_name = gw.bands[self.band]
+        self.band = self.gw.default_band
+        self.band_name = self.gw.bands[self.band]
         self.tenant: Any = None
         self.phase = _P_NEW
         self.closed = False
@@ -2159,7 +2173,10 @@ class Gateway:
     # -- routing --
 
     def handle(self, req: Request, w: ResponseWriter) -> None:
-        path = req.path
+        target = req.target
+        # PERF: the common case, a POST to /v1/... without a query string, skips
+        # building the path.
+        path = target if b"?" not in target else req.path
         if not path.startswith(b"/v1/"):
             raise NotFoundError(f"no route for {path.decode('latin-1')[:200]}; llmgw serves the OpenAI API under /v1/")
         key = self._authenticate(req) if self.auth else None

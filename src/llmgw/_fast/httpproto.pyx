@@ -130,6 +130,31 @@ cdef bytes _header_line(bytes name, bytes value):
     return out
 
 
+cdef bytes _content_length_line(Py_ssize_t n):
+    # b"content-length: <n>\r\n" without the bytes-formatting machinery.
+    cdef char digits[24]
+    cdef int k = 0
+    cdef bytes out
+    cdef char* p
+    while True:
+        digits[k] = 48 + n % 10
+        k += 1
+        n //= 10
+        if n == 0:
+            break
+    out = PyBytes_FromStringAndSize(NULL, 16 + k + 2)
+    p = PyBytes_AS_STRING(out)
+    memcpy(p, b"content-length: ", 16)
+    p += 16
+    while k > 0:
+        k -= 1
+        p[0] = digits[k]
+        p += 1
+    p[0] = 13
+    p[1] = 10
+    return out
+
+
 cdef bytes _status_line(int status):
     line = _STATUS_LINES.get(status)
     if line is None:
@@ -158,7 +183,7 @@ def response_head(int status, headers=(), Py_ssize_t content_length=-1, bint kee
     if raw:
         parts.append(raw)
     if content_length >= 0:
-        parts.append(b"content-length: %d\r\n" % content_length)
+        parts.append(_content_length_line(content_length))
     elif content_length == -1:
         parts.append(b"transfer-encoding: chunked\r\n")
     if not keep_alive:
@@ -172,7 +197,7 @@ def upstream_head(bytes method, bytes target, bytes host, bytes forward, Py_ssiz
     """The request head sent to a replica (see the twin)."""
     cdef list parts = [method, b" ", target, b" HTTP/1.1\r\nhost: ", host, b"\r\n", forward, extra]
     if content_length >= 0:
-        parts.append(b"content-length: %d\r\n" % content_length)
+        parts.append(_content_length_line(content_length))
     parts.append(b"\r\n")
     return b"".join(parts)
 
@@ -575,13 +600,14 @@ cdef Py_ssize_t _find(const char* s, Py_ssize_t start, Py_ssize_t end, const cha
 
 
 cdef Py_ssize_t _rfind(const char* s, Py_ssize_t n, const char* pat, Py_ssize_t m) noexcept nogil:
-    # the last occurrence, found forwards (memmem is vectorised; the pattern is rare)
-    cdef Py_ssize_t last = -1
-    cdef Py_ssize_t at = _find(s, 0, n, pat, m)
-    while at >= 0:
-        last = at
-        at = _find(s, at + 1, n, pat, m)
-    return last
+    # backwards: engines put "usage" at the end of an answer
+    cdef Py_ssize_t i = n - m
+    cdef char first = pat[0]
+    while i >= 0:
+        if s[i] == first and memcmp(s + i, pat, m) == 0:
+            return i
+        i -= 1
+    return -1
 
 
 cdef inline bint _is_ws(char c) noexcept nogil:
