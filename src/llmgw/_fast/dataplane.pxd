@@ -9,6 +9,7 @@ cimport cython
 # The compiled data path runs with the compiled HTTP module (one build makes both):
 # typed, their attributes are read from the C structs, not looked up by name.
 from llmgw._fast.httpproto cimport Request as _Request, Response as _Response
+from llmgw._fast.httpproto cimport RequestReader as _RequestReader, ResponseReader as _ResponseReader
 
 cdef class HTTPProtocol
 cdef class UpstreamPool
@@ -61,8 +62,9 @@ cdef class HTTPProtocol:
     cdef public object _limits
     cdef public object _loop
     cdef public object transport
+    cdef public object _twrite
     cdef public object peer
-    cdef public object _reader
+    cdef public _RequestReader _reader
     cdef public object _pipeline
     cdef public ResponseWriter _current
     cdef public object _task
@@ -104,7 +106,7 @@ cdef class UpstreamConnection:
     cdef public UpstreamPool pool
     cdef public object transport
     cdef public object sink
-    cdef public object reader
+    cdef public _ResponseReader reader
     cdef public bint reusable
     cdef public double idle_since
     cdef public Py_ssize_t requests
@@ -252,6 +254,9 @@ cdef class Call:
     cdef public int tries
     cdef public object ttfb
     cdef public object usage
+    cdef public bint progress
+    cdef public bytes _tail
+    cdef public bytes _tail_prev
     cdef public ResponseWriter w
 
     cpdef admit(self)

@@ -278,15 +278,16 @@ class ResponseWriter:
         """Send part of the body (framed as a chunk when streaming chunked)."""
         if not data or self.disconnected or self._head_only:
             return
-        t = self._conn.transport
-        if t is None:
+        # PERF: the transport's bound write, looked up once per connection.
+        twrite = self._conn._twrite
+        if twrite is None or self._conn.transport is None:
             return
         if self._chunked:
             # PERF: one buffer, not (size line, data, CRLF): a third of the work
             # in the transport for a small SSE event.
-            t.write(chunk(data if type(data) is bytes else bytes(data)))
+            twrite(chunk(data if type(data) is bytes else bytes(data)))
         else:
-            t.write(data)
+            twrite(data)
 
     def end(self, trailer: bytes = b"") -> None:
         """Finish the response; the connection moves on to the next request."""
@@ -398,6 +399,7 @@ class HTTPProtocol:
         self._loop = server.loop
         # connection state
         self.transport: asyncio.Transport | None = None
+        self._twrite: Callable[[bytes], None] | None = None
         self.peer: Any = None
         self._reader = RequestReader(
             self._on_request,
@@ -430,6 +432,7 @@ class HTTPProtocol:
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         """Called when a client connects."""
         self.transport = transport  # type: ignore[assignment]
+        self._twrite = transport.write  # type: ignore[attr-defined]
         self.peer = transport.get_extra_info("peername")
         sock = transport.get_extra_info("socket")
         if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
@@ -1563,6 +1566,8 @@ class Call:
     __slots__ = (
         "_buf",
         "_pending",
+        "_tail",
+        "_tail_prev",
         "band",
         "band_name",
         "body",
@@ -1580,6 +1585,7 @@ class Call:
         "phase",
         "pool",
         "probe",
+        "progress",
         "req",
         "resp",
         "retrying",
@@ -1635,6 +1641,9 @@ class Call:
         self.error: HTTPError | None = None
         self.head_tail = b""
         self.usage: tuple[int, int] | None = None  # the answer's token usage, reported once at the end
+        self._tail = b""  # a stream's last write, and the one before it
+        self._tail_prev = b""
+        self.progress = False  # a stream's bytes arrived since the sweep last looked
 
     # -- admission --
 
@@ -1806,7 +1815,8 @@ class Call:
 
     def on_response_body(self, data: bytes) -> None:
         if self.streaming:
-            self.deadline = self.gw.loop.time() + self.gw.read_timeout
+            # PERF: no clock read per event; the sweep moves the read deadline on.
+            self.progress = True
             # Relay whole SSE events only, so a cut never leaves half an event.
             if self._pending:
                 data = self._pending + data
@@ -1822,12 +1832,11 @@ class Call:
                 out = data[:cut]
             self.sent_bytes += len(out)
             self.w.write(out)
-            if self.gw.count_tokens:
-                # NOTE: the last usage seen counts, once: with vLLM's continuous
-                # usage stats every event carries the running totals.
-                counts = usage_counts(out)
-                if counts is not None:
-                    self.usage = counts
+            # Usage comes in the last events (with vLLM's continuous usage stats every
+            # event carries the running totals, and the last counts, once): keep the
+            # last two writes, read at the end instead of searching every event.
+            self._tail_prev = self._tail
+            self._tail = out
         else:
             self._buf.append(data)
             self.sent_bytes += len(data)
@@ -2023,6 +2032,11 @@ class Call:
         ttfb = self.ttfb - self.started if self.ttfb is not None else None
         upstream = now - self.sent_at if self.sent_at is not None else None
         replica = ep.id if ep is not None else None
+        if self.streaming and gw.count_tokens:
+            usage = usage_counts(self._tail) if self._tail else None
+            if usage is None and self._tail_prev:
+                usage = usage_counts(self._tail_prev)
+            self.usage = usage
         usage = self.usage
         counters = gw.counters
         if counters is not None:  # PERF: C calls, not Python method calls
@@ -2107,6 +2121,12 @@ class Gateway:
     def _sweep(self) -> None:
         self._sweep_handle = None
         now = self.loop.time()
+        read_timeout = self.read_timeout
+        for c in self._watched:
+            if c.progress:  # a stream moved since the last sweep: its read deadline too
+                c.progress = False
+                if c.dkind == _D_READ:
+                    c.deadline = now + read_timeout
         expired = [c for c in self._watched if c.dkind != _D_NONE and c.deadline <= now]
         for c in expired:
             c.expired()

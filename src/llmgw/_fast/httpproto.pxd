@@ -31,6 +31,7 @@ cdef class RequestReader:
     cdef public Py_ssize_t max_body
     cdef bytes _priority_header       # lower-case
     cdef object _parser               # httptools.HttpRequestParser(self)
+    cdef object _feed_data            # its bound feed_data
     cdef Request _req
     cdef bint _in_head
     cdef Py_ssize_t _head_bytes       # exact: request line + header lines seen
@@ -41,6 +42,8 @@ cdef class RequestReader:
     cdef Py_ssize_t _body_size
     cdef bint _dead
     cdef Py_ssize_t _ends             # requests completed so far (to tell where a head began)
+
+    cpdef feed(self, data)
 
 
 cdef class Response:
@@ -62,9 +65,12 @@ cdef class ResponseReader:
     cdef public Py_ssize_t max_head_bytes
     cdef public Py_ssize_t max_headers
     cdef object _parser
+    cdef object _feed_data            # its bound feed_data
     cdef Response _resp
     cdef list _forward
     cdef Py_ssize_t _head_bytes
     cdef Py_ssize_t _head_fed
     cdef bint _in_head
     cdef bint _interim                # the open response is a 1xx, dropped
+
+    cpdef feed(self, data)

@@ -307,6 +307,7 @@ cdef class RequestReader:
         self.max_body = max_body
         self._priority_header = priority_header.lower()
         self._parser = HttpRequestParser(self)
+        self._feed_data = self._parser.feed_data
         self._req = None
         self._in_head = False
         self._head_bytes = 0
@@ -328,14 +329,14 @@ cdef class RequestReader:
         """Whether a request's head has started but is not complete yet."""
         return self._in_head
 
-    def feed(self, data):
+    cpdef feed(self, data):
         """Parse ``data``; complete requests go to ``on_request`` as they finish."""
         if self._dead:
             raise BadRequestError("connection is closing after a malformed request", close=True)
         cdef bint mid_message = self._req is not None
         cdef Py_ssize_t ends = self._ends
         try:
-            self._parser.feed_data(data)
+            self._feed_data(data)
         except HttpParserUpgrade:
             self._dead = True
             raise BadRequestError("protocol upgrade is not supported", close=True) from None
@@ -496,6 +497,7 @@ cdef class ResponseReader:
         self.max_head_bytes = max_head_bytes
         self.max_headers = max_headers
         self._parser = HttpResponseParser(self)
+        self._feed_data = self._parser.feed_data
         self._resp = None
         self._forward = []
         self._head_bytes = 0
@@ -508,10 +510,10 @@ cdef class ResponseReader:
         """Whether a response has started but is not complete yet."""
         return self._resp is not None
 
-    def feed(self, data):
+    cpdef feed(self, data):
         """Parse ``data``; the sink hears about heads, body bytes and ends."""
         try:
-            self._parser.feed_data(data)
+            self._feed_data(data)
         except HttpParserUpgrade:
             raise ValueError("malformed upstream response: unexpected protocol switch") from None
         except HttpParserError as exc:
