@@ -99,10 +99,17 @@ def extensions() -> list[Extension]:
     if sys.platform != "win32":
         cflags += ["-fno-strict-aliasing", "-Wno-unused-function", "-Wno-unreachable-code"]
     sources = {pyx.stem: pyx for pyx in FAST.glob("*.pyx")}
+    newest_pxd = max((p.stat().st_mtime for p in FAST.glob("*.pxd")), default=0.0)
     for pxd in FAST.glob("*.pxd"):
         twin = FAST / f"{pxd.stem}_py.py"
         if pxd.stem not in sources and twin.exists():
             sources[pxd.stem] = twin  # pure-Python mode: the twin is the source
+            # NOTE: Cython's up-to-date check does not follow the cimports of an
+            # augmenting .pxd; a changed .pxd must regenerate the C file (a stale
+            # one fails at import with "size changed").
+            generated = twin.with_suffix(".c")
+            if generated.exists() and generated.stat().st_mtime < newest_pxd:
+                generated.unlink()
     exts = [
         Extension(
             f"llmgw._fast.{name}",

@@ -66,11 +66,20 @@ cdef class ResponseReader:
     cdef public Py_ssize_t max_headers
     cdef object _parser
     cdef object _feed_data            # its bound feed_data
-    cdef Response _resp
-    cdef list _forward
-    cdef Py_ssize_t _head_bytes
-    cdef Py_ssize_t _head_fed
-    cdef bint _in_head
+    cdef Response _resp               # the open response (after its head)
+    cdef Response _next               # the head read, until httptools validates it
+    cdef bytes _acc                   # head bytes so far (a head split over reads)
+    cdef bint _want_head              # the next bytes begin a response head
+    cdef int _body                    # B_*: how the open response's body ends
+    cdef Py_ssize_t _body_left        # B_LENGTH: body bytes still to come
+    cdef int _cstate                  # B_CHUNKED: C_* framing state
+    cdef Py_ssize_t _chunk_left       # ... size of the chunk being read
+    cdef bint _in_ext                 # ... past the size digits of a size line
     cdef bint _interim                # the open response is a 1xx, dropped
+    cdef bint _complete               # httptools reported the message complete
 
     cpdef feed(self, data)
+    cdef int _llhttp(self, bytes buf, Py_ssize_t start, Py_ssize_t end) except -1
+    cdef int _ended(self) except -1
+    cdef Py_ssize_t _frame_chunks(self, const char* s, Py_ssize_t pos, Py_ssize_t n) except -2
+    cdef Response _read_head(self, bytes head, Py_ssize_t end)

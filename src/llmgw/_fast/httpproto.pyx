@@ -3,7 +3,8 @@
 
 cimport cython
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize, PyBytes_GET_SIZE
-from libc.string cimport memcmp, memcpy
+from cpython.mem cimport PyMem_Free, PyMem_Malloc
+from libc.string cimport memchr, memcmp, memcpy
 
 
 cdef extern from "string.h" nogil:
@@ -485,9 +486,68 @@ cdef class Response:
         return None
 
 
+cdef inline Py_ssize_t _eol(const char* s, Py_ssize_t start, Py_ssize_t n) noexcept nogil:
+    # index of the next LF at or after ``start``; -1: none (memchr is vectorised)
+    cdef const char* hit = <const char*>memchr(s + start, 10, <size_t>(n - start))
+    return -1 if hit == NULL else hit - s
+
+
+cdef Py_ssize_t _head_end(const char* s, Py_ssize_t start, Py_ssize_t n) noexcept nogil:
+    # index just past the first CRLF CRLF at or after ``start``; -1: not yet
+    cdef Py_ssize_t i = start
+    while i < n:
+        i = _eol(s, i, n)
+        if i < 0:
+            return -1
+        # s[i] is LF: a blank line follows it if CR LF comes next (and CR before)
+        if i + 2 < n and s[i + 1] == 13 and s[i + 2] == 10 and i >= 1 and s[i - 1] == 13:
+            return i + 3
+        i += 1
+    return -1
+
+
+cdef inline int _hex_digit(char c) noexcept nogil:
+    if 48 <= c <= 57:
+        return c - 48
+    if 97 <= c <= 102:
+        return c - 87
+    if 65 <= c <= 70:
+        return c - 55
+    return -1
+
+
+cdef inline bint _ows(char c) noexcept nogil:
+    return c == 32 or c == 9
+
+
+cdef enum:
+    # how the open response's body ends (after the head)
+    B_NONE = 0        # no body: the head ends it
+    B_LENGTH = 1      # Content-Length bytes
+    B_CHUNKED = 2     # the last chunk (framed by _frame_chunks)
+    B_CLOSE = 3       # the connection closing
+
+cdef enum:
+    # chunk framing states
+    C_SIZE = 0        # in a chunk-size line (digits, then extensions), until LF
+    C_DATA = 1        # chunk data (_chunk_left bytes)
+    C_DATA_END = 2    # the CRLF after chunk data, until LF
+    C_TRAILER = 3     # at the start of a trailer line (or the final empty line)
+    C_TRAILER_LINE = 4  # in a trailer line, until LF
+    C_FINAL_LF = 5    # the final empty line's LF
+
+
 @cython.final
 cdef class ResponseReader:
-    """Reads responses from one upstream connection (see the twin)."""
+    """Reads responses from one upstream connection (see the twin).
+
+    PERF: unlike the twin, this one takes no per-header callbacks from httptools
+    (each costs two bytes objects and a Python call). It frames each head itself
+    (up to the blank line), reads the header lines from those bytes, then feeds
+    httptools exactly the bytes of one message, which validate them (llhttp,
+    strict) and frame the body. Where its framing and httptools' disagree the
+    response is malformed.
+    """
 
     def __init__(self, sink, Py_ssize_t max_head_bytes=65536, Py_ssize_t max_headers=200):
         self._sink = sink
@@ -499,21 +559,92 @@ cdef class ResponseReader:
         self._parser = HttpResponseParser(self)
         self._feed_data = self._parser.feed_data
         self._resp = None
-        self._forward = []
-        self._head_bytes = 0
-        self._head_fed = 0
-        self._in_head = False
+        self._next = None
+        self._acc = b""
+        self._want_head = True
+        self._body = B_NONE
+        self._body_left = 0
+        self._cstate = C_SIZE
+        self._chunk_left = 0
+        self._in_ext = False
         self._interim = False
+        self._complete = False
 
     @property
     def in_message(self):
         """Whether a response has started but is not complete yet."""
-        return self._resp is not None
+        return self._resp is not None or self._acc != b""
 
     cpdef feed(self, data):
         """Parse ``data``; the sink hears about heads, body bytes and ends."""
+        cdef bytes buf = data if type(data) is bytes else bytes(data)
+        cdef Py_ssize_t n = PyBytes_GET_SIZE(buf)
+        cdef Py_ssize_t pos = 0
+        cdef Py_ssize_t base, e, take
+        cdef bytes head
+        while pos < n:
+            if self._want_head:
+                if self._acc:
+                    base = PyBytes_GET_SIZE(self._acc)
+                    head = self._acc + (buf if pos == 0 else buf[pos:])
+                    e = _head_end(PyBytes_AS_STRING(head), base - 3 if base > 3 else 0, PyBytes_GET_SIZE(head))
+                else:
+                    base = 0
+                    head = buf if pos == 0 else buf[pos:]
+                    e = _head_end(PyBytes_AS_STRING(head), 0, PyBytes_GET_SIZE(head))
+                if e < 0:
+                    if PyBytes_GET_SIZE(head) > self.max_head_bytes:
+                        raise ValueError("upstream response head is too large")
+                    self._acc = head
+                    self._llhttp(buf, pos, n)  # (it refuses garbage before the head ends)
+                    return
+                self._acc = b""
+                take = e - base  # this feed's share of the head
+                self._next = self._read_head(head, e)
+                self._want_head = False
+                self._complete = False
+                if self._body == B_NONE:
+                    self._llhttp(buf, pos, pos + take)
+                    pos += take
+                    self._ended()
+                    continue
+                if self._body == B_LENGTH and self._body_left <= n - pos - take:
+                    # PERF: the usual case, head and body in one read: one feed
+                    take += self._body_left
+                    self._body_left = 0
+                    self._llhttp(buf, pos, pos + take)
+                    pos += take
+                    self._ended()
+                    continue
+                self._llhttp(buf, pos, pos + take)
+                pos += take
+                continue
+            # body bytes of the open response
+            if self._body == B_CLOSE:
+                self._llhttp(buf, pos, n)
+                return
+            if self._body == B_LENGTH:
+                take = self._body_left if self._body_left < n - pos else n - pos
+                self._body_left -= take
+                self._llhttp(buf, pos, pos + take)
+                pos += take
+                if self._body_left == 0:
+                    self._ended()
+                continue
+            take = self._frame_chunks(PyBytes_AS_STRING(buf), pos, n)
+            if take >= 0:
+                self._llhttp(buf, pos, take)
+                pos = take
+                self._ended()
+                continue
+            self._llhttp(buf, pos, n)
+            return
+
+    cdef int _llhttp(self, bytes buf, Py_ssize_t start, Py_ssize_t end) except -1:
+        if end <= start:
+            return 0
         try:
-            self._feed_data(data)
+            self._feed_data(buf if start == 0 and end == PyBytes_GET_SIZE(buf) else buf[start:end])
         except HttpParserUpgrade:
             raise ValueError("malformed upstream response: unexpected protocol switch") from None
         except HttpParserError as exc:
@@ -521,62 +652,196 @@ cdef class ResponseReader:
             if cause is not None and not isinstance(cause, ValueError):
                 raise cause from None
             raise ValueError(f"malformed upstream response: {cause or exc}") from exc
-        if self._in_head:
-            self._head_fed += len(data)
-            if self._head_fed > self.max_head_bytes:
-                raise ValueError("upstream response head is too large")
+        return 0
+
+    cdef int _ended(self) except -1:
+        # our framing says the message ended: httptools must agree
+        if not self._complete:
+            raise ValueError("malformed upstream response: the message does not end where its framing says")
+        self._want_head = True
+        return 0
+
+    cdef Py_ssize_t _frame_chunks(self, const char* s, Py_ssize_t pos, Py_ssize_t n) except -2:
+        # where the chunked body ends in s[pos:n] (the index past it), or -1: not yet
+        cdef char c
+        cdef int d
+        while pos < n:
+            c = s[pos]
+            if self._cstate == C_SIZE:
+                pos += 1
+                if c == 10:
+                    self._cstate = C_TRAILER if self._chunk_left == 0 else C_DATA
+                    self._in_ext = False
+                elif not self._in_ext:
+                    d = _hex_digit(c)
+                    if d < 0:
+                        self._in_ext = True  # CR, or extensions: the size is read
+                    elif self._chunk_left > (1 << 58):
+                        raise ValueError("malformed upstream response: chunk size too large")
+                    else:
+                        self._chunk_left = self._chunk_left * 16 + d
+            elif self._cstate == C_DATA:
+                if n - pos >= self._chunk_left:
+                    pos += self._chunk_left
+                    self._chunk_left = 0
+                    self._cstate = C_DATA_END
+                else:
+                    self._chunk_left -= n - pos
+                    pos = n
+            elif self._cstate == C_DATA_END:
+                pos += 1
+                if c == 10:
+                    self._cstate = C_SIZE
+            elif self._cstate == C_TRAILER:
+                pos += 1
+                if c == 10:
+                    self._cstate = C_SIZE
+                    return pos
+                self._cstate = C_FINAL_LF if c == 13 else C_TRAILER_LINE
+            elif self._cstate == C_FINAL_LF:
+                pos += 1
+                if c == 10:
+                    self._cstate = C_SIZE
+                    return pos
+                self._cstate = C_TRAILER_LINE
+            else:  # C_TRAILER_LINE
+                pos += 1
+                if c == 10:
+                    self._cstate = C_TRAILER
+        return -1
+
+    cdef Response _read_head(self, bytes head, Py_ssize_t end):
+        """The response head ``head[:end]`` (ending with the blank line), read as
+        the twin's header callbacks would; sets how its body is framed."""
+        cdef const char* s = PyBytes_AS_STRING(head)
+        cdef Py_ssize_t pos, eol, colon, vs, ve, nn, nv, k
+        cdef Py_ssize_t header_bytes = 0
+        cdef Py_ssize_t fwlen = 0
+        cdef char* fw
+        cdef int kind, status = 0
+        cdef long long cl
+        cdef bint http10 = False, chunked = False, has_te = False, digits_ok
+        cdef Response resp = Response.__new__(Response)
+        cdef bytes name, value
+        # status line: HTTP/x.y SP 3DIGIT ... (CRLF line ends: httptools checks)
+        eol = _eol(s, 0, end) - 1
+        if eol >= 12 and s[8] == 32:
+            for k in range(9, 12):
+                if 48 <= s[k] <= 57:
+                    status = status * 10 + (s[k] - 48)
+                else:
+                    status = 0
+                    break
+            http10 = s[5] == 49 and s[6] == 46 and s[7] == 48
+        resp.status = status
+        fw = <char*>PyMem_Malloc(end + 1)
+        if fw == NULL:
+            raise MemoryError()
+        try:
+            pos = eol + 2
+            while pos < end - 2:
+                eol = _eol(s, pos, end) - 1
+                if eol < pos:
+                    break
+                colon = pos
+                while colon < eol and s[colon] != 58:
+                    colon += 1
+                if colon >= eol:
+                    pos = eol + 2
+                    continue  # (httptools refuses the line)
+                nn = colon - pos
+                vs = colon + 1
+                while vs < eol and _ows(s[vs]):
+                    vs += 1
+                nv = eol - vs
+                header_bytes += nn + nv + 4
+                if header_bytes > self.max_head_bytes or len(resp.headers) >= self.max_headers:
+                    raise ValueError("upstream response head is too large")
+                name = PyBytes_FromStringAndSize(s + pos, nn)
+                value = PyBytes_FromStringAndSize(s + vs, nv)
+                resp.headers.append((name, value))
+                kind = _classify(s + pos, nn)
+                if kind == H_OTHER or kind == H_CONTENT_TYPE:
+                    if kind == H_CONTENT_TYPE and resp.content_type is None:
+                        resp.content_type = value
+                        resp.event_stream = nv >= 17 and _ieq(s + vs, b"text/event-stream", 17)
+                    memcpy(fw + fwlen, s + pos, nn)
+                    fw[fwlen + nn] = 58
+                    fw[fwlen + nn + 1] = 32
+                    memcpy(fw + fwlen + nn + 2, s + vs, nv)
+                    fw[fwlen + nn + 2 + nv] = 13
+                    fw[fwlen + nn + 3 + nv] = 10
+                    fwlen += nn + nv + 4
+                elif kind == H_CONTENT_LENGTH:
+                    cl = 0
+                    ve = eol
+                    while ve > vs and _ows(s[ve - 1]):
+                        ve -= 1
+                    digits_ok = ve > vs
+                    for k in range(vs, ve):
+                        if 48 <= s[k] <= 57:
+                            if cl < 100000000000000000:
+                                cl = cl * 10 + (s[k] - 48)
+                            else:
+                                cl = 0x7FFFFFFFFFFFFFFF
+                        else:
+                            digits_ok = False
+                            break
+                    if digits_ok:
+                        resp.content_length = cl
+                elif kind == H_TRANSFER_ENCODING:
+                    has_te = True
+                    ve = eol
+                    while ve > vs and _ows(s[ve - 1]):
+                        ve -= 1
+                    if ve - vs >= 7 and _ieq(s + ve - 7, b"chunked", 7):
+                        chunked = True
+                pos = eol + 2
+            resp.forward = PyBytes_FromStringAndSize(fw, fwlen)
+        finally:
+            PyMem_Free(fw)
+        resp.chunked = chunked
+        # how the body ends (RFC 9112 section 6.3), as llhttp frames it
+        if status < 200 or status == 204 or status == 304:
+            self._body = B_NONE
+        elif chunked:
+            self._body = B_CHUNKED
+            self._cstate = C_SIZE
+            self._chunk_left = 0
+            self._in_ext = False
+        elif has_te:
+            self._body = B_CLOSE
+        elif resp.content_length >= 0:
+            self._body = B_LENGTH if resp.content_length > 0 else B_NONE
+            self._body_left = resp.content_length
+        else:
+            self._body = B_CLOSE
+        return resp
 
     def feed_eof(self):
         """The replica closed the connection; returns whether that ended a response."""
         cdef Response resp = self._resp
         if resp is None:
             return False
-        if not resp.chunked and resp.content_length < 0 and not self._in_head:
+        if not resp.chunked and resp.content_length < 0:
             self._resp = None
             self._on_end()
             return True
         return False
 
-    def on_message_begin(self):
-        self._resp = Response.__new__(Response)
-        self._forward = []
-        self._head_bytes = 0
-        self._head_fed = 0
-        self._in_head = True
-
-    def on_header(self, bytes name, bytes value):
-        cdef Response resp = self._resp
-        cdef Py_ssize_t nn = PyBytes_GET_SIZE(name)
-        cdef int kind
-        self._head_bytes += nn + PyBytes_GET_SIZE(value) + 4
-        if self._head_bytes > self.max_head_bytes or len(resp.headers) >= self.max_headers:
-            raise ValueError("upstream response head is too large")
-        resp.headers.append((name, value))
-        kind = _classify(PyBytes_AS_STRING(name), nn)
-        if kind == H_OTHER:
-            self._forward.append(_header_line(name, value))
-        elif kind == H_CONTENT_TYPE:
-            if resp.content_type is None:
-                resp.content_type = value
-                resp.event_stream = value[:17].lower() == b"text/event-stream"
-            self._forward.append(_header_line(name, value))
-        elif kind == H_CONTENT_LENGTH:
-            resp.content_length = min(int(value), _MAX_CONTENT_LENGTH)
-        elif kind == H_TRANSFER_ENCODING:
-            if value.lower().rstrip().endswith(b"chunked"):
-                resp.chunked = True
-
     def on_headers_complete(self):
-        cdef Response resp = self._resp
-        self._in_head = False
-        resp.status = self._parser.get_status_code()
+        # httptools has validated the head read by _read_head
+        cdef Response resp = self._next
+        self._next = None
+        if resp is None:
+            raise ValueError("a response head that was not framed")
         if resp.status < 200:
             if resp.status == 101:
                 raise ValueError("the replica switched protocols (101), which llmgw never asks for")
             self._interim = True  # 1xx: dropped (see the twin)
             return
+        self._resp = resp
         resp.keep_alive = self._parser.should_keep_alive()
-        resp.forward = b"".join(self._forward)
         if resp.chunked:
             resp.content_length = -1
         self._on_head(resp)
@@ -585,8 +850,8 @@ cdef class ResponseReader:
         self._on_body(body)
 
     def on_message_complete(self):
+        self._complete = True
         self._resp = None
-        self._head_bytes = 0
         if self._interim:
             self._interim = False
             return
