@@ -577,6 +577,9 @@ class ResponseReader:
                 raise cause from None  # the sink's own error
             raise ValueError(f"malformed upstream response: {cause or exc}") from exc
         if self._in_head:
+            # NOTE: counts the whole read once a head is open in it (httptools does
+            # not say where in the read the head began); the compiled twin, which
+            # frames heads itself, counts the head's own bytes.
             self._head_fed += len(data)
             if self._head_fed > self.max_head_bytes:
                 raise ValueError("upstream response head is too large")
@@ -608,6 +611,8 @@ class ResponseReader:
     def on_header(self, name: bytes, value: bytes) -> None:
         resp = self._resp
         assert resp is not None
+        if not self._in_head:
+            return  # a chunked body's trailer fields: not part of the head, not passed on
         self._head_bytes += len(name) + len(value) + 4
         if self._head_bytes > self.max_head_bytes or len(resp.headers) >= self.max_headers:
             raise ValueError("upstream response head is too large")
