@@ -42,6 +42,8 @@ cdef class RequestReader:
     cdef Py_ssize_t _body_size
     cdef bint _dead
     cdef Py_ssize_t _ends             # requests completed so far (to tell where a head began)
+    cdef object _version_hint         # b"1.1"/b"1.0" read off the request line starting this read
+    cdef Py_ssize_t _hint_ends        # ... which is request number _ends then
 
     cpdef feed(self, data)
 

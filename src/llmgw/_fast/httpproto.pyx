@@ -319,6 +319,8 @@ cdef class RequestReader:
         self._body_size = 0
         self._dead = False
         self._ends = 0
+        self._version_hint = None
+        self._hint_ends = 0
 
     @property
     def in_message(self):
@@ -336,6 +338,24 @@ cdef class RequestReader:
             raise BadRequestError("connection is closing after a malformed request", close=True)
         cdef bint mid_message = self._req is not None
         cdef Py_ssize_t ends = self._ends
+        cdef const char* s
+        cdef const char* lf
+        cdef Py_ssize_t n, eol
+        # PERF: the version of a request whose line starts this read, read off the
+        # bytes (httptools' get_http_version() formats a string each time).
+        self._version_hint = None
+        if not mid_message and type(data) is bytes:
+            s = PyBytes_AS_STRING(data)
+            n = PyBytes_GET_SIZE(data)
+            lf = <const char*>memchr(s, 10, <size_t>(n if n < 8192 else 8192))
+            if lf != NULL and 65 <= s[0] <= 90:
+                eol = lf - s
+                if eol >= 10 and s[eol - 1] == 13 and memcmp(s + eol - 10, b" HTTP/1.", 8) == 0:
+                    if s[eol - 2] == 49:
+                        self._version_hint = b"1.1"
+                    elif s[eol - 2] == 48:
+                        self._version_hint = b"1.0"
+            self._hint_ends = ends
         try:
             self._feed_data(data)
         except HttpParserUpgrade:
@@ -429,12 +449,15 @@ cdef class RequestReader:
         req.method = parser.get_method()
         parts = self._url_parts
         req.target = parts[0] if len(parts) == 1 else b"".join(parts)
-        version = parser.get_http_version()
-        if version != "1.1" and version != "1.0":
-            raise BadRequestError(f"unsupported HTTP version {version}", close=True)
+        if self._version_hint is not None and self._ends == self._hint_ends:
+            req.version = self._version_hint  # (the first request begun in this read)
+        else:
+            version = parser.get_http_version()
+            if version != "1.1" and version != "1.0":
+                raise BadRequestError(f"unsupported HTTP version {version}", close=True)
+            req.version = version.encode()
         if parser.should_upgrade():
             raise BadRequestError("protocol upgrade is not supported", close=True)
-        req.version = version.encode()
         req.keep_alive = parser.should_keep_alive()
         req.forward = b"".join(self._forward)
         if req.content_length > self.max_body:
