@@ -12,6 +12,7 @@ space only (kernel time is not seen), plus the top functions.
 
     .venv/bin/python bench/dataplane/callgrind.py --requests 4000
     .venv/bin/python bench/dataplane/callgrind.py --stream --requests 300
+    .venv/bin/python bench/dataplane/callgrind.py --metrics off    # the data path's observer off
 
 Needs valgrind (``callgrind_control``, ``callgrind_annotate``) and nginx with the
 echo module, as ``run.py`` does.
@@ -113,6 +114,8 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=40)
     ap.add_argument("--llmgw", default=str(dp.REPO / ".venv" / "bin" / "llmgw"))
     ap.add_argument("--out", default=None, help="keep the callgrind file here")
+    ap.add_argument("--metrics", choices=["on", "off"], default="on",
+                    help="off: the gateway reports to NullObserver (bench/observer_dataplane.py's launcher)")
     args = ap.parse_args()
 
     base = args.port_base
@@ -137,8 +140,15 @@ def main() -> None:
         f'  - {{id: up1, url: "http://127.0.0.1:{up[1]}", model: m, engine: vllm}}\n'
     )
     out = Path(args.out) if args.out else d / "callgrind.out"
-    gw = dp.start(["valgrind", "--tool=callgrind", "--instr-atstart=no", f"--callgrind-out-file={out}",
-                   args.llmgw, "serve", "-c", str(d / "llmgw.yaml")], d / "llmgw.out")
+    if args.metrics == "on":
+        cmd = [args.llmgw, "serve", "-c", str(d / "llmgw.yaml")]
+    else:
+        sys.path.insert(0, str(HERE.parent))
+        from observer_dataplane import LAUNCH
+
+        cmd = [sys.executable, "-c", LAUNCH, str(d / "llmgw.yaml"), "off"]
+    gw = dp.start(["valgrind", "--tool=callgrind", "--instr-atstart=no", f"--callgrind-out-file={out}", *cmd],
+                  d / "llmgw.out")
     dp.wait_port(port, gw, "llmgw under callgrind", timeout=180)
     drive(port, 200, args.connections, args.stream)  # warm-up: pools, caches, first-use allocations
     subprocess.run(["callgrind_control", "-i", "on", str(gw.pid)], check=True, capture_output=True)

@@ -204,6 +204,7 @@ cdef class TrafficCounters:
     cdef public dict _errors
     cdef public dict _retries
     cdef public dict _admission
+    cdef public dict _admitted
     cdef public dict _breaker
     cdef public set _overflowed
 

@@ -1328,6 +1328,7 @@ class TrafficCounters:
         self._errors: dict[tuple[str, str], int] = {}  # (replica, kind)
         self._retries: dict[str, int] = {}  # model
         self._admission: dict[tuple[str, str, str], int] = {}  # (band, outcome, reason)
+        self._admitted: dict[str, int] = {}  # band -> admitted straight away (the common decision)
         self._breaker: dict[tuple[str, str], int] = {}  # (replica, state)
         self._overflowed: set[str] = set()
 
@@ -1403,6 +1404,14 @@ class TrafficCounters:
 
     def admission(self, band: str, outcome: str, reason: str = "") -> None:
         """An admission decision."""
+        if outcome == "admitted" and not reason:
+            # PERF: one counter per band, no key tuple (see admission_totals)
+            m = self._admitted.get(band)
+            if m is None:
+                self._first(self._admitted, band, "llmgw_admission_total", OTHER)
+            else:
+                self._admitted[band] = m + 1
+            return
         key = (band, outcome, reason)
         n = self._admission.get(key)
         if n is None:
@@ -1418,6 +1427,14 @@ class TrafficCounters:
             self._first(self._breaker, key, "llmgw_breaker_transitions_total", (OTHER, state))
         else:
             self._breaker[key] = n + 1
+
+    def admission_totals(self) -> dict[tuple[str, str, str], int]:
+        """Admission decisions by (band, outcome, reason)."""
+        out = dict(self._admission)
+        for band, n in self._admitted.items():
+            key = (band, "admitted", "")
+            out[key] = out.get(key, 0) + n
+        return out
 
     # -- first sight of a label set (cold path) --
 

@@ -6,10 +6,6 @@ from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize, PyBytes
 from cpython.mem cimport PyMem_Free, PyMem_Malloc
 from libc.string cimport memchr, memcmp, memcpy
 
-
-cdef extern from "string.h" nogil:
-    void* memmem(const void* haystack, size_t haystacklen, const void* needle, size_t needlelen)
-
 import httptools
 
 from llmgw.errors import BadRequestError, HeadersTooLargeError, HTTPError, PayloadTooLargeError
@@ -882,11 +878,19 @@ cdef class ResponseReader:
 
 
 cdef Py_ssize_t _find(const char* s, Py_ssize_t start, Py_ssize_t end, const char* pat, Py_ssize_t m) noexcept nogil:
-    cdef const char* hit
-    if end - start < m:
-        return -1
-    hit = <const char*>memmem(s + start, <size_t>(end - start), pat, <size_t>m)
-    return -1 if hit == NULL else hit - s
+    # memchr for the first byte, then compare: the keys searched for here are near
+    # (a general substring search's set-up costs more than this search)
+    cdef const char* p
+    cdef const char* last = s + end - m
+    cdef const char* at = s + start
+    while at <= last:
+        p = <const char*>memchr(at, pat[0], <size_t>(last - at + 1))
+        if p == NULL:
+            return -1
+        if memcmp(p, pat, m) == 0:
+            return p - s
+        at = p + 1
+    return -1
 
 
 cdef Py_ssize_t _rfind(const char* s, Py_ssize_t n, const char* pat, Py_ssize_t m) noexcept nogil:

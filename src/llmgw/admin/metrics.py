@@ -118,7 +118,7 @@ class PrometheusObserver(TrafficCounters, Collector):
     def admission_counts(self) -> dict[str, dict[str, int]]:
         """``{band: {outcome: count}}`` (for the queues view)."""
         out: dict[str, dict[str, int]] = {}
-        for (band, outcome, _), n in self._admission.items():
+        for (band, outcome, _), n in self.admission_totals().items():
             per = out.setdefault(band, {})
             per[outcome] = per.get(outcome, 0) + n
         return out
@@ -174,7 +174,7 @@ class PrometheusObserver(TrafficCounters, Collector):
             "llmgw_admission_total",
             "Admission decisions by priority band, outcome (admitted, queued, dequeued, rejected) and reason.",
             ["band", "outcome", "reason"],
-            self._admission,
+            self.admission_totals(),
         )
         yield _counter(
             "llmgw_breaker_transitions_total", "Circuit-breaker state changes per replica, by the state entered.",
