@@ -83,3 +83,32 @@ def test_missing_compiled_module_warns_and_uses_the_twin() -> None:
     assert "llmgw._fast.httpproto is not available" in res.stderr
     assert "pure-Python twin" in res.stderr
     assert "blocked by the test" in res.stderr
+
+
+@pytest.mark.c_extension
+def test_compiled_data_path_is_loaded() -> None:
+    from llmgw import _accel
+    from llmgw.gateway import proxy
+    from llmgw.http import client, server
+
+    for cls in (server.HTTPServer, server.ResponseWriter, client.UpstreamPool, proxy.Call, proxy.Gateway,
+                proxy.Endpoint, proxy.TrafficCounters):
+        assert cls.__module__ == "llmgw._fast.dataplane", cls
+    assert _accel.loaded()["dataplane"] == "compiled"
+    assert _accel.loaded()["jsonscan"] == "compiled"
+
+
+@pytest.mark.c_extension
+def test_the_data_path_suites_pass_on_the_pure_twin() -> None:
+    # The compiled data path is its own twin's source (Cython pure-Python mode):
+    # the server, client and gateway suites run once more on the pure build.
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}
+    env["LLMGW_NO_EXTENSIONS"] = "1"
+    res = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
+         "tests/http", "tests/gateway", "tests/fleet"],
+        cwd=root, env=env, capture_output=True, text=True, timeout=600, check=False,
+    )
+    assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-2000:]
+    assert " passed" in res.stdout and " failed" not in res.stdout
