@@ -192,3 +192,15 @@ def test_damaged_documents_agree_with_orjson(jsonscan: ModuleType, doc: object, 
             body[at:at] = data.draw(st.sampled_from([b"\\", b'"', b",", b"]", b"}", b"\\u", b"\xff", b"\xc3", b" ", b"e", b"-"]))
     raw = bytes(body)
     assert scan(jsonscan, raw) == reference(raw), raw
+
+
+@pytest.mark.parametrize("length", [0, 1, 7, 8, 9, 15, 16, 17, 31, 32, 33, 40])
+def test_every_special_byte_at_every_position(jsonscan: ModuleType, length: int) -> None:
+    # The compiled scan reads strings 16 and 8 bytes at a time: a byte that ends a
+    # plain run must be seen wherever it falls.
+    for pos in range(length):
+        for ch in (b'"', b"\\", b"\x1f", b"\x00", b"\x7f", b"\xc3", b"\x80", b"\xff"):
+            text = bytearray(b"a" * length)
+            text[pos : pos + 1] = ch
+            body = b'{"model":"' + bytes(text) + b'","k":1}'
+            assert scan(jsonscan, body) == reference(body), body

@@ -64,6 +64,34 @@ for _k in range(256):
     _PLAIN[_k] = 1 if 0x20 <= _k < 0x80 and _k != 0x22 and _k != 0x5C else 0
 
 
+cdef extern from *:
+    """
+    /* 16 bytes at a time where the compiler has vector extensions (GCC, Clang:
+       SSE2 on x86-64, NEON on arm64): whether none of them is a byte that ends
+       a plain run in a string (< 0x20, '"', backslash, >= 0x80). */
+    #if defined(__GNUC__) || defined(__clang__)
+    #define LLMGW_HAVE_V16 1
+    typedef signed char llmgw_v16 __attribute__((vector_size(16)));
+    static inline int llmgw_plain16(const unsigned char *p) {
+        llmgw_v16 v, hit;
+        __builtin_memcpy(&v, p, 16);
+        /* signed: bytes >= 0x80 are negative, so v < 0x20 covers both ends */
+        hit = (v < (llmgw_v16){32,32,32,32,32,32,32,32,32,32,32,32,32,32,32,32})
+            | (v == (llmgw_v16){34,34,34,34,34,34,34,34,34,34,34,34,34,34,34,34})
+            | (v == (llmgw_v16){92,92,92,92,92,92,92,92,92,92,92,92,92,92,92,92});
+        unsigned long long w[2];
+        __builtin_memcpy(w, &hit, 16);
+        return (w[0] | w[1]) == 0;
+    }
+    #else
+    #define LLMGW_HAVE_V16 0
+    static inline int llmgw_plain16(const unsigned char *p) { (void)p; return 0; }
+    #endif
+    """
+    bint LLMGW_HAVE_V16
+    bint llmgw_plain16(const unsigned char* p) noexcept nogil
+
+
 cdef inline bint _plain8(const unsigned char* p) noexcept nogil:
     """Whether all 8 bytes at ``p`` are plain string bytes (SWAR: no byte < 0x20,
     ``"``, backslash or >= 0x80)."""
@@ -136,6 +164,9 @@ cdef class _Scan:
         cdef long cp, lo
         self.escaped = False
         while True:
+            if LLMGW_HAVE_V16:
+                while i + 16 <= n and llmgw_plain16(s + i):
+                    i += 16
             while i + 8 <= n and _plain8(s + i):
                 i += 8
             while i < n and _PLAIN[s[i]]:
