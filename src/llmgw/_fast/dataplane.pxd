@@ -136,6 +136,7 @@ cdef class UpstreamPool:
     cdef public object _sweeper
     cdef public bint closed
 
+    @cython.locals(conn=UpstreamConnection)
     cpdef UpstreamConnection take_idle(self)
     cpdef _put_idle(self, UpstreamConnection conn)
     cpdef _sweep(self)
