@@ -284,7 +284,7 @@ cdef class Gateway:
     cdef public object loop
     cdef public object registry
     cdef public bytes _rid_prefix
-    cdef public object _rid_counter
+    cdef public Py_ssize_t _rid_n
     cdef public object created
     cdef public object observer
     cdef public TrafficCounters counters

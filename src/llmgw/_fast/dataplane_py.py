@@ -55,7 +55,6 @@ import collections
 import errno
 import hashlib
 import hmac
-import itertools
 import math
 import os
 import socket
@@ -2079,8 +2078,8 @@ class Gateway:
     def __init__(self, config: Config, registry: Registry) -> None:
         self.loop = asyncio.get_running_loop()
         self.registry = registry
-        self._rid_prefix = os.urandom(6).hex().encode()
-        self._rid_counter = itertools.count(1)
+        self._rid_prefix = os.urandom(6).hex().encode() + b"-"
+        self._rid_n = 0
         self.created = int(time.time())
         self.observer: Observer = NullObserver()
         self.counters: TrafficCounters | None = None
@@ -2191,6 +2190,8 @@ class Gateway:
         """Tell ``ep``'s breaker how an attempt ended; report a state change."""
         breaker = ep.state.breaker
         before = breaker.state_code
+        if success and before == 0 and breaker.consecutive_failures == 0:
+            return  # PERF: the usual case; record_success would change nothing
         if success:
             breaker.record_success(now)
         else:
@@ -2276,7 +2277,8 @@ class Gateway:
         # Accept the client's id when it is a short token of visible ASCII.
         if rid is not None and 0 < len(rid) <= 128 and not rid.translate(None, _VISIBLE_ASCII):
             return rid
-        return b"%s-%d" % (self._rid_prefix, next(self._rid_counter))
+        self._rid_n += 1
+        return self._rid_prefix + str(self._rid_n).encode()
 
     def _proxy(self, req: Request, w: ResponseWriter, key: bytes | None) -> None:
         rid = self._request_id(req)
