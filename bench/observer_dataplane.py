@@ -67,16 +67,7 @@ def main() -> None:
     gws = {m: (base + 10 + i, base + 20 + i) for i, m in enumerate(modes)}
     d = Path(tempfile.mkdtemp(prefix="llmgw-observer-bench-"))
     (d / "tmp").mkdir()
-    lines = []
-    for ev in dp.sse_events():
-        lines.append(f"            echo -n '{dp._nginx_str(ev)}';")
-        lines.append("            echo_flush;")
-    conf = d / "upstream.conf"
-    conf.write_text(dp.render("nginx_upstream.conf.tmpl", DIR=d, UP0=up[0], UP1=up[1],
-                              CHAT_JSON=dp._nginx_str(dp.chat_json()), METRICS=dp._nginx_str(dp.METRICS),
-                              SSE_DIRECTIVES="\n".join(lines), SSE_GAP_S="0"))
-    upstream = dp.start(["taskset", "-c", str(args.load_core), "nginx", "-p", str(d), "-c", str(conf)], d / "up.out")
-    dp.wait_port(up[0], upstream, "upstream nginx")
+    dp.start_engine(d, up, core=args.load_core)
     procs = {}
     for name, (port, admin) in gws.items():
         cfg = d / f"{name}.yaml"

@@ -122,16 +122,7 @@ def main() -> None:
     up = (base + 1, base + 2)
     d = Path(tempfile.mkdtemp(prefix="llmgw-callgrind-"))
     (d / "tmp").mkdir()
-    lines = []
-    for ev in dp.sse_events():
-        lines.append(f"            echo -n '{dp._nginx_str(ev)}';")
-        lines.append("            echo_flush;")
-    conf = d / "upstream.conf"
-    conf.write_text(dp.render("nginx_upstream.conf.tmpl", DIR=d, UP0=up[0], UP1=up[1],
-                              CHAT_JSON=dp._nginx_str(dp.chat_json()), METRICS=dp._nginx_str(dp.METRICS),
-                              SSE_DIRECTIVES="\n".join(lines), SSE_GAP_S="0"))
-    upstream = dp.start(["nginx", "-p", str(d), "-c", str(conf)], d / "upstream.out")
-    dp.wait_port(up[0], upstream, "upstream nginx")
+    upstream = dp.start_engine(d, up)
 
     port, admin = base + 81, base + 91
     (d / "llmgw.yaml").write_text(

@@ -181,6 +181,28 @@ def wait_port(port: int, proc: subprocess.Popen, what: str, timeout: float = 20.
     raise SystemExit(f"{what} did not listen on {port} within {timeout:g}s")
 
 
+def start_engine(d: Path, up: tuple[int, int], gap: float = 0.0, core: int | None = None) -> subprocess.Popen:  # type: ignore[type-arg]
+    """The nginx "engine" on ports ``up`` (config and logs in ``d``), ready to answer.
+
+    ``gap``: seconds between SSE events (0: back to back, each still flushed).
+    ``core``: pin it there with taskset.
+    """
+    lines = []
+    for i, ev in enumerate(sse_events()):
+        lines.append(f"            echo -n '{_nginx_str(ev)}';")
+        lines.append("            echo_flush;")
+        if gap > 0 and i < 64:
+            lines.append(f"            echo_sleep {gap:g};")
+    conf = d / "upstream.conf"
+    conf.write_text(render("nginx_upstream.conf.tmpl", DIR=d, UP0=up[0], UP1=up[1], CHAT_JSON=_nginx_str(chat_json()),
+                           METRICS=_nginx_str(METRICS), SSE_DIRECTIVES="\n".join(lines), SSE_GAP_S=f"{gap:g}"))
+    pin = ["taskset", "-c", str(core)] if core is not None else []
+    upstream = start([*pin, "nginx", "-p", str(d), "-c", str(conf)], d / "upstream.out")
+    wait_port(up[0], upstream, "upstream nginx")
+    wait_port(up[1], upstream, "upstream nginx")
+    return upstream
+
+
 def port_free(port: int) -> bool:
     with socket.socket() as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # TIME_WAIT from a previous run is fine
@@ -430,19 +452,7 @@ def main() -> None:
     d = Path(tempfile.mkdtemp(prefix="llmgw-dataplane-"))
     (d / "tmp").mkdir()
     try:
-        gap = args.sse_gap_ms / 1000.0
-        lines = []
-        for i, ev in enumerate(sse_events()):
-            lines.append(f"            echo -n '{_nginx_str(ev)}';")
-            lines.append("            echo_flush;")
-            if gap > 0 and i < 64:
-                lines.append(f"            echo_sleep {gap:g};")
-        conf = d / "upstream.conf"
-        conf.write_text(render("nginx_upstream.conf.tmpl", DIR=d, UP0=up[0], UP1=up[1], CHAT_JSON=_nginx_str(chat_json()),
-                               METRICS=_nginx_str(METRICS), SSE_DIRECTIVES="\n".join(lines), SSE_GAP_S=f"{gap:g}"))
-        upstream = start(["taskset", "-c", str(args.load_core), "nginx", "-p", str(d), "-c", str(conf)], d / "upstream.out")
-        wait_port(up[0], upstream, "upstream nginx")
-        wait_port(up[1], upstream, "upstream nginx")
+        upstream = start_engine(d, up, args.sse_gap_ms / 1000.0, args.load_core)
         for p in proxies:
             p.start(d, args.proxy_core, up)  # type: ignore[attr-defined]
         direct = Proxy(up[0])

@@ -739,7 +739,7 @@ cdef class ResponseReader:
         cdef char* fw
         cdef int kind, status = 0
         cdef long long cl
-        cdef bint http10 = False, chunked = False, has_te = False, digits_ok
+        cdef bint chunked = False, has_te = False, digits_ok
         cdef Response resp = Response.__new__(Response)
         cdef bytes name, value
         # status line: HTTP/x.y SP 3DIGIT ... (CRLF line ends: httptools checks)
@@ -751,7 +751,6 @@ cdef class ResponseReader:
                 else:
                     status = 0
                     break
-            http10 = s[5] == 49 and s[6] == 46 and s[7] == 48
         resp.status = status
         fw = <char*>PyMem_Malloc(end + 1)
         if fw == NULL:
