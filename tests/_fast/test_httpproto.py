@@ -492,6 +492,25 @@ def test_valid_requests_before_a_bad_one_are_delivered(httpproto: ModuleType) ->
     assert out.error == (BadRequestError, 400, True)
 
 
+@pytest.mark.parametrize(
+    "field_error",
+    [b"Expect: later\r\n", b"Host: a\r\nHost: b\r\n", b"".join(b"X-%d: v\r\n" % i for i in range(8))],
+)
+@pytest.mark.parametrize("bad_line", [b"X A: b\r\n", b"X-B: a\rb\r\n", b"X-C: a\r\n b\r\n"])
+def test_a_malformed_head_is_400_before_any_field_check(
+    httpproto: ModuleType, field_error: bytes, bad_line: bytes
+) -> None:
+    # A head llhttp refuses is a 400 wherever the bad byte is, even after a field
+    # that would be refused on its own (417, duplicate Host, too many headers).
+    data = b"GET / HTTP/1.1\r\n" + field_error + bad_line + b"\r\n"
+    out = parse_all_ways(httpproto, data, max_headers=6)
+    assert out.error == (BadRequestError, 400, True), out
+    assert "malformed" in out.message
+    # ... and the field check stands on a well-formed head
+    alone = parse(httpproto, b"GET / HTTP/1.1\r\n" + field_error + b"\r\n", max_headers=6)
+    assert alone.error is not None and "malformed" not in alone.message, alone
+
+
 def test_dead_reader_refuses_more(httpproto: ModuleType) -> None:
     r = httpproto.RequestReader(lambda _: None)
     with pytest.raises(BadRequestError):
@@ -820,6 +839,7 @@ def requests(draw: st.DrawFn) -> tuple[bytes, dict[str, Any]]:
     query = draw(st.one_of(st.just(b""), st.text(alphabet="abc=&%0123", max_size=10).map(lambda s: b"?" + s.encode())))
     headers = draw(st.lists(st.tuples(NAMES, VALUE), max_size=8))
     headers = [(n, v) for n, v in headers if n.lower() not in (b"connection",) or v.lower() in (b"keep-alive", b"close")]
+    headers = [(n, v) for n, v in headers if n.lower() not in (b"host", b"expect")]  # (a duplicate Host is an error)
     body = draw(st.binary(max_size=50))
     framing = draw(st.sampled_from(["cl", "chunked", "none"]))
     if framing == "none" and body:

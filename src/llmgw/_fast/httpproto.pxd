@@ -1,15 +1,25 @@
 # The contract of httpproto.pyx; the pure twin is httpproto_py.py.
 #
-# Call order, request side (per connection): RequestReader.feed(data) drives
-# httptools, which calls on_message_begin, on_url*, on_header*, on_headers_complete
-# (-> on_head(req) when the client expects 100-continue), on_body*,
-# on_message_complete (-> on_request(req)).
+# Call order, request side (per connection): RequestReader.feed(data) frames each
+# head and reads its fields (_read_head), then feeds httptools the message's bytes,
+# which calls on_headers_complete (-> on_head(req) when the client expects
+# 100-continue), on_body*, on_message_complete (-> on_request(req)). The pure twin
+# takes httptools' on_message_begin, on_url and on_header callbacks instead.
+
+cdef struct ChunkFraming:
+    int state                         # C_* (httpproto.pyx)
+    Py_ssize_t left                   # size of the chunk being read
+    bint in_ext                       # past the size digits of a size line
+
 
 cdef class Request:
     cdef public bytes method
     cdef public bytes target          # path + query, as received
     cdef public bytes version         # b"1.1" / b"1.0"
-    cdef public list headers          # [(name, value)] as received
+    cdef list _headers                # headers: [(name, value)] as received, read lazily
+    cdef bytes _raw                   # ... off these bytes
+    cdef Py_ssize_t _raw_start        # ... from the first header line
+    cdef Py_ssize_t _raw_end          # ... to the end of the head
     cdef public bytes forward         # header lines a proxy passes on untouched
     cdef public bint keep_alive
     cdef public Py_ssize_t content_length   # -1: none / chunked
@@ -32,25 +42,35 @@ cdef class RequestReader:
     cdef bytes _priority_header       # lower-case
     cdef object _parser               # httptools.HttpRequestParser(self)
     cdef object _feed_data            # its bound feed_data
-    cdef Request _req
-    cdef bint _in_head
-    cdef Py_ssize_t _head_bytes       # exact: request line + header lines seen
-    cdef Py_ssize_t _head_fed         # bytes fed while the head is open; -1: it began this feed
-    cdef list _url_parts
-    cdef list _forward
-    cdef list _body
+    cdef Request _req                 # the open request (after its head)
+    cdef Request _next                # the head read, until httptools validates it
+    cdef bytes _acc                   # head bytes so far (a head split over reads)
+    cdef bint _want_head              # the next bytes begin a request head
+    cdef int _body                    # B_*: how the open request's body ends
+    cdef Py_ssize_t _body_left        # B_LENGTH: body bytes still to come
+    cdef ChunkFraming _chunks         # B_CHUNKED: where the body ends
+    cdef bint _complete               # httptools reported the message complete
+    cdef object _error                # a field error, raised once llhttp accepts the head
+    cdef bint _version_known          # the request line said HTTP/1.1 or HTTP/1.0
+    cdef bint _check_upgrade          # CONNECT, or an Upgrade header: ask llhttp
+    cdef bint _connection             # a Connection header: ask llhttp about keep-alive
+    cdef list _parts                  # body bytes so far
     cdef Py_ssize_t _body_size
     cdef bint _dead
-    cdef Py_ssize_t _ends             # requests completed so far (to tell where a head began)
-    cdef object _version_hint         # b"1.1"/b"1.0" read off the request line starting this read
-    cdef Py_ssize_t _hint_ends        # ... which is request number _ends then
 
     cpdef feed(self, data)
+    cdef int _feed(self, bytes buf) except -1
+    cdef int _llhttp(self, bytes buf, Py_ssize_t start, Py_ssize_t end) except -1
+    cdef int _ended(self) except -1
+    cdef Request _read_head(self, bytes head, Py_ssize_t end)
 
 
 cdef class Response:
     cdef public int status
-    cdef public list headers
+    cdef list _headers                # as Request's
+    cdef bytes _raw
+    cdef Py_ssize_t _raw_start
+    cdef Py_ssize_t _raw_end
     cdef public bytes forward
     cdef public Py_ssize_t content_length   # -1: unknown (chunked or until close)
     cdef public bint chunked
@@ -74,14 +94,11 @@ cdef class ResponseReader:
     cdef bint _want_head              # the next bytes begin a response head
     cdef int _body                    # B_*: how the open response's body ends
     cdef Py_ssize_t _body_left        # B_LENGTH: body bytes still to come
-    cdef int _cstate                  # B_CHUNKED: C_* framing state
-    cdef Py_ssize_t _chunk_left       # ... size of the chunk being read
-    cdef bint _in_ext                 # ... past the size digits of a size line
+    cdef ChunkFraming _chunks         # B_CHUNKED: where the body ends
     cdef bint _interim                # the open response is a 1xx, dropped
     cdef bint _complete               # httptools reported the message complete
 
     cpdef feed(self, data)
     cdef int _llhttp(self, bytes buf, Py_ssize_t start, Py_ssize_t end) except -1
     cdef int _ended(self) except -1
-    cdef Py_ssize_t _frame_chunks(self, const char* s, Py_ssize_t pos, Py_ssize_t n) except -2
     cdef Response _read_head(self, bytes head, Py_ssize_t end)

@@ -19,6 +19,12 @@ DEFAULT_MAX_HEAD_BYTES = 16 * 1024
 DEFAULT_MAX_HEADERS = 100
 DEFAULT_MAX_BODY = 16 * 1024 * 1024
 
+# Heads up to this size are read with a buffer on the C stack.
+cdef enum:
+    _STACK_HEAD = 4096
+cdef bytes _POST = b"POST"
+cdef bytes _GET = b"GET"
+
 # Content-Length is clamped to this in both twins (see the twin).
 cdef object _MAX_CONTENT_LENGTH = 2**63 - 1
 
@@ -249,6 +255,28 @@ def sse_cut(bytes data):
         i -= 1
     return 0
 
+cdef list _field_list(bytes raw, Py_ssize_t pos, Py_ssize_t end):
+    # the (name, value) pairs of the header lines in raw[pos:end] (which ends
+    # with the blank line), as llhttp's callbacks give them; lines without a
+    # colon are skipped (llhttp refused any such head before it got here)
+    cdef const char* s = PyBytes_AS_STRING(raw)
+    cdef Py_ssize_t eol, colon, vs
+    cdef list out = []
+    while pos < end - 2:
+        eol = _eol(s, pos, end) - 1
+        if eol < pos:
+            break
+        colon = pos
+        while colon < eol and s[colon] != 58:
+            colon += 1
+        if colon < eol:
+            vs = colon + 1
+            while vs < eol and _ows(s[vs]):
+                vs += 1
+            out.append((PyBytes_FromStringAndSize(s + pos, colon - pos), PyBytes_FromStringAndSize(s + vs, eol - vs)))
+        pos = eol + 2
+    return out
+
 
 @cython.final
 @cython.freelist(32)
@@ -259,7 +287,8 @@ cdef class Request:
         self.method = b""
         self.target = b""
         self.version = b"1.1"
-        self.headers = []
+        self._headers = None
+        self._raw = None
         self.forward = b""
         self.keep_alive = True
         self.content_length = -1
@@ -271,6 +300,17 @@ cdef class Request:
         self.host = None
         self.content_type = None
         self.body = b""
+
+    @property
+    def headers(self):
+        """``[(name, value)]`` as received (PERF: read off the head when first asked for)."""
+        if self._headers is None:
+            self._headers = [] if self._raw is None else _field_list(self._raw, self._raw_start, self._raw_end)
+        return self._headers
+
+    @headers.setter
+    def headers(self, list value):
+        self._headers = value
 
     @property
     def path(self):
@@ -291,210 +331,31 @@ cdef class Request:
 
 
 @cython.final
-cdef class RequestReader:
-    """Reads pipelined HTTP/1.1 requests from one connection (see the twin)."""
-
-    def __init__(self, on_request, on_head=None, Py_ssize_t max_head_bytes=DEFAULT_MAX_HEAD_BYTES,
-                 Py_ssize_t max_headers=DEFAULT_MAX_HEADERS, Py_ssize_t max_body=DEFAULT_MAX_BODY,
-                 bytes priority_header=b"x-llmgw-priority"):
-        self._on_request = on_request
-        self._on_head = on_head
-        self.max_head_bytes = max_head_bytes
-        self.max_headers = max_headers
-        self.max_body = max_body
-        self._priority_header = priority_header.lower()
-        self._parser = HttpRequestParser(self)
-        self._feed_data = self._parser.feed_data
-        self._req = None
-        self._in_head = False
-        self._head_bytes = 0
-        self._head_fed = 0
-        self._url_parts = []
-        self._forward = []
-        self._body = []
-        self._body_size = 0
-        self._dead = False
-        self._ends = 0
-        self._version_hint = None
-        self._hint_ends = 0
-
-    @property
-    def in_message(self):
-        """Whether a request has started but is not complete yet."""
-        return self._req is not None
-
-    @property
-    def in_head(self):
-        """Whether a request's head has started but is not complete yet."""
-        return self._in_head
-
-    cpdef feed(self, data):
-        """Parse ``data``; complete requests go to ``on_request`` as they finish."""
-        if self._dead:
-            raise BadRequestError("connection is closing after a malformed request", close=True)
-        cdef bint mid_message = self._req is not None
-        cdef Py_ssize_t ends = self._ends
-        cdef const char* s
-        cdef const char* lf
-        cdef Py_ssize_t n, eol
-        # PERF: the version of a request whose line starts this read, read off the
-        # bytes (httptools' get_http_version() formats a string each time).
-        self._version_hint = None
-        if not mid_message and type(data) is bytes:
-            s = PyBytes_AS_STRING(data)
-            n = PyBytes_GET_SIZE(data)
-            lf = <const char*>memchr(s, 10, <size_t>(n if n < 8192 else 8192))
-            if lf != NULL and 65 <= s[0] <= 90:
-                eol = lf - s
-                if eol >= 10 and s[eol - 1] == 13 and memcmp(s + eol - 10, b" HTTP/1.", 8) == 0:
-                    if s[eol - 2] == 49:
-                        self._version_hint = b"1.1"
-                    elif s[eol - 2] == 48:
-                        self._version_hint = b"1.0"
-            self._hint_ends = ends
-        try:
-            self._feed_data(data)
-        except HttpParserUpgrade:
-            self._dead = True
-            raise BadRequestError("protocol upgrade is not supported", close=True) from None
-        except HttpParserError as exc:
-            self._dead = True
-            cause = exc.__context__
-            if isinstance(cause, HTTPError):
-                raise cause from None
-            raise BadRequestError(f"malformed HTTP request: {exc}", close=True) from exc
-        if self._in_head:
-            if self._head_fed >= 0:
-                self._head_fed += len(data)
-            elif mid_message or self._ends != ends:
-                # The head began after other requests' bytes in this chunk.
-                self._head_fed = self._head_bytes
-            else:
-                self._head_fed = len(data)
-            if self._head_fed > self.max_head_bytes:
-                self._dead = True
-                raise HeadersTooLargeError("request head is too large", close=True)
-
-    def on_message_begin(self):
-        self._req = Request.__new__(Request)
-        self._in_head = True
-        self._head_bytes = 0
-        self._head_fed = -1
-        self._url_parts = []
-        self._forward = []
-        self._body = []
-        self._body_size = 0
-
-    def on_url(self, bytes url):
-        self._url_parts.append(url)
-        self._head_bytes += PyBytes_GET_SIZE(url)
-        if self._head_bytes > self.max_head_bytes:
-            raise HeadersTooLargeError("request line is too long", close=True)
-
-    def on_header(self, bytes name, bytes value):
-        cdef Request req = self._req
-        cdef Py_ssize_t nn = PyBytes_GET_SIZE(name)
-        cdef int kind
-        self._head_bytes += nn + PyBytes_GET_SIZE(value) + 4
-        if self._head_bytes > self.max_head_bytes:
-            raise HeadersTooLargeError("request headers are too large", close=True)
-        if len(req.headers) >= self.max_headers:
-            raise HeadersTooLargeError("too many request headers", close=True)
-        req.headers.append((name, value))
-        kind = _classify(PyBytes_AS_STRING(name), nn)
-        if kind == H_OTHER:
-            if nn == PyBytes_GET_SIZE(self._priority_header) and _ieq(
-                PyBytes_AS_STRING(name), PyBytes_AS_STRING(self._priority_header), nn
-            ):
-                if req.priority is None:
-                    req.priority = value
-            else:
-                self._forward.append(_header_line(name, value))
-        elif kind == H_EXPECT:
-            if value.lower() == b"100-continue":
-                req.expect_continue = True
-            else:
-                raise HTTPError(
-                    "unsupported Expect header", status=417, type="invalid_request_error",
-                    code="expectation_failed", close=True,
-                )
-        elif kind == H_AUTHORIZATION:
-            if req.authorization is None:
-                req.authorization = value
-        elif kind == H_X_API_KEY:
-            if req.x_api_key is None:
-                req.x_api_key = value
-        elif kind == H_REQUEST_ID:
-            if req.request_id is None:
-                req.request_id = value
-        elif kind == H_HOST:
-            if req.host is not None:
-                raise BadRequestError("duplicate Host header", close=True)
-            req.host = value
-        elif kind == H_CONTENT_TYPE:
-            if req.content_type is None:
-                req.content_type = value
-                self._forward.append(_header_line(name, value))
-        elif kind == H_CONTENT_LENGTH:
-            req.content_length = min(int(value), _MAX_CONTENT_LENGTH)
-
-    def on_headers_complete(self):
-        cdef Request req = self._req
-        self._in_head = False
-        parser = self._parser
-        req.method = parser.get_method()
-        parts = self._url_parts
-        req.target = parts[0] if len(parts) == 1 else b"".join(parts)
-        if self._version_hint is not None and self._ends == self._hint_ends:
-            req.version = self._version_hint  # (the first request begun in this read)
-        else:
-            version = parser.get_http_version()
-            if version != "1.1" and version != "1.0":
-                raise BadRequestError(f"unsupported HTTP version {version}", close=True)
-            req.version = version.encode()
-        if parser.should_upgrade():
-            raise BadRequestError("protocol upgrade is not supported", close=True)
-        req.keep_alive = parser.should_keep_alive()
-        req.forward = b"".join(self._forward)
-        if req.content_length > self.max_body:
-            raise PayloadTooLargeError(
-                f"request body is {req.content_length} bytes; the limit is {self.max_body}", close=True
-            )
-        if req.expect_continue and self._on_head is not None and req.content_length != 0:
-            self._on_head(req)
-
-    def on_body(self, bytes body):
-        self._body_size += PyBytes_GET_SIZE(body)
-        if self._body_size > self.max_body:
-            raise PayloadTooLargeError(f"request body exceeds the limit of {self.max_body} bytes", close=True)
-        self._body.append(body)
-
-    def on_message_complete(self):
-        cdef Request req = self._req
-        cdef list body = self._body
-        if body:
-            req.body = body[0] if len(body) == 1 else b"".join(body)
-        self._req = None
-        self._in_head = False
-        self._head_bytes = 0
-        self._ends += 1
-        self._on_request(req)
-
-
-@cython.final
 @cython.freelist(32)
 cdef class Response:
     """A response head read from a replica (see the twin)."""
 
     def __cinit__(self):
         self.status = 0
-        self.headers = []
+        self._headers = None
+        self._raw = None
         self.forward = b""
         self.content_length = -1
         self.chunked = False
         self.content_type = None
         self.event_stream = False
         self.keep_alive = True
+
+    @property
+    def headers(self):
+        """``[(name, value)]`` as received (PERF: read off the head when first asked for)."""
+        if self._headers is None:
+            self._headers = [] if self._raw is None else _field_list(self._raw, self._raw_start, self._raw_end)
+        return self._headers
+
+    @headers.setter
+    def headers(self, list value):
+        self._headers = value
 
     def header(self, bytes name):
         """The first value of header ``name`` (case-insensitive), or ``None``."""
@@ -556,6 +417,63 @@ cdef enum:
     C_FINAL_LF = 5    # the final empty line's LF
 
 
+cdef Py_ssize_t _frame_chunks(ChunkFraming* f, const char* s, Py_ssize_t pos, Py_ssize_t n) noexcept nogil:
+    # where the chunked body ends in s[pos:n] (the index past it); -1: not yet;
+    # -2: a chunk size past 2**58 (llhttp validates the rest of the framing)
+    cdef char c
+    cdef int d
+    while pos < n:
+        c = s[pos]
+        if f.state == C_SIZE:
+            pos += 1
+            if c == 10:
+                f.state = C_TRAILER if f.left == 0 else C_DATA
+                f.in_ext = False
+            elif not f.in_ext:
+                d = _hex_digit(c)
+                if d < 0:
+                    f.in_ext = True  # CR, or extensions: the size is read
+                elif f.left > (<Py_ssize_t>1 << 58):
+                    return -2
+                else:
+                    f.left = f.left * 16 + d
+        elif f.state == C_DATA:
+            if n - pos >= f.left:
+                pos += f.left
+                f.left = 0
+                f.state = C_DATA_END
+            else:
+                f.left -= n - pos
+                pos = n
+        elif f.state == C_DATA_END:
+            pos += 1
+            if c == 10:
+                f.state = C_SIZE
+        elif f.state == C_TRAILER:
+            pos += 1
+            if c == 10:
+                f.state = C_SIZE
+                return pos
+            f.state = C_FINAL_LF if c == 13 else C_TRAILER_LINE
+        elif f.state == C_FINAL_LF:
+            pos += 1
+            if c == 10:
+                f.state = C_SIZE
+                return pos
+            f.state = C_TRAILER_LINE
+        else:  # C_TRAILER_LINE
+            pos += 1
+            if c == 10:
+                f.state = C_TRAILER
+    return -1
+
+
+cdef inline void _chunks_reset(ChunkFraming* f) noexcept nogil:
+    f.state = C_SIZE
+    f.left = 0
+    f.in_ext = False
+
+
 @cython.final
 cdef class ResponseReader:
     """Reads responses from one upstream connection (see the twin).
@@ -583,9 +501,7 @@ cdef class ResponseReader:
         self._want_head = True
         self._body = B_NONE
         self._body_left = 0
-        self._cstate = C_SIZE
-        self._chunk_left = 0
-        self._in_ext = False
+        _chunks_reset(&self._chunks)
         self._interim = False
         self._complete = False
 
@@ -650,7 +566,9 @@ cdef class ResponseReader:
                 if self._body_left == 0:
                     self._ended()
                 continue
-            take = self._frame_chunks(PyBytes_AS_STRING(buf), pos, n)
+            take = _frame_chunks(&self._chunks, PyBytes_AS_STRING(buf), pos, n)
+            if take == -2:
+                raise ValueError("malformed upstream response: chunk size too large")
             if take >= 0:
                 self._llhttp(buf, pos, take)
                 pos = take
@@ -680,55 +598,6 @@ cdef class ResponseReader:
         self._want_head = True
         return 0
 
-    cdef Py_ssize_t _frame_chunks(self, const char* s, Py_ssize_t pos, Py_ssize_t n) except -2:
-        # where the chunked body ends in s[pos:n] (the index past it), or -1: not yet
-        cdef char c
-        cdef int d
-        while pos < n:
-            c = s[pos]
-            if self._cstate == C_SIZE:
-                pos += 1
-                if c == 10:
-                    self._cstate = C_TRAILER if self._chunk_left == 0 else C_DATA
-                    self._in_ext = False
-                elif not self._in_ext:
-                    d = _hex_digit(c)
-                    if d < 0:
-                        self._in_ext = True  # CR, or extensions: the size is read
-                    elif self._chunk_left > (1 << 58):
-                        raise ValueError("malformed upstream response: chunk size too large")
-                    else:
-                        self._chunk_left = self._chunk_left * 16 + d
-            elif self._cstate == C_DATA:
-                if n - pos >= self._chunk_left:
-                    pos += self._chunk_left
-                    self._chunk_left = 0
-                    self._cstate = C_DATA_END
-                else:
-                    self._chunk_left -= n - pos
-                    pos = n
-            elif self._cstate == C_DATA_END:
-                pos += 1
-                if c == 10:
-                    self._cstate = C_SIZE
-            elif self._cstate == C_TRAILER:
-                pos += 1
-                if c == 10:
-                    self._cstate = C_SIZE
-                    return pos
-                self._cstate = C_FINAL_LF if c == 13 else C_TRAILER_LINE
-            elif self._cstate == C_FINAL_LF:
-                pos += 1
-                if c == 10:
-                    self._cstate = C_SIZE
-                    return pos
-                self._cstate = C_TRAILER_LINE
-            else:  # C_TRAILER_LINE
-                pos += 1
-                if c == 10:
-                    self._cstate = C_TRAILER
-        return -1
-
     cdef Response _read_head(self, bytes head, Py_ssize_t end):
         """The response head ``head[:end]`` (ending with the blank line), read as
         the twin's header callbacks would; sets how its body is framed."""
@@ -741,7 +610,9 @@ cdef class ResponseReader:
         cdef long long cl
         cdef bint chunked = False, has_te = False, digits_ok
         cdef Response resp = Response.__new__(Response)
-        cdef bytes name, value
+        cdef bytes value
+        cdef Py_ssize_t count = 0
+        cdef char stack[_STACK_HEAD]
         # status line: HTTP/x.y SP 3DIGIT ... (CRLF line ends: httptools checks)
         eol = _eol(s, 0, end) - 1
         if eol >= 12 and s[8] == 32:
@@ -752,7 +623,10 @@ cdef class ResponseReader:
                     status = 0
                     break
         resp.status = status
-        fw = <char*>PyMem_Malloc(end + 1)
+        resp._raw = head
+        resp._raw_start = eol + 2
+        resp._raw_end = end
+        fw = &stack[0] if end <= _STACK_HEAD else <char*>PyMem_Malloc(end)
         if fw == NULL:
             raise MemoryError()
         try:
@@ -773,14 +647,13 @@ cdef class ResponseReader:
                     vs += 1
                 nv = eol - vs
                 header_bytes += nn + nv + 4
-                if header_bytes > self.max_head_bytes or len(resp.headers) >= self.max_headers:
+                if header_bytes > self.max_head_bytes or count >= self.max_headers:
                     raise ValueError("upstream response head is too large")
-                name = PyBytes_FromStringAndSize(s + pos, nn)
-                value = PyBytes_FromStringAndSize(s + vs, nv)
-                resp.headers.append((name, value))
+                count += 1
                 kind = _classify(s + pos, nn)
                 if kind == H_OTHER or kind == H_CONTENT_TYPE:
                     if kind == H_CONTENT_TYPE and resp.content_type is None:
+                        value = PyBytes_FromStringAndSize(s + vs, nv)
                         resp.content_type = value
                         resp.event_stream = nv >= 17 and _ieq(s + vs, b"text/event-stream", 17)
                     memcpy(fw + fwlen, s + pos, nn)
@@ -817,16 +690,15 @@ cdef class ResponseReader:
                 pos = eol + 2
             resp.forward = PyBytes_FromStringAndSize(fw, fwlen)
         finally:
-            PyMem_Free(fw)
+            if fw != &stack[0]:
+                PyMem_Free(fw)
         resp.chunked = chunked
         # how the body ends (RFC 9112 section 6.3), as llhttp frames it
         if status < 200 or status == 204 or status == 304:
             self._body = B_NONE
         elif chunked:
             self._body = B_CHUNKED
-            self._cstate = C_SIZE
-            self._chunk_left = 0
-            self._in_ext = False
+            _chunks_reset(&self._chunks)
         elif has_te:
             self._body = B_CLOSE
         elif resp.content_length >= 0:
@@ -874,6 +746,389 @@ cdef class ResponseReader:
             self._interim = False
             return
         self._on_end()
+
+
+@cython.final
+cdef class RequestReader:
+    """Reads pipelined HTTP/1.1 requests from one connection (see the twin).
+
+    PERF: like :class:`ResponseReader`, it takes no per-header callbacks from
+    httptools (each cost two bytes objects and a Python call). It frames each head
+    itself (up to the blank line), reads the request line and header fields from
+    those bytes, then feeds httptools exactly the bytes of one message, which
+    validate them (llhttp, strict) and deliver the body. What llhttp refuses is
+    refused before any field check, as in the twin; where its framing and this
+    one's disagree the request is malformed.
+    """
+
+    def __init__(self, on_request, on_head=None, Py_ssize_t max_head_bytes=DEFAULT_MAX_HEAD_BYTES,
+                 Py_ssize_t max_headers=DEFAULT_MAX_HEADERS, Py_ssize_t max_body=DEFAULT_MAX_BODY,
+                 bytes priority_header=b"x-llmgw-priority"):
+        self._on_request = on_request
+        self._on_head = on_head
+        self.max_head_bytes = max_head_bytes
+        self.max_headers = max_headers
+        self.max_body = max_body
+        self._priority_header = priority_header.lower()
+        self._parser = HttpRequestParser(self)
+        self._feed_data = self._parser.feed_data
+        self._req = None
+        self._next = None
+        self._acc = b""
+        self._want_head = True
+        self._body = B_NONE
+        self._body_left = 0
+        _chunks_reset(&self._chunks)
+        self._complete = False
+        self._error = None
+        self._version_known = False
+        self._check_upgrade = False
+        self._connection = False
+        self._parts = []
+        self._body_size = 0
+        self._dead = False
+
+    @property
+    def in_message(self):
+        """Whether a request has started but is not complete yet."""
+        return not self._want_head or PyBytes_GET_SIZE(self._acc) > 0
+
+    @property
+    def in_head(self):
+        """Whether a request's head has started but is not complete yet."""
+        return PyBytes_GET_SIZE(self._acc) > 0
+
+    cpdef feed(self, data):
+        """Parse ``data``; complete requests go to ``on_request`` as they finish."""
+        if self._dead:
+            raise BadRequestError("connection is closing after a malformed request", close=True)
+        try:
+            self._feed(data if type(data) is bytes else bytes(data))
+        except BaseException:
+            self._dead = True
+            raise
+
+    cdef int _feed(self, bytes buf) except -1:
+        cdef Py_ssize_t n = PyBytes_GET_SIZE(buf)
+        cdef const char* s = PyBytes_AS_STRING(buf)
+        cdef Py_ssize_t pos = 0
+        cdef Py_ssize_t base, e, take, start
+        cdef bytes head
+        while pos < n:
+            if self._want_head:
+                if PyBytes_GET_SIZE(self._acc) == 0:
+                    # empty lines before a request line are skipped (llhttp does too)
+                    start = pos
+                    while pos < n and (s[pos] == 13 or s[pos] == 10):
+                        pos += 1
+                    if pos > start:
+                        self._llhttp(buf, start, pos)
+                        if pos == n:
+                            return 0
+                    base = 0
+                    head = buf if pos == 0 else buf[pos:]
+                    e = _head_end(PyBytes_AS_STRING(head), 0, PyBytes_GET_SIZE(head))
+                else:
+                    base = PyBytes_GET_SIZE(self._acc)
+                    head = self._acc + (buf if pos == 0 else buf[pos:])
+                    e = _head_end(PyBytes_AS_STRING(head), base - 3 if base > 3 else 0, PyBytes_GET_SIZE(head))
+                if e < 0:
+                    self._acc = head
+                    self._llhttp(buf, pos, n)  # (it refuses garbage before the head ends)
+                    if PyBytes_GET_SIZE(head) > self.max_head_bytes:
+                        if _eol(PyBytes_AS_STRING(head), 0, PyBytes_GET_SIZE(head)) < 0:
+                            raise HeadersTooLargeError("request line is too long", close=True)
+                        raise HeadersTooLargeError("request head is too large", close=True)
+                    return 0
+                self._acc = b""
+                take = e - base  # this feed's share of the head
+                self._next = self._read_head(head, e)
+                self._want_head = False
+                self._complete = False
+                if self._body == B_NONE:
+                    self._llhttp(buf, pos, pos + take)
+                    pos += take
+                    self._ended()
+                    continue
+                if self._body == B_LENGTH and self._body_left <= n - pos - take:
+                    # PERF: the usual case, head and body in one read: one feed
+                    take += self._body_left
+                    self._body_left = 0
+                    self._llhttp(buf, pos, pos + take)
+                    pos += take
+                    self._ended()
+                    continue
+                self._llhttp(buf, pos, pos + take)
+                pos += take
+                if self._next is not None:
+                    raise BadRequestError("malformed HTTP request: the head does not end where it seems to", close=True)
+                continue
+            # body bytes of the open request
+            if self._body == B_LENGTH:
+                take = self._body_left if self._body_left < n - pos else n - pos
+                self._body_left -= take
+                self._llhttp(buf, pos, pos + take)
+                pos += take
+                if self._body_left == 0:
+                    self._ended()
+                continue
+            take = _frame_chunks(&self._chunks, s, pos, n)
+            if take == -2:
+                raise BadRequestError("malformed HTTP request: chunk size too large", close=True)
+            if take >= 0:
+                self._llhttp(buf, pos, take)
+                pos = take
+                self._ended()
+                continue
+            self._llhttp(buf, pos, n)
+            return 0
+        return 0
+
+    cdef int _llhttp(self, bytes buf, Py_ssize_t start, Py_ssize_t end) except -1:
+        if end <= start:
+            return 0
+        try:
+            self._feed_data(buf if start == 0 and end == PyBytes_GET_SIZE(buf) else buf[start:end])
+        except HttpParserUpgrade:
+            raise BadRequestError("protocol upgrade is not supported", close=True) from None
+        except HttpParserError as exc:
+            cause = exc.__context__
+            if isinstance(cause, HTTPError):
+                raise cause from None
+            raise BadRequestError(f"malformed HTTP request: {exc}", close=True) from exc
+        return 0
+
+    cdef int _ended(self) except -1:
+        # our framing says the request ended: httptools must agree
+        if not self._complete:
+            raise BadRequestError("malformed HTTP request: the message does not end where its framing says",
+                                  close=True)
+        return 0
+
+    cdef Request _read_head(self, bytes head, Py_ssize_t end):
+        """The request head ``head[:end]`` (ending with the blank line), read as
+        the twin's callbacks would; sets how its body is framed. A field error is
+        kept for on_headers_complete, after llhttp has validated the whole head."""
+        cdef const char* s = PyBytes_AS_STRING(head)
+        cdef Py_ssize_t pos, eol, colon, vs, ve, nn, nv, k, t, te
+        cdef Py_ssize_t head_bytes
+        cdef Py_ssize_t fwlen = 0
+        cdef char* fw
+        cdef int kind
+        cdef long long cl
+        cdef bint chunked = False, has_te = False, digits_ok
+        cdef Request req = Request.__new__(Request)
+        cdef Py_ssize_t count = 0
+        cdef char stack[_STACK_HEAD]
+        cdef Py_ssize_t max_headers = self.max_headers
+        cdef Py_ssize_t max_head = self.max_head_bytes
+        cdef bytes prio = self._priority_header
+        cdef Py_ssize_t np = PyBytes_GET_SIZE(prio)
+        error = None
+        self._version_known = False
+        self._check_upgrade = False
+        self._connection = False
+        # request line: method SP+ target SP+ version (llhttp checks the grammar)
+        eol = _eol(s, 0, end) - 1
+        if eol < 0:
+            eol = 0
+        k = 0
+        while k < eol and s[k] != 32:
+            k += 1
+        if k == 4 and memcmp(s, b"POST", 4) == 0:
+            req.method = _POST  # PERF: no new object for the usual methods
+        elif k == 3 and memcmp(s, b"GET", 3) == 0:
+            req.method = _GET
+        else:
+            req.method = PyBytes_FromStringAndSize(s, k)
+            if k == 7 and memcmp(s, b"CONNECT", 7) == 0:
+                self._check_upgrade = True
+        t = k
+        while t < eol and s[t] == 32:
+            t += 1
+        te = t
+        while te < eol and s[te] != 32:
+            te += 1
+        req.target = PyBytes_FromStringAndSize(s + t, te - t)
+        k = te
+        while k < eol and s[k] == 32:
+            k += 1
+        if eol - k == 8 and memcmp(s + k, b"HTTP/1.", 7) == 0 and (s[k + 7] == 49 or s[k + 7] == 48):
+            req.version = b"1.1" if s[k + 7] == 49 else b"1.0"
+            self._version_known = True
+        head_bytes = te - t
+        if head_bytes > max_head:
+            error = HeadersTooLargeError("request line is too long", close=True)
+        req._raw = head
+        req._raw_start = eol + 2
+        req._raw_end = end
+        fw = &stack[0] if end <= _STACK_HEAD else <char*>PyMem_Malloc(end)
+        if fw == NULL:
+            raise MemoryError()
+        try:
+            pos = eol + 2
+            while pos < end - 2:
+                eol = _eol(s, pos, end) - 1
+                if eol < pos:
+                    break
+                colon = pos
+                while colon < eol and s[colon] != 58:
+                    colon += 1
+                if colon >= eol:
+                    pos = eol + 2
+                    continue  # (llhttp refuses the line)
+                nn = colon - pos
+                vs = colon + 1
+                while vs < eol and _ows(s[vs]):
+                    vs += 1
+                nv = eol - vs
+                # framing is read whatever the fields say
+                kind = _classify(s + pos, nn)
+                if kind == H_TRANSFER_ENCODING:
+                    has_te = True
+                    ve = eol
+                    while ve > vs and _ows(s[ve - 1]):
+                        ve -= 1
+                    chunked = ve - vs >= 7 and _ieq(s + ve - 7, b"chunked", 7)
+                elif kind == H_CONTENT_LENGTH:
+                    cl = 0
+                    ve = eol
+                    while ve > vs and _ows(s[ve - 1]):
+                        ve -= 1
+                    digits_ok = ve > vs
+                    for k in range(vs, ve):
+                        if 48 <= s[k] <= 57:
+                            if cl < 100000000000000000:
+                                cl = cl * 10 + (s[k] - 48)
+                            else:
+                                cl = 0x7FFFFFFFFFFFFFFF
+                        else:
+                            digits_ok = False
+                            break
+                    if digits_ok:
+                        req.content_length = cl
+                elif kind == H_CONNECTION or (kind == H_HOP and nn == 16):
+                    self._connection = True  # (llhttp reads Proxy-Connection as Connection)
+                elif kind == H_HOP and nn == 7 and _ieq(s + pos, b"upgrade", 7):
+                    self._check_upgrade = True
+                pos = eol + 2
+                if error is not None:
+                    continue
+                # the twin's on_header, in the same order
+                head_bytes += nn + nv + 4
+                if head_bytes > max_head:
+                    error = HeadersTooLargeError("request headers are too large", close=True)
+                    continue
+                if count >= max_headers:
+                    error = HeadersTooLargeError("too many request headers", close=True)
+                    continue
+                count += 1
+                if kind == H_OTHER:
+                    if nn == np and _ieq(s + colon - nn, PyBytes_AS_STRING(prio), nn):
+                        if req.priority is None:
+                            req.priority = PyBytes_FromStringAndSize(s + vs, nv)
+                        continue
+                elif kind == H_CONTENT_TYPE:
+                    if req.content_type is not None:
+                        continue
+                    req.content_type = PyBytes_FromStringAndSize(s + vs, nv)
+                else:
+                    if kind == H_EXPECT:
+                        if nv == 12 and _ieq(s + vs, b"100-continue", 12):
+                            req.expect_continue = True
+                        else:
+                            error = HTTPError(
+                                "unsupported Expect header", status=417, type="invalid_request_error",
+                                code="expectation_failed", close=True,
+                            )
+                    elif kind == H_AUTHORIZATION:
+                        if req.authorization is None:
+                            req.authorization = PyBytes_FromStringAndSize(s + vs, nv)
+                    elif kind == H_X_API_KEY:
+                        if req.x_api_key is None:
+                            req.x_api_key = PyBytes_FromStringAndSize(s + vs, nv)
+                    elif kind == H_REQUEST_ID:
+                        if req.request_id is None:
+                            req.request_id = PyBytes_FromStringAndSize(s + vs, nv)
+                    elif kind == H_HOST:
+                        if req.host is not None:
+                            error = BadRequestError("duplicate Host header", close=True)
+                        req.host = PyBytes_FromStringAndSize(s + vs, nv)
+                    continue
+                # a line passed on: "name: value" CRLF
+                memcpy(fw + fwlen, s + colon - nn, nn)
+                fw[fwlen + nn] = 58
+                fw[fwlen + nn + 1] = 32
+                memcpy(fw + fwlen + nn + 2, s + vs, nv)
+                fw[fwlen + nn + 2 + nv] = 13
+                fw[fwlen + nn + 3 + nv] = 10
+                fwlen += nn + nv + 4
+            req.forward = PyBytes_FromStringAndSize(fw, fwlen)
+        finally:
+            if fw != &stack[0]:
+                PyMem_Free(fw)
+        self._error = error
+        # how the body ends (RFC 9112 section 6.3; llhttp refuses the rest)
+        if has_te:
+            self._body = B_CHUNKED if chunked else B_NONE
+            req.content_length = -1
+            _chunks_reset(&self._chunks)
+        elif req.content_length > 0:
+            self._body = B_LENGTH
+            self._body_left = req.content_length
+        else:
+            self._body = B_NONE
+        return req
+
+    def on_headers_complete(self):
+        # llhttp has validated the head read by _read_head
+        cdef Request req = self._next
+        self._next = None
+        if req is None:
+            raise BadRequestError("malformed HTTP request: a head that was not framed", close=True)
+        self._req = req
+        self._parts = []
+        self._body_size = 0
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+        parser = self._parser
+        if not self._version_known:
+            version = parser.get_http_version()
+            if version != "1.1" and version != "1.0":
+                raise BadRequestError(f"unsupported HTTP version {version}", close=True)
+            req.version = version.encode()
+        if self._check_upgrade and parser.should_upgrade():
+            raise BadRequestError("protocol upgrade is not supported", close=True)
+        if self._connection:
+            req.keep_alive = parser.should_keep_alive()
+        else:
+            req.keep_alive = req.version == b"1.1"
+        if req.content_length > self.max_body:
+            raise PayloadTooLargeError(
+                f"request body is {req.content_length} bytes; the limit is {self.max_body}", close=True
+            )
+        if req.expect_continue and self._on_head is not None and req.content_length != 0:
+            self._on_head(req)
+
+    def on_body(self, bytes body):
+        self._body_size += PyBytes_GET_SIZE(body)
+        if self._body_size > self.max_body:
+            raise PayloadTooLargeError(f"request body exceeds the limit of {self.max_body} bytes", close=True)
+        self._parts.append(body)
+
+    def on_message_complete(self):
+        cdef Request req = self._req
+        cdef list parts = self._parts
+        if req is None:
+            raise BadRequestError("malformed HTTP request: a message that was not framed", close=True)
+        if parts:
+            req.body = parts[0] if len(parts) == 1 else b"".join(parts)
+            self._parts = []
+        self._req = None
+        self._complete = True
+        self._want_head = True
+        self._on_request(req)
 
 
 cdef Py_ssize_t _find(const char* s, Py_ssize_t start, Py_ssize_t end, const char* pat, Py_ssize_t m) noexcept nogil:

@@ -327,6 +327,7 @@ class RequestReader:
         self._body_size = 0
         self._dead = False
         self._ends = 0
+        self._error: HTTPError | None = None  # a field error, raised once llhttp accepts the head
 
     @property
     def in_message(self) -> bool:
@@ -389,22 +390,31 @@ class RequestReader:
         self._forward = []
         self._body = []
         self._body_size = 0
+        self._error = None
 
     def on_url(self, url: bytes) -> None:
         self._url_parts.append(url)
         self._head_bytes += len(url)
-        if self._head_bytes > self.max_head_bytes:
-            raise HeadersTooLargeError("request line is too long", close=True)
+        if self._head_bytes > self.max_head_bytes and self._error is None:
+            self._error = HeadersTooLargeError("request line is too long", close=True)
 
     def on_header(self, name: bytes, value: bytes) -> None:
         req = self._req
         assert req is not None
+        if self._error is not None:
+            return
+        # NOTE: a field error is raised from on_headers_complete, once llhttp has
+        # accepted the whole head: a malformed head is a 400 wherever the bad byte
+        # is, and the compiled twin (which reads the fields before llhttp has seen
+        # them) gives the same answer.
         self._head_bytes += len(name) + len(value) + 4
         if self._head_bytes > self.max_head_bytes:
-            raise HeadersTooLargeError("request headers are too large", close=True)
+            self._error = HeadersTooLargeError("request headers are too large", close=True)
+            return
         headers = req.headers
         if len(headers) >= self.max_headers:
-            raise HeadersTooLargeError("too many request headers", close=True)
+            self._error = HeadersTooLargeError("too many request headers", close=True)
+            return
         headers.append((name, value))
         lname = name.lower()
         kind = _KINDS.get(lname, H_OTHER)
@@ -418,7 +428,7 @@ class RequestReader:
             if value.lower() == b"100-continue":
                 req.expect_continue = True
             else:
-                raise HTTPError(
+                self._error = HTTPError(
                     "unsupported Expect header", status=417, type="invalid_request_error",
                     code="expectation_failed", close=True,
                 )
@@ -433,7 +443,7 @@ class RequestReader:
                 req.request_id = value
         elif kind == H_HOST:
             if req.host is not None:
-                raise BadRequestError("duplicate Host header", close=True)
+                self._error = BadRequestError("duplicate Host header", close=True)
             req.host = value
         elif kind == H_CONTENT_TYPE:
             if req.content_type is None:
@@ -447,6 +457,9 @@ class RequestReader:
         req = self._req
         assert req is not None
         self._in_head = False
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
         parser = self._parser
         req.method = parser.get_method()
         parts = self._url_parts
