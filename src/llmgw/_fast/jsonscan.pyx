@@ -87,9 +87,30 @@ cdef extern from *:
     #define LLMGW_HAVE_V16 0
     static inline int llmgw_plain16(const unsigned char *p) { (void)p; return 0; }
     #endif
+
+    /* x86-64 (SSE2 is always there): where the first byte that ends a plain run
+       is in the 16 at p, or 16 if there is none; one block settles a short
+       string without a byte-at-a-time tail. */
+    #if defined(__SSE2__) && (defined(__GNUC__) || defined(__clang__))
+    #include <emmintrin.h>
+    #define LLMGW_HAVE_MASK16 1
+    static inline int llmgw_stop16(const unsigned char *p) {
+        __m128i v = _mm_loadu_si128((const __m128i *)p);
+        __m128i hit = _mm_or_si128(
+            _mm_cmplt_epi8(v, _mm_set1_epi8(32)),
+            _mm_or_si128(_mm_cmpeq_epi8(v, _mm_set1_epi8(34)), _mm_cmpeq_epi8(v, _mm_set1_epi8(92))));
+        int m = _mm_movemask_epi8(hit);
+        return m ? __builtin_ctz((unsigned)m) : 16;
+    }
+    #else
+    #define LLMGW_HAVE_MASK16 0
+    static inline int llmgw_stop16(const unsigned char *p) { (void)p; return 0; }
+    #endif
     """
     bint LLMGW_HAVE_V16
     bint llmgw_plain16(const unsigned char* p) noexcept nogil
+    bint LLMGW_HAVE_MASK16
+    int llmgw_stop16(const unsigned char* p) noexcept nogil
 
 
 cdef inline bint _plain8(const unsigned char* p) noexcept nogil:
@@ -162,15 +183,24 @@ cdef class _Scan:
         cdef Py_ssize_t n = self.n
         cdef unsigned char c, c1
         cdef long cp, lo
+        cdef int k = 16
         self.escaped = False
         while True:
-            if LLMGW_HAVE_V16:
+            if LLMGW_HAVE_MASK16:
+                while i + 16 <= n:
+                    k = llmgw_stop16(s + i)
+                    i += k
+                    if k < 16:
+                        break
+            elif LLMGW_HAVE_V16:
                 while i + 16 <= n and llmgw_plain16(s + i):
                     i += 16
-            while i + 8 <= n and _plain8(s + i):
-                i += 8
-            while i < n and _PLAIN[s[i]]:
-                i += 1
+            if k == 16:  # (else s[i] is known to end the run)
+                while i + 8 <= n and _plain8(s + i):
+                    i += 8
+                while i < n and _PLAIN[s[i]]:
+                    i += 1
+            k = 16
             if i >= n:
                 return self.fail(J_EOF, n)
             c = s[i]
