@@ -1004,3 +1004,36 @@ def test_differential_responses(data: bytes, draw: st.DataObject) -> None:
     got_c = read_response(httpproto_c, chunks, eof, **kw)
     got_py = read_response(httpproto_py, chunks, eof, **kw)
     assert _events_kinds(got_c) == _events_kinds(got_py), chunks
+
+
+HDR_BYTES = st.binary(max_size=20).map(lambda b: bytes(c for c in b if c not in (10, 13)))
+
+
+@pytest.mark.c_extension
+@needs_c
+@DIFF
+@given(
+    st.sampled_from([100, 200, 204, 299, 304, 404, 429, 503, 599]),
+    st.lists(st.tuples(HDR_BYTES, HDR_BYTES), max_size=3),
+    st.sampled_from([-2, -1, 0, 1, 9, 10, 99, 12345, 2**40]),
+    st.booleans(),
+    st.binary(max_size=30),
+)
+def test_differential_response_head(status: int, headers: list[tuple[bytes, bytes]], cl: int, keep: bool,
+                                    raw: bytes) -> None:
+    assert httpproto_c is not None
+    for hs in (headers, tuple(headers), ()):
+        assert httpproto_c.response_head(status, hs, cl, keep, raw) == httpproto_py.response_head(status, hs, cl, keep, raw)
+
+
+@pytest.mark.c_extension
+@needs_c
+@DIFF
+@given(HDR_BYTES, HDR_BYTES, HDR_BYTES, st.binary(max_size=40), st.sampled_from([-1, 0, 7, 10, 1000, 2**62]),
+       st.binary(max_size=40))
+def test_differential_upstream_head(method: bytes, target: bytes, host: bytes, forward: bytes, cl: int,
+                                    extra: bytes) -> None:
+    assert httpproto_c is not None
+    got = httpproto_c.upstream_head(method, target, host, forward, cl, extra)
+    assert got == httpproto_py.upstream_head(method, target, host, forward, cl, extra)
+    assert got == httpproto_c.upstream_head(method, target, host, forward, cl, extra=extra)

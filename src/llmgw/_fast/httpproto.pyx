@@ -133,31 +133,6 @@ cdef bytes _header_line(bytes name, bytes value):
     return out
 
 
-cdef bytes _content_length_line(Py_ssize_t n):
-    # b"content-length: <n>\r\n" without the bytes-formatting machinery.
-    cdef char digits[24]
-    cdef int k = 0
-    cdef bytes out
-    cdef char* p
-    while True:
-        digits[k] = 48 + n % 10
-        k += 1
-        n //= 10
-        if n == 0:
-            break
-    out = PyBytes_FromStringAndSize(NULL, 16 + k + 2)
-    p = PyBytes_AS_STRING(out)
-    memcpy(p, b"content-length: ", 16)
-    p += 16
-    while k > 0:
-        k -= 1
-        p[0] = digits[k]
-        p += 1
-    p[0] = 13
-    p[1] = 10
-    return out
-
-
 cdef bytes _status_line(int status):
     line = _STATUS_LINES.get(status)
     if line is None:
@@ -175,34 +150,105 @@ cdef inline void _check_header_value(bytes value) except *:
             raise ValueError("header value contains CR or LF")
 
 
+cdef inline char* _put(char* p, bytes b) noexcept:
+    cdef Py_ssize_t n = PyBytes_GET_SIZE(b)
+    memcpy(p, PyBytes_AS_STRING(b), n)
+    return p + n
+
+
+cdef inline int _digits(char* out, Py_ssize_t n) noexcept nogil:
+    # the decimal digits of n >= 0, backwards into out[0:24]; returns how many
+    cdef int k = 0
+    while True:
+        out[k] = 48 + n % 10
+        k += 1
+        n //= 10
+        if n == 0:
+            return k
+
+
+cdef inline char* _put_content_length(char* p, const char* digits, int k) noexcept:
+    memcpy(p, b"content-length: ", 16)
+    p += 16
+    while k > 0:
+        k -= 1
+        p[0] = digits[k]
+        p += 1
+    p[0] = 13
+    p[1] = 10
+    return p + 2
+
+
 def response_head(int status, headers=(), Py_ssize_t content_length=-1, bint keep_alive=True,
                   bytes raw=b""):
     """The status line and headers of a response, ending with the blank line."""
-    cdef list parts = [_status_line(status)]
-    cdef bytes name, value
-    for name, value in headers:
-        _check_header_value(value)
-        parts.append(_header_line(name, value))
-    if raw:
+    cdef bytes line = _status_line(status)
+    cdef bytes name, value, out
+    cdef list parts
+    cdef char digits[24]
+    cdef int k = 0
+    cdef Py_ssize_t size
+    cdef char* p
+    if headers:
+        parts = [line]
+        for name, value in headers:
+            _check_header_value(value)
+            parts.append(_header_line(name, value))
         parts.append(raw)
+        line = b"".join(parts)
+    # PERF: one buffer, written in place (a join takes a buffer view of each part)
+    size = PyBytes_GET_SIZE(line) + PyBytes_GET_SIZE(raw if not headers else b"") + 2
     if content_length >= 0:
-        parts.append(_content_length_line(content_length))
+        k = _digits(digits, content_length)
+        size += 18 + k
     elif content_length == -1:
-        parts.append(b"transfer-encoding: chunked\r\n")
+        size += 28
     if not keep_alive:
-        parts.append(b"connection: close\r\n")
-    parts.append(b"\r\n")
-    return b"".join(parts)
+        size += 19
+    out = PyBytes_FromStringAndSize(NULL, size)
+    p = _put(PyBytes_AS_STRING(out), line)
+    if not headers:
+        p = _put(p, raw)
+    if content_length >= 0:
+        p = _put_content_length(p, digits, k)
+    elif content_length == -1:
+        memcpy(p, b"transfer-encoding: chunked\r\n", 28)
+        p += 28
+    if not keep_alive:
+        memcpy(p, b"connection: close\r\n", 19)
+        p += 19
+    p[0] = 13
+    p[1] = 10
+    return out
 
 
 def upstream_head(bytes method, bytes target, bytes host, bytes forward, Py_ssize_t content_length,
                   bytes extra=b""):
     """The request head sent to a replica (see the twin)."""
-    cdef list parts = [method, b" ", target, b" HTTP/1.1\r\nhost: ", host, b"\r\n", forward, extra]
+    cdef char digits[24]
+    cdef int k = 0
+    cdef Py_ssize_t size = (PyBytes_GET_SIZE(method) + PyBytes_GET_SIZE(target) + PyBytes_GET_SIZE(host)
+                            + PyBytes_GET_SIZE(forward) + PyBytes_GET_SIZE(extra) + 1 + 17 + 2 + 2)
+    cdef bytes out
+    cdef char* p
     if content_length >= 0:
-        parts.append(_content_length_line(content_length))
-    parts.append(b"\r\n")
-    return b"".join(parts)
+        k = _digits(digits, content_length)
+        size += 18 + k
+    out = PyBytes_FromStringAndSize(NULL, size)
+    p = _put(PyBytes_AS_STRING(out), method)
+    p[0] = 32
+    p = _put(p + 1, target)
+    memcpy(p, b" HTTP/1.1\r\nhost: ", 17)
+    p = _put(p + 17, host)
+    p[0] = 13
+    p[1] = 10
+    p = _put(p + 2, forward)
+    p = _put(p, extra)
+    if content_length >= 0:
+        p = _put_content_length(p, digits, k)
+    p[0] = 13
+    p[1] = 10
+    return out
 
 
 def chunk_head(Py_ssize_t size):
