@@ -1178,30 +1178,53 @@ cdef class RequestReader:
 
 
 cdef Py_ssize_t _find(const char* s, Py_ssize_t start, Py_ssize_t end, const char* pat, Py_ssize_t m) noexcept nogil:
-    # memchr for the first byte, then compare: the keys searched for here are near
-    # (a general substring search's set-up costs more than this search)
+    # memchr for the second byte (the first of a JSON key is a quote, and quotes
+    # are everywhere), then compare: the keys searched for here are near (a
+    # general substring search's set-up costs more than this search); m >= 2
     cdef const char* p
-    cdef const char* last = s + end - m
-    cdef const char* at = s + start
+    cdef const char* last = s + end - m + 1
+    cdef const char* at = s + start + 1
     while at <= last:
-        p = <const char*>memchr(at, pat[0], <size_t>(last - at + 1))
+        p = <const char*>memchr(at, pat[1], <size_t>(last - at + 1))
         if p == NULL:
             return -1
-        if memcmp(p, pat, m) == 0:
-            return p - s
+        if memcmp(p - 1, pat, m) == 0:
+            return p - 1 - s
         at = p + 1
     return -1
 
 
-cdef Py_ssize_t _rfind(const char* s, Py_ssize_t n, const char* pat, Py_ssize_t m) noexcept nogil:
-    # backwards: engines put "usage" at the end of an answer
-    cdef Py_ssize_t i = n - m
-    cdef char first = pat[0]
-    while i >= 0:
-        if s[i] == first and memcmp(s + i, pat, m) == 0:
-            return i
-        i -= 1
-    return -1
+cdef extern from *:
+    """
+    /* The last occurrence of pat (m bytes) in s[0:n], -1: none. Backwards,
+       because engines put "usage" at the end of an answer; on x86-64 16 bytes
+       at a time (SSE2) for the first byte of pat. */
+    #if defined(__SSE2__) && (defined(__GNUC__) || defined(__clang__))
+    #include <emmintrin.h>
+    #endif
+    static Py_ssize_t llmgw_rfind(const char *s, Py_ssize_t n, const char *pat, Py_ssize_t m) {
+        Py_ssize_t i = n - m;  /* the last place pat can start */
+    #if defined(__SSE2__) && (defined(__GNUC__) || defined(__clang__))
+        __m128i first = _mm_set1_epi8(pat[0]);
+        while (i >= 15) {
+            unsigned mask = (unsigned)_mm_movemask_epi8(
+                _mm_cmpeq_epi8(_mm_loadu_si128((const __m128i *)(s + i - 15)), first));
+            while (mask) {
+                int b = 31 - __builtin_clz(mask);
+                if (memcmp(s + i - 15 + b, pat, (size_t)m) == 0)
+                    return i - 15 + b;
+                mask &= ~(1u << b);
+            }
+            i -= 16;
+        }
+    #endif
+        for (; i >= 0; i--)
+            if (s[i] == pat[0] && memcmp(s + i, pat, (size_t)m) == 0)
+                return i;
+        return -1;
+    }
+    """
+    Py_ssize_t _rfind "llmgw_rfind" (const char* s, Py_ssize_t n, const char* pat, Py_ssize_t m) noexcept nogil
 
 
 cdef inline bint _is_ws(char c) noexcept nogil:
