@@ -1037,3 +1037,20 @@ def test_differential_upstream_head(method: bytes, target: bytes, host: bytes, f
     got = httpproto_c.upstream_head(method, target, host, forward, cl, extra)
     assert got == httpproto_py.upstream_head(method, target, host, forward, cl, extra)
     assert got == httpproto_c.upstream_head(method, target, host, forward, cl, extra=extra)
+
+
+@pytest.mark.parametrize(
+    ("te", "chunked"),
+    [(b"chunked", True), (b"gzip, chunked", True), (b"gzip ,chunked", True), (b"gzip,\tCHUNKED ", True),
+     (b"!chunked", False), (b"x-chunked", False), (b"gzip chunked", False), (b"a=chunked", False)],
+)
+def test_response_chunked_only_as_the_last_token(httpproto: ModuleType, te: bytes, chunked: bool) -> None:
+    # Regression: any value ending in "chunked" was taken as chunked, while llhttp
+    # reads "gzip chunked" as a body that runs until the connection closes.
+    data = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: " + te + b"\r\n\r\n0\r\n\r\n"
+    events = read_all_ways(httpproto, data, eof=True)
+    assert events[0][0] == "head" and events[0][3] is chunked
+    if chunked:
+        assert events[1:] == [("end",), ("eof", False)]
+    else:
+        assert events[1:] == [("body", b"0\r\n\r\n"), ("end",), ("eof", True)]

@@ -245,7 +245,6 @@ cdef class Call:
     cdef public _Request req
     cdef public _Response resp
     cdef public bint retrying
-    cdef public bytes rid
     cdef public bytes rid_line
     cdef public object sent_at
     cdef public Py_ssize_t sent_bytes
@@ -321,5 +320,5 @@ cdef class Gateway:
     cpdef handle(self, _Request req, ResponseWriter w)
     cpdef bytes _request_id(self, _Request req)
     cpdef _proxy(self, _Request req, ResponseWriter w, key)
-    cpdef Call _prepare(self, _Request req, ResponseWriter w, bytes rid, key)
+    cpdef Call _prepare(self, _Request req, ResponseWriter w, bytes rid_line, key)
     cpdef log_access(self, Call call, double now)

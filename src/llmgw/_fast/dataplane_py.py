@@ -85,6 +85,7 @@ from ..http.parser import (
     Response,
     ResponseReader,
     chunk,
+    id_line,
     response_head,
     sse_cut,
     upstream_head,
@@ -1608,7 +1609,6 @@ class Call:
         "req",
         "resp",
         "retrying",
-        "rid",
         "rid_line",
         "sent_at",
         "sent_bytes",
@@ -1623,7 +1623,7 @@ class Call:
     )
 
     def __init__(
-        self, gw: Gateway, req: Request, w: ResponseWriter, pool: ModelPool, model: str, body: bytes, rid: bytes
+        self, gw: Gateway, req: Request, w: ResponseWriter, pool: ModelPool, model: str, body: bytes, rid_line: bytes
     ) -> None:
         # (read back through the typed attributes: C struct reads when compiled)
         self.gw = gw
@@ -1633,8 +1633,7 @@ class Call:
         self.model = self.pool.name
         self.client_model = model
         self.body = body
-        self.rid = rid
-        self.rid_line = b"x-request-id: " + rid + b"\r\n"
+        self.rid_line = rid_line  # b"x-request-id: <id>\r\n"
         self.started = _monotonic()
         self.band = self.gw.default_band
         self.band_name = self.gw.bands[self.band]
@@ -1663,6 +1662,11 @@ class Call:
         self._tail = b""  # a stream's last write, and the one before it
         self._tail_prev = b""
         self.progress = False  # a stream's bytes arrived since the sweep last looked
+
+    @property
+    def rid(self) -> bytes:
+        """The request id."""
+        return self.rid_line[14:-2]
 
     # -- admission --
 
@@ -2273,18 +2277,20 @@ class Gateway:
         return cards
 
     def _request_id(self, req: Request) -> bytes:
+        """The request's ``x-request-id`` header line."""
         rid = req.request_id
         # Accept the client's id when it is a short token of visible ASCII.
         if rid is not None and 0 < len(rid) <= 128 and not rid.translate(None, _VISIBLE_ASCII):
-            return rid
+            return id_line(rid)
         self._rid_n += 1
-        return self._rid_prefix + str(self._rid_n).encode()
+        return id_line(self._rid_prefix, self._rid_n)
 
     def _proxy(self, req: Request, w: ResponseWriter, key: bytes | None) -> None:
-        rid = self._request_id(req)
+        rid_line = self._request_id(req)
         try:
-            call = self._prepare(req, w, rid, key)
+            call = self._prepare(req, w, rid_line, key)
         except HTTPError as exc:
+            rid = rid_line[14:-2]
             w.send_error(exc, ((b"x-request-id", rid),))
             band = self.bands[self.default_band]
             self.observer.request_done(_UNKNOWN, None, w.status, band, 0.0, None, None)
@@ -2295,7 +2301,7 @@ class Gateway:
         w.on_disconnect(call.client_gone)
         call.admit()
 
-    def _prepare(self, req: Request, w: ResponseWriter, rid: bytes, key: bytes | None) -> Call:
+    def _prepare(self, req: Request, w: ResponseWriter, rid_line: bytes, key: bytes | None) -> Call:
         body = req.body
         # PERF: validated in one pass without building the document; only the
         # top-level "model" is read (see llmgw._fast.jsonscan_py).
@@ -2321,7 +2327,7 @@ class Gateway:
             # Only the name changes; every other byte goes upstream as the client sent it.
             start, end = model_span(body)
             body = body[:start] + orjson.dumps(rewrite) + body[end:]
-        call = Call(self, req, w, pool, model, body, rid)
+        call = Call(self, req, w, pool, model, body, rid_line)
         band = self.default_band
         if key is not None:
             band = self.key_bands.get(key, band)

@@ -222,6 +222,23 @@ def response_head(int status, headers=(), Py_ssize_t content_length=-1, bint kee
     return out
 
 
+def id_line(bytes rid, Py_ssize_t n=-1):
+    """The ``x-request-id`` header line (see the twin)."""
+    cdef char digits[24]
+    cdef int k = _digits(digits, n) if n >= 0 else 0
+    cdef bytes out = PyBytes_FromStringAndSize(NULL, 14 + PyBytes_GET_SIZE(rid) + k + 2)
+    cdef char* p = PyBytes_AS_STRING(out)
+    memcpy(p, b"x-request-id: ", 14)
+    p = _put(p + 14, rid)
+    while k > 0:
+        k -= 1
+        p[0] = digits[k]
+        p += 1
+    p[0] = 13
+    p[1] = 10
+    return out
+
+
 def upstream_head(bytes method, bytes target, bytes host, bytes forward, Py_ssize_t content_length,
                   bytes extra=b""):
     """The request head sent to a replica (see the twin)."""
@@ -444,6 +461,17 @@ cdef inline int _hex_digit(char c) noexcept nogil:
 
 cdef inline bint _ows(char c) noexcept nogil:
     return c == 32 or c == 9
+
+
+cdef bint _te_chunked(const char* s, Py_ssize_t vs, Py_ssize_t ve) noexcept nogil:
+    # whether the Transfer-Encoding value s[vs:ve] (OWS trimmed) ends with the
+    # token "chunked", as llhttp reads it: the whole value, or after a comma
+    if ve - vs < 7 or not _ieq(s + ve - 7, b"chunked", 7):
+        return False
+    ve -= 7
+    while ve > vs and _ows(s[ve - 1]):
+        ve -= 1
+    return ve == vs or s[ve - 1] == 44
 
 
 cdef enum:
@@ -731,8 +759,7 @@ cdef class ResponseReader:
                     ve = eol
                     while ve > vs and _ows(s[ve - 1]):
                         ve -= 1
-                    if ve - vs >= 7 and _ieq(s + ve - 7, b"chunked", 7):
-                        chunked = True
+                    chunked = _te_chunked(s, vs, ve)
                 pos = eol + 2
             resp.forward = PyBytes_FromStringAndSize(fw, fwlen)
         finally:
@@ -1035,7 +1062,7 @@ cdef class RequestReader:
                     ve = eol
                     while ve > vs and _ows(s[ve - 1]):
                         ve -= 1
-                    chunked = ve - vs >= 7 and _ieq(s + ve - 7, b"chunked", 7)
+                    chunked = _te_chunked(s, vs, ve)
                 elif kind == H_CONTENT_LENGTH:
                     cl = 0
                     ve = eol

@@ -40,6 +40,7 @@ __all__ = [
     "Response",
     "ResponseReader",
     "chunk_head",
+    "id_line",
     "response_head",
     "upstream_head",
     "usage_counts",
@@ -170,6 +171,14 @@ def response_head(
         parts.append(b"connection: close\r\n")
     parts.append(b"\r\n")
     return b"".join(parts)
+
+
+def id_line(rid: bytes, n: int = -1) -> bytes:
+    """The ``x-request-id`` header line for ``rid``; with ``n >= 0``, for the id
+    ``rid`` followed by ``n`` in decimal (a generated id: prefix and counter)."""
+    if n >= 0:
+        return b"x-request-id: " + rid + str(n).encode() + b"\r\n"
+    return b"x-request-id: " + rid + b"\r\n"
 
 
 def upstream_head(
@@ -540,6 +549,17 @@ class Response:
         return None
 
 
+def _te_chunked(value: bytes) -> bool:
+    """Whether a Transfer-Encoding value ends with the token ``chunked``, as llhttp
+    reads it: the whole value, or after a comma (``gzip chunked`` and ``x-chunked``
+    are not chunked: such a response runs until the connection closes)."""
+    v = value.rstrip(b" \t").lower()
+    if not v.endswith(b"chunked"):
+        return False
+    rest = v[:-7].rstrip(b" \t")
+    return not rest or rest.endswith(b",")
+
+
 class ResponseReader:
     """Reads responses from one upstream connection (sans-IO).
 
@@ -641,7 +661,7 @@ class ResponseReader:
             self._forward.append(b"%s: %s\r\n" % (name, value))
         elif kind == H_CONTENT_LENGTH:
             resp.content_length = min(int(value), _MAX_CONTENT_LENGTH)
-        elif kind == H_TRANSFER_ENCODING and value.lower().rstrip().endswith(b"chunked"):
+        elif kind == H_TRANSFER_ENCODING and _te_chunked(value):
             resp.chunked = True
 
     def on_headers_complete(self) -> None:

@@ -21,6 +21,7 @@ if TYPE_CHECKING:
         ResponseReader,
         chunk,
         chunk_head,
+        id_line,
         response_head,
         sse_cut,
         upstream_head,
@@ -38,6 +39,7 @@ else:
     ResponseReader = _impl.ResponseReader
     chunk = _impl.chunk
     chunk_head = _impl.chunk_head
+    id_line = _impl.id_line
     response_head = _impl.response_head
     sse_cut = _impl.sse_cut
     upstream_head = _impl.upstream_head
@@ -54,6 +56,7 @@ __all__ = [
     "ResponseReader",
     "chunk",
     "chunk_head",
+    "id_line",
     "response_head",
     "sse_cut",
     "upstream_head",
