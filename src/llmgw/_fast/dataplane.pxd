@@ -15,6 +15,7 @@ cdef class HTTPProtocol
 cdef class UpstreamPool
 cdef class Gateway
 cdef class TrafficCounters
+cdef class Call
 
 cdef _write_two(t, bytes head, bytes body)
 
@@ -114,8 +115,11 @@ cdef class UpstreamConnection:
     cdef public bint _read_paused
 
     cpdef data_received(self, data)
+    @cython.locals(call=Call)
     cpdef on_response_head(self, _Response resp)
+    @cython.locals(call=Call)
     cpdef on_response_body(self, data)
+    @cython.locals(call=Call)
     cpdef on_response_end(self)
     cpdef send(self, sink, head, body)
     cpdef pause_reading(self)
