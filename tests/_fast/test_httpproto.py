@@ -1003,7 +1003,23 @@ def test_differential_responses(data: bytes, draw: st.DataObject) -> None:
     kw = {"max_head_bytes": 4096, "max_headers": 5}
     got_c = read_response(httpproto_c, chunks, eof, **kw)
     got_py = read_response(httpproto_py, chunks, eof, **kw)
+    if got_c and got_c[-1][0] == "error" and got_py and got_py[-1][0] == "error":
+        # Deliberate: the compiled twin passes a read's body bytes on once llhttp
+        # has accepted the whole read; the pure one as llhttp goes. When a read is
+        # refused, the compiled twin has passed on a prefix of the same bytes.
+        assert _without_body(got_c) == _without_body(got_py), chunks
+        body_c, body_py = _body_bytes(got_c), _body_bytes(got_py)
+        assert body_py.startswith(body_c), chunks
+        return
     assert _events_kinds(got_c) == _events_kinds(got_py), chunks
+
+
+def _without_body(events: list[Any]) -> list[Any]:
+    return [e for e in _events_kinds(events) if e[0] != "body"]
+
+
+def _body_bytes(events: list[Any]) -> bytes:
+    return b"".join(e[1] for e in events if e[0] == "body")
 
 
 HDR_BYTES = st.binary(max_size=20).map(lambda b: bytes(c for c in b if c not in (10, 13)))
@@ -1054,3 +1070,13 @@ def test_response_chunked_only_as_the_last_token(httpproto: ModuleType, te: byte
         assert events[1:] == [("end",), ("eof", False)]
     else:
         assert events[1:] == [("body", b"0\r\n\r\n"), ("end",), ("eof", True)]
+
+
+def test_response_many_chunks_in_one_read(httpproto: ModuleType) -> None:
+    # more chunks in one read than the compiled twin notes per pass (8)
+    parts = [b"%d" % i * (i + 1) for i in range(20)]
+    data = (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+            + b"".join(b"%x\r\n%s\r\n" % (len(p), p) for p in parts) + b"0\r\n\r\n")
+    events = read_all_ways(httpproto, data)
+    assert _body_bytes(events) == b"".join(parts)
+    assert events[-1] == ("end",)

@@ -10,6 +10,10 @@ cdef struct ChunkFraming:
     int state                         # C_* (httpproto.pyx)
     Py_ssize_t left                   # size of the chunk being read
     bint in_ext                       # past the size digits of a size line
+    bint record                       # note where chunk data lies:
+    Py_ssize_t spans[16]              # ... (start, end) pairs
+    int nspans                        # ... how many
+    Py_ssize_t stop                   # ... where a pass stopped with spans full
 
 
 cdef class Request:
@@ -101,4 +105,5 @@ cdef class ResponseReader:
     cpdef feed(self, data)
     cdef int _llhttp(self, bytes buf, Py_ssize_t start, Py_ssize_t end) except -1
     cdef int _ended(self) except -1
+    cdef int _deliver(self, bytes buf, Py_ssize_t start, Py_ssize_t end) except -1
     cdef Response _read_head(self, bytes head, Py_ssize_t end)

@@ -19,6 +19,10 @@ DEFAULT_MAX_HEAD_BYTES = 16 * 1024
 DEFAULT_MAX_HEADERS = 100
 DEFAULT_MAX_BODY = 16 * 1024 * 1024
 
+# Chunk data spans noted per pass of _frame_chunks (ChunkFraming.spans).
+cdef enum:
+    _MAX_SPANS = 8
+
 # Heads up to this size are read with a buffer on the C stack.
 cdef enum:
     _STACK_HEAD = 4096
@@ -148,6 +152,13 @@ cdef inline void _check_header_value(bytes value) except *:
     for i in range(n):
         if p[i] == 13 or p[i] == 10:
             raise ValueError("header value contains CR or LF")
+
+
+cdef inline bytes _slice(bytes buf, Py_ssize_t start, Py_ssize_t end):
+    # buf[start:end] (PERF: Cython's slice of bytes goes through a slice object)
+    if start == 0 and end == PyBytes_GET_SIZE(buf):
+        return buf
+    return PyBytes_FromStringAndSize(PyBytes_AS_STRING(buf) + start, end - start)
 
 
 cdef inline char* _put(char* p, bytes b) noexcept:
@@ -492,8 +503,10 @@ cdef enum:
 
 
 cdef Py_ssize_t _frame_chunks(ChunkFraming* f, const char* s, Py_ssize_t pos, Py_ssize_t n) noexcept nogil:
-    # where the chunked body ends in s[pos:n] (the index past it); -1: not yet;
-    # -2: a chunk size past 2**58 (llhttp validates the rest of the framing)
+    # where the chunked body ends in s[pos:n] (the index past it); -1: not yet
+    # (all of it read); -2: a chunk size past 2**58 (llhttp validates the rest of
+    # the framing); -3: f.spans is full, read up to f.stop. With f.record the
+    # chunk data read is noted in f.spans ((start, end) pairs, f.nspans of them).
     cdef char c
     cdef int d
     while pos < n:
@@ -512,6 +525,11 @@ cdef Py_ssize_t _frame_chunks(ChunkFraming* f, const char* s, Py_ssize_t pos, Py
                 else:
                     f.left = f.left * 16 + d
         elif f.state == C_DATA:
+            if f.record:
+                if f.nspans == _MAX_SPANS:
+                    f.stop = pos
+                    return -3
+                f.spans[2 * f.nspans] = pos
             if n - pos >= f.left:
                 pos += f.left
                 f.left = 0
@@ -519,6 +537,9 @@ cdef Py_ssize_t _frame_chunks(ChunkFraming* f, const char* s, Py_ssize_t pos, Py
             else:
                 f.left -= n - pos
                 pos = n
+            if f.record:
+                f.spans[2 * f.nspans + 1] = pos
+                f.nspans += 1
         elif f.state == C_DATA_END:
             pos += 1
             if c == 10:
@@ -546,6 +567,7 @@ cdef inline void _chunks_reset(ChunkFraming* f) noexcept nogil:
     f.state = C_SIZE
     f.left = 0
     f.in_ext = False
+    f.nspans = 0
 
 
 @cython.final
@@ -576,6 +598,7 @@ cdef class ResponseReader:
         self._body = B_NONE
         self._body_left = 0
         _chunks_reset(&self._chunks)
+        self._chunks.record = True  # (the body goes to the sink from these spans)
         self._interim = False
         self._complete = False
 
@@ -585,21 +608,28 @@ cdef class ResponseReader:
         return self._resp is not None or self._acc != b""
 
     cpdef feed(self, data):
-        """Parse ``data``; the sink hears about heads, body bytes and ends."""
+        """Parse ``data``; the sink hears about heads, body bytes and ends.
+
+        PERF: body bytes go to the sink from this reader's own framing once
+        httptools has accepted the bytes that hold them (no on_body callback
+        through httptools); if it refuses a read, none of that read's body bytes
+        are passed on.
+        """
         cdef bytes buf = data if type(data) is bytes else bytes(data)
         cdef Py_ssize_t n = PyBytes_GET_SIZE(buf)
         cdef Py_ssize_t pos = 0
-        cdef Py_ssize_t base, e, take
+        cdef Py_ssize_t base, e, take, stop
         cdef bytes head
+        cdef ChunkFraming* f = &self._chunks
         while pos < n:
             if self._want_head:
                 if self._acc:
                     base = PyBytes_GET_SIZE(self._acc)
-                    head = self._acc + (buf if pos == 0 else buf[pos:])
+                    head = self._acc + _slice(buf, pos, PyBytes_GET_SIZE(buf))
                     e = _head_end(PyBytes_AS_STRING(head), base - 3 if base > 3 else 0, PyBytes_GET_SIZE(head))
                 else:
                     base = 0
-                    head = buf if pos == 0 else buf[pos:]
+                    head = _slice(buf, pos, PyBytes_GET_SIZE(buf))
                     e = _head_end(PyBytes_AS_STRING(head), 0, PyBytes_GET_SIZE(head))
                 if e < 0:
                     if PyBytes_GET_SIZE(head) > self.max_head_bytes:
@@ -619,10 +649,11 @@ cdef class ResponseReader:
                     continue
                 if self._body == B_LENGTH and self._body_left <= n - pos - take:
                     # PERF: the usual case, head and body in one read: one feed
-                    take += self._body_left
+                    stop = pos + take + self._body_left
                     self._body_left = 0
-                    self._llhttp(buf, pos, pos + take)
-                    pos += take
+                    self._llhttp(buf, pos, stop)
+                    self._deliver(buf, pos + take, stop)
+                    pos = stop
                     self._ended()
                     continue
                 self._llhttp(buf, pos, pos + take)
@@ -631,31 +662,42 @@ cdef class ResponseReader:
             # body bytes of the open response
             if self._body == B_CLOSE:
                 self._llhttp(buf, pos, n)
+                self._deliver(buf, pos, n)
                 return
             if self._body == B_LENGTH:
                 take = self._body_left if self._body_left < n - pos else n - pos
                 self._body_left -= take
                 self._llhttp(buf, pos, pos + take)
+                self._deliver(buf, pos, pos + take)
                 pos += take
                 if self._body_left == 0:
                     self._ended()
                 continue
-            take = _frame_chunks(&self._chunks, PyBytes_AS_STRING(buf), pos, n)
+            f.nspans = 0
+            take = _frame_chunks(f, PyBytes_AS_STRING(buf), pos, n)
             if take == -2:
                 raise ValueError("malformed upstream response: chunk size too large")
+            stop = take if take >= 0 else (n if take == -1 else f.stop)
+            self._llhttp(buf, pos, stop)
+            pos = stop
+            for e in range(f.nspans):
+                self._deliver(buf, f.spans[2 * e], f.spans[2 * e + 1])
+            f.nspans = 0
             if take >= 0:
-                self._llhttp(buf, pos, take)
-                pos = take
                 self._ended()
-                continue
-            self._llhttp(buf, pos, n)
-            return
+            elif take == -1:
+                return
+
+    cdef int _deliver(self, bytes buf, Py_ssize_t start, Py_ssize_t end) except -1:
+        if end > start:
+            self._on_body(_slice(buf, start, end))
+        return 0
 
     cdef int _llhttp(self, bytes buf, Py_ssize_t start, Py_ssize_t end) except -1:
         if end <= start:
             return 0
         try:
-            self._feed_data(buf if start == 0 and end == PyBytes_GET_SIZE(buf) else buf[start:end])
+            self._feed_data(_slice(buf, start, end))
         except HttpParserUpgrade:
             raise ValueError("malformed upstream response: unexpected protocol switch") from None
         except HttpParserError as exc:
@@ -670,6 +712,11 @@ cdef class ResponseReader:
         if not self._complete:
             raise ValueError("malformed upstream response: the message does not end where its framing says")
         self._want_head = True
+        if self._interim:
+            self._interim = False
+            return 0
+        self._resp = None
+        self._on_end()
         return 0
 
     cdef Response _read_head(self, bytes head, Py_ssize_t end):
@@ -809,16 +856,8 @@ cdef class ResponseReader:
             resp.content_length = -1
         self._on_head(resp)
 
-    def on_body(self, bytes body):
-        self._on_body(body)
-
     def on_message_complete(self):
-        self._complete = True
-        self._resp = None
-        if self._interim:
-            self._interim = False
-            return
-        self._on_end()
+        self._complete = True  # (the end goes to the sink from _ended, after the body)
 
 
 @cython.final
@@ -899,11 +938,11 @@ cdef class RequestReader:
                         if pos == n:
                             return 0
                     base = 0
-                    head = buf if pos == 0 else buf[pos:]
+                    head = _slice(buf, pos, PyBytes_GET_SIZE(buf))
                     e = _head_end(PyBytes_AS_STRING(head), 0, PyBytes_GET_SIZE(head))
                 else:
                     base = PyBytes_GET_SIZE(self._acc)
-                    head = self._acc + (buf if pos == 0 else buf[pos:])
+                    head = self._acc + _slice(buf, pos, PyBytes_GET_SIZE(buf))
                     e = _head_end(PyBytes_AS_STRING(head), base - 3 if base > 3 else 0, PyBytes_GET_SIZE(head))
                 if e < 0:
                     self._acc = head
@@ -961,7 +1000,7 @@ cdef class RequestReader:
         if end <= start:
             return 0
         try:
-            self._feed_data(buf if start == 0 and end == PyBytes_GET_SIZE(buf) else buf[start:end])
+            self._feed_data(_slice(buf, start, end))
         except HttpParserUpgrade:
             raise BadRequestError("protocol upgrade is not supported", close=True) from None
         except HttpParserError as exc:
