@@ -10,6 +10,7 @@ cimport cython
 # typed, their attributes are read from the C structs, not looked up by name.
 from llmgw._fast.httpproto cimport Request as _Request, Response as _Response
 from llmgw._fast.httpproto cimport RequestReader as _RequestReader, ResponseReader as _ResponseReader
+from llmgw._fast.httpproto cimport chunk, id_line, response_head, sse_cut, upstream_head, usage_counts
 
 cdef class HTTPProtocol
 cdef class UpstreamPool

@@ -107,3 +107,13 @@ cdef class ResponseReader:
     cdef int _ended(self) except -1
     cdef int _deliver(self, bytes buf, Py_ssize_t start, Py_ssize_t end) except -1
     cdef Response _read_head(self, bytes head, Py_ssize_t end)
+
+
+# Called from C by the data path (cimported in dataplane.pxd).
+cpdef bytes chunk(bytes data)
+cpdef Py_ssize_t sse_cut(bytes data) except -1
+cpdef bytes id_line(bytes rid, Py_ssize_t n=*)
+cpdef bytes upstream_head(bytes method, bytes target, bytes host, bytes forward, Py_ssize_t content_length,
+                          bytes extra=*)
+cpdef bytes response_head(int status, headers=*, Py_ssize_t content_length=*, bint keep_alive=*, bytes raw=*)
+cpdef usage_counts(bytes data)

@@ -190,7 +190,7 @@ cdef inline char* _put_content_length(char* p, const char* digits, int k) noexce
     return p + 2
 
 
-def response_head(int status, headers=(), Py_ssize_t content_length=-1, bint keep_alive=True,
+cpdef bytes response_head(int status, headers=(), Py_ssize_t content_length=-1, bint keep_alive=True,
                   bytes raw=b""):
     """The status line and headers of a response, ending with the blank line."""
     cdef bytes line = _status_line(status)
@@ -233,7 +233,7 @@ def response_head(int status, headers=(), Py_ssize_t content_length=-1, bint kee
     return out
 
 
-def id_line(bytes rid, Py_ssize_t n=-1):
+cpdef bytes id_line(bytes rid, Py_ssize_t n=-1):
     """The ``x-request-id`` header line (see the twin)."""
     cdef char digits[24]
     cdef int k = _digits(digits, n) if n >= 0 else 0
@@ -250,7 +250,7 @@ def id_line(bytes rid, Py_ssize_t n=-1):
     return out
 
 
-def upstream_head(bytes method, bytes target, bytes host, bytes forward, Py_ssize_t content_length,
+cpdef bytes upstream_head(bytes method, bytes target, bytes host, bytes forward, Py_ssize_t content_length,
                   bytes extra=b""):
     """The request head sent to a replica (see the twin)."""
     cdef char digits[24]
@@ -287,7 +287,7 @@ def chunk_head(Py_ssize_t size):
 cdef const char* _HEX = b"0123456789abcdef"
 
 
-def chunk(bytes data):
+cpdef bytes chunk(bytes data):
     """``data`` framed as one chunk of a chunked body, one object (see the twin)."""
     cdef Py_ssize_t n = PyBytes_GET_SIZE(data)
     cdef char digits[16]
@@ -315,7 +315,7 @@ def chunk(bytes data):
     return out
 
 
-def sse_cut(bytes data):
+cpdef Py_ssize_t sse_cut(bytes data) except -1:
     """Where the last complete server-sent event in ``data`` ends; 0: none (see the twin)."""
     cdef const char* s = PyBytes_AS_STRING(data)
     cdef Py_ssize_t i = PyBytes_GET_SIZE(data) - 1
@@ -1322,7 +1322,7 @@ cdef long long _int_value(const char* s, Py_ssize_t start, Py_ssize_t end, const
     return v
 
 
-def usage_counts(bytes data):
+cpdef usage_counts(bytes data):
     """``(prompt_tokens, completion_tokens)`` of the last ``"usage"`` object (see the twin)."""
     cdef const char* s = PyBytes_AS_STRING(data)
     cdef Py_ssize_t n = PyBytes_GET_SIZE(data)
