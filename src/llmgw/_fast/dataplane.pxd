@@ -10,6 +10,7 @@ cimport cython
 # typed, their attributes are read from the C structs, not looked up by name.
 from llmgw._fast.httpproto cimport Request as _Request, Response as _Response
 from llmgw._fast.httpproto cimport RequestReader as _RequestReader, ResponseReader as _ResponseReader
+from llmgw._fast.httpproto cimport ResponseSink as _ResponseSink
 from llmgw._fast.httpproto cimport chunk, id_line, response_head, sse_cut, upstream_head, usage_counts
 
 cdef class HTTPProtocol
@@ -104,7 +105,7 @@ cdef class HTTPProtocol:
     cpdef shutdown(self)
 
 
-cdef class UpstreamConnection:
+cdef class UpstreamConnection(_ResponseSink):
     cdef public UpstreamPool pool
     cdef public object transport
     cdef public object sink

@@ -83,8 +83,15 @@ cdef class Response:
     cdef public bint keep_alive
 
 
+cdef class ResponseSink:
+    cpdef on_response_head(self, Response resp)
+    cpdef on_response_body(self, data)
+    cpdef on_response_end(self)
+
+
 cdef class ResponseReader:
     cdef object _sink
+    cdef ResponseSink _csink          # the sink, when it is one (called through C)
     cdef object _on_head
     cdef object _on_body
     cdef object _on_end

@@ -570,6 +570,21 @@ cdef inline void _chunks_reset(ChunkFraming* f) noexcept nogil:
     f.nspans = 0
 
 
+cdef class ResponseSink:
+    """What a :class:`ResponseReader` reports to; a subclass (the data path's
+    upstream connection) is called through C. Any object with these three
+    methods will do as a sink."""
+
+    cpdef on_response_head(self, Response resp):
+        raise NotImplementedError
+
+    cpdef on_response_body(self, data):
+        raise NotImplementedError
+
+    cpdef on_response_end(self):
+        raise NotImplementedError
+
+
 @cython.final
 cdef class ResponseReader:
     """Reads responses from one upstream connection (see the twin).
@@ -584,6 +599,7 @@ cdef class ResponseReader:
 
     def __init__(self, sink, Py_ssize_t max_head_bytes=65536, Py_ssize_t max_headers=200):
         self._sink = sink
+        self._csink = sink if isinstance(sink, ResponseSink) else None  # PERF: called through C
         self._on_head = sink.on_response_head
         self._on_body = sink.on_response_body
         self._on_end = sink.on_response_end
@@ -690,7 +706,10 @@ cdef class ResponseReader:
 
     cdef int _deliver(self, bytes buf, Py_ssize_t start, Py_ssize_t end) except -1:
         if end > start:
-            self._on_body(_slice(buf, start, end))
+            if self._csink is not None:
+                self._csink.on_response_body(_slice(buf, start, end))
+            else:
+                self._on_body(_slice(buf, start, end))
         return 0
 
     cdef int _llhttp(self, bytes buf, Py_ssize_t start, Py_ssize_t end) except -1:
@@ -716,7 +735,10 @@ cdef class ResponseReader:
             self._interim = False
             return 0
         self._resp = None
-        self._on_end()
+        if self._csink is not None:
+            self._csink.on_response_end()
+        else:
+            self._on_end()
         return 0
 
     cdef Response _read_head(self, bytes head, Py_ssize_t end):
@@ -854,7 +876,10 @@ cdef class ResponseReader:
         resp.keep_alive = self._parser.should_keep_alive()
         if resp.chunked:
             resp.content_length = -1
-        self._on_head(resp)
+        if self._csink is not None:
+            self._csink.on_response_head(resp)
+        else:
+            self._on_head(resp)
 
     def on_message_complete(self):
         self._complete = True  # (the end goes to the sink from _ended, after the body)
