@@ -332,13 +332,14 @@ class NginxProxy(Proxy):
 class Llmgw(Proxy):
     name = "llmgw"
 
-    def __init__(self, port: int, admin: int, cmd: str) -> None:
+    def __init__(self, port: int, admin: int, cmd: str, name: str = "llmgw") -> None:
         super().__init__(port)
         self.admin = admin
         self.cmd = cmd
+        self.name = name
 
     def start(self, d: Path, core: int, up: tuple[int, int]) -> None:
-        conf = d / "llmgw.yaml"
+        conf = d / f"{self.name}.yaml"
         conf.write_text(
             f"listen: 127.0.0.1:{self.port}\n"
             f"admin: 127.0.0.1:{self.admin}\n"
@@ -346,8 +347,8 @@ class Llmgw(Proxy):
             f'  - {{id: up0, url: "http://127.0.0.1:{up[0]}", model: m, engine: vllm}}\n'
             f'  - {{id: up1, url: "http://127.0.0.1:{up[1]}", model: m, engine: vllm}}\n'
         )
-        self.proc = start(["taskset", "-c", str(core), self.cmd, "serve", "-c", str(conf)], d / "llmgw.out")
-        wait_port(self.port, self.proc, "llmgw")
+        self.proc = start(["taskset", "-c", str(core), self.cmd, "serve", "-c", str(conf)], d / f"{self.name}.out")
+        wait_port(self.port, self.proc, self.name)
 
 
 class Relay(Proxy):
@@ -430,6 +431,8 @@ def main() -> None:
                     help="upstream pause between SSE events (0: back to back, flushed one by one)")
     ap.add_argument("--no-stream", action="store_true", help="skip the SSE runs")
     ap.add_argument("--llmgw", default=str(REPO / ".venv" / "bin" / "llmgw"), help="llmgw executable")
+    ap.add_argument("--baseline", metavar="EXE",
+                    help="another llmgw executable (an older build, say), run as proxy 'baseline' in the same rounds")
     ap.add_argument("--profile", metavar="DIR", help="afterwards, py-spy record llmgw under each load into DIR")
     ap.add_argument("--profile-rate", type=int, default=500)
     ap.add_argument("--keep", action="store_true", help="keep the work directory (configs, logs)")
@@ -442,9 +445,13 @@ def main() -> None:
         "llmgw": Llmgw(base + 81, base + 91, args.llmgw),
         "relay": Relay(base + 82),
     }
+    if args.baseline:
+        all_proxies["baseline"] = Llmgw(base + 83, base + 93, args.baseline, name="baseline")
     names = [n.strip() for n in args.proxies.split(",") if n.strip()]
+    if args.baseline and "baseline" not in names:
+        names.append("baseline")
     proxies = [all_proxies[n] for n in names]
-    ports = [*up, *(p.port for p in proxies)] + ([base + 91] if "llmgw" in names else [])
+    ports = [*up, *(p.port for p in proxies)] + [p.admin for p in proxies if isinstance(p, Llmgw)]
     busy = [p for p in ports if not port_free(p)]
     if busy:
         raise SystemExit(f"ports in use: {busy}; choose another --port-base")
