@@ -1080,3 +1080,16 @@ def test_response_many_chunks_in_one_read(httpproto: ModuleType) -> None:
     events = read_all_ways(httpproto, data)
     assert _body_bytes(events) == b"".join(parts)
     assert events[-1] == ("end",)
+
+
+@pytest.mark.parametrize(
+    ("body", "status"),
+    [
+        (b"40\r\n" + b"x" * 64 + b"\r\nzz\r\n", 413),  # over the limit, then bad framing: the limit first
+        (b"4;\x01\r\n" + b"x" * 64, 400),  # bad framing before the data that would cross it
+    ],
+)
+def test_chunked_body_limit_and_framing_order(httpproto: ModuleType, body: bytes, status: int) -> None:
+    head = b"POST / HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n"
+    out = parse_all_ways(httpproto, head + body, max_body=32)
+    assert out.error is not None and out.error[1] == status, out

@@ -3,8 +3,9 @@
 # Call order, request side (per connection): RequestReader.feed(data) frames each
 # head and reads its fields (_read_head), then feeds httptools the message's bytes,
 # which calls on_headers_complete (-> on_head(req) when the client expects
-# 100-continue), on_body*, on_message_complete (-> on_request(req)). The pure twin
-# takes httptools' on_message_begin, on_url and on_header callbacks instead.
+# 100-continue) and on_message_complete; the body is read off the bytes llhttp has
+# accepted, and the request goes to on_request(req) once its framing ends. The pure
+# twin takes httptools' on_message_begin, on_url, on_header and on_body callbacks.
 
 cdef struct ChunkFraming:
     int state                         # C_* (httpproto.pyx)
@@ -66,6 +67,7 @@ cdef class RequestReader:
     cdef int _feed(self, bytes buf) except -1
     cdef int _llhttp(self, bytes buf, Py_ssize_t start, Py_ssize_t end) except -1
     cdef int _ended(self) except -1
+    cdef int _add_body(self, bytes buf, Py_ssize_t start, Py_ssize_t end) except -1
     cdef Request _read_head(self, bytes head, Py_ssize_t end)
 
 

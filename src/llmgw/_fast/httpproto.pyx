@@ -916,6 +916,7 @@ cdef class RequestReader:
         self._body = B_NONE
         self._body_left = 0
         _chunks_reset(&self._chunks)
+        self._chunks.record = True  # (the body is read off these spans)
         self._complete = False
         self._error = None
         self._version_known = False
@@ -949,8 +950,9 @@ cdef class RequestReader:
         cdef Py_ssize_t n = PyBytes_GET_SIZE(buf)
         cdef const char* s = PyBytes_AS_STRING(buf)
         cdef Py_ssize_t pos = 0
-        cdef Py_ssize_t base, e, take, start
+        cdef Py_ssize_t base, e, take, start, stop, size
         cdef bytes head
+        cdef ChunkFraming* f = &self._chunks
         while pos < n:
             if self._want_head:
                 if PyBytes_GET_SIZE(self._acc) == 0:
@@ -989,10 +991,11 @@ cdef class RequestReader:
                     continue
                 if self._body == B_LENGTH and self._body_left <= n - pos - take:
                     # PERF: the usual case, head and body in one read: one feed
-                    take += self._body_left
+                    stop = pos + take + self._body_left
                     self._body_left = 0
-                    self._llhttp(buf, pos, pos + take)
-                    pos += take
+                    self._llhttp(buf, pos, stop)
+                    self._add_body(buf, pos + take, stop)
+                    pos = stop
                     self._ended()
                     continue
                 self._llhttp(buf, pos, pos + take)
@@ -1005,20 +1008,39 @@ cdef class RequestReader:
                 take = self._body_left if self._body_left < n - pos else n - pos
                 self._body_left -= take
                 self._llhttp(buf, pos, pos + take)
+                self._add_body(buf, pos, pos + take)
                 pos += take
                 if self._body_left == 0:
                     self._ended()
                 continue
-            take = _frame_chunks(&self._chunks, s, pos, n)
+            f.nspans = 0
+            take = _frame_chunks(f, s, pos, n)
             if take == -2:
                 raise BadRequestError("malformed HTTP request: chunk size too large", close=True)
+            stop = take if take >= 0 else (n if take == -1 else f.stop)
+            size = self._body_size
+            for e in range(f.nspans):
+                size += f.spans[2 * e + 1] - f.spans[2 * e]
+                if size > self.max_body:
+                    # (where the twin hears of the span that crosses the limit)
+                    self._llhttp(buf, pos, f.spans[2 * e + 1])
+                    raise PayloadTooLargeError(f"request body exceeds the limit of {self.max_body} bytes",
+                                               close=True)
+            self._llhttp(buf, pos, stop)
+            for e in range(f.nspans):
+                self._add_body(buf, f.spans[2 * e], f.spans[2 * e + 1])
+            f.nspans = 0
+            pos = stop
             if take >= 0:
-                self._llhttp(buf, pos, take)
-                pos = take
                 self._ended()
-                continue
-            self._llhttp(buf, pos, n)
-            return 0
+            elif take == -1:
+                return 0
+        return 0
+
+    cdef int _add_body(self, bytes buf, Py_ssize_t start, Py_ssize_t end) except -1:
+        if end > start:
+            self._parts.append(_slice(buf, start, end))
+            self._body_size += end - start
         return 0
 
     cdef int _llhttp(self, bytes buf, Py_ssize_t start, Py_ssize_t end) except -1:
@@ -1037,9 +1059,16 @@ cdef class RequestReader:
 
     cdef int _ended(self) except -1:
         # our framing says the request ended: httptools must agree
-        if not self._complete:
+        cdef Request req = self._req
+        cdef list parts = self._parts
+        if not self._complete or req is None:
             raise BadRequestError("malformed HTTP request: the message does not end where its framing says",
                                   close=True)
+        if parts:
+            req.body = parts[0] if len(parts) == 1 else b"".join(parts)
+            self._parts = []
+        self._req = None
+        self._on_request(req)
         return 0
 
     cdef Request _read_head(self, bytes head, Py_ssize_t end):
@@ -1224,7 +1253,6 @@ cdef class RequestReader:
         if req is None:
             raise BadRequestError("malformed HTTP request: a head that was not framed", close=True)
         self._req = req
-        self._parts = []
         self._body_size = 0
         if self._error is not None:
             error, self._error = self._error, None
@@ -1248,24 +1276,10 @@ cdef class RequestReader:
         if req.expect_continue and self._on_head is not None and req.content_length != 0:
             self._on_head(req)
 
-    def on_body(self, bytes body):
-        self._body_size += PyBytes_GET_SIZE(body)
-        if self._body_size > self.max_body:
-            raise PayloadTooLargeError(f"request body exceeds the limit of {self.max_body} bytes", close=True)
-        self._parts.append(body)
-
     def on_message_complete(self):
-        cdef Request req = self._req
-        cdef list parts = self._parts
-        if req is None:
-            raise BadRequestError("malformed HTTP request: a message that was not framed", close=True)
-        if parts:
-            req.body = parts[0] if len(parts) == 1 else b"".join(parts)
-            self._parts = []
-        self._req = None
+        # (the request goes to on_request from _ended, with the body read off the bytes)
         self._complete = True
         self._want_head = True
-        self._on_request(req)
 
 
 cdef Py_ssize_t _find(const char* s, Py_ssize_t start, Py_ssize_t end, const char* pat, Py_ssize_t m) noexcept nogil:
