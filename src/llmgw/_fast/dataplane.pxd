@@ -217,8 +217,9 @@ cdef class TrafficCounters:
 
     @cython.locals(i=Py_ssize_t, n=Py_ssize_t, b=double)
     cdef Py_ssize_t _bucket(self, double value)
-    @cython.locals(s=RequestSeries, h=Hist, u=Hist)
     cpdef request_done(self, model, replica, int status, band, double duration, ttfb, upstream)
+    @cython.locals(s=RequestSeries, h=Hist, u=Hist)
+    cpdef record(self, model, replica, int status, band, double duration, double ttfb, double upstream)
     cpdef upstream_error(self, replica, kind)
     cpdef retry(self, model, replica)
     cpdef tokens(self, model, prompt, completion)
@@ -252,14 +253,14 @@ cdef class Call:
     cdef public _Response resp
     cdef public bint retrying
     cdef public bytes rid_line
-    cdef public object sent_at
+    cdef public double sent_at
     cdef public Py_ssize_t sent_bytes
     cdef public double started
     cdef public bint streaming
     cdef public object tenant
     cdef public list tried
     cdef public int tries
-    cdef public object ttfb
+    cdef public double ttfb
     cdef public object usage
     cdef public bint progress
     cdef public bytes _tail
@@ -282,6 +283,7 @@ cdef class Call:
     cpdef client_gone(self)
     cpdef _completed(self, bint success)
     cpdef _finish(self, error)
+    @cython.locals(ttfb=double, upstream=double, now=double)
     cpdef _done(self, error)
 
 

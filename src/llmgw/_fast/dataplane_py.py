@@ -1374,6 +1374,14 @@ class TrafficCounters:
         upstream: float | None,
     ) -> None:
         """A client request finished (any outcome). Times in seconds; ``None`` when not reached."""
+        self.record(model, replica, status, band, duration, -1.0 if ttfb is None else ttfb,
+                    -1.0 if upstream is None else upstream)
+
+    def record(
+        self, model: str, replica: str | None, status: int, band: str, duration: float, ttfb: float, upstream: float
+    ) -> None:
+        """:meth:`request_done` with ``-1.0`` for a time not reached (PERF: the gateway's
+        call, with no float objects)."""
         s = self._requests.get((model, replica, status, band))
         if s is None:
             s = self._new_requests(model, replica, status, band)
@@ -1381,11 +1389,11 @@ class TrafficCounters:
         h = s.dur
         h.counts[self._bucket(duration)] += 1
         h.total += duration
-        if ttfb is not None:
+        if ttfb >= 0.0:
             h = s.ttfb
             h.counts[self._bucket(ttfb)] += 1
             h.total += ttfb
-        if upstream is not None:
+        if upstream >= 0.0:
             u = s.up
             if u is not None:
                 u.counts[self._bucket(upstream)] += 1
@@ -1668,8 +1676,8 @@ class Call:
         self._buf: list[bytes] = []
         self._pending = b""
         self.sent_bytes = 0
-        self.ttfb: float | None = None
-        self.sent_at: float | None = None
+        self.ttfb = -1.0  # when the answer's head arrived (monotonic); -1: not yet
+        self.sent_at = -1.0  # when the request went upstream; -1: not yet
         self.error: HTTPError | None = None
         self.head_tail = b""
         self.usage: tuple[int, int] | None = None  # the answer's token usage, reported once at the end
@@ -2066,8 +2074,8 @@ class Call:
         now = _monotonic()
         ep = self.ep
         w = self.w
-        ttfb = self.ttfb - self.started if self.ttfb is not None else None
-        upstream = now - self.sent_at if self.sent_at is not None else None
+        ttfb = self.ttfb - self.started if self.ttfb >= 0.0 else -1.0
+        upstream = now - self.sent_at if self.sent_at >= 0.0 else -1.0
         replica = ep.id if ep is not None else None
         if self.streaming and gw.count_tokens:
             usage = usage_counts(self._tail) if self._tail else None
@@ -2077,12 +2085,15 @@ class Call:
         usage = self.usage
         counters = gw.counters
         if counters is not None:  # PERF: C calls, not Python method calls
-            counters.request_done(self.model, replica, w.status, self.band_name, now - self.started, ttfb, upstream)
+            counters.record(self.model, replica, w.status, self.band_name, now - self.started, ttfb, upstream)
             if usage is not None:
                 counters.tokens(self.model, usage[0], usage[1])
         else:
             observer = gw.observer
-            observer.request_done(self.model, replica, w.status, self.band_name, now - self.started, ttfb, upstream)
+            observer.request_done(
+                self.model, replica, w.status, self.band_name, now - self.started,
+                ttfb if ttfb >= 0.0 else None, upstream if upstream >= 0.0 else None,
+            )
             if usage is not None:
                 observer.tokens(self.model, usage[0], usage[1])
         if gw.access_log:
@@ -2369,7 +2380,7 @@ class Gateway:
             call.tries,
             call.w,
             call.sent_bytes,
-            round((call.ttfb - call.started) * 1000, 3) if call.ttfb is not None else None,
+            round((call.ttfb - call.started) * 1000, 3) if call.ttfb >= 0.0 else None,
             round((now - call.started) * 1000, 3),
         )
 
