@@ -267,11 +267,14 @@ cdef class Call:
     cdef public bytes _tail_prev
     cdef public ResponseWriter w
 
+    @cython.locals(now=double)
     cpdef admit(self)
     cpdef shed(self, reason, message)
+    @cython.locals(now=double)
     cpdef dispatch(self)
+    @cython.locals(now=double)
     cpdef _send(self, UpstreamConnection conn, bytes head, bint reused)
-    cpdef _deadline(self, int kind, double delay)
+    cpdef _deadline(self, int kind, double at)
     cpdef _attempt_failed(self, error, kind, bint counts=*)
     cpdef bint _fresh_retry(self)
     cpdef on_response_head(self, _Response resp)

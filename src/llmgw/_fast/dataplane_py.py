@@ -1711,7 +1711,7 @@ class Call:
             self.shed("queue_full", f"the {self.model} pool is saturated and its {self.band_name} queue is full")
             return
         self.phase = _P_QUEUED
-        self._deadline(_D_QUEUE, gw.queue_timeout)
+        self._deadline(_D_QUEUE, now + gw.queue_timeout)
         gw.observer.admission(self.band_name, "queued")
         if evicted is not None:
             assert isinstance(evicted, Call)
@@ -1787,15 +1787,16 @@ class Call:
         self.conn = conn
         self.resp = None
         self.head_tail = head if reused else b""
-        self._deadline(_D_FIRST_BYTE, self.gw.first_byte_timeout)
-        self.sent_at = _monotonic()
+        now = _monotonic()
+        self.sent_at = now
+        self._deadline(_D_FIRST_BYTE, now + self.gw.first_byte_timeout)
         conn.send(self, head, self.body)
 
-    def _deadline(self, kind: int, delay: float) -> None:
-        gw = self.gw
+    def _deadline(self, kind: int, at: float) -> None:
+        """Expire at ``at`` (the monotonic clock) unless moved on first."""
         self.dkind = kind
-        self.deadline = _monotonic() + delay
-        gw.watch(self)
+        self.deadline = at
+        self.gw.watch(self)
 
     def _attempt_failed(self, error: HTTPError, kind: str, counts: bool = True) -> None:
         """This attempt failed before any byte reached the client: retry or answer."""
@@ -1856,7 +1857,7 @@ class Call:
             conn = self.conn
             if conn is not None:
                 w.add_flow_listener(conn)
-        self._deadline(_D_READ, self.gw.read_timeout)
+        self._deadline(_D_READ, self.ttfb + self.gw.read_timeout)
 
     def on_response_body(self, data: bytes) -> None:
         if self.streaming:
