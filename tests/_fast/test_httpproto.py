@@ -1093,3 +1093,44 @@ def test_chunked_body_limit_and_framing_order(httpproto: ModuleType, body: bytes
     head = b"POST / HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n"
     out = parse_all_ways(httpproto, head + body, max_body=32)
     assert out.error is not None and out.error[1] == status, out
+
+
+PLAIN_THEN = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n1\r\n \r\n"
+
+
+@pytest.mark.parametrize(
+    ("rest", "body", "ok"),
+    [
+        (b"5;ext=1\r\nworld\r\n3\r\n!!!\r\n0\r\nX-Trailer: t\r\n\r\n", b"hello world!!!", True),
+        (b"003\r\nabc\r\n0\r\n\r\n", b"hello abc", True),
+        (b"5 \r\nworld\r\n0\r\n\r\n", b"hello ", False),  # a space after the size: llhttp refuses it
+        (b"5\r\nworldXX0\r\n\r\n", b"hello ", False),  # no CRLF after the data
+        (b"5\r\nworld\r\nzz\r\n", b"hello world", False),
+    ],
+)
+def test_response_plain_chunks_then_others(httpproto: ModuleType, rest: bytes, body: bytes, ok: bool) -> None:
+    # The compiled twin passes whole plain chunks on without llhttp; what follows
+    # them still goes through it.
+    if ok:
+        events = read_all_ways(httpproto, PLAIN_THEN + rest)
+        assert _body_bytes(events) == body and events[-1] == ("end",), events
+    else:
+        events = read_response(httpproto, PLAIN_THEN + rest)
+        # (the chunks before the fault reach the sink in both twins)
+        assert events[-1][0] == "error" and _body_bytes(events).startswith(body), events
+
+
+@pytest.mark.c_extension
+@needs_c
+def test_response_plain_chunks_twins_agree() -> None:
+    assert httpproto_c is not None
+    for rest in [b"5 \r\nworld\r\n0\r\n\r\n", b"5\r\nworldXX0\r\n\r\n", b"5\r\nworld\r\nzz\r\n", b"0\r\n\r\n"]:
+        data = PLAIN_THEN + rest
+        for cut in range(len(data) + 1):
+            chunks = [data[:cut], data[cut:]]
+            got_c, got_py = read_response(httpproto_c, chunks), read_response(httpproto_py, chunks)
+            if got_py[-1][0] == "error":  # (a prefix of the body: see test_differential_responses)
+                assert _without_body(got_c) == _without_body(got_py), (rest, cut)
+                assert _body_bytes(got_py).startswith(_body_bytes(got_c)), (rest, cut)
+            else:
+                assert got_c == got_py, (rest, cut)

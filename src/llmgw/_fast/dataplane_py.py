@@ -1325,7 +1325,8 @@ class TrafficCounters:
 
     Implements :class:`llmgw.gateway.observe.Observer`. The gateway calls these
     directly from C when its observer is one of these (the admin app's
-    ``PrometheusObserver`` is, and renders the dicts at scrape time). Not
+    ``PrometheusObserver`` is, and renders the dicts at scrape time); for a
+    finished request it calls :meth:`record`, not :meth:`request_done`. Not
     thread-safe: hooks and reads happen on the event loop thread.
 
     Args:

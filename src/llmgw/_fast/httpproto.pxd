@@ -15,6 +15,7 @@ cdef struct ChunkFraming:
     Py_ssize_t spans[16]              # ... (start, end) pairs
     int nspans                        # ... how many
     Py_ssize_t stop                   # ... where a pass stopped with spans full
+    bint boundary                     # at the start of a chunk-size line
 
 
 cdef class Request:

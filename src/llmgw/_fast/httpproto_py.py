@@ -14,11 +14,21 @@ This module is what llmgw does with each message:
   connection's ``on_request``.
 * :class:`ResponseReader` is the same for a response read from a replica: status,
   framing, content type, and the header lines to pass on to the client.
-* :func:`response_head`, :func:`upstream_head` and :func:`chunk_head` build the
-  bytes llmgw writes.
+* :func:`response_head`, :func:`upstream_head`, :func:`chunk_head`,
+  :func:`chunk` and :func:`id_line` build the bytes llmgw writes.
 
 Limits raise :mod:`llmgw.errors` HTTP errors (431, 413, 400) that the server turns
-into responses in one place.
+into responses in one place. A head llhttp refuses is a 400 wherever the fault
+is; the checks on its fields (head size, header count, ``Expect``, a second
+``Host``) are made once llhttp has accepted the whole head, in header order.
+
+The compiled twin reads heads (and chunk framing) off the bytes itself and feeds
+llhttp exactly one message at a time, so httptools makes no per-header or per-body
+callbacks there; what it accepts, refuses and delivers is the same, with two
+documented differences: it bounds an unfinished head by the head's own bytes
+(this twin by whole reads), and it passes a read's body bytes on once llhttp has
+accepted the whole read (this twin as llhttp goes), so when llhttp refuses a read
+it has passed on a prefix of what this twin did.
 """
 
 from __future__ import annotations
