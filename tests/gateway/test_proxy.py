@@ -100,6 +100,13 @@ class FakeEngine:
         self.active += 1
         try:
             w.start(200, [(b"content-type", b"text/event-stream")])
+            if mode == "raw_chunks":
+                # chunk framing as other engines write it, straight to the transport
+                for piece in RAW_CHUNKS:
+                    w._conn._transport_write(piece)
+                    await asyncio.sleep(0.002)
+                w.end()
+                return
             n = 50 if mode == "slow_stream" else 3
             for i in range(n):
                 w.write(b'data: {"choices":[{"delta":{"content":"t%d"}}]}\n\n' % i)
@@ -119,6 +126,17 @@ class FakeEngine:
             raise
         finally:
             self.active -= 1
+
+
+RAW_EVENTS = [b'data: {"choices":[{"delta":{"content":"t%d"}}]}\n\n' % i for i in range(6)] + [b"data: [DONE]\n\n"]
+RAW_CHUNKS = [
+    b"%04X\r\n%s\r\n" % (len(RAW_EVENTS[0]), RAW_EVENTS[0]),  # upper-case size with leading zeros
+    b"%x\r\n%s\r\n" % (len(RAW_EVENTS[1] + RAW_EVENTS[2]), RAW_EVENTS[1] + RAW_EVENTS[2]),  # two events
+    b"%x\r\n%s\r\n" % (10, RAW_EVENTS[3][:10]),  # an event split over two chunks
+    b"%x\r\n%s\r\n" % (len(RAW_EVENTS[3]) - 10, RAW_EVENTS[3][10:]),
+    b"%x;ext=1\r\n%s\r\n" % (len(RAW_EVENTS[4]), RAW_EVENTS[4]),  # a chunk extension
+    b"%x\r\n%s\r\n%x\r\n%s\r\n" % (len(RAW_EVENTS[5]), RAW_EVENTS[5], len(RAW_EVENTS[6]), RAW_EVENTS[6]),
+]
 
 
 @contextlib.asynccontextmanager
@@ -386,6 +404,19 @@ async def test_streaming_relays_events() -> None:
         events = [e for e in data.split(b"\n\n") if e]
         assert events[-1] == b"data: [DONE]"
         assert len(events) == 4
+
+
+async def test_streaming_relays_any_chunk_framing_as_whole_events() -> None:
+    # The compiled reader relays an engine's plain chunks as they came when they
+    # hold whole events; every other shape is re-framed. The client sees the same.
+    a = FakeEngine("a")
+    async with gateway([a]) as rt:
+        a.mode = "raw_chunks"
+        for _ in range(2):  # (and again on the reused upstream connection)
+            status, hdrs, data = await request(port_of(rt), chat(stream=True))
+            assert status == 200 and hdrs[b"content-type"] == b"text/event-stream"
+            assert data == b"".join(RAW_EVENTS)
+        assert inflight_zero(rt)
 
 
 @pytest.mark.parametrize("mode", ["cut_stream", "split_events"])

@@ -90,6 +90,7 @@ cdef class ResponseSink:
     cpdef on_response_head(self, Response resp)
     cpdef on_response_body(self, data)
     cpdef on_response_end(self)
+    cpdef on_response_chunk(self, bytes raw, Py_ssize_t start, Py_ssize_t end)
 
 
 cdef class ResponseReader:

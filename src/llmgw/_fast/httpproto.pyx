@@ -619,6 +619,11 @@ cdef class ResponseSink:
     cpdef on_response_end(self):
         raise NotImplementedError
 
+    cpdef on_response_chunk(self, bytes raw, Py_ssize_t start, Py_ssize_t end):
+        """A whole chunk of a chunked body as it came (size line, data, CRLF); the
+        data is ``raw[start:end]``. By default it goes to on_response_body."""
+        self.on_response_body(raw[start:end])
+
 
 @cython.final
 cdef class ResponseReader:
@@ -729,9 +734,15 @@ cdef class ResponseReader:
                 # PERF: whole plain chunks go straight to the sink (see _plain_chunks)
                 stop = _plain_chunks(f, PyBytes_AS_STRING(buf), pos, n)
                 if stop > pos:
-                    pos = stop
                     for e in range(f.nspans):
-                        self._deliver(buf, f.spans[2 * e], f.spans[2 * e + 1])
+                        if self._csink is not None:
+                            # the chunk as it came (a valid chunk for the client too)
+                            base = pos if e == 0 else f.spans[2 * e - 1] + 2
+                            self._csink.on_response_chunk(_slice(buf, base, f.spans[2 * e + 1] + 2),
+                                                          f.spans[2 * e] - base, f.spans[2 * e + 1] - base)
+                        else:
+                            self._deliver(buf, f.spans[2 * e], f.spans[2 * e + 1])
+                    pos = stop
                     f.nspans = 0
                     continue
             take = _frame_chunks(f, PyBytes_AS_STRING(buf), pos, n)
