@@ -329,27 +329,75 @@ cpdef Py_ssize_t sse_cut(bytes data) except -1:
         i -= 1
     return 0
 
-cdef list _field_list(bytes raw, Py_ssize_t pos, Py_ssize_t end):
-    # the (name, value) pairs of the header lines in raw[pos:end] (which ends
-    # with the blank line), as llhttp's callbacks give them; lines without a
-    # colon are skipped (llhttp refused any such head before it got here)
-    cdef const char* s = PyBytes_AS_STRING(raw)
-    cdef Py_ssize_t eol, colon, vs
-    cdef list out = []
+cdef Py_ssize_t _field(const char* s, Py_ssize_t pos, Py_ssize_t end, Py_ssize_t* start, Py_ssize_t* nn,
+                       Py_ssize_t* vs, Py_ssize_t* eol) noexcept nogil:
+    # The next header line at or after pos in a head that ends at end (with the
+    # blank line), as llhttp's callbacks give it: its name s[start:start+nn], its
+    # value s[vs:eol] (eol: the index of its CR). Returns where the line after it
+    # starts; -1: no more. Lines without a colon are skipped (llhttp refuses a
+    # head with one; what is read of it then does not matter).
+    cdef Py_ssize_t e, colon, v
     while pos < end - 2:
-        eol = _eol(s, pos, end) - 1
-        if eol < pos:
-            break
+        e = _eol(s, pos, end) - 1
+        if e < pos:
+            return -1
         colon = pos
-        while colon < eol and s[colon] != 58:
+        while colon < e and s[colon] != 58:
             colon += 1
-        if colon < eol:
-            vs = colon + 1
-            while vs < eol and _ows(s[vs]):
-                vs += 1
-            out.append((PyBytes_FromStringAndSize(s + pos, colon - pos), PyBytes_FromStringAndSize(s + vs, eol - vs)))
-        pos = eol + 2
-    return out
+        if colon < e:
+            v = colon + 1
+            while v < e and _ows(s[v]):
+                v += 1
+            start[0] = pos
+            nn[0] = colon - pos
+            vs[0] = v
+            eol[0] = e
+            return e + 2
+        pos = e + 2
+    return -1
+
+
+cdef long long _length_value(const char* s, Py_ssize_t vs, Py_ssize_t eol) noexcept nogil:
+    # a Content-Length value (trailing OWS allowed; clamped); -1: not digits
+    cdef long long cl = 0
+    cdef Py_ssize_t k
+    while eol > vs and _ows(s[eol - 1]):
+        eol -= 1
+    if eol == vs:
+        return -1
+    for k in range(vs, eol):
+        if not 48 <= s[k] <= 57:
+            return -1
+        if cl < 100000000000000000LL:
+            cl = cl * 10 + (s[k] - 48)
+        else:
+            cl = 0x7FFFFFFFFFFFFFFF
+    return cl
+
+
+cdef inline Py_ssize_t _put_field(char* fw, Py_ssize_t at, const char* name, Py_ssize_t nn, const char* value,
+                                  Py_ssize_t nv) noexcept nogil:
+    # "name: value" CRLF written at fw + at; returns the new end
+    memcpy(fw + at, name, nn)
+    fw[at + nn] = 58
+    fw[at + nn + 1] = 32
+    memcpy(fw + at + nn + 2, value, nv)
+    fw[at + nn + 2 + nv] = 13
+    fw[at + nn + 3 + nv] = 10
+    return at + nn + nv + 4
+
+
+cdef list _field_list(bytes raw, Py_ssize_t pos, Py_ssize_t end):
+    # the (name, value) pairs of the header lines in raw[pos:end], as llhttp's
+    # callbacks give them
+    cdef const char* s = PyBytes_AS_STRING(raw)
+    cdef Py_ssize_t start, nn, vs, eol
+    cdef list out = []
+    while True:
+        pos = _field(s, pos, end, &start, &nn, &vs, &eol)
+        if pos < 0:
+            return out
+        out.append((PyBytes_FromStringAndSize(s + start, nn), PyBytes_FromStringAndSize(s + vs, eol - vs)))
 
 
 @cython.final
@@ -800,13 +848,13 @@ cdef class ResponseReader:
         """The response head ``head[:end]`` (ending with the blank line), read as
         the twin's header callbacks would; sets how its body is framed."""
         cdef const char* s = PyBytes_AS_STRING(head)
-        cdef Py_ssize_t pos, eol, colon, vs, ve, nn, nv, k
+        cdef Py_ssize_t pos, eol, fs, vs, ve, nn, nv, k
         cdef Py_ssize_t header_bytes = 0
         cdef Py_ssize_t fwlen = 0
         cdef char* fw
         cdef int kind, status = 0
         cdef long long cl
-        cdef bint chunked = False, has_te = False, digits_ok
+        cdef bint chunked = False, has_te = False
         cdef Response resp = Response.__new__(Response)
         cdef bytes value
         cdef Py_ssize_t count = 0
@@ -829,54 +877,25 @@ cdef class ResponseReader:
             raise MemoryError()
         try:
             pos = eol + 2
-            while pos < end - 2:
-                eol = _eol(s, pos, end) - 1
-                if eol < pos:
+            while True:
+                pos = _field(s, pos, end, &fs, &nn, &vs, &eol)
+                if pos < 0:
                     break
-                colon = pos
-                while colon < eol and s[colon] != 58:
-                    colon += 1
-                if colon >= eol:
-                    pos = eol + 2
-                    continue  # (httptools refuses the line)
-                nn = colon - pos
-                vs = colon + 1
-                while vs < eol and _ows(s[vs]):
-                    vs += 1
                 nv = eol - vs
                 header_bytes += nn + nv + 4
                 if header_bytes > self.max_head_bytes or count >= self.max_headers:
                     raise ValueError("upstream response head is too large")
                 count += 1
-                kind = _classify(s + pos, nn)
+                kind = _classify(s + fs, nn)
                 if kind == H_OTHER or kind == H_CONTENT_TYPE:
                     if kind == H_CONTENT_TYPE and resp.content_type is None:
                         value = PyBytes_FromStringAndSize(s + vs, nv)
                         resp.content_type = value
                         resp.event_stream = nv >= 17 and _ieq(s + vs, b"text/event-stream", 17)
-                    memcpy(fw + fwlen, s + pos, nn)
-                    fw[fwlen + nn] = 58
-                    fw[fwlen + nn + 1] = 32
-                    memcpy(fw + fwlen + nn + 2, s + vs, nv)
-                    fw[fwlen + nn + 2 + nv] = 13
-                    fw[fwlen + nn + 3 + nv] = 10
-                    fwlen += nn + nv + 4
+                    fwlen = _put_field(fw, fwlen, s + fs, nn, s + vs, nv)
                 elif kind == H_CONTENT_LENGTH:
-                    cl = 0
-                    ve = eol
-                    while ve > vs and _ows(s[ve - 1]):
-                        ve -= 1
-                    digits_ok = ve > vs
-                    for k in range(vs, ve):
-                        if 48 <= s[k] <= 57:
-                            if cl < 100000000000000000:
-                                cl = cl * 10 + (s[k] - 48)
-                            else:
-                                cl = 0x7FFFFFFFFFFFFFFF
-                        else:
-                            digits_ok = False
-                            break
-                    if digits_ok:
+                    cl = _length_value(s, vs, eol)
+                    if cl >= 0:
                         resp.content_length = cl
                 elif kind == H_TRANSFER_ENCODING:
                     has_te = True
@@ -884,7 +903,6 @@ cdef class ResponseReader:
                     while ve > vs and _ows(s[ve - 1]):
                         ve -= 1
                     chunked = _te_chunked(s, vs, ve)
-                pos = eol + 2
             resp.forward = PyBytes_FromStringAndSize(fw, fwlen)
         finally:
             if fw != &stack[0]:
@@ -1131,13 +1149,13 @@ cdef class RequestReader:
         the twin's callbacks would; sets how its body is framed. A field error is
         kept for on_headers_complete, after llhttp has validated the whole head."""
         cdef const char* s = PyBytes_AS_STRING(head)
-        cdef Py_ssize_t pos, eol, colon, vs, ve, nn, nv, k, t, te
+        cdef Py_ssize_t pos, eol, fs, vs, ve, nn, nv, k, t, te
         cdef Py_ssize_t head_bytes
         cdef Py_ssize_t fwlen = 0
         cdef char* fw
         cdef int kind
         cdef long long cl
-        cdef bint chunked = False, has_te = False, digits_ok
+        cdef bint chunked = False, has_te = False
         cdef Request req = Request.__new__(Request)
         cdef Py_ssize_t count = 0
         cdef char stack[_STACK_HEAD]
@@ -1188,23 +1206,13 @@ cdef class RequestReader:
             raise MemoryError()
         try:
             pos = eol + 2
-            while pos < end - 2:
-                eol = _eol(s, pos, end) - 1
-                if eol < pos:
+            while True:
+                pos = _field(s, pos, end, &fs, &nn, &vs, &eol)
+                if pos < 0:
                     break
-                colon = pos
-                while colon < eol and s[colon] != 58:
-                    colon += 1
-                if colon >= eol:
-                    pos = eol + 2
-                    continue  # (llhttp refuses the line)
-                nn = colon - pos
-                vs = colon + 1
-                while vs < eol and _ows(s[vs]):
-                    vs += 1
                 nv = eol - vs
                 # framing is read whatever the fields say
-                kind = _classify(s + pos, nn)
+                kind = _classify(s + fs, nn)
                 if kind == H_TRANSFER_ENCODING:
                     has_te = True
                     ve = eol
@@ -1212,27 +1220,13 @@ cdef class RequestReader:
                         ve -= 1
                     chunked = _te_chunked(s, vs, ve)
                 elif kind == H_CONTENT_LENGTH:
-                    cl = 0
-                    ve = eol
-                    while ve > vs and _ows(s[ve - 1]):
-                        ve -= 1
-                    digits_ok = ve > vs
-                    for k in range(vs, ve):
-                        if 48 <= s[k] <= 57:
-                            if cl < 100000000000000000:
-                                cl = cl * 10 + (s[k] - 48)
-                            else:
-                                cl = 0x7FFFFFFFFFFFFFFF
-                        else:
-                            digits_ok = False
-                            break
-                    if digits_ok:
+                    cl = _length_value(s, vs, eol)
+                    if cl >= 0:
                         req.content_length = cl
                 elif kind == H_CONNECTION or (kind == H_HOP and nn == 16):
                     self._connection = True  # (llhttp reads Proxy-Connection as Connection)
-                elif kind == H_HOP and nn == 7 and _ieq(s + pos, b"upgrade", 7):
+                elif kind == H_HOP and nn == 7 and _ieq(s + fs, b"upgrade", 7):
                     self._check_upgrade = True
-                pos = eol + 2
                 if error is not None:
                     continue
                 # the twin's on_header, in the same order
@@ -1245,7 +1239,7 @@ cdef class RequestReader:
                     continue
                 count += 1
                 if kind == H_OTHER:
-                    if nn == np and _ieq(s + colon - nn, PyBytes_AS_STRING(prio), nn):
+                    if nn == np and _ieq(s + fs, PyBytes_AS_STRING(prio), nn):
                         if req.priority is None:
                             req.priority = PyBytes_FromStringAndSize(s + vs, nv)
                         continue
@@ -1277,13 +1271,7 @@ cdef class RequestReader:
                         req.host = PyBytes_FromStringAndSize(s + vs, nv)
                     continue
                 # a line passed on: "name: value" CRLF
-                memcpy(fw + fwlen, s + colon - nn, nn)
-                fw[fwlen + nn] = 58
-                fw[fwlen + nn + 1] = 32
-                memcpy(fw + fwlen + nn + 2, s + vs, nv)
-                fw[fwlen + nn + 2 + nv] = 13
-                fw[fwlen + nn + 3 + nv] = 10
-                fwlen += nn + nv + 4
+                fwlen = _put_field(fw, fwlen, s + fs, nn, s + vs, nv)
             req.forward = PyBytes_FromStringAndSize(fw, fwlen)
         finally:
             if fw != &stack[0]:
