@@ -94,11 +94,7 @@ cdef class ResponseSink:
 
 
 cdef class ResponseReader:
-    cdef object _sink
-    cdef ResponseSink _csink          # the sink, when it is one (called through C)
-    cdef object _on_head
-    cdef object _on_body
-    cdef object _on_end
+    cdef ResponseSink _sink           # (a _MethodSink around any other sink)
     cdef public Py_ssize_t max_head_bytes
     cdef public Py_ssize_t max_headers
     cdef object _parser

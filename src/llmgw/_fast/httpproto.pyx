@@ -161,6 +161,13 @@ cdef inline bytes _slice(bytes buf, Py_ssize_t start, Py_ssize_t end):
     return PyBytes_FromStringAndSize(PyBytes_AS_STRING(buf) + start, end - start)
 
 
+cdef inline bytes _head_so_far(bytes acc, bytes buf, Py_ssize_t pos):
+    # an open head: what earlier reads left of it (acc), then this read from pos
+    if PyBytes_GET_SIZE(acc) == 0:
+        return _slice(buf, pos, PyBytes_GET_SIZE(buf))
+    return acc + _slice(buf, pos, PyBytes_GET_SIZE(buf))
+
+
 cdef inline char* _put(char* p, bytes b) noexcept:
     cdef Py_ssize_t n = PyBytes_GET_SIZE(b)
     memcpy(p, PyBytes_AS_STRING(b), n)
@@ -523,8 +530,10 @@ cdef inline bint _ows(char c) noexcept nogil:
 
 
 cdef bint _te_chunked(const char* s, Py_ssize_t vs, Py_ssize_t ve) noexcept nogil:
-    # whether the Transfer-Encoding value s[vs:ve] (OWS trimmed) ends with the
-    # token "chunked", as llhttp reads it: the whole value, or after a comma
+    # whether the Transfer-Encoding value s[vs:ve] ends with the token "chunked"
+    # (trailing OWS aside), as llhttp reads it: the whole value, or after a comma
+    while ve > vs and _ows(s[ve - 1]):
+        ve -= 1
     if ve - vs < 7 or not _ieq(s + ve - 7, b"chunked", 7):
         return False
     ve -= 7
@@ -654,23 +663,45 @@ cdef Py_ssize_t _plain_chunks(ChunkFraming* f, const char* s, Py_ssize_t pos, Py
 
 
 cdef class ResponseSink:
-    """What a :class:`ResponseReader` reports to; a subclass (the data path's
-    upstream connection) is called through C. Any object with these three
-    methods will do as a sink."""
+    """What a :class:`ResponseReader` reports to, through C (abstract: the data
+    path's upstream connection is a subclass). Any other object with
+    ``on_response_head``, ``on_response_body`` and ``on_response_end`` will do:
+    the reader wraps it in a :class:`_MethodSink`."""
 
     cpdef on_response_head(self, Response resp):
-        raise NotImplementedError
+        raise NotImplementedError(f"{type(self).__name__} does not implement on_response_head")
 
     cpdef on_response_body(self, data):
-        raise NotImplementedError
+        raise NotImplementedError(f"{type(self).__name__} does not implement on_response_body")
 
     cpdef on_response_end(self):
-        raise NotImplementedError
+        raise NotImplementedError(f"{type(self).__name__} does not implement on_response_end")
 
     cpdef on_response_chunk(self, bytes raw, Py_ssize_t start, Py_ssize_t end):
         """A whole chunk of a chunked body as it came (size line, data, CRLF); the
         data is ``raw[start:end]``. By default it goes to on_response_body."""
         self.on_response_body(raw[start:end])
+
+
+@cython.final
+cdef class _MethodSink(ResponseSink):
+    """A sink that is not a :class:`ResponseSink`, through its bound methods."""
+
+    cdef object _head, _body, _end
+
+    def __init__(self, sink):
+        self._head = sink.on_response_head
+        self._body = sink.on_response_body
+        self._end = sink.on_response_end
+
+    cpdef on_response_head(self, Response resp):
+        self._head(resp)
+
+    cpdef on_response_body(self, data):
+        self._body(data)
+
+    cpdef on_response_end(self):
+        self._end()
 
 
 @cython.final
@@ -686,11 +717,7 @@ cdef class ResponseReader:
     """
 
     def __init__(self, sink, Py_ssize_t max_head_bytes=65536, Py_ssize_t max_headers=200):
-        self._sink = sink
-        self._csink = sink if isinstance(sink, ResponseSink) else None  # PERF: called through C
-        self._on_head = sink.on_response_head
-        self._on_body = sink.on_response_body
-        self._on_end = sink.on_response_end
+        self._sink = sink if isinstance(sink, ResponseSink) else _MethodSink(sink)  # PERF: called through C
         self.max_head_bytes = max_head_bytes
         self.max_headers = max_headers
         self._parser = HttpResponseParser(self)
@@ -727,14 +754,9 @@ cdef class ResponseReader:
         cdef ChunkFraming* f = &self._chunks
         while pos < n:
             if self._want_head:
-                if self._acc:
-                    base = PyBytes_GET_SIZE(self._acc)
-                    head = self._acc + _slice(buf, pos, PyBytes_GET_SIZE(buf))
-                    e = _head_end(PyBytes_AS_STRING(head), base - 3 if base > 3 else 0, PyBytes_GET_SIZE(head))
-                else:
-                    base = 0
-                    head = _slice(buf, pos, PyBytes_GET_SIZE(buf))
-                    e = _head_end(PyBytes_AS_STRING(head), 0, PyBytes_GET_SIZE(head))
+                base = PyBytes_GET_SIZE(self._acc)
+                head = _head_so_far(self._acc, buf, pos)
+                e = _head_end(PyBytes_AS_STRING(head), base - 3 if base > 3 else 0, PyBytes_GET_SIZE(head))
                 if e < 0:
                     if PyBytes_GET_SIZE(head) > self.max_head_bytes:
                         raise ValueError("upstream response head is too large")
@@ -783,13 +805,10 @@ cdef class ResponseReader:
                 stop = _plain_chunks(f, PyBytes_AS_STRING(buf), pos, n)
                 if stop > pos:
                     for e in range(f.nspans):
-                        if self._csink is not None:
-                            # the chunk as it came (a valid chunk for the client too)
-                            base = pos if e == 0 else f.spans[2 * e - 1] + 2
-                            self._csink.on_response_chunk(_slice(buf, base, f.spans[2 * e + 1] + 2),
-                                                          f.spans[2 * e] - base, f.spans[2 * e + 1] - base)
-                        else:
-                            self._deliver(buf, f.spans[2 * e], f.spans[2 * e + 1])
+                        # the chunk as it came (a valid chunk for the client too)
+                        base = pos if e == 0 else f.spans[2 * e - 1] + 2
+                        self._sink.on_response_chunk(_slice(buf, base, f.spans[2 * e + 1] + 2),
+                                                     f.spans[2 * e] - base, f.spans[2 * e + 1] - base)
                     pos = stop
                     f.nspans = 0
                     continue
@@ -809,10 +828,7 @@ cdef class ResponseReader:
 
     cdef int _deliver(self, bytes buf, Py_ssize_t start, Py_ssize_t end) except -1:
         if end > start:
-            if self._csink is not None:
-                self._csink.on_response_body(_slice(buf, start, end))
-            else:
-                self._on_body(_slice(buf, start, end))
+            self._sink.on_response_body(_slice(buf, start, end))
         return 0
 
     cdef int _llhttp(self, bytes buf, Py_ssize_t start, Py_ssize_t end) except -1:
@@ -838,17 +854,14 @@ cdef class ResponseReader:
             self._interim = False
             return 0
         self._resp = None
-        if self._csink is not None:
-            self._csink.on_response_end()
-        else:
-            self._on_end()
+        self._sink.on_response_end()
         return 0
 
     cdef Response _read_head(self, bytes head, Py_ssize_t end):
         """The response head ``head[:end]`` (ending with the blank line), read as
         the twin's header callbacks would; sets how its body is framed."""
         cdef const char* s = PyBytes_AS_STRING(head)
-        cdef Py_ssize_t pos, eol, fs, vs, ve, nn, nv, k
+        cdef Py_ssize_t pos, eol, fs, vs, nn, nv, k
         cdef Py_ssize_t header_bytes = 0
         cdef Py_ssize_t fwlen = 0
         cdef char* fw
@@ -899,10 +912,7 @@ cdef class ResponseReader:
                         resp.content_length = cl
                 elif kind == H_TRANSFER_ENCODING:
                     has_te = True
-                    ve = eol
-                    while ve > vs and _ows(s[ve - 1]):
-                        ve -= 1
-                    chunked = _te_chunked(s, vs, ve)
+                    chunked = _te_chunked(s, vs, eol)
             resp.forward = PyBytes_FromStringAndSize(fw, fwlen)
         finally:
             if fw != &stack[0]:
@@ -930,7 +940,7 @@ cdef class ResponseReader:
             return False
         if not resp.chunked and resp.content_length < 0:
             self._resp = None
-            self._on_end()
+            self._sink.on_response_end()
             return True
         return False
 
@@ -949,10 +959,7 @@ cdef class ResponseReader:
         resp.keep_alive = self._parser.should_keep_alive()
         if resp.chunked:
             resp.content_length = -1
-        if self._csink is not None:
-            self._csink.on_response_head(resp)
-        else:
-            self._on_head(resp)
+        self._sink.on_response_head(resp)
 
     def on_message_complete(self):
         self._complete = True  # (the end goes to the sink from _ended, after the body)
@@ -1037,13 +1044,9 @@ cdef class RequestReader:
                         self._llhttp(buf, start, pos)
                         if pos == n:
                             return 0
-                    base = 0
-                    head = _slice(buf, pos, PyBytes_GET_SIZE(buf))
-                    e = _head_end(PyBytes_AS_STRING(head), 0, PyBytes_GET_SIZE(head))
-                else:
-                    base = PyBytes_GET_SIZE(self._acc)
-                    head = self._acc + _slice(buf, pos, PyBytes_GET_SIZE(buf))
-                    e = _head_end(PyBytes_AS_STRING(head), base - 3 if base > 3 else 0, PyBytes_GET_SIZE(head))
+                base = PyBytes_GET_SIZE(self._acc)
+                head = _head_so_far(self._acc, buf, pos)
+                e = _head_end(PyBytes_AS_STRING(head), base - 3 if base > 3 else 0, PyBytes_GET_SIZE(head))
                 if e < 0:
                     self._acc = head
                     self._llhttp(buf, pos, n)  # (it refuses garbage before the head ends)
@@ -1149,7 +1152,7 @@ cdef class RequestReader:
         the twin's callbacks would; sets how its body is framed. A field error is
         kept for on_headers_complete, after llhttp has validated the whole head."""
         cdef const char* s = PyBytes_AS_STRING(head)
-        cdef Py_ssize_t pos, eol, fs, vs, ve, nn, nv, k, t, te
+        cdef Py_ssize_t pos, eol, fs, vs, nn, nv, k, t, te
         cdef Py_ssize_t head_bytes
         cdef Py_ssize_t fwlen = 0
         cdef char* fw
@@ -1215,10 +1218,7 @@ cdef class RequestReader:
                 kind = _classify(s + fs, nn)
                 if kind == H_TRANSFER_ENCODING:
                     has_te = True
-                    ve = eol
-                    while ve > vs and _ows(s[ve - 1]):
-                        ve -= 1
-                    chunked = _te_chunked(s, vs, ve)
+                    chunked = _te_chunked(s, vs, eol)
                 elif kind == H_CONTENT_LENGTH:
                     cl = _length_value(s, vs, eol)
                     if cl >= 0:
