@@ -74,36 +74,36 @@ def test_demo_fleet_prints_where_and_how(demo: tuple[str, str, list[str]]) -> No
 
 def test_demo_fleet_serves_the_openai_client(demo: tuple[str, str, list[str]]) -> None:
     base, _, _ = demo
-    client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=20)
-    models = {m.id for m in client.models.list()}
-    assert {"llama-3.1-8b", "qwen2.5-0.5b", "llama3", "qwen"} <= models
-    chat = client.chat.completions.create(
-        model="llama-3.1-8b", messages=[{"role": "user", "content": "Hello"}], max_tokens=5
-    )
-    assert chat.choices[0].message.content
-    assert chat.usage is not None and chat.usage.completion_tokens == 5
-    stream = client.chat.completions.create(
-        model="qwen",
-        messages=[{"role": "user", "content": "Hi"}],
-        max_tokens=4,
-        stream=True,
-        stream_options={"include_usage": True},
-    )
-    pieces, usage = [], None
-    for chunk in stream:
-        if chunk.choices and chunk.choices[0].delta.content:
-            pieces.append(chunk.choices[0].delta.content)
-        if chunk.usage is not None:
-            usage = chunk.usage
-    assert len(pieces) == 4
-    assert usage is not None and usage.completion_tokens == 4
-    comp = client.completions.create(model="llama3", prompt="Once", max_tokens=3)
-    assert comp.choices[0].text
-    emb = client.embeddings.create(model="llama-3.1-8b", input=["a", "b"])
-    assert len(emb.data) == 2 and len(emb.data[0].embedding) > 0
-    with pytest.raises(openai.NotFoundError) as ei:
-        client.chat.completions.create(model="nope", messages=[{"role": "user", "content": "x"}])
-    assert ei.value.code == "model_not_found"
+    with openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=20) as client:
+        models = {m.id for m in client.models.list()}
+        assert {"llama-3.1-8b", "qwen2.5-0.5b", "llama3", "qwen"} <= models
+        chat = client.chat.completions.create(
+            model="llama-3.1-8b", messages=[{"role": "user", "content": "Hello"}], max_tokens=5
+        )
+        assert chat.choices[0].message.content
+        assert chat.usage is not None and chat.usage.completion_tokens == 5
+        stream = client.chat.completions.create(
+            model="qwen",
+            messages=[{"role": "user", "content": "Hi"}],
+            max_tokens=4,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+        pieces, usage = [], None
+        for chunk in stream:
+            if chunk.choices and chunk.choices[0].delta.content:
+                pieces.append(chunk.choices[0].delta.content)
+            if chunk.usage is not None:
+                usage = chunk.usage
+        assert len(pieces) == 4
+        assert usage is not None and usage.completion_tokens == 4
+        comp = client.completions.create(model="llama3", prompt="Once", max_tokens=3)
+        assert comp.choices[0].text
+        emb = client.embeddings.create(model="llama-3.1-8b", input=["a", "b"])
+        assert len(emb.data) == 2 and len(emb.data[0].embedding) > 0
+        with pytest.raises(openai.NotFoundError) as ei:
+            client.chat.completions.create(model="nope", messages=[{"role": "user", "content": "x"}])
+        assert ei.value.code == "model_not_found"
 
 
 def test_port_in_use_is_one_line(tmp_path: Path) -> None:

@@ -202,20 +202,27 @@ async def assert_closed(r: asyncio.StreamReader, within: float = WAIT) -> None:
 
 @contextlib.asynccontextmanager
 async def connect(port: int, rcvbuf: int = 0) -> AsyncIterator[tuple[asyncio.StreamReader, asyncio.StreamWriter]]:
-    if rcvbuf:
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
-        sock.setblocking(False)
-        await asyncio.get_running_loop().sock_connect(sock, ("127.0.0.1", port))
-        r, w = await asyncio.wait_for(asyncio.open_connection(sock=sock, limit=1 << 16), WAIT)
-    else:
-        r, w = await asyncio.wait_for(asyncio.open_connection("127.0.0.1", port), WAIT)
+    # The transport closes a socket it was handed; this one is also closed here (a no-op
+    # by then) so that a failed connect or an abandoned transport cannot leave it open.
+    sock = None
     try:
-        yield r, w
+        if rcvbuf:
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+            sock.setblocking(False)
+            await asyncio.wait_for(asyncio.get_running_loop().sock_connect(sock, ("127.0.0.1", port)), WAIT)
+            r, w = await asyncio.wait_for(asyncio.open_connection(sock=sock, limit=1 << 16), WAIT)
+        else:
+            r, w = await asyncio.wait_for(asyncio.open_connection("127.0.0.1", port), WAIT)
+        try:
+            yield r, w
+        finally:
+            w.close()
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(w.wait_closed(), WAIT)
     finally:
-        w.close()
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(w.wait_closed(), WAIT)
+        if sock is not None:
+            sock.close()
 
 
 def assert_openai_error(resp: Resp, status: int, code: str | None = None) -> dict[str, Any]:
