@@ -12,6 +12,12 @@ from llmgw._fast.httpproto cimport Request as _Request, Response as _Response
 from llmgw._fast.httpproto cimport RequestReader as _RequestReader, ResponseReader as _ResponseReader
 from llmgw._fast.httpproto cimport ResponseSink as _ResponseSink
 from llmgw._fast.httpproto cimport chunk, id_line, response_head, sse_cut, upstream_head, usage_counts
+from llmgw._fast.httpproto cimport monotonic as _monotonic
+from llmgw._fast.score cimport EndpointState as _EndpointState, Picker as _Picker, pool_saturation
+
+# Module constants read on every request: C ints, not module-dict lookups.
+cdef int _D_NONE, _D_QUEUE, _D_FIRST_BYTE, _D_READ
+cdef int _P_NEW, _P_QUEUED, _P_CONNECTING, _P_SENT, _P_DONE
 
 cdef class HTTPProtocol
 cdef class UpstreamPool
@@ -172,7 +178,7 @@ cdef class Endpoint:
     cdef public object scrape_problem
     cdef public double scrape_seconds
     cdef public double stale_after
-    cdef public object state
+    cdef public _EndpointState state
 
     cpdef bytes target(self, bytes path)
     cpdef close(self)
@@ -181,7 +187,7 @@ cdef class Endpoint:
 cdef class ModelPool:
     cdef public list endpoints
     cdef public object name
-    cdef public object picker
+    cdef public _Picker picker
     cdef public object queue
     cdef public list states
 
@@ -273,7 +279,7 @@ cdef class Call:
     @cython.locals(now=double)
     cpdef admit(self)
     cpdef shed(self, reason, message)
-    @cython.locals(now=double)
+    @cython.locals(now=double, ep=Endpoint, state=_EndpointState)
     cpdef dispatch(self)
     @cython.locals(now=double)
     cpdef _send(self, UpstreamConnection conn, bytes head, bint reused)
@@ -288,6 +294,7 @@ cdef class Call:
     cpdef _cut_stream(self, why, code)
     cpdef expired(self)
     cpdef client_gone(self)
+    @cython.locals(now=double, ep=Endpoint, state=_EndpointState)
     cpdef _completed(self, bint success)
     cpdef _finish(self, error)
     @cython.locals(ttfb=double, upstream=double, now=double)

@@ -86,6 +86,7 @@ from ..http.parser import (
     ResponseReader,
     chunk,
     id_line,
+    monotonic as _monotonic,
     response_head,
     sse_cut,
     upstream_head,
@@ -129,9 +130,6 @@ __all__ = [
 ]
 
 log = server_logger
-
-# PERF: a module global, not time.monotonic looked up on the module at each call.
-_monotonic = time.monotonic
 
 _jsonscan = _select("jsonscan")
 json_model = _jsonscan.json_model
@@ -1309,7 +1307,7 @@ class ModelPool:
         return eps[i] if i >= 0 else None
 
     def saturation(self, now: float, stale_after: float, max_waiting: float, max_kv: float) -> float:
-        return float(pool_saturation(self.states, now, stale_after, max_waiting, max_kv))
+        return pool_saturation(self.states, now, stale_after, max_waiting, max_kv)
 
 
 
@@ -1710,7 +1708,7 @@ class Call:
     @property
     def rid(self) -> bytes:
         """The request id."""
-        return self.rid_line[14:-2]
+        return self.rid_line[14 : len(self.rid_line) - 2]
 
     # -- admission --
 
@@ -1765,7 +1763,7 @@ class Call:
         self.ep = ep
         self.tries += 1
         state = ep.state
-        self.probe = state.breaker.state_code == 2  # half-open: this request is the probe
+        self.probe = state.half_open()  # this request is the breaker's probe
         state.on_dispatch(now)
         head = upstream_head(
             self.req.method,
@@ -2360,7 +2358,7 @@ class Gateway:
         try:
             call = self._prepare(req, w, rid_line, key)
         except HTTPError as exc:
-            rid = rid_line[14:-2]
+            rid = rid_line[14 : len(rid_line) - 2]
             w.send_error(exc, ((b"x-request-id", rid),))
             band = self.bands[self.default_band]
             self.observer.request_done(_UNKNOWN, None, w.status, band, 0.0, None, None)

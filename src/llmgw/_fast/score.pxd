@@ -73,6 +73,12 @@ cdef class EndpointState:
     cdef double _queued(self) noexcept
     cdef double _saturation(self, double now, double stale_after, double max_waiting, double max_kv) noexcept
 
+    # (called from C by the data path)
+    cpdef on_dispatch(self, double now)
+    cpdef on_complete(self, double now)
+    cpdef on_abort(self, double now)
+    cpdef bint half_open(self)
+
 
 cdef class Picker:
     cdef int _strategy                    # S_*
@@ -90,6 +96,8 @@ cdef class Picker:
     cdef Py_ssize_t _round_robin(self, list states, double now) except -2
     cdef Py_ssize_t _score(self, list states, double now, double stale_after) except -2
 
+    cpdef Py_ssize_t pick(self, list states, double now, double stale_after) except -2
+
 
 cdef class RetryBudget:
     cdef public double ratio              # retries in flight per active request
@@ -97,3 +105,7 @@ cdef class RetryBudget:
     cdef public Py_ssize_t retrying       # retries in flight now
     cdef public long long retries         # granted (metrics)
     cdef public long long refused         # refused (metrics)
+
+
+cpdef double pool_saturation(list states, double now, double stale_after, double max_waiting,
+                             double max_kv) except? -1.0

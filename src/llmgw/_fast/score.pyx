@@ -254,7 +254,7 @@ cdef class EndpointState:
             self._window = self._window * decay + C_DRAIN_TAU * part
             self._t_last = now
 
-    def on_dispatch(self, double now):
+    cpdef on_dispatch(self, double now):
         """The router sent a request to this replica."""
         self._advance(now)
         self.inflight += 1
@@ -262,7 +262,7 @@ cdef class EndpointState:
         if self._done > 0.0:
             self.latency = self._area / self._done
 
-    def on_complete(self, double now):
+    cpdef on_complete(self, double now):
         """A request left this replica with a response (counts for drain rate and latency)."""
         self._advance(now)
         if self.inflight > 0:
@@ -272,7 +272,11 @@ cdef class EndpointState:
         self.drain_rate = self._done / (self._window if self._window > C_MIN_WINDOW else C_MIN_WINDOW)
         self.latency = self._area / self._done
 
-    def on_abort(self, double now):
+    cpdef bint half_open(self):
+        """Whether the breaker is half-open: a request just picked for this replica is its probe."""
+        return self._breaker._state == BS_HALF_OPEN
+
+    cpdef on_abort(self, double now):
         """A request left this replica without a usable outcome (not a completion)."""
         self._advance(now)
         if self.inflight > 0:
@@ -424,9 +428,11 @@ cdef class Picker:
         self._size = cap
         return 0
 
-    def pick(self, list states not None, double now, double stale_after):
+    cpdef Py_ssize_t pick(self, list states, double now, double stale_after) except -2:
         """The index in ``states`` of the replica to send the next request to, or -1."""
         cdef Py_ssize_t i
+        if states is None:
+            raise TypeError("states must be a list, not None")
         if self._strategy == S_SCORE:
             i = self._score(states, now, stale_after)
         elif self._strategy == S_LEAST_INFLIGHT:
@@ -558,11 +564,14 @@ cdef class Picker:
         return f"<Picker {self.strategy}>"
 
 
-def pool_saturation(list states not None, double now, double stale_after, double max_waiting, double max_kv):
+cpdef double pool_saturation(list states, double now, double stale_after, double max_waiting,
+                             double max_kv) except? -1.0:
     """Mean saturation of the usable replicas (stale ones count 1.0); ``inf`` if none is usable."""
     cdef Py_ssize_t i, n = 0
     cdef double total = 0.0
     cdef EndpointState st
+    if states is None:
+        raise TypeError("states must be a list, not None")
     if not (max_waiting > 0.0 and max_kv > 0.0):
         raise ValueError("max_waiting and max_kv must be positive")
     for i in range(PyList_GET_SIZE(states)):

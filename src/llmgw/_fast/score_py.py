@@ -449,6 +449,10 @@ class EndpointState:
         self.drain_rate = self._done / max(self._window, _MIN_WINDOW)
         self.latency = self._area / self._done
 
+    def half_open(self) -> bool:
+        """Whether the breaker is half-open: a request just picked for this replica is its probe."""
+        return self._breaker.state_code == BREAKER_HALF_OPEN
+
     def on_abort(self, now: float) -> None:
         """A request left this replica without a usable outcome (not a completion)."""
         self._advance(now)

@@ -22,6 +22,7 @@ if TYPE_CHECKING:
         chunk,
         chunk_head,
         id_line,
+        monotonic,
         response_head,
         sse_cut,
         upstream_head,
@@ -40,6 +41,7 @@ else:
     chunk = _impl.chunk
     chunk_head = _impl.chunk_head
     id_line = _impl.id_line
+    monotonic = _impl.monotonic
     response_head = _impl.response_head
     sse_cut = _impl.sse_cut
     upstream_head = _impl.upstream_head
@@ -57,6 +59,7 @@ __all__ = [
     "chunk",
     "chunk_head",
     "id_line",
+    "monotonic",
     "response_head",
     "sse_cut",
     "upstream_head",
