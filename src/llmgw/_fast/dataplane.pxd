@@ -42,6 +42,7 @@ cdef class HTTPServer:
 
 
 cdef class ResponseWriter:
+    cdef public Call _call
     cdef public bint _chunked
     cdef public HTTPProtocol _conn
     cdef public bint _head_only
@@ -71,6 +72,9 @@ cdef class HTTPProtocol:
     cdef public object _app
     cdef public object _limits
     cdef public object _loop
+    cdef public double _keepalive_timeout
+    cdef public double _header_timeout
+    cdef public double _body_timeout
     cdef public object transport
     cdef public object _twrite
     cdef public object peer
@@ -304,6 +308,7 @@ cdef class Call:
 cdef class Gateway:
     cdef public object loop
     cdef public object registry
+    cdef public dict pools
     cdef public bytes _rid_prefix
     cdef public Py_ssize_t _rid_n
     cdef public object created
@@ -342,5 +347,6 @@ cdef class Gateway:
     cpdef handle(self, _Request req, ResponseWriter w)
     cpdef bytes _request_id(self, _Request req)
     cpdef _proxy(self, _Request req, ResponseWriter w, key)
+    @cython.locals(pool=ModelPool)
     cpdef Call _prepare(self, _Request req, ResponseWriter w, bytes rid_line, key)
     cpdef log_access(self, Call call, double now)

@@ -86,12 +86,12 @@ from ..http.parser import (
     ResponseReader,
     chunk,
     id_line,
-    monotonic as _monotonic,
     response_head,
     sse_cut,
     upstream_head,
     usage_counts,
 )
+from ..http.parser import monotonic as _monotonic
 from ..log import access_logger, admin_logger, server_logger, upstream_logger
 from ..routing import (
     AdmissionQueue,
@@ -219,6 +219,7 @@ class ResponseWriter:
     """
 
     __slots__ = (
+        "_call",
         "_chunked",
         "_conn",
         "_head_only",
@@ -243,6 +244,7 @@ class ResponseWriter:
         self._chunked = False
         self._head_only = self.request.method == b"HEAD"
         self._listeners: list[Callable[[], Any]] | None = None
+        self._call: Call | None = None  # the proxy call answering here (told when the client goes)
 
     # -- writing --
 
@@ -389,6 +391,12 @@ class ResponseWriter:
         if self.disconnected:
             return
         self.disconnected = True
+        call, self._call = self._call, None
+        if call is not None:
+            try:
+                call.client_gone()
+            except Exception:
+                log.exception("disconnect callback failed")
         listeners, self._listeners = self._listeners, None
         for cb in listeners or ():
             try:
@@ -410,6 +418,10 @@ class HTTPProtocol:
         self._app = server.app
         self._limits = server.limits
         self._loop = server.loop
+        # (read on every request: kept here as floats, not looked up on the limits)
+        self._keepalive_timeout = float(server.limits.keepalive_timeout)
+        self._header_timeout = float(server.limits.header_timeout)
+        self._body_timeout = float(server.limits.body_timeout)
         # connection state
         self.transport: asyncio.Transport | None = None
         self._twrite: Callable[[bytes], None] | None = None
@@ -471,7 +483,7 @@ class HTTPProtocol:
             server.rejected += 1
             return
         server.connections.add(self)
-        self._arm(1, self._limits.keepalive_timeout)
+        self._arm(1, self._keepalive_timeout)
 
     def connection_lost(self, exc: Exception | None) -> None:
         """Called when the connection closes, for any reason."""
@@ -506,11 +518,13 @@ class HTTPProtocol:
         except HTTPError as exc:
             self._fail(exc)
             return
-        if self._timer_kind == 0 and self._reader.in_message:
-            self._arm(2 if self._reader.in_head else 3, self._limits.header_timeout
-                      if self._reader.in_head else self._limits.body_timeout)
-        elif self._timer_kind == 2 and not self._reader.in_head and self._reader.in_message:
-            self._arm(3, self._limits.body_timeout)
+        kind = self._timer_kind
+        if kind == 0 or kind == 2:
+            where = self._reader.where()  # 0 between requests, 1 in a head, 2 in a body
+            if kind == 0 and where == 1:
+                self._arm(2, self._header_timeout)
+            elif where == 2:
+                self._arm(3, self._body_timeout)
 
     def eof_received(self) -> bool | None:
         """Called when the client half-closes: treated as gone, as uvicorn does.
@@ -615,6 +629,7 @@ class HTTPProtocol:
         # PERF: drop the disconnect callbacks: they usually point back at the app's
         # request object, and that cycle would otherwise wait for the GC.
         writer._listeners = None
+        writer._call = None
         if writer is not self._current:
             return
         self._current = None
@@ -643,19 +658,21 @@ class HTTPProtocol:
             self._send_failure(exc)
         elif self._closing or self._server.closing:
             self._close()
-        elif self._reader.in_message:
+        else:
+            where = self._reader.where()
+            if where == 0:
+                self._arm(1, self._keepalive_timeout)
+                return
             # NOTE: a head or body timer that fired while the connection was busy
             # was dropped (the delay was ours); restart it now that only the client
             # can be slow, or a head that never ends would hold the slot forever.
             if self._continue_due:
                 self._continue_due = False
                 self.transport.write(_CONTINUE)
-            if self._reader.in_head:
-                self._arm(2, self._limits.header_timeout)
+            if where == 1:
+                self._arm(2, self._header_timeout)
             else:
-                self._arm(3, self._limits.body_timeout)
-        else:
-            self._arm(1, self._limits.keepalive_timeout)
+                self._arm(3, self._body_timeout)
 
     # -- errors, timers, closing --
 
@@ -995,7 +1012,7 @@ class UpstreamConnection:
         self.sink = None
         if self._read_paused:
             self.resume_reading()
-        if self.reusable and self.transport is not None and not self.reader.in_message:
+        if self.reusable and self.transport is not None and self.reader.where() == 0:
             self.pool._put_idle(self)
         else:
             self.reusable = False
@@ -2150,6 +2167,7 @@ class Gateway:
     def __init__(self, config: Config, registry: Registry) -> None:
         self.loop = asyncio.get_running_loop()
         self.registry = registry
+        self.pools: dict[str, ModelPool] = registry.pools  # (the registry's own dict, kept up to date by it)
         self._rid_prefix = os.urandom(6).hex().encode() + b"-"
         self._rid_n = 0
         self.created = int(time.time())
@@ -2260,10 +2278,10 @@ class Gateway:
 
     def breaker_outcome(self, ep: Endpoint, success: bool, now: float) -> None:
         """Tell ``ep``'s breaker how an attempt ended; report a state change."""
+        if success and ep.state.breaker_settled():
+            return  # PERF: the usual case; record_success would change nothing
         breaker = ep.state.breaker
         before = breaker.state_code
-        if success and before == 0 and breaker.consecutive_failures == 0:
-            return  # PERF: the usual case; record_success would change nothing
         if success:
             breaker.record_success(now)
         else:
@@ -2366,7 +2384,7 @@ class Gateway:
                 self._access_line(req, rid, _UNKNOWN, band, None, 0, w, 0, None, 0.0)
             return
         self.active_calls += 1
-        w.on_disconnect(call.client_gone)
+        w._call = call  # (PERF: told directly, not through an on_disconnect callback)
         call.admit()
 
     def _prepare(self, req: Request, w: ResponseWriter, rid_line: bytes, key: bytes | None) -> Call:
@@ -2385,7 +2403,7 @@ class Gateway:
         if not model:
             raise BadRequestError("You must provide a model parameter.", param="model", code="missing_model")
         real = self.aliases.get(model, model)
-        pool = self.registry.pools.get(real)
+        pool = self.pools.get(real)
         if pool is None or not pool.endpoints:
             raise ModelNotFoundError(
                 f"The model `{model[:200]}` does not exist or you do not have access to it.", param="model"

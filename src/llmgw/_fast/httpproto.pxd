@@ -65,6 +65,7 @@ cdef class RequestReader:
     cdef bint _dead
 
     cpdef feed(self, data)
+    cpdef int where(self)
     cdef int _feed(self, bytes buf) except -1
     cdef int _llhttp(self, bytes buf, Py_ssize_t start, Py_ssize_t end) except -1
     cdef int _ended(self) except -1
@@ -110,6 +111,7 @@ cdef class ResponseReader:
     cdef bint _complete               # httptools reported the message complete
 
     cpdef feed(self, data)
+    cpdef int where(self)
     cdef int _llhttp(self, bytes buf, Py_ssize_t start, Py_ssize_t end) except -1
     cdef int _ended(self) except -1
     cdef int _deliver(self, bytes buf, Py_ssize_t start, Py_ssize_t end) except -1

@@ -748,7 +748,13 @@ cdef class ResponseReader:
     @property
     def in_message(self):
         """Whether a response has started but is not complete yet."""
-        return self._resp is not None or self._acc != b""
+        return self.where() != 0
+
+    cpdef int where(self):
+        """0 between responses, 1 inside a head, 2 past a head (its body is being read)."""
+        if PyBytes_GET_SIZE(self._acc) > 0:
+            return 1
+        return 2 if self._resp is not None else 0
 
     cpdef feed(self, data):
         """Parse ``data``; the sink hears about heads, body bytes and ends.
@@ -1021,12 +1027,18 @@ cdef class RequestReader:
     @property
     def in_message(self):
         """Whether a request has started but is not complete yet."""
-        return not self._want_head or PyBytes_GET_SIZE(self._acc) > 0
+        return self.where() != 0
 
     @property
     def in_head(self):
         """Whether a request's head has started but is not complete yet."""
-        return PyBytes_GET_SIZE(self._acc) > 0
+        return self.where() == 1
+
+    cpdef int where(self):
+        """0 between requests, 1 inside a head, 2 past a head (its body is being read)."""
+        if PyBytes_GET_SIZE(self._acc) > 0:
+            return 1
+        return 0 if self._want_head else 2
 
     cpdef feed(self, data):
         """Parse ``data``; complete requests go to ``on_request`` as they finish."""

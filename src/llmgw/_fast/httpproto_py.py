@@ -369,6 +369,12 @@ class RequestReader:
         """Whether a request's head has started but is not complete yet."""
         return self._in_head
 
+    def where(self) -> int:
+        """0 between requests, 1 inside a head, 2 past a head (its body is being read)."""
+        if self._in_head:
+            return 1
+        return 0 if self._req is None else 2
+
     def feed(self, data: bytes) -> None:
         """Parse ``data``; complete requests go to ``on_request`` as they finish.
 
@@ -612,6 +618,12 @@ class ResponseReader:
     def in_message(self) -> bool:
         """Whether a response has started but is not complete yet."""
         return self._resp is not None
+
+    def where(self) -> int:
+        """0 between responses, 1 inside a head, 2 past a head (its body is being read)."""
+        if self._in_head:
+            return 1
+        return 0 if self._resp is None else 2
 
     def feed(self, data: bytes) -> None:
         """Parse ``data``; the sink hears about heads, body bytes and ends.

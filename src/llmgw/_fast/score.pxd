@@ -78,6 +78,7 @@ cdef class EndpointState:
     cpdef on_complete(self, double now)
     cpdef on_abort(self, double now)
     cpdef bint half_open(self)
+    cpdef bint breaker_settled(self)
 
 
 cdef class Picker:

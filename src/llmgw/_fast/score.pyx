@@ -272,6 +272,10 @@ cdef class EndpointState:
         self.drain_rate = self._done / (self._window if self._window > C_MIN_WINDOW else C_MIN_WINDOW)
         self.latency = self._area / self._done
 
+    cpdef bint breaker_settled(self):
+        """Whether the breaker is closed with no failure counted (a success would change nothing)."""
+        return self._breaker._state == BS_CLOSED and self._breaker.consecutive_failures == 0
+
     cpdef bint half_open(self):
         """Whether the breaker is half-open: a request just picked for this replica is its probe."""
         return self._breaker._state == BS_HALF_OPEN

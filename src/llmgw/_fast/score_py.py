@@ -449,6 +449,11 @@ class EndpointState:
         self.drain_rate = self._done / max(self._window, _MIN_WINDOW)
         self.latency = self._area / self._done
 
+    def breaker_settled(self) -> bool:
+        """Whether the breaker is closed with no failure counted (a success would change nothing)."""
+        b = self._breaker
+        return b.state_code == BREAKER_CLOSED and b.consecutive_failures == 0
+
     def half_open(self) -> bool:
         """Whether the breaker is half-open: a request just picked for this replica is its probe."""
         return self._breaker.state_code == BREAKER_HALF_OPEN
