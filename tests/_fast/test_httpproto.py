@@ -1134,3 +1134,68 @@ def test_response_plain_chunks_twins_agree() -> None:
                 assert _body_bytes(got_py).startswith(_body_bytes(got_c)), (rest, cut)
             else:
                 assert got_c == got_py, (rest, cut)
+
+
+# -- monotonic and write_now --------------------------------------------------------------
+
+
+def test_monotonic_is_time_monotonic(httpproto: ModuleType) -> None:
+    import time
+
+    before = time.monotonic()
+    now = httpproto.monotonic()
+    after = time.monotonic()
+    assert before <= now <= after
+
+
+def _pair() -> tuple[Any, Any]:
+    import socket
+
+    a, b = socket.socketpair()
+    a.setblocking(False)
+    b.setblocking(False)
+    return a, b
+
+
+def test_write_now_sends_both_buffers_in_order(httpproto: ModuleType) -> None:
+    a, b = _pair()
+    with a, b:
+        assert httpproto.write_now(a.fileno(), b"head|", b"body") == 9
+        assert httpproto.write_now(a.fileno(), b"only") == 4
+        assert httpproto.write_now(a.fileno(), b"x", b"") == 1
+        assert b.recv(100) == b"head|bodyonlyx"
+
+
+def test_write_now_takes_what_the_socket_takes_then_nothing(httpproto: ModuleType) -> None:
+    import socket
+
+    a, b = _pair()
+    with a, b:
+        a.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+        block = bytes(range(256)) * 256  # 64 KiB
+        sent = []
+        for _ in range(1000):  # bounded: a small buffer fills within a few writes
+            n = httpproto.write_now(a.fileno(), block[:1000], block[1000:])
+            sent.append(n)
+            if n == 0:
+                break
+        assert sent[-1] == 0, "the socket never refused"
+        assert all(0 <= n <= len(block) for n in sent)
+        # What was taken is exactly the front of each write, in order.
+        got = bytearray()
+        for _ in range(10000):
+            try:
+                piece = b.recv(1 << 16)
+            except BlockingIOError:
+                break
+            got += piece
+        expect = b"".join(block[:n] for n in sent)
+        assert bytes(got) == expect
+
+
+def test_write_now_error_is_minus_one_without_sigpipe(httpproto: ModuleType) -> None:
+    a, b = _pair()
+    with a:
+        b.close()
+        assert httpproto.write_now(a.fileno(), b"to nobody", b"!") == -1
+

@@ -63,6 +63,8 @@ class App:
             return self._noend(w)
         if path == b"/flood":
             return self._flood(w)
+        if path == b"/ordered":
+            return self._ordered(w)
         if path == b"/nodelay":
             sock = w._conn.transport.get_extra_info("socket")  # type: ignore[union-attr]
             self.sockopts.append(sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
@@ -121,6 +123,31 @@ class App:
 
     def resume_reading(self) -> None:
         self.events.append("listener resumed")
+
+    async def _ordered(self, w: ResponseWriter) -> None:
+        # Small numbered writes into a small send buffer, so the socket refuses some:
+        # the writer goes from writing to the socket itself, to queueing behind the
+        # transport, and back once the transport has drained.
+        sock = w._conn.transport.get_extra_info("socket")  # type: ignore[union-attr]
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+        out = w._conn._out
+        assert out is not None and not out.queued
+        w.start(200, [(b"content-type", b"text/plain")])
+        n = 0
+        for _ in range(3):
+            for _ in range(ORDERED_PER_ROUND):
+                w.write(b"%07d\n" % n)
+                n += 1
+            self.events.append(f"queued={out.queued}")
+            await asyncio.wait_for(w.drain(), WAIT)
+            for _ in range(500):  # the transport's buffer empties
+                if not w._conn.transport.get_write_buffer_size():  # type: ignore[union-attr]
+                    break
+                await asyncio.sleep(0.01)
+            self.events.append(f"left={w._conn.transport.get_write_buffer_size()}")  # type: ignore[union-attr]
+        w.write(b"last\n")
+        self.events.append(f"queued={out.queued}")
+        w.end()
 
     async def _flood(self, w: ResponseWriter) -> None:
         w.add_flow_listener(self)
@@ -592,6 +619,22 @@ async def test_disconnect_while_waiting_cancels_and_calls_back() -> None:
             await asyncio.sleep(0.02)
         assert app.events == ["disconnect", "cancelled"]
         assert not server.connections
+
+
+ORDERED_PER_ROUND = 20000
+
+
+async def test_writes_keep_their_order_between_socket_and_transport() -> None:
+    async with serve() as (_, port, app), connect(port, rcvbuf=4096) as (r, w):
+        w.write(b"GET /ordered HTTP/1.1\r\n\r\n")
+        await asyncio.sleep(0.3)  # not reading yet: the socket fills
+        resp = await asyncio.wait_for(read_response(r), 30)
+        expect = b"".join(b"%07d\n" % i for i in range(3 * ORDERED_PER_ROUND)) + b"last\n"
+        assert resp.status == 200
+        assert resp.body == expect
+        # Some writes queued behind the transport; the last one, after it drained,
+        # went to the socket directly.
+        assert app.events == ["queued=True", "left=0"] * 3 + ["queued=False"], app.events
 
 
 async def test_flow_control_pauses_and_resumes() -> None:

@@ -12,7 +12,7 @@ from llmgw._fast.httpproto cimport Request as _Request, Response as _Response
 from llmgw._fast.httpproto cimport RequestReader as _RequestReader, ResponseReader as _ResponseReader
 from llmgw._fast.httpproto cimport ResponseSink as _ResponseSink
 from llmgw._fast.httpproto cimport chunk, id_line, response_head, sse_cut, upstream_head, usage_counts
-from llmgw._fast.httpproto cimport monotonic as _monotonic
+from llmgw._fast.httpproto cimport monotonic as _monotonic, write_now
 from llmgw._fast.score cimport EndpointState as _EndpointState, Picker as _Picker, pool_saturation
 
 # Module constants read on every request: C ints, not module-dict lookups.
@@ -25,7 +25,14 @@ cdef class Gateway
 cdef class TrafficCounters
 cdef class Call
 
-cdef _write_two(t, bytes head, bytes body)
+cdef class SocketWriter:
+    cdef public object transport
+    cdef object _is_closing
+    cdef int _fd
+    cdef readonly bint queued
+
+    @cython.locals(n=Py_ssize_t, na=Py_ssize_t)
+    cpdef write(self, bytes a, bytes b=*)
 
 
 cdef class HTTPServer:
@@ -76,7 +83,7 @@ cdef class HTTPProtocol:
     cdef public double _header_timeout
     cdef public double _body_timeout
     cdef public object transport
-    cdef public object _twrite
+    cdef public SocketWriter _out
     cdef public object peer
     cdef public _RequestReader _reader
     cdef public object _pipeline
@@ -126,6 +133,7 @@ cdef class UpstreamConnection(_ResponseSink):
     cdef public Py_ssize_t requests
     cdef public object _connected
     cdef public bint _read_paused
+    cdef public SocketWriter _out
 
     cpdef data_received(self, data)
     @cython.locals(call=Call)

@@ -90,6 +90,7 @@ from ..http.parser import (
     sse_cut,
     upstream_head,
     usage_counts,
+    write_now,
 )
 from ..http.parser import monotonic as _monotonic
 from ..log import access_logger, admin_logger, server_logger, upstream_logger
@@ -144,11 +145,57 @@ JSONScanError = _jsonscan.JSONScanError
 _JOIN_BELOW = 64 * 1024
 
 
-def _write_two(t: Any, head: bytes, body: bytes) -> None:
-    if len(body) < _JOIN_BELOW:
-        t.write(head + body)
-    else:
-        t.writelines((head, body))
+class SocketWriter:
+    """One connection's writes: straight to its socket while its transport holds nothing.
+
+    PERF: a transport's ``write`` tries the socket at once too, but its bookkeeping
+    costs several times the system call for a small write (an SSE event, a head).
+    Here the bytes go out with one ``sendmsg`` (a head and its body together, with
+    no joined copy). Whatever the socket does not take goes to the transport, and
+    so does every write after it until the transport's buffer is empty again, so
+    bytes keep their order and the transport's flow control (``pause_writing``)
+    works as before.
+
+    NOTE: never used once the transport is closing: its file descriptor may then be
+    closed already and reused by another connection. TLS transports (and any
+    without a socket) always go through the transport.
+    """
+
+    __slots__ = ("_fd", "_is_closing", "queued", "transport")
+
+    def __init__(self, transport: Any) -> None:
+        self.transport = transport
+        self._is_closing = transport.is_closing
+        self.queued = False  # the transport may hold unsent bytes: writes go through it
+        self._fd = -1
+        sock = transport.get_extra_info("socket")
+        if sock is not None and transport.get_extra_info("sslcontext") is None and sock.type == socket.SOCK_STREAM:
+            self._fd = sock.fileno()
+
+    def write(self, a: bytes, b: bytes = b"") -> None:
+        """Send ``a`` then ``b``."""
+        if self._fd >= 0 and not self._is_closing():
+            if self.queued:
+                self.queued = self.transport.get_write_buffer_size() > 0
+            if not self.queued:
+                n = write_now(self._fd, a, b)
+                na = len(a)
+                if n == na + len(b):
+                    return
+                if n > 0:  # the rest goes to the transport
+                    if n >= na:
+                        a, b = b[n - na :], b""
+                    else:
+                        a = a[n:]
+                # (n == -1: the transport meets the same error and reports it)
+        self.queued = True
+        t = self.transport
+        if not b:
+            t.write(a)
+        elif len(b) < _JOIN_BELOW:
+            t.write(a + b)
+        else:
+            t.writelines((a, b))
 
 
 _LAST_CHUNK = b"0\r\n\r\n"
@@ -281,16 +328,15 @@ class ResponseWriter:
         """Send part of the body (framed as a chunk when streaming chunked)."""
         if not data or self.disconnected or self._head_only:
             return
-        # PERF: the transport's bound write, looked up once per connection.
-        twrite = self._conn._twrite
-        if twrite is None or self._conn.transport is None:
+        out = self._conn._out
+        if out is None or self._conn.transport is None:
             return
         if self._chunked:
             # PERF: one buffer, not (size line, data, CRLF): a third of the work
-            # in the transport for a small SSE event.
-            twrite(chunk(data if type(data) is bytes else bytes(data)))
+            # for a small SSE event.
+            out.write(chunk(data if type(data) is bytes else bytes(data)))
         else:
-            twrite(data)
+            out.write(data if type(data) is bytes else bytes(data))
 
     def write_chunk(self, chunk: bytes) -> bool:
         """Send ``chunk``, already framed as one chunk of a chunked body; false
@@ -299,9 +345,9 @@ class ResponseWriter:
             return False
         if self.disconnected or self._head_only:
             return True
-        twrite = self._conn._twrite
-        if twrite is not None and self._conn.transport is not None:
-            twrite(chunk)
+        out = self._conn._out
+        if out is not None and self._conn.transport is not None:
+            out.write(chunk)
         return True
 
     def end(self, trailer: bytes = b"") -> None:
@@ -336,12 +382,12 @@ class ResponseWriter:
         no_body = status < 200 or status in (204, 304)
         if not self.disconnected:
             head = response_head(status, headers, -2 if no_body else len(body), self.keep_alive, raw)
-            t = self._conn.transport
-            if t is not None:
+            out = self._conn._out
+            if out is not None and self._conn.transport is not None:
                 if body and not self._head_only and not no_body:
-                    _write_two(t, head, body)
+                    out.write(head, body if type(body) is bytes else bytes(body))
                 else:
-                    t.write(head)
+                    out.write(head)
         self.finished = True
         self._conn._response_done(self)
 
@@ -424,7 +470,7 @@ class HTTPProtocol:
         self._body_timeout = float(server.limits.body_timeout)
         # connection state
         self.transport: asyncio.Transport | None = None
-        self._twrite: Callable[[bytes], None] | None = None
+        self._out: SocketWriter | None = None  # (all writes to the client go through it)
         self.peer: Any = None
         self._reader = RequestReader(
             self._on_request,
@@ -457,7 +503,7 @@ class HTTPProtocol:
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         """Called when a client connects."""
         self.transport = transport  # type: ignore[assignment]
-        self._twrite = transport.write  # type: ignore[attr-defined]
+        self._out = SocketWriter(transport)
         self.peer = transport.get_extra_info("peername")
         sock = transport.get_extra_info("socket")
         if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
@@ -494,6 +540,7 @@ class HTTPProtocol:
         self._server.connections.discard(self)
         self._drop_timer()
         self.transport = None
+        self._out = None
         self._pipeline.clear()
         cur = self._current
         if cur is not None and not cur.finished:
@@ -556,7 +603,7 @@ class HTTPProtocol:
     def _on_head(self, request: Request) -> None:
         # The client waits for 100 Continue before sending the body.
         if self._current is None and not self._pipeline and self.transport is not None:
-            self.transport.write(_CONTINUE)
+            self._transport_write(_CONTINUE)
         else:
             # NOTE: sent when the requests before it are answered (_response_done),
             # so a client that waits for it is not left to its own timeout.
@@ -668,7 +715,7 @@ class HTTPProtocol:
             # can be slow, or a head that never ends would hold the slot forever.
             if self._continue_due:
                 self._continue_due = False
-                self.transport.write(_CONTINUE)
+                self._transport_write(_CONTINUE)
             if where == 1:
                 self._arm(2, self._header_timeout)
             else:
@@ -750,8 +797,8 @@ class HTTPProtocol:
             )
 
     def _transport_write(self, data: bytes) -> None:
-        if self.transport is not None:
-            self.transport.write(data)
+        if self.transport is not None and self._out is not None:
+            self._out.write(data)
 
     async def _drain(self) -> None:
         if self._drain_waiter is None or self._drain_waiter.done():
@@ -888,11 +935,13 @@ class UpstreamConnection:
         self.requests = 0
         self._connected: asyncio.Future[None] | None = None
         self._read_paused = False
+        self._out: SocketWriter | None = None
 
     # -- asyncio callbacks --
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
+        self._out = SocketWriter(transport)
         sock = transport.get_extra_info("socket")
         if sock is not None:
             try:
@@ -927,6 +976,7 @@ class UpstreamConnection:
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.transport = None
+        self._out = None
         self.reusable = False
         self.pool._forget(self)
         sink, self.sink = self.sink, None
@@ -984,10 +1034,10 @@ class UpstreamConnection:
             self.sink = None
             sink.on_upstream_lost(ConnectionResetError("the replica closed the connection"))
             return
-        if body:
-            _write_two(t, head, body)
-        else:
-            t.write(head)
+        out = self._out
+        if out is None:
+            out = self._out = SocketWriter(t)
+        out.write(head, body)
 
     def pause_reading(self) -> None:
         """Stop reading from the replica (the client is slower than it)."""

@@ -120,6 +120,7 @@ cdef class ResponseReader:
 
 # Called from C by the data path (cimported in dataplane.pxd).
 cpdef double monotonic() noexcept
+cpdef Py_ssize_t write_now(int fd, bytes a, bytes b=*) except -2
 cpdef bytes chunk(bytes data)
 cpdef Py_ssize_t sse_cut(bytes data) except -1
 cpdef bytes id_line(bytes rid, Py_ssize_t n=*)

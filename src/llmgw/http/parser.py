@@ -27,6 +27,7 @@ if TYPE_CHECKING:
         sse_cut,
         upstream_head,
         usage_counts,
+        write_now,
     )
 else:
     _impl = select("httpproto")
@@ -42,6 +43,7 @@ else:
     chunk_head = _impl.chunk_head
     id_line = _impl.id_line
     monotonic = _impl.monotonic
+    write_now = _impl.write_now
     response_head = _impl.response_head
     sse_cut = _impl.sse_cut
     upstream_head = _impl.upstream_head
@@ -64,4 +66,5 @@ __all__ = [
     "sse_cut",
     "upstream_head",
     "usage_counts",
+    "write_now",
 ]
