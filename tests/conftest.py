@@ -35,6 +35,7 @@ promscan = _twin_fixture("promscan")
 score = _twin_fixture("score")
 admit = _twin_fixture("admit")
 jsonscan = _twin_fixture("jsonscan")
+dataplane = _twin_fixture("dataplane")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -364,12 +364,24 @@ class Relay(Proxy):
 # ---------------------------------------------------------------- measuring
 
 
+def steal_ticks(core: int) -> int:
+    """Ticks the hypervisor ran something else while ``core`` wanted to run (``/proc/stat``)."""
+    with open("/proc/stat") as f:
+        for line in f:
+            if line.startswith(f"cpu{core} "):
+                fields = line.split()
+                return int(fields[8]) if len(fields) > 8 else 0
+    return 0
+
+
 def measure_load(p: Proxy, args: argparse.Namespace, script: str) -> dict:
     u0, s0 = cpu_split(p.pid)
+    st0 = steal_ticks(args.proxy_core)
     t0 = time.monotonic()
     r = wrk(args.load_core, p.url, script, args.connections, args.duration)
     elapsed = time.monotonic() - t0
     u1, s1 = cpu_split(p.pid)
+    steal = (steal_ticks(args.proxy_core) - st0) / os.sysconf("SC_CLK_TCK") / elapsed
     cpu = (u1 - u0) + (s1 - s0)
     n = r["requests"]
     return {
@@ -377,6 +389,7 @@ def measure_load(p: Proxy, args: argparse.Namespace, script: str) -> dict:
         "rps": r["rps"],
         "cpu_s": round(cpu, 3),
         "util": round(cpu / elapsed, 3),
+        "steal": round(steal, 3),  # share of the proxy core's time taken by the hypervisor
         "us_per": round(cpu / n * 1e6, 2) if n else None,
         "user_us_per": round((u1 - u0) / n * 1e6, 2) if n else None,
         "sys_us_per": round((s1 - s0) / n * 1e6, 2) if n else None,
@@ -384,6 +397,13 @@ def measure_load(p: Proxy, args: argparse.Namespace, script: str) -> dict:
         "error_detail": {k: r[k] for k in ("socket_errors", "non2xx", "bad_body")},
         "rss_mib": round(rss_mib(p.pid), 1),
     }
+
+
+# nginx saturates its core on the request load; a round where it did not had the
+# machine busy elsewhere (see "contended rounds" in the output).
+CONTENDED_UTIL = 0.85
+# ... as was one where the hypervisor took more than this share of the proxy's core.
+CONTENDED_STEAL = 0.05
 
 
 def med(xs: list[float]) -> float | None:
@@ -492,7 +512,8 @@ def main() -> None:
                 s = res.get("stream", {})
                 print(f"round {r + 1} {p.name:6s} req {res['nonstream']['us_per']} us "
                       f"[user {res['nonstream']['user_us_per']} sys {res['nonstream']['sys_us_per']}] "
-                      f"({res['nonstream']['rps']:.0f}/s, util {res['nonstream']['util']:.2f})  "
+                      f"({res['nonstream']['rps']:.0f}/s, util {res['nonstream']['util']:.2f}, "
+                      f"steal {res['nonstream']['steal']:.2f})  "
                       f"stream {s.get('us_per')} us ({s.get('rps', 0):.0f}/s, util {s.get('util', 0):.2f})  "
                       f"p50 +{res['added_p50_us']} us  rss {res['rss_mib']} MiB  "
                       f"errors {res['nonstream']['errors'] + s.get('errors', 0) + res['lat_errors']}", flush=True)
@@ -512,27 +533,51 @@ def main() -> None:
                 "errors": sum(x["nonstream"]["errors"] + x.get("stream", {}).get("errors", 0) + x["lat_errors"] for x in rs),
             }
         ref = summary.get("nginx")
-        for s in summary.values():
+        for name, s in summary.items():
             if ref:
                 s["ratio_request"] = round(s["us_per_request"] / ref["us_per_request"], 2)
                 if s["us_per_stream"] and ref["us_per_stream"]:
                     s["ratio_stream"] = round(s["us_per_stream"] / ref["us_per_stream"], 2)
+                # The stricter figure: each round's CPU against nginx's in the same round.
+                for kind in ("nonstream", "stream"):
+                    if kind == "stream" and args.no_stream:
+                        continue
+                    per = [rd["proxies"][name][kind]["us_per"] / rd["proxies"]["nginx"][kind]["us_per"]
+                           for rd in rounds
+                           if rd["proxies"][name][kind]["us_per"] and rd["proxies"]["nginx"][kind]["us_per"]]
+                    s[f"round_ratios_{kind}"] = [round(x, 3) for x in per]
+                    s[f"round_ratio_{kind}"] = round(statistics.median(per), 2) if per else None
+        # Rounds in which the load could not drive nginx to its core's limit: the
+        # machine was busy elsewhere, and every proxy's CPU per request reads high.
+        contended = [
+            i + 1 for i, rd in enumerate(rounds)
+            if ("nginx" in rd["proxies"] and rd["proxies"]["nginx"]["nonstream"]["util"] < CONTENDED_UTIL)
+            or any(v[k].get("steal", 0) > CONTENDED_STEAL for v in rd["proxies"].values()
+                   for k in ("nonstream", "stream") if k in v)
+        ]
 
         print(f"\nmedian of {args.rounds} interleaved rounds (min-max); proxy on core {args.proxy_core}, "
               f"wrk -t1 -c{args.connections} + upstream nginx on core {args.load_core}; "
               f"direct p50 {med([rd['direct_p50_us'] for rd in rounds])} us")
-        hdr = f"{'proxy':7s} {'us/req':>8s} {'range':>9s} {'x nginx':>7s} {'us/stream':>9s} {'range':>9s} {'x nginx':>7s} {'+p50 us':>8s} {'RSS MiB':>7s} {'errors':>6s}"
+        hdr = (f"{'proxy':8s} {'us/req':>8s} {'range':>9s} {'x nginx':>7s} {'/round':>6s} {'us/stream':>9s} {'range':>9s} "
+               f"{'x nginx':>7s} {'/round':>6s} {'+p50 us':>8s} {'RSS MiB':>7s} {'errors':>6s}")
         print(hdr)
         for name, s in summary.items():
-            rs = [rd["proxies"][name] for rd in rounds]
-            print(f"{name:7s} {s['us_per_request']:8.1f} {span(s['us_per_request_all']):>9s} {s.get('ratio_request', 0):7.2f} "
+            print(f"{name:8s} {s['us_per_request']:8.1f} {span(s['us_per_request_all']):>9s} {s.get('ratio_request', 0):7.2f} "
+                  f"{s.get('round_ratio_nonstream') or 0:6.2f} "
                   f"{(s['us_per_stream'] or 0):9.1f} {span(s['us_per_stream_all']):>9s} {s.get('ratio_stream', 0):7.2f} "
+                  f"{s.get('round_ratio_stream') or 0:6.2f} "
                   f"{s['added_p50_us']:8.1f} {s['rss_mib_max']:7.1f} {s['errors']:6d}")
+        print("x nginx: median CPU over nginx's median; /round: median of each round's ratio to nginx in that round")
+        if contended:
+            print(f"contended rounds (nginx util < {CONTENDED_UTIL} on requests, or steal > {CONTENDED_STEAL} "
+                  f"of the proxy core: the machine was busy elsewhere): {contended}")
 
         result = {
             "config": {k: v for k, v in vars(args).items()},
             "machine": {"nproc": os.cpu_count(), "loadavg_end": os.getloadavg()},
             "rounds": rounds,
+            "contended_rounds": contended,
             "summary": summary,
         }
 

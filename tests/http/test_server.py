@@ -65,6 +65,13 @@ class App:
             return self._flood(w)
         if path == b"/ordered":
             return self._ordered(w)
+        if path == b"/big":
+            # a head and a large body in one send, into a small send buffer: the
+            # socket takes part of it (the rest of the head, or of the body, queues)
+            sock = w._conn.transport.get_extra_info("socket")  # type: ignore[union-attr]
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+            w.send(200, BIG, ((b"content-type", b"application/octet-stream"),), raw=b"x-pad: " + b"p" * 6000 + b"\r\n")
+            return None
         if path == b"/nodelay":
             sock = w._conn.transport.get_extra_info("socket")  # type: ignore[union-attr]
             self.sockopts.append(sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
@@ -622,6 +629,17 @@ async def test_disconnect_while_waiting_cancels_and_calls_back() -> None:
 
 
 ORDERED_PER_ROUND = 20000
+BIG = bytes(range(251)) * 4000  # about 1 MB that shows any reordering or loss
+
+
+async def test_large_answer_split_between_socket_and_transport_arrives_whole() -> None:
+    async with serve() as (_, port, _app), connect(port, rcvbuf=4096) as (r, w):
+        for _ in range(2):  # twice on one connection: the writer is back to direct writes
+            w.write(b"GET /big HTTP/1.1\r\n\r\n")
+            await asyncio.sleep(0.2)
+            resp = await asyncio.wait_for(read_response(r), 30)
+            assert resp.status == 200 and resp.headers[b"x-pad"] == b"p" * 6000
+            assert resp.body == BIG
 
 
 async def test_writes_keep_their_order_between_socket_and_transport() -> None:

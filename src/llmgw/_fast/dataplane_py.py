@@ -174,28 +174,33 @@ class SocketWriter:
 
     def write(self, a: bytes, b: bytes = b"") -> None:
         """Send ``a`` then ``b``."""
+        n = 0
         if self._fd >= 0 and not self._is_closing():
             if self.queued:
                 self.queued = self.transport.get_write_buffer_size() > 0
             if not self.queued:
                 n = write_now(self._fd, a, b)
-                na = len(a)
-                if n == na + len(b):
+                if n == len(a) + len(b):
                     return
-                if n > 0:  # the rest goes to the transport
-                    if n >= na:
-                        a, b = b[n - na :], b""
-                    else:
-                        a = a[n:]
                 # (n == -1: the transport meets the same error and reports it)
         self.queued = True
         t = self.transport
-        if not b:
-            t.write(a)
-        elif len(b) < _JOIN_BELOW:
-            t.write(a + b)
-        else:
-            t.writelines((a, b))
+        na = len(a)
+        if n <= 0:
+            if not b:
+                t.write(a)
+            elif len(b) < _JOIN_BELOW:
+                t.write(a + b)
+            else:
+                t.writelines((a, b))
+        elif n < na:
+            rest = memoryview(a)[n:] if na - n >= _JOIN_BELOW else a[n:]
+            if b:
+                t.writelines((rest, b))
+            else:
+                t.write(rest)
+        else:  # (the rest of b: not copied when large)
+            t.write(memoryview(b)[n - na :] if len(b) - (n - na) >= _JOIN_BELOW else b[n - na :])
 
 
 _LAST_CHUNK = b"0\r\n\r\n"
