@@ -514,7 +514,8 @@ def main() -> None:
                       f"[user {res['nonstream']['user_us_per']} sys {res['nonstream']['sys_us_per']}] "
                       f"({res['nonstream']['rps']:.0f}/s, util {res['nonstream']['util']:.2f}, "
                       f"steal {res['nonstream']['steal']:.2f})  "
-                      f"stream {s.get('us_per')} us ({s.get('rps', 0):.0f}/s, util {s.get('util', 0):.2f})  "
+                      f"stream {s.get('us_per')} us ({s.get('rps', 0):.0f}/s, util {s.get('util', 0):.2f}, "
+                      f"steal {s.get('steal', 0):.2f})  "
                       f"p50 +{res['added_p50_us']} us  rss {res['rss_mib']} MiB  "
                       f"errors {res['nonstream']['errors'] + s.get('errors', 0) + res['lat_errors']}", flush=True)
             rounds.append(rd)
@@ -532,29 +533,33 @@ def main() -> None:
                 "rss_mib_max": max(x["rss_mib"] for x in rs),
                 "errors": sum(x["nonstream"]["errors"] + x.get("stream", {}).get("errors", 0) + x["lat_errors"] for x in rs),
             }
-        ref = summary.get("nginx")
-        for name, s in summary.items():
-            if ref:
-                s["ratio_request"] = round(s["us_per_request"] / ref["us_per_request"], 2)
-                if s["us_per_stream"] and ref["us_per_stream"]:
-                    s["ratio_stream"] = round(s["us_per_stream"] / ref["us_per_stream"], 2)
-                # The stricter figure: each round's CPU against nginx's in the same round.
-                for kind in ("nonstream", "stream"):
-                    if kind == "stream" and args.no_stream:
-                        continue
-                    per = [rd["proxies"][name][kind]["us_per"] / rd["proxies"]["nginx"][kind]["us_per"]
-                           for rd in rounds
-                           if rd["proxies"][name][kind]["us_per"] and rd["proxies"]["nginx"][kind]["us_per"]]
-                    s[f"round_ratios_{kind}"] = [round(x, 3) for x in per]
-                    s[f"round_ratio_{kind}"] = round(statistics.median(per), 2) if per else None
-        # Rounds in which the load could not drive nginx to its core's limit: the
-        # machine was busy elsewhere, and every proxy's CPU per request reads high.
+        # Rounds in which the load could not drive nginx to its core's limit, or the
+        # hypervisor took a share of the proxy's core: the machine was busy
+        # elsewhere, and every proxy's CPU per request reads high and noisy.
         contended = [
             i + 1 for i, rd in enumerate(rounds)
             if ("nginx" in rd["proxies"] and rd["proxies"]["nginx"]["nonstream"]["util"] < CONTENDED_UTIL)
             or any(v[k].get("steal", 0) > CONTENDED_STEAL for v in rd["proxies"].values()
                    for k in ("nonstream", "stream") if k in v)
         ]
+        ref = summary.get("nginx")
+        for name, s in summary.items():
+            if ref:
+                s["ratio_request"] = round(s["us_per_request"] / ref["us_per_request"], 2)
+                if s["us_per_stream"] and ref["us_per_stream"]:
+                    s["ratio_stream"] = round(s["us_per_stream"] / ref["us_per_stream"], 2)
+                # The stricter figure: each round's CPU against nginx's in the same round
+                # (over all rounds, and over the rounds that were not contended).
+                for kind in ("nonstream", "stream"):
+                    if kind == "stream" and args.no_stream:
+                        continue
+                    per = {i + 1: rd["proxies"][name][kind]["us_per"] / rd["proxies"]["nginx"][kind]["us_per"]
+                           for i, rd in enumerate(rounds)
+                           if rd["proxies"][name][kind]["us_per"] and rd["proxies"]["nginx"][kind]["us_per"]}
+                    clean = [x for r, x in per.items() if r not in contended]
+                    s[f"round_ratios_{kind}"] = [round(x, 3) for x in per.values()]
+                    s[f"round_ratio_{kind}"] = round(statistics.median(per.values()), 2) if per else None
+                    s[f"round_ratio_{kind}_clean"] = round(statistics.median(clean), 2) if clean else None
 
         print(f"\nmedian of {args.rounds} interleaved rounds (min-max); proxy on core {args.proxy_core}, "
               f"wrk -t1 -c{args.connections} + upstream nginx on core {args.load_core}; "
@@ -572,6 +577,10 @@ def main() -> None:
         if contended:
             print(f"contended rounds (nginx util < {CONTENDED_UTIL} on requests, or steal > {CONTENDED_STEAL} "
                   f"of the proxy core: the machine was busy elsewhere): {contended}")
+            if len(contended) < len(rounds) and ref:
+                for name, s in summary.items():
+                    print(f"  {name:8s} /round over the {len(rounds) - len(contended)} other rounds: "
+                          f"request {s.get('round_ratio_nonstream_clean')}  stream {s.get('round_ratio_stream_clean')}")
 
         result = {
             "config": {k: v for k, v in vars(args).items()},
