@@ -204,3 +204,11 @@ def test_every_special_byte_at_every_position(jsonscan: ModuleType, length: int)
             text[pos : pos + 1] = ch
             body = b'{"model":"' + bytes(text) + b'","k":1}'
             assert scan(jsonscan, body) == reference(body), body
+
+
+@pytest.mark.parametrize("body", [None, bytearray(b'{"model":"m"}'), '{"model":"m"}'])
+def test_body_must_be_bytes(jsonscan: ModuleType, body: object) -> None:
+    with pytest.raises(TypeError):
+        jsonscan.json_model(body)
+    with pytest.raises(TypeError):
+        jsonscan.model_span(body)

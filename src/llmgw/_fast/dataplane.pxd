@@ -13,6 +13,7 @@ from llmgw._fast.httpproto cimport RequestReader as _RequestReader, ResponseRead
 from llmgw._fast.httpproto cimport ResponseSink as _ResponseSink
 from llmgw._fast.httpproto cimport chunk, id_line, response_head, sse_cut, upstream_head, usage_counts
 from llmgw._fast.httpproto cimport monotonic as _monotonic, write_now
+from llmgw._fast.jsonscan cimport json_model, model_span
 from llmgw._fast.score cimport EndpointState as _EndpointState, Picker as _Picker, pool_saturation
 
 # Module constants read on every request: C ints, not module-dict lookups.
@@ -61,6 +62,7 @@ cdef class ResponseWriter:
     cdef public bint started
     cdef public int status
 
+    cpdef _init(self, HTTPProtocol conn, _Request request)
     cpdef start(self, int status, headers=*, Py_ssize_t content_length=*, raw=*)
     cpdef write(self, data)
     cpdef bint write_chunk(self, bytes chunk)
@@ -107,6 +109,7 @@ cdef class HTTPProtocol:
     cpdef data_received(self, data)
     cpdef _on_head(self, _Request request)
     cpdef _on_request(self, _Request request)
+    @cython.locals(gw=Gateway, writer=ResponseWriter)
     cpdef _run(self, _Request request)
     cpdef _internal_error(self, ResponseWriter writer)
     cpdef _response_done(self, ResponseWriter writer)
@@ -288,6 +291,7 @@ cdef class Call:
     cdef public bytes _tail_prev
     cdef public ResponseWriter w
 
+    cpdef _init(self, Gateway gw, _Request req, ResponseWriter w, ModelPool pool, model, bytes body, bytes rid_line)
     @cython.locals(now=double)
     cpdef admit(self)
     cpdef shed(self, reason, message)
@@ -355,6 +359,6 @@ cdef class Gateway:
     cpdef handle(self, _Request req, ResponseWriter w)
     cpdef bytes _request_id(self, _Request req)
     cpdef _proxy(self, _Request req, ResponseWriter w, key)
-    @cython.locals(pool=ModelPool)
+    @cython.locals(pool=ModelPool, call=Call)
     cpdef Call _prepare(self, _Request req, ResponseWriter w, bytes rid_line, key)
     cpdef log_access(self, Call call, double now)

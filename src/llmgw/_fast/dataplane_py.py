@@ -65,7 +65,6 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import orjson
 
-from .._accel import select as _select
 from ..errors import (
     BadGatewayError,
     BadRequestError,
@@ -78,6 +77,7 @@ from ..errors import (
     RateLimitedError,
     UnauthorizedError,
 )
+from ..gateway.jsonscan import JSONScanError, json_model, model_span
 from ..gateway.observe import NullObserver
 from ..http.parser import (
     Request,
@@ -132,10 +132,6 @@ __all__ = [
 
 log = server_logger
 
-_jsonscan = _select("jsonscan")
-json_model = _jsonscan.json_model
-model_span = _jsonscan.model_span
-JSONScanError = _jsonscan.JSONScanError
 
 
 # ---------------------------------------------------------------- the server
@@ -285,6 +281,10 @@ class ResponseWriter:
     )
 
     def __init__(self, conn: HTTPProtocol, request: Request) -> None:
+        self._init(conn, request)
+
+    def _init(self, conn: HTTPProtocol, request: Request) -> None:
+        # (PERF: the server makes writers with __new__ and this, as Call's)
         # (read back through the typed attributes: C struct reads when compiled)
         self._conn = conn
         self.request = request
@@ -628,10 +628,17 @@ class HTTPProtocol:
                     self.transport.pause_reading()
 
     def _run(self, request: Request) -> None:
-        writer = ResponseWriter(self, request)
+        writer = ResponseWriter.__new__(ResponseWriter)
+        writer._init(self, request)
         self._current = writer
+        app = self._app
+        result = None
         try:
-            result = self._app.handle(request, writer)
+            if type(app) is Gateway:  # PERF: the gateway is called through C (it answers at once)
+                gw = app
+                gw.handle(request, writer)
+            else:
+                result = app.handle(request, writer)
         except HTTPError as exc:
             if not writer.started:
                 writer.send_error(exc)
@@ -1739,6 +1746,13 @@ class Call:
     def __init__(
         self, gw: Gateway, req: Request, w: ResponseWriter, pool: ModelPool, model: str, body: bytes, rid_line: bytes
     ) -> None:
+        self._init(gw, req, w, pool, model, body, rid_line)
+
+    def _init(
+        self, gw: Gateway, req: Request, w: ResponseWriter, pool: ModelPool, model: str, body: bytes, rid_line: bytes
+    ) -> None:
+        # PERF: the gateway makes calls with Call.__new__ and this (a C call when
+        # compiled), not through the type's call with its argument parsing.
         # (read back through the typed attributes: C struct reads when compiled)
         self.gw = gw
         self.req = req
@@ -2468,7 +2482,8 @@ class Gateway:
             # Only the name changes; every other byte goes upstream as the client sent it.
             start, end = model_span(body)
             body = body[:start] + orjson.dumps(rewrite) + body[end:]
-        call = Call(self, req, w, pool, model, body, rid_line)
+        call = Call.__new__(Call)
+        call._init(self, req, w, pool, model, body, rid_line)
         band = self.default_band
         if key is not None:
             band = self.key_bands.get(key, band)

@@ -455,8 +455,10 @@ cdef _Scan _scan(bytes body):
     return sc
 
 
-def json_model(bytes body):
+cpdef tuple json_model(bytes body):
     """``(is_object, model)`` of a JSON body (see the twin); ``JSONScanError`` if invalid."""
+    if body is None:
+        raise TypeError("body must be bytes, not NoneType")
     cdef _Scan sc = _scan(body)
     cdef Py_ssize_t start = sc.model_start
     if sc.top != 0x7B:
@@ -468,7 +470,9 @@ def json_model(bytes body):
     return (True, orjson.loads(body[start:sc.model_end]))
 
 
-def model_span(bytes body):
+cpdef tuple model_span(bytes body):
     """``(start, end)`` of the top-level ``model`` value (see the twin); ``(-1, -1)`` if none."""
+    if body is None:
+        raise TypeError("body must be bytes, not NoneType")
     cdef _Scan sc = _scan(body)
     return (sc.model_start, sc.model_end)

@@ -43,6 +43,8 @@ _CHAR_POS = re.compile(r"\(char (\d+)\)")
 
 
 def _load(body: bytes) -> object:
+    if type(body) is not bytes:
+        raise TypeError(f"body must be bytes, not {type(body).__name__}")
     try:
         return orjson.loads(body)
     except orjson.JSONDecodeError as exc:
