@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import re
 import socket
 from collections.abc import AsyncIterator
 from typing import Any
@@ -100,6 +101,12 @@ class FakeEngine:
         self.active += 1
         try:
             w.start(200, [(b"content-type", b"text/event-stream")])
+            if mode == "burst":
+                # every event its own chunk, all in one write: the gateway reads
+                # several whole chunks at once
+                w._conn._transport_write(b"".join(b"%x\r\n%s\r\n" % (len(e), e) for e in BURST_EVENTS))
+                w.end()
+                return
             if mode == "raw_chunks":
                 # chunk framing as other engines write it, straight to the transport
                 for piece in RAW_CHUNKS:
@@ -136,6 +143,12 @@ RAW_CHUNKS = [
     b"%x\r\n%s\r\n" % (len(RAW_EVENTS[3]) - 10, RAW_EVENTS[3][10:]),
     b"%x;ext=1\r\n%s\r\n" % (len(RAW_EVENTS[4]), RAW_EVENTS[4]),  # a chunk extension
     b"%x\r\n%s\r\n%x\r\n%s\r\n" % (len(RAW_EVENTS[5]), RAW_EVENTS[5], len(RAW_EVENTS[6]), RAW_EVENTS[6]),
+]
+
+BURST_EVENTS = [
+    *(b'data: {"choices":[{"delta":{"content":"w%d "}}]}\n\n' % i for i in range(40)),
+    b'data: {"choices":[],"usage":{"prompt_tokens":11,"completion_tokens":40,"total_tokens":51}}\n\n',
+    b"data: [DONE]\n\n",
 ]
 
 
@@ -416,6 +429,27 @@ async def test_streaming_relays_any_chunk_framing_as_whole_events() -> None:
             status, hdrs, data = await request(port_of(rt), chat(stream=True))
             assert status == 200 and hdrs[b"content-type"] == b"text/event-stream"
             assert data == b"".join(RAW_EVENTS)
+        assert inflight_zero(rt)
+
+
+async def test_whole_chunks_read_together_are_relayed_in_order_and_usage_counted() -> None:
+    # The compiled relay sends the whole chunks of one read in one write; the usage
+    # in the events before [DONE] is still found (it reads the last events only).
+    a = FakeEngine("a")
+    async with gateway([a]) as rt:
+        a.mode = "burst"
+        for _ in range(3):
+            status, hdrs, data = await request(port_of(rt), chat(stream=True))
+            assert status == 200 and hdrs[b"content-type"] == b"text/event-stream"
+            assert data == b"".join(BURST_EVENTS)
+        assert rt.admin_addr is not None
+        status, _, text = await request(rt.admin_addr[1], b"", path=b"/metrics", method=b"GET")
+        assert status == 200
+        tokens = {
+            m.group(1): float(m.group(2))
+            for m in re.finditer(rb'^llmgw_tokens_total\{[^}]*kind="(\w+)"[^}]*\} (\S+)$', text, re.M)
+        }
+        assert tokens == {b"prompt": 33.0, b"completion": 120.0}, text
         assert inflight_zero(rt)
 
 

@@ -138,6 +138,7 @@ cdef class UpstreamConnection(_ResponseSink):
     cdef public bint _read_paused
     cdef public SocketWriter _out
 
+    @cython.locals(call=Call)
     cpdef data_received(self, data)
     @cython.locals(call=Call)
     cpdef on_response_head(self, _Response resp)
@@ -146,7 +147,7 @@ cdef class UpstreamConnection(_ResponseSink):
     @cython.locals(call=Call)
     cpdef on_response_end(self)
     @cython.locals(call=Call)
-    cpdef on_response_chunk(self, bytes raw, Py_ssize_t start, Py_ssize_t end)
+    cpdef on_response_chunk(self, bytes buf, Py_ssize_t chunk_start, Py_ssize_t start, Py_ssize_t end)
     cpdef send(self, sink, head, body)
     cpdef pause_reading(self)
     cpdef resume_reading(self)
@@ -289,6 +290,9 @@ cdef class Call:
     cdef public bint progress
     cdef public bytes _tail
     cdef public bytes _tail_prev
+    cdef public bytes _run
+    cdef public Py_ssize_t _run_start
+    cdef public Py_ssize_t _run_end
     cdef public ResponseWriter w
 
     cpdef _init(self, Gateway gw, _Request req, ResponseWriter w, ModelPool pool, model, bytes body, bytes rid_line)
@@ -304,7 +308,8 @@ cdef class Call:
     cpdef bint _fresh_retry(self)
     cpdef on_response_head(self, _Response resp)
     cpdef on_response_body(self, data)
-    cpdef on_response_chunk(self, bytes raw, Py_ssize_t start, Py_ssize_t end)
+    cpdef on_response_chunk(self, bytes buf, Py_ssize_t chunk_start, Py_ssize_t start, Py_ssize_t end)
+    cpdef flush_chunks(self)
     cpdef on_response_end(self)
     cpdef on_upstream_lost(self, exc)
     cpdef _cut_stream(self, why, code)

@@ -979,6 +979,12 @@ class UpstreamConnection:
                 self.transport.abort()
             if sink is not None:
                 sink.on_upstream_lost(exc)
+            return
+        sink = self.sink
+        if type(sink) is Call:
+            call = sink
+            if call._run is not None:
+                call.flush_chunks()  # the whole chunks of this read, in one write
 
     def eof_received(self) -> bool | None:
         self.reusable = False
@@ -1017,14 +1023,14 @@ class UpstreamConnection:
         else:
             sink.on_response_body(data)
 
-    def on_response_chunk(self, raw: bytes, start: int, end: int) -> None:
-        # (the compiled ResponseReader's: a whole chunk as it came)
+    def on_response_chunk(self, buf: bytes, chunk_start: int, start: int, end: int) -> None:
+        # (the compiled ResponseReader's: a whole chunk as it came, in the read buf)
         sink = self.sink
         if type(sink) is Call:
             call = sink
-            call.on_response_chunk(raw, start, end)
+            call.on_response_chunk(buf, chunk_start, start, end)
         else:
-            sink.on_response_body(raw[start:end])
+            sink.on_response_body(buf[start:end])
 
     def on_response_end(self) -> None:
         sink, self.sink = self.sink, None
@@ -1678,6 +1684,21 @@ def normalize_error(status: int, body: bytes) -> bytes:
     return orjson.dumps({"error": out})
 
 
+def _last_events(data: bytes) -> bytes:
+    """The end of ``data`` from the start of its last two SSE events (``\\n\\n``-ended;
+    chunk framing may lie between them); all of it when it holds fewer, or when its
+    events end in CRLF pairs. Usage is read off this: it is in the last events, and
+    a write of several chunks (see ``Call.flush_chunks``) is not scanned whole."""
+    end = data.rfind(b"\n\n")
+    if end > 0:
+        end = data.rfind(b"\n\n", 0, end)
+        if end > 0:
+            end = data.rfind(b"\n\n", 0, end)
+            if end >= 0:
+                return data[end + 2 :]
+    return data
+
+
 def _sse_error(message: str, code: str) -> bytes:
     return b"data: " + orjson.dumps(
         {"error": {"message": message, "type": "server_error", "param": None, "code": code}}
@@ -1707,6 +1728,9 @@ class Call:
     __slots__ = (
         "_buf",
         "_pending",
+        "_run",
+        "_run_end",
+        "_run_start",
         "_tail",
         "_tail_prev",
         "band",
@@ -1789,6 +1813,9 @@ class Call:
         self.usage: tuple[int, int] | None = None  # the answer's token usage, reported once at the end
         self._tail = b""  # a stream's last write, and the one before it
         self._tail_prev = b""
+        self._run: bytes | None = None  # a read holding whole chunks to relay as they came ...
+        self._run_start = 0  # ... from here
+        self._run_end = 0  # ... to here (see on_response_chunk)
         self.progress = False  # a stream's bytes arrived since the sweep last looked
 
     @property
@@ -1967,6 +1994,8 @@ class Call:
 
     def on_response_body(self, data: bytes) -> None:
         if self.streaming:
+            if self._run is not None:
+                self.flush_chunks()  # (what came before this goes first)
             # PERF: no clock read per event; the sweep moves the read deadline on.
             self.progress = True
             # Relay whole SSE events only, so a cut never leaves half an event.
@@ -1998,27 +2027,52 @@ class Call:
                     "bad_response",
                 )
 
-    def on_response_chunk(self, raw: bytes, start: int, end: int) -> None:
-        """A whole chunk as the replica framed it; its data is ``raw[start:end]``.
+    def on_response_chunk(self, buf: bytes, chunk_start: int, start: int, end: int) -> None:
+        """A whole chunk as the replica framed it: ``buf[chunk_start:end + 2]`` (size
+        line, data, CRLF) in the read ``buf``; its data is ``buf[start:end]``.
 
         PERF: a stream's chunk that holds whole SSE events, with nothing pending,
         goes to the client as it came: its framing is valid chunked encoding, so
-        the data is neither copied out nor framed again.
+        the data is neither copied out nor framed again. Such chunks that follow
+        one another in a read go out together, in one write, when the read has
+        been parsed (:meth:`flush_chunks`), or before anything else is written.
         """
         if (
             self.streaming
             and not self._pending
             and end - start >= 2
-            and raw[end - 1] == 10
-            and (raw[end - 2] == 10 or (raw[end - 2] == 13 and end - start >= 3 and raw[end - 3] == 10))
-            and self.w.write_chunk(raw)
+            and buf[end - 1] == 10
+            and (buf[end - 2] == 10 or (buf[end - 2] == 13 and end - start >= 3 and buf[end - 3] == 10))
+            and self.w._chunked
         ):
             self.progress = True
             self.sent_bytes += end - start
-            self._tail_prev = self._tail
-            self._tail = raw  # (usage is read off it at the end; the framing does not matter)
+            if self._run is buf and self._run_end == chunk_start:
+                self._run_end = end + 2
+                return
+            if self._run is not None:
+                self.flush_chunks()
+            self._run = buf
+            self._run_start = chunk_start
+            self._run_end = end + 2
             return
-        self.on_response_body(raw[start:end])
+        if self._run is not None:
+            self.flush_chunks()
+        self.on_response_body(buf[start:end])
+
+    def flush_chunks(self) -> None:
+        """Send the whole chunks noted by :meth:`on_response_chunk` (one write)."""
+        buf = self._run
+        if buf is None:
+            return
+        self._run = None
+        if self._run_start == 0 and self._run_end == len(buf):
+            out = buf
+        else:
+            out = buf[self._run_start : self._run_end]
+        self.w.write_chunk(out)
+        self._tail_prev = self._tail
+        self._tail = out  # (usage is read off it at the end; the framing does not matter)
 
     def on_response_end(self) -> None:
         conn, self.conn = self.conn, None
@@ -2027,6 +2081,8 @@ class Call:
         assert resp is not None and ep is not None
         w = self.w
         if self.streaming:
+            if self._run is not None:
+                self.flush_chunks()
             if self._pending:
                 w.write(self._pending)
                 self.sent_bytes += len(self._pending)
@@ -2067,6 +2123,8 @@ class Call:
 
     def on_upstream_lost(self, exc: BaseException | None) -> None:
         self.conn = None
+        if self._run is not None:
+            self.flush_chunks()  # (whole events that arrived before the loss)
         if self.phase != _P_SENT:
             return
         kind = "bad_response" if isinstance(exc, ValueError) else "reset"
@@ -2207,9 +2265,9 @@ class Call:
         upstream = now - self.sent_at if self.sent_at >= 0.0 else -1.0
         replica = ep.id if ep is not None else None
         if self.streaming and gw.count_tokens:
-            usage = usage_counts(self._tail) if self._tail else None
+            usage = usage_counts(_last_events(self._tail)) if self._tail else None
             if usage is None and self._tail_prev:
-                usage = usage_counts(self._tail_prev)
+                usage = usage_counts(_last_events(self._tail_prev))
             self.usage = usage
         usage = self.usage
         counters = gw.counters

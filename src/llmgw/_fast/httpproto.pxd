@@ -91,7 +91,7 @@ cdef class ResponseSink:
     cpdef on_response_head(self, Response resp)
     cpdef on_response_body(self, data)
     cpdef on_response_end(self)
-    cpdef on_response_chunk(self, bytes raw, Py_ssize_t start, Py_ssize_t end)
+    cpdef on_response_chunk(self, bytes buf, Py_ssize_t chunk_start, Py_ssize_t start, Py_ssize_t end)
 
 
 cdef class ResponseReader:

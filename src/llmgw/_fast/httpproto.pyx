@@ -736,10 +736,11 @@ cdef class ResponseSink:
     cpdef on_response_end(self):
         raise NotImplementedError(f"{type(self).__name__} does not implement on_response_end")
 
-    cpdef on_response_chunk(self, bytes raw, Py_ssize_t start, Py_ssize_t end):
-        """A whole chunk of a chunked body as it came (size line, data, CRLF); the
-        data is ``raw[start:end]``. By default it goes to on_response_body."""
-        self.on_response_body(raw[start:end])
+    cpdef on_response_chunk(self, bytes buf, Py_ssize_t chunk_start, Py_ssize_t start, Py_ssize_t end):
+        """A whole chunk of a chunked body as it came, ``buf[chunk_start:end + 2]``
+        (size line, data, CRLF), inside the read ``buf``; its data is
+        ``buf[start:end]``. By default the data goes to on_response_body."""
+        self.on_response_body(buf[start:end])
 
 
 @cython.final
@@ -870,10 +871,10 @@ cdef class ResponseReader:
                 stop = _plain_chunks(f, PyBytes_AS_STRING(buf), pos, n)
                 if stop > pos:
                     for e in range(f.nspans):
-                        # the chunk as it came (a valid chunk for the client too)
+                        # the chunk as it came (a valid chunk for the client too),
+                        # told by where it lies in the read: no copy
                         base = pos if e == 0 else f.spans[2 * e - 1] + 2
-                        self._sink.on_response_chunk(_slice(buf, base, f.spans[2 * e + 1] + 2),
-                                                     f.spans[2 * e] - base, f.spans[2 * e + 1] - base)
+                        self._sink.on_response_chunk(buf, base, f.spans[2 * e], f.spans[2 * e + 1])
                     pos = stop
                     f.nspans = 0
                     continue

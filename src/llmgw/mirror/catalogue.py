@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import sqlite3
+import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -207,6 +208,25 @@ class Catalogue:
             raise
 
     def _setup(self) -> None:
+        # SQLite answers "database is locked" at once, without waiting in its busy
+        # handler, in a few cases where another process is setting the same file
+        # up (switching a new file to WAL, a WAL recovery): concurrent first
+        # imports into a new mirror meet them. Those are retried here, within the
+        # same bound as a busy wait.
+        deadline = time.monotonic() + _BUSY_TIMEOUT_S
+        delay = 0.01
+        for _ in range(100_000):  # (bounded by the deadline long before this)
+            try:
+                self._setup_once()
+                return
+            except sqlite3.OperationalError as exc:
+                text = str(exc)
+                if ("locked" not in text and "busy" not in text) or time.monotonic() >= deadline:
+                    raise
+            time.sleep(delay)
+            delay = min(delay * 2, 0.25)
+
+    def _setup_once(self) -> None:
         db = self._db
         db.execute("PRAGMA journal_mode=WAL")
         db.execute("PRAGMA synchronous=FULL")
