@@ -114,6 +114,8 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=40)
     ap.add_argument("--llmgw", default=str(dp.REPO / ".venv" / "bin" / "llmgw"))
     ap.add_argument("--out", default=None, help="keep the callgrind file here")
+    ap.add_argument("--sse-gap-ms", type=float, default=0.0,
+                    help="the engine's pause between SSE events (0: back to back; run.py's default is 1)")
     ap.add_argument("--metrics", choices=["on", "off"], default="on",
                     help="off: the gateway reports to NullObserver (bench/observer_dataplane.py's launcher)")
     args = ap.parse_args()
@@ -122,7 +124,7 @@ def main() -> None:
     up = (base + 1, base + 2)
     d = Path(tempfile.mkdtemp(prefix="llmgw-callgrind-"))
     (d / "tmp").mkdir()
-    upstream = dp.start_engine(d, up)
+    upstream = dp.start_engine(d, up, gap=args.sse_gap_ms / 1000.0)
 
     port, admin = base + 81, base + 91
     (d / "llmgw.yaml").write_text(

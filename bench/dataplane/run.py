@@ -556,7 +556,13 @@ def main() -> None:
                     per = {i + 1: rd["proxies"][name][kind]["us_per"] / rd["proxies"]["nginx"][kind]["us_per"]
                            for i, rd in enumerate(rounds)
                            if rd["proxies"][name][kind]["us_per"] and rd["proxies"]["nginx"][kind]["us_per"]}
-                    clean = [x for r, x in per.items() if r not in contended]
+                    # clean for this pair: neither run lost its core to the hypervisor
+                    # (and, on requests, nginx was driven to its core's limit)
+                    clean = [x for r, x in per.items()
+                             if all(rounds[r - 1]["proxies"][q][kind].get("steal", 0) <= CONTENDED_STEAL
+                                    for q in ("nginx", name))
+                             and (kind == "stream" or rounds[r - 1]["proxies"]["nginx"][kind]["util"] >= CONTENDED_UTIL)]
+                    s[f"clean_rounds_{kind}"] = len(clean)
                     s[f"round_ratios_{kind}"] = [round(x, 3) for x in per.values()]
                     s[f"round_ratio_{kind}"] = round(statistics.median(per.values()), 2) if per else None
                     s[f"round_ratio_{kind}_clean"] = round(statistics.median(clean), 2) if clean else None
@@ -577,10 +583,12 @@ def main() -> None:
         if contended:
             print(f"contended rounds (nginx util < {CONTENDED_UTIL} on requests, or steal > {CONTENDED_STEAL} "
                   f"of the proxy core: the machine was busy elsewhere): {contended}")
-            if len(contended) < len(rounds) and ref:
+            if ref:
+                print("  /round over the rounds where neither that proxy's run nor nginx's was contended:")
                 for name, s in summary.items():
-                    print(f"  {name:8s} /round over the {len(rounds) - len(contended)} other rounds: "
-                          f"request {s.get('round_ratio_nonstream_clean')}  stream {s.get('round_ratio_stream_clean')}")
+                    print(f"  {name:8s} request {s.get('round_ratio_nonstream_clean')} "
+                          f"({s.get('clean_rounds_nonstream', 0)} rounds)  stream {s.get('round_ratio_stream_clean')} "
+                          f"({s.get('clean_rounds_stream', 0)} rounds)")
 
         result = {
             "config": {k: v for k, v in vars(args).items()},
