@@ -1052,9 +1052,8 @@ class UpstreamConnection:
             self.sink = None
             sink.on_upstream_lost(ConnectionResetError("the replica closed the connection"))
             return
-        out = self._out
-        if out is None:
-            out = self._out = SocketWriter(t)
+        out = self._out  # (set with the transport, in connection_made)
+        assert out is not None
         out.write(head, body)
 
     def pause_reading(self) -> None:
