@@ -7,7 +7,9 @@ Under ``LLMGW_NO_EXTENSIONS=1`` the ``c`` cases are deselected (not skipped).
 
 from __future__ import annotations
 
+import gc
 import importlib
+from collections.abc import Iterator
 from types import ModuleType
 
 import pytest
@@ -35,7 +37,31 @@ promscan = _twin_fixture("promscan")
 score = _twin_fixture("score")
 admit = _twin_fixture("admit")
 jsonscan = _twin_fixture("jsonscan")
-dataplane = _twin_fixture("dataplane")
+server = _twin_fixture("server")
+
+
+@pytest.fixture(autouse=True)
+def _no_live_objects_left() -> Iterator[None]:
+    """In the compiled debug build, a test leaves no connection, writer, call or
+    upstream connection of its own alive (uvloop's test base checks its handles
+    the same way). Counted against the test's start, so objects of wider-scoped
+    fixtures are not blamed on it."""
+    from llmgw._fast import _live
+
+    if not _live.enabled:
+        yield
+        return
+    gc.collect()
+    before = _live.live()
+    yield
+    left: dict[str, int] = {}
+    for _ in range(3):  # (objects in reference cycles wait for the collector)
+        gc.collect()
+        now = _live.live()
+        left = {k: now[k] - before[k] for k in now if now[k] != before[k]}
+        if not left:
+            return
+    raise AssertionError(f"live objects left by this test (debug build): {left}")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

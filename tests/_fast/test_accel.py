@@ -88,13 +88,22 @@ def test_missing_compiled_module_warns_and_uses_the_twin() -> None:
 @pytest.mark.c_extension
 def test_compiled_data_path_is_loaded() -> None:
     from llmgw import _accel
-    from llmgw.gateway import proxy
+    from llmgw.fleet import registry
+    from llmgw.gateway import observe, proxy
     from llmgw.http import client, server
 
-    for cls in (server.HTTPServer, server.ResponseWriter, client.UpstreamPool, proxy.Call, proxy.Gateway,
-                proxy.Endpoint, proxy.TrafficCounters):
-        assert cls.__module__ == "llmgw._fast.dataplane", cls
-    assert _accel.loaded()["dataplane"] == "compiled"
+    for cls, module in (
+        (server.HTTPServer, "server"),
+        (server.ResponseWriter, "server"),
+        (client.UpstreamPool, "upstream"),
+        (registry.Endpoint, "replica"),
+        (registry.ModelPool, "replica"),
+        (observe.TrafficCounters, "counters"),
+        (proxy.Call, "proxy"),
+        (proxy.Gateway, "proxy"),
+    ):
+        assert cls.__module__ == f"llmgw._fast.{module}", cls
+        assert _accel.loaded()[module] == "compiled"
     assert _accel.loaded()["jsonscan"] == "compiled"
 
 

@@ -104,13 +104,13 @@ class FakeEngine:
             if mode == "burst":
                 # every event its own chunk, all in one write: the gateway reads
                 # several whole chunks at once
-                w._conn._transport_write(b"".join(b"%x\r\n%s\r\n" % (len(e), e) for e in BURST_EVENTS))
+                w.write_raw(b"".join(b"%x\r\n%s\r\n" % (len(e), e) for e in BURST_EVENTS))
                 w.end()
                 return
             if mode == "raw_chunks":
                 # chunk framing as other engines write it, straight to the transport
                 for piece in RAW_CHUNKS:
-                    w._conn._transport_write(piece)
+                    w.write_raw(piece)
                     await asyncio.sleep(0.002)
                 w.end()
                 return

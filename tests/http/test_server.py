@@ -68,12 +68,12 @@ class App:
         if path == b"/big":
             # a head and a large body in one send, into a small send buffer: the
             # socket takes part of it (the rest of the head, or of the body, queues)
-            sock = w._conn.transport.get_extra_info("socket")  # type: ignore[union-attr]
+            sock = w.transport.get_extra_info("socket")  # type: ignore[union-attr]
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
             w.send(200, BIG, ((b"content-type", b"application/octet-stream"),), raw=b"x-pad: " + b"p" * 6000 + b"\r\n")
             return None
         if path == b"/nodelay":
-            sock = w._conn.transport.get_extra_info("socket")  # type: ignore[union-attr]
+            sock = w.transport.get_extra_info("socket")  # type: ignore[union-attr]
             self.sockopts.append(sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
             w.send(200, b"ok")
             return None
@@ -135,25 +135,24 @@ class App:
         # Small numbered writes into a small send buffer, so the socket refuses some:
         # the writer goes from writing to the socket itself, to queueing behind the
         # transport, and back once the transport has drained.
-        sock = w._conn.transport.get_extra_info("socket")  # type: ignore[union-attr]
+        sock = w.transport.get_extra_info("socket")  # type: ignore[union-attr]
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
-        out = w._conn._out
-        assert out is not None and not out.queued
+        assert not w.queued
         w.start(200, [(b"content-type", b"text/plain")])
         n = 0
         for _ in range(3):
             for _ in range(ORDERED_PER_ROUND):
                 w.write(b"%07d\n" % n)
                 n += 1
-            self.events.append(f"queued={out.queued}")
+            self.events.append(f"queued={w.queued}")
             await asyncio.wait_for(w.drain(), WAIT)
             for _ in range(500):  # the transport's buffer empties
-                if not w._conn.transport.get_write_buffer_size():  # type: ignore[union-attr]
+                if not w.transport.get_write_buffer_size():  # type: ignore[union-attr]
                     break
                 await asyncio.sleep(0.01)
-            self.events.append(f"left={w._conn.transport.get_write_buffer_size()}")  # type: ignore[union-attr]
+            self.events.append(f"left={w.transport.get_write_buffer_size()}")  # type: ignore[union-attr]
         w.write(b"last\n")
-        self.events.append(f"queued={out.queued}")
+        self.events.append(f"queued={w.queued}")
         w.end()
 
     async def _flood(self, w: ResponseWriter) -> None:

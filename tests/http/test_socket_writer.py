@@ -75,10 +75,10 @@ def pattern(n: int, salt: int) -> bytes:
     return bytes((i * 7 + salt) % 251 for i in range(n))
 
 
-def test_small_writes_go_to_the_socket(dataplane: ModuleType, pair: Any) -> None:
+def test_small_writes_go_to_the_socket(server: ModuleType, pair: Any) -> None:
     a, b = pair
     t = Recorder(a)
-    w = dataplane.SocketWriter(t)
+    w = server.SocketWriter(t)
     w.write(b"HTTP/1.1 200 OK\r\n\r\n", b"body")
     w.write(b"more")
     assert t.given == [] and not w.queued
@@ -87,11 +87,11 @@ def test_small_writes_go_to_the_socket(dataplane: ModuleType, pair: Any) -> None
 
 @pytest.mark.parametrize(("head_n", "body_n"), [(200_000, 10), (200_000, 300_000), (10, 300_000), (10, 1000)])
 def test_what_the_socket_refuses_goes_to_the_transport_in_order(
-    dataplane: ModuleType, pair: Any, head_n: int, body_n: int
+    server: ModuleType, pair: Any, head_n: int, body_n: int
 ) -> None:
     a, b = pair
     t = Recorder(a)
-    w = dataplane.SocketWriter(t)
+    w = server.SocketWriter(t)
     fill = pattern(1 << 16, 1)
     sent = b""
     if body_n == 1000:  # first fill the socket, so a small write is refused entirely
@@ -107,10 +107,10 @@ def test_what_the_socket_refuses_goes_to_the_transport_in_order(
     assert drain(b) + b"".join(t.given) == sent + head + body + b"tail"
 
 
-def test_back_to_the_socket_once_the_transport_is_empty(dataplane: ModuleType, pair: Any) -> None:
+def test_back_to_the_socket_once_the_transport_is_empty(server: ModuleType, pair: Any) -> None:
     a, b = pair
     t = Recorder(a)
-    w = dataplane.SocketWriter(t)
+    w = server.SocketWriter(t)
     w.write(pattern(300_000, 4))
     assert w.queued and t.given
     first = drain(b) + b"".join(t.given)
@@ -121,29 +121,29 @@ def test_back_to_the_socket_once_the_transport_is_empty(dataplane: ModuleType, p
     assert first + drain(b) == pattern(300_000, 4) + b"direct"
 
 
-def test_closing_transport_gets_every_write(dataplane: ModuleType, pair: Any) -> None:
+def test_closing_transport_gets_every_write(server: ModuleType, pair: Any) -> None:
     a, b = pair
     t = Recorder(a)
-    w = dataplane.SocketWriter(t)
+    w = server.SocketWriter(t)
     t.closing = True  # its descriptor may be closed and reused: never written directly
     w.write(b"late", b"!")
     assert t.given == [b"late!"]
     assert drain(b) == b""
 
 
-def test_tls_transport_gets_every_write(dataplane: ModuleType, pair: Any) -> None:
+def test_tls_transport_gets_every_write(server: ModuleType, pair: Any) -> None:
     a, b = pair
     t = Recorder(a, ssl=True)
-    w = dataplane.SocketWriter(t)
+    w = server.SocketWriter(t)
     w.write(b"secret")
     assert t.given == [b"secret"]
     assert drain(b) == b""
 
 
-def test_socket_error_is_left_to_the_transport(dataplane: ModuleType, pair: Any) -> None:
+def test_socket_error_is_left_to_the_transport(server: ModuleType, pair: Any) -> None:
     a, b = pair
     t = Recorder(a)
-    w = dataplane.SocketWriter(t)
+    w = server.SocketWriter(t)
     b.close()
     w.write(b"to nobody", b"!")  # no exception, no SIGPIPE: the transport reports it
     assert t.given == [b"to nobody!"]

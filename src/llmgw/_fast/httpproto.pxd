@@ -39,9 +39,14 @@ cdef class Request:
     cdef public bytes body
 
 
+cdef class RequestSink:
+    # What a RequestReader hands requests to (the server's protocol subclasses it).
+    cpdef on_request(self, Request request)   # each complete request, in order
+    cpdef on_head(self, Request request)      # a head whose client waits for 100 Continue
+
+
 cdef class RequestReader:
-    cdef object _on_request
-    cdef object _on_head
+    cdef RequestSink _sink            # (a _CallbackSink around callables)
     cdef public Py_ssize_t max_head_bytes
     cdef public Py_ssize_t max_headers
     cdef public Py_ssize_t max_body

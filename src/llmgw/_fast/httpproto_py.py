@@ -49,8 +49,10 @@ __all__ = [
     "STATUS_REASONS",
     "Request",
     "RequestReader",
+    "RequestSink",
     "Response",
     "ResponseReader",
+    "ResponseSink",
     "chunk_head",
     "id_line",
     "monotonic",
@@ -340,13 +342,47 @@ class Request:
         return f"<Request {self.method.decode('latin-1')} {self.target!r}>"
 
 
+class RequestSink:
+    """What a :class:`RequestReader` hands its requests to (the server's
+    protocol is one; compiled, the reader calls it through C)."""
+
+    __slots__ = ()
+
+    def on_request(self, request: Request) -> None:
+        """Called with each complete request, in order."""
+        raise NotImplementedError
+
+    def on_head(self, request: Request) -> None:
+        """Called with a request whose head is complete and whose client waits
+        for ``100 Continue`` before sending the body."""
+
+
+class _CallbackSink(RequestSink):
+    """A sink made of two callables (``on_head`` may be ``None``)."""
+
+    __slots__ = ("_on_head", "_on_request")
+
+    def __init__(self, on_request: Callable[[Request], Any], on_head: Callable[[Request], Any] | None) -> None:
+        self._on_request = on_request
+        self._on_head = on_head
+
+    def on_request(self, request: Request) -> None:
+        self._on_request(request)
+
+    def on_head(self, request: Request) -> None:
+        if self._on_head is not None:
+            self._on_head(request)
+
+
 class RequestReader:
     """Reads pipelined HTTP/1.1 requests from one connection (sans-IO).
 
     Args:
-        on_request: called with each complete :class:`Request`, in order.
-        on_head: called with a request whose head is complete and whose client
-            waits for ``100 Continue`` before sending the body (``None``: ignore).
+        on_request: a :class:`RequestSink`, or a callable called with each
+            complete :class:`Request`, in order.
+        on_head: (with a callable ``on_request``) called with a request whose head
+            is complete and whose client waits for ``100 Continue`` before sending
+            the body (``None``: ignore). A sink's own ``on_head`` is called instead.
         max_head_bytes: limit on request line plus headers (431 past it).
         max_headers: limit on the number of header lines (431 past it).
         max_body: limit on the body, Content-Length or chunked (413 past it).
@@ -358,15 +394,14 @@ class RequestReader:
 
     def __init__(
         self,
-        on_request: Callable[[Request], Any],
+        on_request: RequestSink | Callable[[Request], Any],
         on_head: Callable[[Request], Any] | None = None,
         max_head_bytes: int = DEFAULT_MAX_HEAD_BYTES,
         max_headers: int = DEFAULT_MAX_HEADERS,
         max_body: int = DEFAULT_MAX_BODY,
         priority_header: bytes = b"x-llmgw-priority",
     ) -> None:
-        self._on_request = on_request
-        self._on_head = on_head
+        self._sink = on_request if isinstance(on_request, RequestSink) else _CallbackSink(on_request, on_head)
         self.max_head_bytes = max_head_bytes
         self.max_headers = max_headers
         self.max_body = max_body
@@ -542,8 +577,8 @@ class RequestReader:
             raise PayloadTooLargeError(
                 f"request body is {req.content_length} bytes; the limit is {self.max_body}", close=True
             )
-        if req.expect_continue and self._on_head is not None and req.content_length != 0:
-            self._on_head(req)
+        if req.expect_continue and req.content_length != 0:
+            self._sink.on_head(req)
 
     def on_body(self, body: bytes) -> None:
         self._body_size += len(body)
@@ -561,7 +596,7 @@ class RequestReader:
         self._in_head = False
         self._head_bytes = 0
         self._ends += 1
-        self._on_request(req)
+        self._sink.on_request(req)
 
 
 class Response:
@@ -610,6 +645,30 @@ def _te_chunked(value: bytes) -> bool:
         return False
     rest = v[:-7].rstrip(b" \t")
     return not rest or rest.endswith(b",")
+
+
+class ResponseSink:
+    """What a :class:`ResponseReader` reports to (the data path's upstream
+    connection is one; compiled, the reader calls it through C). Any other object
+    with ``on_response_head``, ``on_response_body`` and ``on_response_end`` will do."""
+
+    __slots__ = ()
+
+    def on_response_head(self, resp: Response) -> None:
+        raise NotImplementedError(f"{type(self).__name__} does not implement on_response_head")
+
+    def on_response_body(self, data: bytes) -> None:
+        raise NotImplementedError(f"{type(self).__name__} does not implement on_response_body")
+
+    def on_response_end(self) -> None:
+        raise NotImplementedError(f"{type(self).__name__} does not implement on_response_end")
+
+    def on_response_chunk(self, buf: bytes, chunk_start: int, start: int, end: int) -> None:
+        """A whole chunk of a chunked body as it came, ``buf[chunk_start:end + 2]``
+        (size line, data, CRLF), inside the read ``buf``; its data is
+        ``buf[start:end]``. By default the data goes to on_response_body. (The
+        pure reader never calls it: it passes body bytes to on_response_body.)"""
+        self.on_response_body(buf[start:end])
 
 
 class ResponseReader:

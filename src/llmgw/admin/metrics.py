@@ -37,7 +37,7 @@ from prometheus_client.metrics_core import (
 from prometheus_client.registry import Collector
 
 from .. import __version__
-from ..gateway.proxy import Hist, TrafficCounters
+from ..gateway.observe import Hist, TrafficCounters
 from ..log import admin_logger as log
 
 if TYPE_CHECKING:

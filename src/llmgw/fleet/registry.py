@@ -1,7 +1,7 @@
 """The registry: what llmgw knows about each replica, right now.
 
-One :class:`Endpoint` per replica (compiled with the data path, which reads it
-per request: :mod:`llmgw._fast.dataplane_py`) holds its identity (from config) and an
+One :class:`Endpoint` per replica (compiled, as the data path reads it per
+request: :mod:`llmgw._fast.replica_py`) holds its identity (from config) and an
 ``EndpointState`` (compiled, ``llmgw.routing``) with what routing reads: the
 engine's scraped numbers (NaN when absent: never 0), this router's own requests
 (in flight, dispatched and completed since the last scrape, drain rate, latency),
@@ -14,10 +14,19 @@ routing reads both, the admin collectors read it at scrape time.
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
 
+from .._accel import select
 from ..config import Config, EndpointConfig
-from ..gateway.proxy import Endpoint, ModelPool
+from ..engines import get as get_engine
 from ..routing import Picker
+
+if TYPE_CHECKING:
+    from .._fast.replica_py import Endpoint, ModelPool
+else:
+    _impl = select("replica")
+    Endpoint = _impl.Endpoint
+    ModelPool = _impl.ModelPool
 
 __all__ = ["Endpoint", "ModelPool", "Registry"]
 
@@ -49,7 +58,7 @@ class Registry:
         """Add a replica (``ValueError`` if its id exists)."""
         if cfg.id in self.endpoints:
             raise ValueError(f"endpoint {cfg.id!r} already exists")
-        ep = Endpoint(cfg, self.config)
+        ep = Endpoint(cfg, self.config, get_engine(cfg.engine))
         self.endpoints[cfg.id] = ep
         adm = self.config.admission
         for m in cfg.models:

@@ -1,9 +1,10 @@
 """The client-facing app: OpenAI routes in, replicas out (:class:`Gateway`, one
-:class:`Call` per request), the replicas and pools it routes to, and the metrics
-counters it reports to.
+:class:`Call` per request), and engine errors put in OpenAI's shape.
 
 The implementation, and the description of how a request travels and fails, is
-:mod:`llmgw._fast.dataplane_py` (compiled as ``llmgw._fast.dataplane``).
+:mod:`llmgw._fast.proxy_py` (compiled as ``llmgw._fast.proxy``). The replicas
+and pools it routes to are in :mod:`llmgw.fleet.registry`; the counters it
+reports to in :mod:`llmgw.gateway.observe`.
 """
 
 from __future__ import annotations
@@ -13,23 +14,11 @@ from typing import TYPE_CHECKING
 from .._accel import select
 
 if TYPE_CHECKING:
-    from .._fast.dataplane_py import (
-        Call,
-        Endpoint,
-        Gateway,
-        Hist,
-        ModelPool,
-        TrafficCounters,
-        normalize_error,
-    )
+    from .._fast.proxy_py import Call, Gateway, normalize_error
 else:
-    _impl = select("dataplane")
+    _impl = select("proxy")
     Call = _impl.Call
-    Endpoint = _impl.Endpoint
-    ModelPool = _impl.ModelPool
     Gateway = _impl.Gateway
-    Hist = _impl.Hist
-    TrafficCounters = _impl.TrafficCounters
     normalize_error = _impl.normalize_error
 
-__all__ = ["Call", "Endpoint", "Gateway", "Hist", "ModelPool", "TrafficCounters", "normalize_error"]
+__all__ = ["Call", "Gateway", "normalize_error"]

@@ -1,14 +1,16 @@
 """The upstream client: pooled keep-alive HTTP/1.1 connections to one replica.
 
-One raw protocol object per connection, with httptools' response parser
-through :class:`~llmgw.http.parser.ResponseReader`; no aiohttp/httpx on the
-request path. The same client serves proxying and scraping.
+One raw protocol object per connection, with the compiled response reader
+(:class:`~llmgw.http.parser.ResponseReader`); no aiohttp/httpx on the request
+path. The same client serves proxying and scraping.
 
-A connection serves one exchange at a time. The exchange is a *sink* object with
-``on_response_head(resp)``, ``on_response_body(data)``, ``on_response_end()`` and
-``on_upstream_lost(exc)``; bytes are passed to it as they arrive.
+A connection serves one exchange at a time: an :class:`Exchange` (or any object
+with its methods) passed to ``UpstreamConnection.send`` hears about the answer
+as it arrives: ``on_response_head(resp)``, ``on_response_body(data)``,
+``on_response_end()``, or ``on_upstream_lost(exc)``.
 
-The implementation is :mod:`llmgw._fast.dataplane` (compiled) or its pure twin.
+The implementation is :mod:`llmgw._fast.upstream` (compiled) or its pure twin
+:mod:`llmgw._fast.upstream_py`.
 """
 
 from __future__ import annotations
@@ -18,10 +20,11 @@ from typing import TYPE_CHECKING
 from .._accel import select
 
 if TYPE_CHECKING:
-    from .._fast.dataplane_py import UpstreamConnection, UpstreamPool
+    from .._fast.upstream_py import Exchange, UpstreamConnection, UpstreamPool
 else:
-    _impl = select("dataplane")
+    _impl = select("upstream")
+    Exchange = _impl.Exchange
     UpstreamConnection = _impl.UpstreamConnection
     UpstreamPool = _impl.UpstreamPool
 
-__all__ = ["UpstreamConnection", "UpstreamPool"]
+__all__ = ["Exchange", "UpstreamConnection", "UpstreamPool"]

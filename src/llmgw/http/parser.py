@@ -17,6 +17,7 @@ if TYPE_CHECKING:
         STATUS_REASONS,
         Request,
         RequestReader,
+        RequestSink,
         Response,
         ResponseReader,
         chunk,
@@ -37,6 +38,7 @@ else:
     STATUS_REASONS = _impl.STATUS_REASONS
     Request = _impl.Request
     RequestReader = _impl.RequestReader
+    RequestSink = _impl.RequestSink
     Response = _impl.Response
     ResponseReader = _impl.ResponseReader
     chunk = _impl.chunk
@@ -56,6 +58,7 @@ __all__ = [
     "STATUS_REASONS",
     "Request",
     "RequestReader",
+    "RequestSink",
     "Response",
     "ResponseReader",
     "chunk",

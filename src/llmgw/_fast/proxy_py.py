@@ -1,0 +1,1142 @@
+# cython: annotation_typing=False
+"""The proxy: the client port's app, one call per request, and engine errors.
+
+This file is both the pure-Python implementation and, compiled by Cython with the
+declarations in ``proxy.pxd``, the extension module ``llmgw._fast.proxy``. Import
+it through :mod:`llmgw.gateway.proxy`.
+
+``POST /v1/*`` with a JSON body naming a ``model`` is proxied to one of that
+model's replicas; ``GET /v1/models`` lists the fleet's models. The body is read
+only for ``model`` and forwarded byte for byte unless the model name must be
+rewritten (an alias, or ``upstream_name``).
+
+A request travels as one :class:`Call`: admission (straight through below pool
+saturation 1.0, else a bounded priority-band queue), a replica chosen by the
+model's picker, an attempt on a pooled keep-alive connection, and the answer
+relayed back. Everything after parsing is driven by callbacks; a task is made
+only to open a new upstream connection. The :class:`Gateway` is the server's
+:class:`~llmgw._fast.server_py.App` and each call is its upstream connection's
+:class:`~llmgw._fast.upstream_py.Exchange`, so both are called through C.
+
+Failure semantics:
+
+* before any byte reached the client (connect refused or timed out, reset,
+  502/503 from the engine, a non-streamed answer cut short) the request is retried
+  on another replica (``retries.attempts`` times, within ``retries.budget``), then
+  answered with a clear error;
+* after the first byte there is never a retry: a stream cut by the engine ends
+  with an SSE ``data: {"error": ...}`` event and the connection is closed;
+* a client that goes away aborts the upstream request at once; every counter
+  returns to where it was.
+
+NOTE (compiled build): classes declared in ``proxy.pxd`` are extension types,
+so they cannot grow attributes that are not declared there, and methods declared
+``cpdef`` there may not hold closures (lambdas, generator expressions).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+import math
+import os
+import time
+from typing import TYPE_CHECKING, Any
+
+import orjson
+
+from .._accel import select
+from ..errors import (
+    BadGatewayError,
+    BadRequestError,
+    GatewayTimeoutError,
+    HTTPError,
+    ModelNotFoundError,
+    NotFoundError,
+    OverloadedError,
+    RateLimitedError,
+    UnauthorizedError,
+)
+from ..log import access_logger, upstream_logger
+from . import _live
+
+try:
+    import cython
+except ImportError:  # a pure install: no Cython
+    from . import _cy as cython
+
+if TYPE_CHECKING:
+    from ..config import Config
+    from . import counters_py as _counters
+    from . import httpproto_py as _hp
+    from . import jsonscan_py as _js
+    from . import replica_py as _replica
+    from . import score_py as _score
+    from . import server_py as _srv
+    from . import upstream_py as _up
+else:
+    _hp = select("httpproto")
+    _js = select("jsonscan")
+    _score = select("score")
+    _srv = select("server")
+    _up = select("upstream")
+    _replica = select("replica")
+    _counters = select("counters")
+JSONScanError = _js.JSONScanError
+RetryBudget = _score.RetryBudget
+retry_after = _score.retry_after
+NullObserver = _counters.NullObserver
+if not cython.compiled:
+    # (the compiled build takes these from proxy.pxd: C types, C calls, C enums)
+    Request = _hp.Request
+    Response = _hp.Response
+    id_line = _hp.id_line
+    monotonic = _hp.monotonic
+    sse_cut = _hp.sse_cut
+    upstream_head = _hp.upstream_head
+    usage_counts = _hp.usage_counts
+    json_model = _js.json_model
+    model_span = _js.model_span
+    EndpointState = _score.EndpointState
+    App = _srv.App
+    ResponseWriter = _srv.ResponseWriter
+    Exchange = _up.Exchange
+    UpstreamConnection = _up.UpstreamConnection
+    Endpoint = _replica.Endpoint
+    ModelPool = _replica.ModelPool
+    TrafficCounters = _counters.TrafficCounters
+    # Deadline kinds of a Call, checked by the gateway's sweep (proxy.pxd: Deadline).
+    D_NONE = 0
+    D_QUEUE = 1
+    D_FIRST_BYTE = 2
+    D_READ = 3
+    # Call phases (proxy.pxd: Phase).
+    P_NEW = 0
+    P_QUEUED = 1
+    P_CONNECTING = 2
+    P_SENT = 3
+    P_DONE = 4
+    LLMGW_DEBUG = False  # (debug.h: the debug build's switch)
+
+__all__ = ["Call", "Gateway", "normalize_error"]
+
+
+_SSE_SEP = b"\n\n"
+_VISIBLE_ASCII = bytes(range(33, 127))
+_MAX_BUFFERED = 64 * 1024 * 1024
+_RETRYABLE_STATUS = (502, 503)
+_UNKNOWN = "(unknown)"  # the model label for requests naming no served model (bounded cardinality)
+_TICK = 0.05  # seconds between deadline sweeps
+
+_CODE_BY_STATUS = {
+    400: "invalid_request",
+    401: "invalid_api_key",
+    403: "permission_denied",
+    404: "not_found",
+    405: "method_not_allowed",
+    408: "request_timeout",
+    409: "conflict",
+    413: "request_too_large",
+    422: "invalid_request",
+    429: "rate_limit_exceeded",
+    500: "internal_error",
+    501: "not_implemented",
+    502: "bad_gateway",
+    503: "service_unavailable",
+    504: "gateway_timeout",
+}
+_TYPE_BY_STATUS = {401: "invalid_request_error", 429: "rate_limit_exceeded", 503: "service_unavailable_error"}
+_CODE_BY_TYPE = {"exceed_context_size_error": "context_length_exceeded"}
+_JSON_CT = ((b"content-type", b"application/json"),)
+
+
+def normalize_error(status: int, body: bytes) -> bytes:
+    """An engine's error body in OpenAI's shape, with a string ``code``.
+
+    Engines put the HTTP status (an integer) in ``code`` (vLLM, llama.cpp,
+    TensorRT-LLM), answer ``{"error": "Unauthorized"}`` (vLLM, SGLang), use the flat
+    pre-0.10.1 vLLM shape, or send plain text; all become
+    ``{"error": {"message", "type", "param", "code"}}``.
+    """
+    message: str | None = None
+    etype: Any = None
+    param: Any = None
+    code: Any = None
+    extra: dict[str, Any] = {}
+    try:
+        data = orjson.loads(body) if body else None
+    except orjson.JSONDecodeError:
+        data = None
+    if isinstance(data, dict):
+        err = data.get("error")
+        if isinstance(err, dict):
+            src = err
+        elif isinstance(err, str):
+            src = {"message": err}
+        elif data.get("object") == "error" or "message" in data or "detail" in data:
+            src = data
+        else:
+            src = {}
+        msg = src.get("message", src.get("detail"))
+        message = msg if isinstance(msg, str) else (orjson.dumps(msg).decode() if msg is not None else None)
+        etype = src.get("type")
+        param = src.get("param")
+        code = src.get("code")
+        for k in ("n_prompt_tokens", "n_ctx"):
+            if k in src:
+                extra[k] = src[k]
+    elif body:
+        message = body[:500].decode("utf-8", "replace").strip() or None
+    if not isinstance(etype, str) or not etype:
+        etype = _TYPE_BY_STATUS.get(status, "invalid_request_error" if status < 500 else "server_error")
+    if not isinstance(code, str) or not code:
+        code = _CODE_BY_TYPE.get(etype) or _CODE_BY_STATUS.get(status, f"http_{status}")
+    if not isinstance(param, str):
+        param = None
+    if not message:
+        message = f"the engine answered HTTP {status}"
+    out: dict[str, Any] = {"message": message, "type": etype, "param": param, "code": code}
+    out.update(extra)
+    return orjson.dumps({"error": out})
+
+
+def _last_events(data: bytes) -> bytes:
+    """The end of ``data`` from the start of its last two SSE events (``\\n\\n``-ended;
+    chunk framing may lie between them); all of it when it holds fewer, or when its
+    events end in CRLF pairs. Usage is read off this: it is in the last events, and
+    a write of several chunks (see ``Call.flush_chunks``) is not scanned whole."""
+    end = data.rfind(b"\n\n")
+    if end > 0:
+        end = data.rfind(b"\n\n", 0, end)
+        if end > 0:
+            end = data.rfind(b"\n\n", 0, end)
+            if end >= 0:
+                return data[end + 2 :]
+    return data
+
+
+def _sse_error(message: str, code: str) -> bytes:
+    return b"data: " + orjson.dumps(
+        {"error": {"message": message, "type": "server_error", "param": None, "code": code}}
+    ) + _SSE_SEP
+
+
+class Call(Exchange):
+    """One client request, from admission to the last byte (and its attempts).
+
+    It is the exchange of the upstream connection carrying the current attempt,
+    and its response writer's watcher (``client_gone``).
+    """
+
+    __slots__ = (
+        "_buf",
+        "_pending",
+        "_run",
+        "_run_end",
+        "_run_start",
+        "_tail",
+        "_tail_prev",
+        "band",
+        "band_name",
+        "body",
+        "client_model",
+        "closed",
+        "conn",
+        "connect_task",
+        "deadline",
+        "dkind",
+        "ep",
+        "error",
+        "gw",
+        "head_tail",
+        "model",
+        "phase",
+        "pool",
+        "probe",
+        "progress",
+        "req",
+        "resp",
+        "retrying",
+        "rid_line",
+        "sent_at",
+        "sent_bytes",
+        "started",
+        "streaming",
+        "tenant",
+        "tried",
+        "tries",
+        "ttfb",
+        "usage",
+        "w",
+    )
+
+    def __init__(
+        self, gw: Gateway, req: Request, w: ResponseWriter, pool: ModelPool, model: str, body: bytes, rid_line: bytes
+    ) -> None:
+        self._init(gw, req, w, pool, model, body, rid_line)
+
+    def _init(
+        self, gw: Gateway, req: Request, w: ResponseWriter, pool: ModelPool, model: str, body: bytes, rid_line: bytes
+    ) -> None:
+        # PERF: the gateway makes calls with Call.__new__ and this (a C call when
+        # compiled), not through the type's call with its argument parsing.
+        # (read back through the typed attributes: C struct reads when compiled)
+        self.gw = gw
+        self.req = req
+        self.w = w
+        self.pool = pool
+        self.model = self.pool.name
+        self.client_model = model
+        self.body = body
+        self.rid_line = rid_line  # b"x-request-id: <id>\r\n"
+        self.started = monotonic()
+        self.band = self.gw.default_band
+        self.band_name = self.gw.bands[self.band]
+        self.tenant: Any = None
+        self.phase = P_NEW
+        self.closed = False
+        self.tried: list[Endpoint] | None = None
+        self.ep: Endpoint | None = None
+        self.conn: UpstreamConnection | None = None
+        self.connect_task: asyncio.Task[None] | None = None
+        self.tries = 0
+        self.probe = False
+        self.retrying = False
+        self.deadline = 0.0
+        self.dkind = D_NONE
+        self.resp: Response | None = None
+        self.streaming = False
+        self._buf: list[bytes] = []
+        self._pending = b""
+        self.sent_bytes = 0
+        self.ttfb = -1.0  # when the answer's head arrived (monotonic); -1: not yet
+        self.sent_at = -1.0  # when the request went upstream; -1: not yet
+        self.error: HTTPError | None = None
+        self.head_tail = b""
+        self.usage: tuple[int, int] | None = None  # the answer's token usage, reported once at the end
+        self._tail = b""  # a stream's last write, and the one before it
+        self._tail_prev = b""
+        self._run: bytes | None = None  # a read holding whole chunks to relay as they came ...
+        self._run_start = 0  # ... from here
+        self._run_end = 0  # ... to here (see on_response_chunk)
+        self.progress = False  # a stream's bytes arrived since the sweep last looked
+        if LLMGW_DEBUG:
+            _live.made("calls")
+
+    def __dealloc__(self) -> None:
+        if LLMGW_DEBUG:
+            _live.freed("calls")
+
+    @property
+    def rid(self) -> bytes:
+        """The request id."""
+        return self.rid_line[14 : len(self.rid_line) - 2]
+
+    # -- admission --
+
+    def admit(self) -> None:
+        """Straight through below saturation 1.0 with nobody waiting; else queue (or shed)."""
+        gw = self.gw
+        pool = self.pool
+        now = monotonic()
+        if not len(pool.queue) and pool.saturation(now, gw.stale_after, gw.max_waiting, gw.max_kv) < 1.0:
+            counters = gw.counters
+            if counters is not None:
+                counters.admission(self.band_name, "admitted")
+            else:
+                gw.observer.admission(self.band_name, "admitted")
+            self.dispatch()
+            return
+        evicted = pool.queue.push(self.band, self.tenant, self, now)
+        if evicted is False:
+            gw.observer.admission(self.band_name, "rejected", "queue_full")
+            self.shed("queue_full", f"the {self.model} pool is saturated and its {self.band_name} queue is full")
+            return
+        self.phase = P_QUEUED
+        self._deadline(D_QUEUE, now + gw.queue_timeout)
+        gw.observer.admission(self.band_name, "queued")
+        if evicted is not None:
+            assert isinstance(evicted, Call)
+            victim = evicted  # (typed in proxy.pxd)
+            gw.observer.admission(victim.band_name, "rejected", "evicted")
+            victim.shed("evicted", f"the {self.model} pool is saturated; a higher-priority request took this slot")
+        # A pool that is saturated only because nothing is known yet still moves.
+        gw.admit_next(pool)
+
+    def shed(self, reason: str, message: str) -> None:
+        """Answer 429 (with Retry-After from the pool's drain rate) and finish."""
+        now = monotonic()
+        wait = retry_after(self.pool.states, len(self.pool.queue), now)
+        self.phase = P_DONE
+        self._finish(RateLimitedError(f"{message}; retry after {math.ceil(wait)}s", retry_after=wait, code=reason))
+
+    # -- attempts --
+
+    def dispatch(self) -> None:
+        """Choose a replica and send the request (now if a pooled connection is idle)."""
+        gw = self.gw
+        now = monotonic()
+        ep = self.pool.pick(now, gw.stale_after, self.tried or ())
+        if ep is None:
+            err = self.error or OverloadedError(
+                f"no replica of model `{self.model}` is available (all draining or failing)", retry_after=1
+            )
+            self._finish(err)
+            return
+        self.ep = ep
+        self.tries += 1
+        state = ep.state
+        self.probe = state.half_open()  # this request is the breaker's probe
+        state.on_dispatch(now)
+        head = upstream_head(
+            self.req.method,
+            ep.target(self.req.target),
+            ep.host_header,
+            self.req.forward,
+            len(self.body),
+            self.rid_line + ep.auth_line,
+        )
+        conn = ep.pool.take_idle()
+        if conn is not None:
+            self._send(conn, head, reused=True)
+            return
+        self.phase = P_CONNECTING
+        self.connect_task = gw.loop.create_task(self._connect(ep, head))
+
+    async def _connect(self, ep: Endpoint, head: bytes) -> None:
+        try:
+            conn = await ep.pool.connect()
+        except asyncio.CancelledError:
+            return
+        except TimeoutError:
+            self._attempt_failed(
+                GatewayTimeoutError(f"replica {ep.id} did not accept a connection in time"), "connect_timeout"
+            )
+            return
+        except OSError as exc:
+            self._attempt_failed(
+                BadGatewayError(f"replica {ep.id} refused the connection ({exc.strerror or exc})"), "connect_refused"
+            )
+            return
+        finally:
+            self.connect_task = None
+        if self.phase == P_DONE or self.ep is not ep:
+            conn.release()
+            return
+        self._send(conn, head, reused=False)
+
+    def _send(self, conn: UpstreamConnection, head: bytes, reused: bool) -> None:
+        self.phase = P_SENT
+        self.conn = conn
+        self.resp = None
+        self.head_tail = head if reused else b""
+        now = monotonic()
+        self.sent_at = now
+        self._deadline(D_FIRST_BYTE, now + self.gw.first_byte_timeout)
+        conn.send(self, head, self.body)
+
+    def _deadline(self, kind: int, at: float) -> None:
+        """Expire at ``at`` (the monotonic clock) unless moved on first."""
+        self.dkind = kind
+        self.deadline = at
+        self.gw.watch(self)
+
+    def _attempt_failed(self, error: HTTPError, kind: str, counts: bool = True) -> None:
+        """This attempt failed before any byte reached the client: retry or answer."""
+        gw = self.gw
+        ep = self.ep
+        assert ep is not None
+        now = monotonic()
+        conn, self.conn = self.conn, None
+        if conn is not None:
+            conn.abort()
+        ep.state.on_abort(now)
+        ep.failures += 1
+        if counts:
+            gw.breaker_outcome(ep, False, now)
+        elif self.probe:
+            ep.state.breaker.release()
+        gw.observer.upstream_error(ep.id, kind)
+        self.error = error
+        upstream_logger.debug("replica %s failed: %s", ep.id, error.message)
+        if self.retrying:
+            gw.budget.done_retry()
+            self.retrying = False
+        if self.w.disconnected:
+            self._finish(None)
+            return
+        if self.tries <= gw.retry_attempts and gw.budget.can_retry(gw.active_calls):
+            if self.tried is None:
+                self.tried = []
+            self.tried.append(ep)
+            gw.budget.record_retry()
+            self.retrying = True
+            gw.observer.retry(self.model, ep.id)
+            self.dispatch()
+            return
+        self._finish(error)
+
+    def _fresh_retry(self) -> bool:
+        """A reused keep-alive connection the replica had closed: try again on a new one."""
+        if not self.head_tail or self.resp is not None:
+            return False
+        head, self.head_tail = self.head_tail, b""
+        ep = self.ep
+        assert ep is not None
+        self.conn = None
+        self.phase = P_CONNECTING
+        self.connect_task = self.gw.loop.create_task(self._connect(ep, head))
+        return True
+
+    # -- the ResponseReader sink (via the upstream connection) --
+
+    def on_response_head(self, resp: Response) -> None:
+        self.resp = resp
+        self.ttfb = monotonic()
+        if resp.event_stream and resp.status < 300:
+            self.streaming = True
+            w = self.w
+            w.start(resp.status, (), -1, resp.forward + self.rid_line + self.ep.replica_line)  # type: ignore[union-attr]
+            conn = self.conn
+            if conn is not None:
+                w.add_flow_listener(conn)
+        self._deadline(D_READ, self.ttfb + self.gw.read_timeout)
+
+    def on_response_body(self, data: bytes) -> None:
+        if self.streaming:
+            if self._run is not None:
+                self.flush_chunks()  # (what came before this goes first)
+            # PERF: no clock read per event; the sweep moves the read deadline on.
+            self.progress = True
+            # Relay whole SSE events only, so a cut never leaves half an event.
+            if self._pending:
+                data = self._pending + data
+            cut = sse_cut(data)
+            if cut == 0:
+                self._pending = data
+                return
+            if cut == len(data):
+                self._pending = b""
+                out = data
+            else:
+                self._pending = data[cut:]
+                out = data[:cut]
+            self.sent_bytes += len(out)
+            self.w.write(out)
+            # Usage comes in the last events (with vLLM's continuous usage stats every
+            # event carries the running totals, and the last counts, once): keep the
+            # last two writes, read at the end instead of searching every event.
+            self._tail_prev = self._tail
+            self._tail = out
+        else:
+            self._buf.append(data)
+            self.sent_bytes += len(data)
+            if self.sent_bytes > _MAX_BUFFERED:
+                self._attempt_failed(
+                    BadGatewayError(f"replica {self.ep.id} sent an answer larger than {_MAX_BUFFERED} bytes"),  # type: ignore[union-attr]
+                    "bad_response",
+                )
+
+    def on_response_chunk(self, buf: bytes, chunk_start: int, start: int, end: int) -> None:
+        """A whole chunk as the replica framed it: ``buf[chunk_start:end + 2]`` (size
+        line, data, CRLF) in the read ``buf``; its data is ``buf[start:end]``.
+
+        PERF: a stream's chunk that holds whole SSE events, with nothing pending,
+        goes to the client as it came: its framing is valid chunked encoding, so
+        the data is neither copied out nor framed again. Such chunks that follow
+        one another in a read go out together, in one write, when the read has
+        been parsed (:meth:`flush_chunks`), or before anything else is written.
+        """
+        if (
+            self.streaming
+            and not self._pending
+            and end - start >= 2
+            and buf[end - 1] == 10
+            and (buf[end - 2] == 10 or (buf[end - 2] == 13 and end - start >= 3 and buf[end - 3] == 10))
+            and self.w.chunked
+        ):
+            self.progress = True
+            self.sent_bytes += end - start
+            if self._run is buf and self._run_end == chunk_start:
+                self._run_end = end + 2
+                return
+            if self._run is not None:
+                self.flush_chunks()
+            self._run = buf
+            self._run_start = chunk_start
+            self._run_end = end + 2
+            return
+        if self._run is not None:
+            self.flush_chunks()
+        self.on_response_body(buf[start:end])
+
+    def on_read_end(self) -> None:
+        """The upstream read is parsed: its whole chunks go out in one write."""
+        if self._run is not None:
+            self.flush_chunks()
+
+    def flush_chunks(self) -> None:
+        """Send the whole chunks noted by :meth:`on_response_chunk` (one write)."""
+        buf = self._run
+        if buf is None:
+            return
+        self._run = None
+        if self._run_start == 0 and self._run_end == len(buf):
+            out = buf
+        else:
+            out = buf[self._run_start : self._run_end]
+        self.w.write_chunk(out)
+        self._tail_prev = self._tail
+        self._tail = out  # (usage is read off it at the end; the framing does not matter)
+
+    def on_response_end(self) -> None:
+        conn, self.conn = self.conn, None
+        resp = self.resp
+        ep = self.ep
+        assert resp is not None and ep is not None
+        w = self.w
+        if self.streaming:
+            if self._run is not None:
+                self.flush_chunks()
+            if self._pending:
+                w.write(self._pending)
+                self.sent_bytes += len(self._pending)
+                self._pending = b""
+            if conn is not None:
+                conn.release()
+            w.end()
+            self._completed(True)
+            return
+        buf = self._buf
+        body = buf[0] if len(buf) == 1 else b"".join(buf)
+        self._buf = []
+        if conn is not None:
+            conn.release()
+        status = resp.status
+        if status >= 400:
+            normalized = normalize_error(status, body)
+            if status >= 500:
+                if status in _RETRYABLE_STATUS:
+                    message = orjson.loads(normalized)["error"]["message"]
+                    err = HTTPError(
+                        f"replica {ep.id} answered {status}: {message}",
+                        status=status,
+                        type="service_unavailable_error" if status == 503 else "server_error",
+                        code=_CODE_BY_STATUS[status],
+                        retry_after=1 if status == 503 else None,
+                    )
+                    self._attempt_failed(err, "status_5xx")
+                    return
+                self.gw.observer.upstream_error(ep.id, "status_5xx")
+            w.send(status, normalized, _JSON_CT, self.rid_line + ep.replica_line)
+            self._completed(status < 500)
+            return
+        w.send(status, body, (), resp.forward + self.rid_line + ep.replica_line)
+        if self.gw.count_tokens:
+            self.usage = usage_counts(body)
+        self._completed(True)
+
+    def on_upstream_lost(self, exc: BaseException | None) -> None:
+        self.conn = None
+        if self._run is not None:
+            self.flush_chunks()  # (whole events that arrived before the loss)
+        if self.phase != P_SENT:
+            return
+        kind = "bad_response" if isinstance(exc, ValueError) else "reset"
+        if self.streaming:
+            ep = self.ep
+            assert ep is not None
+            self.gw.observer.upstream_error(ep.id, kind)
+            self._cut_stream("the replica closed the connection", "upstream_disconnected")
+            self._completed(False)
+            return
+        if kind == "reset" and self._fresh_retry():
+            return
+        ep = self.ep
+        assert ep is not None
+        self._attempt_failed(
+            BadGatewayError(f"replica {ep.id} closed the connection before a complete answer"), kind
+        )
+
+    def _cut_stream(self, why: str, code: str) -> None:
+        w = self.w
+        if w.finished:
+            return
+        w.keep_alive = False
+        if not w.disconnected:
+            # Never a fabricated [DONE] or finish_reason: the client learns the truth.
+            w.write(_sse_error(f"stream interrupted: {why}", code))
+        w.end()
+
+    # -- deadlines (from the gateway's sweep) --
+
+    def expired(self) -> None:
+        kind = self.dkind
+        self.dkind = D_NONE
+        gw = self.gw
+        if kind == D_QUEUE:
+            if self.phase == P_QUEUED and self.pool.queue.remove(self):
+                gw.observer.admission(self.band_name, "rejected", "queue_timeout")
+                self.shed("queue_timeout", f"the {self.model} pool stayed saturated for {gw.queue_timeout:g}s")
+            return
+        if self.phase != P_SENT:
+            return
+        ep = self.ep
+        assert ep is not None
+        if kind == D_FIRST_BYTE and self.resp is None:
+            conn, self.conn = self.conn, None
+            if conn is not None:
+                conn.abort()
+            now = monotonic()
+            ep.state.on_abort(now)
+            ep.failures += 1
+            gw.breaker_outcome(ep, False, now)
+            gw.observer.upstream_error(ep.id, "first_byte_timeout")
+            # Not retried: the engine may be working on it.
+            self._finish(GatewayTimeoutError(f"replica {ep.id} did not answer within {gw.first_byte_timeout:g}s"))
+        elif kind == D_READ:
+            conn, self.conn = self.conn, None
+            if conn is not None:
+                conn.abort()
+            gw.observer.upstream_error(ep.id, "read_timeout")
+            if self.streaming:
+                self._cut_stream("the replica stopped sending", "upstream_timeout")
+                self._completed(False)
+            else:
+                self._attempt_failed(BadGatewayError(f"replica {ep.id} stopped sending its answer"), "read_timeout")
+
+    # -- endings --
+
+    def client_gone(self) -> None:
+        """The client disconnected: abort whatever is in progress, release everything."""
+        phase = self.phase
+        if phase == P_DONE:
+            return
+        gw = self.gw
+        if phase == P_QUEUED:
+            self.pool.queue.remove(self)
+            gw.observer.admission(self.band_name, "rejected", "client_gone")
+        task = self.connect_task
+        if task is not None:
+            task.cancel()
+            self.connect_task = None
+        conn, self.conn = self.conn, None
+        if conn is not None:
+            # NOTE: closing the upstream connection is how an engine learns to stop
+            # generating; the slot frees at once.
+            conn.abort()
+        ep = self.ep
+        if ep is not None and phase in (P_CONNECTING, P_SENT):
+            ep.state.on_abort(monotonic())
+            if self.probe:
+                ep.state.breaker.release()
+        self._done(None)
+
+    def _completed(self, success: bool) -> None:
+        """The replica answered (fully, or a stream that was then cut)."""
+        ep = self.ep
+        assert ep is not None
+        now = monotonic()
+        state = ep.state
+        gw = self.gw
+        if success:
+            state.on_complete(now)
+            ep.completed += 1
+            gw.breaker_outcome(ep, True, now)
+        else:
+            state.on_abort(now)
+            ep.failures += 1
+            gw.breaker_outcome(ep, False, now)
+        if self.retrying:
+            gw.budget.done_retry()
+            self.retrying = False
+        self._done(None)
+
+    def _finish(self, error: HTTPError | None) -> None:
+        """Answer ``error`` (if the client is still there) and finish."""
+        w = self.w
+        if error is not None and not w.started and not w.disconnected:
+            w.send_error(error, ((b"x-request-id", self.rid),))
+        elif not w.finished and w.started:
+            w.abort()
+        if self.retrying:
+            self.gw.budget.done_retry()
+            self.retrying = False
+        self._done(error)
+
+    def _done(self, error: HTTPError | None) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        self.phase = P_DONE
+        self.dkind = D_NONE
+        gw = self.gw
+        gw.unwatch(self)
+        gw.active_calls -= 1
+        now = monotonic()
+        ep = self.ep
+        w = self.w
+        ttfb = self.ttfb - self.started if self.ttfb >= 0.0 else -1.0
+        upstream = now - self.sent_at if self.sent_at >= 0.0 else -1.0
+        replica = ep.id if ep is not None else None
+        if self.streaming and gw.count_tokens:
+            usage = usage_counts(_last_events(self._tail)) if self._tail else None
+            if usage is None and self._tail_prev:
+                usage = usage_counts(_last_events(self._tail_prev))
+            self.usage = usage
+        usage = self.usage
+        counters = gw.counters
+        if counters is not None:  # PERF: C calls, not Python method calls
+            counters.record(self.model, replica, w.status, self.band_name, now - self.started, ttfb, upstream)
+            if usage is not None:
+                counters.tokens(self.model, usage[0], usage[1])
+        else:
+            observer = gw.observer
+            observer.request_done(
+                self.model, replica, w.status, self.band_name, now - self.started,
+                ttfb if ttfb >= 0.0 else None, upstream if upstream >= 0.0 else None,
+            )
+            if usage is not None:
+                observer.tokens(self.model, usage[0], usage[1])
+        if gw.access_log:
+            gw.log_access(self, now)
+        gw.admit_next(self.pool)
+
+
+class Gateway(App):
+    """The client port's app (see the module docstring).
+
+    Args:
+        config: the configuration (re-read on :meth:`reconfigure`).
+        registry: the replicas and model pools (``llmgw.fleet.registry.Registry``);
+            its ``pools`` dict is read per request and kept up to date by it.
+    """
+
+    def __init__(self, config: Config, registry: Any) -> None:
+        self.loop = asyncio.get_running_loop()
+        self.registry = registry
+        self.pools: dict[str, ModelPool] = registry.pools  # (the registry's own dict, kept up to date by it)
+        self._rid_prefix = os.urandom(6).hex().encode() + b"-"
+        self._rid_n = 0
+        self.created = int(time.time())
+        self.observer: _counters.Observer = NullObserver()
+        self.counters: TrafficCounters | None = None
+        self.count_tokens = False
+        self.active_calls = 0
+        self._admitting = False
+        self._watched: set[Call] = set()
+        self._sweep_handle: asyncio.TimerHandle | None = None
+        self.reconfigure(config)
+
+    def reconfigure(self, config: Config) -> None:
+        """Adopt a new configuration (a reload): tables are rebuilt, connections kept."""
+        self.config = config
+        self.first_byte_timeout = config.upstream.first_byte_timeout
+        self.read_timeout = config.upstream.read_timeout
+        self.retry_attempts = config.retries.attempts
+        self.budget = RetryBudget(config.retries.budget)
+        self.stale_after = config.scrape.stale_after
+        self.max_waiting = float(config.saturation.max_waiting)
+        self.max_kv = config.saturation.max_kv_cache_usage
+        adm = config.admission
+        self.bands = adm.bands
+        self.band_index = {b.encode(): i for i, b in enumerate(adm.bands)}
+        self.default_band = adm.bands.index(adm.default_band)
+        self.queue_timeout = adm.queue_timeout
+        self.aliases = config.aliases()
+        # model name as the client says it -> name to put in the upstream body
+        rewrites: dict[str, str] = {}
+        for m in config.models.values():
+            if m.upstream_name:
+                rewrites[m.name] = m.upstream_name
+        for alias, real in self.aliases.items():
+            rewrites[alias] = config.models[real].upstream_name or real
+        self.rewrites = rewrites
+        self.keys = {k.sha256: k for k in config.auth.keys}
+        self.key_bands = {
+            k.sha256: adm.bands.index(k.band) for k in config.auth.keys if k.band is not None and k.band in adm.bands
+        }
+        self.auth = bool(self.keys)
+        self.access_log = config.access_log.enabled
+
+    def set_observer(self, observer: _counters.Observer) -> None:
+        """Report the data path's work to ``observer`` (metrics)."""
+        self.observer = observer
+        self.counters = observer if isinstance(observer, TrafficCounters) else None
+        self.count_tokens = not isinstance(observer, NullObserver)
+
+    # -- deadlines: one sweep for every call, instead of a timer per call --
+
+    def watch(self, call: Call) -> None:
+        self._watched.add(call)
+        if self._sweep_handle is None:
+            self._sweep_handle = self.loop.call_later(_TICK, self._sweep)
+
+    def unwatch(self, call: Call) -> None:
+        self._watched.discard(call)
+
+    def _sweep(self) -> None:
+        self._sweep_handle = None
+        now = monotonic()  # (deadlines are kept in this clock)
+        read_timeout = self.read_timeout
+        expired = []
+        for c in self._watched:
+            if c.progress:  # a stream moved since the last sweep: its read deadline too
+                c.progress = False
+                if c.dkind == D_READ:
+                    c.deadline = now + read_timeout
+            if c.dkind != D_NONE and c.deadline <= now:
+                expired.append(c)
+        for c in expired:
+            c.expired()
+        keep = set()
+        for c in self._watched:
+            if c.dkind != D_NONE:
+                keep.add(c)
+        self._watched = keep
+        if self._watched:
+            self._sweep_handle = self.loop.call_later(_TICK, self._sweep)
+        # Breakers reopen and scrapes move on with time: let queued requests re-check.
+        for pool in self.registry.pools.values():
+            if len(pool.queue):
+                self.admit_next(pool)
+
+    def admit_next(self, pool: ModelPool) -> None:
+        """Dispatch queued requests while the pool is below saturation 1.0."""
+        queue = pool.queue
+        if not len(queue) or self._admitting:
+            return
+        self._admitting = True
+        try:
+            self._admit(pool)
+        finally:
+            self._admitting = False
+
+    def _admit(self, pool: ModelPool) -> None:
+        queue = pool.queue
+        for _ in range(len(queue)):
+            now = monotonic()
+            if pool.saturation(now, self.stale_after, self.max_waiting, self.max_kv) >= 1.0:
+                # Nothing in flight and still "full": nothing will free capacity but
+                # time; the sweep checks again.
+                if not any(st.inflight for st in pool.states):
+                    self._ensure_sweep()
+                return
+            popped = queue.pop()
+            if popped is None:
+                return
+            assert isinstance(popped, Call)
+            call = popped  # (typed in proxy.pxd)
+            call.dkind = D_NONE
+            self.observer.admission(call.band_name, "dequeued")
+            call.dispatch()
+
+    def breaker_outcome(self, ep: Endpoint, success: bool, now: float) -> None:
+        """Tell ``ep``'s breaker how an attempt ended; report a state change."""
+        if success and ep.state.breaker_settled():
+            return  # PERF: the usual case; record_success would change nothing
+        breaker = ep.state.breaker
+        before = breaker.state_code
+        if success:
+            breaker.record_success(now)
+        else:
+            breaker.record_failure(now)
+        if breaker.state_code != before:
+            self.observer.breaker_transition(ep.id, breaker.state)
+
+    def _ensure_sweep(self) -> None:
+        if self._sweep_handle is None:
+            self._sweep_handle = self.loop.call_later(_TICK, self._sweep)
+
+    def on_scrape(self, ep: Endpoint) -> None:
+        """A scrape of ``ep`` landed: queued requests of its models may go now."""
+        pools = self.registry.pools
+        for m in ep.models:
+            pool = pools.get(m)
+            if pool is not None and len(pool.queue):
+                self.admit_next(pool)
+
+    # -- routing --
+
+    def handle(self, req: Request, w: ResponseWriter) -> None:
+        target = req.target
+        # PERF: the common case, a POST to /v1/... without a query string, skips
+        # building the path.
+        path = target if b"?" not in target else req.path
+        if path[:4] != b"/v1/":
+            raise NotFoundError(f"no route for {path.decode('latin-1')[:200]}; llmgw serves the OpenAI API under /v1/")
+        key = self._authenticate(req) if self.auth else None
+        method = req.method
+        if method == b"POST":
+            self._proxy(req, w, key)
+            return None
+        if method == b"GET" or method == b"HEAD":
+            if path == b"/v1/models":
+                w.send_json(200, {"object": "list", "data": self._model_cards()})
+                return None
+            if path.startswith(b"/v1/models/"):
+                name = path[len(b"/v1/models/") :].decode("utf-8", "replace")
+                for card in self._model_cards():
+                    if card["id"] == name:
+                        w.send_json(200, card)
+                        return None
+                raise ModelNotFoundError(f"The model `{name}` does not exist or you do not have access to it.")
+        raise HTTPError(
+            f"method {method.decode('latin-1')} is not allowed on {path.decode('latin-1')[:200]}",
+            status=405,
+            type="invalid_request_error",
+            code="method_not_allowed",
+        )
+
+    def _authenticate(self, req: Request) -> bytes:
+        key: bytes | None = None
+        auth = req.authorization
+        if auth is not None:
+            if auth[:7].lower() == b"bearer ":
+                key = auth[7:].strip()
+        elif req.x_api_key is not None:
+            key = req.x_api_key.strip()
+        if not key:
+            raise UnauthorizedError(
+                "You didn't provide an API key. Send it as Authorization: Bearer <key>.", code="missing_api_key"
+            )
+        digest = hashlib.sha256(key).digest()
+        found = self.keys.get(digest)
+        # SECURITY: compare in constant time; never echo the key.
+        if found is None or not hmac.compare_digest(found.sha256, digest):
+            raise UnauthorizedError("Incorrect API key provided.")
+        return digest
+
+    def _model_cards(self) -> list[dict[str, Any]]:
+        cards = [
+            {"id": m, "object": "model", "created": self.created, "owned_by": "llmgw"} for m in self.registry.models()
+        ]
+        served = set(self.registry.models())
+        for alias, real in self.aliases.items():
+            if real in served:
+                cards.append({"id": alias, "object": "model", "created": self.created, "owned_by": "llmgw", "root": real})
+        return cards
+
+    def _request_id(self, req: Request) -> bytes:
+        """The request's ``x-request-id`` header line."""
+        rid = req.request_id
+        # Accept the client's id when it is a short token of visible ASCII.
+        if rid is not None and 0 < len(rid) <= 128 and not rid.translate(None, _VISIBLE_ASCII):
+            return id_line(rid)
+        self._rid_n += 1
+        return id_line(self._rid_prefix, self._rid_n)
+
+    def _proxy(self, req: Request, w: ResponseWriter, key: bytes | None) -> None:
+        rid_line = self._request_id(req)
+        try:
+            call = self._prepare(req, w, rid_line, key)
+        except HTTPError as exc:
+            rid = rid_line[14 : len(rid_line) - 2]
+            w.send_error(exc, ((b"x-request-id", rid),))
+            band = self.bands[self.default_band]
+            self.observer.request_done(_UNKNOWN, None, w.status, band, 0.0, None, None)
+            if self.access_log:
+                self._access_line(req, rid, _UNKNOWN, band, None, 0, w, 0, None, 0.0)
+            return
+        self.active_calls += 1
+        w.watch(call)  # (PERF: one slot, not an on_disconnect callback)
+        call.admit()
+
+    def _prepare(self, req: Request, w: ResponseWriter, rid_line: bytes, key: bytes | None) -> Call:
+        body = req.body
+        # PERF: validated in one pass without building the document; only the
+        # top-level "model" is read (see llmgw._fast.jsonscan_py).
+        try:
+            is_object, model = json_model(body)
+        except JSONScanError as exc:
+            raise BadRequestError(
+                f"We could not parse the JSON body of your request ({exc}). Send a JSON object.",
+                code="invalid_json",
+            ) from None
+        if not is_object:
+            raise BadRequestError("The request body must be a JSON object.", code="invalid_json")
+        if not model:
+            raise BadRequestError("You must provide a model parameter.", param="model", code="missing_model")
+        real = self.aliases.get(model, model)
+        pool = self.pools.get(real)
+        if pool is None or not pool.endpoints:
+            raise ModelNotFoundError(
+                f"The model `{model[:200]}` does not exist or you do not have access to it.", param="model"
+            )
+        rewrite = self.rewrites.get(model)
+        if rewrite is not None and rewrite != model:
+            # Only the name changes; every other byte goes upstream as the client sent it.
+            start, end = model_span(body)
+            body = body[:start] + orjson.dumps(rewrite) + body[end:]
+        call = Call.__new__(Call)
+        call._init(self, req, w, pool, model, body, rid_line)
+        band = self.default_band
+        if key is not None:
+            band = self.key_bands.get(key, band)
+            call.tenant = key
+        prio = req.priority
+        if prio is not None:
+            idx = self.band_index.get(prio.strip().lower())
+            if idx is None:
+                raise BadRequestError(
+                    f"unknown priority band {prio.decode('latin-1')[:64]!r}; use one of {', '.join(self.bands)}",
+                    code="invalid_priority",
+                )
+            band = idx
+        call.band = band
+        call.band_name = self.bands[band]
+        return call
+
+    def log_access(self, call: Call, now: float) -> None:
+        self._access_line(
+            call.req,
+            call.rid,
+            call.model,
+            call.band_name,
+            call.ep.id if call.ep is not None else None,
+            call.tries,
+            call.w,
+            call.sent_bytes,
+            round((call.ttfb - call.started) * 1000, 3) if call.ttfb >= 0.0 else None,
+            round((now - call.started) * 1000, 3),
+        )
+
+    def _access_line(
+        self,
+        req: Request,
+        rid: bytes,
+        model: str,
+        band: str,
+        replica: str | None,
+        attempts: int,
+        w: ResponseWriter,
+        nbytes: int,
+        ttfb_ms: float | None,
+        duration_ms: float,
+    ) -> None:
+        access_logger.info(
+            orjson.dumps(
+                {
+                    "ts": time.time(),
+                    "id": rid.decode("latin-1"),
+                    "method": req.method.decode("latin-1"),
+                    "path": req.path.decode("latin-1"),
+                    "model": model,
+                    "band": band,
+                    "replica": replica,
+                    "attempts": attempts,
+                    "status": w.status,
+                    "bytes": nbytes,
+                    "ttfb_ms": ttfb_ms,
+                    "duration_ms": duration_ms,
+                    "client_disconnected": w.disconnected,
+                }
+            ).decode()
+        )
+
+    def close(self) -> None:
+        """Stop the deadline sweep."""
+        if self._sweep_handle is not None:
+            self._sweep_handle.cancel()
+            self._sweep_handle = None

@@ -1,0 +1,52 @@
+# Declarations that compile replica_py.py into the extension llmgw._fast.replica
+# (Cython "augmenting .pxd"): the contract of replicas and model pools.
+#
+# Written by: the registry (made from config; the picker swapped on reload), the
+# poller (scrape_* and, through state, the engine's numbers), the proxy (state's
+# router-side numbers, completed, failures). Read per request by the proxy: the
+# header lines, pool, state, target().
+
+cimport cython
+
+from llmgw._fast.httpproto cimport monotonic
+from llmgw._fast.score cimport EndpointState, Picker, pool_saturation
+from llmgw._fast.upstream cimport UpstreamPool
+
+
+@cython.final
+cdef class Endpoint:
+    cdef readonly object cfg              # its EndpointConfig
+    cdef readonly object id               # str
+    cdef readonly object models           # tuple of the models it serves
+    cdef readonly object engine           # EngineInfo (llmgw.engines)
+    cdef readonly bytes host_header       # b"host:port", the Host value sent upstream
+    cdef readonly bytes base_path         # prefix of every upstream target (b"": none)
+    cdef readonly bytes auth_line         # b"authorization: Bearer <its key>\r\n" or b""
+    cdef readonly bytes replica_line      # b"x-llmgw-replica: <id>\r\n", sent to clients
+    cdef readonly UpstreamPool pool
+    cdef readonly EndpointState state
+    cdef readonly double stale_after      # seconds a scrape stays fresh
+    cdef readonly object metrics_path
+    cdef public Py_ssize_t completed      # answered requests (the proxy counts)
+    cdef public Py_ssize_t failures       # failed attempts (the proxy counts)
+    cdef public Py_ssize_t scrape_ok      # the poller counts these four
+    cdef public Py_ssize_t scrape_failures
+    cdef public object scrape_problem     # why its metrics can't be read, or None
+    cdef public double scrape_seconds
+
+    cpdef bytes target(self, bytes path)
+    cpdef close(self)
+
+
+@cython.final
+cdef class ModelPool:
+    cdef readonly list endpoints
+    cdef readonly object name
+    cdef public Picker picker             # swapped by the registry when the strategy changes
+    cdef readonly object queue            # its AdmissionQueue
+    cdef readonly list states             # [ep.state for ep in endpoints], for the picker
+
+    cpdef add(self, Endpoint ep)
+    cpdef remove(self, Endpoint ep)
+    cpdef Endpoint pick(self, double now, double stale_after, exclude=*)
+    cpdef double saturation(self, double now, double stale_after, double max_waiting, double max_kv)

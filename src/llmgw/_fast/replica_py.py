@@ -1,0 +1,238 @@
+# cython: annotation_typing=False
+"""Replicas and model pools: what the data path routes to.
+
+This file is both the pure-Python implementation and, compiled by Cython with the
+declarations in ``replica.pxd``, the extension module ``llmgw._fast.replica``.
+Import it through :mod:`llmgw.fleet.registry`, which makes them.
+
+An :class:`Endpoint` is one replica: its identity and the header lines made for
+it ahead (from config), its upstream connection pool, and its
+``score.EndpointState`` (what routing reads: the engine's scraped numbers, NaN
+when absent, never 0; this router's own requests; the breaker). A
+:class:`ModelPool` is one model's replicas, their states as one list for the
+picker, the picker and the admission queue.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+from .._accel import select
+
+try:
+    import cython
+except ImportError:  # a pure install: no Cython
+    from . import _cy as cython
+
+if TYPE_CHECKING:
+    from ..config import Config, EndpointConfig
+    from . import admit_py as _admit
+    from . import httpproto_py as _hp
+    from . import score_py as _score
+    from . import upstream_py as _up
+else:
+    _hp = select("httpproto")
+    _score = select("score")
+    _admit = select("admit")
+    _up = select("upstream")
+Breaker = _score.Breaker
+AdmissionQueue = _admit.AdmissionQueue
+if not cython.compiled:
+    # (the compiled build takes these from replica.pxd: C types and C calls)
+    EndpointState = _score.EndpointState
+    Picker = _score.Picker
+    pool_saturation = _score.pool_saturation
+    monotonic = _hp.monotonic
+    UpstreamPool = _up.UpstreamPool
+
+__all__ = ["Endpoint", "ModelPool"]
+
+
+def _opt(x: float) -> float | None:
+    return None if math.isnan(x) else x
+
+
+class Endpoint:
+    """One replica's identity and live state.
+
+    Args:
+        cfg: the replica's config entry.
+        config: the whole config (upstream, breaker and scrape settings).
+        engine: what llmgw knows about its engine (``llmgw.engines.EngineInfo``;
+            the registry looks it up: this module knows no engine).
+    """
+
+    __slots__ = (
+        "auth_line",
+        "base_path",
+        "cfg",
+        "completed",
+        "engine",
+        "failures",
+        "host_header",
+        "id",
+        "metrics_path",
+        "models",
+        "pool",
+        "replica_line",
+        "scrape_failures",
+        "scrape_ok",
+        "scrape_problem",
+        "scrape_seconds",
+        "stale_after",
+        "state",
+    )
+
+    def __init__(self, cfg: EndpointConfig, config: Config, engine: Any) -> None:
+        upstream = config.upstream
+        self.cfg = cfg
+        self.id = cfg.id
+        self.models = cfg.models
+        self.engine = engine
+        self.host_header = cfg.address.encode()
+        self.base_path = cfg.base_path.encode() if cfg.base_path else b""
+        # SECURITY: the replica's own key goes upstream; the client's never does.
+        self.auth_line = b"authorization: Bearer %s\r\n" % cfg.api_key.encode() if cfg.api_key else b""
+        self.replica_line = b"x-llmgw-replica: %s\r\n" % cfg.id.encode()
+        self.pool = UpstreamPool(
+            cfg.host,
+            cfg.port,
+            connect_timeout=upstream.connect_timeout,
+            max_idle=upstream.max_idle_connections,
+            idle_timeout=upstream.idle_timeout,
+        )
+        b = config.breaker
+        self.state = EndpointState(0, Breaker(b.failures, b.cooldown, b.max_cooldown))
+        self.state.draining = cfg.draining
+        if cfg.slots:
+            self.state.slots = float(cfg.slots)
+        if not self.engine.scraped:
+            # Never scraped: always "fresh" but blind (no gauges); routing knows.
+            self.state.scraped_at = math.inf
+        self.stale_after = config.scrape.stale_after
+        self.metrics_path = cfg.metrics_path
+        self.completed = 0
+        self.failures = 0
+        self.scrape_ok = 0
+        self.scrape_failures = 0
+        self.scrape_seconds = 0.0
+        self.scrape_problem: str | None = None
+
+    # -- views for the admin API and metrics (absent is None, never 0) --
+
+    @property
+    def inflight(self) -> int:
+        return int(self.state.inflight)
+
+    @property
+    def draining(self) -> bool:
+        return bool(self.state.draining)
+
+    @draining.setter
+    def draining(self, value: bool) -> None:
+        self.state.draining = value
+
+    @property
+    def waiting(self) -> float | None:
+        return _opt(self.state.waiting)
+
+    @property
+    def running(self) -> float | None:
+        return _opt(self.state.running)
+
+    @property
+    def kv_cache_usage(self) -> float | None:
+        return _opt(self.state.kv_cache_usage)
+
+    @property
+    def drain_rate(self) -> float | None:
+        return _opt(self.state.drain_rate)
+
+    @property
+    def latency(self) -> float | None:
+        return _opt(self.state.latency)
+
+    @property
+    def last_scrape(self) -> float | None:
+        at = self.state.scraped_at
+        return None if math.isnan(at) or math.isinf(at) else at
+
+    @property
+    def breaker_state(self) -> str:
+        return str(self.state.breaker.state)
+
+    @property
+    def breaker_open(self) -> bool:
+        return self.state.breaker.state == "open"
+
+    @property
+    def consecutive_failures(self) -> int:
+        return int(self.state.breaker.consecutive_failures)
+
+    @property
+    def stale(self) -> bool:
+        """Whether the engine numbers are missing or too old to use as fresh."""
+        return bool(self.state.stale(monotonic(), self.stale_after))
+
+    def fresh(self) -> tuple[float | None, float | None, float | None]:
+        """(waiting, running, kv_cache_usage) if fresh, else all ``None`` (absent)."""
+        if self.stale:
+            return None, None, None
+        return self.waiting, self.running, self.kv_cache_usage
+
+    @property
+    def usable(self) -> bool:
+        """Whether new requests may go here (not draining, breaker not open)."""
+        return bool(self.state.usable(monotonic()))
+
+    def target(self, path: bytes) -> bytes:
+        """The request target on this replica for a client path."""
+        base = self.base_path
+        return base + path if base else path
+
+    def close(self) -> None:
+        self.pool.close()
+
+    def __repr__(self) -> str:
+        return f"<Endpoint {self.id} {self.cfg.url} inflight={self.inflight}>"
+
+
+class ModelPool:
+    """One model's replicas, their states as one list, its picker and admission queue."""
+
+    __slots__ = ("endpoints", "name", "picker", "queue", "states")
+
+    def __init__(self, name: str, strategy: str, bands: int, queue_size: int) -> None:
+        self.name = name
+        self.endpoints: list[Endpoint] = []
+        self.states: list[Any] = []
+        self.picker = Picker(strategy)
+        self.queue = AdmissionQueue(bands, queue_size)
+
+    def add(self, ep: Endpoint) -> None:
+        self.endpoints.append(ep)
+        self.states = [e.state for e in self.endpoints]
+
+    def remove(self, ep: Endpoint) -> None:
+        if ep in self.endpoints:
+            self.endpoints.remove(ep)
+        self.states = [e.state for e in self.endpoints]
+
+    def pick(self, now: float, stale_after: float, exclude: Iterable[Endpoint] = ()) -> Endpoint | None:
+        """The replica for the next request (taking a half-open breaker's probe), or ``None``."""
+        excluded = tuple(exclude)
+        if not excluded:
+            i = self.picker.pick(self.states, now, stale_after)
+            return self.endpoints[i] if i >= 0 else None
+        # A retry: the same choice among the replicas not tried yet.
+        eps = [e for e in self.endpoints if e not in excluded]
+        i = self.picker.pick([e.state for e in eps], now, stale_after)
+        return eps[i] if i >= 0 else None
+
+    def saturation(self, now: float, stale_after: float, max_waiting: float, max_kv: float) -> float:
+        return pool_saturation(self.states, now, stale_after, max_waiting, max_kv)
+
+
+
