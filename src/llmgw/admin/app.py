@@ -151,7 +151,7 @@ class AdminApp:
             self.lag.start()
         except RuntimeError:  # built outside a running loop (a unit test): no lag measurement
             self.lag = None
-        self.metrics.register(RuntimeCollector(listeners, self.lag, fleet.reloads))
+        self.metrics.register(RuntimeCollector(listeners, self.lag, lambda: fleet.reloads))
         self.api = ManagementAPI(
             registry=registry, fleet=fleet, config=config, observer=self.observer, admission=admission
         )

@@ -467,10 +467,12 @@ class RuntimeCollector(Collector):
     Args:
         listeners: the client and admin listeners (read at scrape time).
         lag: the event loop's lag (``None``: not measured).
-        reloads: reloads so far by result (``ok``, ``failed``), read at scrape time.
+        reloads: returns the reloads so far by result (``ok``, ``failed``); called at scrape time.
     """
 
-    def __init__(self, listeners: Listeners, lag: LoopLagMonitor | None, reloads: Mapping[str, int]) -> None:
+    def __init__(
+        self, listeners: Listeners, lag: LoopLagMonitor | None, reloads: Callable[[], Mapping[str, int]]
+    ) -> None:
         self.listeners = listeners
         self.lag = lag
         self.reloads = reloads
@@ -506,8 +508,9 @@ class RuntimeCollector(Collector):
             "llmgw_config_reloads_total", "Configuration reloads (admin API or SIGHUP), by result (ok, failed).",
             labels=["result"],
         )
+        counts = self.reloads()
         for result in ("ok", "failed"):
-            rl.add_metric([result], self.reloads.get(result, 0))
+            rl.add_metric([result], counts.get(result, 0))
         yield rl
 
 
