@@ -30,7 +30,7 @@ LAUNCH = """
 import asyncio, sys
 import uvloop
 from llmgw.config import load_file
-from llmgw.gateway.app import GatewayRuntime
+from llmgw.runtime import GatewayRuntime
 from llmgw.gateway.observe import NullObserver
 
 async def main():

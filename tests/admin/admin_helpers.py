@@ -12,8 +12,8 @@ import orjson
 
 from llmgw.admin.app import AdminApp
 from llmgw.config import Config, load
-from llmgw.gateway.app import GatewayRuntime
 from llmgw.http.server import HTTPServer
+from llmgw.runtime import GatewayRuntime
 
 VLLM_PAGE = b"""# TYPE vllm:num_requests_running gauge
 vllm:num_requests_running{engine="0",model_name="m"} 3.0
@@ -120,7 +120,7 @@ def config_for(engines: list[Engine], more: list[dict[str, Any]] = (), **extra: 
 def admin_of(rt: GatewayRuntime) -> AdminApp:
     assert rt.admin_server is not None
     app = rt.admin_server.app
-    assert isinstance(app, AdminApp)
+    assert isinstance(app, AdminApp) and app is rt.admin
     return app
 
 

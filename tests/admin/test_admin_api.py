@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import signal
 from pathlib import Path
@@ -24,8 +25,11 @@ from admin_helpers import (
     wait_for,
 )
 
-from llmgw.admin.manage import install_sighup
-from llmgw.config import load_file
+from llmgw.admin.app import AdminApp
+from llmgw.admin.ports import Listeners
+from llmgw.config import load, load_file
+from llmgw.fleet.registry import Registry
+from llmgw.runtime import GatewayRuntime
 
 
 async def api(rt: Any, method: str, path: str, body: Any = None, token: str | None = None) -> tuple[int, Any]:
@@ -182,11 +186,18 @@ async def test_queues_view() -> None:
 
             pool_saturation = {"m": 1.5, "n": None}
 
-        rt.admission = Admission()  # type: ignore[attr-defined]
-        admin_of(rt).observer.admission("batch", "queued")
-        admin_of(rt).observer.admission("batch", "rejected", "queue_full")
-        status, body = await api(rt, "GET", "/admin/v1/queues")
-        assert status == 200 and body["admission"] is True
+        # (an admin app given that controller, over the same registry and observer)
+        other = AdminApp(
+            registry=rt.registry, fleet=rt, config=lambda: rt.config, listeners=rt.listeners,
+            observer=admin_of(rt).observer, admission=Admission(),
+        )
+        try:
+            admin_of(rt).observer.admission("batch", "queued")
+            admin_of(rt).observer.admission("batch", "rejected", "queue_full")
+            body = other.api.queues()
+        finally:
+            other.close()
+        assert body["admission"] is True
         bands = {b["band"]: b for b in body["bands"]}
         assert bands["batch"]["depth"] == 4
         assert bands["batch"]["decisions"] == {"queued": 1, "rejected": 1}
@@ -195,18 +206,11 @@ async def test_queues_view() -> None:
 
 
 async def test_admin_token() -> None:
-    # A stand-in config that carries admin_token (read as getattr(runtime.config, "admin_token")).
     a = Engine("a")
     async with running([a]) as rt:
         real = rt.config
-
-        class WithToken:
-            def __getattr__(self, name: str) -> Any:
-                return getattr(real, name)
-
-            admin_token = "s3cret-admin-token"
-
-        rt.config = WithToken()  # type: ignore[assignment]
+        # the admin app reads the running configuration per request (as after a reload)
+        rt.config = dataclasses.replace(real, admin_token="s3cret-admin-token")
         status, body = await api(rt, "GET", "/admin/v1/endpoints")
         assert status == 401 and error_code(body) == "missing_admin_token"
         assert "s3cret" not in orjson.dumps(body).decode()
@@ -254,13 +258,13 @@ async def test_reload_from_disk_and_sighup(tmp_path: Path) -> None:
 
             # SIGHUP reloads too
             _write(conf, config_for([b]))
-            uninstall = install_sighup(rt)
+            uninstall = rt.install_sighup()
             try:
                 os.kill(os.getpid(), signal.SIGHUP)
                 await wait_for(lambda: "a" not in rt.registry.endpoints)
             finally:
                 uninstall()
-            assert admin_of(rt).reloads == {"ok": 2, "failed": 1}
+            assert rt.reloads == {"ok": 2, "failed": 1} and admin_of(rt).reloads == rt.reloads
             _, _, text = await http(admin_port(rt), "GET", "/metrics")
             assert b'llmgw_config_reloads_total{result="ok"} 2.0' in text
             assert b'llmgw_config_reloads_total{result="failed"} 1.0' in text
@@ -295,13 +299,27 @@ async def test_unknown_admin_routes(path: str) -> None:
         await asyncio.sleep(0)
 
 
+def _admin_app(config: Any) -> AdminApp:
+    """An admin app over a runtime that is not started (built outside a loop: no lag timer)."""
+    rt = GatewayRuntime(load({}))
+    return AdminApp(registry=Registry(rt.config), fleet=rt, config=lambda: config, listeners=Listeners())
+
+
 def test_warns_when_admin_is_exposed_without_token(caplog: pytest.LogCaptureFixture) -> None:
-    from types import SimpleNamespace
-
-    from llmgw.admin.app import AdminApp
-
+    base = load({})
     for host, token, warned in (("0.0.0.0", None, True), ("10.1.2.3", "t", False), ("127.0.0.1", None, False),
                                 ("::1", None, False), ("localhost", None, False)):
         caplog.clear()
-        AdminApp(SimpleNamespace(config=SimpleNamespace(admin=(host, 9090), admin_token=token)))  # type: ignore[arg-type]
+        _admin_app(dataclasses.replace(base, admin=(host, 9090), admin_token=token))
         assert ("without admin_token" in caplog.text) is warned, host
+
+
+def test_a_config_without_admin_token_fails_loudly() -> None:
+    """The token is read as an attribute, never probed: a config object without it is an error, not an open API."""
+    from types import SimpleNamespace
+
+    app = _admin_app(SimpleNamespace(admin=("127.0.0.1", 9090)))
+    with pytest.raises(AttributeError, match="admin_token"):
+        app._authorize(SimpleNamespace(authorization=None))  # type: ignore[arg-type]
+    with pytest.raises(AttributeError, match="admin_token"):
+        _admin_app(SimpleNamespace(admin=("0.0.0.0", 9090)))

@@ -229,9 +229,9 @@ def _fake_ep(eid: str, **attrs: Any) -> Any:
     return ep
 
 
-def _render(runtime: Any) -> dict[str, Any]:
+def _render(registry: Any, admission: Any = None) -> dict[str, Any]:
     reg = CollectorRegistry(auto_describe=False)
-    reg.register(FleetCollector(runtime))
+    reg.register(FleetCollector(registry, admission))
     return families(generate_latest(reg).decode())
 
 
@@ -247,8 +247,7 @@ def test_routing_signals_exported_when_present_and_omitted_when_absent() -> None
         "half": _fake_ep("half", breaker=_Breaker("half_open")),
         "without": _fake_ep("without"),
     }
-    rt = SimpleNamespace(registry=SimpleNamespace(endpoints=eps), admission=Admission())
-    fams = _render(rt)
+    fams = _render(SimpleNamespace(endpoints=eps), Admission())
     assert sample(fams, "llmgw_endpoint_breaker_open", replica="with") == 1.0
     assert sample(fams, "llmgw_endpoint_breaker_open", replica="half") == 0.5
     assert sample(fams, "llmgw_endpoint_breaker_open", replica="without") is None
@@ -266,8 +265,7 @@ def test_broken_routing_layer_does_not_break_metrics(caplog: pytest.LogCaptureFi
         def queue_depths(self) -> dict[str, int]:
             raise RuntimeError("bug")
 
-    rt = SimpleNamespace(registry=SimpleNamespace(endpoints={"x": _fake_ep("x")}), admission=Broken())
-    fams = _render(rt)
+    fams = _render(SimpleNamespace(endpoints={"x": _fake_ep("x")}), Broken())
     assert sample(fams, "llmgw_admission_queue_depth") is None
     assert sample(fams, "llmgw_endpoint_inflight", replica="x") == 1.0
 

@@ -20,6 +20,10 @@ route                              token   what
 
 "token": when ``admin_token`` is configured those routes need
 ``Authorization: Bearer <admin_token>``; probes and scrapers stay open.
+
+The app is given what it works on (the registry, the process's operations, the
+running configuration, the listeners: :mod:`.ports`) by the composition root,
+:mod:`llmgw.runtime`; it never imports or probes the process that runs it.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ import hashlib
 import hmac
 import ipaddress
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable, Mapping
 from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qs
 
@@ -38,7 +42,7 @@ from prometheus_client import CollectorRegistry, GCCollector, PlatformCollector,
 from prometheus_client.exposition import choose_encoder
 from prometheus_client.registry import Collector
 
-from ..errors import BadRequestError, ConfigError, HTTPError, NotFoundError, UnauthorizedError
+from ..errors import BadRequestError, NotFoundError, UnauthorizedError
 from ..http.parser import Request
 from ..http.server import ResponseWriter
 from ..log import admin_logger as log
@@ -58,7 +62,9 @@ from .profiling import (
 )
 
 if TYPE_CHECKING:
-    from ..gateway.app import GatewayRuntime
+    from ..config import Config
+    from ..fleet.registry import Registry
+    from .ports import FleetControl, Listeners
 
 __all__ = ["AdminApp", "FleetCollector", "PrometheusObserver"]
 
@@ -105,42 +111,66 @@ class AdminApp:
     """The admin port's app (see the module docstring for the routes).
 
     Args:
-        runtime: the running gateway, read at request time (so reloads show).
+        registry: the replicas (read at request and scrape time, so changes show).
+        fleet: the process's operations: add, remove, drain, reload, readiness,
+            and the reload counts.
+        config: the running configuration, called per request (a reload swaps
+            it): the admin token and address are read off it.
+        listeners: the client and admin listeners (``/ready`` answers 503 while
+            the client one closes; ``/metrics`` counts their connections). The
+            admin one may be set after the app is made.
         observer: where the data path reports; one is made when not given. Wire
             it into the gateway with ``gateway.set_observer(admin.observer)``.
+        admission: another admission controller to read queue depths and
+            saturation from instead of the registry (the default).
     """
 
-    def __init__(self, runtime: GatewayRuntime, observer: PrometheusObserver | None = None) -> None:
-        self.runtime = runtime
+    def __init__(
+        self,
+        *,
+        registry: Registry,
+        fleet: FleetControl,
+        config: Callable[[], Config],
+        listeners: Listeners,
+        observer: PrometheusObserver | None = None,
+        admission: object | None = None,
+    ) -> None:
+        self.registry = registry
+        self.fleet = fleet
+        self.config = config
+        self.listeners = listeners
         self.observer = observer if observer is not None else PrometheusObserver()
-        self.reloads: dict[str, int] = {"ok": 0, "failed": 0}
         self.metrics = CollectorRegistry(auto_describe=False)
         ProcessCollector(registry=self.metrics)
         PlatformCollector(registry=self.metrics)
         GCCollector(registry=self.metrics)
         self.metrics.register(self.observer)
-        self.metrics.register(FleetCollector(runtime))
-        self.lag: LoopLagMonitor | None = LoopLagMonitor(stopped=self._closing)
+        self.metrics.register(FleetCollector(registry, admission))
+        self.lag: LoopLagMonitor | None = LoopLagMonitor(stopped=listeners.admin_closing)
         try:
             self.lag.start()
         except RuntimeError:  # built outside a running loop (a unit test): no lag measurement
             self.lag = None
-        self.metrics.register(RuntimeCollector(runtime, self.lag, self.reloads))
-        self.api = ManagementAPI(runtime, self)
+        self.metrics.register(RuntimeCollector(listeners, self.lag, lambda: fleet.reloads))
+        self.api = ManagementAPI(
+            registry=registry, fleet=fleet, config=config, observer=self.observer, admission=admission
+        )
         self.profiler = Profiler()
         self._token_src: str | None = None
         self._token_digest: bytes | None = None
-        host = runtime.config.admin[0]
-        if not _is_loopback(host) and not getattr(runtime.config, "admin_token", None):
+        cfg = config()
+        host = cfg.admin[0]
+        if not _is_loopback(host) and not cfg.admin_token:
             log.warning(
                 "the admin listener is bound to %s without admin_token: anyone who can reach it can drain "
                 "replicas and read profiles; set admin_token (or admin_token_env) or bind it to 127.0.0.1",
                 host,
             )
 
-    def _closing(self) -> bool:
-        srv = getattr(self.runtime, "admin_server", None)
-        return bool(getattr(srv, "closing", False))
+    @property
+    def reloads(self) -> Mapping[str, int]:
+        """Reloads so far by result (``ok``, ``failed``), as ``llmgw_config_reloads_total`` shows them."""
+        return self.fleet.reloads
 
     def close(self) -> None:
         """Stop the loop-lag timer (the runtime's ``stop`` may call this; it also stops on its own)."""
@@ -155,36 +185,23 @@ class AdminApp:
         """Remove a collector added with :meth:`register_collector`."""
         self.metrics.unregister(collector)
 
-    # -- reload (admin API and SIGHUP) --
+    # -- reload (admin API) --
 
     def reload(self, trigger: str) -> dict[str, Any]:
-        """Re-read the config file through the runtime; the summary, counted in the metrics.
+        """Re-read the config file through the process's :meth:`FleetControl.reload`; the summary.
 
         Raises:
             HTTPError: 400 ``invalid_config`` (the file is invalid; nothing changed),
                 409 (a conflict with endpoints added at run time), 503 (not running).
         """
-        try:
-            summary = self.runtime.reload()
-        except ConfigError as exc:
-            self.reloads["failed"] += 1
-            raise BadRequestError(
-                f"reload failed, the running configuration is kept: {exc}", code="invalid_config"
-            ) from exc
-        except ValueError as exc:
-            self.reloads["failed"] += 1
-            raise conflict(f"reload failed, the running configuration is kept: {exc}") from exc
-        except RuntimeError as exc:
-            self.reloads["failed"] += 1
-            raise HTTPError(str(exc), status=503, type="service_unavailable_error", code="service_unavailable") from exc
-        self.reloads["ok"] += 1
-        log.info("configuration reloaded (%s)", trigger)
-        return {"reloaded": True, **summary}
+        return self.api.reload(trigger)
 
     # -- auth --
 
     def _authorize(self, req: Request) -> None:
-        token = getattr(self.runtime.config, "admin_token", None)
+        # SECURITY: read as an attribute, never probed: a renamed field fails every
+        # request instead of quietly opening the API.
+        token = self.config().admin_token
         if not token:
             return
         if token is not self._token_src:
@@ -232,11 +249,10 @@ class AdminApp:
         )
 
     def _ready(self, w: ResponseWriter) -> None:
-        srv = getattr(self.runtime, "server", None)
-        if srv is not None and srv.closing:
+        if self.listeners.client_closing():
             w.send_json(503, {"ready": False, "reason": "shutting down"})
             return
-        ready, body = self.runtime.readiness()
+        ready, body = self.fleet.readiness()
         w.send_json(200 if ready else 503, body)
 
     def _metrics(self, req: Request, w: ResponseWriter) -> None:

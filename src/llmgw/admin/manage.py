@@ -1,9 +1,10 @@
-"""The management API (JSON under ``/admin/v1/``) and the SIGHUP reload.
+"""The management API (JSON under ``/admin/v1/``).
 
-Every change goes through the runtime's own operations
-(:meth:`GatewayRuntime.add_endpoint`, ``remove_endpoint``, ``set_draining``,
-``reload``), so the registry, the data path and the scrape poller follow
-together, and connections in flight are never dropped.
+Every change goes through the process's own operations (a
+:class:`~llmgw.admin.ports.FleetControl`: ``add_endpoint``, ``remove_endpoint``,
+``set_draining``, ``reload``, implemented by :class:`llmgw.runtime.GatewayRuntime`),
+so the registry, the data path and the scrape poller follow together, and
+connections in flight are never dropped.
 
 Routes::
 
@@ -19,9 +20,7 @@ Routes::
 
 from __future__ import annotations
 
-import asyncio
 import math
-import signal
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -34,14 +33,15 @@ from ..errors import BadRequestError, ConfigError, HTTPError, NotFoundError
 from ..http.parser import Request
 from ..http.server import ResponseWriter
 from ..log import admin_logger as log
-from .metrics import admission_of, breaker_state, pool_saturations, read_mapping
+from .metrics import admission_source, breaker_state, pool_saturations, read_mapping
 
 if TYPE_CHECKING:
-    from ..fleet.registry import Endpoint
-    from ..gateway.app import GatewayRuntime
-    from .app import AdminApp
+    from ..config import Config
+    from ..fleet.registry import Endpoint, Registry
+    from .metrics import PrometheusObserver
+    from .ports import FleetControl
 
-__all__ = ["ManagementAPI", "endpoint_state", "endpoint_view", "install_sighup"]
+__all__ = ["ManagementAPI", "endpoint_state", "endpoint_view", "reload_answer"]
 
 PREFIX = b"/admin/v1/"
 ROUTES = (
@@ -200,22 +200,55 @@ def parse_endpoint(body: Any, default_engine: str) -> EndpointConfig:
     return cfg.endpoints[0]
 
 
+def reload_answer(fleet: FleetControl, trigger: str) -> dict[str, Any]:
+    """Reload through ``fleet`` (``trigger``: ``api``, ``sighup``, ...); the answer to ``POST /admin/v1/reload``.
+
+    Raises:
+        HTTPError: 400 ``invalid_config`` (the file is invalid; nothing changed),
+            409 (a conflict with endpoints added at run time), 503 (not running).
+    """
+    try:
+        summary = fleet.reload(trigger=trigger)
+    except ConfigError as exc:
+        raise BadRequestError(
+            f"reload failed, the running configuration is kept: {exc}", code="invalid_config"
+        ) from exc
+    except ValueError as exc:
+        raise conflict(f"reload failed, the running configuration is kept: {exc}") from exc
+    except RuntimeError as exc:
+        raise HTTPError(str(exc), status=503, type="service_unavailable_error", code="service_unavailable") from exc
+    return {"reloaded": True, **summary}
+
+
 class ManagementAPI:
-    """Routes under ``/admin/v1/`` (the admin app checks the token first)."""
+    """Routes under ``/admin/v1/`` (the admin app checks the token first).
 
-    def __init__(self, runtime: GatewayRuntime, admin: AdminApp) -> None:
-        self.runtime = runtime
-        self.admin = admin
+    Args:
+        registry: the replicas (read per request, so changes show).
+        fleet: the process's operations; every change goes through them.
+        config: the running configuration (called per request: a reload swaps it).
+        observer: the data path's counters (admission decisions for the queues view).
+        admission: another admission controller to read queues from instead of
+            the registry (:func:`~llmgw.admin.metrics.admission_source`).
+    """
 
-    def _registry(self) -> Any:
-        reg = getattr(self.runtime, "registry", None)
-        if reg is None:
-            raise HTTPError("the gateway is starting; try again", status=503, type="service_unavailable_error",
-                            code="service_unavailable", retry_after=1)
-        return reg
+    def __init__(
+        self,
+        *,
+        registry: Registry,
+        fleet: FleetControl,
+        config: Callable[[], Config],
+        observer: PrometheusObserver,
+        admission: object | None = None,
+    ) -> None:
+        self.registry = registry
+        self.fleet = fleet
+        self.config = config
+        self.observer = observer
+        self.admission = admission
 
     def _endpoint(self, endpoint_id: str) -> Endpoint:
-        ep: Endpoint | None = self._registry().endpoints.get(endpoint_id)
+        ep: Endpoint | None = self.registry.endpoints.get(endpoint_id)
         if ep is None:
             raise NotFoundError(
                 f"no endpoint {endpoint_id!r}; GET /admin/v1/endpoints lists them", param="id", code="endpoint_not_found"
@@ -248,7 +281,7 @@ class ManagementAPI:
         elif parts == [b"reload"]:
             if method != b"POST":
                 raise method_not_allowed(method, path, "POST")
-            w.send_json(200, self.admin.reload("api"))
+            w.send_json(200, self.reload("api"))
             return None
         elif parts == [b"queues"]:
             if method not in (b"GET", b"HEAD"):
@@ -259,18 +292,21 @@ class ManagementAPI:
             f"no admin route {path.decode('latin-1')[:200]}; routes: {', '.join(ROUTES)}"
         )
 
+    def reload(self, trigger: str) -> dict[str, Any]:
+        """Re-read the config file (:func:`reload_answer`)."""
+        return reload_answer(self.fleet, trigger)
+
     # -- endpoints --
 
     def list_endpoints(self, w: ResponseWriter) -> None:
         now = time.monotonic()
-        eps = [endpoint_view(ep, now) for ep in list(self._registry().endpoints.values())]
+        eps = [endpoint_view(ep, now) for ep in list(self.registry.endpoints.values())]
         w.send_json(200, {"endpoints": eps})
 
     def add_endpoint(self, req: Request, w: ResponseWriter) -> None:
-        self._registry()
-        cfg = parse_endpoint(_json_body(req), self.runtime.config.scrape.default_engine)
+        cfg = parse_endpoint(_json_body(req), self.config().scrape.default_engine)
         try:
-            self.runtime.add_endpoint(cfg)
+            self.fleet.add_endpoint(cfg)
         except ValueError as exc:
             raise conflict(f"{exc}; remove it first or choose another id", code="endpoint_exists") from None
         w.send_json(201, endpoint_view(self._endpoint(cfg.id)))
@@ -278,14 +314,14 @@ class ManagementAPI:
     def remove_endpoint(self, endpoint_id: str, w: ResponseWriter) -> None:
         ep = self._endpoint(endpoint_id)
         inflight = ep.inflight
-        self.runtime.remove_endpoint(endpoint_id)
+        self.fleet.remove_endpoint(endpoint_id)
         w.send_json(200, {"removed": endpoint_id, "inflight": inflight})
 
     def set_draining(self, endpoint_id: str, draining: bool, w: ResponseWriter) -> None:
         ep = self._endpoint(endpoint_id)
         changed = ep.draining != draining
         if changed:
-            self.runtime.set_draining(endpoint_id, draining)
+            self.fleet.set_draining(endpoint_id, draining)
         view = endpoint_view(ep)
         view["changed"] = changed
         w.send_json(200, view)
@@ -294,10 +330,9 @@ class ManagementAPI:
 
     def queues(self) -> dict[str, Any]:
         """Admission queues: depth per band (and per model), decisions so far, pool saturation."""
-        adm = admission_of(self.runtime)
-        depths = read_mapping(adm, "queue_depths")
+        depths = read_mapping(admission_source(self.registry, self.admission), "queue_depths")
         per_model = self._model_depths()
-        counts = self.admin.observer.admission_counts()
+        counts = self.observer.admission_counts()
         bands: list[dict[str, Any]] = []
         for band in dict.fromkeys([*(depths or {}), *counts]):
             row: dict[str, Any] = {"band": band, "depth": int((depths or {}).get(band, 0))}
@@ -308,14 +343,13 @@ class ManagementAPI:
         return {
             "admission": depths is not None,
             "bands": bands,
-            "pool_saturation": pool_saturations(self.runtime),
+            "pool_saturation": pool_saturations(self.registry, self.admission),
         }
 
     def _model_depths(self) -> dict[str, dict[str, int]]:
         """Band -> model -> queued, from ``registry.pools[model].queue.depth(i)`` (empty if not there)."""
-        reg = getattr(self.runtime, "registry", None)
-        pools = getattr(reg, "pools", None)
-        bands = getattr(getattr(getattr(reg, "config", None), "admission", None), "bands", None)
+        pools = self.registry.pools
+        bands = self.registry.config.admission.bands
         out: dict[str, dict[str, int]] = {}
         if not pools or not bands:
             return out
@@ -329,36 +363,3 @@ class ManagementAPI:
             log.exception("reading the admission queues per model failed; leaving them out")
             return {}
         return out
-
-
-def install_sighup(runtime: GatewayRuntime, admin: AdminApp | None = None) -> Callable[[], None]:
-    """Reload the configuration on SIGHUP; returns a function that uninstalls the handler.
-
-    A failed reload is logged and the running configuration kept. Counted in
-    ``llmgw_config_reloads_total`` like reloads through the admin API.
-    """
-    from .app import AdminApp
-
-    loop = asyncio.get_running_loop()
-    if admin is None:
-        found = getattr(runtime, "admin", None) or getattr(getattr(runtime, "admin_server", None), "app", None)
-        admin = found if isinstance(found, AdminApp) else None
-
-    def on_hup() -> None:
-        if admin is not None:
-            try:
-                admin.reload("sighup")
-            except HTTPError as exc:
-                log.error("reload on SIGHUP failed, keeping the running configuration: %s", exc.message)
-            return
-        try:
-            runtime.reload()
-        except (ConfigError, ValueError, RuntimeError) as exc:
-            log.error("reload on SIGHUP failed, keeping the running configuration: %s", exc)
-
-    loop.add_signal_handler(signal.SIGHUP, on_hup)
-
-    def uninstall() -> None:
-        loop.remove_signal_handler(signal.SIGHUP)
-
-    return uninstall

@@ -41,8 +41,9 @@ from ..gateway.observe import Hist, TrafficCounters
 from ..log import admin_logger as log
 
 if TYPE_CHECKING:
-    from ..gateway.app import GatewayRuntime
+    from ..fleet.registry import Registry
     from ..gateway.observe import Observer
+    from .ports import Listeners
 
 __all__ = [
     "LATENCY_BUCKETS",
@@ -51,7 +52,7 @@ __all__ = [
     "LoopLagMonitor",
     "PrometheusObserver",
     "RuntimeCollector",
-    "admission_of",
+    "admission_source",
     "breaker_state",
     "pool_saturations",
     "read_mapping",
@@ -203,16 +204,15 @@ def _counter(name: str, doc: str, labels: list[str], values: Mapping[Any, int]) 
 # -- reading the routing layer defensively --
 
 
-def admission_of(runtime: Any) -> Any:
-    """What reports admission state: ``runtime.admission`` if set, else the registry.
+def admission_source(registry: Registry, admission: object | None) -> object:
+    """What reports admission state: ``admission`` (another admission controller) if given, else the registry.
 
     The registry answers ``queue_depths()`` (band -> requests queued, over all
-    models) and ``pool_saturation(model)``; ``None`` when neither exists.
+    models) and ``pool_saturation(model)``; another controller is read
+    defensively (:func:`read_mapping`): ``queue_depths`` and ``pool_saturation``
+    as mappings or methods without arguments.
     """
-    adm = getattr(runtime, "admission", None)
-    if adm is None:
-        adm = getattr(runtime, "registry", None)
-    return adm
+    return registry if admission is None else admission
 
 
 _warned: set[str] = set()
@@ -261,23 +261,19 @@ def read_mapping(obj: Any, name: str) -> dict[str, float] | None:
         return None
 
 
-def pool_saturations(runtime: Any) -> dict[str, float]:
+def pool_saturations(registry: Registry, admission: object | None = None) -> dict[str, float]:
     """Model -> pool saturation now, for the models that have an estimate.
 
     Reads ``registry.pool_saturation(model)`` for each of ``registry.models()``,
-    or a ``pool_saturation`` mapping on ``runtime.admission``.
+    or a ``pool_saturation`` mapping on ``admission`` when one is given.
     """
-    adm = getattr(runtime, "admission", None)
-    if adm is not None:
-        return read_mapping(adm, "pool_saturation") or {}
-    reg: Any = getattr(runtime, "registry", None)
-    fn = getattr(reg, "pool_saturation", None)
-    if reg is None or not callable(fn):
-        return {}
+    if admission is not None:
+        return read_mapping(admission, "pool_saturation") or {}
+    reg = registry
     out: dict[str, float] = {}
     try:
         for model in reg.models():
-            v = fn(model)
+            v = reg.pool_saturation(model)
             # +Inf is a real state (no usable replica); only None and NaN are absent.
             if v is not None and v == v:
                 out[model] = float(v)
@@ -309,10 +305,16 @@ class FleetCollector(Collector):
     A signal that is absent for a replica (never scraped, not reported by its
     engine, stale, no breaker, no drain-rate estimate) is omitted for that
     replica, never exported as 0.
+
+    Args:
+        registry: the replicas (read at scrape time, so changes show).
+        admission: another admission controller to read queue depths and
+            saturation from instead of the registry (:func:`admission_source`).
     """
 
-    def __init__(self, runtime: GatewayRuntime) -> None:
-        self.runtime = runtime
+    def __init__(self, registry: Registry, admission: object | None = None) -> None:
+        self.registry = registry
+        self.admission = admission
 
     def collect(self) -> Iterator[Metric]:
         labels = ["replica", "pool"]
@@ -347,9 +349,7 @@ class FleetCollector(Collector):
             "llmgw_scrape_duration_seconds", "Time spent scraping the replica's metrics page (all attempts).",
             labels=labels,
         )
-        reg = getattr(self.runtime, "registry", None)
-        endpoints = list(reg.endpoints.values()) if reg is not None else []
-        for ep in endpoints:
+        for ep in list(self.registry.endpoints.values()):
             pool = ep.cfg.pool or ""
             lv = [ep.id, pool]
             for m in ep.models:
@@ -383,7 +383,7 @@ class FleetCollector(Collector):
             info, inflight, waiting, running, kv, drain, latency, draining, stale, breaker, failures, scrapes, scrape_time
         )
 
-        adm = admission_of(self.runtime)
+        adm = admission_source(self.registry, self.admission)
         depth = GaugeMetricFamily(
             "llmgw_admission_queue_depth", "Requests waiting for admission, by priority band.", labels=["band"]
         )
@@ -395,7 +395,7 @@ class FleetCollector(Collector):
             "How full a model's replicas are: at 1 or more new requests queue; +Inf: no usable replica.",
             labels=["model"],
         )
-        for model, x in pool_saturations(self.runtime).items():
+        for model, x in pool_saturations(self.registry, self.admission).items():
             sat.add_metric([model], x)
         yield sat
 
@@ -462,10 +462,18 @@ def _extensions() -> str:
 
 
 class RuntimeCollector(Collector):
-    """The gateway process itself: build, listeners, asyncio tasks, loop lag, reloads."""
+    """The gateway process itself: build, listeners, asyncio tasks, loop lag, reloads.
 
-    def __init__(self, runtime: GatewayRuntime, lag: LoopLagMonitor | None, reloads: Mapping[str, int]) -> None:
-        self.runtime = runtime
+    Args:
+        listeners: the client and admin listeners (read at scrape time).
+        lag: the event loop's lag (``None``: not measured).
+        reloads: returns the reloads so far by result (``ok``, ``failed``); called at scrape time.
+    """
+
+    def __init__(
+        self, listeners: Listeners, lag: LoopLagMonitor | None, reloads: Callable[[], Mapping[str, int]]
+    ) -> None:
+        self.listeners = listeners
         self.lag = lag
         self.reloads = reloads
 
@@ -481,10 +489,7 @@ class RuntimeCollector(Collector):
             "llmgw_connections_rejected_total", "Connections refused at the connection limit or during shutdown.",
             labels=["listener"],
         )
-        for listener, attr in (("client", "server"), ("admin", "admin_server")):
-            srv = getattr(self.runtime, attr, None)
-            if srv is None:
-                continue
+        for listener, srv in self.listeners.items():
             conns.add_metric([listener], len(srv.connections))
             rejected.add_metric([listener], srv.rejected)
         yield conns
@@ -503,8 +508,9 @@ class RuntimeCollector(Collector):
             "llmgw_config_reloads_total", "Configuration reloads (admin API or SIGHUP), by result (ok, failed).",
             labels=["result"],
         )
+        counts = self.reloads()
         for result in ("ok", "failed"):
-            rl.add_metric([result], self.reloads.get(result, 0))
+            rl.add_metric([result], counts.get(result, 0))
         yield rl
 
 

@@ -65,7 +65,7 @@ async def _start_demo_fleet(seed: int) -> tuple[list[Any], list[EndpointConfig],
 
 
 async def _serve(cfg: Config, demo: bool) -> int:
-    from ..gateway.app import GatewayRuntime
+    from ..runtime import GatewayRuntime
 
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
@@ -105,9 +105,7 @@ async def _serve(cfg: Config, demo: bool) -> int:
         gc.collect()
         gc.freeze()
 
-        from ..admin.manage import install_sighup
-
-        uninstall = install_sighup(runtime)
+        uninstall = runtime.install_sighup()
         try:
             await stop.wait()
         finally:

@@ -1,0 +1,88 @@
+"""What the admin listener is given: the operations and the listeners of the running process.
+
+The admin app never reaches into the process that built it; the composition
+root (:mod:`llmgw.runtime`) hands it these, typed, so that a renamed field fails
+loudly (at type-check time, else as an ``AttributeError``) instead of silently
+switching a check off.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    from ..config import Config, EndpointConfig
+
+__all__ = ["FleetControl", "Listener", "Listeners"]
+
+
+class FleetControl(Protocol):
+    """The run-time changes the management API makes (:class:`llmgw.runtime.GatewayRuntime` implements them).
+
+    Each keeps the registry, the data path and the scrape poller together, and
+    never drops a connection in flight.
+    """
+
+    def add_endpoint(self, ep: EndpointConfig) -> None:
+        """Add a replica (``ValueError``: the id exists)."""
+
+    def remove_endpoint(self, endpoint_id: str) -> None:
+        """Remove a replica (``KeyError``: no such id); requests in flight finish."""
+
+    def set_draining(self, endpoint_id: str, draining: bool) -> None:
+        """Stop (or resume) sending it new requests (``KeyError``: no such id)."""
+
+    def reload(self, config: Config | None = None, *, trigger: str = "call") -> dict[str, Any]:
+        """Apply a new configuration (default: re-read the file); a summary of what changed.
+
+        Raises ``ConfigError`` (invalid, nothing changed), ``ValueError`` (a
+        conflict with endpoints added at run time) or ``RuntimeError`` (not
+        running). Counted in :attr:`reloads`.
+        """
+
+    @property
+    def reloads(self) -> Mapping[str, int]:
+        """Reloads so far by result: ``{"ok": n, "failed": m}``."""
+
+    def readiness(self) -> tuple[bool, dict[str, Any]]:
+        """Whether every configured model has a usable replica, and the body for ``/ready``."""
+
+
+class Listener(Protocol):
+    """What the admin app reads off a listener (an :class:`llmgw.http.server.HTTPServer`)."""
+
+    @property
+    def closing(self) -> bool:
+        """Shutting down: no new connections, in-flight requests finishing."""
+
+    @property
+    def connections(self) -> Collection[Any]:
+        """Open connections."""
+
+    @property
+    def rejected(self) -> int:
+        """Connections refused (at the limit or while closing)."""
+
+
+@dataclass
+class Listeners:
+    """The process's listeners; the composition root fills them in as it makes them.
+
+    (The admin listener is made after the admin app it serves, so it is set
+    after the app exists.)
+    """
+
+    client: Listener | None = None
+    admin: Listener | None = None
+
+    def items(self) -> list[tuple[str, Listener]]:
+        """``(name, listener)`` for those that exist: ``client``, then ``admin``."""
+        return [(name, srv) for name, srv in (("client", self.client), ("admin", self.admin)) if srv is not None]
+
+    def client_closing(self) -> bool:
+        return self.client is not None and self.client.closing
+
+    def admin_closing(self) -> bool:
+        return self.admin is not None and self.admin.closing

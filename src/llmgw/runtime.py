@@ -1,0 +1,343 @@
+"""The composition root: the one place that builds the gateway process.
+
+:class:`GatewayRuntime` makes every part of ``llmgw serve`` from the
+configuration, wires them together and starts them, in this order:
+
+1. the :class:`~llmgw.fleet.registry.Registry` (replicas and model pools),
+2. the :class:`~llmgw.gateway.proxy.Gateway` (the client app) over it,
+3. the client :class:`~llmgw.http.server.HTTPServer` (limits from
+   :func:`limits_from_config`),
+4. the :class:`~llmgw.admin.app.AdminApp`, given its collaborators explicitly
+   (the registry, this runtime as its :class:`~llmgw.admin.ports.FleetControl`,
+   a config getter, the listeners), and the gateway reports to its observer,
+5. the admin listener; then both listeners are bound,
+6. the scrape :class:`~llmgw.fleet.poller.Poller`,
+7. the plugged-in :class:`Component` s (a control plane, another listener, a
+   cluster collector), each made from the finished :class:`Parts`.
+
+:meth:`GatewayRuntime.stop` takes them down in reverse (the client listener
+drains before the admin one closes, so probes see "shutting down"). Reloads
+(the admin API, SIGHUP through :meth:`GatewayRuntime.install_sighup`) go through
+:meth:`GatewayRuntime.reload`.
+
+Nothing below imports this module: parts are handed what they need, so calls and
+imports go downward only (``tests/test_import_graph.py``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+from .admin.app import AdminApp
+from .admin.ports import Listeners
+from .config import Config, EndpointConfig, load_file
+from .errors import ConfigError
+from .fleet.poller import Poller
+from .fleet.registry import Registry
+from .gateway.proxy import Gateway
+from .http.server import HTTPServer, ServerLimits
+from .log import server_logger as log
+
+if TYPE_CHECKING:
+    from .config import AdmissionConfig, ServerConfig
+
+__all__ = ["ADMIN_LIMITS", "Component", "ComponentFactory", "GatewayRuntime", "Parts", "limits_from_config"]
+
+# The admin listener takes small JSON bodies only (an endpoint to add).
+ADMIN_LIMITS = ServerLimits(max_body=1024 * 1024)
+
+
+def limits_from_config(server: ServerConfig, admission: AdmissionConfig) -> ServerLimits:
+    """The client listener's limits: the ``server:`` section and the priority header of ``admission:``."""
+    return ServerLimits(
+        max_head_bytes=server.max_header_bytes,
+        max_headers=server.max_headers,
+        max_body=server.max_body_size,
+        header_timeout=server.header_timeout,
+        body_timeout=server.body_timeout,
+        keepalive_timeout=server.keepalive_timeout,
+        max_connections=server.max_connections,
+        priority_header=admission.header.lower().encode(),
+    )
+
+
+@dataclass(frozen=True)
+class Parts:
+    """What a plugged-in component may use: the process's parts, made and running.
+
+    Attributes:
+        config: the running configuration (call it each time: a reload swaps it).
+        registry: the replicas and model pools.
+        gateway: the client app.
+        admin: the admin app (``admin.register_collector`` adds to ``/metrics``).
+        fleet: the run-time operations (add, remove, drain, reload, readiness).
+        listeners: the client and admin listeners.
+    """
+
+    config: Callable[[], Config]
+    registry: Registry
+    gateway: Gateway
+    admin: AdminApp
+    fleet: GatewayRuntime
+    listeners: Listeners
+
+
+class Component(Protocol):
+    """A part plugged into the process: started after the built-in ones, stopped before them."""
+
+    @property
+    def name(self) -> str:
+        """For logs."""
+
+    async def start(self) -> None:
+        """Start (bind, connect, schedule); raising stops the whole process start."""
+
+    async def stop(self) -> None:
+        """Stop; called once after :meth:`start`, also when that raised or a later component's did."""
+
+
+ComponentFactory = Callable[[Parts], Component]
+
+
+class GatewayRuntime:
+    """Builds, starts and stops everything ``llmgw serve`` runs (see the module docstring).
+
+    Use inside a running event loop::
+
+        rt = GatewayRuntime(config)
+        await rt.start()
+        ...
+        await rt.stop()
+
+    Args:
+        config: the configuration to start with.
+        components: factories of the parts to plug in (each is called once the
+            built-in parts run, with them as :class:`Parts`), started in order
+            and stopped in reverse.
+    """
+
+    def __init__(self, config: Config, components: Sequence[ComponentFactory] = ()) -> None:
+        self.config = config
+        self.component_factories = tuple(components)
+        self.components: list[Component] = []
+        self.registry: Registry | None = None
+        self.gateway: Gateway | None = None
+        self.server: HTTPServer | None = None
+        self.admin_server: HTTPServer | None = None
+        self.listeners = Listeners()
+        self.listen_addr: tuple[str, int] | None = None
+        self.admin_addr: tuple[str, int] | None = None
+        self.poller: Poller | None = None
+        self.admin: AdminApp | None = None
+        self._reloads: dict[str, int] = {"ok": 0, "failed": 0}
+
+    def _config(self) -> Config:
+        return self.config
+
+    async def start(self) -> None:
+        """Build everything, bind both listeners, start the poller and the components.
+
+        Raises:
+            OSError: an address cannot be bound (the message names it).
+            Exception: whatever a component's ``start`` raised; everything started is stopped first.
+        """
+        cfg = self.config
+        self.registry = registry = Registry(cfg)
+        self.gateway = gateway = Gateway(cfg, registry)
+        self.server = HTTPServer(gateway, limits_from_config(cfg.server, cfg.admission), name="gateway")
+        self.listeners.client = self.server
+        self.admin = admin = AdminApp(registry=registry, fleet=self, config=self._config, listeners=self.listeners)
+        gateway.set_observer(admin.observer)
+        self.admin_server = HTTPServer(admin, ADMIN_LIMITS, name="admin")
+        self.listeners.admin = self.admin_server
+        try:
+            self.listen_addr = await self.server.listen(*cfg.listen)
+            self.admin_addr = await self.admin_server.listen(*cfg.admin)
+        except OSError:
+            await self.stop()
+            raise
+        rewrites = {m.name: m.upstream_name for m in cfg.models.values() if m.upstream_name}
+        self.poller = Poller(registry, cfg.scrape, model_rewrites=rewrites, on_update=gateway.on_scrape)
+        self.poller.sync()
+        log.info(
+            "gateway listening on http://%s:%d (admin http://%s:%d), %d replicas of %d models",
+            *self.listen_addr, *self.admin_addr, len(registry.endpoints), len(registry.by_model),
+        )
+        if self.component_factories:
+            parts = Parts(
+                config=self._config, registry=registry, gateway=gateway, admin=admin, fleet=self,
+                listeners=self.listeners,
+            )
+            try:
+                for factory in self.component_factories:
+                    component = factory(parts)
+                    self.components.append(component)
+                    await component.start()
+                    log.info("%s started", component.name)
+            except BaseException:
+                await self.stop()
+                raise
+
+    # -- run-time changes (the management API and SIGHUP use these: admin.ports.FleetControl) --
+
+    def _require(self) -> tuple[Registry, Gateway, Poller]:
+        if self.registry is None or self.gateway is None or self.poller is None:
+            raise RuntimeError("the gateway is not running")
+        return self.registry, self.gateway, self.poller
+
+    def add_endpoint(self, ep: EndpointConfig) -> None:
+        """Add a replica at run time; the poller follows.
+
+        Raises:
+            ValueError: an endpoint with that id exists.
+        """
+        registry, _, poller = self._require()
+        registry.add(ep)
+        poller.sync()
+        log.info("endpoint %s added (%s, model %s)", ep.id, ep.url, ", ".join(ep.models))
+
+    def remove_endpoint(self, endpoint_id: str) -> None:
+        """Remove a replica; requests in flight to it finish.
+
+        Raises:
+            KeyError: no such endpoint.
+        """
+        registry, _, poller = self._require()
+        ep = registry.remove(endpoint_id)
+        poller.sync()
+        # Idle connections close now; busy ones close when their exchange ends.
+        ep.pool.close_idle()
+        log.info("endpoint %s removed", endpoint_id)
+
+    def set_draining(self, endpoint_id: str, draining: bool) -> None:
+        """Stop (or resume) sending new requests to a replica.
+
+        Raises:
+            KeyError: no such endpoint.
+        """
+        registry, _, _ = self._require()
+        registry.endpoints[endpoint_id].draining = draining
+        log.info("endpoint %s %s", endpoint_id, "draining" if draining else "undrained")
+
+    @property
+    def reloads(self) -> Mapping[str, int]:
+        """Reloads so far by result (``ok``, ``failed``): ``llmgw_config_reloads_total``."""
+        return self._reloads
+
+    def reload(self, config: Config | None = None, *, trigger: str = "call") -> dict[str, Any]:
+        """Apply a new configuration (default: re-read the config file) without dropping connections.
+
+        Endpoints are added, removed or replaced by id; models, aliases, keys and
+        limits that the request path reads are swapped in. ``listen``/``admin``
+        and ``admission.header`` changes need a restart and are reported, not
+        applied. Counted in :attr:`reloads`, whatever the ``trigger`` (``api``,
+        ``sighup``, ...: for the log).
+
+        Raises:
+            ConfigError: the new configuration is invalid, or adds an endpoint id
+                that was added at run time (nothing is changed).
+            RuntimeError: the gateway is not running.
+        """
+        try:
+            summary = self._reload(config)
+        except (ConfigError, ValueError, RuntimeError):
+            self._reloads["failed"] += 1
+            raise
+        self._reloads["ok"] += 1
+        log.info("configuration reloaded (%s): %s", trigger, summary)
+        return summary
+
+    def _reload(self, config: Config | None) -> dict[str, Any]:
+        registry, gateway, poller = self._require()
+        if config is None:
+            if not self.config.source:
+                raise ConfigError("", "the running configuration was not read from a file; nothing to reload")
+            config = load_file(self.config.source)
+        old = {ep.id: ep for ep in self.config.endpoints}
+        new = {ep.id: ep for ep in config.endpoints}
+        added = [i for i in new if i not in old]
+        removed = [i for i in old if i not in new]
+        changed = [i for i in new if i in old and new[i] != old[i]]
+        # Check before changing anything: an id added at run time (API) that the
+        # file now also names would fail half-way.
+        clash = [i for i in added if i in registry.endpoints]
+        if clash:
+            raise ConfigError(
+                "endpoints",
+                f"{', '.join(clash)} already exist(s) (added at run time); remove them first or rename them in the file",
+                source=config.source,
+            )
+        for i in removed:
+            if i in registry.endpoints:
+                registry.remove(i).pool.close_idle()
+        for i in changed:
+            if i in registry.endpoints:
+                registry.remove(i).pool.close_idle()
+            registry.add(new[i])
+        for i in added:
+            registry.add(new[i])
+        registry.reconfigure(config)
+        gateway.reconfigure(config)
+        poller.sync()
+        not_applied = [k for k in ("listen", "admin") if getattr(config, k) != getattr(self.config, k)]
+        if config.admission.header.lower() != self.config.admission.header.lower():
+            not_applied.append("admission.header")  # read by the client listener's connections
+        self.config = config
+        return {"added": added, "removed": removed, "changed": changed, "restart_needed_for": not_applied}
+
+    def readiness(self) -> tuple[bool, dict[str, Any]]:
+        """Whether every configured model has a usable replica, and which do not."""
+        reg = self.registry
+        if reg is None or self.listen_addr is None:
+            return False, {"ready": False, "reason": "starting"}
+        missing = [m for m in self.config.model_names() if not any(ep.usable for ep in reg.candidates(m))]
+        return not missing, {"ready": not missing, "models_unavailable": missing}
+
+    # -- signals --
+
+    def install_sighup(self) -> Callable[[], None]:
+        """Reload the configuration file on SIGHUP (needs the running loop); returns the uninstaller.
+
+        A failed reload is logged and the running configuration kept; both are
+        counted in ``llmgw_config_reloads_total`` like reloads through the admin API.
+        """
+        loop = asyncio.get_running_loop()
+
+        def on_hup() -> None:
+            try:
+                self.reload(trigger="sighup")
+            except (ConfigError, ValueError, RuntimeError) as exc:
+                log.error("reload on SIGHUP failed, keeping the running configuration: %s", exc)
+
+        loop.add_signal_handler(signal.SIGHUP, on_hup)
+
+        def uninstall() -> None:
+            loop.remove_signal_handler(signal.SIGHUP)
+
+        return uninstall
+
+    async def stop(self) -> None:
+        """Stop the components, stop accepting, finish in-flight requests (``server.shutdown_timeout``), close."""
+        timeout = self.config.server.shutdown_timeout
+        while self.components:
+            component = self.components.pop()
+            try:
+                await component.stop()
+            except Exception:
+                log.exception("stopping %s failed; going on with the shutdown", component.name)
+        if self.poller is not None:
+            await self.poller.close()
+        if self.gateway is not None:
+            self.gateway.close()
+        if self.server is not None:
+            await self.server.close(timeout)
+        if self.admin_server is not None:
+            await self.admin_server.close(1.0)
+        if self.admin is not None:
+            self.admin.close()
+        if self.registry is not None:
+            self.registry.close()
