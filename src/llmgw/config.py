@@ -486,9 +486,11 @@ _ENV_MAP = _Rule(
 _ADDRESSES = _list_of(_HOSTPORT, "expected HOST:PORT or a non-empty list of them", one_or_many=True)
 _GPU_SOURCE = _choice("gpu source", GPU_SOURCES)
 
-# pydantic config of every section: unknown keys are errors, and a field's
-# docstring is its description in the exported JSON Schema.
-_SECTION = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+# pydantic config of every section: unknown keys are errors. A field's docstring
+# is its description in the exported JSON Schema (added by config_schema: pydantic's
+# use_attribute_docstrings re-reads the module's source per class, a quarter second
+# on every start).
+_SECTION = ConfigDict(extra="forbid")
 
 
 # -- what the rest of llmgw reads --
@@ -818,11 +820,17 @@ def _default(cls: type, name: str) -> Any:
     return f.default
 
 
+def _address_default(cls: type, name: str) -> Any:
+    """An address field's default, written in the schema as the file writes it (HOST:PORT)."""
+    host, port = _default(cls, name)
+    return Field(default=(host, port), json_schema_extra={"default": f"{host}:{port}"})
+
+
 # -- the input schema of what is not read as written --
 
 
 class _In(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, defer_build=True)
 
 
 class _MetricNamesIn(_In):
@@ -942,9 +950,9 @@ class _FollowIn(_In):
 class _ConfigIn(_In):
     """llmgw.yaml: the gateway's configuration (docs/config.md)."""
 
-    listen: Annotated[tuple[str, int], _HOSTPORT] = _default(Config, "listen")
+    listen: Annotated[tuple[str, int], _HOSTPORT] = _address_default(Config, "listen")
     """Client address: the OpenAI API under /v1/."""
-    admin: Annotated[tuple[str, int], _HOSTPORT] = _default(Config, "admin")
+    admin: Annotated[tuple[str, int], _HOSTPORT] = _address_default(Config, "admin")
     """Admin address: /health, /ready, /metrics. Keep it private."""
     endpoints: tuple[_EndpointIn, ...] = ()
     """The replicas."""
@@ -1438,9 +1446,9 @@ def _build_agent(data: Any, problems: _Problems) -> AgentConfig:
     if doc is None:
         problems.raise_if_any()
         raise AssertionError("unreachable")
-    v = {name: _section(problems, _AgentIn, doc, name) for name in _AgentIn.model_fields}
     if "control" not in doc:
         problems.add(("control",), "is required")
+    v = {name: _section(problems, _AgentIn, doc, name) for name in _AgentIn.model_fields}
     problems.raise_if_any()
     return AgentConfig(
         control=v["control"],
@@ -1574,11 +1582,43 @@ def config_schema(*, agent: bool = False) -> dict[str, Any]:
     """
     model = _AgentIn if agent else _ConfigIn
     schema = TypeAdapter(model).json_schema()
+    docs = _field_docs()
+    for name, sub in [(model.__name__, schema), *schema.get("$defs", {}).items()]:
+        for key, prop in sub.get("properties", {}).items():
+            doc = docs.get(name, {}).get(key)
+            if doc:
+                form = prop.get("description")
+                prop["description"] = f"{doc} ({form})" if form else doc
     return {
         "$schema": "https://json-schema.org/draft/2020-12/schema",
         **schema,
         "title": "llmgw node agent" if agent else "llmgw.yaml",
     }
+
+
+def _field_docs() -> dict[str, dict[str, str]]:
+    """Class name -> field -> the docstring written under the field in this module."""
+    import ast
+    import inspect
+    import sys
+    from itertools import pairwise
+
+    try:
+        tree = ast.parse(inspect.getsource(sys.modules[__name__]))
+    except (OSError, TypeError):  # pragma: no cover - no source shipped: no descriptions
+        return {}
+    out: dict[str, dict[str, str]] = {}
+    for cls in (n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)):
+        for stmt, nxt in pairwise(cls.body):
+            if (
+                isinstance(stmt, ast.AnnAssign)
+                and isinstance(stmt.target, ast.Name)
+                and isinstance(nxt, ast.Expr)
+                and isinstance(nxt.value, ast.Constant)
+                and isinstance(nxt.value.value, str)
+            ):
+                out.setdefault(cls.name, {})[stmt.target.id] = inspect.cleandoc(nxt.value.value)
+    return out
 
 
 def find_config(explicit: str | None) -> Path | None:
