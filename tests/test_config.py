@@ -355,28 +355,28 @@ def test_config_imports_without_a_cycle() -> None:
 
 
 def test_reserved_control_plane_sections(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("JOIN", "j-1")
-    monkeypatch.setenv("FOLLOW", "f-1")
+    monkeypatch.setenv("JOIN", "join-secret-1")
+    monkeypatch.setenv("FOLLOW", "follow-secret-1")
     cfg = load(
         {
             "control": {"listen": "0.0.0.0:7070", "join_token_env": "JOIN", "database": "/var/lib/llmgw/cp.db"},
             "deployments": [
                 {"name": "llama", "model": "llama-3-8b", "engine": "vllm", "replicas": 2, "gpus": 1,
-                 "gpu_memory": "40GiB", "args": ["--max-model-len", "8192"], "env": {"HF_TOKEN": "hf-1"}},
+                 "gpu_memory": "40GiB", "args": ["--max-model-len", "8192"], "env": {"HF_TOKEN": "hf-secret-1"}},
                 {"name": "qwen", "model": "qwen2.5-0.5b", "engine": "llamacpp", "gpus": 0, "served_name": "qwen"},
             ],
             "follow": {"control": "cp0:7070", "token_env": "FOLLOW"},
         }
     )
     assert cfg.control is not None
-    assert cfg.control.listen == ("0.0.0.0", 7070) and cfg.control.join_tokens == ("j-1",)
+    assert cfg.control.listen == ("0.0.0.0", 7070) and cfg.control.join_tokens == ("join-secret-1",)
     assert cfg.control.heartbeat_interval == 5.0 and cfg.control.heartbeat_grace == 15.0
     d = cfg.deployments[0]
     assert (d.replicas, d.gpus, d.gpu_memory, d.args, d.env) == (2, 1, 40 * 2**30, ("--max-model-len", "8192"),
-                                                               {"HF_TOKEN": "hf-1"})
+                                                               {"HF_TOKEN": "hf-secret-1"})
     assert cfg.deployments[1].served_name == "qwen" and cfg.deployments[1].replicas == 1
-    assert cfg.follow is not None and cfg.follow.control == (("cp0", 7070),) and cfg.follow.token == "f-1"
-    for secret in ("j-1", "f-1", "hf-1"):
+    assert cfg.follow is not None and cfg.follow.control == (("cp0", 7070),) and cfg.follow.token == "follow-secret-1"
+    for secret in ("join-secret-1", "follow-secret-1", "hf-secret-1"):
         assert secret not in repr(cfg)
     assert load({"control": {"listen": ":1", "heartbeat_interval": "2s"}}).control.heartbeat_grace == 6.0  # type: ignore[union-attr]
     assert load({"control": {"listen": ":1", "join_token": ["a", "b"]}}).control.join_tokens == ("a", "b")  # type: ignore[union-attr]
@@ -410,7 +410,7 @@ def test_reserved_sections_are_validated(data: object, key: str, fragment: str) 
 def test_agent_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from llmgw.config import load_agent_file
 
-    monkeypatch.setenv("AGENT_TOKEN", "t-1")
+    monkeypatch.setenv("AGENT_TOKEN", "agent-secret-9f")
     p = _write(
         tmp_path,
         "control: cp0:7070\ntoken_env: AGENT_TOKEN\nname: node-1\ngpu_source: nvidia-smi\n"
@@ -418,9 +418,9 @@ def test_agent_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
         "agent.yaml",
     )
     a = load_agent_file(p)
-    assert a.control == ("cp0", 7070) and a.token == "t-1" and a.name == "node-1" and a.gpu_source == "nvidia-smi"
+    assert a.control == ("cp0", 7070) and a.token == "agent-secret-9f" and a.name == "node-1" and a.gpu_source == "nvidia-smi"
     assert a.engines["vllm"].python == "/opt/vllm/bin/python" and a.engines["llamacpp"].binary.endswith("llama-server")  # type: ignore[union-attr]
-    assert "t-1" not in repr(a)
+    assert "agent-secret-9f" not in repr(a)
     p.write_text("token_env: NOPE_AGENT\ngpu_source: rocm\nengines:\n  tgi: {}\n  vllm: {pyhton: x}\n")
     monkeypatch.delenv("NOPE_AGENT", raising=False)
     with pytest.raises(ConfigError) as ei:
@@ -466,3 +466,14 @@ def test_schema_validates_the_example_and_rejects_a_bad_file() -> None:
     assert list(av.iter_errors({"control": "cp:1", "engines": {"vllm": {"python": "/p"}}})) == []
     assert list(av.iter_errors({"control": "cp:1", "engines": {"tgi": {}}}))
     assert list(av.iter_errors({"gpu_source": "nvml"}))  # control is required
+
+
+def test_validate_for_serve() -> None:
+    from llmgw.config import serve_problems, validate_for_serve
+
+    validate_for_serve(load({"endpoints": [EP]}))
+    with pytest.raises(ConfigError, match="no endpoints configured"):
+        validate_for_serve(load({}, source="x.yaml"))
+    with pytest.raises(ConfigError) as ei:
+        load({"endpoints": []}, source="x.yaml", serve=True)
+    assert [str(p) for p in ei.value.problems] == [str(p) for p in serve_problems(load({}, source="x.yaml"))]
