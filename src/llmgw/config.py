@@ -1379,7 +1379,7 @@ def _build(data: Any, problems: _Problems, *, serve: bool = False) -> Config:
         admission=AdmissionConfig() if admission is _FAILED else admission,
         breaker=BreakerConfig() if breaker is _FAILED else breaker,
         auth=auth,
-        access_log=AccessLogConfig(enabled=ok("access_log", False)),
+        access_log=AccessLogConfig(enabled=ok("access_log", AccessLogConfig().enabled)),
         mirror_root=mirror_root,
         admin_token=admin_token,
         source=problems.source,
@@ -1387,7 +1387,9 @@ def _build(data: Any, problems: _Problems, *, serve: bool = False) -> Config:
         deployments=deployments,
         follow=follow,
     )
-    if serve and endpoints is not None:
+    # What serve refuses is asked of a file whose endpoints are otherwise fine (a bad
+    # entry already says what is wrong with it).
+    if serve and not any(p.key.startswith("endpoints") for p in problems.found):
         for p in serve_problems(cfg, problems.line(("endpoints",)) if "endpoints" in doc else None):
             problems.found.append(p)
     problems.raise_if_any()
