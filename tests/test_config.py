@@ -101,8 +101,10 @@ def test_config_is_immutable() -> None:
 def test_errors_name_the_key(data: object, key: str, fragment: str) -> None:
     with pytest.raises(ConfigError) as ei:
         load(data)
-    assert ei.value.key == key
-    assert fragment in str(ei.value)
+    # Every problem is reported: the one this case is about is among them.
+    found = [p for p in ei.value.problems if p.key == key]
+    assert found, str(ei.value)
+    assert fragment in str(found[0])
     assert isinstance(ei.value, ValueError)
 
 
@@ -158,3 +160,320 @@ def test_file_errors(tmp_path: Path) -> None:
     bad.write_text("listen: [\n")
     with pytest.raises(ConfigError, match="not valid YAML at line"):
         load_file(bad)
+
+
+# -- every problem in one pass, on its line --
+
+
+def _write(tmp_path: Path, text: str, name: str = "llmgw.yaml") -> Path:
+    p = tmp_path / name
+    p.write_text(text)
+    return p
+
+
+def test_every_problem_in_one_pass_with_file_line_and_key(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("NOPE_A", raising=False)
+    p = _write(
+        tmp_path,
+        "endpoints:\n"  # 1
+        "  - id: a\n"  # 2
+        "    url: http://127.0.0.1:8001\n"  # 3
+        "    model: m\n"  # 4
+        "  - id: b\n"  # 5
+        "    url: localhost\n"  # 6
+        "    modle: x\n"  # 7
+        "    model: m\n"  # 8
+        "server:\n"  # 9
+        "  max_body_sise: 1\n"  # 10
+        "  header_timeout: soon\n"  # 11
+        "scrape:\n"  # 12
+        "  interval: 1s\n"  # 13
+        "  timeout: 2s\n"  # 14
+        "bogus: 1\n",  # 15
+    )
+    with pytest.raises(ConfigError) as ei:
+        load_file(p)
+    assert str(ei.value).splitlines() == [
+        f"{p}:6: endpoints[1].url: not a URL (expected http://host:port), got 'localhost'",
+        f"{p}:7: endpoints[1].modle: unknown key; did you mean 'model'?",
+        f"{p}:10: server.max_body_sise: unknown key; did you mean 'max_body_size'?",
+        f"{p}:11: server.header_timeout: expected a duration like 2s or 500ms, got 'soon'",
+        f"{p}:14: scrape.timeout: must be shorter than scrape.interval (1s)",
+        f"{p}:15: bogus: unknown key; known keys: access_log, admin, admin_token, admin_token_env, admission, auth, breaker, "
+        "control, deployments, endpoints, follow, listen, mirror, models, retries, routing, saturation, scrape, "
+        "server, upstream",
+    ]
+    first = ei.value.problems[0]
+    assert (first.source, first.key, first.line) == (str(p), "endpoints[1].url", 6)
+    assert first.message.startswith("not a URL")
+    assert (ei.value.key, ei.value.line, ei.value.source) == ("endpoints[1].url", 6, str(p))
+    assert first.as_dict() == {"file": str(p), "key": "endpoints[1].url", "line": 6, "message": first.message}
+
+
+def test_a_missing_key_points_at_its_entry(tmp_path: Path) -> None:
+    p = _write(tmp_path, "listen: 127.0.0.1:8080\nendpoints:\n  - id: a\n    url: http://h:1\n")
+    with pytest.raises(ConfigError) as ei:
+        load_file(p)
+    assert str(ei.value) == f"{p}:3: endpoints[0].model: is required"
+
+
+def test_every_unset_env_variable_is_named(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    for var in ("GPU0_KEY", "GPU1_KEY", "TEAM_KEY", "ADMIN_TOK", "JOIN_A", "JOIN_B", "FOLLOW_TOK"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("EMPTY_KEY", "")
+    p = _write(
+        tmp_path,
+        "endpoints:\n"
+        "  - {id: a, url: 'http://h:1', model: m, api_key_env: GPU0_KEY}\n"
+        "  - {id: b, url: 'http://h:2', model: m, api_key_env: GPU1_KEY, engine: tgi}\n"
+        "  - {id: c, url: 'http://h:3', model: m, api_key_env: EMPTY_KEY}\n"
+        "auth:\n"
+        "  api_keys:\n"
+        "    - {key_env: TEAM_KEY}\n"
+        "admin_token_env: ADMIN_TOK\n"
+        "control:\n"
+        "  listen: :7000\n"
+        "  join_token_env: [JOIN_A, JOIN_B]\n"
+        "follow:\n"
+        "  control: [cp:7000]\n"
+        "  token_env: FOLLOW_TOK\n",
+    )
+    with pytest.raises(ConfigError) as ei:
+        load_file(p)
+    text = str(ei.value)
+    assert f"{p}:2: endpoints[0].api_key_env: environment variable GPU0_KEY is not set (export it, or use api_key:)" in text
+    assert f"{p}:3: endpoints[1].api_key_env: environment variable GPU1_KEY is not set" in text
+    assert f"{p}:3: endpoints[1].engine: unknown engine 'tgi'" in text
+    assert f"{p}:4: endpoints[2].api_key_env: environment variable EMPTY_KEY is empty" in text
+    assert f"{p}:7: auth.api_keys[0].key_env: environment variable TEAM_KEY is not set (export it, or use key:)" in text
+    assert f"{p}:8: admin_token_env: environment variable ADMIN_TOK is not set (export it, or use admin_token:)" in text
+    assert f"{p}:11: control.join_token_env: environment variables JOIN_A, JOIN_B are not set" in text
+    assert f"{p}:14: follow.token_env: environment variable FOLLOW_TOK is not set (export it)" in text
+    assert len(ei.value.problems) == 8
+
+
+def test_duplicate_keys_are_refused(tmp_path: Path) -> None:
+    p = _write(
+        tmp_path,
+        "listen: 127.0.0.1:8080\n"
+        "endpoints:\n"
+        "  - id: a\n"
+        "    url: http://h:1\n"
+        "    model: m\n"
+        "    url: http://h:2\n"
+        "listen: 127.0.0.1:8081\n",
+    )
+    with pytest.raises(ConfigError) as ei:
+        load_file(p)
+    assert str(ei.value).splitlines() == [
+        f"{p}:6: endpoints[0].url: duplicate key 'url' (first at line 4, again at line 6)",
+        f"{p}:7: listen: duplicate key 'listen' (first at line 1, again at line 7)",
+    ]
+
+
+def test_yaml_merge_keys_are_not_duplicates(tmp_path: Path) -> None:
+    p = _write(
+        tmp_path,
+        "x-base: &base {url: 'http://h:1', model: m, engine: vllm}\n"
+        "endpoints:\n"
+        "  - {<<: *base, id: a, engine: llamacpp}\n",
+    )
+    with pytest.raises(ConfigError) as ei:  # x-base is not a key llmgw knows
+        load_file(p)
+    assert [pr.key for pr in ei.value.problems] == ["x-base"]
+    p.write_text("endpoints:\n  - &a {id: a, url: 'http://h:1', model: m}\n  - {<<: *a, id: b, engine: llamacpp}\n")
+    cfg = load_file(p)
+    assert [(e.id, e.engine) for e in cfg.endpoints] == [("a", "vllm"), ("b", "llamacpp")]
+
+
+def test_config_error_keeps_its_one_problem_form() -> None:
+    exc = ConfigError("server.max_headers", "must be at least 8, got 1", source="f.yaml")
+    assert str(exc) == "f.yaml: server.max_headers: must be at least 8, got 1"
+    assert (exc.key, exc.message, exc.source, exc.line) == ("server.max_headers", "must be at least 8, got 1", "f.yaml", None)
+    assert len(exc.problems) == 1
+    assert str(ConfigError("", "nothing to reload")) == "nothing to reload"
+    assert str(ConfigError("k", "bad", source="f.yaml", line=3)) == "f.yaml:3: k: bad"
+    assert isinstance(exc, ValueError)
+
+
+def test_secrets_stay_out_of_every_problem(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TOK", "env-secret-1")
+    doc = {
+        "endpoints": [{**EP, "api_key": "inline-secret-2", "api_key_env": "TOK", "url": "bad"}],
+        "auth": {"api_keys": ["inline-secret-3", "inline-secret-3", {"key": {"x": "inline-secret-4"}}]},
+        "admin_token": "",
+        "control": {"listen": ":1", "join_token": ["inline-secret-5"], "join_token_env": "TOK"},
+    }
+    with pytest.raises(ConfigError) as ei:
+        load(doc)
+    text = str(ei.value)
+    assert "secret" not in text, text
+    assert "admin_token: is empty" in text
+
+
+# -- defaults, sections the control plane will read --
+
+
+def test_dynamic_defaults_follow_their_base() -> None:
+    cfg = load({"scrape": {"interval": "500ms"}, "breaker": {"cooldown": "90s"}, "admission": {"bands": ["hi", "lo"]}})
+    assert cfg.scrape.timeout == 0.4 and cfg.scrape.stale_after == 3.0
+    assert load({"scrape": {"interval": "2s"}}).scrape.stale_after == 6.0
+    assert cfg.breaker.max_cooldown == 90.0
+    assert cfg.admission.default_band == "lo"
+    assert load({"admission": {"header": "X-Prio"}}).admission.header == "x-prio"
+
+
+def test_empty_values_mean_unset() -> None:
+    cfg = load({"server": None, "endpoints": None, "models": None, "listen": None})
+    assert cfg.server == load({}).server and cfg.listen == ("127.0.0.1", 8080) and cfg.endpoints == ()
+
+
+def test_config_can_be_replaced() -> None:
+    import dataclasses
+
+    cfg = load({"endpoints": [EP]})
+    moved = dataclasses.replace(cfg, listen=("0.0.0.0", 1))
+    assert moved.listen == ("0.0.0.0", 1) and moved.endpoints == cfg.endpoints
+
+
+def test_strategies_come_from_the_routing_kernel() -> None:
+    from llmgw import config, routing
+    from llmgw._fast import score_py
+
+    assert config.STRATEGIES is score_py.STRATEGIES
+    assert tuple(routing.STRATEGIES) == config.STRATEGIES
+
+
+def test_config_imports_without_a_cycle() -> None:
+    import subprocess
+    import sys
+
+    for first in ("llmgw.config", "llmgw.routing", "llmgw._fast.score_py", "llmgw.errors"):
+        code = f"import {first}; import llmgw.config, llmgw.routing"
+        res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+        assert res.returncode == 0, res.stderr
+
+
+def test_reserved_control_plane_sections(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("JOIN", "join-secret-1")
+    monkeypatch.setenv("FOLLOW", "follow-secret-1")
+    cfg = load(
+        {
+            "control": {"listen": "0.0.0.0:7070", "join_token_env": "JOIN", "database": "/var/lib/llmgw/cp.db"},
+            "deployments": [
+                {"name": "llama", "model": "llama-3-8b", "engine": "vllm", "replicas": 2, "gpus": 1,
+                 "gpu_memory": "40GiB", "args": ["--max-model-len", "8192"], "env": {"HF_TOKEN": "hf-secret-1"}},
+                {"name": "qwen", "model": "qwen2.5-0.5b", "engine": "llamacpp", "gpus": 0, "served_name": "qwen"},
+            ],
+            "follow": {"control": "cp0:7070", "token_env": "FOLLOW"},
+        }
+    )
+    assert cfg.control is not None
+    assert cfg.control.listen == ("0.0.0.0", 7070) and cfg.control.join_tokens == ("join-secret-1",)
+    assert cfg.control.heartbeat_interval == 5.0 and cfg.control.heartbeat_grace == 15.0
+    d = cfg.deployments[0]
+    assert (d.replicas, d.gpus, d.gpu_memory, d.args, d.env) == (2, 1, 40 * 2**30, ("--max-model-len", "8192"),
+                                                               {"HF_TOKEN": "hf-secret-1"})
+    assert cfg.deployments[1].served_name == "qwen" and cfg.deployments[1].replicas == 1
+    assert cfg.follow is not None and cfg.follow.control == (("cp0", 7070),) and cfg.follow.token == "follow-secret-1"
+    for secret in ("join-secret-1", "follow-secret-1", "hf-secret-1"):
+        assert secret not in repr(cfg)
+    assert load({"control": {"listen": ":1", "heartbeat_interval": "2s"}}).control.heartbeat_grace == 6.0  # type: ignore[union-attr]
+    assert load({"control": {"listen": ":1", "join_token": ["a", "b"]}}).control.join_tokens == ("a", "b")  # type: ignore[union-attr]
+    assert load({}).control is None and load({}).deployments == () and load({}).follow is None
+
+
+@pytest.mark.parametrize(
+    ("data", "key", "fragment"),
+    [
+        ({"control": {}}, "control.listen", "is required"),
+        ({"control": {"listen": ":1", "heartbeat_interval": "1s", "heartbeat_grace": "500ms"}},
+         "control.heartbeat_grace", "at least control.heartbeat_interval"),
+        ({"control": {"listen": ":1", "join_token": "a", "join_token_env": "B"}}, "control.join_token_env", "not both"),
+        ({"control": {"listen": ":1", "hearbeat_interval": "1s"}}, "control.hearbeat_interval",
+         "did you mean 'heartbeat_interval'"),
+        ({"deployments": [{"name": "a"}]}, "deployments[0].model", "is required"),
+        ({"deployments": [{"name": "a", "model": "m", "engine": "external"}]}, "deployments[0].engine", "choose one of"),
+        ({"deployments": [{"name": "a", "model": "m", "gpu_memory": "lots"}]}, "deployments[0].gpu_memory", "size like"),
+        ({"deployments": [{"name": "a", "model": "m", "env": {"1X": "y"}}]}, "deployments[0].env", "environment variable name"),
+        ({"deployments": [{"name": "a", "model": "m"}, {"name": "a", "model": "n"}]}, "deployments[1].name", "duplicate name"),
+        ({"deployments": [{"name": "a", "model": "m", "replica": 2}]}, "deployments[0].replica", "did you mean 'replicas'"),
+        ({"follow": {"control": []}}, "follow.control", "HOST:PORT"),
+    ],
+)
+def test_reserved_sections_are_validated(data: object, key: str, fragment: str) -> None:
+    with pytest.raises(ConfigError) as ei:
+        load(data)
+    assert any(p.key == key and fragment in p.message for p in ei.value.problems), str(ei.value)
+
+
+def test_agent_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from llmgw.config import load_agent_file
+
+    monkeypatch.setenv("AGENT_TOKEN", "agent-secret-9f")
+    p = _write(
+        tmp_path,
+        "control: cp0:7070\ntoken_env: AGENT_TOKEN\nname: node-1\ngpu_source: nvidia-smi\n"
+        "engines:\n  vllm: {python: /opt/vllm/bin/python}\n  llamacpp: {binary: /usr/local/bin/llama-server}\n",
+        "agent.yaml",
+    )
+    a = load_agent_file(p)
+    assert a.control == ("cp0", 7070) and a.token == "agent-secret-9f" and a.name == "node-1" and a.gpu_source == "nvidia-smi"
+    assert a.engines["vllm"].python == "/opt/vllm/bin/python" and a.engines["llamacpp"].binary.endswith("llama-server")  # type: ignore[union-attr]
+    assert "agent-secret-9f" not in repr(a)
+    p.write_text("token_env: NOPE_AGENT\ngpu_source: rocm\nengines:\n  tgi: {}\n  vllm: {pyhton: x}\n")
+    monkeypatch.delenv("NOPE_AGENT", raising=False)
+    with pytest.raises(ConfigError) as ei:
+        load_agent_file(p)
+    assert str(ei.value).splitlines() == [
+        f"{p}:1: control: is required",
+        f"{p}:1: token_env: environment variable NOPE_AGENT is not set (export it)",
+        f"{p}:2: gpu_source: unknown gpu source 'rocm'; choose one of auto, nvml, nvidia-smi, none",
+        f"{p}:4: engines.tgi: unknown engine 'tgi'; choose one of vllm, llamacpp, trtllm, sglang",
+        f"{p}:5: engines.vllm.pyhton: unknown key; did you mean 'python'?",
+    ]
+
+
+# -- the JSON Schema editors use --
+
+
+def test_schema_validates_the_example_and_rejects_a_bad_file() -> None:
+    import jsonschema
+    import yaml
+
+    from llmgw.config import config_schema
+
+    schema = config_schema()
+    assert schema["$schema"] == "https://json-schema.org/draft/2020-12/schema"
+    jsonschema.Draft202012Validator.check_schema(schema)
+    validator = jsonschema.Draft202012Validator(schema)
+    example = yaml.safe_load((ROOT / "llmgw.example.yaml").read_text())
+    assert list(validator.iter_errors(example)) == []
+    bad = {
+        "listen": "nowhere",
+        "endpoints": [{"id": "a", "url": "localhost", "modle": "m"}],
+        "server": {"max_body_sise": 1, "header_timeout": "soon"},
+        "routing": {"strategy": "random"},
+    }
+    wrong = {tuple(e.absolute_path) for e in validator.iter_errors(bad)}
+    assert {("listen",), ("endpoints", 0), ("endpoints", 0, "url"), ("server",), ("server", "header_timeout"),
+            ("routing", "strategy")} <= wrong
+    # both model and models, or neither, is refused too
+    assert list(validator.iter_errors({"endpoints": [{**EP, "models": ["m"]}]}))
+    agent = config_schema(agent=True)
+    jsonschema.Draft202012Validator.check_schema(agent)
+    av = jsonschema.Draft202012Validator(agent)
+    assert list(av.iter_errors({"control": "cp:1", "engines": {"vllm": {"python": "/p"}}})) == []
+    assert list(av.iter_errors({"control": "cp:1", "engines": {"tgi": {}}}))
+    assert list(av.iter_errors({"gpu_source": "nvml"}))  # control is required
+
+
+def test_validate_for_serve() -> None:
+    from llmgw.config import serve_problems, validate_for_serve
+
+    validate_for_serve(load({"endpoints": [EP]}))
+    with pytest.raises(ConfigError, match="no endpoints configured"):
+        validate_for_serve(load({}, source="x.yaml"))
+    with pytest.raises(ConfigError) as ei:
+        load({"endpoints": []}, source="x.yaml", serve=True)
+    assert [str(p) for p in ei.value.problems] == [str(p) for p in serve_problems(load({}, source="x.yaml"))]

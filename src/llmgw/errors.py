@@ -9,10 +9,15 @@ contain a secret.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
 __all__ = [
     "BadGatewayError",
     "BadRequestError",
     "ConfigError",
+    "ConfigProblem",
     "GatewayTimeoutError",
     "HTTPError",
     "HeadersTooLargeError",
@@ -36,19 +41,61 @@ class InternalError(LlmgwError, AssertionError):
     """A bug in llmgw itself: an invariant did not hold."""
 
 
+@dataclass(frozen=True, slots=True)
+class ConfigProblem:
+    """One problem in a configuration: where it is and what is wrong.
+
+    ``source`` is the file (``None`` for a document given as data), ``key`` the
+    dotted path of the key (``endpoints[2].url``; empty for the file as a whole),
+    ``line`` its 1-based YAML line when known. ``str()`` is the one-line form
+    ``llmgw.yaml:14: endpoints[2].url: not a URL (expected http://host:port)``.
+    """
+
+    key: str
+    message: str
+    source: str | None = None
+    line: int | None = None
+
+    def __str__(self) -> str:
+        where = self.source or ""
+        if self.line is not None:
+            where = f"{where}:{self.line}" if where else f"line {self.line}"
+        return ": ".join([p for p in (where, self.key) if p] + [self.message])
+
+    def as_dict(self) -> dict[str, Any]:
+        """The JSON form (``llmgw check-config --json``)."""
+        return {"file": self.source, "key": self.key, "line": self.line, "message": self.message}
+
+
 class ConfigError(LlmgwError, ValueError):
     """The configuration is invalid.
 
-    ``key`` is the dotted path of the offending key (``endpoints[2].url``) and the
-    message says what is wrong and how to fix it.
+    ``problems`` lists every problem found in one pass (a loader reports them all
+    rather than stopping at the first, so one edit fixes a file). ``key``,
+    ``message``, ``source`` and ``line`` are those of the first problem, for the
+    callers that report one; ``str()`` is every problem, one per line.
+
+    ``ConfigError(key, message, source=...)`` makes an error of one problem;
+    ``ConfigError(problems=[...])`` one of several.
     """
 
-    def __init__(self, key: str, message: str, *, source: str | None = None) -> None:
-        self.key = key
-        self.message = message
-        self.source = source
-        where = f"{source}: " if source else ""
-        super().__init__(f"{where}{key}: {message}" if key else f"{where}{message}")
+    def __init__(
+        self,
+        key: str = "",
+        message: str = "",
+        *,
+        source: str | None = None,
+        line: int | None = None,
+        problems: Iterable[ConfigProblem] | None = None,
+    ) -> None:
+        found = tuple(problems) if problems is not None else ()
+        self.problems: tuple[ConfigProblem, ...] = found or (ConfigProblem(key, message, source, line),)
+        first = self.problems[0]
+        self.key = first.key
+        self.message = first.message
+        self.source = first.source
+        self.line = first.line
+        super().__init__("\n".join(str(p) for p in self.problems))
 
 
 class PromParseError(LlmgwError, ValueError):

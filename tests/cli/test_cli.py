@@ -66,7 +66,7 @@ def test_config_errors_are_one_line(tmp_path: Path) -> None:
         assert res.returncode == 1
         lines = res.stderr.strip().splitlines()
         assert len(lines) == 1, res.stderr
-        assert lines[0] == f"llmgw: error: {bad}: endpoints[0].url: not a URL (expected http://host:port), got 'localhost'"
+        assert lines[0] == f"llmgw: error: {bad}:3: endpoints[0].url: not a URL (expected http://host:port), got 'localhost'"
         assert "Traceback" not in res.stderr
 
 

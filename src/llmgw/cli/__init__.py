@@ -20,7 +20,8 @@ __all__ = ["main"]
 COMMANDS: dict[str, tuple[str, str, str]] = {
     "serve": ("llmgw.cli.serve", "serve", "Run the gateway (a built-in demo fleet when no config is found)."),
     "sim-engine": ("llmgw.cli.sim", "sim_engine", "Run a simulated inference engine (vLLM, llama.cpp, TensorRT-LLM, SGLang)."),
-    "check-config": ("llmgw.cli.serve", "check_config", "Validate a config file and print what it defines."),
+    "check-config": ("llmgw.cli.config", "check_config", "Validate a config file as serve would; every problem at once."),
+    "config": ("llmgw.cli.config", "config", "Check llmgw.yaml, or print its JSON Schema for editors."),
     "mirror": ("llmgw.cli.mirror", "mirror", "Keep model files in a verified, content-addressed mirror."),
     "ctl": ("llmgw.cli.ctl", "ctl", "Drive a running gateway: list, drain and undrain endpoints, reload config."),
 }

@@ -14,10 +14,12 @@ __all__ = ["Fail", "hostport", "run_loop"]
 
 
 class Fail(click.ClickException):
-    """A one-line error: ``llmgw: error: ...``, exit code 1."""
+    """A one-line error: ``llmgw: error: ...``, exit code 1; one such line per line of the message
+    (a config error lists every problem)."""
 
     def show(self, file: Any = None) -> None:
-        click.echo(f"llmgw: error: {self.message}", err=True)
+        for line in self.message.splitlines() or [""]:
+            click.echo(f"llmgw: error: {line}", err=True)
 
 
 def hostport(ctx: click.Context, param: click.Parameter, value: str | None) -> tuple[str, int] | None:

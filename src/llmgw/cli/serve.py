@@ -1,4 +1,4 @@
-"""``llmgw serve`` and ``llmgw check-config``."""
+"""``llmgw serve`` (``llmgw check-config`` is in :mod:`llmgw.cli.config`)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from ..config import Config, EndpointConfig, ModelConfig, find_config, load, loa
 from ..errors import ConfigError
 from ._common import Fail, hostport, run_loop
 
-__all__ = ["DEMO_MODELS", "check_config", "serve"]
+__all__ = ["DEMO_MODELS", "serve"]
 
 # The built-in demo fleet: two models, two simulated replicas each.
 DEMO_MODELS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
@@ -31,7 +31,8 @@ def _load(config_path: str | None) -> tuple[Config | None, Path | None]:
     if path is None:
         return None, None
     try:
-        return load_file(path), path
+        # serve=True: refuse what check-config refuses (they share the check).
+        return load_file(path, serve=True), path
     except ConfigError as exc:
         raise Fail(str(exc)) from None
 
@@ -141,20 +142,4 @@ def serve(config_path: str | None, listen: tuple[str, int] | None, admin: tuple[
         cfg = dataclasses.replace(cfg, listen=listen)
     if admin is not None:
         cfg = dataclasses.replace(cfg, admin=admin)
-    if not demo and not cfg.endpoints:
-        raise Fail(f"{cfg.source}: endpoints: no endpoints configured; add at least one (see docs/config.md)")
     sys.exit(run_loop(_serve(cfg, demo)))
-
-
-@click.command("check-config")
-@click.argument("path", metavar="FILE", required=False)
-def check_config(path: str | None) -> None:
-    """Validate a config file (default ./llmgw.yaml) and summarise it."""
-    cfg, p = _load(path)
-    if cfg is None:
-        raise Fail("no config file: pass FILE or create ./llmgw.yaml")
-    click.echo(f"{p}: OK")
-    click.echo(f"  listen {cfg.listen[0]}:{cfg.listen[1]}, admin {cfg.admin[0]}:{cfg.admin[1]}")
-    for m in cfg.model_names():
-        eps = [ep.id for ep in cfg.endpoints if m in ep.models]
-        click.echo(f"  model {m}: {len(eps)} endpoint(s): {', '.join(eps)}")

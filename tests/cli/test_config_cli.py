@@ -1,0 +1,122 @@
+"""``llmgw check-config`` and ``llmgw config``, run as the real ``llmgw`` command."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jsonschema
+import yaml
+from click.testing import CliRunner
+
+from llmgw.cli import main
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLE_ENV = {"GPU0_KEY": "x", "TEAM_A_KEY": "y", "LLMGW_ADMIN_TOKEN": "z"}
+
+
+def run(*args: str, env: dict[str, str] | None = None, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "llmgw", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=cwd,
+        env={**os.environ, **(env or {})},
+    )
+
+
+def test_check_config_and_serve_agree_on_an_empty_file(tmp_path: Path) -> None:
+    empty = tmp_path / "empty.yaml"
+    empty.write_text("")
+    check = run("check-config", str(empty))
+    serve = run("serve", "-c", str(empty), "--listen", "127.0.0.1:0", "--admin", "127.0.0.1:0")
+    expected = f"llmgw: error: {empty}: endpoints: no endpoints configured; add at least one (see docs/config.md)"
+    assert check.returncode == serve.returncode == 1
+    assert check.stderr.strip().splitlines() == serve.stderr.strip().splitlines() == [expected]
+    assert check.stdout == ""
+
+
+def test_every_problem_is_one_stderr_line(tmp_path: Path) -> None:
+    bad = tmp_path / "llmgw.yaml"
+    bad.write_text(
+        "endpoints:\n  - id: a\n    url: localhost\n    model: m\n    modle: m\n"
+        "server:\n  max_body_sise: 1\n  max_body_size: 1\n  max_body_size: 2\n"
+    )
+    res = run("check-config", cwd=tmp_path)  # ./llmgw.yaml by default
+    assert res.returncode == 1
+    assert res.stdout == ""
+    assert res.stderr.strip().splitlines() == [
+        "llmgw: error: llmgw.yaml:3: endpoints[0].url: not a URL (expected http://host:port), got 'localhost'",
+        "llmgw: error: llmgw.yaml:5: endpoints[0].modle: unknown key; did you mean 'model'?",
+        "llmgw: error: llmgw.yaml:7: server.max_body_sise: unknown key; did you mean 'max_body_size'?",
+        "llmgw: error: llmgw.yaml:8: server.max_body_size: must be at least 1024 bytes",
+        "llmgw: error: llmgw.yaml:9: server.max_body_size: duplicate key 'max_body_size' (first at line 8, again at line 9)",
+    ]
+    # serve refuses the same file with the same lines
+    assert run("serve", cwd=tmp_path).stderr == res.stderr
+
+
+def test_check_config_json_ok() -> None:
+    res = run("check-config", "--json", str(ROOT / "llmgw.example.yaml"), env=EXAMPLE_ENV)
+    assert res.returncode == 0, res.stderr
+    doc = json.loads(res.stdout)
+    assert doc["ok"] is True and doc["problems"] == []
+    assert doc["file"].endswith("llmgw.example.yaml")
+    summary = doc["summary"]
+    assert summary["listen"] == "127.0.0.1:8080" and summary["admin"] == "127.0.0.1:9090"
+    llama = summary["models"][0]
+    assert llama["name"] == "llama-3-8b" and llama["aliases"] == ["llama3", "gpt-4o-mini"]
+    assert [e["id"] for e in llama["endpoints"]] == ["gpu0-llama", "gpu1-llama"]
+    assert llama["endpoints"][0] == {"id": "gpu0-llama", "url": "http://127.0.0.1:8001", "engine": "vllm", "draining": False}
+    assert "replica-secret" not in res.stdout
+
+
+def test_check_config_json_problems(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("listen: nowhere\nendpoints:\n  - {id: a, url: 'http://h:1', model: m, api_key_env: NOPE_CLI}\n")
+    res = run("check-config", "--json", str(bad), env={"NOPE_CLI": ""})
+    assert res.returncode == 1
+    doc = json.loads(res.stdout)  # stdout is the JSON document alone
+    assert doc["ok"] is False and doc["summary"] is None
+    assert doc["problems"] == [
+        {"file": str(bad), "key": "listen", "line": 1,
+         "message": "expected HOST:PORT (e.g. 127.0.0.1:8080), got 'nowhere'"},
+        {"file": str(bad), "key": "endpoints[0].api_key_env", "line": 3,
+         "message": "environment variable NOPE_CLI is empty"},
+    ]
+    empty = tmp_path / "empty.yaml"
+    empty.write_text("{}\n")
+    doc = json.loads(run("check-config", "--json", str(empty)).stdout)
+    assert [p["key"] for p in doc["problems"]] == ["endpoints"]
+    missing = run("check-config", "--json", str(tmp_path / "nope.yaml"))
+    assert missing.returncode == 1 and "does not exist" in json.loads(missing.stdout)["problems"][0]["message"]
+
+
+def test_config_check_is_check_config(tmp_path: Path) -> None:
+    res = CliRunner().invoke(main, ["config", "check", str(ROOT / "llmgw.example.yaml")], env=EXAMPLE_ENV)
+    assert res.exit_code == 0, res.output
+    assert "model llama-3-8b: 2 endpoint(s): gpu0-llama, gpu1-llama" in res.output
+
+
+def test_config_schema_validates_the_example(tmp_path: Path) -> None:
+    res = run("config", "schema")
+    assert res.returncode == 0, res.stderr
+    schema = json.loads(res.stdout)
+    jsonschema.Draft202012Validator.check_schema(schema)
+    validator = jsonschema.Draft202012Validator(schema)
+    assert list(validator.iter_errors(yaml.safe_load((ROOT / "llmgw.example.yaml").read_text()))) == []
+    assert list(validator.iter_errors({"endpoints": [{"id": "a", "url": "http://h:1", "model": "m", "engien": "x"}]}))
+    agent = json.loads(run("config", "schema", "--agent").stdout)
+    assert agent["title"] == "llmgw node agent"
+    assert list(jsonschema.Draft202012Validator(agent).iter_errors({"control": "cp:7070", "gpu_source": "auto"})) == []
+
+
+def test_help_lists_the_config_commands() -> None:
+    res = CliRunner().invoke(main, ["--help"])
+    assert "check-config" in res.output and "config " in res.output
+    res = CliRunner().invoke(main, ["config", "schema", "--help"])
+    assert res.exit_code == 0 and "yaml-language-server" in res.output
