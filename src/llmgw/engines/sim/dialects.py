@@ -497,11 +497,6 @@ class VllmDialect(Dialect):
 # llama.cpp
 
 
-_LCPP_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-               404: "not_found_error", 500: "server_error", 501: "not_supported_error",
-               503: "unavailable_error"}
-
-
 def _g(v: float) -> str:
     # llama-server streams doubles with C++'s default precision: like printf's %g.
     return f"{v:g}"
@@ -542,9 +537,10 @@ class LlamaCppDialect(Dialect):
     def error_body(self, status: int, message: str, kind: str = "invalid", extra: dict[str, Any] | None = None,
                    param: str | None = None) -> bytes:
         if kind == "context":
-            etype = "exceed_context_size_error"
+            etype = llamacpp.CONTEXT_ERROR_TYPE
         else:
-            etype = _LCPP_TYPES.get(status) or ("server_error" if status >= 500 else "invalid_request_error")
+            default = "server_error" if status >= 500 else "invalid_request_error"
+            etype = llamacpp.ERROR_TYPES.get(status, default)
             if status == 429:
                 etype = "unavailable_error"
         err: dict[str, Any] = {"code": status, "message": message, "type": etype}
