@@ -3,8 +3,9 @@
 Pure Python, so that the compiled modules and their twins raise the same classes.
 Request-path errors carry the HTTP ``status`` and the OpenAI error ``type`` and
 ``code`` they become, so the server turns any of them into a response in one place
-(:func:`llmgw.http.response.error_response`). Messages are public: they never
-contain a secret.
+(the HTTP server's ``ResponseWriter.send_error``, whose body is
+:func:`llmgw.http.server.error_body`). Messages are public: they never contain a
+secret.
 """
 
 from __future__ import annotations

@@ -878,73 +878,11 @@ def test_differential_valid_requests(reqs: list[tuple[bytes, dict[str, Any]]], d
         assert got["headers"][: len(want["headers"])] == want["headers"]
 
 
-USAGE_CASES = [
-    (b'{"x":1,"usage":{"prompt_tokens":10,"total_tokens":30,"completion_tokens":20}}', (10, 20)),
-    (b'{"usage": {"prompt_tokens" : 7, "completion_tokens": 3, "prompt_tokens_details": {"cached_tokens": 2}}}', (7, 3)),
-    (b'{"usage":{"prompt_tokens_details":{"cached_tokens":0},"prompt_tokens":5,"completion_tokens":6}}', (5, 6)),
-    (b'data: {"choices":[],"usage":{"prompt_tokens":1,"completion_tokens":64}}\n\n', (1, 64)),
-    (b'{"usage":{"prompt_tokens":1,"completion_tokens":2}} {"usage":{"prompt_tokens":3,"completion_tokens":4}}', (3, 4)),
-    (b'{"usage":null}', None),
-    (b'{"usage":{"prompt_tokens":5}}', None),
-    (b'{"usage":{"prompt_tokens":"5","completion_tokens":1}}', None),
-    (b'{"usage":{"prompt_tokens":5,' + b" " * 2000 + b'"completion_tokens":1}}', None),
-    (b"", None),
-    (b'"usage"', None),
-]
-
-
-@pytest.mark.parametrize(("data", "expected"), USAGE_CASES)
-def test_usage_counts(httpproto: ModuleType, data: bytes, expected: object) -> None:
-    assert httpproto.usage_counts(data) == expected
-
-
-@pytest.mark.c_extension
-@given(st.binary(max_size=300))
-def test_usage_counts_twins_agree(data: bytes) -> None:
-    from llmgw._fast import httpproto as compiled
-    from llmgw._fast import httpproto_py
-
-    blob = b'{"usage":{"prompt_tokens":' + data + b'"completion_tokens":2}}'
-    for x in (data, blob, data + blob, blob + data):
-        assert compiled.usage_counts(x) == httpproto_py.usage_counts(x)
-
-
 @pytest.mark.parametrize("size", [1, 9, 15, 16, 255, 256, 4095, 65537])
 def test_chunk_frames_data_as_one_chunk(httpproto: ModuleType, size: int) -> None:
     data = bytes(range(256)) * (size // 256) + bytes(range(size % 256))
     assert httpproto.chunk(data) == b"%x\r\n" % size + data + b"\r\n"
     assert httpproto.chunk(data) == httpproto.chunk_head(size) + data + b"\r\n"
-
-
-@pytest.mark.parametrize(
-    "events, rest",
-    [
-        (b"", b""),
-        (b"", b"data: x"),
-        (b"", b"data: x\n"),
-        (b"data: x\n\n", b""),
-        (b"data: x\n\n", b"data: y"),
-        (b"data: x\n\ndata: y\n\n", b""),
-        (b"data: x\r\n\r\n", b""),
-        (b"data: x\r\n\r\n", b"data: y\r\n"),
-        (b": comment\n\ndata: y\n\n", b"data: z\n"),
-        (b"\n\n", b""),
-        (b"\n\r\n", b""),
-        (b"", b"x\r\r"),
-    ],
-)
-def test_sse_cut_after_the_last_whole_event(httpproto: ModuleType, events: bytes, rest: bytes) -> None:
-    assert httpproto.sse_cut(events + rest) == len(events)
-
-
-def test_usage_counts_takes_the_last_usage(httpproto: ModuleType) -> None:
-    events = (
-        b'data: {"usage":{"prompt_tokens":5,"completion_tokens":1}}\n\n'
-        b'data: {"usage": {"prompt_tokens": 5, "completion_tokens": 2}}\n\n'
-    )
-    assert httpproto.usage_counts(events) == (5, 2)
-    assert httpproto.usage_counts(b'data: {"usage":null}\n\n') is None
-    assert httpproto.usage_counts(b"x" * 5000) is None
 
 
 # -- differential: response reading (the compiled twin frames heads itself) -------

@@ -212,3 +212,106 @@ def test_body_must_be_bytes(jsonscan: ModuleType, body: object) -> None:
         jsonscan.json_model(body)
     with pytest.raises(TypeError):
         jsonscan.model_span(body)
+
+
+# -- the answer side: SSE events and token usage (moved here from httpproto) ------
+
+
+USAGE_CASES = [
+    (b'{"x":1,"usage":{"prompt_tokens":10,"total_tokens":30,"completion_tokens":20}}', (10, 20)),
+    (b'{"usage": {"prompt_tokens" : 7, "completion_tokens": 3, "prompt_tokens_details": {"cached_tokens": 2}}}', (7, 3)),
+    (b'{"usage":{"prompt_tokens_details":{"cached_tokens":0},"prompt_tokens":5,"completion_tokens":6}}', (5, 6)),
+    (b'data: {"choices":[],"usage":{"prompt_tokens":1,"completion_tokens":64}}\n\n', (1, 64)),
+    (b'{"usage":{"prompt_tokens":1,"completion_tokens":2}} {"usage":{"prompt_tokens":3,"completion_tokens":4}}', (3, 4)),
+    (b'{"usage":null}', None),
+    (b'{"usage":{"prompt_tokens":5}}', None),
+    (b'{"usage":{"prompt_tokens":"5","completion_tokens":1}}', None),
+    (b'{"usage":{"prompt_tokens":5,' + b" " * 2000 + b'"completion_tokens":1}}', None),
+    (b"", None),
+    (b'"usage"', None),
+]
+
+
+@pytest.mark.parametrize(("data", "expected"), USAGE_CASES)
+def test_usage_counts(jsonscan: ModuleType, data: bytes, expected: object) -> None:
+    assert jsonscan.usage_counts(data) == expected
+
+
+@pytest.mark.c_extension
+@given(st.binary(max_size=300))
+def test_usage_counts_twins_agree(data: bytes) -> None:
+    from llmgw._fast import jsonscan as compiled
+    from llmgw._fast import jsonscan_py
+
+    blob = b'{"usage":{"prompt_tokens":' + data + b'"completion_tokens":2}}'
+    for x in (data, blob, data + blob, blob + data):
+        assert compiled.usage_counts(x) == jsonscan_py.usage_counts(x)
+
+
+@pytest.mark.parametrize(
+    "events, rest",
+    [
+        (b"", b""),
+        (b"", b"data: x"),
+        (b"", b"data: x\n"),
+        (b"data: x\n\n", b""),
+        (b"data: x\n\n", b"data: y"),
+        (b"data: x\n\ndata: y\n\n", b""),
+        (b"data: x\r\n\r\n", b""),
+        (b"data: x\r\n\r\n", b"data: y\r\n"),
+        (b": comment\n\ndata: y\n\n", b"data: z\n"),
+        (b"\n\n", b""),
+        (b"\n\r\n", b""),
+        (b"", b"x\r\r"),
+    ],
+)
+def test_sse_cut_after_the_last_whole_event(jsonscan: ModuleType, events: bytes, rest: bytes) -> None:
+    assert jsonscan.sse_cut(events + rest) == len(events)
+
+
+def test_usage_counts_takes_the_last_usage(jsonscan: ModuleType) -> None:
+    events = (
+        b'data: {"usage":{"prompt_tokens":5,"completion_tokens":1}}\n\n'
+        b'data: {"usage": {"prompt_tokens": 5, "completion_tokens": 2}}\n\n'
+    )
+    assert jsonscan.usage_counts(events) == (5, 2)
+    assert jsonscan.usage_counts(b'data: {"usage":null}\n\n') is None
+    assert jsonscan.usage_counts(b"x" * 5000) is None
+
+
+@pytest.mark.c_extension
+@given(st.lists(st.sampled_from([b"\n", b"\r", b"\r\n", b"\n\n", b"data: x", b":", b" "]), max_size=20))
+def test_sse_cut_twins_agree(parts: list[bytes]) -> None:
+    from llmgw._fast import jsonscan as compiled
+    from llmgw._fast import jsonscan_py
+
+    data = b"".join(parts)
+    assert compiled.sse_cut(data) == jsonscan_py.sse_cut(data)
+
+
+def test_answer_scans_refuse_str(jsonscan: ModuleType) -> None:
+    with pytest.raises(TypeError):
+        jsonscan.sse_cut("data: x\n\n")
+    with pytest.raises(TypeError):
+        jsonscan.usage_counts('{"usage":{"prompt_tokens":1,"completion_tokens":2}}')
+
+
+def test_old_homes_still_export_the_answer_scans() -> None:
+    # sse_cut and usage_counts lived in httpproto; their old import paths stay valid
+    import llmgw.gateway.jsonscan as facade
+    import llmgw.http.parser as parser
+    from llmgw._fast import httpproto_py, jsonscan_py
+
+    assert httpproto_py.sse_cut is jsonscan_py.sse_cut
+    assert httpproto_py.usage_counts is jsonscan_py.usage_counts
+    assert parser.sse_cut is facade.sse_cut
+    assert parser.usage_counts is facade.usage_counts
+    assert {"sse_cut", "usage_counts"} <= set(facade.__all__) & set(parser.__all__)
+
+
+@pytest.mark.c_extension
+def test_compiled_httpproto_still_exports_the_answer_scans() -> None:
+    from llmgw._fast import httpproto, jsonscan
+
+    assert httpproto.sse_cut is jsonscan.sse_cut
+    assert httpproto.usage_counts is jsonscan.usage_counts

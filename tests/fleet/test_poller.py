@@ -211,3 +211,84 @@ async def test_external_endpoints_are_not_scraped() -> None:
     assert not reg.endpoints["x"].stale
     await poller.close()
     reg.close()
+
+
+# -- a pooled connection the replica closed: llmgw.http.keepalive's rule -----------
+
+
+class ClosingServer:
+    """Answers each connection's first request; what it does with the second is ``then``."""
+
+    def __init__(self, then: str) -> None:
+        self.then = then  # "close" (unanswered), "garbage" (a malformed answer), "answer"
+        self.connections = 0
+        self.requests = 0
+        self.port = 0
+        self.server: asyncio.Server | None = None
+
+    async def start(self) -> None:
+        self.server = await asyncio.start_server(self._conn, "127.0.0.1", 0)
+        self.port = self.server.sockets[0].getsockname()[1]
+
+    async def _conn(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        n = 0
+        try:
+            while True:
+                await reader.readuntil(b"\r\n\r\n")
+                self.requests += 1
+                n += 1
+                if n == 2 and self.then == "close":
+                    break
+                if n == 2 and self.then == "garbage":
+                    writer.write(b"HTTP/1.1 2x0 what\r\n\r\n")
+                    await writer.drain()
+                    break
+                writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n%s" % (len(VLLM_PAGE), VLLM_PAGE))
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+    async def close(self) -> None:
+        assert self.server is not None
+        self.server.close()
+        await self.server.wait_closed()
+
+
+async def _closing_endpoint(then: str) -> tuple[ClosingServer, Registry]:
+    srv = ClosingServer(then)
+    await srv.start()
+    cfg = load({"endpoints": [{"id": "r0", "url": f"http://127.0.0.1:{srv.port}", "model": "m"}]})
+    return srv, Registry(cfg)
+
+
+async def test_scrape_on_a_closed_pooled_connection_goes_again_on_a_new_one() -> None:
+    from llmgw.fleet.poller import scrape_once
+
+    srv, reg = await _closing_endpoint("close")
+    try:
+        ep = reg.endpoints["r0"]
+        assert await scrape_once(ep, 2.0) == (200, VLLM_PAGE)
+        # the second goes out on the pooled connection, which the replica drops unanswered
+        assert await scrape_once(ep, 2.0) == (200, VLLM_PAGE)
+        assert (srv.connections, srv.requests) == (2, 3)
+    finally:
+        reg.close()
+        await srv.close()
+
+
+async def test_scrape_a_malformed_answer_on_a_pooled_connection_is_not_sent_again() -> None:
+    from llmgw.fleet.poller import scrape_once
+
+    srv, reg = await _closing_endpoint("garbage")
+    try:
+        ep = reg.endpoints["r0"]
+        assert await scrape_once(ep, 2.0) == (200, VLLM_PAGE)
+        with pytest.raises(ConnectionError):
+            await scrape_once(ep, 2.0)  # the replica answered (badly): it saw the request
+        assert (srv.connections, srv.requests) == (1, 2)
+    finally:
+        reg.close()
+        await srv.close()

@@ -127,9 +127,12 @@ cdef class ResponseReader:
 cpdef double monotonic() noexcept
 cpdef Py_ssize_t write_now(int fd, bytes a, bytes b=*) except -2
 cpdef bytes chunk(bytes data)
-cpdef Py_ssize_t sse_cut(bytes data) except -1
 cpdef bytes id_line(bytes rid, Py_ssize_t n=*)
 cpdef bytes upstream_head(bytes method, bytes target, bytes host, bytes forward, Py_ssize_t content_length,
                           bytes extra=*)
 cpdef bytes response_head(int status, headers=*, Py_ssize_t content_length=*, bint keep_alive=*, bytes raw=*)
-cpdef usage_counts(bytes data)
+
+# NOTE: sse_cut and usage_counts are jsonscan's (scans of an answer's JSON text, not
+# of HTTP messages); cimported here only so that `from llmgw._fast.httpproto cimport
+# sse_cut, usage_counts` keeps working until its users cimport them from jsonscan.
+from llmgw._fast.jsonscan cimport sse_cut, usage_counts

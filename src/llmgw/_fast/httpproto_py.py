@@ -40,6 +40,9 @@ from typing import Any
 
 import httptools
 
+# NOTE: sse_cut and usage_counts moved to jsonscan_py (they scan an answer's JSON
+# text, not an HTTP message); re-exported here for code that imports them from here.
+from llmgw._fast.jsonscan_py import sse_cut, usage_counts
 from llmgw.errors import BadRequestError, HeadersTooLargeError, HTTPError, PayloadTooLargeError
 
 __all__ = [
@@ -57,6 +60,7 @@ __all__ = [
     "id_line",
     "monotonic",
     "response_head",
+    "sse_cut",
     "upstream_head",
     "usage_counts",
     "write_now",
@@ -266,17 +270,6 @@ def chunk(data: bytes) -> bytes:
     ``data`` must not be empty: an empty chunk is the last-chunk marker.
     """
     return b"%x\r\n%b\r\n" % (len(data), data)
-
-
-def sse_cut(data: bytes) -> int:
-    """Where the last complete server-sent event in ``data`` ends (0: none yet).
-
-    An event ends at a blank line: ``\n\n``, or ``\n\r\n`` when the engine uses CRLF
-    line endings. ``data[:cut]`` is whole events; ``data[cut:]`` the start of the next.
-    """
-    lf = data.rfind(b"\n\n")
-    crlf = data.rfind(b"\n\r\n")
-    return max(lf + 2 if lf >= 0 else 0, crlf + 3 if crlf >= 0 else 0)
 
 
 class Request:
@@ -810,49 +803,3 @@ class ResponseReader:
             self._interim = False
             return
         self._on_end()
-
-
-_USAGE_KEY = b'"usage"'
-_USAGE_WINDOW = 1024
-
-
-def _int_value(data: bytes, key: bytes, start: int, end: int) -> int | None:
-    i = data.find(key, start, end)
-    if i < 0:
-        return None
-    i += len(key)
-    while i < end and data[i] in b" \t\r\n":
-        i += 1
-    if i >= end or data[i] != 58:  # ':'
-        return None
-    i += 1
-    while i < end and data[i] in b" \t\r\n":
-        i += 1
-    j = i
-    while j < end and j - i < 18 and 48 <= data[j] <= 57:
-        j += 1
-    if j == i:
-        return None
-    return int(data[i:j])
-
-
-def usage_counts(data: bytes) -> tuple[int, int] | None:
-    """``(prompt_tokens, completion_tokens)`` of the last ``"usage"`` object in ``data``.
-
-    A JSON answer (or SSE event) reports its token usage in a small object near
-    its end. This finds the last ``"usage"`` key and reads the two integers
-    within the next 1024 bytes, without parsing the JSON; ``None`` when either is
-    missing (``"usage": null`` included). Keys inside ``*_details`` objects do not
-    match (the closing quote is part of the key).
-    """
-    at = data.rfind(_USAGE_KEY)
-    if at < 0:
-        return None
-    end = min(len(data), at + _USAGE_WINDOW)
-    prompt = _int_value(data, b'"prompt_tokens"', at, end)
-    if prompt is None:
-        return None
-    completion = _int_value(data, b'"completion_tokens"', at, end)
-    if completion is None:
-        return None
-    return prompt, completion

@@ -1,17 +1,19 @@
 # cython: language_level=3
-"""A validating JSON scan that reads only the top-level ``model`` (compiled twin of
-``jsonscan_py``; see its docstring for the contract).
+"""Scans of JSON text that build no document (compiled twin of ``jsonscan_py``; see
+its docstring for the contract).
 
-One pass over the body, no objects built: the grammar of RFC 8259 with the same
-extra rules as orjson (UTF-8 only, no BOM, unpaired surrogate escapes refused,
-nesting at most 1024 deep, numbers that overflow a double refused).
+The request side: a validating scan that reads only the top-level ``model``, one
+pass over the body, no objects built: the grammar of RFC 8259 with the same extra
+rules as orjson (UTF-8 only, no BOM, unpaired surrogate escapes refused, nesting at
+most 1024 deep, numbers that overflow a double refused). The answer side: where the
+last whole SSE event of a read ends, and the token counts of the last ``"usage"``.
 """
 
 cimport cython
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_GET_SIZE
 from cpython.unicode cimport PyUnicode_DecodeUTF8
 from libc.stdint cimport uint64_t
-from libc.string cimport memcpy
+from libc.string cimport memchr, memcmp, memcpy
 
 import orjson
 
@@ -476,3 +478,119 @@ cpdef tuple model_span(bytes body):
         raise TypeError("body must be bytes, not NoneType")
     cdef _Scan sc = _scan(body)
     return (sc.model_start, sc.model_end)
+
+
+# -- the answer side: server-sent events and token usage (see the twin) ----------
+
+
+cpdef Py_ssize_t sse_cut(bytes data) except -1:
+    """Where the last complete server-sent event in ``data`` ends; 0: none (see the twin)."""
+    cdef const char* s = PyBytes_AS_STRING(data)
+    cdef Py_ssize_t i = PyBytes_GET_SIZE(data) - 1
+    # from the end: the last LF that closes a blank line (LF LF, or LF CR LF)
+    while i >= 1:
+        if s[i] == 10:
+            if s[i - 1] == 10:
+                return i + 1
+            if s[i - 1] == 13 and i >= 2 and s[i - 2] == 10:
+                return i + 1
+        i -= 1
+    return 0
+
+
+cdef Py_ssize_t _find(const char* s, Py_ssize_t start, Py_ssize_t end, const char* pat, Py_ssize_t m) noexcept nogil:
+    # memchr for the second byte (the first of a JSON key is a quote, and quotes
+    # are everywhere), then compare: the keys searched for here are near (a
+    # general substring search's set-up costs more than this search); m >= 2
+    cdef const char* p
+    cdef const char* last = s + end - m + 1
+    cdef const char* at = s + start + 1
+    while at <= last:
+        p = <const char*>memchr(at, pat[1], <size_t>(last - at + 1))
+        if p == NULL:
+            return -1
+        if memcmp(p - 1, pat, m) == 0:
+            return p - 1 - s
+        at = p + 1
+    return -1
+
+
+cdef extern from *:
+    """
+    /* The last occurrence of pat (m bytes) in s[0:n], -1: none. Backwards,
+       because engines put "usage" at the end of an answer; on x86-64 16 bytes
+       at a time (SSE2) for the first byte of pat. */
+    #if defined(__SSE2__) && (defined(__GNUC__) || defined(__clang__))
+    #include <emmintrin.h>
+    #endif
+    static Py_ssize_t llmgw_rfind(const char *s, Py_ssize_t n, const char *pat, Py_ssize_t m) {
+        Py_ssize_t i = n - m;  /* the last place pat can start */
+    #if defined(__SSE2__) && (defined(__GNUC__) || defined(__clang__))
+        __m128i first = _mm_set1_epi8(pat[0]);
+        while (i >= 15) {
+            unsigned mask = (unsigned)_mm_movemask_epi8(
+                _mm_cmpeq_epi8(_mm_loadu_si128((const __m128i *)(s + i - 15)), first));
+            while (mask) {
+                int b = 31 - __builtin_clz(mask);
+                if (memcmp(s + i - 15 + b, pat, (size_t)m) == 0)
+                    return i - 15 + b;
+                mask &= ~(1u << b);
+            }
+            i -= 16;
+        }
+    #endif
+        for (; i >= 0; i--)
+            if (s[i] == pat[0] && memcmp(s + i, pat, (size_t)m) == 0)
+                return i;
+        return -1;
+    }
+    """
+    Py_ssize_t _rfind "llmgw_rfind" (const char* s, Py_ssize_t n, const char* pat, Py_ssize_t m) noexcept nogil
+
+
+cdef inline bint _is_ws(char c) noexcept nogil:
+    return c == 32 or c == 9 or c == 13 or c == 10
+
+
+cdef long long _int_value(const char* s, Py_ssize_t start, Py_ssize_t end, const char* key,
+                          Py_ssize_t klen) noexcept nogil:
+    # -1: absent or not an integer
+    cdef Py_ssize_t i = _find(s, start, end, key, klen)
+    cdef Py_ssize_t j
+    cdef long long v = 0
+    if i < 0:
+        return -1
+    i += klen
+    while i < end and _is_ws(s[i]):
+        i += 1
+    if i >= end or s[i] != 58:
+        return -1
+    i += 1
+    while i < end and _is_ws(s[i]):
+        i += 1
+    j = i
+    while j < end and j - i < 18 and s[j] >= 48 and s[j] <= 57:
+        v = v * 10 + (s[j] - 48)
+        j += 1
+    if j == i:
+        return -1
+    return v
+
+
+cpdef usage_counts(bytes data):
+    """``(prompt_tokens, completion_tokens)`` of the last ``"usage"`` object (see the twin)."""
+    cdef const char* s = PyBytes_AS_STRING(data)
+    cdef Py_ssize_t n = PyBytes_GET_SIZE(data)
+    cdef Py_ssize_t at, end
+    cdef long long prompt, completion
+    at = _rfind(s, n, b'"usage"', 7)
+    if at < 0:
+        return None
+    end = n if n < at + 1024 else at + 1024
+    prompt = _int_value(s, at, end, b'"prompt_tokens"', 15)
+    if prompt < 0:
+        return None
+    completion = _int_value(s, at, end, b'"completion_tokens"', 19)
+    if completion < 0:
+        return None
+    return (prompt, completion)

@@ -1,11 +1,11 @@
-"""Reading a request body's ``model`` without building the document (pure twin of
-``jsonscan.pyx``).
+"""Scans of JSON text that build no document (pure twin of ``jsonscan.pyx``).
 
-The gateway needs one field of an OpenAI request body, the top-level ``model``,
-and must answer 400 to a body that is not JSON. Building the whole document
-(messages, tools, images as base64) to read one string costs more than the rest of
-the request's handling, so the compiled twin validates in one pass and builds
-nothing. The rules are orjson's, which both twins follow exactly:
+**The request side: the body's ``model``.** The gateway needs one field of an
+OpenAI request body, the top-level ``model``, and must answer 400 to a body that
+is not JSON. Building the whole document (messages, tools, images as base64) to
+read one string costs more than the rest of the request's handling, so the
+compiled twin validates in one pass and builds nothing. The rules are orjson's,
+which both twins follow exactly:
 
 * RFC 8259 grammar, whitespace of space, tab, LF and CR only, one value per body;
 * UTF-8 only (no byte order mark, no overlong forms, no encoded surrogates);
@@ -18,6 +18,13 @@ Duplicate keys are allowed and the last one wins, as in every JSON parser.
 
 This twin validates with orjson itself (the reference) and scans for the span
 only when asked (:func:`model_span`, used for rewriting the name).
+
+**The answer side: events and usage.** An engine's answer is relayed as it comes
+and never parsed: :func:`sse_cut` finds where the last whole server-sent event of
+a read ends (the relay sends whole events only), and :func:`usage_counts` reads
+the token counts of the last ``"usage"`` object of an answer, or of a stream's
+last events, for accounting. Both trust nothing in the bytes and return "none"
+rather than raise on text that is not what they look for.
 """
 
 from __future__ import annotations
@@ -26,7 +33,7 @@ import re
 
 import orjson
 
-__all__ = ["MAX_DEPTH", "JSONScanError", "json_model", "model_span"]
+__all__ = ["MAX_DEPTH", "JSONScanError", "json_model", "model_span", "sse_cut", "usage_counts"]
 
 MAX_DEPTH = 1024
 
@@ -116,3 +123,63 @@ def model_span(body: bytes) -> tuple[int, int]:
         elif open_at >= 0 and len(stack) == 1:
             start, end, open_at = open_at, m.end(), -1
     return (start, end)
+
+
+# -- the answer side ------------------------------------------------------------
+
+
+def sse_cut(data: bytes) -> int:
+    """Where the last complete server-sent event in ``data`` ends (0: none yet).
+
+    An event ends at a blank line: ``\n\n``, or ``\n\r\n`` when the engine uses CRLF
+    line endings. ``data[:cut]`` is whole events; ``data[cut:]`` the start of the next.
+    """
+    lf = data.rfind(b"\n\n")
+    crlf = data.rfind(b"\n\r\n")
+    return max(lf + 2 if lf >= 0 else 0, crlf + 3 if crlf >= 0 else 0)
+
+
+_USAGE_KEY = b'"usage"'
+_USAGE_WINDOW = 1024
+
+
+def _int_value(data: bytes, key: bytes, start: int, end: int) -> int | None:
+    i = data.find(key, start, end)
+    if i < 0:
+        return None
+    i += len(key)
+    while i < end and data[i] in b" \t\r\n":
+        i += 1
+    if i >= end or data[i] != 58:  # ':'
+        return None
+    i += 1
+    while i < end and data[i] in b" \t\r\n":
+        i += 1
+    j = i
+    while j < end and j - i < 18 and 48 <= data[j] <= 57:
+        j += 1
+    if j == i:
+        return None
+    return int(data[i:j])
+
+
+def usage_counts(data: bytes) -> tuple[int, int] | None:
+    """``(prompt_tokens, completion_tokens)`` of the last ``"usage"`` object in ``data``.
+
+    A JSON answer (or SSE event) reports its token usage in a small object near
+    its end. This finds the last ``"usage"`` key and reads the two integers
+    within the next 1024 bytes, without parsing the JSON; ``None`` when either is
+    missing (``"usage": null`` included). Keys inside ``*_details`` objects do not
+    match (the closing quote is part of the key).
+    """
+    at = data.rfind(_USAGE_KEY)
+    if at < 0:
+        return None
+    end = min(len(data), at + _USAGE_WINDOW)
+    prompt = _int_value(data, b'"prompt_tokens"', at, end)
+    if prompt is None:
+        return None
+    completion = _int_value(data, b'"completion_tokens"', at, end)
+    if completion is None:
+        return None
+    return prompt, completion

@@ -45,8 +45,17 @@ class EngineInfo:
         health_path: readiness probe path.
         owned_by: ``owned_by`` in its ``/v1/models`` cards.
         default_port: the engine's default listening port.
-        integer_error_code: its error bodies put the HTTP status (an int) in ``code``.
+        integer_error_code: its error bodies put the HTTP status (an int) in ``code``,
+            which then says nothing the status does not: llmgw answers OpenAI's string
+            code for the status instead. Without it, an integer ``code`` other than
+            the status is the engine's own and is passed on as a string.
+        error_type_codes: ``(engine type, OpenAI code)`` pairs: the string ``code``
+            an error of the engine's own ``type`` gets (its bodies carry none).
+        error_extra_fields: members of its error object passed on to clients beside
+            OpenAI's four (they tell the client what to change).
         scraped: whether llmgw scrapes it at all (external providers are not).
+
+    The error fields are read by :func:`llmgw.engines.errors.normalize_error`.
     """
 
     name: str
@@ -61,5 +70,7 @@ class EngineInfo:
     owned_by: str = "llmgw"
     default_port: int = 8000
     integer_error_code: bool = True
+    error_type_codes: tuple[tuple[str, str], ...] = ()
+    error_extra_fields: tuple[str, ...] = ()
     scraped: bool = True
     notes: tuple[str, ...] = field(default=())

@@ -15,5 +15,8 @@ INFO = EngineInfo(
     model_label=None,
     owned_by="external",
     default_port=443,
+    # OpenAI's own code is a string or null (engines.md §8.3 [A3][A4]): an integer code
+    # from a provider is its own, unless it is the HTTP status.
+    integer_error_code=False,
     scraped=False,
 )

@@ -19,5 +19,7 @@ INFO = EngineInfo(
     model_label=None,
     owned_by="generic",
     default_port=8000,
+    # Not known; taken to do what every engine above does with an integer code.
+    integer_error_code=True,
     notes=("set metric_names for this endpoint so llmgw knows what to read",),
 )

@@ -23,6 +23,21 @@ PROMPT_TOKENS_SECONDS = "llamacpp:prompt_tokens_seconds"
 PREDICTED_TOKENS_SECONDS = "llamacpp:predicted_tokens_seconds"
 N_BUSY_SLOTS_PER_DECODE = "llamacpp:n_busy_slots_per_decode"
 
+# Error bodies: {"error": {"code": <HTTP status>, "message": ..., "type": ...}}, the
+# type by status as below; a prompt longer than the context is a 400 of its own type,
+# which also carries the prompt's length and the context's (engines.md §2.5 [C8]).
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    500: "server_error",
+    501: "not_supported_error",
+    503: "unavailable_error",
+}
+CONTEXT_ERROR_TYPE = "exceed_context_size_error"
+CONTEXT_ERROR_FIELDS = ("n_prompt_tokens", "n_ctx")
+
 INFO = EngineInfo(
     name="llamacpp",
     title="llama.cpp llama-server",
@@ -34,5 +49,9 @@ INFO = EngineInfo(
     model_label=None,
     owned_by="llamacpp",
     default_port=8080,
+    integer_error_code=True,  # [C8]
+    # OpenAI calls a prompt longer than the context "context_length_exceeded".
+    error_type_codes=((CONTEXT_ERROR_TYPE, "context_length_exceeded"),),
+    error_extra_fields=CONTEXT_ERROR_FIELDS,
     notes=("start llama-server with --metrics, or llmgw routes to it blind",),
 )

@@ -38,5 +38,8 @@ INFO = EngineInfo(
     model_label=MODEL_LABEL,
     owned_by="sglang",
     default_port=30000,
+    # ErrorResponse: flat {"object": "error", ..., "code": int}, the HTTP status
+    # (sgl-project/sglang python/sglang/srt/entrypoints/openai/protocol.py).
+    integer_error_code=True,
     notes=("start SGLang with --enable-metrics",),
 )

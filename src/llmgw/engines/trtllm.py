@@ -37,5 +37,7 @@ INFO = EngineInfo(
     model_label=None,
     owned_by="tensorrt_llm",
     default_port=8000,
+    # ErrorResponse: flat {"object": "error", ..., "code": <HTTP status>} (engines.md §3.4 [T2]).
+    integer_error_code=True,
     notes=("set return_perf_metrics: true and enable_iter_perf_stats: true in trtllm-serve's --config",),
 )

@@ -40,4 +40,7 @@ INFO = EngineInfo(
     model_label=MODEL_LABEL,
     owned_by="vllm",
     default_port=8000,
+    # {"error": {..., "code": 400}} since v0.10.1, flat {"object": "error", ..., "code": 400}
+    # before: the HTTP status either way (engines.md §1.4 [V15]).
+    integer_error_code=True,
 )

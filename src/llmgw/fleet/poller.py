@@ -24,6 +24,7 @@ from typing import Any
 
 from ..config import ScrapeConfig
 from ..errors import PromParseError
+from ..http.keepalive import should_retry_fresh
 from ..http.parser import Response
 from ..log import scrape_logger as log
 from ..scrape import ACCEPT, mapping_for, missing_signals, scan_stats
@@ -38,12 +39,13 @@ _MAX_PAGE = 8 * 1024 * 1024
 class _Page:
     """Collects one scrape response (a ResponseReader sink)."""
 
-    __slots__ = ("body", "done", "size", "status")
+    __slots__ = ("body", "done", "lost", "size", "status")
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self.status = 0
+        self.status = 0  # 0 until the response head
         self.body: list[bytes] = []
         self.size = 0
+        self.lost: BaseException | None = None  # why the connection was lost, as the client said
         self.done: asyncio.Future[None] = loop.create_future()
 
     def on_response_head(self, resp: Response) -> None:
@@ -63,6 +65,7 @@ class _Page:
 
     def on_upstream_lost(self, exc: BaseException | None) -> None:
         if not self.done.done():
+            self.lost = exc
             self.done.set_exception(ConnectionError(f"connection lost: {exc}"))
 
 
@@ -74,9 +77,10 @@ def _expire(page: _Page) -> None:
 async def scrape_once(ep: Endpoint, timeout: float) -> tuple[int, bytes]:
     """GET the replica's metrics page; returns (status, body).
 
-    A pooled keep-alive connection that turns out closed before any byte of the
-    answer (engines such as llama-server close after streamed answers while
-    advertising keep-alive) is retried once on a new connection.
+    A pooled keep-alive connection that turns out closed before the answer began
+    (engines such as llama-server close after streamed answers while advertising
+    keep-alive) is retried once on a new connection, by the rule for every exchange
+    of the upstream client: :func:`llmgw.http.keepalive.should_retry_fresh`.
 
     Raises:
         OSError, TimeoutError, ValueError: the scrape failed.
@@ -88,7 +92,7 @@ async def scrape_once(ep: Endpoint, timeout: float) -> tuple[int, bytes]:
 
 
 class _StaleConnection(ConnectionError):
-    """A reused connection was closed before the answer began."""
+    """A reused connection was lost in a way that sends the scrape again on a new one."""
 
 
 async def _scrape_once(ep: Endpoint, timeout: float, *, reuse: bool) -> tuple[int, bytes]:
@@ -128,7 +132,8 @@ async def _scrape_once(ep: Endpoint, timeout: float, *, reuse: bool) -> tuple[in
     except ConnectionError as exc:
         if conn is not None:
             conn.abort()
-        if reused and page.status == 0 and not page.body:
+        # (exc wraps what the client reported the connection was lost with: page.lost)
+        if should_retry_fresh(reused, page.status != 0, page.lost):
             raise _StaleConnection(str(exc)) from exc
         raise
     except BaseException:

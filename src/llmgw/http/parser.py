@@ -1,6 +1,9 @@
 """HTTP message handling: the compiled ``_fast.httpproto`` or its pure twin.
 
-See :mod:`llmgw._fast.httpproto_py` for the specification of every name here.
+See :mod:`llmgw._fast.httpproto_py` for the specification of every name here but
+``sse_cut`` and ``usage_counts``: those are :mod:`llmgw.gateway.jsonscan`'s (specified
+in :mod:`llmgw._fast.jsonscan_py`), re-exported here for code that imports them from
+this module.
 """
 
 from __future__ import annotations
@@ -25,11 +28,10 @@ if TYPE_CHECKING:
         id_line,
         monotonic,
         response_head,
-        sse_cut,
         upstream_head,
-        usage_counts,
         write_now,
     )
+    from .._fast.jsonscan_py import sse_cut, usage_counts
 else:
     _impl = select("httpproto")
     DEFAULT_MAX_BODY = _impl.DEFAULT_MAX_BODY
@@ -47,9 +49,10 @@ else:
     monotonic = _impl.monotonic
     write_now = _impl.write_now
     response_head = _impl.response_head
-    sse_cut = _impl.sse_cut
     upstream_head = _impl.upstream_head
-    usage_counts = _impl.usage_counts
+    _jsonscan = select("jsonscan")
+    sse_cut = _jsonscan.sse_cut
+    usage_counts = _jsonscan.usage_counts
 
 __all__ = [
     "DEFAULT_MAX_BODY",

@@ -204,6 +204,11 @@ class Dialect:
         return (200 if ready else 503), b"", []
 
     def model_card(self) -> dict[str, Any]:
+        """The ``/v1/models`` card; ``owned_by`` is the engine module's (``info.owned_by``).
+
+        Subclasses add their engine's extra fields to this card, so the card's
+        common part, ``owned_by`` included, is written once.
+        """
         return {"id": self.model, "object": "model", "created": self.created, "owned_by": self.info.owned_by}
 
     def models(self) -> dict[str, Any]:
@@ -379,7 +384,7 @@ class VllmDialect(Dialect):
 
     def model_card(self) -> dict[str, Any]:
         return {
-            "id": self.model, "object": "model", "created": self.created, "owned_by": "vllm",
+            **super().model_card(),
             "root": self.model, "parent": None, "max_model_len": self.cfg.max_model_len,
             "permission": [{
                 "id": "modelperm-00000000000000000000000000000000", "object": "model_permission",
@@ -497,11 +502,6 @@ class VllmDialect(Dialect):
 # llama.cpp
 
 
-_LCPP_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-               404: "not_found_error", 500: "server_error", 501: "not_supported_error",
-               503: "unavailable_error"}
-
-
 def _g(v: float) -> str:
     # llama-server streams doubles with C++'s default precision: like printf's %g.
     return f"{v:g}"
@@ -542,9 +542,10 @@ class LlamaCppDialect(Dialect):
     def error_body(self, status: int, message: str, kind: str = "invalid", extra: dict[str, Any] | None = None,
                    param: str | None = None) -> bytes:
         if kind == "context":
-            etype = "exceed_context_size_error"
+            etype = llamacpp.CONTEXT_ERROR_TYPE
         else:
-            etype = _LCPP_TYPES.get(status) or ("server_error" if status >= 500 else "invalid_request_error")
+            default = "server_error" if status >= 500 else "invalid_request_error"
+            etype = llamacpp.ERROR_TYPES.get(status, default)
             if status == 429:
                 etype = "unavailable_error"
         err: dict[str, Any] = {"code": status, "message": message, "type": etype}
@@ -569,7 +570,7 @@ class LlamaCppDialect(Dialect):
     def model_card(self) -> dict[str, Any]:
         cfg = self.cfg
         return {
-            "id": self.model, "object": "model", "created": self.created, "owned_by": "llamacpp",
+            **super().model_card(),
             "meta": {"vocab_type": 2, "n_vocab": len(WORDS), "n_ctx_train": cfg.max_model_len,
                      "n_embd": cfg.embedding_dim, "n_params": 1_000_000, "size": 2_000_000},
         }
@@ -865,8 +866,7 @@ class SglangDialect(Dialect):
         )
 
     def model_card(self) -> dict[str, Any]:
-        return {"id": self.model, "object": "model", "created": self.created, "owned_by": "sglang",
-                "root": self.model, "max_model_len": self.cfg.max_model_len}
+        return {**super().model_card(), "root": self.model, "max_model_len": self.cfg.max_model_len}
 
     def route_model_info(self, request: Request, now: float) -> tuple[int, bytes, list[tuple[bytes, bytes]]]:
         body = {"model_path": self.model, "tokenizer_path": self.model, "is_generation": True}
