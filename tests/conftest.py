@@ -38,6 +38,7 @@ score = _twin_fixture("score")
 admit = _twin_fixture("admit")
 jsonscan = _twin_fixture("jsonscan")
 server = _twin_fixture("server")
+upstream = _twin_fixture("upstream")
 
 
 @pytest.fixture(autouse=True)

@@ -14,7 +14,8 @@ from llmgw.config import load
 from llmgw.engines.sim import SimConfig, SimEngine
 from llmgw.errors import ConfigError
 from llmgw.gateway.app import GatewayRuntime as ReExported
-from llmgw.runtime import ADMIN_LIMITS, GatewayRuntime, Parts, limits_from_config
+from llmgw.http.server import ServerLimits
+from llmgw.runtime import ADMIN_LIMITS, GatewayRuntime, Parts
 
 
 @contextlib.asynccontextmanager
@@ -80,17 +81,19 @@ async def test_default_admission_header() -> None:
         assert (await post(port(rt), {"x-llmgw-priority": "critical"}))[0] == 200
 
 
-def test_limits_from_config() -> None:
+def test_server_limits_from_config() -> None:
     cfg = load({
         "server": {"max_body_size": "1KiB", "max_header_bytes": 2048, "max_headers": 17, "header_timeout": "3s",
                    "body_timeout": "4s", "keepalive_timeout": "5s", "max_connections": 9},
         "admission": {"header": "X-Tenant-Priority"},
     })
-    lim = limits_from_config(cfg.server, cfg.admission)
+    lim = ServerLimits.from_config(cfg)
     assert (lim.max_body, lim.max_head_bytes, lim.max_headers) == (1024, 2048, 17)
     assert (lim.header_timeout, lim.body_timeout, lim.keepalive_timeout, lim.max_connections) == (3.0, 4.0, 5.0, 9)
     assert lim.priority_header == b"x-tenant-priority"
     assert ADMIN_LIMITS.max_body == 1024 * 1024
+    # Defaults are written once: the config's defaults are the limits' defaults.
+    assert ServerLimits.from_config(load({})) == ServerLimits()
 
 
 def test_gateway_app_re_exports_the_runtime() -> None:

@@ -42,6 +42,7 @@ from ._fast.score_py import STRATEGIES
 from .engines import ENGINE_NAMES
 from .engines import get as get_engine
 from .errors import ConfigError, ConfigProblem
+from .http.server import ServerLimits
 
 __all__ = [
     "GPU_SOURCES",
@@ -98,6 +99,9 @@ _ENV = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _METRIC = re.compile(r"^[a-zA-Z_:][a-zA-Z0-9_:]*$")
 _HEADER = re.compile(r"^[A-Za-z0-9!#$%&'*+.^_`|~-]+$")
 _HOSTPORT_PATTERN = r"^(\[[0-9A-Fa-f:.]+\]|[^:\s]*):\d+$"
+
+
+_LIMITS = ServerLimits()  # the server's own defaults, written once there
 
 
 def parse_duration(value: Any, key: str = "") -> float:
@@ -540,19 +544,20 @@ class ModelConfig:
 class ServerConfig:
     """Client-listener limits and timeouts (``server:`` section)."""
 
-    max_body_size: Annotated[int, _size(lo=1024)] = 16 * 1024 * 1024
+    # (defaults: the server's own, _LIMITS)
+    max_body_size: Annotated[int, _size(lo=1024)] = _LIMITS.max_body
     """Larger request bodies get 413."""
-    max_header_bytes: Annotated[int, _size(lo=1024)] = 16 * 1024
+    max_header_bytes: Annotated[int, _size(lo=1024)] = _LIMITS.max_head_bytes
     """Request line plus headers; more gets 431."""
-    max_headers: Annotated[int, _int(8, 10_000)] = 100
+    max_headers: Annotated[int, _int(8, 10_000)] = _LIMITS.max_headers
     """Header lines per request; more gets 431."""
-    header_timeout: Annotated[float, _duration(0.01)] = 10.0
+    header_timeout: Annotated[float, _duration(0.01)] = _LIMITS.header_timeout
     """From a request's first byte to its complete head; then 408 and close."""
-    body_timeout: Annotated[float, _duration(0.01)] = 60.0
+    body_timeout: Annotated[float, _duration(0.01)] = _LIMITS.body_timeout
     """From the complete head to the complete body; then 408 and close."""
-    keepalive_timeout: Annotated[float, _duration(0.01)] = 75.0
+    keepalive_timeout: Annotated[float, _duration(0.01)] = _LIMITS.keepalive_timeout
     """An idle keep-alive connection is closed after this."""
-    max_connections: Annotated[int, _int(1)] = 10_000
+    max_connections: Annotated[int, _int(1)] = _LIMITS.max_connections
     """Connections past this are answered 503 and closed at once."""
     shutdown_timeout: Annotated[float, _duration()] = 10.0
     """On SIGINT/SIGTERM in-flight requests get this long, then are cut."""
@@ -643,7 +648,7 @@ class AdmissionConfig:
     """Priority bands, highest first."""
     default_band: Annotated[str, _IDENT] = "standard"
     """The band of a request that names none."""
-    header: Annotated[str, _HEADER_NAME] = "x-llmgw-priority"
+    header: Annotated[str, _HEADER_NAME] = _LIMITS.priority_header.decode()
     """The request header that names a band."""
     queue_size: Annotated[int, _int(0, 10_000_000)] = 1000
     """Waiting requests per band (per model)."""

@@ -6,7 +6,7 @@ configuration, wires them together and starts them, in this order:
 1. the :class:`~llmgw.fleet.registry.Registry` (replicas and model pools),
 2. the :class:`~llmgw.gateway.proxy.Gateway` (the client app) over it,
 3. the client :class:`~llmgw.http.server.HTTPServer` (limits from
-   :func:`limits_from_config`),
+   :meth:`ServerLimits.from_config <llmgw.http.server.ServerLimits.from_config>`),
 4. the :class:`~llmgw.admin.app.AdminApp`, given its collaborators explicitly
    (the registry, this runtime as its :class:`~llmgw.admin.ports.FleetControl`,
    a config getter, the listeners), and the gateway reports to its observer,
@@ -30,11 +30,12 @@ import asyncio
 import signal
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 from .admin.app import AdminApp
 from .admin.ports import Listeners
 from .config import Config, EndpointConfig, load_file
+from .engines.errors import normalize_error
 from .errors import ConfigError
 from .fleet.poller import Poller
 from .fleet.registry import Registry
@@ -42,27 +43,10 @@ from .gateway.proxy import Gateway
 from .http.server import HTTPServer, ServerLimits
 from .log import server_logger as log
 
-if TYPE_CHECKING:
-    from .config import AdmissionConfig, ServerConfig
-
-__all__ = ["ADMIN_LIMITS", "Component", "ComponentFactory", "GatewayRuntime", "Parts", "limits_from_config"]
+__all__ = ["ADMIN_LIMITS", "Component", "ComponentFactory", "GatewayRuntime", "Parts"]
 
 # The admin listener takes small JSON bodies only (an endpoint to add).
 ADMIN_LIMITS = ServerLimits(max_body=1024 * 1024)
-
-
-def limits_from_config(server: ServerConfig, admission: AdmissionConfig) -> ServerLimits:
-    """The client listener's limits: the ``server:`` section and the priority header of ``admission:``."""
-    return ServerLimits(
-        max_head_bytes=server.max_header_bytes,
-        max_headers=server.max_headers,
-        max_body=server.max_body_size,
-        header_timeout=server.header_timeout,
-        body_timeout=server.body_timeout,
-        keepalive_timeout=server.keepalive_timeout,
-        max_connections=server.max_connections,
-        priority_header=admission.header.lower().encode(),
-    )
 
 
 @dataclass(frozen=True)
@@ -147,8 +131,8 @@ class GatewayRuntime:
         """
         cfg = self.config
         self.registry = registry = Registry(cfg)
-        self.gateway = gateway = Gateway(cfg, registry)
-        self.server = HTTPServer(gateway, limits_from_config(cfg.server, cfg.admission), name="gateway")
+        self.gateway = gateway = Gateway(cfg, registry, normalize_error)
+        self.server = HTTPServer(gateway, ServerLimits.from_config(cfg), name="gateway")
         self.listeners.client = self.server
         self.admin = admin = AdminApp(registry=registry, fleet=self, config=self._config, listeners=self.listeners)
         gateway.set_observer(admin.observer)

@@ -1,10 +1,10 @@
 """``llmgw.engines.errors.normalize_error``: each engine's error bodies in OpenAI's shape.
 
 The bodies are the engines' own (``shared/reference/engines.md`` §1.4, §2.5, §3.4,
-§8.3) and those the simulated engines write. Without an engine the answer is the
-data path's today (``llmgw.gateway.proxy.normalize_error``), which it is checked
-against, by example and by hypothesis; with the engine that wrote a body it is the
-same, and where the engines' knowledge differs the tests below say how.
+§8.3) and those the simulated engines write. With the engine that wrote a body the
+answer is the same as without one (the shapes say what they are), checked by
+example and by hypothesis; where the engines' knowledge differs the tests below
+say how.
 """
 
 from __future__ import annotations
@@ -24,7 +24,6 @@ from llmgw.engines.sim.config import SimConfig
 from llmgw.engines.sim.dialects import DIALECTS
 from llmgw.engines.sim.openai import RequestError
 from llmgw.engines.sim.scheduler import Scheduler, Stats
-from llmgw.gateway.proxy import normalize_error as data_path_normalize_error
 
 VLLM, LLAMACPP, TRTLLM, SGLANG = (engines.get(n) for n in ("vllm", "llamacpp", "trtllm", "sglang"))
 EXTERNAL, GENERIC = engines.get("external"), engines.get("generic")
@@ -104,11 +103,10 @@ def test_engine_bodies(engine: EngineInfo | None, status: int, body: bytes, want
 def test_the_engine_that_wrote_a_body_changes_nothing_today(
     engine: EngineInfo | None, status: int, body: bytes, want: dict[str, Any]
 ) -> None:
-    # the data path calls normalize_error(status, body) today; given the engine, the
-    # answer to that engine's own bodies is the same bytes
-    today = data_path_normalize_error(status, body)
-    assert normalize_error(status, body) == today
-    assert normalize_error(status, body, engine) == today
+    # given the engine that wrote it, the answer to that engine's own body is the
+    # same bytes as without one
+    assert normalize_error(status, body, engine) == normalize_error(status, body)
+    err(status, body, engine)
 
 
 @settings(max_examples=300, deadline=None)
@@ -131,12 +129,12 @@ def test_without_an_engine_the_answer_is_todays(status: int, error: Any, flat: b
         body = orjson.dumps({"object": "error", **error})
     else:
         body = orjson.dumps({"error": error}) if error is not None else b""
-    assert normalize_error(status, body) == data_path_normalize_error(status, body)
+    err(status, body)
 
 
 @given(body=st.binary(max_size=60), status=st.integers(400, 599))
 def test_any_bytes(body: bytes, status: int) -> None:
-    assert normalize_error(status, body) == data_path_normalize_error(status, body)
+    err(status, body)
     for info in engines.ENGINES.values():
         err(status, body, info)
 
@@ -218,7 +216,7 @@ def test_simulated_engine_errors(name: str, exc: RequestError) -> None:
     status, body = _dialect(name).request_error(exc)
     e = err(status, body, info)
     assert e["message"] == exc.message
-    assert e == err(status, body) and normalize_error(status, body) == data_path_normalize_error(status, body)
+    assert e == err(status, body)
     if exc.kind == "context" and name == "llamacpp":
         assert e["code"] == "context_length_exceeded" and e["n_ctx"] == 64
     else:

@@ -1,10 +1,10 @@
-"""``llmgw.http.keepalive.should_retry_fresh``: the stale keep-alive rule, case by case."""
+"""``should_retry_fresh`` (the upstream client's stale keep-alive rule), case by case, on both twins."""
 
 from __future__ import annotations
 
-import pytest
+from types import ModuleType
 
-from llmgw.http.keepalive import should_retry_fresh
+import pytest
 
 LOST = [
     None,  # closed, nothing said
@@ -21,21 +21,21 @@ NOT_STALE = [
 
 
 @pytest.mark.parametrize("exc", LOST, ids=repr)
-def test_a_reused_connection_lost_before_the_answer_is_retried(exc: BaseException | None) -> None:
-    assert should_retry_fresh(True, False, exc)
+def test_a_reused_connection_lost_before_the_answer_is_retried(upstream: ModuleType, exc: BaseException | None) -> None:
+    assert upstream.should_retry_fresh(True, False, exc)
 
 
 @pytest.mark.parametrize("exc", LOST + NOT_STALE, ids=repr)
-def test_never_once_the_answer_began(exc: BaseException | None) -> None:
-    assert not should_retry_fresh(True, True, exc)
+def test_never_once_the_answer_began(upstream: ModuleType, exc: BaseException | None) -> None:
+    assert not upstream.should_retry_fresh(True, True, exc)
 
 
 @pytest.mark.parametrize("exc", LOST + NOT_STALE, ids=repr)
-def test_never_on_a_new_connection(exc: BaseException | None) -> None:
+def test_never_on_a_new_connection(upstream: ModuleType, exc: BaseException | None) -> None:
     # (which also makes the fresh retry the only one)
-    assert not should_retry_fresh(False, False, exc)
+    assert not upstream.should_retry_fresh(False, False, exc)
 
 
 @pytest.mark.parametrize("exc", NOT_STALE, ids=repr)
-def test_never_for_what_a_stale_connection_does_not_give(exc: BaseException) -> None:
-    assert not should_retry_fresh(True, False, exc)
+def test_never_for_what_a_stale_connection_does_not_give(upstream: ModuleType, exc: BaseException) -> None:
+    assert not upstream.should_retry_fresh(True, False, exc)

@@ -16,12 +16,12 @@ cimport cython
 from llmgw._fast.debug cimport LLMGW_DEBUG
 
 from llmgw._fast.counters cimport TrafficCounters
-from llmgw._fast.httpproto cimport Request, Response, id_line, monotonic, sse_cut, upstream_head, usage_counts
-from llmgw._fast.jsonscan cimport json_model, model_span
+from llmgw._fast.httpproto cimport Request, Response, id_line, monotonic, upstream_head
+from llmgw._fast.jsonscan cimport json_model, model_span, sse_cut, usage_counts
 from llmgw._fast.replica cimport Endpoint, ModelPool
 from llmgw._fast.score cimport EndpointState
 from llmgw._fast.server cimport App, ResponseWriter
-from llmgw._fast.upstream cimport Exchange, UpstreamConnection
+from llmgw._fast.upstream cimport Exchange, UpstreamConnection, should_retry_fresh
 
 # What a call's deadline is for (checked by the gateway's sweep).
 cdef enum Deadline:
@@ -97,7 +97,7 @@ cdef class Call(Exchange):
     cdef _deadline(self, int kind, double at)
     @cython.locals(now=double)
     cdef _attempt_failed(self, error, kind, bint counts=*)
-    cdef bint _fresh_retry(self) except -1
+    cdef bint _fresh_retry(self, exc) except -1
     cpdef on_response_head(self, Response resp)
     cpdef on_response_body(self, data)
     cpdef on_response_chunk(self, bytes buf, Py_ssize_t chunk_start, Py_ssize_t start, Py_ssize_t end)
@@ -149,6 +149,7 @@ cdef class Gateway(App):
     cdef dict key_bands               # sha256 digest -> band index
     cdef bint auth
     cdef bint access_log
+    cdef object _normalize_error      # (status, body, engine) -> bytes: llmgw.engines.errors
 
     cdef watch(self, Call call)
     cdef unwatch(self, Call call)

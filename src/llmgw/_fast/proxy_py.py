@@ -42,6 +42,7 @@ import hmac
 import math
 import os
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import orjson
@@ -93,16 +94,17 @@ if not cython.compiled:
     Response = _hp.Response
     id_line = _hp.id_line
     monotonic = _hp.monotonic
-    sse_cut = _hp.sse_cut
     upstream_head = _hp.upstream_head
-    usage_counts = _hp.usage_counts
     json_model = _js.json_model
     model_span = _js.model_span
+    sse_cut = _js.sse_cut
+    usage_counts = _js.usage_counts
     EndpointState = _score.EndpointState
     App = _srv.App
     ResponseWriter = _srv.ResponseWriter
     Exchange = _up.Exchange
     UpstreamConnection = _up.UpstreamConnection
+    should_retry_fresh = _up.should_retry_fresh
     Endpoint = _replica.Endpoint
     ModelPool = _replica.ModelPool
     TrafficCounters = _counters.TrafficCounters
@@ -119,7 +121,7 @@ if not cython.compiled:
     P_DONE = 4
     LLMGW_DEBUG = False  # (debug.h: the debug build's switch)
 
-__all__ = ["Call", "Gateway", "normalize_error"]
+__all__ = ["Call", "Gateway"]
 
 
 _SSE_SEP = b"\n\n"
@@ -129,76 +131,7 @@ _RETRYABLE_STATUS = (502, 503)
 _UNKNOWN = "(unknown)"  # the model label for requests naming no served model (bounded cardinality)
 _TICK = 0.05  # seconds between deadline sweeps
 
-_CODE_BY_STATUS = {
-    400: "invalid_request",
-    401: "invalid_api_key",
-    403: "permission_denied",
-    404: "not_found",
-    405: "method_not_allowed",
-    408: "request_timeout",
-    409: "conflict",
-    413: "request_too_large",
-    422: "invalid_request",
-    429: "rate_limit_exceeded",
-    500: "internal_error",
-    501: "not_implemented",
-    502: "bad_gateway",
-    503: "service_unavailable",
-    504: "gateway_timeout",
-}
-_TYPE_BY_STATUS = {401: "invalid_request_error", 429: "rate_limit_exceeded", 503: "service_unavailable_error"}
-_CODE_BY_TYPE = {"exceed_context_size_error": "context_length_exceeded"}
 _JSON_CT = ((b"content-type", b"application/json"),)
-
-
-def normalize_error(status: int, body: bytes) -> bytes:
-    """An engine's error body in OpenAI's shape, with a string ``code``.
-
-    Engines put the HTTP status (an integer) in ``code`` (vLLM, llama.cpp,
-    TensorRT-LLM), answer ``{"error": "Unauthorized"}`` (vLLM, SGLang), use the flat
-    pre-0.10.1 vLLM shape, or send plain text; all become
-    ``{"error": {"message", "type", "param", "code"}}``.
-    """
-    message: str | None = None
-    etype: Any = None
-    param: Any = None
-    code: Any = None
-    extra: dict[str, Any] = {}
-    try:
-        data = orjson.loads(body) if body else None
-    except orjson.JSONDecodeError:
-        data = None
-    if isinstance(data, dict):
-        err = data.get("error")
-        if isinstance(err, dict):
-            src = err
-        elif isinstance(err, str):
-            src = {"message": err}
-        elif data.get("object") == "error" or "message" in data or "detail" in data:
-            src = data
-        else:
-            src = {}
-        msg = src.get("message", src.get("detail"))
-        message = msg if isinstance(msg, str) else (orjson.dumps(msg).decode() if msg is not None else None)
-        etype = src.get("type")
-        param = src.get("param")
-        code = src.get("code")
-        for k in ("n_prompt_tokens", "n_ctx"):
-            if k in src:
-                extra[k] = src[k]
-    elif body:
-        message = body[:500].decode("utf-8", "replace").strip() or None
-    if not isinstance(etype, str) or not etype:
-        etype = _TYPE_BY_STATUS.get(status, "invalid_request_error" if status < 500 else "server_error")
-    if not isinstance(code, str) or not code:
-        code = _CODE_BY_TYPE.get(etype) or _CODE_BY_STATUS.get(status, f"http_{status}")
-    if not isinstance(param, str):
-        param = None
-    if not message:
-        message = f"the engine answered HTTP {status}"
-    out: dict[str, Any] = {"message": message, "type": etype, "param": param, "code": code}
-    out.update(extra)
-    return orjson.dumps({"error": out})
 
 
 def _last_events(data: bytes) -> bytes:
@@ -477,9 +410,10 @@ class Call(Exchange):
             return
         self._finish(error)
 
-    def _fresh_retry(self) -> bool:
-        """A reused keep-alive connection the replica had closed: try again on a new one."""
-        if not self.head_tail or self.resp is not None:
+    def _fresh_retry(self, exc: BaseException | None) -> bool:
+        """A reused keep-alive connection the replica had closed: try again on a new
+        one (the upstream client's rule: ``should_retry_fresh``)."""
+        if not should_retry_fresh(len(self.head_tail) > 0, self.resp is not None, exc):
             return False
         head, self.head_tail = self.head_tail, b""
         ep = self.ep
@@ -615,7 +549,8 @@ class Call(Exchange):
             conn.release()
         status = resp.status
         if status >= 400:
-            normalized = normalize_error(status, body)
+            # (the engine's own error shapes: llmgw.engines.errors, handed in by the runtime)
+            normalized = self.gw._normalize_error(status, body, ep.engine)
             if status >= 500:
                 if status in _RETRYABLE_STATUS:
                     message = orjson.loads(normalized)["error"]["message"]
@@ -623,7 +558,7 @@ class Call(Exchange):
                         f"replica {ep.id} answered {status}: {message}",
                         status=status,
                         type="service_unavailable_error" if status == 503 else "server_error",
-                        code=_CODE_BY_STATUS[status],
+                        code="service_unavailable" if status == 503 else "bad_gateway",
                         retry_after=1 if status == 503 else None,
                     )
                     self._attempt_failed(err, "status_5xx")
@@ -651,7 +586,7 @@ class Call(Exchange):
             self._cut_stream("the replica closed the connection", "upstream_disconnected")
             self._completed(False)
             return
-        if kind == "reset" and self._fresh_retry():
+        if self._fresh_retry(exc):
             return
         ep = self.ep
         assert ep is not None
@@ -811,9 +746,13 @@ class Gateway(App):
         config: the configuration (re-read on :meth:`reconfigure`).
         registry: the replicas and model pools (``llmgw.fleet.registry.Registry``);
             its ``pools`` dict is read per request and kept up to date by it.
+        normalize_error: ``(status, body, engine) -> bytes``, an engine's error
+            answer in OpenAI's shape (``llmgw.engines.errors.normalize_error``:
+            what llmgw knows of each engine lives there, not here).
     """
 
-    def __init__(self, config: Config, registry: Any) -> None:
+    def __init__(self, config: Config, registry: Any, normalize_error: Callable[[int, bytes, Any], bytes]) -> None:
+        self._normalize_error = normalize_error
         self.loop = asyncio.get_running_loop()
         self.registry = registry
         self.pools: dict[str, ModelPool] = registry.pools  # (the registry's own dict, kept up to date by it)

@@ -16,6 +16,9 @@ from llmgw._fast.server cimport SocketWriter
 
 cdef class UpstreamPool
 
+# When a request lost on a pooled keep-alive connection is sent again on a new one.
+cpdef bint should_retry_fresh(bint reused, bint got_response_head, exc) except -1
+
 
 cdef class Exchange:
     # What an upstream connection reports to (the proxy's Call subclasses it).

@@ -24,7 +24,7 @@ from typing import Any
 
 from ..config import ScrapeConfig
 from ..errors import PromParseError
-from ..http.keepalive import should_retry_fresh
+from ..http.client import should_retry_fresh
 from ..http.parser import Response
 from ..log import scrape_logger as log
 from ..scrape import ACCEPT, mapping_for, missing_signals, scan_stats
@@ -80,7 +80,7 @@ async def scrape_once(ep: Endpoint, timeout: float) -> tuple[int, bytes]:
     A pooled keep-alive connection that turns out closed before the answer began
     (engines such as llama-server close after streamed answers while advertising
     keep-alive) is retried once on a new connection, by the rule for every exchange
-    of the upstream client: :func:`llmgw.http.keepalive.should_retry_fresh`.
+    of the upstream client: :func:`llmgw.http.client.should_retry_fresh`.
 
     Raises:
         OSError, TimeoutError, ValueError: the scrape failed.

@@ -1,10 +1,11 @@
 """The client-facing app: OpenAI routes in, replicas out (:class:`Gateway`, one
-:class:`Call` per request), and engine errors put in OpenAI's shape.
+:class:`Call` per request).
 
 The implementation, and the description of how a request travels and fails, is
 :mod:`llmgw._fast.proxy_py` (compiled as ``llmgw._fast.proxy``). The replicas
 and pools it routes to are in :mod:`llmgw.fleet.registry`; the counters it
-reports to in :mod:`llmgw.gateway.observe`.
+reports to in :mod:`llmgw.gateway.observe`; engine errors are put in OpenAI's
+shape by :func:`llmgw.engines.errors.normalize_error`, which the gateway is given.
 """
 
 from __future__ import annotations
@@ -14,11 +15,10 @@ from typing import TYPE_CHECKING
 from .._accel import select
 
 if TYPE_CHECKING:
-    from .._fast.proxy_py import Call, Gateway, normalize_error
+    from .._fast.proxy_py import Call, Gateway
 else:
     _impl = select("proxy")
     Call = _impl.Call
     Gateway = _impl.Gateway
-    normalize_error = _impl.normalize_error
 
-__all__ = ["Call", "Gateway", "normalize_error"]
+__all__ = ["Call", "Gateway"]
