@@ -1,0 +1,102 @@
+"""The node agent's own file (``llmgw config schema --agent``): its schema, dataclasses and loader.
+
+Reserved: the file is validated, nothing runs the agent yet. It is read like
+``llmgw.yaml`` (every problem in one pass, each on its YAML line), by the same
+rules and problem collection.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Annotated, Any
+
+from pydantic import Field
+
+from ._problems import _document, _Problems, _section
+from ._rules import _HOSTPORT, _IDENT, _RUNNABLE_ENGINE, _TEXT, RUNNABLE_ENGINES, _choice, _env, _EnvValue
+from ._yaml import _read_yaml
+from .model import _SECTION, _default, _In
+
+GPU_SOURCES = ("auto", "nvml", "nvidia-smi", "none")
+_GPU_SOURCE = _choice("gpu source", GPU_SOURCES)
+
+
+@dataclass(frozen=True, slots=True)
+class AgentEngineConfig:
+    """How the node agent starts one engine (``engines.<name>``)."""
+
+    binary: Annotated[str, _TEXT] | None = None
+    """The engine's executable (e.g. llama-server); default: found on PATH."""
+    python: Annotated[str, _TEXT] | None = None
+    """The Python interpreter whose environment has the engine (vllm, sglang)."""
+
+    __pydantic_config__ = _SECTION
+
+
+@dataclass(frozen=True, slots=True)
+class AgentConfig:
+    """The node agent's own file. Reserved: validated, nothing runs it yet."""
+
+    control: tuple[str, int]
+    token: str | None = field(default=None, repr=False)
+    name: str | None = None  # None: the host name
+    gpu_source: str = "auto"
+    engines: Mapping[str, AgentEngineConfig] = field(default_factory=dict)
+    source: str | None = None
+
+
+class _AgentIn(_In):
+    """The llmgw node agent's configuration. Reserved: validated, nothing runs it yet."""
+
+    control: Annotated[tuple[str, int], _HOSTPORT]
+    """The control plane's address, HOST:PORT."""
+    token_env: Annotated[_EnvValue, _env(None)] | None = None
+    """The environment variable holding the join token."""
+    name: Annotated[str, _IDENT] | None = _default(AgentConfig, "name")
+    """This node's name (default: the host name)."""
+    gpu_source: Annotated[str, _GPU_SOURCE] = _default(AgentConfig, "gpu_source")
+    """Where GPU telemetry comes from: auto, nvml, nvidia-smi or none."""
+    engines: dict[Annotated[str, _RUNNABLE_ENGINE], AgentEngineConfig] = Field(
+        default_factory=dict, json_schema_extra={"propertyNames": {"enum": list(RUNNABLE_ENGINES)}}
+    )
+    """Per engine, how to start it."""
+
+
+def load_agent(data: Any, source: str | None = None) -> AgentConfig:
+    """Validate a parsed node-agent document and build the :class:`AgentConfig`.
+
+    Raises:
+        ConfigError: every problem found, each naming its key.
+    """
+    return _build_agent(data, _Problems(source))
+
+
+def _build_agent(data: Any, problems: _Problems) -> AgentConfig:
+    doc = _document(problems, data, _AgentIn)
+    if doc is None:
+        problems.raise_if_any()
+        raise AssertionError("unreachable")
+    if "control" not in doc:
+        problems.add(("control",), "is required")
+    v = {name: _section(problems, _AgentIn, doc, name) for name in _AgentIn.model_fields}
+    problems.raise_if_any()
+    return AgentConfig(
+        control=v["control"],
+        token=v["token_env"].value if v["token_env"] is not None else None,
+        name=v["name"],
+        gpu_source=v["gpu_source"],
+        engines=v["engines"],
+        source=problems.source,
+    )
+
+
+def load_agent_file(path: str | os.PathLike[str]) -> AgentConfig:
+    """Read, parse and validate a node agent's YAML config file.
+
+    Raises:
+        ConfigError: unreadable file, invalid YAML, or every invalid key.
+    """
+    data, problems = _read_yaml(path)
+    return _build_agent(data, problems)

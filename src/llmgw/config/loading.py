@@ -1,0 +1,343 @@
+"""Loading ``llmgw.yaml``: :func:`load`, :func:`load_file`, :func:`serve_problems`, :func:`find_config`.
+
+The validated input (:mod:`llmgw.config.model`'s ``_ConfigIn``) is compiled
+into the :class:`Config` the rest of llmgw reads; the checks that span keys or
+entries (duplicate ids, aliases clashing with served models, a timeout longer
+than its interval, ...) are made here, on the raw document where an entry with
+a bad value would otherwise hide them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from ..engines import get as get_engine
+from ..errors import ConfigError, ConfigProblem
+from ._problems import _FAILED, _document, _either, _Problems, _secret_of, _section
+from ._yaml import _read_yaml
+from .model import (
+    DEFAULT_ADMIN,
+    DEFAULT_LISTEN,
+    AccessLogConfig,
+    AdmissionConfig,
+    AuthConfig,
+    BreakerConfig,
+    ClientKey,
+    Config,
+    ControlConfig,
+    DeploymentConfig,
+    EndpointConfig,
+    FollowConfig,
+    ModelConfig,
+    RetryConfig,
+    RoutingConfig,
+    SaturationConfig,
+    ScrapeConfig,
+    ServerConfig,
+    UpstreamConfig,
+    _ConfigIn,
+)
+
+
+def _scrape(problems: _Problems, sc: ScrapeConfig, raw: Mapping[str, Any]) -> ScrapeConfig:
+    timeout = sc.timeout if "timeout" in raw else min(sc.timeout, sc.interval * 0.8)
+    stale_after = sc.stale_after if "stale_after" in raw else max(sc.stale_after, sc.interval * 3)
+    if timeout >= sc.interval:
+        problems.add(("scrape", "timeout"), f"must be shorter than scrape.interval ({sc.interval:g}s)")
+    if stale_after < sc.interval:
+        problems.add(("scrape", "stale_after"), f"must be at least scrape.interval ({sc.interval:g}s)")
+    return dataclasses.replace(sc, timeout=timeout, stale_after=stale_after)
+
+
+def _admission(problems: _Problems, ad: AdmissionConfig, raw: Mapping[str, Any]) -> AdmissionConfig:
+    bands = ad.bands
+    if "default_band" not in raw and ad.default_band not in bands:
+        ad = dataclasses.replace(ad, default_band=bands[len(bands) // 2])
+    if ad.default_band not in bands:
+        problems.add(("admission", "default_band"), f"{ad.default_band!r} is not one of the bands ({', '.join(bands)})")
+    return ad
+
+
+def _breaker(problems: _Problems, br: BreakerConfig, raw: Mapping[str, Any]) -> BreakerConfig:
+    if "max_cooldown" not in raw:
+        br = dataclasses.replace(br, max_cooldown=max(br.max_cooldown, br.cooldown))
+    if br.max_cooldown < br.cooldown:
+        problems.add(("breaker", "max_cooldown"), "must be at least breaker.cooldown")
+    return br
+
+
+def _raw_models(item: Any) -> list[str]:
+    if not isinstance(item, Mapping):
+        return []
+    models = item.get("models")
+    if isinstance(models, list):
+        return [m for m in models if isinstance(m, str)]
+    model = item.get("model")
+    return [str(model)] if isinstance(model, (str, int, float)) and not isinstance(model, bool) else []
+
+
+def _endpoints(
+    problems: _Problems, validated: Any, raw: Any, default_engine: str
+) -> tuple[EndpointConfig, ...] | None:
+    """``endpoints[]``; the checks across keys and entries look at the raw entries so they run even
+    when some entry has a bad value."""
+    if not isinstance(raw, list):
+        return None if validated is _FAILED else ()
+    seen_ids: dict[str, int] = {}
+    for i, item in enumerate(raw):
+        if not isinstance(item, Mapping):
+            continue
+        if "model" in item and "models" in item:
+            problems.add(("endpoints", i, "models"), "give either model or models, not both")
+        elif "model" not in item and "models" not in item:
+            problems.add(("endpoints", i, "model"), "is required")
+        _either(problems, item, ("endpoints", i), "api_key", "api_key_env")
+        ep_id = item.get("id")
+        if isinstance(ep_id, str):
+            if ep_id in seen_ids:
+                problems.add(("endpoints", i, "id"), f"duplicate id {ep_id!r} (also endpoints[{seen_ids[ep_id]}])")
+            else:
+                seen_ids[ep_id] = i
+    if validated is _FAILED:
+        return None
+    out = []
+    for e in validated:
+        models = e.models or ((e.model,) if e.model is not None else ())
+        if not models:
+            continue
+        engine = e.engine or default_engine
+        names = {
+            sig: v
+            for sig in ("waiting", "running", "kv_cache_usage")
+            if (v := getattr(e.metric_names, sig)) is not None
+        }
+        out.append(
+            EndpointConfig(
+                id=e.id,
+                url=e.url.url,
+                models=models,
+                engine=engine,
+                pool=e.pool,
+                api_key=_secret_of(e.api_key, e.api_key_env),
+                metrics_path=e.metrics_path or get_engine(engine).metrics_path,
+                metric_names=names,
+                draining=e.draining,
+                slots=e.slots or None,
+                scheme=e.url.scheme,
+                host=e.url.host,
+                port=e.url.port,
+                base_path=e.url.base_path,
+            )
+        )
+    return tuple(out)
+
+
+def _models(problems: _Problems, validated: Any, raw_endpoints: Any) -> dict[str, ModelConfig]:
+    if validated is _FAILED:
+        return {}
+    # Served names from the raw entries: an endpoint with a bad url still serves its model.
+    served = {m for item in (raw_endpoints if isinstance(raw_endpoints, list) else ()) for m in _raw_models(item)}
+    out: dict[str, ModelConfig] = {}
+    alias_owner: dict[str, str] = {}
+    for name, m in validated.items():
+        if name not in served:
+            problems.add(("models", name), f"no endpoint serves model {name!r}; add one under endpoints: or remove this entry")
+        for a in m.aliases:
+            if a in served:
+                problems.add(("models", name, "aliases"), f"{a!r} is already a served model name")
+            elif a in alias_owner:
+                problems.add(("models", name, "aliases"), f"{a!r} is already an alias of {alias_owner[a]!r}")
+            else:
+                alias_owner[a] = name
+        out[name] = ModelConfig(name=name, aliases=m.aliases, strategy=m.strategy, upstream_name=m.upstream_name)
+    return out
+
+
+def _auth(problems: _Problems, validated: Any, raw: Any, bands: tuple[str, ...] | None) -> AuthConfig:
+    raw_keys = raw.get("api_keys") if isinstance(raw, Mapping) else None
+    for i, item in enumerate(raw_keys if isinstance(raw_keys, list) else ()):
+        if isinstance(item, Mapping) and sum(k in item for k in ("key", "key_env", "key_sha256")) != 1:
+            problems.add(("auth", "api_keys", i, "key"), "give exactly one of key, key_env or key_sha256")
+    if validated is _FAILED:
+        return AuthConfig()
+    keys: list[ClientKey] = []
+    seen: set[bytes] = set()
+    for i, k in enumerate(validated.api_keys):
+        given = [n for n in ("key", "key_env", "key_sha256") if getattr(k, n) is not None]
+        if len(given) != 1:
+            continue
+        if k.key_sha256 is not None:
+            digest = k.key_sha256
+        else:
+            secret = _secret_of(k.key, k.key_env)
+            assert secret is not None
+            digest = hashlib.sha256(secret.encode()).digest()
+        loc = ("auth", "api_keys", i)
+        if digest in seen:
+            problems.add((*loc, given[0]), "the same key is listed twice")
+        seen.add(digest)
+        if k.band is not None and bands is not None and k.band not in bands:
+            problems.add((*loc, "band"), f"unknown band {k.band!r}; admission.bands is {', '.join(bands)}")
+        keys.append(ClientKey(name=k.name or f"key{i}", sha256=digest, band=k.band))
+    return AuthConfig(keys=tuple(keys))
+
+
+def _control(problems: _Problems, c: Any, raw: Any) -> ControlConfig | None:
+    _either(problems, raw, ("control",), "join_token", "join_token_env")
+    if c is _FAILED or c is None:
+        return None
+    grace = c.heartbeat_grace if c.heartbeat_grace is not None else 3 * c.heartbeat_interval
+    if grace < c.heartbeat_interval:
+        problems.add(
+            ("control", "heartbeat_grace"), f"must be at least control.heartbeat_interval ({c.heartbeat_interval:g}s)"
+        )
+    tokens = tuple(e.value for e in c.join_token_env) if c.join_token_env else (c.join_token or ())
+    return ControlConfig(
+        listen=c.listen, join_tokens=tokens, heartbeat_interval=c.heartbeat_interval, heartbeat_grace=grace,
+        database=c.database,
+    )
+
+
+def _deployments(problems: _Problems, validated: Any, raw: Any) -> tuple[DeploymentConfig, ...]:
+    seen: dict[str, int] = {}
+    for i, item in enumerate(raw if isinstance(raw, list) else ()):
+        name = item.get("name") if isinstance(item, Mapping) else None
+        if isinstance(name, str):
+            if name in seen:
+                problems.add(("deployments", i, "name"), f"duplicate name {name!r} (also deployments[{seen[name]}])")
+            else:
+                seen[name] = i
+    return () if validated is _FAILED else tuple(validated)
+
+
+def _build(data: Any, problems: _Problems, *, serve: bool = False) -> Config:
+    doc = _document(problems, data, _ConfigIn)
+    if doc is None:
+        problems.raise_if_any()
+        raise AssertionError("unreachable")
+    v = {name: _section(problems, _ConfigIn, doc, name) for name in _ConfigIn.model_fields}
+
+    def raw(name: str) -> Any:
+        return doc.get(name)
+
+    def ok(name: str, fallback: Any) -> Any:
+        return fallback if v[name] is _FAILED else v[name]
+
+    scrape = ok("scrape", ScrapeConfig())
+    if v["scrape"] is not _FAILED:
+        scrape = _scrape(problems, scrape, raw("scrape") or {})
+    endpoints = _endpoints(problems, v["endpoints"], raw("endpoints"), scrape.default_engine)
+    models = _models(problems, v["models"], raw("endpoints"))
+    admission = v["admission"]
+    if admission is not _FAILED:
+        admission = _admission(problems, admission, raw("admission") or {})
+    auth = _auth(problems, v["auth"], raw("auth"), None if admission is _FAILED else admission.bands)
+    breaker = v["breaker"]
+    if breaker is not _FAILED:
+        breaker = _breaker(problems, breaker, raw("breaker") or {})
+    _either(problems, doc, (), "admin_token", "admin_token_env")
+    admin_token = None
+    if v["admin_token"] is not _FAILED and v["admin_token_env"] is not _FAILED:
+        admin_token = _secret_of(v["admin_token"], v["admin_token_env"])
+    mirror_root = None
+    if v["mirror"] is not _FAILED and v["mirror"].root is not None:
+        mirror_root = os.path.expanduser(v["mirror"].root)
+    control = _control(problems, v["control"], raw("control"))
+    deployments = _deployments(problems, v["deployments"], raw("deployments"))
+    follow = None
+    if v["follow"] is not _FAILED and v["follow"] is not None:
+        f = v["follow"]
+        follow = FollowConfig(control=f.control, token=f.token_env.value if f.token_env else None)
+
+    cfg = Config(
+        listen=ok("listen", DEFAULT_LISTEN),
+        admin=ok("admin", DEFAULT_ADMIN),
+        endpoints=endpoints or (),
+        models=models,
+        server=ok("server", ServerConfig()),
+        upstream=ok("upstream", UpstreamConfig()),
+        retries=ok("retries", RetryConfig()),
+        scrape=scrape,
+        routing=ok("routing", RoutingConfig()),
+        saturation=ok("saturation", SaturationConfig()),
+        admission=AdmissionConfig() if admission is _FAILED else admission,
+        breaker=BreakerConfig() if breaker is _FAILED else breaker,
+        auth=auth,
+        access_log=AccessLogConfig(enabled=ok("access_log", AccessLogConfig().enabled)),
+        mirror_root=mirror_root,
+        admin_token=admin_token,
+        source=problems.source,
+        control=control,
+        deployments=deployments,
+        follow=follow,
+    )
+    # What serve refuses is asked of a file whose endpoints are otherwise fine (a bad
+    # entry already says what is wrong with it).
+    if serve and not any(p.key.startswith("endpoints") for p in problems.found):
+        for p in serve_problems(cfg, problems.line(("endpoints",)) if "endpoints" in doc else None):
+            problems.found.append(p)
+    problems.raise_if_any()
+    return cfg
+
+
+def serve_problems(cfg: Config, line: int | None = None) -> list[ConfigProblem]:
+    """What ``llmgw serve`` refuses in a configuration that is otherwise valid.
+
+    A file can be valid and still describe no gateway (an empty file is a valid
+    configuration of defaults): ``check-config`` and ``serve`` both ask this, so
+    what one refuses the other refuses with the same words.
+    """
+    if not cfg.endpoints:
+        return [
+            ConfigProblem(
+                "endpoints", "no endpoints configured; add at least one (see docs/config.md)", cfg.source, line
+            )
+        ]
+    return []
+
+
+def validate_for_serve(cfg: Config) -> None:
+    """Raise what :func:`serve_problems` finds.
+
+    Raises:
+        ConfigError: the configuration cannot be served.
+    """
+    found = serve_problems(cfg)
+    if found:
+        raise ConfigError(problems=found)
+
+
+def load(data: Any, source: str | None = None, *, serve: bool = False) -> Config:
+    """Validate a parsed YAML document and build the :class:`Config`.
+
+    ``serve``: also refuse what ``llmgw serve`` would (:func:`serve_problems`).
+
+    Raises:
+        ConfigError: every problem found, each naming its key.
+    """
+    return _build(data, _Problems(source), serve=serve)
+
+
+def load_file(path: str | os.PathLike[str], *, serve: bool = False) -> Config:
+    """Read, parse and validate a YAML config file.
+
+    ``serve``: also refuse what ``llmgw serve`` would (:func:`serve_problems`).
+
+    Raises:
+        ConfigError: unreadable file, invalid YAML, or every invalid key.
+    """
+    data, problems = _read_yaml(path)
+    return _build(data, problems, serve=serve)
+
+
+def find_config(explicit: str | None) -> Path | None:
+    """The config file to use: ``explicit``, else ``./llmgw.yaml`` if present."""
+    if explicit:
+        return Path(explicit)
+    local = Path("llmgw.yaml")
+    return local if local.is_file() else None

@@ -1,0 +1,529 @@
+"""The configuration the rest of llmgw reads, and the input schema of ``llmgw.yaml``.
+
+The sections whose YAML shape is their runtime shape (``server:``,
+``upstream:``, ``scrape:``, ...) are frozen dataclasses that pydantic validates
+as they are, with their defaults written here once; the sections whose YAML
+differs from what the code reads (``endpoints[]``, ``auth:``, secrets given by
+environment variable) have an input model (``_EndpointIn``, ``_AuthIn``, ...,
+all under ``_ConfigIn``) that :mod:`llmgw.config.loading` compiles into their
+dataclass. A field's docstring is its description in the JSON Schema.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Annotated, Any
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from ..http.server import ServerLimits
+from ._rules import (
+    _ADDRESSES,
+    _ALIASES,
+    _BANDS,
+    _ENGINE,
+    _ENV_MAP,
+    _FLAG,
+    _HEADER_NAME,
+    _HOSTPORT,
+    _IDENT,
+    _METRIC_NAMES,
+    _METRICS_PATH,
+    _MODEL_NAME,
+    _MODELS,
+    _RUNNABLE_ENGINE,
+    _SECRET,
+    _SHA256,
+    _STRATEGY,
+    _STRINGS,
+    _TEXT,
+    _URL,
+    _duration,
+    _env,
+    _envs,
+    _EnvValue,
+    _int,
+    _list_of,
+    _num,
+    _size,
+    _Url,
+)
+
+DEFAULT_LISTEN = ("127.0.0.1", 8080)
+DEFAULT_ADMIN = ("127.0.0.1", 9090)
+
+_LIMITS = ServerLimits()  # the server's own defaults, written once there
+
+
+# pydantic config of every section: unknown keys are errors. A field's docstring
+# is its description in the exported JSON Schema (added by config_schema: pydantic's
+# use_attribute_docstrings re-reads the module's source per class, a quarter second
+# on every start).
+_SECTION = ConfigDict(extra="forbid")
+
+
+# -- what the rest of llmgw reads --
+
+
+@dataclass(frozen=True, slots=True)
+class EndpointConfig:
+    """One replica: an engine process serving one or more models."""
+
+    id: str
+    url: str
+    models: tuple[str, ...]
+    engine: str = "vllm"
+    pool: str | None = None
+    api_key: str | None = field(default=None, repr=False)
+    metrics_path: str = "/metrics"
+    metric_names: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    draining: bool = False
+    slots: int | None = None
+    # derived
+    scheme: str = "http"
+    host: str = "127.0.0.1"
+    port: int = 80
+    base_path: str = ""
+
+    @property
+    def model(self) -> str:
+        """The first (usually only) model it serves."""
+        return self.models[0]
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    """Per-model settings (``models:`` section)."""
+
+    name: str
+    aliases: tuple[str, ...] = ()
+    strategy: str | None = None  # None: routing.strategy
+    upstream_name: str | None = None  # rewrite `model` in the body to this before forwarding
+
+
+@dataclass(frozen=True, slots=True)
+class ServerConfig:
+    """Client-listener limits and timeouts (``server:`` section)."""
+
+    # (defaults: the server's own, _LIMITS)
+    max_body_size: Annotated[int, _size(lo=1024)] = _LIMITS.max_body
+    """Larger request bodies get 413."""
+    max_header_bytes: Annotated[int, _size(lo=1024)] = _LIMITS.max_head_bytes
+    """Request line plus headers; more gets 431."""
+    max_headers: Annotated[int, _int(8, 10_000)] = _LIMITS.max_headers
+    """Header lines per request; more gets 431."""
+    header_timeout: Annotated[float, _duration(0.01)] = _LIMITS.header_timeout
+    """From a request's first byte to its complete head; then 408 and close."""
+    body_timeout: Annotated[float, _duration(0.01)] = _LIMITS.body_timeout
+    """From the complete head to the complete body; then 408 and close."""
+    keepalive_timeout: Annotated[float, _duration(0.01)] = _LIMITS.keepalive_timeout
+    """An idle keep-alive connection is closed after this."""
+    max_connections: Annotated[int, _int(1)] = _LIMITS.max_connections
+    """Connections past this are answered 503 and closed at once."""
+    shutdown_timeout: Annotated[float, _duration()] = 10.0
+    """On SIGINT/SIGTERM in-flight requests get this long, then are cut."""
+
+    __pydantic_config__ = _SECTION
+
+
+@dataclass(frozen=True, slots=True)
+class UpstreamConfig:
+    """How llmgw talks to replicas (``upstream:`` section)."""
+
+    connect_timeout: Annotated[float, _duration(0.001)] = 2.0
+    """TCP connect to a replica; past it the request is retried elsewhere."""
+    first_byte_timeout: Annotated[float, _duration(0.001)] = 120.0
+    """Request sent to response head; past it 504."""
+    read_timeout: Annotated[float, _duration(0.001)] = 300.0
+    """Longest silence inside a response."""
+    max_idle_connections: Annotated[int, _int(0)] = 64
+    """Keep-alive connections kept per replica."""
+    idle_timeout: Annotated[float, _duration(0.01)] = 30.0
+    """An idle upstream connection is closed after this."""
+
+    __pydantic_config__ = _SECTION
+
+
+@dataclass(frozen=True, slots=True)
+class RetryConfig:
+    """Retries before the first byte reached the client (``retries:`` section)."""
+
+    attempts: Annotated[int, _int(0, 10)] = 1
+    """How many other replicas are tried when one fails before any byte reached the client."""
+    budget: Annotated[float, _num(0.0, 1.0)] = 0.2
+    """Retries in flight may not exceed this fraction of the requests in flight."""
+
+    __pydantic_config__ = _SECTION
+
+
+@dataclass(frozen=True, slots=True)
+class ScrapeConfig:
+    """Engine telemetry polling (``scrape:`` section).
+
+    ``timeout`` defaults to 80 % of ``interval`` when that is shorter than 800ms,
+    ``stale_after`` to three intervals when that is longer than 3s.
+    """
+
+    interval: Annotated[float, _duration(0.05)] = 1.0
+    """How often each replica's metrics are read."""
+    timeout: Annotated[float, _duration(0.01)] = 0.8
+    """A scrape slower than this fails; shorter than interval."""
+    stale_after: Annotated[float, _duration(0.05)] = 3.0
+    """A replica whose last good scrape is older is stale."""
+    default_engine: Annotated[str, _ENGINE] = "vllm"
+    """The engine of endpoints that name none."""
+
+    __pydantic_config__ = _SECTION
+
+
+@dataclass(frozen=True, slots=True)
+class RoutingConfig:
+    """How a replica is chosen (``routing:`` section)."""
+
+    strategy: Annotated[str, _STRATEGY] = "score"
+    """score, least_inflight or round_robin."""
+
+    __pydantic_config__ = _SECTION
+
+
+@dataclass(frozen=True, slots=True)
+class SaturationConfig:
+    """When a replica counts as full (``saturation:`` section)."""
+
+    max_waiting: Annotated[int, _int(1)] = 8
+    """A replica whose queue reaches this is full."""
+    max_kv_cache_usage: Annotated[float, _num(0.01, 1.0)] = 0.9
+    """A replica whose KV-cache use reaches this is full."""
+
+    __pydantic_config__ = _SECTION
+
+
+@dataclass(frozen=True, slots=True)
+class AdmissionConfig:
+    """Priority bands and their queues (``admission:`` section).
+
+    ``default_band`` defaults to ``standard``, or the middle band when the bands have no ``standard``.
+    """
+
+    bands: Annotated[tuple[str, ...], _BANDS] = ("critical", "standard", "batch")
+    """Priority bands, highest first."""
+    default_band: Annotated[str, _IDENT] = "standard"
+    """The band of a request that names none."""
+    header: Annotated[str, _HEADER_NAME] = _LIMITS.priority_header.decode()
+    """The request header that names a band."""
+    queue_size: Annotated[int, _int(0, 10_000_000)] = 1000
+    """Waiting requests per band (per model)."""
+    queue_timeout: Annotated[float, _duration(0.001)] = 30.0
+    """A request that waited this long is shed."""
+
+    __pydantic_config__ = _SECTION
+
+    def band_index(self, name: str) -> int:
+        return self.bands.index(name)
+
+
+@dataclass(frozen=True, slots=True)
+class BreakerConfig:
+    """Per-replica circuit breakers (``breaker:`` section). ``max_cooldown`` is at least ``cooldown``."""
+
+    failures: Annotated[int, _int(1, 1000)] = 5
+    """Consecutive failures that open the breaker."""
+    cooldown: Annotated[float, _duration(0.001)] = 5.0
+    """An open breaker lets one probe through after this; each reopening doubles it."""
+    max_cooldown: Annotated[float, _duration(0.001)] = 60.0
+    """The longest cooldown."""
+
+    __pydantic_config__ = _SECTION
+
+
+@dataclass(frozen=True, slots=True)
+class ClientKey:
+    """A client API key, kept only as its SHA-256."""
+
+    name: str
+    sha256: bytes = field(repr=False)
+    band: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class AuthConfig:
+    """Client authentication (``auth:`` section). No keys: the gateway is open."""
+
+    keys: tuple[ClientKey, ...] = ()
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.keys)
+
+
+@dataclass(frozen=True, slots=True)
+class AccessLogConfig:
+    """The JSON access log (``access_log:``)."""
+
+    enabled: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class ControlConfig:
+    """The control plane (``control:``). Reserved: validated, not used yet.
+
+    ``heartbeat_grace`` defaults to three heartbeat intervals.
+    """
+
+    listen: tuple[str, int]
+    join_tokens: tuple[str, ...] = field(default=(), repr=False)
+    heartbeat_interval: float = 5.0
+    heartbeat_grace: float = 15.0
+    database: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class DeploymentConfig:
+    """One model deployment the control plane would run (``deployments[]``). Reserved: not used yet."""
+
+    name: Annotated[str, _IDENT]
+    """Unique name of the deployment."""
+    model: Annotated[str, _MODEL_NAME]
+    """The model to run (a mirror name or a path the engine understands)."""
+    engine: Annotated[str, _RUNNABLE_ENGINE] = "vllm"
+    """The engine that runs it."""
+    replicas: Annotated[int, _int(0, 1024)] = 1
+    """How many replicas to run."""
+    gpus: Annotated[int, _int(0, 64)] = 1
+    """GPUs per replica (0: CPU)."""
+    gpu_memory: Annotated[int, _size()] | None = None
+    """GPU memory per replica (a size), when the engine should be held to less than a whole GPU."""
+    args: Annotated[tuple[str, ...], _STRINGS] = ()
+    """Extra command-line arguments for the engine."""
+    env: Annotated[Mapping[str, str], _ENV_MAP] = field(default_factory=dict, repr=False)
+    """Extra environment variables for the engine."""
+    served_name: Annotated[str, _MODEL_NAME] | None = None
+    """The model name clients use (default: model)."""
+
+    __pydantic_config__ = _SECTION
+
+
+@dataclass(frozen=True, slots=True)
+class FollowConfig:
+    """Follow a control plane for the fleet (``follow:``). Reserved: validated, not used yet."""
+
+    control: tuple[tuple[str, int], ...]
+    token: str | None = field(default=None, repr=False)
+
+
+@dataclass(frozen=True, slots=True)
+class Config:
+    """The whole configuration. Build it with :func:`load` or :func:`load_file`."""
+
+    listen: tuple[str, int] = DEFAULT_LISTEN
+    admin: tuple[str, int] = DEFAULT_ADMIN
+    endpoints: tuple[EndpointConfig, ...] = ()
+    models: Mapping[str, ModelConfig] = field(default_factory=dict)
+    server: ServerConfig = field(default_factory=ServerConfig)
+    upstream: UpstreamConfig = field(default_factory=UpstreamConfig)
+    retries: RetryConfig = field(default_factory=RetryConfig)
+    scrape: ScrapeConfig = field(default_factory=ScrapeConfig)
+    routing: RoutingConfig = field(default_factory=RoutingConfig)
+    saturation: SaturationConfig = field(default_factory=SaturationConfig)
+    admission: AdmissionConfig = field(default_factory=AdmissionConfig)
+    breaker: BreakerConfig = field(default_factory=BreakerConfig)
+    auth: AuthConfig = field(default_factory=AuthConfig)
+    access_log: AccessLogConfig = field(default_factory=AccessLogConfig)
+    mirror_root: str | None = None
+    admin_token: str | None = field(default=None, repr=False)
+    source: str | None = None
+    # reserved for the control plane: validated, nothing reads them yet
+    control: ControlConfig | None = None
+    deployments: tuple[DeploymentConfig, ...] = ()
+    follow: FollowConfig | None = None
+
+    def model_names(self) -> tuple[str, ...]:
+        """Every model the fleet serves, in configuration order."""
+        seen: dict[str, None] = {}
+        for ep in self.endpoints:
+            for m in ep.models:
+                seen.setdefault(m, None)
+        return tuple(seen)
+
+    def aliases(self) -> dict[str, str]:
+        """Alias -> model name."""
+        out: dict[str, str] = {}
+        for m in self.models.values():
+            for a in m.aliases:
+                out[a] = m.name
+        return out
+
+
+
+def _default(cls: type, name: str) -> Any:
+    """The default of dataclass field ``cls.name``: input models take theirs from it, so it is written once."""
+    f = next(f for f in dataclasses.fields(cls) if f.name == name)
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    return f.default
+
+
+def _address_default(cls: type, name: str) -> Any:
+    """An address field's default, written in the schema as the file writes it (HOST:PORT)."""
+    host, port = _default(cls, name)
+    return Field(default=(host, port), json_schema_extra={"default": f"{host}:{port}"})
+
+
+# -- the input schema of what is not read as written --
+
+
+class _In(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, defer_build=True)
+
+
+class _MetricNamesIn(_In):
+    """Per signal, the metric name(s) to read instead of the engine's, most preferred first."""
+
+    waiting: Annotated[tuple[str, ...], _METRIC_NAMES] | None = None
+    running: Annotated[tuple[str, ...], _METRIC_NAMES] | None = None
+    kv_cache_usage: Annotated[tuple[str, ...], _METRIC_NAMES] | None = None
+
+
+class _EndpointIn(_In):
+    """One replica: an engine process serving one or more models."""
+
+    model_config = ConfigDict(json_schema_extra={"oneOf": [{"required": ["model"]}, {"required": ["models"]}]})
+
+    id: Annotated[str, _IDENT]
+    """Unique name used in metrics, logs and the x-llmgw-replica header."""
+    url: Annotated[_Url, _URL]
+    """http://host:port[/base-path] of the engine's OpenAI server."""
+    model: Annotated[str, _MODEL_NAME] | None = None
+    """The model it serves (or models: for several)."""
+    models: Annotated[tuple[str, ...], _MODELS] | None = None
+    """The models it serves (or model: for one)."""
+    engine: Annotated[str, _ENGINE] | None = None
+    """Which dialect llmgw speaks with it (default: scrape.default_engine)."""
+    api_key: Annotated[str, _SECRET] | None = Field(default=None, repr=False)
+    """The replica's own key, sent upstream (prefer api_key_env)."""
+    api_key_env: Annotated[_EnvValue, _env("api_key")] | None = None
+    """The environment variable holding the replica's key."""
+    pool: Annotated[str, _TEXT] | None = None
+    """A grouping label used in metrics."""
+    metrics_path: Annotated[str, _METRICS_PATH] | None = None
+    """Where its Prometheus text is scraped (default: the engine's)."""
+    metric_names: _MetricNamesIn = Field(default_factory=_MetricNamesIn)
+    draining: Annotated[bool, _FLAG] = _default(EndpointConfig, "draining")
+    """true: no new requests; in-flight ones finish."""
+    slots: Annotated[int, _int(0, 1_000_000)] = 0
+    """Requests the replica runs at once (0: unknown)."""
+
+
+class _ModelIn(_In):
+    """Per-model settings."""
+
+    aliases: Annotated[tuple[str, ...], _ALIASES] = _default(ModelConfig, "aliases")
+    """Other names clients may use."""
+    strategy: Annotated[str, _STRATEGY] | None = _default(ModelConfig, "strategy")
+    """This model's replica choice (default: routing.strategy)."""
+    upstream_name: Annotated[str, _TEXT] | None = _default(ModelConfig, "upstream_name")
+    """Rewrite model in the request body to this before forwarding."""
+
+
+class _KeyIn(_In):
+    """A client key: the key itself (a string), or a mapping."""
+
+    model_config = ConfigDict(
+        json_schema_extra={"oneOf": [{"required": ["key"]}, {"required": ["key_env"]}, {"required": ["key_sha256"]}]}
+    )
+
+    name: Annotated[str, _TEXT] | None = None
+    """A label for logs (default keyN)."""
+    band: Annotated[str, _IDENT] | None = None
+    """The key's default priority band."""
+    key: Annotated[str, _SECRET] | None = Field(default=None, repr=False)
+    """The key inline."""
+    key_env: Annotated[_EnvValue, _env("key")] | None = None
+    """The environment variable holding the key."""
+    key_sha256: Annotated[bytes, _SHA256] | None = None
+    """The hex SHA-256 of the key."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _bare_key(cls, data: Any) -> Any:
+        return {"key": data} if isinstance(data, str) else data
+
+
+class _AuthIn(_In):
+    """Client API keys; with none the gateway is open."""
+
+    api_keys: tuple[_KeyIn, ...] = ()
+    """The keys: a string, or name/band and one of key, key_env, key_sha256."""
+
+
+class _MirrorIn(_In):
+    """The model mirror (llmgw mirror)."""
+
+    root: Annotated[str, _TEXT] | None = None
+    """The mirror's directory (~ is expanded); default $LLMGW_MIRROR, else ~/.local/share/llmgw/mirror."""
+
+
+class _ControlIn(_In):
+    """The control plane. Reserved: validated, not used yet."""
+
+    listen: Annotated[tuple[str, int], _HOSTPORT]
+    """HOST:PORT the control plane would listen on."""
+    join_token: Annotated[tuple[str, ...], _list_of(_SECRET, "expected a token or a list of tokens",
+                                                    one_or_many=True)] | None = Field(default=None, repr=False)
+    """Token(s) a node agent must present to join (prefer join_token_env)."""
+    join_token_env: Annotated[tuple[_EnvValue, ...], _envs("join_token")] | None = None
+    """Environment variable(s) holding the join token(s)."""
+    heartbeat_interval: Annotated[float, _duration(0.1)] = _default(ControlConfig, "heartbeat_interval")
+    """How often a node agent reports."""
+    heartbeat_grace: Annotated[float, _duration(0.1)] | None = None
+    """A node silent this long is lost (default: three heartbeat intervals)."""
+    database: Annotated[str, _TEXT] | None = _default(ControlConfig, "database")
+    """Where the control plane would keep its state."""
+
+
+class _FollowIn(_In):
+    """Follow a control plane. Reserved: validated, not used yet."""
+
+    control: Annotated[tuple[tuple[str, int], ...], _ADDRESSES]
+    """The control plane's address(es), HOST:PORT."""
+    token_env: Annotated[_EnvValue, _env(None)] | None = None
+    """The environment variable holding the token to present."""
+
+
+class _ConfigIn(_In):
+    """llmgw.yaml: the gateway's configuration (docs/config.md)."""
+
+    listen: Annotated[tuple[str, int], _HOSTPORT] = _address_default(Config, "listen")
+    """Client address: the OpenAI API under /v1/."""
+    admin: Annotated[tuple[str, int], _HOSTPORT] = _address_default(Config, "admin")
+    """Admin address: /health, /ready, /metrics. Keep it private."""
+    endpoints: tuple[_EndpointIn, ...] = ()
+    """The replicas."""
+    models: dict[str, _ModelIn] = Field(default_factory=dict)
+    """Per-model settings, by served model name."""
+    server: ServerConfig = Field(default_factory=ServerConfig)
+    upstream: UpstreamConfig = Field(default_factory=UpstreamConfig)
+    retries: RetryConfig = Field(default_factory=RetryConfig)
+    scrape: ScrapeConfig = Field(default_factory=ScrapeConfig)
+    routing: RoutingConfig = Field(default_factory=RoutingConfig)
+    saturation: SaturationConfig = Field(default_factory=SaturationConfig)
+    admission: AdmissionConfig = Field(default_factory=AdmissionConfig)
+    breaker: BreakerConfig = Field(default_factory=BreakerConfig)
+    auth: _AuthIn = Field(default_factory=_AuthIn)
+    access_log: Annotated[bool, _FLAG] = _default(AccessLogConfig, "enabled")
+    """true: one JSON line per request on stdout."""
+    admin_token: Annotated[str, _SECRET] | None = Field(default=None, repr=False)
+    """Protects /admin/v1 and /debug/pprof (prefer admin_token_env)."""
+    admin_token_env: Annotated[_EnvValue, _env("admin_token")] | None = None
+    """The environment variable holding the admin token."""
+    mirror: _MirrorIn = Field(default_factory=_MirrorIn)
+    control: _ControlIn | None = None
+    deployments: tuple[DeploymentConfig, ...] = ()
+    """Reserved for the control plane: the deployments it would run."""
+    follow: _FollowIn | None = None
