@@ -38,9 +38,10 @@ async def main():
     await rt.start()
     admin = rt.admin_server.app
     mode = sys.argv[2]
-    rt.gateway.set_observer(NullObserver() if mode.startswith("off") else admin.observer)
-    if mode == "hooks":
-        rt.gateway.count_tokens = False  # the observer's hooks alone, without reading usage from answers
+    if mode.startswith("off"):
+        rt.gateway.set_observer(NullObserver())
+    else:  # "hooks": the observer's hooks alone, without reading usage from answers
+        rt.gateway.set_observer(admin.observer, count_tokens=False if mode == "hooks" else None)
     await asyncio.Event().wait()
 
 uvloop.run(main())

@@ -125,7 +125,7 @@ cdef class Gateway(App):
     cdef readonly object created      # unix time, for /v1/models
     cdef readonly object observer
     cdef TrafficCounters counters     # the observer when it is one (called through C), else None
-    cdef bint count_tokens            # read usage off answers (an observer wants it)
+    cdef readonly bint count_tokens   # read usage off answers (an observer wants it)
     cdef readonly Py_ssize_t active_calls
     cdef bint _admitting              # admit_next is running (no re-entry)
     cdef set _watched                 # calls with a deadline

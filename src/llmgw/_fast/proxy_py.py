@@ -799,11 +799,15 @@ class Gateway(App):
         self.auth = bool(self.keys)
         self.access_log = config.access_log.enabled
 
-    def set_observer(self, observer: _counters.Observer) -> None:
-        """Report the data path's work to ``observer`` (metrics)."""
+    def set_observer(self, observer: _counters.Observer, count_tokens: bool | None = None) -> None:
+        """Report the data path's work to ``observer`` (metrics).
+
+        ``count_tokens``: read token usage off the answers for it (default: unless
+        it is a :class:`NullObserver`; ``False`` measures the hooks alone).
+        """
         self.observer = observer
         self.counters = observer if isinstance(observer, TrafficCounters) else None
-        self.count_tokens = not isinstance(observer, NullObserver)
+        self.count_tokens = not isinstance(observer, NullObserver) if count_tokens is None else count_tokens
 
     # -- deadlines: one sweep for every call, instead of a timer per call --
 
