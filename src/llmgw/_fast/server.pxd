@@ -110,14 +110,14 @@ cdef class HTTPProtocol(RequestSink):
     cdef object _flow_listener        # pause_reading()/resume_reading() follow ours
     cdef bint _closing                # shutdown(): close once the current response ends
     cdef bint _rejected               # answered 503 at connect (limit or shutdown)
-    cdef bint _lingering              # half-closed after a final answer; input dropped
+    cdef bint _closed                 # closing (close, abort, lingering close); input dropped
     cdef bint _lingering_due          # close by _linger_close: input was left unread
     cdef object _failure              # an HTTPError answered after the requests before it
     cdef bint _continue_due           # a 100 Continue owed once the connection is free
 
     @cython.locals(cur=ResponseWriter)
     cpdef connection_lost(self, exc)
-    @cython.locals(kind=int, where=int)
+    @cython.locals(kind=int, where=int, idle=double)
     cpdef data_received(self, data)
     cpdef on_head(self, Request request)
     cpdef on_request(self, Request request)

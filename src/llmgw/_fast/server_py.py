@@ -512,7 +512,7 @@ class HTTPProtocol(RequestSink):
         self._flow_listener: Any = None
         self._closing = False
         self._rejected = False
-        self._lingering = False  # answered and half-closed: input is read and dropped
+        self._closed = False  # closing (close, abort or a lingering close): input is dropped
         self._lingering_due = False  # close by _linger_close: input was left unread
         self._failure: HTTPError | None = None  # answered after the requests read before it
         self._continue_due = False  # a 100 Continue owed once the connection is free
@@ -581,22 +581,37 @@ class HTTPProtocol(RequestSink):
 
     def data_received(self, data: bytes) -> None:
         """Called with bytes from the client."""
-        if self._lingering:
+        if self._closed:
             return
+        idle = 0.0
         if self._timer_kind == TIMER_KEEPALIVE:
+            idle = self._deadline  # (still the deadline if these bytes begin no request)
             self._cancel_timer()
         try:
             self._reader.feed(data)
         except HTTPError as exc:
-            self._fail(exc)
+            if not self._closed:
+                # (the bytes after a final answer, such as a request after one
+                # with "Connection: close", are dropped, not answered)
+                self._fail(exc)
             return
         kind = self._timer_kind
-        if kind in (TIMER_NONE, TIMER_HEAD):
-            where = self._reader.where()  # 0 between requests, 1 in a head, 2 in a body
-            if kind == TIMER_NONE and where == 1:
+        if kind == TIMER_BODY or self._closed:
+            return
+        where = self._reader.where()  # 0 between requests, 1 in a head, 2 in a body
+        if where == 1:
+            if kind != TIMER_HEAD:
+                # NOTE: TIMER_KEEPALIVE here when a request before this head, in the
+                # same bytes, was answered at once: the head is timed as a head, not
+                # covered by the (longer) keep-alive timeout.
                 self._arm(TIMER_HEAD, self._header_timeout)
-            elif where == 2:
-                self._arm(TIMER_BODY, self._body_timeout)
+        elif where == 2:
+            self._arm(TIMER_BODY, self._body_timeout)
+        elif kind == TIMER_NONE and idle > 0.0 and self._current is None:
+            # NOTE: bytes that begin no request (empty lines between requests,
+            # which llhttp skips) leave the connection idle: it keeps its keep-alive
+            # deadline, or it would have no timer at all and never be closed.
+            self._arm(TIMER_KEEPALIVE, idle - monotonic())
 
     def eof_received(self) -> bool | None:
         """Called when the client half-closes: treated as gone, as uvicorn does.
@@ -628,6 +643,8 @@ class HTTPProtocol(RequestSink):
     def on_head(self, request: Request) -> None:
         """Called by the reader when a head asks for ``100 Continue``: the client
         waits for it before sending the body."""
+        if self._closed:
+            return
         if self._current is None and not self._pipeline and self.transport is not None:
             self._transport_write(_CONTINUE)
         else:
@@ -637,6 +654,11 @@ class HTTPProtocol(RequestSink):
 
     def on_request(self, request: Request) -> None:
         """Called by the reader with each complete request, in order."""
+        if self._closed:
+            # NOTE: read in the same bytes as a request answered at once with a
+            # close (a 500, an app clearing keep_alive): not served on a
+            # connection that is closing (RFC 9112 §9.6).
+            return
         self._continue_due = False
         if self._timer_kind in (TIMER_HEAD, TIMER_BODY):
             self._cancel_timer()
@@ -722,10 +744,12 @@ class HTTPProtocol(RequestSink):
             return
         if self._pipeline:
             nxt = self._pipeline.popleft()
+            # (resumed at half the read-ahead, and always once it is empty: with
+            # max_pipelined 1, half is 0 and reading stayed paused for good)
             if (
                 self._read_paused
                 and self._failure is None
-                and len(self._pipeline) < self._limits.max_pipelined // 2
+                and (not self._pipeline or len(self._pipeline) < self._limits.max_pipelined // 2)
             ):
                 self._read_paused = False
                 self.transport.resume_reading()
@@ -838,6 +862,7 @@ class HTTPProtocol(RequestSink):
 
     def _close(self) -> None:
         self._cancel_timer()
+        self._closed = True
         if self.transport is not None:
             self.transport.close()
 
@@ -852,10 +877,10 @@ class HTTPProtocol(RequestSink):
         after ``_LINGER_S``.
         """
         t = self.transport
-        if t is None or self._lingering:
+        if t is None or self._closed:
             return
         self._cancel_timer()
-        self._lingering = True
+        self._closed = True
         if self._server.closing or not t.can_write_eof():  # shutdown does not wait on it
             t.close()
             return
@@ -865,6 +890,7 @@ class HTTPProtocol(RequestSink):
 
     def _abort(self) -> None:
         self._cancel_timer()
+        self._closed = True
         t = self.transport
         if t is not None:
             t.abort()
