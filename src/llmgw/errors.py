@@ -24,6 +24,7 @@ __all__ = [
     "HeadersTooLargeError",
     "InternalError",
     "LlmgwError",
+    "MethodNotAllowedError",
     "ModelNotFoundError",
     "NotFoundError",
     "OverloadedError",
@@ -118,12 +119,15 @@ class HTTPError(LlmgwError):
         param: the request parameter at fault, if any.
         retry_after: seconds for a ``Retry-After`` header, if any.
         close: whether the connection must be closed after the answer.
+        headers: more header lines of the answer, ``((name, value), ...)`` as bytes
+            (e.g. ``Allow`` on a 405).
     """
 
     status = 500
     type = "server_error"
     code: str | None = "internal_error"
     close = False
+    headers: tuple[tuple[bytes, bytes], ...] = ()
 
     def __init__(
         self,
@@ -135,6 +139,7 @@ class HTTPError(LlmgwError):
         close: bool | None = None,
         status: int | None = None,
         type: str | None = None,
+        headers: tuple[tuple[bytes, bytes], ...] | None = None,
     ) -> None:
         super().__init__(message)
         self.message = message
@@ -147,6 +152,8 @@ class HTTPError(LlmgwError):
             self.type = type
         if close is not None:
             self.close = close
+        if headers is not None:
+            self.headers = headers
         self.retry_after = retry_after
 
 
@@ -172,6 +179,18 @@ class NotFoundError(HTTPError):
     status = 404
     type = "invalid_request_error"
     code = "not_found"
+
+
+class MethodNotAllowedError(HTTPError):
+    """405: the route exists, not for this method; ``Allow`` names the methods it takes (RFC 9110 §15.5.6)."""
+
+    status = 405
+    type = "invalid_request_error"
+    code = "method_not_allowed"
+
+    def __init__(self, message: str, allow: tuple[str, ...]) -> None:
+        super().__init__(message, headers=((b"allow", ", ".join(allow).encode("ascii")),))
+        self.allow = allow
 
 
 class ModelNotFoundError(HTTPError):

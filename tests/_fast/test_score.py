@@ -652,6 +652,7 @@ BREAKER_FIELDS = (
     "open_until",
     "current_cooldown",
     "opened",
+    "half_opened",
     "closed",
     "probes",
 )

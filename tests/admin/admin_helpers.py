@@ -134,19 +134,23 @@ async def running(
     **extra: Any,
 ) -> AsyncIterator[GatewayRuntime]:
     """Engines plus a gateway in front of them; ``wire``: make sure the data path reports to the admin observer."""
-    for e in engines:
-        await e.start()
-    rt = GatewayRuntime(config if config is not None else load(config_for(engines, more or [], **extra)))
-    await rt.start()
+    rt: GatewayRuntime | None = None
     try:
+        for e in engines:
+            await e.start()
+        rt = GatewayRuntime(config if config is not None else load(config_for(engines, more or [], **extra)))
+        await rt.start()
         admin = admin_of(rt)
         assert rt.gateway is not None
         if wire and rt.gateway.observer is not admin.observer:
             rt.gateway.set_observer(admin.observer)
         yield rt
     finally:
-        await rt.stop()
-        admin_of(rt).close()
+        # (also when the config or the start failed: no engine is left listening)
+        if rt is not None:
+            await rt.stop()
+            if rt.admin_server is not None:
+                admin_of(rt).close()
         for e in engines:
             await e.stop()
 

@@ -92,7 +92,9 @@ async def test_metrics_after_traffic() -> None:
         errors = sample(fams, "llmgw_upstream_errors_total", kind="status_5xx") or 0
         retries = sample(fams, "llmgw_retries_total", model="m") or 0
         assert errors >= 1 and retries == errors
-        assert sample(fams, "llmgw_upstream_errors_total", replica="dark") is None
+        # (a count known to be zero is exported as 0: rate() panels read 0, not "No data")
+        assert sample(fams, "llmgw_upstream_errors_total", replica="dark") == 0
+        assert sample(fams, "llmgw_breaker_transitions_total", replica="dark", state="open") == 0
 
         # live state: fresh engine numbers for scraped replicas, omitted for the one that has none
         assert sample(fams, "llmgw_endpoint_waiting", replica="a", pool="gpu") == 2.0
@@ -249,7 +251,13 @@ def test_routing_signals_exported_when_present_and_omitted_when_absent() -> None
     }
     fams = _render(SimpleNamespace(endpoints=eps), Admission())
     assert sample(fams, "llmgw_endpoint_breaker_open", replica="with") == 1.0
-    assert sample(fams, "llmgw_endpoint_breaker_open", replica="half") == 0.5
+    # 1 only while open (an `== 1` alert must not fire, nor miss, on half-open), and the state family
+    assert sample(fams, "llmgw_endpoint_breaker_open", replica="half") == 0.0
+    assert sample(fams, "llmgw_endpoint_breaker_state", replica="half", state="half_open") == 1.0
+    assert sample(fams, "llmgw_endpoint_breaker_state", replica="half", state="open") == 0.0
+    assert sample(fams, "llmgw_endpoint_breaker_state", replica="with", state="open") == 1.0
+    assert sample(fams, "llmgw_endpoint_breaker_state", replica="with") == 1.0  # one state at a time
+    assert sample(fams, "llmgw_endpoint_breaker_state", replica="without") is None
     assert sample(fams, "llmgw_endpoint_breaker_open", replica="without") is None
     assert sample(fams, "llmgw_endpoint_drain_rate", replica="with") == 4.5
     assert sample(fams, "llmgw_endpoint_drain_rate", replica="without") is None

@@ -11,16 +11,17 @@ cimport cython
 @cython.final
 cdef class Hist:
     # One histogram series: per-bucket (not cumulative) counts, the last +Inf.
-    cdef readonly list counts
-    cdef readonly double total
+    cdef readonly list counts         # (the list is updated in place)
+    cdef public double total          # (the admin app's loop-lag histogram adds to it too)
 
 
 @cython.final
 cdef class RequestSeries:
     # One (model, replica, status, band) combination and the histograms it feeds.
     cdef readonly Py_ssize_t n
-    cdef readonly Hist dur
-    cdef readonly Hist ttfb
+    cdef readonly tuple mb            # (model, band): the key of dur and ttfb
+    cdef readonly Hist dur            # None until the first timed answer
+    cdef readonly Hist ttfb           # None until the first answer head
     cdef readonly Hist up             # (model, replica) upstream time; None without a replica
 
 
@@ -41,7 +42,7 @@ cdef class TrafficCounters:
 
     @cython.locals(i=Py_ssize_t, n=Py_ssize_t, b=double)
     cdef Py_ssize_t _bucket(self, double value)
-    cpdef request_done(self, model, replica, int status, band, double duration, ttfb, upstream)
+    cpdef request_done(self, model, replica, int status, band, duration, ttfb, upstream)
     @cython.locals(s=RequestSeries, h=Hist, u=Hist)
     cpdef record(self, model, replica, int status, band, double duration, double ttfb, double upstream)
     cpdef upstream_error(self, replica, kind)
@@ -50,4 +51,5 @@ cdef class TrafficCounters:
     cpdef admission(self, band, outcome, reason=*)
     cpdef breaker_transition(self, replica, state)
     cdef _first(self, dict d, key, family, other)
+    cdef Hist _hist(self, dict d, key)
     cdef RequestSeries _new_requests(self, model, replica, int status, band)

@@ -38,11 +38,13 @@ class Observer(Protocol):
         replica: str | None,
         status: int,
         band: str,
-        duration: float,
+        duration: float | None,
         ttfb: float | None,
         upstream: float | None,
     ) -> None:
-        """A client request finished (any outcome). Times in seconds; ``None`` when not reached."""
+        """A client request finished (any outcome). Times in seconds; ``None`` when not reached
+        (``duration`` ``None``: an answer that is counted but kept out of the latency histograms,
+        as a local answer naming no served model)."""
 
     def upstream_error(self, replica: str, kind: str) -> None:
         """An attempt on ``replica`` failed (see the module docstring for ``kind``)."""
@@ -69,7 +71,7 @@ class NullObserver:
         replica: str | None,
         status: int,
         band: str,
-        duration: float,
+        duration: float | None,
         ttfb: float | None,
         upstream: float | None,
     ) -> None:
@@ -108,12 +110,13 @@ class Hist:
 class RequestSeries:
     """One (model, replica, status, band) combination and the histograms it feeds."""
 
-    __slots__ = ("dur", "n", "ttfb", "up")
+    __slots__ = ("dur", "mb", "n", "ttfb", "up")
 
-    def __init__(self, dur: Hist, ttfb: Hist, up: Hist | None) -> None:
+    def __init__(self, mb: tuple[str, str], up: Hist | None) -> None:
         self.n = 0
-        self.dur = dur
-        self.ttfb = ttfb
+        self.mb = mb  # (model, band): the key of its duration and TTFB series
+        self.dur: Hist | None = None  # (made on the first observation)
+        self.ttfb: Hist | None = None
         self.up = up
 
 
@@ -167,28 +170,37 @@ class TrafficCounters:
         replica: str | None,
         status: int,
         band: str,
-        duration: float,
+        duration: float | None,
         ttfb: float | None,
         upstream: float | None,
     ) -> None:
-        """A client request finished (any outcome). Times in seconds; ``None`` when not reached."""
-        self.record(model, replica, status, band, duration, -1.0 if ttfb is None else ttfb,
-                    -1.0 if upstream is None else upstream)
+        """A client request finished (any outcome). Times in seconds; ``None`` when not reached
+        (``duration`` ``None``: counted, kept out of the latency histograms)."""
+        self.record(model, replica, status, band, -1.0 if duration is None else duration,
+                    -1.0 if ttfb is None else ttfb, -1.0 if upstream is None else upstream)
 
     def record(
         self, model: str, replica: str | None, status: int, band: str, duration: float, ttfb: float, upstream: float
     ) -> None:
         """:meth:`request_done` with ``-1.0`` for a time not reached (PERF: the gateway's
-        call, with no float objects)."""
+        call, with no float objects).
+
+        A histogram series is made when its first observation comes, so no series
+        stays empty (an answer naming no model has no duration or TTFB series)."""
         s = self._requests.get((model, replica, status, band))
         if s is None:
             s = self._new_requests(model, replica, status, band)
         s.n += 1
-        h = s.dur
-        h.counts[self._bucket(duration)] += 1
-        h.total += duration
+        if duration >= 0.0:
+            h = s.dur
+            if h is None:
+                h = s.dur = self._hist(self._duration, s.mb)
+            h.counts[self._bucket(duration)] += 1
+            h.total += duration
         if ttfb >= 0.0:
             h = s.ttfb
+            if h is None:
+                h = s.ttfb = self._hist(self._ttfb, s.mb)
             h.counts[self._bucket(ttfb)] += 1
             h.total += ttfb
         if upstream >= 0.0:
@@ -275,6 +287,12 @@ class TrafficCounters:
                 family, self.max_series, OTHER,
             )
 
+    def _hist(self, d: dict[Any, Hist], key: Any) -> Hist:
+        h = d.get(key)
+        if h is None:
+            h = d[key] = Hist(len(self.bounds))
+        return h
+
     def _new_requests(self, model: str, replica: str | None, status: int, band: str) -> RequestSeries:
         if len(self._requests) >= self.max_series:
             self._overflow("llmgw_requests_total")
@@ -282,15 +300,11 @@ class TrafficCounters:
             s = self._requests.get((model, replica, status, band))
             if s is not None:
                 return s
-        n = len(self.bounds)
         mb = (model, band)
-        dur = self._duration.get(mb) or self._duration.setdefault(mb, Hist(n))
-        ttfb = self._ttfb.get(mb) or self._ttfb.setdefault(mb, Hist(n))
         up = None
         if replica is not None:
-            mr = (model, replica)
-            up = self._upstream.get(mr) or self._upstream.setdefault(mr, Hist(n))
-        s = RequestSeries(dur, ttfb, up)
+            up = self._hist(self._upstream, (model, replica))
+        s = RequestSeries(mb, up)
         # NOTE: not stored under the original key when overflowing, so the dict stays bounded.
         self._requests[(model, replica, status, band)] = s
         return s

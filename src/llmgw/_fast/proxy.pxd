@@ -86,7 +86,8 @@ cdef class Call(Exchange):
     cdef Py_ssize_t _run_start        # ... from here
     cdef Py_ssize_t _run_end          # ... to here (see on_response_chunk)
 
-    cdef _init(self, Gateway gw, Request req, ResponseWriter w, ModelPool pool, model, bytes body, bytes rid_line)
+    cdef _init(self, Gateway gw, Request req, ResponseWriter w, ModelPool pool, model, bytes body, bytes rid_line,
+               double started)
     @cython.locals(now=double, victim=Call)
     cdef admit(self)
     cdef shed(self, reason, message)
@@ -149,6 +150,7 @@ cdef class Gateway(App):
     cdef dict key_bands               # sha256 digest -> band index
     cdef bint auth
     cdef bint access_log
+    cdef bint expose_replica          # x-llmgw-replica on answers (server.expose_replica)
     cdef object _normalize_error      # (status, body, engine) -> bytes: llmgw.engines.errors
 
     cdef watch(self, Call call)
@@ -162,10 +164,17 @@ cdef class Gateway(App):
     cdef _ensure_sweep(self)
     cpdef on_scrape(self, ep)
     cpdef handle(self, Request req, ResponseWriter w)
+    cpdef answer_error(self, ResponseWriter w, exc)
+    cdef _answer_local(self, Request req, ResponseWriter w, int status, bytes body)
+    @cython.locals(duration=double)
+    cdef _local_done(self, Request req, ResponseWriter w, bytes rid, model, double started)
+    cdef half_opened(self, Endpoint ep)
+    cdef bytes replica_line(self, Endpoint ep)
+    cdef _served_model(self, bytes body)
     cdef bytes _authenticate(self, Request req)
     cdef bytes _request_id(self, Request req)
-    @cython.locals(call=Call)
+    @cython.locals(call=Call, started=double)
     cdef _proxy(self, Request req, ResponseWriter w, key)
     @cython.locals(pool=ModelPool, call=Call)
-    cdef Call _prepare(self, Request req, ResponseWriter w, bytes rid_line, key)
+    cdef Call _prepare(self, Request req, ResponseWriter w, bytes rid_line, key, double started)
     cdef log_access(self, Call call, double now)

@@ -53,6 +53,7 @@ from ..errors import (
     BadRequestError,
     GatewayTimeoutError,
     HTTPError,
+    MethodNotAllowedError,
     ModelNotFoundError,
     NotFoundError,
     OverloadedError,
@@ -205,12 +206,14 @@ class Call(Exchange):
     )
 
     def __init__(
-        self, gw: Gateway, req: Request, w: ResponseWriter, pool: ModelPool, model: str, body: bytes, rid_line: bytes
+        self, gw: Gateway, req: Request, w: ResponseWriter, pool: ModelPool, model: str, body: bytes, rid_line: bytes,
+        started: float,
     ) -> None:
-        self._init(gw, req, w, pool, model, body, rid_line)
+        self._init(gw, req, w, pool, model, body, rid_line, started)
 
     def _init(
-        self, gw: Gateway, req: Request, w: ResponseWriter, pool: ModelPool, model: str, body: bytes, rid_line: bytes
+        self, gw: Gateway, req: Request, w: ResponseWriter, pool: ModelPool, model: str, body: bytes, rid_line: bytes,
+        started: float,
     ) -> None:
         # PERF: the gateway makes calls with Call.__new__ and this (a C call when
         # compiled), not through the type's call with its argument parsing.
@@ -223,7 +226,7 @@ class Call(Exchange):
         self.client_model = model
         self.body = body
         self.rid_line = rid_line  # b"x-request-id: <id>\r\n"
-        self.started = monotonic()
+        self.started = started  # (monotonic: the gateway read the clock when the request came)
         self.band = self.gw.default_band
         self.band_name = self.gw.bands[self.band]
         self.tenant: Any = None
@@ -321,6 +324,8 @@ class Call(Exchange):
         self.tries += 1
         state = ep.state
         self.probe = state.half_open()  # this request is the breaker's probe
+        if self.probe:
+            gw.half_opened(ep)
         state.on_dispatch(now)
         head = upstream_head(
             self.req.method,
@@ -431,7 +436,7 @@ class Call(Exchange):
         if resp.event_stream and resp.status < 300:
             self.streaming = True
             w = self.w
-            w.start(resp.status, (), -1, resp.forward + self.rid_line + self.ep.replica_line)  # type: ignore[union-attr]
+            w.start(resp.status, (), -1, resp.forward + self.rid_line + self.gw.replica_line(self.ep))  # type: ignore[arg-type]
             conn = self.conn
             if conn is not None:
                 w.add_flow_listener(conn)
@@ -564,10 +569,10 @@ class Call(Exchange):
                     self._attempt_failed(err, "status_5xx")
                     return
                 self.gw.observer.upstream_error(ep.id, "status_5xx")
-            w.send(status, normalized, _JSON_CT, self.rid_line + ep.replica_line)
+            w.send(status, normalized, _JSON_CT, self.rid_line + self.gw.replica_line(ep))
             self._completed(status < 500)
             return
-        w.send(status, body, (), resp.forward + self.rid_line + ep.replica_line)
+        w.send(status, body, (), resp.forward + self.rid_line + self.gw.replica_line(ep))
         if self.gw.count_tokens:
             self.usage = usage_counts(body)
         self._completed(True)
@@ -798,6 +803,7 @@ class Gateway(App):
         }
         self.auth = bool(self.keys)
         self.access_log = config.access_log.enabled
+        self.expose_replica = config.server.expose_replica
 
     def set_observer(self, observer: _counters.Observer, count_tokens: bool | None = None) -> None:
         """Report the data path's work to ``observer`` (metrics).
@@ -907,30 +913,78 @@ class Gateway(App):
         # PERF: the common case, a POST to /v1/... without a query string, skips
         # building the path.
         path = target if b"?" not in target else req.path
+        method = req.method
         if path[:4] != b"/v1/":
+            if path == b"/health":
+                # Liveness on the client port, as vLLM, SGLang and llama-server
+                # answer it (benchmark clients probe it): no detail, no key needed.
+                if method != b"GET" and method != b"HEAD":
+                    raise MethodNotAllowedError(f"method {method.decode('latin-1')} is not allowed on /health",
+                                                ("GET", "HEAD"))
+                self._answer_local(req, w, 200, b"")
+                return None
             raise NotFoundError(f"no route for {path.decode('latin-1')[:200]}; llmgw serves the OpenAI API under /v1/")
         key = self._authenticate(req) if self.auth else None
-        method = req.method
         if method == b"POST":
             self._proxy(req, w, key)
             return None
-        if method == b"GET" or method == b"HEAD":
+        models = path == b"/v1/models" or path.startswith(b"/v1/models/")
+        if models and (method == b"GET" or method == b"HEAD"):
             if path == b"/v1/models":
-                w.send_json(200, {"object": "list", "data": self._model_cards()})
+                self._answer_local(req, w, 200, orjson.dumps({"object": "list", "data": self._model_cards()}))
                 return None
-            if path.startswith(b"/v1/models/"):
-                name = path[len(b"/v1/models/") :].decode("utf-8", "replace")
-                for card in self._model_cards():
-                    if card["id"] == name:
-                        w.send_json(200, card)
-                        return None
-                raise ModelNotFoundError(f"The model `{name}` does not exist or you do not have access to it.")
-        raise HTTPError(
+            name = path[len(b"/v1/models/") :].decode("utf-8", "replace")
+            for card in self._model_cards():
+                if card["id"] == name:
+                    self._answer_local(req, w, 200, orjson.dumps(card))
+                    return None
+            raise ModelNotFoundError(f"The model `{name}` does not exist or you do not have access to it.")
+        raise MethodNotAllowedError(
             f"method {method.decode('latin-1')} is not allowed on {path.decode('latin-1')[:200]}",
-            status=405,
-            type="invalid_request_error",
-            code="method_not_allowed",
+            ("GET", "HEAD", "POST") if models else ("POST",),
         )
+
+    def answer_error(self, w: ResponseWriter, exc: HTTPError) -> None:
+        """Every error the server answers for this app (what :meth:`handle` raised, a
+        500, a request refused before routing: malformed, too large, too slow):
+        with a request id, counted and logged like any answer."""
+        req = w.request
+        rid_line = self._request_id(req)
+        rid = rid_line[14 : len(rid_line) - 2]
+        w.send_error(exc, ((b"x-request-id", rid),))
+        self._local_done(req, w, rid, None, -1.0)
+
+    def _answer_local(self, req: Request, w: ResponseWriter, status: int, body: bytes) -> None:
+        """An answer the gateway gives itself (models, health): with a request id, counted, logged."""
+        rid_line = self._request_id(req)
+        w.send(status, body, _JSON_CT if body else (), rid_line)
+        self._local_done(req, w, rid_line[14 : len(rid_line) - 2], None, -1.0)
+
+    def _local_done(self, req: Request, w: ResponseWriter, rid: bytes, model: str | None, started: float) -> None:
+        """Count and log an answer no replica gave: under ``model`` with its real
+        duration when it named a served one, else under ``(unknown)`` and out of the
+        latency histograms."""
+        band = self.bands[self.default_band]
+        duration = monotonic() - started if model is not None else -1.0
+        label = model if model is not None else _UNKNOWN
+        self.observer.request_done(label, None, w.status, band, duration if duration >= 0.0 else None, None, None)
+        if self.access_log:
+            self._access_line(req, rid, label, band, None, 0, w, 0, None,
+                              round(duration * 1000, 3) if duration >= 0.0 else None)
+
+    def half_opened(self, ep: Endpoint) -> None:
+        """``ep``'s breaker may have just moved from open to half-open (in the
+        picker, taking its probe): report each such move once."""
+        breaker = ep.state.breaker
+        n = breaker.half_opened
+        while ep.half_opened_seen < n:
+            ep.half_opened_seen += 1
+            self.observer.breaker_transition(ep.id, "half_open")
+
+    def replica_line(self, ep: Endpoint) -> bytes:
+        """The ``x-llmgw-replica`` header line for answers from ``ep`` (``b""`` with
+        ``server.expose_replica: false``: the access log and metrics name it anyway)."""
+        return ep.replica_line if self.expose_replica else b""
 
     def _authenticate(self, req: Request) -> bytes:
         key: bytes | None = None
@@ -971,22 +1025,33 @@ class Gateway(App):
         return id_line(self._rid_prefix, self._rid_n)
 
     def _proxy(self, req: Request, w: ResponseWriter, key: bytes | None) -> None:
+        started = monotonic()
         rid_line = self._request_id(req)
         try:
-            call = self._prepare(req, w, rid_line, key)
+            call = self._prepare(req, w, rid_line, key, started)
         except HTTPError as exc:
             rid = rid_line[14 : len(rid_line) - 2]
             w.send_error(exc, ((b"x-request-id", rid),))
-            band = self.bands[self.default_band]
-            self.observer.request_done(_UNKNOWN, None, w.status, band, 0.0, None, None)
-            if self.access_log:
-                self._access_line(req, rid, _UNKNOWN, band, None, 0, w, 0, None, 0.0)
+            self._local_done(req, w, rid, self._served_model(req.body), started)
             return
         self.active_calls += 1
         w.watch(call)  # (PERF: one slot, not an on_disconnect callback)
         call.admit()
 
-    def _prepare(self, req: Request, w: ResponseWriter, rid_line: bytes, key: bytes | None) -> Call:
+    def _served_model(self, body: bytes) -> str | None:
+        """The served model a refused body names, if it names one (cold path: the
+        answer was an error; the body is scanned again)."""
+        try:
+            is_object, model = json_model(body)
+        except JSONScanError:
+            return None
+        if not is_object or not model:
+            return None
+        real = self.aliases.get(model, model)
+        pool = self.pools.get(real)
+        return real if pool is not None and pool.endpoints else None
+
+    def _prepare(self, req: Request, w: ResponseWriter, rid_line: bytes, key: bytes | None, started: float) -> Call:
         body = req.body
         # PERF: validated in one pass without building the document; only the
         # top-level "model" is read (see llmgw._fast.jsonscan_py).
@@ -1013,7 +1078,7 @@ class Gateway(App):
             start, end = model_span(body)
             body = body[:start] + orjson.dumps(rewrite) + body[end:]
         call = Call.__new__(Call)
-        call._init(self, req, w, pool, model, body, rid_line)
+        call._init(self, req, w, pool, model, body, rid_line, started)
         band = self.default_band
         if key is not None:
             band = self.key_bands.get(key, band)
@@ -1056,7 +1121,7 @@ class Gateway(App):
         w: ResponseWriter,
         nbytes: int,
         ttfb_ms: float | None,
-        duration_ms: float,
+        duration_ms: float | None,
     ) -> None:
         access_logger.info(
             orjson.dumps(

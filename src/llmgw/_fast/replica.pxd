@@ -33,6 +33,7 @@ cdef class Endpoint:
     cdef public Py_ssize_t scrape_failures
     cdef public object scrape_problem     # why its metrics can't be read, or None
     cdef public double scrape_seconds
+    cdef public long long half_opened_seen  # breaker.half_opened already reported (the proxy)
 
     cpdef bytes target(self, bytes path)
     cpdef close(self)

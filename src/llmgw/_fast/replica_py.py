@@ -71,6 +71,7 @@ class Endpoint:
         "completed",
         "engine",
         "failures",
+        "half_opened_seen",
         "host_header",
         "id",
         "metrics_path",
@@ -119,6 +120,7 @@ class Endpoint:
         self.scrape_failures = 0
         self.scrape_seconds = 0.0
         self.scrape_problem: str | None = None
+        self.half_opened_seen = 0
 
     # -- views for the admin API and metrics (absent is None, never 0) --
 

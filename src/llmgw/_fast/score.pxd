@@ -31,6 +31,7 @@ cdef class Breaker:
     cdef public double open_until         # monotonic s; 0.0 before the first opening
     cdef public double current_cooldown   # cooldown of the current/next opening
     cdef public long long opened          # transitions to open (metrics)
+    cdef public long long half_opened     # transitions open -> half-open (metrics; in allow())
     cdef public long long closed          # transitions half-open -> closed (metrics)
     cdef public long long probes          # probes let through (metrics)
     cdef int _state                       # BS_*

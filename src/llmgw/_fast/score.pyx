@@ -92,6 +92,7 @@ cdef class Breaker:
         self.open_until = 0.0
         self.current_cooldown = c
         self.opened = 0
+        self.half_opened = 0
         self.closed = 0
         self.probes = 0
         self._state = BS_CLOSED
@@ -122,6 +123,7 @@ cdef class Breaker:
             if now < self.open_until:
                 return False
             self._state = BS_HALF_OPEN
+            self.half_opened += 1
         elif self._probing and now < self._probe_expires:
             return False
         self._probing = True

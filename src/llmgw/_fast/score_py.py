@@ -172,8 +172,8 @@ class Breaker:
     admission rejections are neither failures nor successes. Late reports from
     requests sent before the breaker opened are ignored while it is open.
 
-    ``opened``, ``closed`` and ``probes`` count transitions (open, back to closed,
-    probes let through) for metrics.
+    ``opened``, ``half_opened``, ``closed`` and ``probes`` count transitions
+    (open, open to half-open, back to closed, probes let through) for metrics.
 
     Args:
         failures: consecutive failures that open the breaker (>= 1).
@@ -193,6 +193,7 @@ class Breaker:
         "cooldown",
         "current_cooldown",
         "failures",
+        "half_opened",
         "max_cooldown",
         "open_until",
         "opened",
@@ -216,6 +217,7 @@ class Breaker:
         self.open_until = 0.0
         self.current_cooldown = cooldown
         self.opened = 0
+        self.half_opened = 0
         self.closed = 0
         self.probes = 0
         self._state = BREAKER_CLOSED
@@ -250,6 +252,7 @@ class Breaker:
             if now < self.open_until:
                 return False
             self._state = BREAKER_HALF_OPEN
+            self.half_opened += 1
         elif self._probing and now < self._probe_expires:
             return False
         self._probing = True

@@ -40,8 +40,11 @@ cdef class SocketWriter:
 
 
 cdef class App:
-    # The request handler the server calls (through C when it is a C subclass).
+    # The request handler the server calls (through C when it is a C subclass):
+    # handle() per request; answer_error() for every error answer (what handle
+    # raised, a 500, a refused request), on a writer not yet started.
     cpdef handle(self, Request request, ResponseWriter writer)
+    cpdef answer_error(self, ResponseWriter writer, exc)
 
 
 # (not final: Cython refuses a final class that overrides its base in a .py)

@@ -165,7 +165,7 @@ def error_body(exc: HTTPError) -> bytes:
 
 
 def _error_headers(exc: HTTPError, extra: tuple[tuple[bytes, bytes], ...] = ()) -> list[tuple[bytes, bytes]]:
-    headers = [(b"content-type", JSON), *extra]
+    headers = [(b"content-type", JSON), *exc.headers, *extra]
     if exc.retry_after is not None:
         seconds = max(1, int(exc.retry_after + 0.999))
         headers.append((b"retry-after", b"%d" % seconds))
@@ -226,6 +226,14 @@ class App:
 
     def handle(self, request: Request, writer: ResponseWriter) -> Awaitable[None] | None:
         raise NotImplementedError
+
+    def answer_error(self, writer: ResponseWriter, exc: HTTPError) -> None:
+        """Answer ``exc`` on ``writer`` (not started): what the app raised, a 500 for a
+        bug, or a refusal of the request itself (``writer.request`` then has no
+        method: malformed, too large, too slow). The server calls this for every
+        error answer, so an app that counts, logs or tags its answers (the gateway
+        does) sees those too."""
+        writer.send_error(exc)
 
 
 class _ObjectApp(App):
@@ -681,7 +689,7 @@ class HTTPProtocol(RequestSink):
             result = self._app.handle(request, writer)
         except HTTPError as exc:
             if not writer.started:
-                writer.send_error(exc)
+                self._app.answer_error(writer, exc)
             else:
                 writer.abort()
             return
@@ -703,7 +711,7 @@ class HTTPProtocol(RequestSink):
             if writer.finished or writer.disconnected:
                 return
             if not writer.started:
-                writer.send_error(exc)
+                self._app.answer_error(writer, exc)
             else:
                 writer.abort()
         except Exception:
@@ -722,7 +730,7 @@ class HTTPProtocol(RequestSink):
         if writer.started:
             writer.abort()
         else:
-            writer.send_error(HTTPError("internal error in the gateway", close=True))
+            self._app.answer_error(writer, HTTPError("internal error in the gateway", close=True))
 
     def _response_done(self, writer: ResponseWriter) -> None:
         # PERF: drop the disconnect callbacks: they usually point back at the app's
@@ -794,10 +802,10 @@ class HTTPProtocol(RequestSink):
     def _send_failure(self, exc: HTTPError) -> None:
         self._lingering_due = True  # the client may still be sending what was refused
         writer = ResponseWriter.__new__(ResponseWriter)
-        writer._init(self, Request())
+        writer._init(self, Request())  # (no request: its method is empty)
         writer.keep_alive = False
         self._current = writer
-        writer.send_error(exc)
+        self._app.answer_error(writer, exc)
 
     # PERF: timers are lazy. Arming only records a deadline; one TimerHandle per
     # connection fires at the earliest deadline it was set for and, if the deadline

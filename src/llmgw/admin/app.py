@@ -47,7 +47,7 @@ from ..http.parser import Request
 from ..http.server import ResponseWriter
 from ..log import admin_logger as log
 from .manage import ManagementAPI, conflict, method_not_allowed
-from .metrics import FleetCollector, LoopLagMonitor, PrometheusObserver, RuntimeCollector
+from .metrics import FleetCollector, Known, LoopLagMonitor, PrometheusObserver, RuntimeCollector
 from .profiling import (
     DEFAULT_HZ,
     MAX_HZ,
@@ -140,6 +140,9 @@ class AdminApp:
         self.config = config
         self.listeners = listeners
         self.observer = observer if observer is not None else PrometheusObserver()
+        self.observer.know(
+            lambda: Known(tuple(registry.models()), tuple(registry.endpoints), tuple(config().admission.bands))
+        )
         self.metrics = CollectorRegistry(auto_describe=False)
         ProcessCollector(registry=self.metrics)
         PlatformCollector(registry=self.metrics)

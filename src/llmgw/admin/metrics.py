@@ -25,7 +25,7 @@ import math
 import sys
 from bisect import bisect_left
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from prometheus_client.metrics_core import (
     CounterMetricFamily,
@@ -49,6 +49,7 @@ __all__ = [
     "LATENCY_BUCKETS",
     "LOOP_LAG_BUCKETS",
     "FleetCollector",
+    "Known",
     "LoopLagMonitor",
     "PrometheusObserver",
     "RuntimeCollector",
@@ -106,6 +107,16 @@ class PrometheusObserver(TrafficCounters, Collector):
     def __init__(self, buckets: Iterable[float] = LATENCY_BUCKETS, max_series: int = MAX_SERIES) -> None:
         TrafficCounters.__init__(self, sorted(float(b) for b in buckets), max_series)
         self._le = (*(_fmt(b) for b in self.bounds), "+Inf")
+        self._known: Callable[[], Known] | None = None
+
+    def know(self, known: Callable[[], Known]) -> None:
+        """What llmgw knows exists, read at each scrape: its counters are exported at 0
+        before their first event, so ``rate()`` panels and alerts read 0, not "No data".
+
+        (Zero is right for *counts* of events known to be none so far; a measurement
+        nobody made stays absent.)
+        """
+        self._known = known
 
     # -- reading --
 
@@ -131,7 +142,12 @@ class PrometheusObserver(TrafficCounters, Collector):
             "Client requests finished, by model, replica that answered (empty: none), status class and band.",
             labels=["model", "replica", "status_class", "band"],
         )
+        known = self._known() if self._known is not None else Known()
         agg: dict[tuple[str, str, str, str], int] = {}
+        for model in known.models:
+            for band in known.bands:
+                for cls in ("2xx", "4xx", "5xx"):
+                    agg[(model, "", cls, band)] = 0
         for (model, replica, status, band), s in list(self._requests.items()):
             k = (model, replica or "", status_class(status), band)
             agg[k] = agg.get(k, 0) + s.n
@@ -165,21 +181,26 @@ class PrometheusObserver(TrafficCounters, Collector):
             tok.add_metric([model, "completion"], c)
         yield tok
         yield _counter(
-            "llmgw_upstream_errors_total", "Failed attempts on a replica, by kind.", ["replica", "kind"], self._errors
+            "llmgw_upstream_errors_total", "Failed attempts on a replica, by kind.", ["replica", "kind"],
+            _zeros(self._errors, ((r, k) for r in known.replicas for k in UPSTREAM_ERROR_KINDS)),
         )
         yield _counter(
             "llmgw_retries_total", "Requests retried on another replica before the first byte, by model.",
-            ["model"], {(m,): n for m, n in self._retries.items()},
+            ["model"], _zeros({(m,): n for m, n in self._retries.items()}, ((m,) for m in known.models)),
         )
         yield _counter(
             "llmgw_admission_total",
             "Admission decisions by priority band, outcome (admitted, queued, dequeued, rejected) and reason.",
             ["band", "outcome", "reason"],
-            self.admission_totals(),
+            _zeros(self.admission_totals(), (
+                (b, o, r) for b in known.bands for o, r in ADMISSION_OUTCOMES
+            )),
         )
         yield _counter(
-            "llmgw_breaker_transitions_total", "Circuit-breaker state changes per replica, by the state entered.",
-            ["replica", "state"], self._breaker,
+            "llmgw_breaker_transitions_total",
+            "Circuit-breaker state changes per replica, by the state entered (open, half_open, closed).",
+            ["replica", "state"],
+            _zeros(self._breaker, ((r, st) for r in known.replicas for st in BREAKER_STATES)),
         )
 
     def _histograms(self, name: str, doc: str, labels: list[str], series: dict[tuple[str, str], Any]) -> Metric:
@@ -192,6 +213,31 @@ class PrometheusObserver(TrafficCounters, Collector):
 
 def _fmt(b: float) -> str:
     return repr(float(b))
+
+
+class Known(NamedTuple):
+    """What the counters' zero series are made for (see :meth:`PrometheusObserver.know`)."""
+
+    models: tuple[str, ...] = ()
+    replicas: tuple[str, ...] = ()
+    bands: tuple[str, ...] = ()
+
+
+# Label values known ahead (the data path's, see llmgw.gateway.observe).
+UPSTREAM_ERROR_KINDS = (
+    "connect_refused", "connect_timeout", "reset", "first_byte_timeout", "read_timeout", "bad_response", "status_5xx",
+)
+ADMISSION_OUTCOMES = (
+    ("admitted", ""), ("queued", ""), ("dequeued", ""),
+    ("rejected", "queue_full"), ("rejected", "queue_timeout"), ("rejected", "evicted"), ("rejected", "client_gone"),
+)
+BREAKER_STATES = ("closed", "open", "half_open")
+
+
+def _zeros(values: Mapping[Any, int], keys: Iterable[Any]) -> dict[Any, int]:
+    out = dict.fromkeys(keys, 0)
+    out.update(values)
+    return out
 
 
 def _counter(name: str, doc: str, labels: list[str], values: Mapping[Any, int]) -> Metric:
@@ -292,7 +338,6 @@ def breaker_state(ep: Any) -> str | None:
     return str(state).lower().replace("-", "_")
 
 
-_BREAKER_VALUE = {"open": 1.0, "half_open": 0.5, "closed": 0.0}
 
 
 def _number(ep: Any, name: str) -> float | None:
@@ -339,7 +384,15 @@ class FleetCollector(Collector):
             "llmgw_endpoint_metrics_stale",
             "1 when the replica's engine metrics are missing or older than scrape.stale_after.",
         )
-        breaker = gauge("llmgw_endpoint_breaker_open", "Circuit breaker: 1 open, 0.5 half-open (probing), 0 closed.")
+        breaker = gauge(
+            "llmgw_endpoint_breaker_open",
+            "1 while the replica's circuit breaker is open (no requests), else 0 (closed, or half-open: probing).",
+        )
+        breaker_state_ = GaugeMetricFamily(
+            "llmgw_endpoint_breaker_state",
+            "1 on the replica's current circuit-breaker state (closed, open, half_open), 0 on the others.",
+            labels=[*labels, "state"],
+        )
         failures = gauge("llmgw_endpoint_consecutive_failures", "Failed attempts on the replica since its last success.")
         scrapes = CounterMetricFamily(
             "llmgw_scrapes_total", "Scrapes of the replica's metrics page, by result (ok, failed).",
@@ -359,7 +412,9 @@ class FleetCollector(Collector):
             failures.add_metric(lv, ep.consecutive_failures)
             state = breaker_state(ep)
             if state is not None:
-                breaker.add_metric(lv, _BREAKER_VALUE.get(state, 1.0))
+                breaker.add_metric(lv, 1.0 if state == "open" else 0.0)
+                for st in BREAKER_STATES:
+                    breaker_state_.add_metric([*lv, st], 1.0 if st == state else 0.0)
             rate = _number(ep, "drain_rate")
             if rate is not None:
                 drain.add_metric(lv, rate)
@@ -380,7 +435,8 @@ class FleetCollector(Collector):
             if k is not None:
                 kv.add_metric(lv, k)
         yield from (
-            info, inflight, waiting, running, kv, drain, latency, draining, stale, breaker, failures, scrapes, scrape_time
+            info, inflight, waiting, running, kv, drain, latency, draining, stale, breaker, breaker_state_, failures,
+            scrapes, scrape_time,
         )
 
         adm = admission_source(self.registry, self.admission)
@@ -484,7 +540,11 @@ class RuntimeCollector(Collector):
         )
         build.add_metric([__version__, sys.version.split()[0], _extensions()], 1.0)
         yield build
-        conns = GaugeMetricFamily("llmgw_connections", "Open client connections, by listener.", labels=["listener"])
+        conns = GaugeMetricFamily(
+            "llmgw_connections",
+            "Open connections, by listener (gateway: the client port; admin: the admin port, scrapes included).",
+            labels=["listener"],
+        )
         rejected = CounterMetricFamily(
             "llmgw_connections_rejected_total", "Connections refused at the connection limit or during shutdown.",
             labels=["listener"],
