@@ -139,3 +139,18 @@ def test_stand_in_errors_are_the_real_classes():
         nvml.nvmlDeviceGetTotalEnergyConsumption(nvml.nvmlDeviceGetHandleByIndex(0))
     assert info.value.value == 3
     nvml.nvmlShutdown()
+
+
+def test_diagnostic_main_prints_json(capsys):
+    import json
+
+    from llmgw.agent.discovery.__main__ import main
+
+    assert main(["--source", "simulated", "--reads", "2", "--interval", "0"]) == 0
+    out = capsys.readouterr().out
+    decoder = json.JSONDecoder()
+    first, end = decoder.raw_decode(out)
+    second, _ = decoder.raw_decode(out[end:].lstrip())
+    assert first["source"] == "simulated" and first["read"] == 0 and second["read"] == 1
+    assert first["gpus"][0]["name"] == SIMULATED_NAME
+    assert first["gpus"][0]["parent_uuid"] is None  # absent stays null in JSON, never 0
