@@ -75,7 +75,7 @@ def test_old_driver_invalid_field_error_retried_without_it(smi_scenario, tmp_pat
     assert g.utilization_memory_ratio == 0.0 and g.memory_total_bytes == 32510 * 1024 * 1024
     assert "utilization.gpu" not in source.fields and "mig.mode.current" not in source.fields
     runs = len(log.read_text().splitlines())
-    assert runs == 3  # asked, told "utilization.gpu" (first unknown), then "mig.mode.current", then fine
+    assert runs == 3  # told "mig.mode.current" (the first unknown asked), then "utilization.gpu", then rows
     source.read()
     assert len(log.read_text().splitlines()) == runs + 1  # remembered: one run per read from now on
 

@@ -119,7 +119,6 @@ class NvmlSource:
         self._facts = facts or (lambda: NodeFacts(hostname=""))
         self._lock = threading.Lock()
         self._initialized = False
-        self._init_error: str | None = None
         self._missing: set[str] = set()  # functions the driver lacks (FunctionNotFound)
         self._known: dict[str, _Known] = {}  # by UUID, in discovery order
         self._count: int | None = None
@@ -154,7 +153,6 @@ class NvmlSource:
             return
         self._nvml.nvmlInit()
         self._initialized = True
-        self._init_error = None
         self._known.clear()
         self._count = None
         try:
@@ -203,8 +201,8 @@ class NvmlSource:
         try:
             self._init()
         except self._error as exc:
-            self._init_error = f"Failed to initialize NVML: {exc}"
-            return Discovery(facts=facts, source=self.name, errors=(self._init_error,))
+            # nvidia-smi's own words for the same failure, so both sources read alike.
+            return Discovery(facts=facts, source=self.name, errors=(f"Failed to initialize NVML: {exc}",))
         try:
             driver, cuda = self._versions()
             self._enumerate(errors)
