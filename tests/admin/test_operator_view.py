@@ -14,7 +14,18 @@ import logging
 
 import orjson
 import pytest
-from admin_helpers import Engine, admin_port, chat, client_port, families, gone, http, running, sample, wait_for
+from admin_helpers import (
+    Engine,
+    admin_port,
+    chat,
+    client_port,
+    families,
+    gone,
+    http,
+    running,
+    sample,
+    wait_for,
+)
 
 KEY = "sk-operator-canary-4b1d"
 
