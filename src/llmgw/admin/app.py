@@ -64,7 +64,7 @@ from .profiling import (
 if TYPE_CHECKING:
     from ..config import Config
     from ..fleet.registry import Registry
-    from .ports import FleetControl, Listeners
+    from .ports import FleetControl, Listeners, NodeControl
 
 __all__ = ["AdminApp", "FleetCollector", "PrometheusObserver"]
 
@@ -176,6 +176,10 @@ class AdminApp:
         """Stop the loop-lag timer (the runtime's ``stop`` may call this; it also stops on its own)."""
         if self.lag is not None:
             self.lag.stop()
+
+    def attach_nodes(self, nodes: NodeControl | None) -> None:
+        """Serve ``/admin/v1/nodes`` from this control plane (``None``: no control plane, the routes answer 404)."""
+        self.api.nodes = nodes
 
     def register_collector(self, collector: Collector) -> None:
         """Add a collector to the admin ``/metrics`` (the control plane and other parts use this)."""

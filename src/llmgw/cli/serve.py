@@ -66,7 +66,7 @@ async def _start_demo_fleet(seed: int) -> tuple[list[Any], list[EndpointConfig],
 
 
 async def _serve(cfg: Config, demo: bool) -> int:
-    from ..runtime import GatewayRuntime
+    from ..runtime import GatewayRuntime, components_for
 
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
@@ -77,9 +77,11 @@ async def _serve(cfg: Config, demo: bool) -> int:
         if demo:
             engines, endpoints, models = await _start_demo_fleet(seed=1)
             cfg = dataclasses.replace(cfg, endpoints=tuple(endpoints), models=models)
-        runtime = GatewayRuntime(cfg)
+        runtime = GatewayRuntime(cfg, components=components_for(cfg))
         try:
             await runtime.start()
+        except ConfigError as exc:
+            raise Fail(str(exc)) from None
         except OSError as exc:
             raise Fail(f"{exc.strerror or exc} (choose another address with --listen / --admin)") from None
         assert runtime.listen_addr is not None and runtime.admin_addr is not None

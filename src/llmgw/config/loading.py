@@ -196,10 +196,16 @@ def _control(problems: _Problems, c: Any, raw: Any) -> ControlConfig | None:
         problems.add(
             ("control", "heartbeat_grace"), f"must be at least control.heartbeat_interval ({c.heartbeat_interval:g}s)"
         )
+    if (c.tls_cert is None) != (c.tls_key is None):
+        missing = "tls_key" if c.tls_key is None else "tls_cert"
+        problems.add(("control", missing), "is required with " + ("tls_cert" if missing == "tls_key" else "tls_key"))
+    if c.tls_client_ca is not None and c.tls_cert is None:
+        problems.add(("control", "tls_client_ca"), "needs tls_cert and tls_key (mutual TLS is TLS first)")
     tokens = tuple(e.value for e in c.join_token_env) if c.join_token_env else (c.join_token or ())
     return ControlConfig(
         listen=c.listen, join_tokens=tokens, heartbeat_interval=c.heartbeat_interval, heartbeat_grace=grace,
-        database=c.database,
+        database=c.database, tls_cert=c.tls_cert, tls_key=c.tls_key, tls_client_ca=c.tls_client_ca,
+        allow_insecure=c.allow_insecure,
     )
 
 
