@@ -204,7 +204,7 @@ async def test_wrong_token_is_refused_and_never_logged(agents, caplog: pytest.Lo
     caplog.set_level(logging.INFO, logger="llmgw")
     async with control_runtime(port) as rt:
         a = agents(port, "intruder", _spec("x"), token=bad)
-        assert await a.wait() == 1
+        assert await a.wait(timeout=30) == 1
         err = a.stderr()
         assert "UNAUTHENTICATED" in err and "wrong join token" in err
         assert bad not in err and TOKEN not in err
@@ -220,7 +220,7 @@ async def test_incompatible_protocol_is_refused_clearly_on_both_sides(agents, ca
     caplog.set_level(logging.INFO, logger="llmgw")
     async with control_runtime(port) as rt:
         a = agents(port, "future", _spec("f"), "--protocol-major", "2")
-        assert await a.wait() == 1
+        assert await a.wait(timeout=30) == 1
         err = a.stderr()
         assert "FAILED_PRECONDITION" in err and "incompatible wire protocol" in err and "2.0" in err
         assert "future" not in await _nodes(rt)

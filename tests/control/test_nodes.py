@@ -86,3 +86,49 @@ def test_absent_readings_have_no_sample() -> None:
     for fam in ("llmgw_gpu_utilization_ratio", "llmgw_gpu_temperature_celsius", "llmgw_gpu_power_watts",
                 "llmgw_gpu_memory_used_bytes", "llmgw_gpu_ecc_errors_total", "llmgw_gpu_sm_clock_hertz"):
         assert f"{fam}{{" not in text, fam
+
+
+async def test_own_text_renderer_matches_prometheus_client_and_caches_per_node() -> None:
+    import asyncio
+
+    c = Clock()
+    m = _map(c, grace=15.0)
+    specs = [{"hostname": f"h{i}", "gpus": h100s(8, chr(97 + i % 26))} for i in range(40)]
+    specs[3]["gpus"][0]["name"] = 'odd "name" \\ with\nnewline'  # type: ignore[index]
+    states = [m.register(f"n{i}", peer="p", agent_version="1", protocol=(1, 0), discovery=discovery_of(s))[0]
+              for i, s in enumerate(specs)]
+    col = ClusterCollector(m, ControlStats(), slice_s=0.0)  # yield at every chance
+    reg = CollectorRegistry(auto_describe=False)
+    reg.register(col)
+
+    def norm(text: str) -> dict:  # type: ignore[type-arg]
+        return {k: v for k, v in parse(text).items()
+                if k[0] not in ("llmgw_cluster_collect_duration_seconds",)}
+
+    other_ran = 0
+
+    async def other() -> None:
+        nonlocal other_ran
+        while True:
+            other_ran += 1
+            await asyncio.sleep(0)
+
+    task = asyncio.create_task(other())
+    ours = (await col.render_text()).decode()
+    task.cancel()
+    assert other_ran > 1, "render_text must yield to the loop"
+    assert norm(ours) == norm(generate_latest(reg).decode())
+    assert col.rebuilt == 40
+    await col.render_text()
+    assert col.rebuilt == 40  # nothing changed: every node from the cache
+    m.heartbeat(states[0].node_id, 1, states[0].discovery)
+    c.advance(1)
+    await col.render_text()
+    assert col.rebuilt == 41  # only the node that heartbeat
+    c.advance(20)  # all past grace (node 0 too): readings go, cache follows the state
+    text = (await col.render_text()).decode()
+    assert "llmgw_gpu_info{" not in text and text.count("llmgw_node_up{") == 40
+    assert norm(text) == norm(generate_latest(reg).decode())
+    m.deregister(states[5].node_id)
+    text = (await col.render_text()).decode()
+    assert 'node="n5"' not in text

@@ -283,7 +283,7 @@ class ControlPlane:
             from .collector import ClusterCollector
 
             self._collector = ClusterCollector(self.nodes, self.stats)
-            self.admin.register_collector(self._collector)
+            self.admin.register_text_collector(self._collector)
             self.admin.attach_nodes(self)
         log.info(
             "control plane listening on %s://%s:%d (heartbeat every %gs, grace %gs%s)",
