@@ -144,3 +144,11 @@ def test_tls_config_rules() -> None:
 
 def _with(cfg: Any, control: Any) -> Any:
     return dataclasses.replace(cfg, control=control)
+
+
+def test_a_control_plane_alone_is_something_to_serve() -> None:
+    from llmgw.config import load
+    from llmgw.config.loading import serve_problems
+
+    assert serve_problems(load({"control": {"listen": "127.0.0.1:1", "join_token": "t"}})) == []
+    assert serve_problems(load({}))  # still refused: nothing to serve

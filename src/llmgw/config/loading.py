@@ -296,9 +296,10 @@ def serve_problems(cfg: Config, line: int | None = None) -> list[ConfigProblem]:
 
     A file can be valid and still describe no gateway (an empty file is a valid
     configuration of defaults): ``check-config`` and ``serve`` both ask this, so
-    what one refuses the other refuses with the same words.
+    what one refuses the other refuses with the same words. A control plane
+    (``control:``) is something to serve without endpoints: its nodes come first.
     """
-    if not cfg.endpoints:
+    if not cfg.endpoints and cfg.control is None:
         return [
             ConfigProblem(
                 "endpoints", "no endpoints configured; add at least one (see docs/config.md)", cfg.source, line

@@ -38,7 +38,7 @@ if TYPE_CHECKING:
     from .nodes import NodeMap, NodeState
     from .service import ControlStats
 
-__all__ = ["FAMILIES", "GPU_HEALTH_STATES", "ClusterCollector", "node_samples"]
+__all__ = ["FAMILIES", "GPU_HEALTH_STATES", "ClusterCollector", "node_samples", "node_text"]
 
 _AS_OF = " (as of the node's last heartbeat)"
 _N = ("node",)
@@ -178,25 +178,103 @@ def node_samples(st: NodeState, is_up: bool) -> list[Sample]:
 
 
 def _escape(v: str) -> str:
-    return v.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+    if "\\" in v or '"' in v or "\n" in v:
+        return v.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+    return v
 
 
-def _sample_names() -> list[str]:
-    return [f.name + "_total" if f.type == "counter" else f.name for f in FAMILIES]
+def _num(v: float) -> str:
+    """A sample value as Prometheus text (``repr`` is exact and parses; non-finite spelled out)."""
+    if v == v and v not in (_INF, -_INF):
+        return repr(v)
+    return floatToGoString(v)
 
 
-_SAMPLE_NAMES = _sample_names()
-_HEADERS = [f"# HELP {f.name}{'_total' if f.type == 'counter' else ''} {f.help}\n"
-            f"# TYPE {f.name}{'_total' if f.type == 'counter' else ''} {f.type}\n".encode() for f in FAMILIES]
+_INF = float("inf")
+_SAMPLE_NAMES = [f.name + "_total" if f.type == "counter" else f.name for f in FAMILIES]
+_HEADERS = [f"# HELP {n} {f.help}\n# TYPE {n} {f.type}\n".encode() for n, f in zip(_SAMPLE_NAMES, FAMILIES, strict=True)]
+# per family: 'name{k1="%s",k2="%s"} %s\n'
+_TEMPLATES = [n + "{" + ",".join(f'{k}="%s"' for k in f.labels) + "} %s\n" for n, f in zip(_SAMPLE_NAMES, FAMILIES, strict=True)]
 
 
-def _lines(samples: list[Sample]) -> dict[int, bytes]:
-    """Prometheus text lines of ``samples``, by family."""
+def node_text(st: NodeState, is_up: bool) -> dict[int, bytes]:
+    """The same samples as :func:`node_samples` as Prometheus text lines, by family (the fast path:
+    label prefixes built once per node and GPU, no intermediate tuples)."""
+    d = st.discovery
+    f = d.facts
+    n = _escape(st.name)
+    nl = f'node="{n}"'
     parts: dict[int, list[str]] = {}
-    for idx, values, v in samples:
-        labels = ",".join(f'{k}="{_escape(x)}"' for k, x in zip(FAMILIES[idx].labels, values, strict=True))
-        parts.setdefault(idx, []).append(f"{_SAMPLE_NAMES[idx]}{{{labels}}} {floatToGoString(v)}\n")
-    return {idx: "".join(lines).encode() for idx, lines in parts.items()}
+
+    def put(idx: int, line: str) -> None:
+        lst = parts.get(idx)
+        if lst is None:
+            parts[idx] = [line]
+        else:
+            lst.append(line)
+
+    N = _SAMPLE_NAMES
+    put(_I["llmgw_node_info"], _TEMPLATES[_I["llmgw_node_info"]] % (
+        n, _escape(f.hostname), _escape(st.agent_version or f.agent_version or ""), _escape(f.driver_version or ""),
+        _escape(f.cuda_driver_version or ""), _escape(d.source), "1.0"))
+    put(_I["llmgw_node_up"], f"{N[_I['llmgw_node_up']]}{{{nl}}} {'1.0' if is_up else '0.0'}\n")
+    put(_I["llmgw_node_cordoned"], f"{N[_I['llmgw_node_cordoned']]}{{{nl}}} {'1.0' if st.cordoned else '0.0'}\n")
+    idx = _I["llmgw_node_last_heartbeat_timestamp_seconds"]
+    put(idx, f"{N[idx]}{{{nl}}} {_num(st.last_heartbeat)}\n")
+    if not is_up:
+        return {i: "".join(v).encode() for i, v in parts.items()}
+    for idx, v in ((_I["llmgw_node_cpu_cores"], f.cpu_cores), (_I["llmgw_node_memory_total_bytes"], f.memory_total_bytes),
+                   (_I["llmgw_node_memory_available_bytes"], f.memory_available_bytes)):
+        if v is not None:
+            put(idx, f"{N[idx]}{{{nl}}} {_num(float(v))}\n")
+    idx = _I["llmgw_node_discovery_errors"]
+    put(idx, f"{N[idx]}{{{nl}}} {_num(float(len(d.errors)))}\n")
+    for p in f.infiniband:
+        pl = f'{nl},device="{_escape(p.device)}",port="{p.port}"'
+        if p.rcv_bytes is not None:
+            idx = _I["llmgw_node_ib_port_receive_bytes"]
+            put(idx, f"{N[idx]}{{{pl}}} {_num(float(p.rcv_bytes))}\n")
+        if p.xmit_bytes is not None:
+            idx = _I["llmgw_node_ib_port_transmit_bytes"]
+            put(idx, f"{N[idx]}{{{pl}}} {_num(float(p.xmit_bytes))}\n")
+    for g in d.gpus:
+        gl = f'{nl},gpu_uuid="{_escape(g.uuid)}",gpu_index="{"" if g.index is None else g.index}"'
+        idx = _I["llmgw_gpu_info"]
+        put(idx, f'{N[idx]}{{{gl},gpu_model="{_escape(g.name or "")}",pci_bus_id="{_escape(g.pci_bus_id or "")}",'
+                 f'parent_gpu_uuid="{_escape(g.parent_uuid or "")}"}} 1.0\n')
+        for attr, idx, scale in _GPU_GAUGES:
+            v = getattr(g, attr)
+            if v is not None:
+                put(idx, f"{N[idx]}{{{gl}}} {_num(float(v) * scale)}\n")
+        if g.energy_joules is not None:
+            idx = _I["llmgw_gpu_energy_joules"]
+            put(idx, f"{N[idx]}{{{gl}}} {_num(float(g.energy_joules))}\n")
+        idx = _I["llmgw_gpu_ecc_errors"]
+        if g.ecc_corrected_volatile is not None:
+            put(idx, f'{N[idx]}{{{gl},error_type="corrected"}} {_num(float(g.ecc_corrected_volatile))}\n')
+        if g.ecc_uncorrected_volatile is not None:
+            put(idx, f'{N[idx]}{{{gl},error_type="uncorrected"}} {_num(float(g.ecc_uncorrected_volatile))}\n')
+        idx = _I["llmgw_gpu_xid_errors"]
+        for code, count in g.xid_errors:
+            put(idx, f'{N[idx]}{{{gl},xid="{code}"}} {_num(float(count))}\n')
+        idx = _I["llmgw_gpu_remapped_rows"]
+        if g.remapped_rows_correctable is not None:
+            put(idx, f'{N[idx]}{{{gl},kind="correctable"}} {_num(float(g.remapped_rows_correctable))}\n')
+        if g.remapped_rows_uncorrectable is not None:
+            put(idx, f'{N[idx]}{{{gl},kind="uncorrectable"}} {_num(float(g.remapped_rows_uncorrectable))}\n')
+        for idx, b in ((_I["llmgw_gpu_row_remap_pending"], g.remapped_rows_pending),
+                       (_I["llmgw_gpu_row_remap_failure"], g.remapped_rows_failure), (_I["llmgw_gpu_mig_mode"], g.mig_mode)):
+            if b is not None:
+                put(idx, f"{N[idx]}{{{gl}}} {'1.0' if b else '0.0'}\n")
+        state = GPU_HEALTH_STATES.get(g.health, g.health)
+        idx = _I["llmgw_gpu_health_state"]
+        for st_ in dict.fromkeys([*GPU_HEALTH_STATES.values(), state]):
+            put(idx, f'{N[idx]}{{{gl},state="{_escape(st_)}"}} {"1.0" if st_ == state else "0.0"}\n')
+        if g.fabric_state is not None:
+            idx = _I["llmgw_gpu_fabric_state"]
+            for st_ in dict.fromkeys([*FABRIC_STATES, g.fabric_state]):
+                put(idx, f'{N[idx]}{{{gl},state="{_escape(st_)}"}} {"1.0" if st_ == g.fabric_state else "0.0"}\n')
+    return {i: "".join(v).encode() for i, v in parts.items()}
 
 
 class _Families:
@@ -262,14 +340,14 @@ class ClusterCollector(Collector):
             key = (st.generation, nodes.is_up(st, now), st.node_id)
             hit = cache.get(st.name)
             if hit is None or hit[0] != key:
-                chunks = _lines(node_samples(st, key[1]))
+                chunks = node_text(st, key[1])
                 cache[st.name] = (key, chunks)
                 self.rebuilt += 1
             else:
                 chunks = hit[1]
             for idx, text in chunks.items():
                 per_family[idx].append(text)
-            ages.append(f'llmgw_node_heartbeat_age_seconds{{node="{_escape(st.name)}"}} {floatToGoString(st.age(now))}\n')
+            ages.append(_TEMPLATES[AGE] % (_escape(st.name), _num(st.age(now))))
             seen.add(st.name)
             if i & 15 == 15 and time.perf_counter() - slice0 > self.slice_s:
                 await asyncio.sleep(0)  # let the data path run; the node map may change meanwhile (fine)
