@@ -87,3 +87,11 @@ def test_unknown_fields_from_a_newer_peer_are_ignored() -> None:
     raw = discovery_to_proto(Discovery(facts=NodeFacts(hostname="h"), gpus=(GPU("GPU-a", power_watts=300.0),))).SerializeToString()
     m = pb.Discovery.FromString(raw + bytes([0x98, 0x06, 0x07]))  # field 99 (varint tag 0x98 0x06) = 7
     assert discovery_from_proto(m).gpus[0].power_watts == 300.0
+
+
+def test_defaults_on_the_wire_come_back() -> None:
+    """Fields at their proto3 default are not sent: they come back as the model's defaults."""
+    d = Discovery(facts=NodeFacts(hostname="", infiniband=(InfinibandPort("", 0),)), gpus=(GPU(""),))
+    back = discovery_from_proto(pb.Discovery.FromString(discovery_to_proto(d).SerializeToString()))
+    assert back.facts.hostname == "" and back.facts.infiniband == (InfinibandPort("", 0),)
+    assert back.gpus[0].uuid == "" and back.gpus[0].health == "ok" and back.source == "none"

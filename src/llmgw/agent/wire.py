@@ -121,40 +121,43 @@ def discovery_to_proto(d: Discovery) -> pb.Discovery:
 
 # -- wire -> model --
 
-def _read(msg: Any, cls: Any, skip: frozenset[str]) -> dict[str, Any]:
+def _names(cls: Any) -> frozenset[str]:
+    return frozenset(f.name for f in dataclasses.fields(cls))
+
+
+_GPU_FIELDS, _FACTS_FIELDS, _PORT_FIELDS = _names(GPU), _names(NodeFacts), _names(InfinibandPort)
+
+
+def _read(msg: Any, names: frozenset[str]) -> dict[str, Any]:
+    """The fields set on ``msg`` (PERF: ``ListFields`` lists only those, in C) that the model has;
+    repeated ones as tuples. An unset ``optional`` is left out: the model's ``None``."""
     out: dict[str, Any] = {}
-    by_name = msg.DESCRIPTOR.fields_by_name
-    for f in dataclasses.fields(cls):
-        fd = by_name.get(f.name)
-        if f.name in skip or fd is None:
-            continue
-        if fd.is_repeated:
-            out[f.name] = tuple(getattr(msg, f.name))
-        elif fd.has_presence:
-            if msg.HasField(f.name):
-                out[f.name] = getattr(msg, f.name)
-        else:
-            out[f.name] = getattr(msg, f.name)
+    for fd, value in msg.ListFields():
+        name = fd.name
+        if name in names:
+            out[name] = tuple(value) if fd.is_repeated else value
     return out
 
 
 def _gpu_from_proto(m: pb.Gpu) -> GPU:
-    kw = _read(m, GPU, _GPU_SKIP)
-    kw["health"] = m.health or "unknown"
-    return GPU(
-        **kw,
-        xid_errors=tuple((x.xid, x.count) for x in m.xid_errors),
-        errors=tuple(m.errors),
-    )
+    kw = _read(m, _GPU_FIELDS)
+    kw.setdefault("uuid", "")
+    kw["health"] = kw.get("health") or "unknown"
+    if "xid_errors" in kw:
+        kw["xid_errors"] = tuple((x.xid, x.count) for x in kw["xid_errors"])
+    return GPU(**kw)
 
 
 def discovery_from_proto(m: pb.Discovery) -> Discovery:
     """A received :class:`pb.Discovery` as the model (unset fields are ``None``)."""
-    f = m.facts
-    kw = _read(f, NodeFacts, _FACTS_SKIP)
-    ports = tuple(InfinibandPort(**_read(p, InfinibandPort, frozenset())) for p in f.infiniband)
+    kw = _read(m.facts, _FACTS_FIELDS)
+    if "infiniband" in kw:
+        kw["infiniband"] = tuple(
+            InfinibandPort(**{"device": "", "port": 0, **_read(p, _PORT_FIELDS)}) for p in kw["infiniband"]
+        )
+    kw.setdefault("hostname", "")
     return Discovery(
-        facts=NodeFacts(**kw, infiniband=ports),
+        facts=NodeFacts(**kw),
         gpus=tuple(_gpu_from_proto(g) for g in m.gpus),
         source=m.source or "none",
         errors=tuple(m.errors),

@@ -329,6 +329,10 @@ class ClusterCollector(Collector):
 
     async def render_text(self) -> bytes:
         """The same families as :meth:`collect` as Prometheus text 0.0.4, node texts cached."""
+        return b"".join(await self.render_parts())
+
+    async def render_parts(self) -> list[bytes]:
+        """:meth:`render_text` in pieces (one per family, in order), to be written one after another."""
         t0 = slice0 = time.perf_counter()
         nodes = self.nodes
         now = nodes.monotonic()
@@ -355,12 +359,14 @@ class ClusterCollector(Collector):
         for name in [n for n in cache if n not in seen]:
             del cache[name]
         per_family[AGE] = ["".join(ages).encode()]
-        out = bytearray()
+        out: list[bytes] = []
         for idx, header in enumerate(_HEADERS):
-            out += header
-            out += b"".join(per_family[idx])
-        tail = generate_latest(_Families([*self._self(), self._duration(time.perf_counter() - t0)]))
-        return bytes(out) + tail
+            out.append(header + b"".join(per_family[idx]))
+            if time.perf_counter() - slice0 > self.slice_s:
+                await asyncio.sleep(0)
+                slice0 = time.perf_counter()
+        out.append(generate_latest(_Families([*self._self(), self._duration(time.perf_counter() - t0)])))
+        return out
 
     # -- the control plane's own --
 
