@@ -12,7 +12,9 @@ __all__ = [
     "accel_logger",
     "access_logger",
     "admin_logger",
+    "agent_logger",
     "config_logger",
+    "control_logger",
     "engine_logger",
     "mirror_logger",
     "scrape_logger",
@@ -30,6 +32,8 @@ admin_logger = logging.getLogger("llmgw.admin")
 engine_logger = logging.getLogger("llmgw.engine")
 mirror_logger = logging.getLogger("llmgw.mirror")
 accel_logger = logging.getLogger("llmgw.accel")
+control_logger = logging.getLogger("llmgw.control")
+agent_logger = logging.getLogger("llmgw.agent")
 
 
 def setup(level: str | int = "INFO") -> None:

@@ -43,7 +43,7 @@ from .gateway.proxy import Gateway
 from .http.server import HTTPServer, ServerLimits
 from .log import server_logger as log
 
-__all__ = ["ADMIN_LIMITS", "Component", "ComponentFactory", "GatewayRuntime", "Parts"]
+__all__ = ["ADMIN_LIMITS", "Component", "ComponentFactory", "GatewayRuntime", "Parts", "components_for", "control_plane"]
 
 # The admin listener takes small JSON bodies only (an endpoint to add).
 ADMIN_LIMITS = ServerLimits(max_body=1024 * 1024)
@@ -85,6 +85,19 @@ class Component(Protocol):
 
 
 ComponentFactory = Callable[[Parts], Component]
+
+
+def control_plane(parts: Parts) -> Component:
+    """The control plane (:class:`llmgw.control.service.ControlPlane`) as a component:
+    its collector on the admin ``/metrics``, its nodes on the management API."""
+    from .control.service import ControlPlane
+
+    return ControlPlane(parts.config, admin=parts.admin)
+
+
+def components_for(config: Config) -> list[ComponentFactory]:
+    """The components a configuration asks for: the control plane when ``control:`` is set."""
+    return [control_plane] if config.control is not None else []
 
 
 class GatewayRuntime:

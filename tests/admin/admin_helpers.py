@@ -13,7 +13,7 @@ import orjson
 from llmgw.admin.app import AdminApp
 from llmgw.config import Config, load
 from llmgw.http.server import HTTPServer
-from llmgw.runtime import GatewayRuntime
+from llmgw.runtime import GatewayRuntime, components_for
 
 VLLM_PAGE = b"""# TYPE vllm:num_requests_running gauge
 vllm:num_requests_running{engine="0",model_name="m"} 3.0
@@ -138,7 +138,8 @@ async def running(
     try:
         for e in engines:
             await e.start()
-        rt = GatewayRuntime(config if config is not None else load(config_for(engines, more or [], **extra)))
+        cfg = config if config is not None else load(config_for(engines, more or [], **extra))
+        rt = GatewayRuntime(cfg, components=components_for(cfg))
         await rt.start()
         admin = admin_of(rt)
         assert rt.gateway is not None

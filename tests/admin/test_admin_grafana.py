@@ -41,6 +41,33 @@ def documented_labels() -> dict[str, set[str]]:
     return out
 
 
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+async def _register_a_node(target: str) -> None:
+    """One node with a fully reported GPU and ECC/XID counts, so the Cluster row's families have samples."""
+    import grpc
+
+    from llmgw._proto.agent.v1 import agent_pb2_grpc
+    from llmgw.agent.model import GPU, Discovery, NodeFacts
+    from llmgw.agent.wire import PROTOCOL, discovery_to_proto, pb
+
+    gpu = GPU("GPU-1", index=0, name="H100", memory_total_bytes=80, memory_used_bytes=40, utilization_gpu_ratio=0.5,
+              ecc_corrected_volatile=0, ecc_uncorrected_volatile=0, xid_errors=((79, 1),))
+    d = Discovery(facts=NodeFacts(hostname="h"), gpus=(gpu,), source="nvml")
+    async with grpc.aio.insecure_channel(target) as ch:
+        await agent_pb2_grpc.AgentServiceStub(ch).Register(
+            pb.RegisterRequest(node_name="n1", protocol=pb.ProtocolVersion(major=PROTOCOL[0]),
+                               discovery=discovery_to_proto(d)),
+            metadata=[("authorization", "Bearer t")], timeout=5,
+        )
+
+
 def test_dashboard_structure() -> None:
     dash = json.loads(DASHBOARD.read_text())
     assert dash["title"] == "llmgw" and dash["uid"]
@@ -48,7 +75,8 @@ def test_dashboard_structure() -> None:
     ids = [p["id"] for p in ps]
     assert len(ids) == len(set(ids)), "panel ids must be unique"
     titles = " ".join(p["title"] for p in ps).lower()
-    for topic in ("requests", "time to first byte", "saturation", "queue", "breaker"):
+    for topic in ("requests", "time to first byte", "saturation", "queue", "breaker", "gpu utilisation",
+                  "gpu memory", "nodes up", "heartbeat age", "ecc"):
         assert topic in titles, topic
     for p in ps:
         g = p["gridPos"]
@@ -64,7 +92,9 @@ async def test_every_queried_metric_exists() -> None:
     dash = json.loads(DASHBOARD.read_text())
     exprs = queries(dash)
     a, b = Engine("a"), Engine("b")
-    async with running([a, b]) as rt:
+    control = {"listen": f"127.0.0.1:{_free_port()}", "join_token": "t"}
+    async with running([a, b], control=control) as rt:
+        await _register_a_node(control["listen"])
         assert rt.registry is not None
         await wait_for(lambda: all(ep.scrape_ok > 0 for ep in rt.registry.endpoints.values()))
         for stream in (False, True, False):

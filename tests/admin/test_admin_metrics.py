@@ -319,7 +319,12 @@ async def test_docs_list_every_family() -> None:
     doc = (ROOT / "docs" / "metrics.md").read_text()
     documented = set(re.findall(r"^\| `(llmgw_[a-z0-9_]+)` \|", doc, re.M))
     a = Engine("a")
-    async with running([a]) as rt:
+    import socket
+
+    with socket.socket() as sock:  # a control plane too: the cluster families are on the same page
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    async with running([a], control={"listen": f"127.0.0.1:{port}", "join_token": "t"}) as rt:
         _, text = await scrape(rt)
     # the text format names counters with their _total, as the docs do
     exported = set(re.findall(r"^# TYPE (llmgw_[a-z0-9_]+) ", text, re.M))

@@ -28,18 +28,21 @@ running configuration, the listeners: :mod:`.ports`) by the composition root,
 
 from __future__ import annotations
 
+import asyncio
 import gzip
 import hashlib
 import hmac
 import ipaddress
 import time
-from collections.abc import Awaitable, Callable, Mapping
-from typing import TYPE_CHECKING, Any
+import zlib
+from collections.abc import Awaitable, Callable, Iterable, Mapping
+from typing import TYPE_CHECKING, Any, Protocol
 from urllib.parse import parse_qs
 
 import orjson
 from prometheus_client import CollectorRegistry, GCCollector, PlatformCollector, ProcessCollector
 from prometheus_client.exposition import choose_encoder
+from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
 from ..errors import BadRequestError, NotFoundError, UnauthorizedError
@@ -64,9 +67,35 @@ from .profiling import (
 if TYPE_CHECKING:
     from ..config import Config
     from ..fleet.registry import Registry
-    from .ports import FleetControl, Listeners
+    from .ports import FleetControl, Listeners, NodeControl
 
-__all__ = ["AdminApp", "FleetCollector", "PrometheusObserver"]
+__all__ = ["AdminApp", "FleetCollector", "PrometheusObserver", "TextCollector"]
+
+
+def _gzip_parts(parts: list[bytes]) -> bytes:
+    z = zlib.compressobj(1, zlib.DEFLATED, 31)  # 31: a gzip header, like gzip.compress
+    return b"".join([*(z.compress(p) for p in parts), z.flush()])
+
+
+class _CollectorList:
+    """``collect()`` over a list of collectors (what prometheus_client's encoders read)."""
+
+    def __init__(self) -> None:
+        self.collectors: list[Any] = []
+
+    def collect(self) -> Iterable[Metric]:
+        for c in list(self.collectors):
+            yield from c.collect()
+
+
+class TextCollector(Protocol):
+    """A collector that also renders its own Prometheus text (the control plane's cluster collector)."""
+
+    def collect(self) -> Iterable[Metric]:
+        """prometheus_client families (OpenMetrics, readers of ``AdminApp.metrics``)."""
+
+    async def render_parts(self) -> list[bytes]:
+        """Its families as Prometheus text format 0.0.4 (HELP/TYPE included), in pieces to write in order."""
 
 _TEXT = ((b"content-type", b"text/plain; charset=utf-8"),)
 _GZIP_MIN = 4096  # smaller pages are not worth compressing
@@ -143,18 +172,22 @@ class AdminApp:
         self.observer.know(
             lambda: Known(tuple(registry.models()), tuple(registry.endpoints), tuple(config().admission.bands))
         )
+        # Every collector is in `metrics`; `_plain` holds all but those with their own
+        # text renderer (register_text_collector), which the text format appends.
         self.metrics = CollectorRegistry(auto_describe=False)
-        ProcessCollector(registry=self.metrics)
-        PlatformCollector(registry=self.metrics)
-        GCCollector(registry=self.metrics)
-        self.metrics.register(self.observer)
-        self.metrics.register(FleetCollector(registry, admission))
+        self._plain = _CollectorList()
+        self._text_collectors: list[TextCollector] = []
+        for c in (ProcessCollector(registry=self.metrics), PlatformCollector(registry=self.metrics),
+                  GCCollector(registry=self.metrics)):
+            self._plain.collectors.append(c)
+        self.register_collector(self.observer)
+        self.register_collector(FleetCollector(registry, admission))
         self.lag: LoopLagMonitor | None = LoopLagMonitor(stopped=listeners.admin_closing)
         try:
             self.lag.start()
         except RuntimeError:  # built outside a running loop (a unit test): no lag measurement
             self.lag = None
-        self.metrics.register(RuntimeCollector(listeners, self.lag, lambda: fleet.reloads))
+        self.register_collector(RuntimeCollector(listeners, self.lag, lambda: fleet.reloads))
         self.api = ManagementAPI(
             registry=registry, fleet=fleet, config=config, observer=self.observer, admission=admission
         )
@@ -180,13 +213,31 @@ class AdminApp:
         if self.lag is not None:
             self.lag.stop()
 
+    def attach_nodes(self, nodes: NodeControl | None) -> None:
+        """Serve ``/admin/v1/nodes`` from this control plane (``None``: no control plane, the routes answer 404)."""
+        self.api.nodes = nodes
+
     def register_collector(self, collector: Collector) -> None:
         """Add a collector to the admin ``/metrics`` (the control plane and other parts use this)."""
         self.metrics.register(collector)
+        self._plain.collectors.append(collector)
+
+    def register_text_collector(self, collector: TextCollector) -> None:
+        """Add a collector that renders its own Prometheus text (``async render_text() -> bytes``).
+
+        The text format (what Prometheus asks for by default) uses that; OpenMetrics
+        and readers of :attr:`metrics` use its ``collect()``.
+        """
+        self.metrics.register(collector)
+        self._text_collectors.append(collector)
 
     def unregister_collector(self, collector: Collector) -> None:
-        """Remove a collector added with :meth:`register_collector`."""
+        """Remove a collector added with :meth:`register_collector` or :meth:`register_text_collector`."""
         self.metrics.unregister(collector)
+        if collector in self._text_collectors:
+            self._text_collectors.remove(collector)
+        else:
+            self._plain.collectors.remove(collector)
 
     # -- reload (admin API) --
 
@@ -235,7 +286,7 @@ class AdminApp:
             elif path == b"/ready":
                 self._ready(w)
             else:
-                self._metrics(req, w)
+                return self._metrics(req, w)
             return None
         if path.startswith(b"/admin/v1"):
             self._authorize(req)
@@ -258,9 +309,32 @@ class AdminApp:
         ready, body = self.fleet.readiness()
         w.send_json(200 if ready else 503, body)
 
-    def _metrics(self, req: Request, w: ResponseWriter) -> None:
+    def _metrics(self, req: Request, w: ResponseWriter) -> Awaitable[None] | None:
         encoder, content_type = choose_encoder((req.header(b"accept") or b"").decode("latin-1"))
-        body = encoder(self.metrics)
+        if self._text_collectors and content_type.startswith("text/plain"):
+            return self._metrics_text(req, w, encoder, content_type)
+        self._send_metrics(req, w, encoder(self.metrics), content_type)
+        return None
+
+    async def _metrics_text(self, req: Request, w: ResponseWriter, encoder: Any, content_type: str) -> None:
+        # PERF: a cluster's page is megabytes: its parts are written one after another
+        # (no join), and compressed off the loop (zlib releases the GIL).
+        parts = [encoder(self._plain)]
+        for c in list(self._text_collectors):
+            parts.extend(await c.render_parts())
+        total = sum(map(len, parts))
+        headers = [(b"content-type", content_type.encode())]
+        if total >= _GZIP_MIN and b"gzip" in (req.header(b"accept-encoding") or b""):
+            body = await asyncio.to_thread(_gzip_parts, parts)
+            headers.append((b"content-encoding", b"gzip"))
+            w.send(200, body, headers)
+            return
+        w.start(200, headers, content_length=total)
+        for part in parts:
+            w.write(part)
+        w.end()
+
+    def _send_metrics(self, req: Request, w: ResponseWriter, body: bytes, content_type: str) -> None:
         headers = [(b"content-type", content_type.encode())]
         if len(body) >= _GZIP_MIN and b"gzip" in (req.header(b"accept-encoding") or b""):
             body = gzip.compress(body, compresslevel=1)

@@ -16,6 +16,14 @@ Routes::
     POST   /admin/v1/endpoints/{id}/undrain take requests again
     POST   /admin/v1/reload                 re-read the config file
     GET    /admin/v1/queues                 admission queues per priority band
+    GET    /admin/v1/nodes                  the control plane's nodes: state, heartbeat age, facts
+    GET    /admin/v1/nodes/{name}           one node with its GPUs
+    POST   /admin/v1/nodes/{name}/cordon    no new replicas go there
+    POST   /admin/v1/nodes/{name}/uncordon
+    GET    /admin/v1/gpus                   every GPU of every node
+
+The node routes need a control plane in the process (``control:``); without one
+they answer 404 saying so.
 """
 
 from __future__ import annotations
@@ -39,7 +47,7 @@ if TYPE_CHECKING:
     from ..config import Config
     from ..fleet.registry import Endpoint, Registry
     from .metrics import PrometheusObserver
-    from .ports import FleetControl
+    from .ports import FleetControl, NodeControl
 
 __all__ = ["ManagementAPI", "endpoint_state", "endpoint_view", "reload_answer"]
 
@@ -53,6 +61,11 @@ ROUTES = (
     "POST /admin/v1/endpoints/{id}/undrain",
     "POST /admin/v1/reload",
     "GET /admin/v1/queues",
+    "GET /admin/v1/nodes",
+    "GET /admin/v1/nodes/{name}",
+    "POST /admin/v1/nodes/{name}/cordon",
+    "POST /admin/v1/nodes/{name}/uncordon",
+    "GET /admin/v1/gpus",
 )
 
 
@@ -246,6 +259,8 @@ class ManagementAPI:
         self.config = config
         self.observer = observer
         self.admission = admission
+        self.nodes: NodeControl | None = None
+        """The control plane's nodes (attached by the control plane when it starts)."""
 
     def _endpoint(self, endpoint_id: str) -> Endpoint:
         ep: Endpoint | None = self.registry.endpoints.get(endpoint_id)
@@ -283,6 +298,8 @@ class ManagementAPI:
                 raise method_not_allowed(method, path, "POST")
             w.send_json(200, self.reload("api"))
             return None
+        elif parts[:1] in ([b"nodes"], [b"gpus"]):
+            return self.handle_nodes(parts, method, path, w)
         elif parts == [b"queues"]:
             if method not in (b"GET", b"HEAD"):
                 raise method_not_allowed(method, path, "GET")
@@ -291,6 +308,47 @@ class ManagementAPI:
         raise NotFoundError(
             f"no admin route {path.decode('latin-1')[:200]}; routes: {', '.join(ROUTES)}"
         )
+
+    # -- nodes (the control plane) --
+
+    def handle_nodes(self, parts: list[bytes], method: bytes, path: bytes, w: ResponseWriter) -> None:
+        nodes = self.nodes
+        if nodes is None:
+            raise NotFoundError(
+                "this llmgw runs no control plane (add a control: section to the config); no nodes here",
+                code="no_control_plane",
+            )
+        if parts == [b"gpus"]:
+            if method not in (b"GET", b"HEAD"):
+                raise method_not_allowed(method, path, "GET")
+            w.send_json(200, {"gpus": nodes.list_gpus()})
+            return None
+        if len(parts) == 1:
+            if method not in (b"GET", b"HEAD"):
+                raise method_not_allowed(method, path, "GET")
+            w.send_json(200, {"nodes": nodes.list_nodes()})
+            return None
+        name = unquote(parts[1].decode("latin-1"))
+        missing = NotFoundError(
+            f"no node {name!r}; GET /admin/v1/nodes lists them", param="name", code="node_not_found"
+        )
+        if len(parts) == 2:
+            if method not in (b"GET", b"HEAD"):
+                raise method_not_allowed(method, path, "GET")
+            view = nodes.node(name)
+            if view is None:
+                raise missing
+            w.send_json(200, view)
+            return None
+        if len(parts) == 3 and parts[2] in (b"cordon", b"uncordon"):
+            if method != b"POST":
+                raise method_not_allowed(method, path, "POST")
+            view = nodes.set_cordoned(name, parts[2] == b"cordon")
+            if view is None:
+                raise missing
+            w.send_json(200, view)
+            return None
+        raise NotFoundError(f"no admin route {path.decode('latin-1')[:200]}; routes: {', '.join(ROUTES)}")
 
     def reload(self, trigger: str) -> dict[str, Any]:
         """Re-read the config file (:func:`reload_answer`)."""

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 if TYPE_CHECKING:
     from ..config import Config, EndpointConfig
 
-__all__ = ["FleetControl", "Listener", "Listeners"]
+__all__ = ["FleetControl", "Listener", "Listeners", "NodeControl"]
 
 
 class FleetControl(Protocol):
@@ -48,6 +48,24 @@ class FleetControl(Protocol):
 
     def readiness(self) -> tuple[bool, dict[str, Any]]:
         """Whether every configured model has a usable replica, and the body for ``/ready``."""
+
+
+class NodeControl(Protocol):
+    """The control plane's nodes, as the management API reads and changes them
+    (:class:`llmgw.control.service.ControlPlane` implements it and attaches itself with
+    :meth:`llmgw.admin.app.AdminApp.attach_nodes`)."""
+
+    def list_nodes(self) -> list[dict[str, Any]]:
+        """Every node without its GPUs (``gpu_count`` instead)."""
+
+    def list_gpus(self) -> list[dict[str, Any]]:
+        """Every GPU of every node, each with ``node`` and ``node_state``."""
+
+    def node(self, name: str) -> dict[str, Any] | None:
+        """One node with its GPUs; ``None`` when there is no such node."""
+
+    def set_cordoned(self, name: str, cordoned: bool) -> dict[str, Any] | None:
+        """Cordon or uncordon; the node with ``changed``; ``None`` when there is no such node."""
 
 
 class Listener(Protocol):

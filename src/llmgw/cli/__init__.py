@@ -23,7 +23,8 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "check-config": ("llmgw.cli.config", "check_config", "Validate a config file as serve would; every problem at once."),
     "config": ("llmgw.cli.config", "config", "Check llmgw.yaml, or print its JSON Schema for editors."),
     "mirror": ("llmgw.cli.mirror", "mirror", "Keep model files in a verified, content-addressed mirror."),
-    "ctl": ("llmgw.cli.ctl", "ctl", "Drive a running gateway: list, drain and undrain endpoints, reload config."),
+    "ctl": ("llmgw.cli.ctl", "ctl", "Drive a running gateway: endpoints, nodes and GPUs, drain, cordon, reload."),
+    "agent": ("llmgw.cli.agent", "agent", "Run the node agent: report this node's GPUs to a control plane."),
 }
 
 

@@ -5,6 +5,9 @@
     llmgw ctl undrain gpu0-llama
     llmgw ctl reload                    re-read the config file (like SIGHUP)
     llmgw ctl queues                    admission queues per priority band
+    llmgw ctl nodes                     the control plane's nodes: state, heartbeat age, GPUs
+    llmgw ctl gpus                      every GPU of every node: memory, utilisation, power, health
+    llmgw ctl cordon NODE / uncordon NODE   no new replicas to a node / again
 
 ``--admin URL`` (``$LLMGW_ADMIN``, default ``http://127.0.0.1:9090``) and
 ``--token`` (``$LLMGW_ADMIN_TOKEN``) pick the gateway; ``--json`` prints the API's
@@ -183,6 +186,8 @@ def ctl(ctx: click.Context, admin: str | None, token: str | None, as_json: bool 
       llmgw ctl drain ID / undrain ID stop / resume sending new requests to a replica
       llmgw ctl reload                re-read the config file without dropping connections
       llmgw ctl queues                admission queues per priority band
+      llmgw ctl nodes / gpus          the control plane's nodes and their GPUs
+      llmgw ctl cordon NODE           no new replicas to a node (uncordon NODE: again)
     """
     ctx.obj = Target(admin or DEFAULT_ADMIN, token or None, bool(as_json))
 
@@ -315,6 +320,132 @@ def queues(ctx: click.Context, admin: str | None, token: str | None, as_json: bo
     sat = data.get("pool_saturation") or {}
     if sat:
         console.print("saturation: " + ", ".join(f"{m} {v * 100:.0f}%" for m, v in sat.items()))
+
+
+_NODE_STYLE = {"up": "green", "unhealthy": "red"}
+_GIB = 1024**3
+
+
+def _age(v: Any) -> str:
+    return ABSENT if v is None else f"{v:.1f}s"
+
+
+def _gib(v: Any) -> str:
+    return ABSENT if v is None else f"{v / _GIB:.1f}"
+
+
+def _unit(v: Any, unit: str, digits: int = 0) -> str:
+    return ABSENT if v is None else f"{v:.{digits}f}{unit}"
+
+
+@ctl.command()
+@_options(group=False)
+@click.pass_context
+def nodes(ctx: click.Context, admin: str | None, token: str | None, as_json: bool | None) -> None:
+    """List the control plane's nodes: state, heartbeat age, GPUs, versions.
+
+    A node is unhealthy when nothing was heard from it within the heartbeat grace.
+    """
+    t = _target(ctx, admin, token, as_json)
+    data = t.call("GET", "/admin/v1/nodes")
+    if t.as_json:
+        _print_json(data)
+        return
+    from rich.table import Table
+
+    rows = data.get("nodes", [])
+    console = _console()
+    if not rows:
+        console.print("no nodes registered (start llmgw agent on a node)")
+        return
+    table = Table(box=None, pad_edge=False, header_style="bold")
+    for col, justify in (("NODE", "left"), ("STATE", "left"), ("HOST", "left"), ("GPUS", "right"),
+                         ("SOURCE", "left"), ("HEARTBEAT", "right"), ("AGENT", "left"), ("DRIVER", "left"),
+                         ("CUDA", "left"), ("ERRORS", "right")):
+        table.add_column(col, justify=justify, no_wrap=True)  # type: ignore[arg-type]
+    for n in rows:
+        state = str(n.get("state", "?"))
+        shown = f"[{_NODE_STYLE.get(state, 'white')}]{state}[/]" + (" [yellow]cordoned[/]" if n.get("cordoned") else "")
+        facts = n.get("facts") or {}
+        table.add_row(
+            str(n.get("name")), shown, str(n.get("hostname") or ABSENT), _fmt(n.get("gpu_count")),
+            str(n.get("gpu_source") or ABSENT), _age(n.get("heartbeat_age_s")), str(n.get("agent_version") or ABSENT),
+            str(facts.get("driver_version") or ABSENT), str(facts.get("cuda_driver_version") or ABSENT),
+            _fmt(len(n.get("errors") or [])),
+        )
+    console.print(table)
+
+
+@ctl.command()
+@_options(group=False)
+@click.pass_context
+def gpus(ctx: click.Context, admin: str | None, token: str | None, as_json: bool | None) -> None:
+    """List every GPU of every node with its latest readings.
+
+    Readings not reported (e.g. utilisation on a MIG-enabled GPU) show as –, never 0; so do
+    those of a node past its heartbeat grace (its last readings are not current).
+    """
+    t = _target(ctx, admin, token, as_json)
+    data = t.call("GET", "/admin/v1/gpus")
+    if t.as_json:
+        _print_json(data)
+        return
+    from rich.table import Table
+
+    rows = data.get("gpus", [])
+    console = _console()
+    if not rows:
+        console.print("no GPUs reported (no nodes, or nodes without GPUs)")
+        return
+    table = Table(box=None, pad_edge=False, header_style="bold")
+    for col, justify in (("NODE", "left"), ("IDX", "right"), ("UUID", "left"), ("MODEL", "left"),
+                         ("MEM USED GiB", "right"), ("MEM TOTAL GiB", "right"), ("UTIL", "right"),
+                         ("TEMP", "right"), ("POWER", "right"), ("HEALTH", "left")):
+        table.add_column(col, justify=justify, no_wrap=True)  # type: ignore[arg-type]
+    for g in rows:
+        current = g.get("node_state") == "up"
+
+        def cur(key: str, g: dict[str, Any] = g, current: bool = current) -> Any:
+            return g.get(key) if current else None
+
+        health = str(g.get("health") or ABSENT) if current else f"[red]node {g.get('node_state')}[/]"
+        table.add_row(
+            str(g.get("node")), _fmt(g.get("index")), str(g.get("uuid")), str(g.get("name") or ABSENT),
+            _gib(cur("memory_used_bytes")), _gib(g.get("memory_total_bytes")),
+            _fmt(cur("utilization_gpu_ratio"), "pct") if cur("utilization_gpu_ratio") is not None else ABSENT,
+            _unit(cur("temperature_celsius"), "°C"), _unit(cur("power_watts"), " W"), health,
+        )
+    console.print(table)
+
+
+def _cordon(ctx: click.Context, node: str, cordoned: bool, t: Target) -> None:
+    verb = "cordon" if cordoned else "uncordon"
+    data = t.call("POST", f"/admin/v1/nodes/{quote(node, safe='')}/{verb}")
+    if t.as_json:
+        _print_json(data)
+        return
+    if cordoned:
+        click.echo(f"{node}: {'cordoned' if data.get('changed') else 'already cordoned'}: no new replicas go there")
+    else:
+        click.echo(f"{node}: {'uncordoned' if data.get('changed') else 'was not cordoned'}: replicas may go there")
+
+
+@ctl.command()
+@click.argument("node", metavar="NODE")
+@_options(group=False)
+@click.pass_context
+def cordon(ctx: click.Context, node: str, admin: str | None, token: str | None, as_json: bool | None) -> None:
+    """Cordon NODE: no new replicas are placed there (running ones stay)."""
+    _cordon(ctx, node, True, _target(ctx, admin, token, as_json))
+
+
+@ctl.command()
+@click.argument("node", metavar="NODE")
+@_options(group=False)
+@click.pass_context
+def uncordon(ctx: click.Context, node: str, admin: str | None, token: str | None, as_json: bool | None) -> None:
+    """Uncordon NODE: replicas may be placed there again."""
+    _cordon(ctx, node, False, _target(ctx, admin, token, as_json))
 
 
 def main() -> None:  # pragma: no cover - `python -m llmgw.cli.ctl`

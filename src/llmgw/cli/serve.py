@@ -65,21 +65,54 @@ async def _start_demo_fleet(seed: int) -> tuple[list[Any], list[EndpointConfig],
     return engines, endpoints, models
 
 
+def _demo_control(cfg: Config) -> Config:
+    """The demo's control plane: a free loopback port, a random join token, a 2 s heartbeat."""
+    import secrets
+
+    from ..config import ControlConfig
+
+    control = ControlConfig(
+        listen=("127.0.0.1", 0), join_tokens=(secrets.token_urlsafe(24),), heartbeat_interval=2.0, heartbeat_grace=6.0
+    )
+    return dataclasses.replace(cfg, control=control)
+
+
+async def _start_demo_agent(runtime: Any, cfg: Config) -> tuple[asyncio.Event, asyncio.Task[None], int] | None:
+    """One in-process agent on simulated GPUs, registered with the demo's control plane."""
+    from ..agent.client import AgentClient
+    from ..control.service import ControlPlane
+    from .agent import open_gpu_source
+
+    cp = next((c for c in runtime.components if isinstance(c, ControlPlane)), None)
+    if cp is None or cp.address is None or cfg.control is None:
+        return None
+    # llmgw.agent.discovery's simulated source where installed, else the stand-in (both say "simulated")
+    source = open_gpu_source("simulated")
+    client = AgentClient(f"127.0.0.1:{cp.address[1]}", "demo-node", cfg.control.join_tokens[0], source)
+    stop = asyncio.Event()
+    task = asyncio.create_task(client.run(stop, reason=lambda: "demo stopped"), name="llmgw demo agent")
+    return stop, task, cp.address[1]
+
+
 async def _serve(cfg: Config, demo: bool) -> int:
-    from ..runtime import GatewayRuntime
+    from ..runtime import GatewayRuntime, components_for
 
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     engines: list[Any] = []
+    agent: tuple[asyncio.Event, asyncio.Task[None], int] | None = None
     try:
         if demo:
             engines, endpoints, models = await _start_demo_fleet(seed=1)
             cfg = dataclasses.replace(cfg, endpoints=tuple(endpoints), models=models)
-        runtime = GatewayRuntime(cfg)
+            cfg = _demo_control(cfg)
+        runtime = GatewayRuntime(cfg, components=components_for(cfg))
         try:
             await runtime.start()
+        except ConfigError as exc:
+            raise Fail(str(exc)) from None
         except OSError as exc:
             raise Fail(f"{exc.strerror or exc} (choose another address with --listen / --admin)") from None
         assert runtime.listen_addr is not None and runtime.admin_addr is not None
@@ -93,6 +126,12 @@ async def _serve(cfg: Config, demo: bool) -> int:
                 eps = [ep for ep in cfg.endpoints if model in ep.models]
                 addrs = ", ".join(ep.address for ep in eps)
                 click.echo(f"  {model} (alias {', '.join(aliases)}): {len(eps)} simulated {engine} replicas at {addrs}")
+            agent = await _start_demo_agent(runtime, cfg)
+            if agent is not None:
+                click.echo(
+                    f"  control plane on grpc://127.0.0.1:{agent[2]} with one local agent, demo-node, on 2 "
+                    f"SIMULATED GPUs (llmgw ctl --admin http://{ahost}:{aport} nodes / gpus)"
+                )
         first = cfg.model_names()[0] if cfg.model_names() else "MODEL"
         key = " -H 'authorization: Bearer $LLMGW_KEY'" if cfg.auth.enabled else ""
         click.echo("try:")
@@ -112,8 +151,17 @@ async def _serve(cfg: Config, demo: bool) -> int:
         finally:
             uninstall()
         click.echo("llmgw: shutting down (finishing in-flight requests)", err=True)
+        if agent is not None:
+            agent[0].set()
+            try:
+                await asyncio.wait_for(agent[1], 5.0)
+            except Exception as exc:  # the demo agent must not hold up the shutdown
+                click.echo(f"llmgw: the demo agent stopped badly: {exc}", err=True)
+            agent = None
         await runtime.stop()
     finally:
+        if agent is not None:
+            agent[1].cancel()
         for sim in engines:
             await sim.stop()
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -132,7 +180,8 @@ def serve(config_path: str | None, listen: tuple[str, int] | None, admin: tuple[
 
     With no config file (none given and no ./llmgw.yaml) it starts a built-in
     demo fleet: simulated engines for two models, two replicas each, on free
-    loopback ports, with the gateway in front of them.
+    loopback ports, with the gateway in front of them, and a control plane with
+    one local agent on simulated GPUs (llmgw ctl nodes / gpus show them).
     """
     cfg, _path = _load(config_path)
     demo = cfg is None

@@ -196,10 +196,16 @@ def _control(problems: _Problems, c: Any, raw: Any) -> ControlConfig | None:
         problems.add(
             ("control", "heartbeat_grace"), f"must be at least control.heartbeat_interval ({c.heartbeat_interval:g}s)"
         )
+    if (c.tls_cert is None) != (c.tls_key is None):
+        missing = "tls_key" if c.tls_key is None else "tls_cert"
+        problems.add(("control", missing), "is required with " + ("tls_cert" if missing == "tls_key" else "tls_key"))
+    if c.tls_client_ca is not None and c.tls_cert is None:
+        problems.add(("control", "tls_client_ca"), "needs tls_cert and tls_key (mutual TLS is TLS first)")
     tokens = tuple(e.value for e in c.join_token_env) if c.join_token_env else (c.join_token or ())
     return ControlConfig(
         listen=c.listen, join_tokens=tokens, heartbeat_interval=c.heartbeat_interval, heartbeat_grace=grace,
-        database=c.database,
+        database=c.database, tls_cert=c.tls_cert, tls_key=c.tls_key, tls_client_ca=c.tls_client_ca,
+        allow_insecure=c.allow_insecure,
     )
 
 
@@ -290,9 +296,10 @@ def serve_problems(cfg: Config, line: int | None = None) -> list[ConfigProblem]:
 
     A file can be valid and still describe no gateway (an empty file is a valid
     configuration of defaults): ``check-config`` and ``serve`` both ask this, so
-    what one refuses the other refuses with the same words.
+    what one refuses the other refuses with the same words. A control plane
+    (``control:``) is something to serve without endpoints: its nodes come first.
     """
-    if not cfg.endpoints:
+    if not cfg.endpoints and cfg.control is None:
         return [
             ConfigProblem(
                 "endpoints", "no endpoints configured; add at least one (see docs/config.md)", cfg.source, line

@@ -274,9 +274,11 @@ class AccessLogConfig:
 
 @dataclass(frozen=True, slots=True)
 class ControlConfig:
-    """The control plane (``control:``). Reserved: validated, not used yet.
+    """The control plane (``control:``): ``llmgw serve`` runs it (docs/control-plane.md).
 
-    ``heartbeat_grace`` defaults to three heartbeat intervals.
+    ``heartbeat_grace`` defaults to three heartbeat intervals. TLS: ``tls_cert`` and
+    ``tls_key`` (PEM files) together; ``tls_client_ca`` on top makes it mutual TLS.
+    Without TLS the listener must be on loopback unless ``allow_insecure``.
     """
 
     listen: tuple[str, int]
@@ -284,6 +286,10 @@ class ControlConfig:
     heartbeat_interval: float = 5.0
     heartbeat_grace: float = 15.0
     database: str | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_client_ca: str | None = None
+    allow_insecure: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -473,10 +479,10 @@ class _MirrorIn(_In):
 
 
 class _ControlIn(_In):
-    """The control plane. Reserved: validated, not used yet."""
+    """The control plane: node agents register with it over gRPC (docs/control-plane.md)."""
 
     listen: Annotated[tuple[str, int], _HOSTPORT]
-    """HOST:PORT the control plane would listen on."""
+    """HOST:PORT of the control plane's gRPC listener for node agents."""
     join_token: Annotated[tuple[str, ...], _list_of(_SECRET, "expected a token or a list of tokens",
                                                     one_or_many=True)] | None = Field(default=None, repr=False)
     """Token(s) a node agent must present to join (prefer join_token_env)."""
@@ -487,7 +493,15 @@ class _ControlIn(_In):
     heartbeat_grace: Annotated[float, _duration(0.1)] | None = None
     """A node silent this long is lost (default: three heartbeat intervals)."""
     database: Annotated[str, _TEXT] | None = _default(ControlConfig, "database")
-    """Where the control plane would keep its state."""
+    """Where the control plane would keep its state (reserved: nothing is stored yet)."""
+    tls_cert: Annotated[str, _TEXT] | None = _default(ControlConfig, "tls_cert")
+    """PEM certificate (chain) the gRPC listener presents; with tls_key."""
+    tls_key: Annotated[str, _TEXT] | None = _default(ControlConfig, "tls_key")
+    """PEM private key of tls_cert."""
+    tls_client_ca: Annotated[str, _TEXT] | None = _default(ControlConfig, "tls_client_ca")
+    """PEM CA bundle: agents must present a certificate it signed (mutual TLS)."""
+    allow_insecure: Annotated[bool, _FLAG] = _default(ControlConfig, "allow_insecure")
+    """true: allow plaintext gRPC on a non-loopback address (join tokens travel in the clear)."""
 
 
 class _FollowIn(_In):

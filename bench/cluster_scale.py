@@ -1,0 +1,222 @@
+#!/usr/bin/env python3
+"""Cluster scale: N simulated agents with G GPUs each heartbeating against one ``llmgw serve``.
+
+Measures, for the issue's scale goal (1,000 agents x 8 GPUs every 5 s):
+
+* control-plane CPU: the serve process's utime+stime (``/proc/<pid>/stat``) over
+  ``--window`` seconds of heartbeats without scrapes, as a % of one core (goal < 10%);
+* ``/metrics`` scrape time: wall time of a full ``GET /metrics`` (Prometheus text),
+  over ``--scrapes`` scrapes, and its sample count (goal < 250 ms at ~100,000 samples);
+* event-loop holds: ``GET /health`` every 2 ms on a kept-alive connection during the
+  scrapes; the worst answer time minus the median bounds how long the loop was held
+  (goal < 10 ms).
+
+The agents are the real :class:`llmgw.agent.client.AgentClient`, all in this
+process (one gRPC channel each), on a source whose readings change on every read
+(the worst case for the per-node text cache). ``serve`` runs pinned to core 0 with
+``--pin`` (the agents on the others).
+
+    .venv/bin/python bench/cluster_scale.py                       # 1000 x 8, window 20 s
+    .venv/bin/python bench/cluster_scale.py --agents 200 --window 10 --json /tmp/cs.json
+
+Every process it starts is stopped on exit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from llmgw.agent.client import AgentClient
+from llmgw.agent.model import GPU, Discovery, NodeFacts
+
+TOKEN = "bench-join-token"
+GIB = 1024**3
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+class ChangingSource:
+    """G GPUs whose utilisation and memory change on every read."""
+
+    def __init__(self, node: int, gpus: int) -> None:
+        self.node, self.gpus, self.rng = node, gpus, random.Random(node)
+
+    def read(self) -> Discovery:
+        r = self.rng.random
+        return Discovery(
+            facts=NodeFacts(hostname=f"bench-{self.node}", cpu_cores=128, memory_total_bytes=2048 * GIB,
+                            memory_available_bytes=int(1024 * GIB * (1 + r())), driver_version="550.90.07",
+                            cuda_driver_version="12.4", agent_version="bench"),
+            gpus=tuple(GPU(
+                uuid=f"GPU-{self.node:08x}-0000-4000-8000-{i:012x}", index=i, name="NVIDIA H100 80GB HBM3",
+                pci_bus_id=f"00000000:{0x18 + i:02X}:00.0", memory_total_bytes=80 * GIB,
+                memory_used_bytes=int(80 * GIB * r()), memory_free_bytes=int(10 * GIB * r()),
+                utilization_gpu_ratio=round(r(), 2), utilization_memory_ratio=round(r(), 2),
+                temperature_celsius=float(40 + int(40 * r())), power_watts=round(100 + 600 * r(), 1),
+                power_limit_watts=700.0, energy_joules=1e6 + 1e4 * r(), sm_clock_mhz=1980.0,
+                ecc_corrected_volatile=0, ecc_uncorrected_volatile=0, mig_mode=False, nvlink_links_active=18,
+            ) for i in range(self.gpus)),
+            source="simulated",
+        )
+
+    def close(self) -> None:
+        pass
+
+
+async def get(port: int, path: str) -> tuple[float, bytes]:
+    t0 = time.perf_counter()
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(f"GET {path} HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n".encode())
+    body = await reader.read()
+    writer.close()
+    return time.perf_counter() - t0, body
+
+
+def health_pinger(port: int, stop: threading.Event, out: list[float]) -> None:
+    """GET /health every 2 ms on one kept-alive connection, in a thread of its own (not this
+    process's event loop, which is busy with the agents and the scraped page)."""
+    sock = socket.create_connection(("127.0.0.1", port))
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    f = sock.makefile("rb")
+    req = b"GET /health HTTP/1.1\r\nhost: x\r\n\r\n"
+    while not stop.is_set():
+        t0 = time.perf_counter()
+        sock.sendall(req)
+        length = 0
+        while True:
+            line = f.readline()
+            if line.lower().startswith(b"content-length:"):
+                length = int(line.split(b":")[1])
+            if line in (b"\r\n", b""):
+                break
+        f.read(length)
+        out.append(time.perf_counter() - t0)
+        time.sleep(0.002)
+    sock.close()
+
+
+async def main_async(a: argparse.Namespace) -> dict[str, Any]:
+    cport, aport, lport = free_port(), free_port(), free_port()
+    tmp = Path(tempfile.mkdtemp(prefix="llmgw-cluster-bench-"))
+    cfg = tmp / "llmgw.yaml"
+    cfg.write_text(
+        f"listen: 127.0.0.1:{lport}\nadmin: 127.0.0.1:{aport}\n"
+        f"control:\n  listen: 127.0.0.1:{cport}\n  join_token_env: BENCH_JOIN\n  heartbeat_interval: {a.interval}s\n"
+    )
+    cmd = [sys.executable, "-m", "llmgw", "--log-level", "warning", "serve", "-c", str(cfg)]
+    if a.pin:
+        cmd = ["taskset", "-c", "0", *cmd]
+    serve = subprocess.Popen(cmd, env={**os.environ, "BENCH_JOIN": TOKEN}, stdout=subprocess.DEVNULL)
+    try:
+        if a.pin:
+            os.sched_setaffinity(0, set(range(1, os.cpu_count() or 2)) or {0})
+        for _ in range(200):
+            try:
+                await get(aport, "/health")
+                break
+            except OSError:
+                await asyncio.sleep(0.05)
+        stop = asyncio.Event()
+        clients = [AgentClient(f"127.0.0.1:{cport}", f"node-{i:04d}", TOKEN, ChangingSource(i, a.gpus))
+                   for i in range(a.agents)]
+        tasks = []
+        for i, c in enumerate(clients):
+            tasks.append(asyncio.create_task(c.run(stop)))
+            if i % 50 == 49:
+                await asyncio.sleep(0.05)  # a fleet does not start in one instant
+        t_reg = time.monotonic()
+        while sum(c.registrations > 0 for c in clients) < a.agents:
+            if time.monotonic() - t_reg > 120:
+                raise SystemExit("bench: agents did not all register within 120 s")
+            await asyncio.sleep(0.2)
+        reg_s = time.monotonic() - t_reg
+        await asyncio.sleep(a.interval * 1.5)  # steady heartbeats
+        c0, w0 = cpu_seconds(serve.pid), time.monotonic()
+        await asyncio.sleep(a.window)
+        cpu_pct = 100 * (cpu_seconds(serve.pid) - c0) / (time.monotonic() - w0)
+        beats = sum(c.heartbeats for c in clients)
+        # scrapes, with /health pinged every 2 ms meanwhile
+        pings: list[float] = []
+        baseline: list[float] = []
+        pstop = threading.Event()
+        pt = threading.Thread(target=health_pinger, args=(aport, pstop, baseline), daemon=True)
+        pt.start()
+        await asyncio.sleep(1.0)
+        pstop.set()
+        pt.join()
+        pstop = threading.Event()
+        pt = threading.Thread(target=health_pinger, args=(aport, pstop, pings), daemon=True)
+        pt.start()
+        times, samples = [], 0
+        for _ in range(a.scrapes):
+            dt, body = await get(aport, "/metrics")
+            times.append(dt)
+            text = body.partition(b"\r\n\r\n")[2]
+            samples = text.count(b"\n") - text.count(b"#")  # every # is a HELP or TYPE line here
+            await asyncio.sleep(0.5)
+        pstop.set()
+        pt.join()
+        stop.set()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        med = statistics.median(baseline) if baseline else 0.0
+        return {
+            "agents": a.agents, "gpus_per_agent": a.gpus, "interval_s": a.interval, "register_all_s": round(reg_s, 2),
+            "control_plane_cpu_pct_of_a_core": round(cpu_pct, 2), "heartbeats_total": beats,
+            "scrape_samples": samples,
+            "scrape_ms": {"median": round(1000 * statistics.median(times), 1), "max": round(1000 * max(times), 1),
+                          "min": round(1000 * min(times), 1)},
+            "health_ms_during_scrapes": {"median": round(1000 * statistics.median(pings), 2),
+                                         "max": round(1000 * max(pings), 2), "baseline_median": round(1000 * med, 2)},
+            "max_loop_hold_ms_estimate": round(1000 * (max(pings) - med), 2),
+        }
+    finally:
+        serve.send_signal(signal.SIGTERM)
+        try:
+            serve.wait(20)
+        except subprocess.TimeoutExpired:
+            serve.kill()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--agents", type=int, default=1000)
+    ap.add_argument("--gpus", type=int, default=8)
+    ap.add_argument("--interval", type=float, default=5.0)
+    ap.add_argument("--window", type=float, default=20.0, help="seconds of CPU measurement")
+    ap.add_argument("--scrapes", type=int, default=10)
+    ap.add_argument("--pin", action="store_true", help="serve on core 0, the agents on the rest")
+    ap.add_argument("--json", type=Path)
+    a = ap.parse_args()
+    import uvloop
+
+    res = uvloop.run(main_async(a))
+    print(json.dumps(res, indent=2))
+    if a.json:
+        a.json.write_text(json.dumps(res, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,276 @@
+"""The node agent's link to the control plane: register, heartbeat, reconnect, deregister.
+
+:class:`AgentClient` runs on the event loop. Its GPU source is injected: any
+object with ``read() -> Discovery`` and ``close()`` (:class:`GPUSource`); reads run
+in a worker thread, so a slow NVML call never stalls the loop.
+
+* Register, then heartbeat on the interval the control plane answered, each
+  sleep jittered by ±10% (a fleet restarted together does not beat in step).
+* The control plane away (UNAVAILABLE, a deadline): reconnect with exponential
+  backoff and full jitter, capped at one heartbeat interval, so agents are back
+  within about an interval of the control plane's return. A heartbeat answered
+  NOT_FOUND (the control plane restarted and forgot the node) registers again at
+  once: same name, same node.
+* Refusals that retrying cannot fix (UNAUTHENTICATED: wrong join token;
+  FAILED_PRECONDITION: incompatible protocol; INVALID_ARGUMENT) end the run with
+  :class:`AgentRefused`, the control plane's message in it.
+* ``stop`` set (SIGTERM): deregister (bounded), close the channel and the source.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import grpc
+
+from .. import __version__
+from .._proto.agent.v1 import agent_pb2_grpc
+from ..log import agent_logger as log
+from .model import Discovery, NodeFacts
+from .wire import CLIENT_OPTIONS, PROTOCOL, TOKEN_METADATA, compatible, discovery_to_proto, pb
+
+__all__ = ["AgentClient", "AgentRefused", "GPUSource", "TLSFiles", "channel_credentials"]
+
+CALL_TIMEOUT = 10.0
+_FATAL = (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.INVALID_ARGUMENT,
+          grpc.StatusCode.PERMISSION_DENIED)
+
+
+class GPUSource(Protocol):
+    """Where the agent's readings come from (``llmgw.agent.discovery.open_source`` makes the real ones)."""
+
+    def read(self) -> Discovery:
+        """One reading of the node and its GPUs (failures are in it, not raised)."""
+
+    def close(self) -> None:
+        """Release the library/handles."""
+
+
+class AgentRefused(Exception):
+    """The control plane refused this agent for a reason retrying cannot fix."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass(frozen=True)
+class TLSFiles:
+    """The agent's TLS: the CA to trust (``None``: the system's), and a client pair for mutual TLS."""
+
+    ca: str | None = None
+    cert: str | None = None
+    key: str | None = None
+
+
+def channel_credentials(tls: TLSFiles) -> grpc.ChannelCredentials:
+    def read(path: str | None) -> bytes | None:
+        if path is None:
+            return None
+        with open(path, "rb") as f:
+            return f.read()
+
+    return grpc.ssl_channel_credentials(
+        root_certificates=read(tls.ca), private_key=read(tls.key), certificate_chain=read(tls.cert)
+    )
+
+
+class AgentClient:
+    """One agent's link (module docstring).
+
+    Args:
+        target: the control plane, ``HOST:PORT``.
+        name: this node's name.
+        token: the join token.
+        source: the GPU source (closed when :meth:`run` returns).
+        credentials: TLS channel credentials; ``None``: plaintext.
+        protocol: the wire protocol to announce (tests announce others).
+        backoff_initial: the first reconnect delay, seconds (doubles up to one interval).
+    """
+
+    def __init__(
+        self,
+        target: str,
+        name: str,
+        token: str,
+        source: GPUSource,
+        *,
+        credentials: grpc.ChannelCredentials | None = None,
+        protocol: tuple[int, int] = PROTOCOL,
+        backoff_initial: float = 0.1,
+        rng: random.Random | None = None,
+        on_registered: Callable[[pb.RegisterResponse], None] | None = None,
+    ) -> None:
+        self.target = target
+        self.name = name
+        self.token = token
+        self.source = source
+        self.credentials = credentials
+        self.protocol = protocol
+        self.backoff_initial = backoff_initial
+        self.rng = rng or random.Random()
+        self.on_registered = on_registered
+        self.interval = 5.0
+        self.node_id: str | None = None
+        self.sequence = 0
+        self.registrations = 0
+        self.heartbeats = 0
+        self.cordoned = False
+        self._channel: grpc.aio.Channel | None = None
+        self._stub: Any = None
+        self._metadata = ((TOKEN_METADATA, f"Bearer {token}"),)
+
+    # -- plumbing --
+
+    def _connect(self) -> Any:
+        if self._stub is None:
+            opts = [*CLIENT_OPTIONS]
+            if self.credentials is not None:
+                self._channel = grpc.aio.secure_channel(self.target, self.credentials, options=opts)
+            else:
+                self._channel = grpc.aio.insecure_channel(self.target, options=opts)
+            self._stub = agent_pb2_grpc.AgentServiceStub(self._channel)
+        return self._stub
+
+    async def _disconnect(self) -> None:
+        ch, self._channel, self._stub = self._channel, None, None
+        if ch is not None:
+            await ch.close()
+
+    async def _read(self) -> Discovery:
+        try:
+            return await asyncio.to_thread(self.source.read)
+        except Exception as exc:  # a source must not raise; if one does, report it, never zeros
+            log.exception("the GPU source failed; reporting the error instead of readings")
+            import socket
+
+            return Discovery(facts=NodeFacts(hostname=socket.gethostname(), agent_version=__version__),
+                             errors=(f"GPU source failed: {type(exc).__name__}: {exc}",))
+
+    async def _sleep(self, stop: asyncio.Event, seconds: float) -> bool:
+        """Sleep, or return True at once when ``stop`` is set."""
+        try:
+            await asyncio.wait_for(stop.wait(), timeout=max(0.0, seconds))
+            return True
+        except asyncio.TimeoutError:
+            return False
+
+    def _jittered(self) -> float:
+        return self.interval * self.rng.uniform(0.9, 1.1)
+
+    # -- calls --
+
+    async def register(self) -> pb.RegisterResponse:
+        """One Register call (raises :class:`grpc.aio.AioRpcError` or :class:`AgentRefused`)."""
+        discovery = await self._read()
+        req = pb.RegisterRequest(
+            node_name=self.name, agent_version=__version__,
+            protocol=pb.ProtocolVersion(major=self.protocol[0], minor=self.protocol[1]),
+            discovery=discovery_to_proto(discovery),
+        )
+        resp: pb.RegisterResponse = await self._connect().Register(req, metadata=self._metadata, timeout=CALL_TIMEOUT)
+        theirs = resp.protocol.major
+        if not compatible(theirs):
+            raise AgentRefused(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"incompatible wire protocol: the control plane at {self.target} (llmgw {resp.control_plane_version}) "
+                f"speaks {theirs}.{resp.protocol.minor}, this agent (llmgw {__version__}) speaks "
+                f"{PROTOCOL[0]}.{PROTOCOL[1]}; run agent and control plane of the same major version",
+            )
+        self.node_id = resp.node_id
+        self.interval = resp.heartbeat_interval_seconds or self.interval
+        self.sequence = 0
+        self.registrations += 1
+        log.info(
+            "registered with %s as %s (node id %s, control plane llmgw %s, heartbeat every %gs)",
+            self.target, self.name, resp.node_id, resp.control_plane_version, self.interval,
+        )
+        if self.on_registered is not None:
+            self.on_registered(resp)
+        return resp
+
+    async def heartbeat(self) -> pb.HeartbeatResponse:
+        assert self.node_id is not None
+        discovery = await self._read()
+        self.sequence += 1
+        req = pb.HeartbeatRequest(
+            node_id=self.node_id, node_name=self.name, sequence=self.sequence, discovery=discovery_to_proto(discovery)
+        )
+        resp: pb.HeartbeatResponse = await self._connect().Heartbeat(req, metadata=self._metadata, timeout=CALL_TIMEOUT)
+        self.heartbeats += 1
+        if resp.heartbeat_interval_seconds > 0:
+            self.interval = resp.heartbeat_interval_seconds
+        self.cordoned = resp.cordoned
+        return resp
+
+    async def deregister(self, reason: str, timeout: float = 2.0) -> bool:
+        if self.node_id is None:
+            return False
+        req = pb.DeregisterRequest(node_id=self.node_id, node_name=self.name, reason=reason)
+        try:
+            resp = await self._connect().Deregister(req, metadata=self._metadata, timeout=timeout)
+        except grpc.aio.AioRpcError as exc:
+            log.warning("deregistering from %s failed (%s: %s)", self.target, exc.code().name, exc.details())
+            return False
+        log.info("deregistered from %s (%s)", self.target, reason)
+        return bool(resp.removed)
+
+    # -- the loop --
+
+    async def run(self, stop: asyncio.Event, reason: Callable[[], str] = lambda: "stopped") -> None:
+        """Register and heartbeat until ``stop`` is set; then deregister.
+
+        Raises:
+            AgentRefused: wrong token, incompatible protocol, invalid name.
+        """
+        delay = self.backoff_initial
+        registered = False
+        retry = False  # the last call failed: try again after the backoff, not after another interval
+        last_error: str | None = None
+        try:
+            while not stop.is_set():
+                try:
+                    if not registered:
+                        await self.register()
+                        registered = True
+                    else:
+                        if not retry and await self._sleep(stop, self._jittered()):
+                            break
+                        retry = False
+                        await self.heartbeat()
+                    delay = self.backoff_initial
+                    if last_error is not None:
+                        log.info("control plane at %s reachable again", self.target)
+                        last_error = None
+                except grpc.aio.AioRpcError as exc:
+                    code = exc.code()
+                    if code in _FATAL:
+                        raise AgentRefused(code, exc.details() or code.name) from None
+                    if code == grpc.StatusCode.NOT_FOUND:
+                        log.warning("the control plane does not know this node (it restarted?): registering again")
+                        registered = False
+                        continue
+                    msg = f"{code.name}: {exc.details()}"
+                    if msg != last_error:
+                        log.warning("control plane at %s: %s; retrying with backoff", self.target, msg)
+                        last_error = msg
+                    await self._disconnect()
+                    retry = True
+                    # full jitter, capped at one interval: back within about an interval of its return
+                    if await self._sleep(stop, self.rng.uniform(0.5, 1.0) * min(delay, self.interval)):
+                        break
+                    delay = min(delay * 2, self.interval)
+            if registered:
+                await self.deregister(reason())
+        finally:
+            await self._disconnect()
+            try:
+                self.source.close()
+            except Exception:
+                log.exception("closing the GPU source failed")
+
+

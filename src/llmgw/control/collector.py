@@ -1,0 +1,409 @@
+"""The cluster on the admin ``/metrics``: families computed at scrape time from the node map.
+
+No ticker and no copy: each scrape walks the node map (reference fleet.md §1.5).
+Values are as of each node's last heartbeat (every HELP says so). A reading the
+agent did not report has no sample. A node past its grace keeps ``llmgw_node_up 0``,
+its info and its last-heartbeat timestamp; its GPU and node readings stop being
+exported. Removed nodes and GPUs vanish (families are built per scrape).
+
+Every GPU series is labelled ``node``, ``gpu_uuid``, ``gpu_index`` (``""`` when the
+index was not reported); the hardware model is only on ``llmgw_gpu_info`` as
+``gpu_model`` (``model`` means the LLM on this page).
+
+Two renderings of the same samples (:func:`node_samples` makes them, once):
+
+* :meth:`ClusterCollector.collect`: prometheus_client families (OpenMetrics, and
+  anything reading the registry);
+* :meth:`ClusterCollector.render_text`: llmgw's own Prometheus text (format 0.0.4)
+  for the admin ``/metrics``: each node's sample lines are cached and rebuilt only
+  when a heartbeat, a cordon or the grace changed them, and the walk yields to the
+  event loop every few milliseconds, so a scrape of a large cluster never holds
+  the data path up.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.exposition import generate_latest
+from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
+
+if TYPE_CHECKING:
+    from .nodes import NodeMap, NodeState
+    from .service import ControlStats
+
+__all__ = ["FAMILIES", "GPU_HEALTH_STATES", "ClusterCollector", "node_samples", "node_text"]
+
+_AS_OF = " (as of the node's last heartbeat)"
+_N = ("node",)
+_GPU = ("node", "gpu_uuid", "gpu_index")
+
+# model health -> exported state (fleet.md §1.5 names)
+GPU_HEALTH_STATES = {"ok": "healthy", "degraded": "degraded", "error": "unhealthy"}
+FABRIC_STATES = ("not_supported", "not_started", "in_progress", "completed")
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    type: str  # "gauge" or "counter" (name without _total; samples get it)
+    help: str
+    labels: tuple[str, ...]
+
+
+FAMILIES: tuple[Family, ...] = (
+    Family("llmgw_node_info", "gauge", "A registered node (1); labels describe it" + _AS_OF,
+           ("node", "hostname", "agent_version", "driver_version", "cuda_driver_version", "gpu_source")),
+    Family("llmgw_node_up", "gauge", "1 if the node's last heartbeat is within the grace, else 0", _N),
+    Family("llmgw_node_cordoned", "gauge", "1 if an operator cordoned the node", _N),
+    Family("llmgw_node_last_heartbeat_timestamp_seconds", "gauge",
+           "When the node's last heartbeat arrived, Unix seconds on the control plane's clock", _N),
+    Family("llmgw_node_heartbeat_age_seconds", "gauge", "Seconds since the node's last heartbeat, at this scrape", _N),
+    Family("llmgw_node_cpu_cores", "gauge", "Logical CPU cores" + _AS_OF, _N),
+    Family("llmgw_node_memory_total_bytes", "gauge", "Node memory, bytes" + _AS_OF, _N),
+    Family("llmgw_node_memory_available_bytes", "gauge", "Node memory available, bytes" + _AS_OF, _N),
+    Family("llmgw_node_discovery_errors", "gauge", "Node-level discovery failures in the last reading" + _AS_OF, _N),
+    Family("llmgw_node_ib_port_receive_bytes", "counter", "InfiniBand/RoCE bytes received" + _AS_OF,
+           ("node", "device", "port")),
+    Family("llmgw_node_ib_port_transmit_bytes", "counter", "InfiniBand/RoCE bytes sent" + _AS_OF,
+           ("node", "device", "port")),
+    Family("llmgw_gpu_info", "gauge", "A GPU or MIG device (1); labels describe it" + _AS_OF,
+           (*_GPU, "gpu_model", "pci_bus_id", "parent_gpu_uuid")),
+    Family("llmgw_gpu_memory_total_bytes", "gauge", "GPU memory, bytes" + _AS_OF, _GPU),
+    Family("llmgw_gpu_memory_used_bytes", "gauge", "GPU memory in use, bytes" + _AS_OF, _GPU),
+    Family("llmgw_gpu_memory_free_bytes", "gauge", "GPU memory free, bytes" + _AS_OF, _GPU),
+    Family("llmgw_gpu_utilization_ratio", "gauge",
+           "GPU utilisation 0-1: the fraction of time a kernel ran (absent on MIG-enabled GPUs)" + _AS_OF, _GPU),
+    Family("llmgw_gpu_memory_bandwidth_utilization_ratio", "gauge",
+           "GPU memory-bandwidth utilisation 0-1 (time memory was read or written, not memory used)" + _AS_OF, _GPU),
+    Family("llmgw_gpu_temperature_celsius", "gauge", "GPU temperature, degrees Celsius" + _AS_OF, _GPU),
+    Family("llmgw_gpu_power_watts", "gauge", "GPU power draw, watts" + _AS_OF, _GPU),
+    Family("llmgw_gpu_power_limit_watts", "gauge", "GPU power limit, watts" + _AS_OF, _GPU),
+    Family("llmgw_gpu_sm_clock_hertz", "gauge", "GPU SM clock, hertz" + _AS_OF, _GPU),
+    Family("llmgw_gpu_nvlink_active_links", "gauge", "NVLink links active" + _AS_OF, _GPU),
+    Family("llmgw_gpu_energy_joules", "counter", "GPU energy since the driver loaded, joules" + _AS_OF, _GPU),
+    Family("llmgw_gpu_ecc_errors", "counter", "ECC errors since the driver loaded (volatile)" + _AS_OF,
+           (*_GPU, "error_type")),
+    Family("llmgw_gpu_xid_errors", "counter", "XID events the agent saw since it started" + _AS_OF, (*_GPU, "xid")),
+    Family("llmgw_gpu_remapped_rows", "gauge", "Rows remapped, by the kind of error" + _AS_OF, (*_GPU, "kind")),
+    Family("llmgw_gpu_row_remap_pending", "gauge", "1 if a row remap is pending (needs a GPU reset)" + _AS_OF, _GPU),
+    Family("llmgw_gpu_row_remap_failure", "gauge", "1 if a row remap failed" + _AS_OF, _GPU),
+    Family("llmgw_gpu_mig_mode", "gauge", "1 if MIG mode is on" + _AS_OF, _GPU),
+    Family("llmgw_gpu_health_state", "gauge",
+           "1 on the GPU's current health state (healthy, degraded, unhealthy)" + _AS_OF, (*_GPU, "state")),
+    Family("llmgw_gpu_fabric_state", "gauge", "1 on the GPU's NVSwitch fabric state" + _AS_OF, (*_GPU, "state")),
+)
+_IDX = {f.name: i for i, f in enumerate(FAMILIES)}
+AGE = _IDX["llmgw_node_heartbeat_age_seconds"]
+
+# (GPU attribute, family, scale)
+_GPU_GAUGES = tuple((attr, _IDX[name], scale) for attr, name, scale in (
+    ("memory_total_bytes", "llmgw_gpu_memory_total_bytes", 1.0),
+    ("memory_used_bytes", "llmgw_gpu_memory_used_bytes", 1.0),
+    ("memory_free_bytes", "llmgw_gpu_memory_free_bytes", 1.0),
+    ("utilization_gpu_ratio", "llmgw_gpu_utilization_ratio", 1.0),
+    ("utilization_memory_ratio", "llmgw_gpu_memory_bandwidth_utilization_ratio", 1.0),
+    ("temperature_celsius", "llmgw_gpu_temperature_celsius", 1.0),
+    ("power_watts", "llmgw_gpu_power_watts", 1.0),
+    ("power_limit_watts", "llmgw_gpu_power_limit_watts", 1.0),
+    ("sm_clock_mhz", "llmgw_gpu_sm_clock_hertz", 1e6),
+    ("nvlink_links_active", "llmgw_gpu_nvlink_active_links", 1.0),
+))
+_I = _IDX  # short alias below
+
+Sample = tuple[int, tuple[str, ...], float]
+
+
+def node_samples(st: NodeState, is_up: bool) -> list[Sample]:
+    """Every sample of one node but its heartbeat age: ``(family index, label values, value)``."""
+    d = st.discovery
+    f = d.facts
+    n = st.name
+    out: list[Sample] = [
+        (_I["llmgw_node_info"], (n, f.hostname, st.agent_version or f.agent_version or "", f.driver_version or "",
+                                 f.cuda_driver_version or "", d.source), 1.0),
+        (_I["llmgw_node_up"], (n,), 1.0 if is_up else 0.0),
+        (_I["llmgw_node_cordoned"], (n,), 1.0 if st.cordoned else 0.0),
+        (_I["llmgw_node_last_heartbeat_timestamp_seconds"], (n,), st.last_heartbeat),
+    ]
+    if not is_up:
+        return out  # push expiry: the readings of a node past its grace are not current
+    add = out.append
+    for idx, v in ((_I["llmgw_node_cpu_cores"], f.cpu_cores), (_I["llmgw_node_memory_total_bytes"], f.memory_total_bytes),
+                   (_I["llmgw_node_memory_available_bytes"], f.memory_available_bytes)):
+        if v is not None:
+            add((idx, (n,), float(v)))
+    add((_I["llmgw_node_discovery_errors"], (n,), float(len(d.errors))))
+    for p in f.infiniband:
+        if p.rcv_bytes is not None:
+            add((_I["llmgw_node_ib_port_receive_bytes"], (n, p.device, str(p.port)), float(p.rcv_bytes)))
+        if p.xmit_bytes is not None:
+            add((_I["llmgw_node_ib_port_transmit_bytes"], (n, p.device, str(p.port)), float(p.xmit_bytes)))
+    for g in d.gpus:
+        lab = (n, g.uuid, "" if g.index is None else str(g.index))
+        add((_I["llmgw_gpu_info"], (*lab, g.name or "", g.pci_bus_id or "", g.parent_uuid or ""), 1.0))
+        for attr, idx, scale in _GPU_GAUGES:
+            v = getattr(g, attr)
+            if v is not None:
+                add((idx, lab, float(v) * scale))
+        if g.energy_joules is not None:
+            add((_I["llmgw_gpu_energy_joules"], lab, float(g.energy_joules)))
+        if g.ecc_corrected_volatile is not None:
+            add((_I["llmgw_gpu_ecc_errors"], (*lab, "corrected"), float(g.ecc_corrected_volatile)))
+        if g.ecc_uncorrected_volatile is not None:
+            add((_I["llmgw_gpu_ecc_errors"], (*lab, "uncorrected"), float(g.ecc_uncorrected_volatile)))
+        for code, count in g.xid_errors:
+            add((_I["llmgw_gpu_xid_errors"], (*lab, str(code)), float(count)))
+        if g.remapped_rows_correctable is not None:
+            add((_I["llmgw_gpu_remapped_rows"], (*lab, "correctable"), float(g.remapped_rows_correctable)))
+        if g.remapped_rows_uncorrectable is not None:
+            add((_I["llmgw_gpu_remapped_rows"], (*lab, "uncorrectable"), float(g.remapped_rows_uncorrectable)))
+        for idx, b in ((_I["llmgw_gpu_row_remap_pending"], g.remapped_rows_pending),
+                       (_I["llmgw_gpu_row_remap_failure"], g.remapped_rows_failure), (_I["llmgw_gpu_mig_mode"], g.mig_mode)):
+            if b is not None:
+                add((idx, lab, 1.0 if b else 0.0))
+        state = GPU_HEALTH_STATES.get(g.health, g.health)
+        for s in dict.fromkeys([*GPU_HEALTH_STATES.values(), state]):
+            add((_I["llmgw_gpu_health_state"], (*lab, s), 1.0 if s == state else 0.0))
+        if g.fabric_state is not None:
+            for s in dict.fromkeys([*FABRIC_STATES, g.fabric_state]):
+                add((_I["llmgw_gpu_fabric_state"], (*lab, s), 1.0 if s == g.fabric_state else 0.0))
+    return out
+
+
+def _escape(v: str) -> str:
+    if "\\" in v or '"' in v or "\n" in v:
+        return v.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+    return v
+
+
+def _num(v: float) -> str:
+    """A sample value as Prometheus text (``repr`` is exact and parses; non-finite spelled out)."""
+    if v == v and v not in (_INF, -_INF):
+        return repr(v)
+    return floatToGoString(v)
+
+
+_INF = float("inf")
+_SAMPLE_NAMES = [f.name + "_total" if f.type == "counter" else f.name for f in FAMILIES]
+_HEADERS = [f"# HELP {n} {f.help}\n# TYPE {n} {f.type}\n".encode() for n, f in zip(_SAMPLE_NAMES, FAMILIES, strict=True)]
+# per family: 'name{k1="%s",k2="%s"} %s\n'
+_TEMPLATES = [n + "{" + ",".join(f'{k}="%s"' for k in f.labels) + "} %s\n" for n, f in zip(_SAMPLE_NAMES, FAMILIES, strict=True)]
+
+
+def node_text(st: NodeState, is_up: bool) -> dict[int, bytes]:
+    """The same samples as :func:`node_samples` as Prometheus text lines, by family (the fast path:
+    label prefixes built once per node and GPU, no intermediate tuples)."""
+    d = st.discovery
+    f = d.facts
+    n = _escape(st.name)
+    nl = f'node="{n}"'
+    parts: dict[int, list[str]] = {}
+
+    def put(idx: int, line: str) -> None:
+        lst = parts.get(idx)
+        if lst is None:
+            parts[idx] = [line]
+        else:
+            lst.append(line)
+
+    N = _SAMPLE_NAMES
+    put(_I["llmgw_node_info"], _TEMPLATES[_I["llmgw_node_info"]] % (
+        n, _escape(f.hostname), _escape(st.agent_version or f.agent_version or ""), _escape(f.driver_version or ""),
+        _escape(f.cuda_driver_version or ""), _escape(d.source), "1.0"))
+    put(_I["llmgw_node_up"], f"{N[_I['llmgw_node_up']]}{{{nl}}} {'1.0' if is_up else '0.0'}\n")
+    put(_I["llmgw_node_cordoned"], f"{N[_I['llmgw_node_cordoned']]}{{{nl}}} {'1.0' if st.cordoned else '0.0'}\n")
+    idx = _I["llmgw_node_last_heartbeat_timestamp_seconds"]
+    put(idx, f"{N[idx]}{{{nl}}} {_num(st.last_heartbeat)}\n")
+    if not is_up:
+        return {i: "".join(v).encode() for i, v in parts.items()}
+    for idx, v in ((_I["llmgw_node_cpu_cores"], f.cpu_cores), (_I["llmgw_node_memory_total_bytes"], f.memory_total_bytes),
+                   (_I["llmgw_node_memory_available_bytes"], f.memory_available_bytes)):
+        if v is not None:
+            put(idx, f"{N[idx]}{{{nl}}} {_num(float(v))}\n")
+    idx = _I["llmgw_node_discovery_errors"]
+    put(idx, f"{N[idx]}{{{nl}}} {_num(float(len(d.errors)))}\n")
+    for p in f.infiniband:
+        pl = f'{nl},device="{_escape(p.device)}",port="{p.port}"'
+        if p.rcv_bytes is not None:
+            idx = _I["llmgw_node_ib_port_receive_bytes"]
+            put(idx, f"{N[idx]}{{{pl}}} {_num(float(p.rcv_bytes))}\n")
+        if p.xmit_bytes is not None:
+            idx = _I["llmgw_node_ib_port_transmit_bytes"]
+            put(idx, f"{N[idx]}{{{pl}}} {_num(float(p.xmit_bytes))}\n")
+    for g in d.gpus:
+        gl = f'{nl},gpu_uuid="{_escape(g.uuid)}",gpu_index="{"" if g.index is None else g.index}"'
+        idx = _I["llmgw_gpu_info"]
+        put(idx, f'{N[idx]}{{{gl},gpu_model="{_escape(g.name or "")}",pci_bus_id="{_escape(g.pci_bus_id or "")}",'
+                 f'parent_gpu_uuid="{_escape(g.parent_uuid or "")}"}} 1.0\n')
+        for attr, idx, scale in _GPU_GAUGES:
+            v = getattr(g, attr)
+            if v is not None:
+                put(idx, f"{N[idx]}{{{gl}}} {_num(float(v) * scale)}\n")
+        if g.energy_joules is not None:
+            idx = _I["llmgw_gpu_energy_joules"]
+            put(idx, f"{N[idx]}{{{gl}}} {_num(float(g.energy_joules))}\n")
+        idx = _I["llmgw_gpu_ecc_errors"]
+        if g.ecc_corrected_volatile is not None:
+            put(idx, f'{N[idx]}{{{gl},error_type="corrected"}} {_num(float(g.ecc_corrected_volatile))}\n')
+        if g.ecc_uncorrected_volatile is not None:
+            put(idx, f'{N[idx]}{{{gl},error_type="uncorrected"}} {_num(float(g.ecc_uncorrected_volatile))}\n')
+        idx = _I["llmgw_gpu_xid_errors"]
+        for code, count in g.xid_errors:
+            put(idx, f'{N[idx]}{{{gl},xid="{code}"}} {_num(float(count))}\n')
+        idx = _I["llmgw_gpu_remapped_rows"]
+        if g.remapped_rows_correctable is not None:
+            put(idx, f'{N[idx]}{{{gl},kind="correctable"}} {_num(float(g.remapped_rows_correctable))}\n')
+        if g.remapped_rows_uncorrectable is not None:
+            put(idx, f'{N[idx]}{{{gl},kind="uncorrectable"}} {_num(float(g.remapped_rows_uncorrectable))}\n')
+        for idx, b in ((_I["llmgw_gpu_row_remap_pending"], g.remapped_rows_pending),
+                       (_I["llmgw_gpu_row_remap_failure"], g.remapped_rows_failure), (_I["llmgw_gpu_mig_mode"], g.mig_mode)):
+            if b is not None:
+                put(idx, f"{N[idx]}{{{gl}}} {'1.0' if b else '0.0'}\n")
+        state = GPU_HEALTH_STATES.get(g.health, g.health)
+        idx = _I["llmgw_gpu_health_state"]
+        for st_ in dict.fromkeys([*GPU_HEALTH_STATES.values(), state]):
+            put(idx, f'{N[idx]}{{{gl},state="{_escape(st_)}"}} {"1.0" if st_ == state else "0.0"}\n')
+        if g.fabric_state is not None:
+            idx = _I["llmgw_gpu_fabric_state"]
+            for st_ in dict.fromkeys([*FABRIC_STATES, g.fabric_state]):
+                put(idx, f'{N[idx]}{{{gl},state="{_escape(st_)}"}} {"1.0" if st_ == g.fabric_state else "0.0"}\n')
+    return {i: "".join(v).encode() for i, v in parts.items()}
+
+
+class _Families:
+    """A ``collect()`` over a fixed list (for prometheus_client's renderer)."""
+
+    def __init__(self, families: list[Metric]) -> None:
+        self.families = families
+
+    def collect(self) -> Iterator[Metric]:
+        return iter(self.families)
+
+
+class ClusterCollector(Collector):
+    """The cluster families (module docstring) and the control plane's own counters.
+
+    Args:
+        nodes: the node map, read at every scrape.
+        stats: the control plane's counters.
+        slice_s: :meth:`render_text` yields to the event loop after this long.
+    """
+
+    def __init__(self, nodes: NodeMap, stats: ControlStats, slice_s: float = 0.005) -> None:
+        self.nodes = nodes
+        self.stats = stats
+        self.slice_s = slice_s
+        self._cache: dict[str, tuple[tuple[int, bool, str], dict[int, bytes]]] = {}
+        self.rebuilt = 0
+        """Node texts rebuilt so far (the rest came from the cache)."""
+
+    def describe(self) -> list[Metric]:
+        return []  # the registry is auto_describe=False; names are known only at scrape time
+
+    # -- prometheus_client --
+
+    def collect(self) -> Iterator[Metric]:
+        t0 = time.perf_counter()
+        fams: list[Metric] = [
+            (CounterMetricFamily if f.type == "counter" else GaugeMetricFamily)(f.name, f.help, labels=list(f.labels))
+            for f in FAMILIES
+        ]
+        nodes = self.nodes
+        now = nodes.monotonic()
+        for st in nodes:
+            for idx, labels, v in node_samples(st, nodes.is_up(st, now)):
+                fams[idx].add_metric(list(labels), v)  # type: ignore[attr-defined]
+            fams[AGE].add_metric([st.name], st.age(now))  # type: ignore[attr-defined]
+        yield from fams
+        yield from self._self()
+        yield self._duration(time.perf_counter() - t0)
+
+    # -- llmgw's own text --
+
+    async def render_text(self) -> bytes:
+        """The same families as :meth:`collect` as Prometheus text 0.0.4, node texts cached."""
+        return b"".join(await self.render_parts())
+
+    async def render_parts(self) -> list[bytes]:
+        """:meth:`render_text` in pieces (one per family, in order), to be written one after another."""
+        t0 = slice0 = time.perf_counter()
+        nodes = self.nodes
+        now = nodes.monotonic()
+        per_family: list[list[bytes]] = [[] for _ in FAMILIES]
+        ages: list[str] = []
+        seen: set[str] = set()
+        cache = self._cache
+        for i, st in enumerate(nodes):
+            key = (st.generation, nodes.is_up(st, now), st.node_id)
+            hit = cache.get(st.name)
+            if hit is None or hit[0] != key:
+                chunks = node_text(st, key[1])
+                cache[st.name] = (key, chunks)
+                self.rebuilt += 1
+            else:
+                chunks = hit[1]
+            for idx, text in chunks.items():
+                per_family[idx].append(text)
+            ages.append(_TEMPLATES[AGE] % (_escape(st.name), _num(st.age(now))))
+            seen.add(st.name)
+            if i & 15 == 15 and time.perf_counter() - slice0 > self.slice_s:
+                await asyncio.sleep(0)  # let the data path run; the node map may change meanwhile (fine)
+                slice0 = time.perf_counter()
+        for name in [n for n in cache if n not in seen]:
+            del cache[name]
+        per_family[AGE] = ["".join(ages).encode()]
+        out: list[bytes] = []
+        for idx, header in enumerate(_HEADERS):
+            out.append(header + b"".join(per_family[idx]))
+            if time.perf_counter() - slice0 > self.slice_s:
+                await asyncio.sleep(0)
+                slice0 = time.perf_counter()
+        out.append(generate_latest(_Families([*self._self(), self._duration(time.perf_counter() - t0)])))
+        return out
+
+    # -- the control plane's own --
+
+    @staticmethod
+    def _duration(seconds: float) -> Metric:
+        g = GaugeMetricFamily(
+            "llmgw_cluster_collect_duration_seconds", "How long computing the cluster families took on this scrape"
+        )
+        g.add_metric([], seconds)
+        return g
+
+    def _self(self) -> list[Metric]:
+        s = self.stats
+        nodes = GaugeMetricFamily("llmgw_control_nodes", "Registered nodes by state", labels=["state"])
+        counts = {"up": 0, "unhealthy": 0}
+        now = self.nodes.monotonic()
+        for st in self.nodes:
+            counts[self.nodes.state(st, now)] += 1
+        for k, v in counts.items():
+            nodes.add_metric([k], float(v))
+        reg = CounterMetricFamily(
+            "llmgw_control_registrations", "Registrations accepted (first ones and re-registrations)", labels=["kind"]
+        )
+        reg.add_metric(["new"], float(s.registrations - s.reregistrations))
+        reg.add_metric(["re"], float(s.reregistrations))
+        dereg = CounterMetricFamily("llmgw_control_deregistrations", "Nodes that deregistered (their agent stopped)")
+        dereg.add_metric([], float(s.deregistrations))
+        refused = CounterMetricFamily("llmgw_control_joins_refused", "Calls from agents refused, by reason", labels=["reason"])
+        for reason in dict.fromkeys(["invalid_token", "missing_token", "incompatible_version", "invalid_request",
+                                     *s.refused]):
+            refused.add_metric([reason], float(s.refused.get(reason, 0)))
+        beats = CounterMetricFamily("llmgw_control_heartbeats", "Heartbeats received")
+        beats.add_metric([], float(s.heartbeats))
+        errors = CounterMetricFamily(
+            "llmgw_control_rpc_errors", "Agent calls answered with an error, by method and gRPC status",
+            labels=["method", "code"],
+        )
+        for (method, code), v in sorted(s.rpc_errors.items()):
+            errors.add_metric([method, code], float(v))
+        return [nodes, reg, dereg, refused, beats, errors]

@@ -1,0 +1,153 @@
+"""The node map: every registered node, its last reading and when it was heard from.
+
+Plain data, no I/O. Times are the control plane's own, taken on receipt: the
+wall clock (``clock``) for timestamps people and Prometheus read, the monotonic
+clock (``monotonic``) for ages; an agent's clock is never used (skew).
+
+A node is ``up`` while its last heartbeat (or registration) is within the grace,
+``unhealthy`` past it, and up again on the next heartbeat. ``cordoned`` is a flag
+beside that state (an operator's, kept across the node's re-registrations).
+Deregistration removes the node.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+from ..agent.model import Discovery
+from ..agent.wire import node_id_for
+
+__all__ = ["NodeMap", "NodeState"]
+
+UP = "up"
+UNHEALTHY = "unhealthy"
+
+
+@dataclass
+class NodeState:
+    """One node as the control plane knows it."""
+
+    node_id: str
+    name: str
+    peer: str
+    """The agent's address as gRPC saw it (``ipv4:10.0.0.5:41234``)."""
+    agent_version: str
+    protocol: tuple[int, int]
+    discovery: Discovery
+    registered_at: float
+    """Wall clock (Unix seconds) of the latest registration, on receipt."""
+    last_heartbeat: float
+    """Wall clock of the latest heartbeat (or registration), on receipt."""
+    last_seen: float
+    """Monotonic clock of the same moment: ages are measured on it."""
+    registrations: int = 1
+    heartbeats: int = 0
+    sequence: int = 0
+    cordoned: bool = False
+    generation: int = 0
+    """Bumped on every change (a cache of what was rendered from it can compare)."""
+
+    def age(self, now: float) -> float:
+        """Seconds since it was last heard from (``now``: monotonic)."""
+        return max(0.0, now - self.last_seen)
+
+
+class NodeMap:
+    """The registered nodes by name.
+
+    Args:
+        grace: the heartbeat grace in seconds (called on each read: a reload may change it).
+        clock: wall clock (Unix seconds).
+        monotonic: the clock ages are measured on.
+    """
+
+    def __init__(
+        self,
+        grace: Callable[[], float],
+        *,
+        clock: Callable[[], float] = time.time,
+        monotonic: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.grace = grace
+        self.clock = clock
+        self.monotonic = monotonic
+        self._nodes: dict[str, NodeState] = {}
+        self._by_id: dict[str, str] = {}
+
+    def __len__(self) -> int:
+        return len(self._nodes)
+
+    def __iter__(self) -> Iterator[NodeState]:
+        return iter(list(self._nodes.values()))
+
+    def get(self, name: str) -> NodeState | None:
+        return self._nodes.get(name)
+
+    def by_id(self, node_id: str) -> NodeState | None:
+        name = self._by_id.get(node_id)
+        return self._nodes.get(name) if name is not None else None
+
+    def register(
+        self, name: str, *, peer: str, agent_version: str, protocol: tuple[int, int], discovery: Discovery
+    ) -> tuple[NodeState, bool]:
+        """Add the node, or take it back (same name: same node, same id); ``(state, created)``."""
+        wall, mono = self.clock(), self.monotonic()
+        st = self._nodes.get(name)
+        if st is None:
+            st = NodeState(
+                node_id=node_id_for(name), name=name, peer=peer, agent_version=agent_version, protocol=protocol,
+                discovery=discovery, registered_at=wall, last_heartbeat=wall, last_seen=mono,
+            )
+            self._nodes[name] = st
+            self._by_id[st.node_id] = name
+            return st, True
+        st.peer, st.agent_version, st.protocol, st.discovery = peer, agent_version, protocol, discovery
+        st.registered_at = st.last_heartbeat = wall
+        st.last_seen = mono
+        st.registrations += 1
+        st.sequence = 0
+        st.generation += 1
+        return st, False
+
+    def heartbeat(self, node_id: str, sequence: int, discovery: Discovery, peer: str | None = None) -> NodeState | None:
+        """Record a heartbeat; ``None`` when the node is not registered (register again)."""
+        st = self.by_id(node_id)
+        if st is None:
+            return None
+        st.discovery = discovery
+        st.last_heartbeat = self.clock()
+        st.last_seen = self.monotonic()
+        st.heartbeats += 1
+        st.sequence = sequence
+        if peer is not None:
+            st.peer = peer
+        st.generation += 1
+        return st
+
+    def deregister(self, node_id: str) -> NodeState | None:
+        """Remove the node; ``None`` when it was not registered."""
+        name = self._by_id.pop(node_id, None)
+        return self._nodes.pop(name, None) if name is not None else None
+
+    def set_cordoned(self, name: str, cordoned: bool) -> tuple[NodeState, bool]:
+        """Cordon or uncordon; ``(state, changed)``.
+
+        Raises:
+            KeyError: no such node.
+        """
+        st = self._nodes[name]
+        changed = st.cordoned != cordoned
+        st.cordoned = cordoned
+        if changed:
+            st.generation += 1
+        return st, changed
+
+    def is_up(self, st: NodeState, now: float | None = None) -> bool:
+        """Whether the node was heard from within the grace (``now``: monotonic)."""
+        return st.age(self.monotonic() if now is None else now) <= self.grace()
+
+    def state(self, st: NodeState, now: float | None = None) -> str:
+        """``up`` or ``unhealthy``."""
+        return UP if self.is_up(st, now) else UNHEALTHY

@@ -1,0 +1,334 @@
+"""The control plane's gRPC service and the :class:`ControlPlane` component ``llmgw serve`` plugs in.
+
+``AgentService`` (``proto/llmgw/agent/v1/agent.proto``) on ``control.listen``,
+on the process's event loop (``grpc.aio``). Every call carries the join token as
+``authorization: Bearer <token>`` metadata; tokens are kept as SHA-256 digests and
+compared in constant time. A refusal is logged with the node name and the peer
+address, never the token.
+
+Security (docs/control-plane.md): TLS with ``control.tls_cert``/``tls_key``, mutual
+TLS when ``control.tls_client_ca`` is set too (then, and only then,
+``require_client_auth=True``: with roots but without it gRPC would not even ask
+for a client certificate). Plaintext is refused off loopback unless
+``control.allow_insecure``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import ipaddress
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import grpc
+
+from .. import __version__
+from .._proto.agent.v1 import agent_pb2_grpc
+from ..agent.wire import PROTOCOL, SERVER_OPTIONS, TOKEN_METADATA, compatible, discovery_from_proto, pb
+from ..errors import ConfigError
+from ..log import control_logger as log
+from .nodes import NodeMap
+
+if TYPE_CHECKING:
+    from ..admin.app import AdminApp
+    from ..config import Config, ControlConfig
+
+__all__ = ["ControlPlane", "ControlStats"]
+
+MAX_NAME = 253
+
+
+@dataclass
+class ControlStats:
+    """The control plane's own counters (exported by the cluster collector)."""
+
+    registrations: int = 0
+    reregistrations: int = 0
+    deregistrations: int = 0
+    heartbeats: int = 0
+    refused: dict[str, int] = field(default_factory=dict)
+    """Refused joins by reason: ``invalid_token``, ``missing_token``, ``incompatible_version``, ``invalid_request``."""
+    rpc_errors: dict[tuple[str, str], int] = field(default_factory=dict)
+    """(method, status code name) -> calls answered with that error."""
+
+    def refuse(self, reason: str) -> None:
+        self.refused[reason] = self.refused.get(reason, 0) + 1
+
+    def error(self, method: str, code: grpc.StatusCode) -> None:
+        key = (method, code.name)
+        self.rpc_errors[key] = self.rpc_errors.get(key, 0) + 1
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def _read(path: str, what: str) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError as exc:
+        raise ConfigError(f"control.{what}", f"cannot read {path}: {exc.strerror or exc}") from None
+
+
+def server_credentials(c: ControlConfig) -> grpc.ServerCredentials | None:
+    """TLS (or mutual TLS) credentials from the config; ``None`` for plaintext.
+
+    Raises:
+        ConfigError: a file cannot be read, or plaintext off loopback without ``allow_insecure``.
+    """
+    if c.tls_cert is None or c.tls_key is None:
+        if not _is_loopback(c.listen[0]) and not c.allow_insecure:
+            raise ConfigError(
+                "control.listen",
+                f"{c.listen[0]} is not a loopback address and the control plane has no TLS: join tokens and node "
+                "data would travel in the clear; set control.tls_cert and control.tls_key "
+                "(or control.allow_insecure: true on a network you trust)",
+            )
+        return None
+    pair = (_read(c.tls_key, "tls_key"), _read(c.tls_cert, "tls_cert"))
+    if c.tls_client_ca is None:
+        return grpc.ssl_server_credentials([pair])
+    # SECURITY: with roots but require_client_auth=False gRPC would not even request a client
+    # certificate (cluster.md §7.6): mutual TLS needs both.
+    return grpc.ssl_server_credentials(
+        [pair], root_certificates=_read(c.tls_client_ca, "tls_client_ca"), require_client_auth=True
+    )
+
+
+class _Tokens:
+    """The join tokens as SHA-256 digests, rebuilt when a reload changes them."""
+
+    def __init__(self) -> None:
+        self._src: tuple[str, ...] | None = None
+        self._digests: tuple[bytes, ...] = ()
+
+    def check(self, tokens: tuple[str, ...], given: str) -> bool:
+        if tokens is not self._src:
+            self._src = tokens
+            self._digests = tuple(hashlib.sha256(t.encode()).digest() for t in tokens)
+        got = hashlib.sha256(given.encode()).digest()
+        ok = False
+        for d in self._digests:  # SECURITY: constant time, and no early exit that tells which matched
+            ok |= hmac.compare_digest(got, d)
+        return ok
+
+
+class AgentService(agent_pb2_grpc.AgentServiceServicer):
+    """The three RPCs over a :class:`NodeMap`."""
+
+    def __init__(self, nodes: NodeMap, control: Callable[[], ControlConfig], stats: ControlStats) -> None:
+        self.nodes = nodes
+        self.control = control
+        self.stats = stats
+        self._tokens = _Tokens()
+
+    async def _abort(self, context: Any, method: str, code: grpc.StatusCode, message: str) -> None:
+        self.stats.error(method, code)
+        await context.abort(code, message)
+
+    async def _authenticate(self, context: Any, method: str, node: str) -> None:
+        given: str | None = None
+        for key, value in context.invocation_metadata() or ():
+            if key == TOKEN_METADATA and isinstance(value, str):
+                given = value[7:].strip() if value[:7].lower() == "bearer " else value.strip()
+        if not given:
+            self.stats.refuse("missing_token")
+            log.warning("refused %s from node %r at %s: no join token", method, node, context.peer())
+            await self._abort(
+                context, method, grpc.StatusCode.UNAUTHENTICATED,
+                "no join token: the agent must send the control plane's join token (llmgw agent --token-env NAME)",
+            )
+        # SECURITY: never log or echo the token.
+        if not self._tokens.check(self.control().join_tokens, given or ""):
+            self.stats.refuse("invalid_token")
+            log.warning("refused %s from node %r at %s: wrong join token", method, node, context.peer())
+            await self._abort(
+                context, method, grpc.StatusCode.UNAUTHENTICATED,
+                "wrong join token: check the agent's --token-env variable against control.join_token",
+            )
+
+    async def Register(self, request: pb.RegisterRequest, context: Any) -> pb.RegisterResponse:
+        name = request.node_name
+        await self._authenticate(context, "Register", name)
+        peer = context.peer()
+        theirs = (request.protocol.major, request.protocol.minor)
+        if not compatible(theirs[0]):
+            self.stats.refuse("incompatible_version")
+            msg = (
+                f"incompatible wire protocol: agent {name!r} (llmgw {request.agent_version or '?'}) speaks "
+                f"llmgw.agent protocol {theirs[0]}.{theirs[1]}, this control plane (llmgw {__version__}) speaks "
+                f"{PROTOCOL[0]}.{PROTOCOL[1]}; run agent and control plane of the same major version"
+            )
+            log.error("refused Register from node %r at %s: %s", name, peer, msg)
+            await self._abort(context, "Register", grpc.StatusCode.FAILED_PRECONDITION, msg)
+        if not name or len(name) > MAX_NAME or not name.isprintable() or any(c.isspace() for c in name):
+            self.stats.refuse("invalid_request")
+            await self._abort(
+                context, "Register", grpc.StatusCode.INVALID_ARGUMENT,
+                f"node_name must be 1-{MAX_NAME} printable characters without spaces, got {name[:60]!r}",
+            )
+        discovery = discovery_from_proto(request.discovery)
+        st, created = self.nodes.register(
+            name, peer=peer, agent_version=request.agent_version, protocol=theirs, discovery=discovery
+        )
+        self.stats.registrations += 1
+        if not created:
+            self.stats.reregistrations += 1
+        log.info(
+            "node %s %sregistered from %s (agent %s, protocol %d.%d, %d GPU(s), source %s)",
+            name, "" if created else "re-", peer, request.agent_version or "?", *theirs, len(discovery.gpus),
+            discovery.source,
+        )
+        c = self.control()
+        return pb.RegisterResponse(
+            node_id=st.node_id,
+            control_plane_version=__version__,
+            protocol=pb.ProtocolVersion(major=PROTOCOL[0], minor=PROTOCOL[1]),
+            heartbeat_interval_seconds=c.heartbeat_interval,
+            heartbeat_grace_seconds=c.heartbeat_grace,
+        )
+
+    async def Heartbeat(self, request: pb.HeartbeatRequest, context: Any) -> pb.HeartbeatResponse:
+        await self._authenticate(context, "Heartbeat", request.node_name)
+        st = self.nodes.heartbeat(
+            request.node_id, request.sequence, discovery_from_proto(request.discovery), peer=context.peer()
+        )
+        if st is None:
+            await self._abort(
+                context, "Heartbeat", grpc.StatusCode.NOT_FOUND,
+                f"node {request.node_name!r} is not registered here (the control plane restarted?): register again",
+            )
+            raise AssertionError("unreachable")
+        self.stats.heartbeats += 1
+        return pb.HeartbeatResponse(heartbeat_interval_seconds=self.control().heartbeat_interval, cordoned=st.cordoned)
+
+    async def Deregister(self, request: pb.DeregisterRequest, context: Any) -> pb.DeregisterResponse:
+        await self._authenticate(context, "Deregister", request.node_name)
+        st = self.nodes.deregister(request.node_id)
+        if st is not None:
+            self.stats.deregistrations += 1
+            log.info("node %s deregistered (%s)", st.name, request.reason or "no reason given")
+        return pb.DeregisterResponse(removed=st is not None)
+
+
+class ControlPlane:
+    """The control plane as a runtime component: gRPC listener, node map, cluster collector, nodes API.
+
+    Args:
+        config: the running configuration (called per use: a reload changes tokens
+            and intervals); its ``control`` section must be set.
+        admin: the admin app: the cluster collector goes on its ``/metrics`` and the
+            node routes on its management API. ``None``: neither (a bare control plane).
+    """
+
+    name = "control plane"
+
+    def __init__(self, config: Callable[[], Config], admin: AdminApp | None = None) -> None:
+        self.config = config
+        self.admin = admin
+        self.stats = ControlStats()
+        self.nodes = NodeMap(lambda: self._control().heartbeat_grace)
+        self.service = AgentService(self.nodes, self._control, self.stats)
+        self.server: grpc.aio.Server | None = None
+        self.address: tuple[str, int] | None = None
+        self.tls = False
+        self._collector: Any = None
+        self._last: ControlConfig | None = None
+
+    def _control(self) -> ControlConfig:
+        c = self.config().control
+        if c is not None:
+            self._last = c
+        if self._last is None:
+            raise RuntimeError("the configuration has no control: section")
+        return self._last
+
+    async def start(self) -> None:
+        """Bind ``control.listen`` and serve.
+
+        Raises:
+            ConfigError: no join token, unreadable TLS files, plaintext off loopback.
+            OSError: the address cannot be bound.
+        """
+        c = self._control()
+        if not c.join_tokens:
+            raise ConfigError(
+                "control.join_token",
+                "the control plane needs a join token for agents (control.join_token_env: NAME, or join_token)",
+            )
+        creds = server_credentials(c)
+        self.tls = creds is not None
+        server = grpc.aio.server(options=list(SERVER_OPTIONS))
+        agent_pb2_grpc.add_AgentServiceServicer_to_server(self.service, server)
+        host, port = c.listen
+        addr = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        try:
+            bound = server.add_secure_port(addr, creds) if creds is not None else server.add_insecure_port(addr)
+        except RuntimeError as exc:
+            raise OSError(f"control.listen: cannot bind {addr} ({exc})") from None
+        if not bound:
+            raise OSError(f"control.listen: cannot bind {addr}")
+        await server.start()
+        self.server = server
+        self.address = (host, bound)
+        if self.admin is not None:
+            from .collector import ClusterCollector
+
+            self._collector = ClusterCollector(self.nodes, self.stats)
+            self.admin.register_text_collector(self._collector)
+            self.admin.attach_nodes(self)
+        log.info(
+            "control plane listening on %s://%s:%d (heartbeat every %gs, grace %gs%s)",
+            "grpcs" if self.tls else "grpc", host, bound, c.heartbeat_interval, c.heartbeat_grace,
+            ", mutual TLS" if c.tls_client_ca else "",
+        )
+
+    async def stop(self) -> None:
+        if self.admin is not None:
+            self.admin.attach_nodes(None)
+            if self._collector is not None:
+                self.admin.unregister_collector(self._collector)
+                self._collector = None
+        if self.server is not None:
+            await self.server.stop(1.0)
+            self.server = None
+
+    # -- the nodes API (admin.ports.NodeControl) --
+
+    def list_nodes(self) -> list[dict[str, Any]]:
+        from .views import node_view
+
+        return [node_view(self.nodes, st, gpus=False) for st in self.nodes]
+
+    def list_gpus(self) -> list[dict[str, Any]]:
+        from .views import gpu_rows
+
+        return gpu_rows(self.nodes)
+
+    def node(self, name: str) -> dict[str, Any] | None:
+        from .views import node_view
+
+        st = self.nodes.get(name)
+        return node_view(self.nodes, st, gpus=True) if st is not None else None
+
+    def set_cordoned(self, name: str, cordoned: bool) -> dict[str, Any] | None:
+        """Cordon/uncordon; the node's view with ``changed``, ``None`` when there is no such node."""
+        from .views import node_view
+
+        try:
+            st, changed = self.nodes.set_cordoned(name, cordoned)
+        except KeyError:
+            return None
+        if changed:
+            log.info("node %s %s", name, "cordoned" if cordoned else "uncordoned")
+        view = node_view(self.nodes, st, gpus=False)
+        view["changed"] = changed
+        return view

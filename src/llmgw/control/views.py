@@ -1,0 +1,68 @@
+"""Nodes and GPUs as the management API shows them (JSON-ready dicts).
+
+Absent readings are ``null``, never 0. A node past its grace keeps its last
+readings here, marked by ``state: unhealthy`` and ``heartbeat_age_s`` (``llmgw ctl``
+blanks them; ``/metrics`` stops exporting them).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from ..agent.model import GPU
+from .nodes import NodeMap, NodeState
+
+__all__ = ["gpu_rows", "gpu_view", "node_view"]
+
+
+def gpu_view(g: GPU) -> dict[str, Any]:
+    """One GPU: every field of :class:`~llmgw.agent.model.GPU` (``xid_errors`` as ``{code: count}``)."""
+    out = {f.name: getattr(g, f.name) for f in dataclasses.fields(g)}
+    out["xid_errors"] = {str(x): n for x, n in g.xid_errors}
+    out["errors"] = list(g.errors)
+    return out
+
+
+def node_view(nodes: NodeMap, st: NodeState, *, gpus: bool) -> dict[str, Any]:
+    """One node: identity, state, heartbeat times (control plane clock), facts; GPUs when ``gpus``."""
+    now = nodes.monotonic()
+    d = st.discovery
+    f = d.facts
+    facts = {k.name: getattr(f, k.name) for k in dataclasses.fields(f) if k.name != "infiniband"}
+    facts["infiniband"] = [dataclasses.asdict(p) for p in f.infiniband]
+    view: dict[str, Any] = {
+        "name": st.name,
+        "id": st.node_id,
+        "state": nodes.state(st, now),
+        "cordoned": st.cordoned,
+        "hostname": f.hostname,
+        "agent_version": st.agent_version or None,
+        "protocol": f"{st.protocol[0]}.{st.protocol[1]}",
+        "peer": st.peer,
+        "registered_at": round(st.registered_at, 3),
+        "last_heartbeat": round(st.last_heartbeat, 3),
+        "heartbeat_age_s": round(st.age(now), 3),
+        "heartbeats": st.heartbeats,
+        "registrations": st.registrations,
+        "gpu_source": d.source,
+        "gpu_count": len(d.gpus),
+        "errors": list(d.errors),
+        "facts": facts,
+    }
+    if gpus:
+        view["gpus"] = [gpu_view(g) for g in d.gpus]
+    return view
+
+
+def gpu_rows(nodes: NodeMap) -> list[dict[str, Any]]:
+    """Every GPU of every node, each with ``node``, ``node_state`` and ``heartbeat_age_s``."""
+    now = nodes.monotonic()
+    rows: list[dict[str, Any]] = []
+    for st in nodes:
+        state = nodes.state(st, now)
+        for g in st.discovery.gpus:
+            row = {"node": st.name, "node_state": state, "heartbeat_age_s": round(st.age(now), 3)}
+            row.update(gpu_view(g))
+            rows.append(row)
+    return rows

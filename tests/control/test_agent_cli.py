@@ -1,0 +1,83 @@
+"""``llmgw agent`` itself, as a process: flags, the --config file, refusals, SIGTERM."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from cp_helpers import TOKEN, api, control_runtime, free_port, wait_for
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _agent(*args: str, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "llmgw", "agent", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "JOIN": TOKEN, **(env or {})},
+    )
+
+
+async def _node(rt, name: str) -> dict | None:  # type: ignore[no-untyped-def]
+    _, body = await api(rt, "GET", "/admin/v1/nodes")
+    return next((n for n in body["nodes"] if n["name"] == name and n["state"] == "up"), None)
+
+
+async def test_agent_simulated_registers_then_sigterm_deregisters_exit_0() -> None:
+    port = free_port()
+    async with control_runtime(port) as rt:
+        p = _agent("--control", f"127.0.0.1:{port}", "--token-env", "JOIN", "--name", "cli-node",
+                   "--gpu-source", "simulated")
+        try:
+            node = await wait_for(lambda: _node(rt, "cli-node"), what="cli-node up")
+            assert node["gpu_source"] == "simulated" and node["gpu_count"] >= 1
+        finally:
+            p.send_signal(signal.SIGTERM)
+            _, err = p.communicate(timeout=15)
+        assert p.returncode == 0, err
+        assert await _node(rt, "cli-node") is None
+
+
+async def test_agent_reads_its_config_file(tmp_path: Path) -> None:
+    port = free_port()
+    cfg = tmp_path / "agent.yaml"
+    cfg.write_text(f"control: 127.0.0.1:{port}\ntoken_env: JOIN\nname: file-node\ngpu_source: none\n")
+    async with control_runtime(port) as rt:
+        p = _agent("--config", str(cfg))
+        try:
+            node = await wait_for(lambda: _node(rt, "file-node"), what="file-node up")
+            assert node["gpu_source"] == "none"
+        finally:
+            p.send_signal(signal.SIGTERM)
+            _, err = p.communicate(timeout=15)
+        assert p.returncode == 0, err
+
+
+def test_agent_refuses_what_it_cannot_do() -> None:
+    p = _agent("--control", "127.0.0.1:1", "--token-env", "NOT_SET_ANYWHERE")
+    _, err = p.communicate(timeout=30)
+    assert p.returncode == 1 and "NOT_SET_ANYWHERE" in err and "not set" in err
+    p = _agent("--control", "10.1.2.3:7070", "--token-env", "JOIN")
+    _, err = p.communicate(timeout=30)
+    assert p.returncode == 1 and "--insecure" in err and "--tls-ca" in err
+    assert TOKEN not in err
+
+
+async def test_agent_auto_discovery_reports_a_known_source() -> None:
+    """Needs GPU discovery (llmgw.agent.discovery, the other half of this issue)."""
+    pytest.importorskip("llmgw.agent.discovery")
+    from llmgw.agent.model import SOURCES
+
+    port = free_port()
+    async with control_runtime(port) as rt:
+        p = _agent("--control", f"127.0.0.1:{port}", "--token-env", "JOIN", "--name", "auto-node")
+        try:
+            node = await wait_for(lambda: _node(rt, "auto-node"), timeout=20, what="auto-node up")
+            assert node["gpu_source"] in SOURCES
+        finally:
+            p.send_signal(signal.SIGTERM)
+            p.communicate(timeout=15)
+        assert p.returncode == 0

@@ -1,0 +1,60 @@
+"""``llmgw serve`` with no config: the demo also runs a control plane with one local agent on simulated GPUs."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+from cp_helpers import free_port
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _get(url: str) -> object:
+    with urllib.request.urlopen(url, timeout=5) as r:
+        return json.loads(r.read())
+
+
+def test_demo_shows_a_simulated_node_and_its_gpus(tmp_path: Path) -> None:
+    port, admin = free_port(), free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "llmgw", "serve", "--listen", f"127.0.0.1:{port}", "--admin", f"127.0.0.1:{admin}"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    try:
+        assert proc.stdout is not None
+        lines = []
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            lines.append(line)
+            if not line or line.startswith("  curl "):
+                break
+        text = "".join(lines)
+        assert "control plane on grpc://127.0.0.1:" in text and "SIMULATED GPUs" in text, text
+        base = f"http://127.0.0.1:{admin}"
+        nodes: list[dict[str, object]] = []
+        while time.monotonic() < deadline:
+            nodes = _get(f"{base}/admin/v1/nodes")["nodes"]  # type: ignore[index]
+            if nodes:
+                break
+            time.sleep(0.1)
+        assert [n["name"] for n in nodes] == ["demo-node"] and nodes[0]["gpu_source"] == "simulated"
+        node = _get(f"{base}/admin/v1/nodes/demo-node")
+        assert node["gpus"] and all("imulated" in g["name"] for g in node["gpus"])  # type: ignore[index]
+        with urllib.request.urlopen(f"{base}/metrics", timeout=5) as r:
+            page = r.read().decode()
+        assert 'llmgw_node_up{node="demo-node"} 1.0' in page and 'gpu_source="simulated"' in page
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=20)
+    assert proc.returncode == 0, err
+    assert "node demo-node deregistered" in err
