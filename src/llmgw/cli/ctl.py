@@ -62,7 +62,10 @@ class Target:
             port = parts.port
         except ValueError:
             raise CtlError(f"--admin {self.admin!r} has an invalid port") from None
-        conn = conn_cls(parts.hostname, port, timeout=self.timeout)
+        try:
+            conn = conn_cls(parts.hostname, port, timeout=self.timeout)
+        except (ValueError, http.client.InvalidURL):  # spaces, control characters
+            raise CtlError(f"--admin {self.admin!r} is not a URL like {DEFAULT_ADMIN}") from None
         headers = {"accept": "application/json"}
         data = None
         if body is not None:
