@@ -19,7 +19,8 @@ propagate, so it can be collected separately. Under ``json`` each line also carr
 ``"level": "info"`` and ``"logger": "llmgw.access"``; its request id is ``id``.
 
 ``--log-config FILE`` (YAML or JSON) is handed to :func:`logging.config.dictConfig`
-after the above, so it may replace or add handlers and formatters;
+after the above (``disable_existing_loggers`` defaults to false there), so it may
+replace or add handlers and formatters;
 :class:`JsonFormatter` can be named there as ``llmgw.log.JsonFormatter``.
 """
 
@@ -72,6 +73,7 @@ FORMATS = ("text", "json")
 TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 _format = "text"
+_captured = False  # whether setup() turned logging.captureWarnings on
 
 
 class LogConfigError(LlmgwError, ValueError):
@@ -180,6 +182,8 @@ def load_log_config(path: str | Path) -> None:
         raise LogConfigError(
             f"--log-config {p}: expected a logging.config.dictConfig mapping with 'version: 1'"
         )
+    # dictConfig's default would silence every logger the file does not name (llmgw's among them).
+    doc.setdefault("disable_existing_loggers", False)
     try:
         logging.config.dictConfig(doc)
     except (ValueError, TypeError, AttributeError, ImportError) as exc:
@@ -199,7 +203,7 @@ def setup(level: str | int = "INFO", fmt: str = "text", config: str | Path | Non
         LogConfigError: ``config`` cannot be applied.
         ValueError: ``fmt`` is not one of :data:`FORMATS`.
     """
-    global _format
+    global _format, _captured
     if fmt not in FORMATS:
         raise ValueError(f"log format {fmt!r}: use one of {', '.join(FORMATS)}")
     _format = fmt
@@ -228,7 +232,9 @@ def setup(level: str | int = "INFO", fmt: str = "text", config: str | Path | Non
     ah.setFormatter(_AccessJsonFormatter() if fmt == "json" else logging.Formatter("%(message)s"))
 
     json_mode = fmt == "json"
-    logging.captureWarnings(json_mode)
+    if json_mode or _captured:
+        logging.captureWarnings(json_mode)
+        _captured = json_mode
     if json_mode:
         sys.excepthook = _excepthook
         threading.excepthook = _thread_excepthook

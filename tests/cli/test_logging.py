@@ -218,7 +218,6 @@ def test_log_config_file(tmp_path: Path) -> None:
     cfg.write_text(
         "version: 1\n"
         "incremental: false\n"
-        "disable_existing_loggers: false\n"
         "formatters:\n  j: {'()': llmgw.log.JsonFormatter}\n"
         f"handlers:\n  f: {{class: logging.FileHandler, filename: '{log_file}', formatter: j}}\n"
         "loggers:\n  llmgw.cli: {handlers: [f], level: INFO, propagate: false}\n"
@@ -251,3 +250,13 @@ def test_bad_log_config_is_one_line(tmp_path: Path, name: str, text: str | None,
         assert len(lines) == 1 and lines[0].startswith(f"llmgw: error: --log-config {path}: "), res.stderr
         assert needle in lines[0]
         assert any(fix in lines[0] for fix in ("fix the file", "pass a readable", "expected a")), lines[0]
+
+
+def test_log_config_does_not_silence_llmgw(tmp_path: Path) -> None:
+    """dictConfig would disable every logger the file does not name; llmgw defaults that off."""
+    cfg = tmp_path / "logging.json"
+    cfg.write_text(json.dumps({"version": 1, "root": {"level": "WARNING"}}))
+    res = run("check-config", str(tmp_path / "nope.yaml"), "--log-config", str(cfg), "--log-format", "json")
+    assert res.returncode == 1
+    (rec,) = json_lines(res.stderr)
+    assert rec["logger"] == "llmgw.cli" and "nope.yaml" in rec["message"]
