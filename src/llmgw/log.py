@@ -245,3 +245,6 @@ def setup(level: str | int = "INFO", fmt: str = "text", config: str | Path | Non
             threading.excepthook = threading.__excepthook__
     if config is not None:
         load_log_config(config)
+        if not root.handlers:
+            # The file configured the root without handlers: keep llmgw's stderr one (and its format).
+            root.addHandler(handler)
