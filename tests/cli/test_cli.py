@@ -79,5 +79,8 @@ def test_missing_config_file(tmp_path: Path) -> None:
 
 def test_bad_listen_flag() -> None:
     res = CliRunner().invoke(main, ["serve", "--listen", "nowhere"])
-    assert res.exit_code == 2
+    # Usage errors are llmgw's one-line errors too: exit 1, naming the fix.
+    assert res.exit_code == 1
     assert "HOST:PORT" in res.output
+    assert len(res.stderr.strip().splitlines()) == 1 and res.stderr.startswith("llmgw: error: ")
+    assert "serve --help')" in res.stderr

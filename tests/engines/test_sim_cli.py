@@ -78,10 +78,10 @@ def test_port_in_use_is_one_line() -> None:
 
 def test_bad_flags() -> None:
     res = CliRunner().invoke(main, ["sim-engine", "--model", "m", "--engine", "ollama"])
-    assert res.exit_code == 2
+    assert res.exit_code == 1
     assert "--engine" in res.output
     res = CliRunner().invoke(main, ["sim-engine", "--model", "m", "--kv-tokens", "5"])
-    assert res.exit_code == 2
+    assert res.exit_code == 1
     assert "--kv-tokens" in res.output
     res = CliRunner().invoke(main, ["sim-engine", "--help"])
     assert res.exit_code == 0 and "--tokens-per-second" in res.output

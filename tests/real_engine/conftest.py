@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import os
+import sys
 import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
@@ -78,8 +80,15 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     # is not cut short by the per-test timeout.
     if not any(item.get_closest_marker("real_engine") for item in session.items):
         return
+    # A first-time build takes minutes: its progress lines go to the terminal
+    # reporter, which writes to the terminal whatever the capture mode (-s or not).
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")
-    session.config.stash[_ENGINE] = find_engine(log=reporter.write_line if reporter is not None else None)
+    log = reporter.write_line if reporter is not None else _to_stderr
+    session.config.stash[_ENGINE] = find_engine(log=log)
+
+
+def _to_stderr(line: str) -> None:
+    print(line, file=sys.__stderr__, flush=True)
 
 
 @pytest.fixture(scope="session")
@@ -227,11 +236,33 @@ async def wait_idle(servers: list[LlamaServer], timeout: float = 10.0) -> None:
         await asyncio.sleep(0.05)
 
 
+async def wait_scraped(fleet: Fleet, timeout: float = 10.0) -> None:
+    """Wait until the gateway has scraped every replica once.
+
+    The poller spreads its first scrapes over one interval (``scrape.interval``, 1 s),
+    and until a replica's first scrape lands the ``score`` strategy does not count it
+    as a candidate (an unscraped replica is never taken for an idle one). A burst
+    sent in that window goes to whichever replica was scraped first: that is what
+    made ``test_burst_spreads_over_both_replicas`` see ``{'ls1': 3, 'ls0': 13}``.
+    """
+    assert fleet.rt.registry is not None
+    eps = fleet.rt.registry.endpoints
+    deadline = time.monotonic() + timeout
+    while True:
+        missing = [eid for eid, ep in eps.items() if math.isnan(ep.state.scraped_at)]
+        if not missing:
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"the gateway has not scraped {missing} after {timeout}s")
+        await asyncio.sleep(0.01)
+
+
 @pytest.fixture
 async def fleet(replicas: list[LlamaServer]) -> AsyncIterator[Fleet]:
-    """The session's two replicas, idle, with a fresh llmgw in front."""
+    """The session's two replicas, idle, with a fresh llmgw in front that has scraped both once."""
     await wait_idle(replicas)
     async with run_fleet(replicas) as f:
+        await wait_scraped(f)
         yield f
 
 

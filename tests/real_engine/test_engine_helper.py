@@ -14,6 +14,7 @@ import subprocess
 import sys
 import tarfile
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -154,8 +155,11 @@ def test_build_runs_the_readme_steps_once(fake_env: Path, monkeypatch: pytest.Mo
     ran: list[list[str]] = []
     version = llamacpp.SDIST_VERSION
 
-    def fake_run(cmd: list[str], cwd: Path, log_file: object) -> None:
+    def fake_run(cmd: list[str], cwd: Path, log_file: object, on_line: Any = None) -> None:
         ran.append(list(cmd))
+        if on_line is not None:
+            for pct in (0, 3, 3, 50, 100):
+                on_line(f"[{pct:3d}%] Building CXX object x.o\n".encode())
         if "download" in cmd:
             dest = Path(cmd[cmd.index("-d") + 1])
             dest.mkdir(parents=True)
@@ -174,7 +178,16 @@ def test_build_runs_the_readme_steps_once(fake_env: Path, monkeypatch: pytest.Mo
     monkeypatch.setattr(llamacpp, "_missing_tools", lambda: [])
     monkeypatch.setattr(llamacpp.shutil, "which", lambda name: "/usr/bin/" + name)
     cache = fake_env / "cache" / "llmgw"
-    built = find_llama_server(shared=fake_env / "no-shared", cache=cache)
+    said: list[str] = []
+    built = find_llama_server(shared=fake_env / "no-shared", cache=cache, log=said.append)
+    # Progress: what is happening and how long it takes, how to skip it, a line per stage and per percent.
+    assert "7-16 minutes" in said[0] and "LLAMA_SERVER=/path/to/llama-server" in said[0]
+    stages = [s for s in said if "] " in s and "%" not in s and s.startswith("llama-server build [")]
+    assert [s.split("]")[0] for s in stages] == ["llama-server build [1/4", "llama-server build [2/4",
+                                                  "llama-server build [3/4", "llama-server build [4/4"]
+    percents = [s.rsplit(": ", 1)[1].split("%")[0] for s in said if "%" in s and "compiling" in s]
+    assert percents == ["0", "3", "50", "100"], said
+    assert said[-1].startswith(f"built {built_path(cache)} in ")
     assert built == built_path(cache) and built.read_bytes() == FAKE_BINARY and os.access(built, os.X_OK)
     assert [c[0] for c in ran] == [sys.executable, "cmake", "cmake", "strip"]
     assert f"llama-cpp-python=={version}" in ran[0] and "--no-binary" in ran[0]
@@ -185,6 +198,17 @@ def test_build_runs_the_readme_steps_once(fake_env: Path, monkeypatch: pytest.Mo
     ran.clear()
     assert llamacpp.build_llama_server(cache) == built
     assert ran == []
+
+
+def test_run_streams_output_to_the_log_and_the_callback(tmp_path: Path) -> None:
+    lines: list[bytes] = []
+    with open(tmp_path / "log", "wb") as log_file:
+        llamacpp._run(["sh", "-c", "echo '[ 12%] Building a'; echo 'plain'; echo '[100%] Linking'"], tmp_path,
+                      log_file, on_line=lines.append)
+    assert lines == [b"[ 12%] Building a\n", b"plain\n", b"[100%] Linking\n"]
+    assert (tmp_path / "log").read_bytes().endswith(b"[100%] Linking\n")
+    with open(tmp_path / "log", "wb") as log_file, pytest.raises(llamacpp.EngineUnavailableError, match="exit status 3"):
+        llamacpp._run(["sh", "-c", "exit 3"], tmp_path, log_file)
 
 
 def test_replica_argv_has_the_flags_that_matter(tmp_path: Path) -> None:

@@ -9,6 +9,7 @@ parts are in ``test_llamacpp_scrape.py``.
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from typing import Any
 
@@ -135,6 +136,8 @@ async def test_burst_spreads_over_both_replicas(fleet: Fleet, replicas: list[Lla
     inflight: dict[str, int] = dict.fromkeys(REPLICA_IDS, 0)
     admin_inflight: dict[str, float] = {}
     eps = fleet.rt.registry.endpoints  # type: ignore[union-attr]
+    # The fixture waited for the first scrape of both: before it, score routing sees one replica only.
+    assert not any(math.isnan(ep.state.scraped_at) for ep in eps.values())
     stop = asyncio.Event()
 
     async def watch_engine(s: LlamaServer) -> None:

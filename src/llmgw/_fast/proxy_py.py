@@ -397,7 +397,8 @@ class Call(Exchange):
             ep.state.breaker.release()
         gw.observer.upstream_error(ep.id, kind)
         self.error = error
-        upstream_logger.debug("replica %s failed: %s", ep.id, error.message)
+        if upstream_logger.isEnabledFor(10):  # DEBUG; the JSON log format shows the request id
+            upstream_logger.debug("replica %s failed: %s", ep.id, error.message, extra={"request_id": self.rid})
         if self.retrying:
             gw.budget.done_retry()
             self.retrying = False

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib
 import sys
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import click
@@ -28,8 +29,95 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
 }
 
 
+# -- --log-level / --log-format / --log-config, before or after the subcommand --
+
+_LOG_META = "llmgw.log"
+_LOG_HELP = {
+    "log_level": "How much llmgw logs to stderr.",
+    "log_format": "text: 'time level logger: message' lines; json: one JSON object a line (stderr and access log).",
+    "log_config": "A logging.config.dictConfig file (YAML or JSON), applied after the above.",
+}
+
+
+def _log_options(group: bool) -> list[click.Option]:
+    """The three logging options: with defaults and env vars on the group, plain (None) on subcommands."""
+
+    def cb(ctx: click.Context, param: click.Parameter, value: Any) -> Any:
+        if value is not None and not group:
+            _apply_logging(ctx, **{str(param.name): value})
+        return value
+
+    kw: dict[str, Any] = {} if group else {"expose_value": False, "callback": cb}
+    return [
+        click.Option(
+            ["--log-level"], type=click.Choice(["debug", "info", "warning", "error"], case_sensitive=False),
+            default="info" if group else None, show_default=group, envvar="LLMGW_LOG_LEVEL" if group else None,
+            show_envvar=group, help=_LOG_HELP["log_level"], **kw,
+        ),
+        click.Option(
+            ["--log-format"], type=click.Choice(["text", "json"], case_sensitive=False),
+            default="text" if group else None, show_default=group, envvar="LLMGW_LOG_FORMAT" if group else None,
+            show_envvar=group, help=_LOG_HELP["log_format"], **kw,
+        ),
+        click.Option(
+            ["--log-config"], metavar="FILE", default=None, envvar="LLMGW_LOG_CONFIG" if group else None,
+            show_envvar=group, help=_LOG_HELP["log_config"], **kw,
+        ),
+    ]
+
+
+def _apply_logging(ctx: click.Context, **changes: Any) -> None:
+    """Merge ``changes`` into the run's logging settings and (re)apply them."""
+    from ._common import apply_logging
+
+    root = ctx.find_root()
+    settings: dict[str, Any] = root.meta.setdefault(_LOG_META, {"log_level": "info", "log_format": "text",
+                                                                 "log_config": None})
+    settings.update(changes)
+    apply_logging(settings)
+
+
+def _add_log_options(cmd: click.Command) -> None:
+    """Give ``cmd`` (and, for a group, every command under it) the subcommand form of the logging options."""
+    if getattr(cmd, "_llmgw_log_options", False):
+        return
+    names = {p.name for p in cmd.params}
+    cmd.params.extend(o for o in _log_options(group=False) if o.name not in names)
+    cmd._llmgw_log_options = True  # type: ignore[attr-defined]
+    if isinstance(cmd, click.Group):
+        for sub in cmd.commands.values():
+            _add_log_options(sub)
+
+
 class LazyGroup(click.Group):
-    """A group whose subcommands are imported on first use."""
+    """A group whose subcommands are imported on first use.
+
+    Every subcommand (and every command of a subgroup) also takes ``--log-level``,
+    ``--log-format`` and ``--log-config``, so they work after the subcommand as well;
+    errors are llmgw's one-line errors with exit status 1, and a bare ``llmgw`` prints help.
+    """
+
+    def main(self, args: Sequence[str] | None = None, prog_name: str | None = None, complete_var: str | None = None,
+             standalone_mode: bool = True, **extra: Any) -> Any:
+        argv = list(sys.argv[1:] if args is None else args)
+        if not standalone_mode:
+            return super().main(argv, prog_name, complete_var, standalone_mode=False, **extra)
+        from ._common import report_error
+
+        try:
+            rv = super().main(argv, prog_name, complete_var, standalone_mode=False, **extra)
+        except click.exceptions.NoArgsIsHelpError as exc:
+            # A bare `llmgw` (or `llmgw ctl`): help on stdout, success.
+            click.echo(exc.ctx.get_help())
+            sys.exit(0)
+        except click.ClickException as exc:
+            sys.exit(report_error(exc, argv))
+        except click.exceptions.Abort:
+            from ._common import echo_err
+
+            echo_err("llmgw: interrupted", level="error")
+            sys.exit(130)
+        sys.exit(rv if isinstance(rv, int) else 0)
 
     def list_commands(self, ctx: click.Context) -> list[str]:
         return sorted(COMMANDS)
@@ -42,6 +130,7 @@ class LazyGroup(click.Group):
         cmd = getattr(module, spec[1])
         if not isinstance(cmd, click.Command):
             raise TypeError(f"{spec[0]}.{spec[1]} is not a click command")
+        _add_log_options(cmd)
         return cmd
 
     def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
@@ -49,6 +138,12 @@ class LazyGroup(click.Group):
         rows = [(name, spec[2]) for name, spec in sorted(COMMANDS.items())]
         with formatter.section("Commands"):
             formatter.write_dl(rows)
+
+
+def _group_log_options(f: Callable[..., Any]) -> Callable[..., Any]:
+    for opt in reversed(_log_options(group=True)):
+        f.__click_params__ = [*getattr(f, "__click_params__", []), opt]  # type: ignore[attr-defined]
+    return f
 
 
 def _version_message() -> str:
@@ -68,16 +163,9 @@ def _version_message() -> str:
 
 @click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.version_option(__version__, "-V", "--version", message=_version_message())
-@click.option(
-    "--log-level",
-    type=click.Choice(["debug", "info", "warning", "error"], case_sensitive=False),
-    default="info",
-    show_default=True,
-    envvar="LLMGW_LOG_LEVEL",
-    help="How much llmgw logs to stderr.",
-)
+@_group_log_options
 @click.pass_context
-def main(ctx: click.Context, log_level: str) -> None:
+def main(ctx: click.Context, log_level: str, log_format: str, log_config: str | None) -> None:
     """llmgw: one OpenAI-compatible address in front of your own LLM fleet.
 
     \b
@@ -86,9 +174,7 @@ def main(ctx: click.Context, log_level: str) -> None:
       llmgw serve -c llmgw.yaml   run it in front of your engines
       llmgw sim-engine --help     a stand-in engine for tests and benchmarks
     """
-    from ..log import setup
-
-    setup(log_level)
+    _apply_logging(ctx, log_level=log_level, log_format=log_format, log_config=log_config)
     ctx.ensure_object(dict)
 
 

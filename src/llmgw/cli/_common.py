@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import logging
+import os
+from collections.abc import Sequence
 from typing import Any
 
 import click
@@ -10,7 +13,7 @@ import click
 from ..config import parse_hostport
 from ..errors import ConfigError
 
-__all__ = ["Fail", "hostport", "run_loop"]
+__all__ = ["Fail", "apply_logging", "echo_err", "hostport", "json_mode_for", "report_error", "run_loop"]
 
 
 class Fail(click.ClickException):
@@ -19,7 +22,78 @@ class Fail(click.ClickException):
 
     def show(self, file: Any = None) -> None:
         for line in self.message.splitlines() or [""]:
-            click.echo(f"llmgw: error: {line}", err=True)
+            echo_err(f"llmgw: error: {line}", level="error")
+
+
+def apply_logging(settings: dict[str, Any]) -> None:
+    """Set logging up from ``{"log_level", "log_format", "log_config"}``; a bad ``--log-config`` is a :class:`Fail`."""
+    from ..log import LogConfigError, setup
+
+    try:
+        setup(settings["log_level"], settings["log_format"].lower(), settings.get("log_config"))
+    except LogConfigError as exc:
+        raise Fail(str(exc)) from None
+
+
+def echo_err(text: str, level: str = "info") -> None:
+    """A line for the operator on stderr: as is, or a JSON record of ``llmgw.cli`` under ``--log-format json``.
+
+    ``text`` may start with ``llmgw: `` / ``llmgw: error: ``; the JSON record drops that prefix.
+    """
+    from ..log import cli_logger, current_format
+
+    if current_format() != "json":
+        click.echo(text, err=True)
+        return
+    for prefix in ("llmgw: error: ", "llmgw: warning: ", "llmgw: note: ", "llmgw: "):
+        if text.startswith(prefix):
+            text = text[len(prefix):]
+            break
+    cli_logger.log(logging.getLevelName(level.upper()), text)
+
+
+def json_mode_for(args: Sequence[str]) -> bool:
+    """Whether ``--log-format json`` is in force for ``args`` (before logging is set up: parse errors)."""
+    from ..log import current_format
+
+    fmt: str | None = None
+    it = iter(args)
+    for a in it:
+        if a == "--":
+            break
+        if a == "--log-format":
+            fmt = next(it, fmt)
+        elif a.startswith("--log-format="):
+            fmt = a.split("=", 1)[1]
+    if fmt is None:
+        fmt = os.environ.get("LLMGW_LOG_FORMAT") or current_format()
+    return fmt.lower() == "json"
+
+
+def report_error(exc: click.ClickException, args: Sequence[str]) -> int:
+    """Show a click error as llmgw's one-line errors (JSON records under ``--log-format json``); the exit status.
+
+    Usage errors (a bad flag, a missing argument) become ``llmgw: error: ... (see 'llmgw CMD --help')``
+    with exit status 1, like every other error; the errors llmgw raises show themselves.
+    """
+    from ..log import setup
+
+    if json_mode_for(args):
+        from ..log import current_format
+
+        if current_format() != "json":
+            setup(os.environ.get("LLMGW_LOG_LEVEL") or "info", "json")
+    if isinstance(exc, click.UsageError) and type(exc).show is click.UsageError.show:
+        where = f" (see '{exc.ctx.command_path} --help')" if exc.ctx is not None else " (see 'llmgw --help')"
+        for line in exc.format_message().splitlines() or [""]:
+            echo_err(f"llmgw: error: {line}{where}", level="error")
+        return 1
+    if type(exc).show is click.ClickException.show:
+        for line in exc.format_message().splitlines() or [""]:
+            echo_err(f"llmgw: error: {line}", level="error")
+        return exc.exit_code or 1
+    exc.show()
+    return exc.exit_code
 
 
 def hostport(ctx: click.Context, param: click.Parameter, value: str | None) -> tuple[str, int] | None:

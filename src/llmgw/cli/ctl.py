@@ -37,7 +37,9 @@ class CtlError(click.ClickException):
     """A one-line error: ``llmgw: error: ...``."""
 
     def show(self, file: Any = None) -> None:
-        click.echo(f"llmgw: error: {self.message}", err=True)
+        from ._common import echo_err
+
+        echo_err(f"llmgw: error: {self.message}", level="error")
 
 
 @dataclass
@@ -63,7 +65,10 @@ class Target:
             port = parts.port
         except ValueError:
             raise CtlError(f"--admin {self.admin!r} has an invalid port") from None
-        conn = conn_cls(parts.hostname, port, timeout=self.timeout)
+        try:
+            conn = conn_cls(parts.hostname, port, timeout=self.timeout)
+        except (ValueError, http.client.InvalidURL):  # spaces, control characters
+            raise CtlError(f"--admin {self.admin!r} is not a URL like {DEFAULT_ADMIN}") from None
         headers = {"accept": "application/json"}
         data = None
         if body is not None:
@@ -288,7 +293,9 @@ def reload(ctx: click.Context, admin: str | None, token: str | None, as_json: bo
     parts = [f"{k} {', '.join(data[k])}" for k in ("added", "removed", "changed") if data.get(k)]
     click.echo("configuration reloaded" + (f": {'; '.join(parts)}" if parts else ": no endpoint changes"))
     if data.get("restart_needed_for"):
-        click.echo(f"note: {', '.join(data['restart_needed_for'])} changed; that needs a restart", err=True)
+        from ._common import echo_err
+
+        echo_err(f"note: {', '.join(data['restart_needed_for'])} changed; that needs a restart", level="warning")
 
 
 @ctl.command()

@@ -19,6 +19,7 @@ from typing import IO, Any, TypeVar
 import click
 
 from ..mirror.errors import MirrorError, ModelNotFoundError
+from ._common import echo_err
 
 __all__ = ["mirror"]
 
@@ -34,7 +35,7 @@ class MirrorCliError(click.ClickException):
     exit_code = EXIT_ERROR
 
     def show(self, file: IO[Any] | None = None) -> None:
-        click.echo(f"llmgw: error: {self.format_message()}", file=file or sys.stderr)
+        echo_err(f"llmgw: error: {self.format_message()}", level="error")
 
 
 class MirrorInterruptedError(MirrorCliError):
@@ -527,10 +528,10 @@ def verify_cmd(
             click.echo(f"{len(checks)} blob(s) verified, all intact")
     for c in bad:
         detail = f"hashes to {c.actual}" if c.status == "corrupt" else c.status
-        click.echo(
+        echo_err(
             f"llmgw: error: blob {c.digest} ({c.path}) is {c.status} ({detail}), used by"
             f" {', '.join(c.models) or 'no model'}; import the model again from its source to replace it",
-            err=True,
+            level="error",
         )
     if bad:
         ctx.exit(EXIT_ERROR)

@@ -15,7 +15,8 @@ import click
 from .. import __version__
 from ..config import Config, EndpointConfig, ModelConfig, find_config, load, load_file
 from ..errors import ConfigError
-from ._common import Fail, hostport, run_loop
+from ..log import current_format, server_logger
+from ._common import Fail, echo_err, hostport, run_loop
 
 __all__ = ["DEMO_MODELS", "serve"]
 
@@ -119,25 +120,35 @@ async def _serve(cfg: Config, demo: bool) -> int:
         host, port = runtime.listen_addr
         ahost, aport = runtime.admin_addr
         base = f"http://{host}:{port}"
-        click.echo(f"llmgw {__version__}: gateway on {base}  (admin http://{ahost}:{aport}; Ctrl-C stops)")
+        json_logs = current_format() == "json"
+
+        def say(line: str, hint: bool = False) -> None:
+            # --log-format json: stdout carries the access log alone; the banner is log records on stderr.
+            if not json_logs:
+                click.echo(line)
+            elif not hint:
+                server_logger.info("%s", line.strip())
+
+        say(f"llmgw {__version__}: gateway on {base}  (admin http://{ahost}:{aport}; Ctrl-C stops)")
         if demo:
-            click.echo("demo fleet (no config file given and no ./llmgw.yaml):")
+            say("demo fleet (no config file given and no ./llmgw.yaml):")
             for model, engine, aliases in DEMO_MODELS:
                 eps = [ep for ep in cfg.endpoints if model in ep.models]
                 addrs = ", ".join(ep.address for ep in eps)
-                click.echo(f"  {model} (alias {', '.join(aliases)}): {len(eps)} simulated {engine} replicas at {addrs}")
+                say(f"  {model} (alias {', '.join(aliases)}): {len(eps)} simulated {engine} replicas at {addrs}")
             agent = await _start_demo_agent(runtime, cfg)
             if agent is not None:
-                click.echo(
+                say(
                     f"  control plane on grpc://127.0.0.1:{agent[2]} with one local agent, demo-node, on 2 "
                     f"SIMULATED GPUs (llmgw ctl --admin http://{ahost}:{aport} nodes / gpus)"
                 )
         first = cfg.model_names()[0] if cfg.model_names() else "MODEL"
         key = " -H 'authorization: Bearer $LLMGW_KEY'" if cfg.auth.enabled else ""
-        click.echo("try:")
-        click.echo(
+        say("try:", hint=True)
+        say(
             f"  curl -s {base}/v1/chat/completions -H 'content-type: application/json'{key} "
-            f"-d '{{\"model\": \"{first}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hello!\"}}]}}'"
+            f"-d '{{\"model\": \"{first}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hello!\"}}]}}'",
+            hint=True,
         )
         sys.stdout.flush()
         # PERF: what start-up allocated lives as long as the process; keep the
@@ -150,13 +161,13 @@ async def _serve(cfg: Config, demo: bool) -> int:
             await stop.wait()
         finally:
             uninstall()
-        click.echo("llmgw: shutting down (finishing in-flight requests)", err=True)
+        echo_err("llmgw: shutting down (finishing in-flight requests)")
         if agent is not None:
             agent[0].set()
             try:
                 await asyncio.wait_for(agent[1], 5.0)
             except Exception as exc:  # the demo agent must not hold up the shutdown
-                click.echo(f"llmgw: the demo agent stopped badly: {exc}", err=True)
+                echo_err(f"llmgw: the demo agent stopped badly: {exc}")
             agent = None
         await runtime.stop()
     finally:

@@ -100,8 +100,10 @@ class RichProgress(Progress):
 def make_progress(*, quiet: bool = False, file: IO[str] | None = None) -> Progress:
     """Return a bar when ``file`` (stderr by default) is a terminal and not ``quiet``, else a no-op."""
     stream = file or sys.stderr
-    if quiet:
-        return NullProgress()
+    from ..log import current_format
+
+    if quiet or (file is None and current_format() == "json"):
+        return NullProgress()  # --log-format json: stderr carries JSON lines only
     try:
         tty = stream.isatty()
     except (AttributeError, ValueError):

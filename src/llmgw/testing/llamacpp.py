@@ -8,8 +8,9 @@ Where the binary comes from, in this order (:func:`find_llama_server`):
    SHA-256 before and after it is decompressed into the cache directory;
 3. a binary built earlier by step 4, in the cache directory;
 4. a build from the PyPI sdist of ``llama-cpp-python`` (which vendors llama.cpp),
-   the same steps as ``engines/README.md`` describes, about 16 minutes on two
-   cores. A lock file makes parallel test workers wait for one build.
+   the same steps as ``engines/README.md`` describes, about 7-16 minutes on two
+   cores the first time. A lock file makes parallel test workers wait for one
+   build; the ``log`` callback gets a line per stage and per cmake percentage.
 
 The cache directory is ``$XDG_CACHE_HOME/llmgw`` (``~/.cache/llmgw``).
 
@@ -26,6 +27,7 @@ import gzip
 import hashlib
 import http.client
 import os
+import re
 import shutil
 import signal
 import socket
@@ -276,12 +278,59 @@ def _missing_tools() -> list[str]:
     return missing
 
 
-def _run(cmd: Sequence[str], cwd: Path, log_file: IO[bytes]) -> None:
+_PERCENT = re.compile(rb"^\[\s*(\d{1,3})%\]")
+
+
+def _run(
+    cmd: Sequence[str], cwd: Path, log_file: IO[bytes], on_line: Callable[[bytes], None] | None = None
+) -> None:
+    """Run ``cmd``, its output into ``log_file``; each output line is also given to ``on_line``."""
     log_file.write(("$ " + " ".join(cmd) + "\n").encode())
     log_file.flush()
-    proc = subprocess.run(list(cmd), cwd=cwd, stdout=log_file, stderr=subprocess.STDOUT, check=False)
-    if proc.returncode != 0:
-        raise EngineUnavailableError(f"`{' '.join(cmd)}` failed with exit status {proc.returncode}")
+    proc = subprocess.Popen(list(cmd), cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    assert proc.stdout is not None
+    with proc.stdout:
+        for line in proc.stdout:
+            log_file.write(line)
+            if on_line is not None:
+                on_line(line)
+    returncode = proc.wait()
+    log_file.flush()
+    if returncode != 0:
+        raise EngineUnavailableError(f"`{' '.join(cmd)}` failed with exit status {returncode}")
+
+
+class _BuildProgress:
+    """Progress lines for a build that takes minutes: one per stage, one per new cmake percentage.
+
+    Every line says the stage, the percentage where cmake reports one, and the time
+    so far, so a terminal (or a CI log) shows the build is alive.
+    """
+
+    def __init__(self, say: Callable[[str], None], clock: Callable[[], float] = time.monotonic) -> None:
+        self._say = say
+        self._clock = clock
+        self._t0 = clock()
+        self._percent = -1
+        self._stage = ""
+
+    def elapsed(self) -> str:
+        s = int(self._clock() - self._t0)
+        return f"{s // 60}m{s % 60:02d}s"
+
+    def stage(self, n: int, total: int, what: str) -> None:
+        self._stage = f"[{n}/{total}] {what}"
+        self._percent = -1
+        self._say(f"llama-server build {self._stage} ({self.elapsed()} so far)")
+
+    def line(self, raw: bytes) -> None:
+        m = _PERCENT.match(raw)
+        if m is None:
+            return
+        pct = int(m.group(1))
+        if pct != self._percent:
+            self._percent = pct
+            self._say(f"llama-server build {self._stage}: {pct}% ({self.elapsed()} so far)")
 
 
 def _safe_extract(archive: Path, dest: Path) -> None:
@@ -346,14 +395,24 @@ def build_llama_server(
     cache.mkdir(parents=True, exist_ok=True)
     target = built_path(cache)
     with open(cache / "llama-server-build.lock", "wb") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            say(f"waiting for another process that is building llama-server (log: {cache / 'llama-server-build.log'})")
+            fcntl.flock(lock, fcntl.LOCK_EX)
         if _is_executable(target):
             return target  # another worker built it while we waited
         work = Path(tempfile.mkdtemp(prefix="build-llama-server-", dir=cache))
         log_path = cache / "llama-server-build.log"
-        say(f"building llama-server from {SDIST_PACKAGE}=={SDIST_VERSION} (about 16 minutes); log: {log_path}")
+        say(
+            f"no llama-server found: building it from {SDIST_PACKAGE}=={SDIST_VERSION}, about 7-16 minutes the"
+            f" first time (cached in {target} afterwards). To use one you have instead, stop and set"
+            f" LLAMA_SERVER=/path/to/llama-server. Full log: {log_path}"
+        )
+        progress = _BuildProgress(say)
         try:
             with open(log_path, "wb") as log_file:
+                progress.stage(1, 4, f"downloading the {SDIST_PACKAGE} sdist from PyPI")
                 _run(
                     [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
                      f"{SDIST_PACKAGE}=={SDIST_VERSION}", "-d", str(work / "sdist")],
@@ -366,13 +425,15 @@ def build_llama_server(
                 src = work / f"llama_cpp_python-{SDIST_VERSION}" / "vendor" / "llama.cpp"
                 if not (src / "CMakeLists.txt").is_file():
                     raise EngineUnavailableError(f"the sdist has no vendored llama.cpp at {src}")
-                say("configuring")
+                progress.stage(2, 4, "configuring (cmake)")
                 _run(["cmake", "-B", "build", *_CMAKE_FLAGS], src, log_file)
-                say("compiling")
                 n = str(jobs or os.cpu_count() or 2)
-                _run(["cmake", "--build", "build", "--target", "llama-server", "-j", n], src, log_file)
+                progress.stage(3, 4, f"compiling (cmake --build, {n} jobs; the long part)")
+                _run(["cmake", "--build", "build", "--target", "llama-server", "-j", n], src, log_file,
+                     on_line=progress.line)
                 binary = src / "build" / "bin" / "llama-server"
                 staged = cache / f".llama-server-sdist-{os.getpid()}"
+                progress.stage(4, 4, "stripping and caching the binary")
                 if shutil.which("strip"):
                     _run(["strip", "-o", str(staged), str(binary)], src, log_file)
                 else:
@@ -385,7 +446,7 @@ def build_llama_server(
             raise EngineUnavailableError(f"building llama-server failed: {exc} (build log: {log_path})") from exc
         finally:
             shutil.rmtree(work, ignore_errors=True)
-        say(f"built {target}")
+        say(f"built {target} in {progress.elapsed()}; later runs use it at once")
         return target
 
 
