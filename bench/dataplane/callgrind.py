@@ -135,6 +135,12 @@ def main() -> None:
 
     base = args.port_base
     up = (base + 1, base + 2)
+    for p in (*up, base + 81, base + 91):  # a stale engine on these ports would answer instead
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", p))
+            except OSError as exc:
+                raise SystemExit(f"callgrind.py: port {p} is taken ({exc}); another --port-base?") from exc
     d = Path(tempfile.mkdtemp(prefix="llmgw-callgrind-"))
     (d / "tmp").mkdir()
     upstream = dp.start_engine(d, up, gap=args.sse_gap_ms / 1000.0)
