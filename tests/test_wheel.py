@@ -1,6 +1,7 @@
 """The wheel ships the compiled modules and the contracts, not the C or Cython sources.
 
-Builds the wheel of this checkout (``pip wheel . --no-deps --no-build-isolation``; it
+Builds the wheel of this checkout (``pip wheel . --no-deps --no-build-isolation``, or
+with build isolation where the venv lacks setuptools/Cython; it
 reuses the ``build/`` objects that installing the checkout left, so it is quick after
 ``pip install .``) and reads its file list. Under ``LLMGW_NO_EXTENSIONS=1`` the wheel is
 the pure one (``py3-none-any``, no extension module). Skipped outside a source tree (the
@@ -9,6 +10,7 @@ wheel workflows run the suite against an installed wheel from a copy of ``tests/
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -29,8 +31,12 @@ pytestmark = [
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("wheel")
+    # --no-build-isolation where the build system is installed (a development venv); a venv
+    # with only .[test] (CI's) lets pip fetch it (from its cache) into an isolated build env
+    have_build = all(importlib.util.find_spec(m) for m in ("setuptools", "Cython", "wheel"))
+    flags = ["--no-build-isolation"] if have_build else []
     subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", ".", "--no-deps", "--no-build-isolation", "-q",
+        [sys.executable, "-m", "pip", "wheel", ".", "--no-deps", *flags, "-q",
          "--disable-pip-version-check", "-w", str(out)],
         cwd=ROOT, check=True, timeout=600,
     )
