@@ -29,6 +29,7 @@ from pathlib import Path
 
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
+from setuptools.command.build_py import build_py
 
 ROOT = Path(__file__).parent
 FAST = ROOT / "src" / "llmgw" / "_fast"
@@ -141,4 +142,21 @@ def extensions() -> list[Extension]:
     )
 
 
-setup(ext_modules=extensions(), cmdclass={"build_ext": BuildExt})
+class BuildPy(build_py):
+    """``build_py`` that keeps the C and Cython sources out of the wheel (they are in the sdist).
+
+    ``include_package_data`` takes every file MANIFEST.in names, ``.pyx`` included, and
+    ``exclude-package-data`` did not drop them; the built tree is cleaned instead (a stale
+    copy from an earlier build too). tests/test_wheel.py checks the result.
+    """
+
+    def run(self) -> None:
+        super().run()
+        if getattr(self, "editable_mode", False):  # an editable install copies nothing
+            return
+        for pattern in ("*.pyx", "*.c", "*.html"):
+            for f in (Path(self.build_lib) / "llmgw" / "_fast").glob(pattern):
+                f.unlink()
+
+
+setup(ext_modules=extensions(), cmdclass={"build_ext": BuildExt, "build_py": BuildPy})

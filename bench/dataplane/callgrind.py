@@ -53,8 +53,8 @@ def _request(stream: bool) -> bytes:
     return head + payload
 
 
-def _read_response(sock: socket.socket, buf: bytearray) -> None:
-    """Read one HTTP/1.1 response (Content-Length or chunked) off ``sock``."""
+def _read_response(sock: socket.socket, buf: bytearray) -> int:
+    """Read one HTTP/1.1 response (Content-Length or chunked) off ``sock``; its count of SSE events."""
     while True:
         end = buf.find(b"\r\n\r\n")
         if end >= 0:
@@ -65,6 +65,8 @@ def _read_response(sock: socket.socket, buf: bytearray) -> None:
         buf += chunk
     head = bytes(buf[:end]).lower()
     del buf[: end + 4]
+    if not head.startswith(b"http/1.1 200"):
+        raise ConnectionError(f"answer {head[:60]!r}: the figure would not be a proxied request's")
     m = re.search(rb"content-length: (\d+)", head)
     if m:
         n = int(m.group(1))
@@ -73,13 +75,15 @@ def _read_response(sock: socket.socket, buf: bytearray) -> None:
             if not chunk:
                 raise ConnectionError("closed")
             buf += chunk
+        events = buf[:n].count(b"data: ")
         del buf[:n]
-        return
+        return events
     while True:  # chunked: until the last chunk
         i = buf.find(b"0\r\n\r\n")
         if i >= 0 and (i == 0 or buf[i - 2 : i] == b"\r\n"):
+            events = buf[:i].count(b"data: ")
             del buf[: i + 5]
-            return
+            return events
         chunk = sock.recv(65536)
         if not chunk:
             raise ConnectionError("closed")
@@ -96,7 +100,9 @@ def drive(port: int, total: int, conns: int, stream: bool) -> None:
             buf = bytearray()
             for _ in range(n):
                 s.sendall(req)
-                _read_response(s, buf)
+                events = _read_response(s, buf)
+                if stream and events != 65:
+                    raise ConnectionError(f"a stream of {events} events, not 65")
 
     threads = [threading.Thread(target=worker, args=(n,)) for n in per]
     for t in threads:
@@ -118,19 +124,34 @@ def main() -> None:
                     help="the engine's pause between SSE events (0: back to back; run.py's default is 1)")
     ap.add_argument("--metrics", choices=["on", "off"], default="on",
                     help="off: the gateway reports to NullObserver (bench/observer_dataplane.py's launcher)")
+    ap.add_argument("--warmup", type=int, default=200, help="requests before collection starts")
+    ap.add_argument("--scrape-interval", type=float, default=None,
+                    help="llmgw's scrape.interval in seconds (default: llmgw's, 1 s); the first scrapes "
+                    "are spread over one interval and routing waits for them")
+    ap.add_argument("--engine", default="vllm",
+                    help="the endpoints' engine; external: never scraped, so the poller's scrapes, which "
+                    "come with wall time and not with requests, stay out of the figure (bench/guard.py)")
     args = ap.parse_args()
 
     base = args.port_base
     up = (base + 1, base + 2)
+    for p in (*up, base + 81, base + 91):  # a stale engine on these ports would answer instead
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", p))
+            except OSError as exc:
+                raise SystemExit(f"callgrind.py: port {p} is taken ({exc}); another --port-base?") from exc
     d = Path(tempfile.mkdtemp(prefix="llmgw-callgrind-"))
     (d / "tmp").mkdir()
     upstream = dp.start_engine(d, up, gap=args.sse_gap_ms / 1000.0)
 
     port, admin = base + 81, base + 91
     (d / "llmgw.yaml").write_text(
-        f"listen: 127.0.0.1:{port}\nadmin: 127.0.0.1:{admin}\nendpoints:\n"
-        f'  - {{id: up0, url: "http://127.0.0.1:{up[0]}", model: m, engine: vllm}}\n'
-        f'  - {{id: up1, url: "http://127.0.0.1:{up[1]}", model: m, engine: vllm}}\n'
+        f"listen: 127.0.0.1:{port}\nadmin: 127.0.0.1:{admin}\n"
+        + (f"scrape: {{interval: {args.scrape_interval:g}}}\n" if args.scrape_interval else "")
+        + "endpoints:\n"
+        f'  - {{id: up0, url: "http://127.0.0.1:{up[0]}", model: m, engine: {args.engine}}}\n'
+        f'  - {{id: up1, url: "http://127.0.0.1:{up[1]}", model: m, engine: {args.engine}}}\n'
     )
     out = Path(args.out) if args.out else d / "callgrind.out"
     if args.metrics == "on":
@@ -143,7 +164,7 @@ def main() -> None:
     gw = dp.start(["valgrind", "--tool=callgrind", "--instr-atstart=no", f"--callgrind-out-file={out}", *cmd],
                   d / "llmgw.out")
     dp.wait_port(port, gw, "llmgw under callgrind", timeout=180)
-    drive(port, 200, args.connections, args.stream)  # warm-up: pools, caches, first-use allocations
+    drive(port, args.warmup, args.connections, args.stream)  # warm-up: pools, caches, first-use allocations
     subprocess.run(["callgrind_control", "-i", "on", str(gw.pid)], check=True, capture_output=True)
     t0 = time.monotonic()
     drive(port, args.requests, args.connections, args.stream)
