@@ -46,7 +46,7 @@ async def test_endpoints_table_and_json() -> None:
 
         res = await invoke("endpoints", "--json", env={"LLMGW_ADMIN": url(rt)})
         assert res.exit_code == 0, res.output
-        data = json.loads(res.output)
+        data = json.loads(res.stdout)
         assert {e["id"] for e in data["endpoints"]} == {"a", "dark", "gone"}
 
 
@@ -61,7 +61,7 @@ async def test_drain_undrain_queues() -> None:
         res = await invoke("--admin", url(rt), "drain", "a")
         assert "already draining" in res.output
         res = await invoke("--admin", url(rt), "undrain", "a", "--json")
-        assert res.exit_code == 0 and json.loads(res.output)["draining"] is False
+        assert res.exit_code == 0 and json.loads(res.stdout)["draining"] is False
         assert not rt.registry.endpoints["a"].draining
         res = await invoke("--admin", url(rt), "drain", "nope")
         assert res.exit_code == 1

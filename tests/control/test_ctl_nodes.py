@@ -51,7 +51,7 @@ async def test_nodes_gpus_cordon_tables_and_json() -> None:
         assert "–" in mig and "0%" not in mig
         assert "NVIDIA H100 80GB HBM3" in res.output
         res = await invoke("--admin", url, "gpus", "--json")
-        rows = json.loads(res.output)["gpus"]
+        rows = json.loads(res.stdout)["gpus"]
         assert {r["uuid"] for r in rows} >= {"GPU-mig"} and len(rows) == 3
         assert next(r for r in rows if r["uuid"] == "GPU-mig")["utilization_gpu_ratio"] is None
         res = await invoke("--admin", url, "cordon", "node-a")
@@ -59,11 +59,11 @@ async def test_nodes_gpus_cordon_tables_and_json() -> None:
         res = await invoke("--admin", url, "nodes")
         assert "cordoned" in next(line for line in res.output.splitlines() if line.startswith("node-a"))
         res = await invoke("--admin", url, "uncordon", "node-a", "--json")
-        assert json.loads(res.output)["cordoned"] is False
+        assert json.loads(res.stdout)["cordoned"] is False
         res = await invoke("--admin", url, "cordon", "nope")
         assert res.exit_code == 1 and "no node 'nope'" in res.output
         res = await invoke("--admin", url, "nodes", "--json")
-        assert {n["name"] for n in json.loads(res.output)["nodes"]} == {"node-a", "node-m"}
+        assert {n["name"] for n in json.loads(res.stdout)["nodes"]} == {"node-a", "node-m"}
 
 
 async def test_gpus_of_a_node_past_its_grace_show_no_current_readings() -> None:
