@@ -170,7 +170,12 @@ class AdminApp:
         self.listeners = listeners
         self.observer = observer if observer is not None else PrometheusObserver()
         self.observer.know(
-            lambda: Known(tuple(registry.models()), tuple(registry.endpoints), tuple(config().admission.bands))
+            lambda: Known(
+                tuple(registry.models()),
+                tuple(registry.endpoints),
+                tuple(config().admission.bands),
+                tuple((m, ep.id) for m, eps in registry.by_model.items() for ep in eps),
+            )
         )
         # Every collector is in `metrics`; `_plain` holds all but those with their own
         # text renderer (register_text_collector), which the text format appends.

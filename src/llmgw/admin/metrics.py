@@ -144,12 +144,12 @@ class PrometheusObserver(TrafficCounters, Collector):
         )
         known = self._known() if self._known is not None else Known()
         agg: dict[tuple[str, str, str, str], int] = {}
-        for model in known.models:
+        for model, replica in (*((m, "") for m in known.models), *known.serving):
             for band in known.bands:
                 for cls in ("2xx", "4xx", "5xx"):
-                    agg[(model, "", cls, band)] = 0
-        for (model, replica, status, band), s in list(self._requests.items()):
-            k = (model, replica or "", status_class(status), band)
+                    agg[(model, replica, cls, band)] = 0
+        for (model, answered_by, status, band), s in list(self._requests.items()):
+            k = (model, answered_by or "", status_class(status), band)
             agg[k] = agg.get(k, 0) + s.n
         for k, n in agg.items():
             req.add_metric(list(k), n)
@@ -221,6 +221,9 @@ class Known(NamedTuple):
     models: tuple[str, ...] = ()
     replicas: tuple[str, ...] = ()
     bands: tuple[str, ...] = ()
+    serving: tuple[tuple[str, str], ...] = ()
+    """(model, replica) pairs: a replica's answers start at 0 too, so the first of them
+    shows in ``rate()`` (a series that appears at 4 has no increase to Prometheus)."""
 
 
 # Label values known ahead (the data path's, see llmgw.gateway.observe).
