@@ -68,7 +68,6 @@ def test_agent_refuses_what_it_cannot_do() -> None:
 
 async def test_agent_auto_discovery_reports_a_known_source() -> None:
     """Needs GPU discovery (llmgw.agent.discovery, the other half of this issue)."""
-    pytest.importorskip("llmgw.agent.discovery")
     from llmgw.agent.model import SOURCES
 
     port = free_port()

@@ -20,6 +20,7 @@ from typing import Any
 
 import click
 
+from .. import __version__
 from ._common import Fail, hostport, run_loop
 
 __all__ = ["agent", "open_gpu_source", "run_agent"]
@@ -37,24 +38,10 @@ def _is_loopback(host: str) -> bool:
 
 
 def open_gpu_source(kind: str) -> Any:
-    """The GPU source ``kind`` from ``llmgw.agent.discovery``; the stand-ins where that is not installed.
+    """The GPU source ``kind`` (:func:`llmgw.agent.discovery.open_source`), reporting this agent's version."""
+    from ..agent.discovery import open_source
 
-    Raises:
-        Fail: ``nvml``/``nvidia-smi`` asked for and GPU discovery is not installed.
-    """
-    try:
-        from ..agent.discovery import open_source  # type: ignore[import-not-found,unused-ignore]
-    except ImportError:
-        from ..agent.standin import NoGPUSource, SimulatedSource
-
-        if kind == "simulated":
-            return SimulatedSource()
-        if kind in ("none", "auto"):
-            if kind == "auto":
-                click.echo("llmgw agent: GPU discovery is not installed in this build; reporting no GPUs", err=True)
-            return NoGPUSource()
-        raise Fail(f"--gpu-source {kind}: GPU discovery (llmgw.agent.discovery) is not installed in this build") from None
-    return open_source(kind)
+    return open_source(kind, agent_version=__version__)
 
 
 async def run_agent(

@@ -87,7 +87,7 @@ async def _start_demo_agent(runtime: Any, cfg: Config) -> tuple[asyncio.Event, a
     cp = next((c for c in runtime.components if isinstance(c, ControlPlane)), None)
     if cp is None or cp.address is None or cfg.control is None:
         return None
-    # llmgw.agent.discovery's simulated source where installed, else the stand-in (both say "simulated")
+    # (llmgw.agent.discovery's simulated source: every display says it is simulated)
     source = open_gpu_source("simulated")
     client = AgentClient(f"127.0.0.1:{cp.address[1]}", "demo-node", cfg.control.join_tokens[0], source)
     stop = asyncio.Event()
