@@ -52,11 +52,14 @@ def control_plane(rt: GatewayRuntime) -> Any:
     return rt.components[0]
 
 
-async def http(rt: GatewayRuntime, method: str, path: str, timeout: float = 10.0) -> tuple[int, bytes]:
+async def http(
+    rt: GatewayRuntime, method: str, path: str, timeout: float = 10.0, headers: str = ""
+) -> tuple[int, bytes]:
     assert rt.admin_addr is not None
     reader, writer = await asyncio.open_connection("127.0.0.1", rt.admin_addr[1])
     try:
-        writer.write(f"{method} {path} HTTP/1.1\r\nhost: x\r\nconnection: close\r\ncontent-length: 0\r\n\r\n".encode())
+        writer.write(f"{method} {path} HTTP/1.1\r\nhost: x\r\nconnection: close\r\ncontent-length: 0\r\n{headers}"
+                     "\r\n".encode())
         raw = await asyncio.wait_for(reader.read(), timeout)
     finally:
         writer.close()

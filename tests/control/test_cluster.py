@@ -20,8 +20,10 @@ from cp_helpers import (
     control_plane,
     control_runtime,
     free_port,
+    http,
     metrics,
     metrics_text,
+    parse,
     pick,
     wait_for,
 )
@@ -258,3 +260,39 @@ async def test_promtool_check_metrics_with_a_cluster(agents) -> None:  # type: i
     res = subprocess.run(["promtool", "check", "metrics"], input=text, capture_output=True, text=True, timeout=30)
     assert res.returncode == 0, res.stdout + res.stderr
     assert res.stdout.strip() == "" and res.stderr.strip() == "", res.stdout + res.stderr
+
+
+# what a real Prometheus (2.x, 3.x) sends: OpenMetrics first
+PROMETHEUS_ACCEPT = ("accept: application/openmetrics-text;version=1.0.0,application/openmetrics-text;version=0.0.1;"
+                     "q=0.75,text/plain;version=0.0.4;q=0.5,*/*;q=0.1\r\n")
+
+
+async def test_openmetrics_page_has_the_same_cluster_samples_and_parses_strictly(agents) -> None:  # type: ignore[no-untyped-def]
+    """Prometheus asks for OpenMetrics: the cluster is rendered by llmgw's own renderer there too (never by
+    prometheus_client's, which holds the loop ~1 s at 1,000 nodes), and the page is valid OpenMetrics."""
+    from prometheus_client.openmetrics.parser import text_string_to_metric_families as om_families
+
+    port = free_port()
+    async with control_runtime(port) as rt:
+        agents(port, "node-a", _spec("a", 3))
+        agents(port, "node-m", MIG_SPEC)
+        await wait_for(lambda: _up(rt, "node-a", "node-m"), what="nodes up")
+        cp = control_plane(rt)
+        cp.nodes.grace = lambda: 3600.0  # readings must not expire between the two pages below
+        status, om = await http(rt, "GET", "/metrics", headers=PROMETHEUS_ACCEPT)
+        text = await metrics_text(rt)
+    assert status == 200
+    page = om.decode()
+    assert page.endswith("# EOF\n") and page.count("# EOF") == 1
+    om_samples = {(s.name, frozenset(s.labels.items())): s.value
+                  for fam in om_families(page) for s in fam.samples}  # the strict parser: raises on bad OpenMetrics
+    plain = parse(text)
+    moving = ("llmgw_node_heartbeat_age_seconds", "llmgw_node_last_heartbeat_timestamp_seconds",
+              "llmgw_cluster_collect_duration_seconds", "llmgw_control_heartbeats_total")
+
+    def cluster(s: dict) -> dict:  # type: ignore[type-arg]
+        return {k: v for k, v in s.items() if k[0].startswith(("llmgw_node_", "llmgw_gpu_")) and k[0] not in moving}
+
+    assert cluster(om_samples) == cluster(plain) and len(cluster(plain)) > 40
+    assert "# TYPE llmgw_gpu_energy_joules counter" in page  # OpenMetrics: counter families without _total
+    assert pick(om_samples, "llmgw_gpu_utilization_ratio", node="node-m") == []  # absent stays absent

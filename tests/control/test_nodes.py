@@ -132,3 +132,48 @@ async def test_own_text_renderer_matches_prometheus_client_and_caches_per_node()
     m.deregister(states[5].node_id)
     text = (await col.render_text()).decode()
     assert 'node="n5"' not in text
+
+
+def test_wire_renderer_matches_the_model_on_every_kind_of_reading() -> None:
+    """The scrape renders from the heartbeat's message; prometheus_client's path reads the model: every
+    field kind (MIG, XIDs, fabric, remaps, InfiniBand, errors, absent readings) agrees."""
+    from llmgw.agent.model import GPU, Discovery, InfinibandPort, NodeFacts
+    from llmgw.agent.wire import discovery_to_proto
+
+    d = Discovery(
+        facts=NodeFacts(hostname="h", cpu_cores=64, memory_total_bytes=10, driver_version="550.1",
+                        infiniband=(InfinibandPort("mlx5_0", 1, rcv_bytes=4, xmit_bytes=None),)),
+        gpus=(
+            GPU(uuid="GPU-a", index=0, name="NVIDIA A100", mig_mode=True, memory_total_bytes=80, health="degraded",
+                xid_errors=((79, 2), (48, 1)), remapped_rows_correctable=3, remapped_rows_pending=False,
+                fabric_state="in_progress", ecc_uncorrected_volatile=0, errors=("nvmlDeviceGetX: Unknown",)),
+            GPU(uuid="MIG-b", index=1, parent_uuid="GPU-a", memory_used_bytes=5, sm_clock_mhz=1410.0,
+                health="some-new-word"),
+            GPU(uuid="GPU-c", health="error"),
+        ),
+        source="nvml", errors=("partial",),
+    )
+    c = Clock()
+    model_map, wire_map = _map(c), _map(c)
+    model_map.register("n", peer="p", agent_version="1", protocol=(1, 0), discovery=d)
+    wire_map.register("n", peer="p", agent_version="1", protocol=(1, 0), discovery=discovery_to_proto(d))
+
+    def texts(m: NodeMap) -> tuple[dict, dict]:  # type: ignore[type-arg]
+        import asyncio
+
+        col = ClusterCollector(m, ControlStats())
+        reg = CollectorRegistry(auto_describe=False)
+        reg.register(col)
+        keep = lambda t: {k: v for k, v in parse(t).items() if k[0] != "llmgw_cluster_collect_duration_seconds"}  # noqa: E731
+        return keep(asyncio.run(col.render_text()).decode()), keep(generate_latest(reg).decode())
+
+    ours_m, client_m = texts(model_map)
+    ours_w, client_w = texts(wire_map)
+    assert ours_m == client_m == ours_w == client_w
+    assert pick(ours_w, "llmgw_gpu_xid_errors_total", node="n", gpu_uuid="GPU-a", xid="79") == [2.0]
+    assert pick(ours_w, "llmgw_gpu_health_state", gpu_uuid="MIG-b", state="some-new-word") == [1.0]
+    assert pick(ours_w, "llmgw_gpu_sm_clock_hertz", gpu_uuid="MIG-b") == [1.41e9]
+    assert pick(ours_w, "llmgw_gpu_ecc_errors_total", gpu_uuid="GPU-a", error_type="uncorrected") == [0.0]
+    assert not pick(ours_w, "llmgw_gpu_ecc_errors_total", gpu_uuid="GPU-a", error_type="corrected")
+    assert not pick(ours_w, "llmgw_gpu_utilization_ratio", gpu_uuid="GPU-a")  # absent: no sample
+    assert not pick(ours_w, "llmgw_node_ib_port_transmit_bytes_total", node="n")

@@ -94,10 +94,12 @@ class TextCollector(Protocol):
     def collect(self) -> Iterable[Metric]:
         """prometheus_client families (OpenMetrics, readers of ``AdminApp.metrics``)."""
 
-    async def render_parts(self) -> list[bytes]:
-        """Its families as Prometheus text format 0.0.4 (HELP/TYPE included), in pieces to write in order."""
+    async def render_parts(self, openmetrics: bool = False) -> list[bytes]:
+        """Its families as Prometheus text format 0.0.4 (HELP/TYPE included), in pieces to write in order;
+        ``openmetrics``: as OpenMetrics 1.0 families (no ``# EOF``: the page adds it once)."""
 
 _TEXT = ((b"content-type", b"text/plain; charset=utf-8"),)
+_OM_EOF = b"# EOF\n"
 _GZIP_MIN = 4096  # smaller pages are not worth compressing
 
 
@@ -316,7 +318,7 @@ class AdminApp:
 
     def _metrics(self, req: Request, w: ResponseWriter) -> Awaitable[None] | None:
         encoder, content_type = choose_encoder((req.header(b"accept") or b"").decode("latin-1"))
-        if self._text_collectors and content_type.startswith("text/plain"):
+        if self._text_collectors:
             return self._metrics_text(req, w, encoder, content_type)
         self._send_metrics(req, w, encoder(self.metrics), content_type)
         return None
@@ -324,9 +326,17 @@ class AdminApp:
     async def _metrics_text(self, req: Request, w: ResponseWriter, encoder: Any, content_type: str) -> None:
         # PERF: a cluster's page is megabytes: its parts are written one after another
         # (no join), and compressed off the loop (zlib releases the GIL).
-        parts = [encoder(self._plain)]
+        # (a real Prometheus asks for OpenMetrics: the cluster must not fall back to prometheus_client's
+        # renderer there, which takes ~1 s for 1,000 nodes and would hold the loop all that time)
+        om = not content_type.startswith("text/plain")
+        head = encoder(self._plain)
+        if om:
+            head = head.removesuffix(_OM_EOF)
+        parts = [head]
         for c in list(self._text_collectors):
-            parts.extend(await c.render_parts())
+            parts.extend(await c.render_parts(openmetrics=om))
+        if om:
+            parts.append(_OM_EOF)
         total = sum(map(len, parts))
         headers = [(b"content-type", content_type.encode())]
         if total >= _GZIP_MIN and b"gzip" in (req.header(b"accept-encoding") or b""):

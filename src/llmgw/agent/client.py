@@ -31,7 +31,15 @@ from .. import __version__
 from .._proto.agent.v1 import agent_pb2_grpc
 from ..log import agent_logger as log
 from .model import Discovery, NodeFacts
-from .wire import CLIENT_OPTIONS, PROTOCOL, TOKEN_METADATA, compatible, discovery_to_proto, pb
+from .wire import (
+    CLIENT_OPTIONS,
+    PROTOCOL,
+    TOKEN_METADATA,
+    compatible,
+    discovery_to_proto,
+    pb,
+    streams_heartbeats,
+)
 
 __all__ = ["AgentClient", "AgentRefused", "GPUSource", "TLSFiles", "channel_credentials"]
 
@@ -120,6 +128,9 @@ class AgentClient:
         self.registrations = 0
         self.heartbeats = 0
         self.cordoned = False
+        self.streaming = False
+        """Heartbeats go on a StreamHeartbeats stream (both sides speak protocol 1.1 or later)."""
+        self._stream: Any = None
         self._channel: grpc.aio.Channel | None = None
         self._stub: Any = None
         self._metadata = ((TOKEN_METADATA, f"Bearer {token}"),)
@@ -136,7 +147,13 @@ class AgentClient:
             self._stub = agent_pb2_grpc.AgentServiceStub(self._channel)
         return self._stub
 
+    def _end_stream(self) -> None:
+        call, self._stream = self._stream, None
+        if call is not None:
+            call.cancel()
+
     async def _disconnect(self) -> None:
+        self._end_stream()
         ch, self._channel, self._stub = self._channel, None, None
         if ch is not None:
             await ch.close()
@@ -182,6 +199,8 @@ class AgentClient:
                 f"{PROTOCOL[0]}.{PROTOCOL[1]}; run agent and control plane of the same major version",
             )
         self.node_id = resp.node_id
+        self._end_stream()  # a stream belongs to one registration
+        self.streaming = streams_heartbeats(self.protocol) and streams_heartbeats((theirs, resp.protocol.minor))
         self.interval = resp.heartbeat_interval_seconds or self.interval
         self.sequence = 0
         self.registrations += 1
@@ -194,22 +213,66 @@ class AgentClient:
         return resp
 
     async def heartbeat(self) -> pb.HeartbeatResponse:
+        """One beat: a message on the heartbeat stream (opened on first use), or a Heartbeat call.
+
+        Raises:
+            grpc.aio.AioRpcError: the call or the stream failed (the stream is then dropped; the
+                next beat opens another).
+        """
         assert self.node_id is not None
         discovery = await self._read()
         self.sequence += 1
         req = pb.HeartbeatRequest(
             node_id=self.node_id, node_name=self.name, sequence=self.sequence, discovery=discovery_to_proto(discovery)
         )
-        resp: pb.HeartbeatResponse = await self._connect().Heartbeat(req, metadata=self._metadata, timeout=CALL_TIMEOUT)
+        resp: pb.HeartbeatResponse
+        if self.streaming:
+            try:
+                resp = await self._beat_on_stream(req)
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() != grpc.StatusCode.UNIMPLEMENTED:
+                    raise
+                log.info("the control plane at %s has no heartbeat stream: heartbeat calls instead", self.target)
+                self.streaming = False
+        if not self.streaming:
+            resp = await self._connect().Heartbeat(req, metadata=self._metadata, timeout=CALL_TIMEOUT)
         self.heartbeats += 1
         if resp.heartbeat_interval_seconds > 0:
             self.interval = resp.heartbeat_interval_seconds
         self.cordoned = resp.cordoned
         return resp
 
+    async def _beat_on_stream(self, req: pb.HeartbeatRequest) -> pb.HeartbeatResponse:
+        call = self._stream
+        if call is None:
+            call = self._stream = self._connect().StreamHeartbeats(metadata=self._metadata)
+        try:
+            await asyncio.wait_for(call.write(pb.StreamHeartbeatsRequest(heartbeat=req)), CALL_TIMEOUT)
+            got = await asyncio.wait_for(call.read(), CALL_TIMEOUT)
+        except asyncio.TimeoutError:
+            self._end_stream()
+            raise grpc.aio.AioRpcError(
+                grpc.StatusCode.DEADLINE_EXCEEDED, grpc.aio.Metadata(), grpc.aio.Metadata(),
+                f"no answer on the heartbeat stream within {CALL_TIMEOUT:g}s",
+            ) from None
+        except grpc.aio.AioRpcError:
+            self._end_stream()
+            raise
+        except asyncio.InvalidStateError:  # written after the stream ended: its status says why
+            got = grpc.aio.EOF
+        if got is grpc.aio.EOF:
+            self._end_stream()
+            code = await call.code()
+            raise grpc.aio.AioRpcError(
+                code if code != grpc.StatusCode.OK else grpc.StatusCode.UNAVAILABLE,
+                grpc.aio.Metadata(), grpc.aio.Metadata(), await call.details() or "the heartbeat stream ended",
+            )
+        return got.heartbeat
+
     async def deregister(self, reason: str, timeout: float = 2.0) -> bool:
         if self.node_id is None:
             return False
+        self._end_stream()
         req = pb.DeregisterRequest(node_id=self.node_id, node_name=self.name, reason=reason)
         try:
             resp = await self._connect().Deregister(req, metadata=self._metadata, timeout=timeout)

@@ -26,11 +26,14 @@ __all__ = [
     "discovery_to_proto",
     "node_id_for",
     "pb",
+    "streams_heartbeats",
 ]
 
 # The wire protocol: a different major is refused at registration (FAILED_PRECONDITION)
-# on both sides; a different minor works (unknown fields are ignored).
-PROTOCOL: tuple[int, int] = (1, 0)
+# on both sides; a different minor works (unknown fields are ignored). 1.1 added
+# StreamHeartbeats: an agent uses it when both sides speak 1.1 or later, Heartbeat calls
+# otherwise.
+PROTOCOL: tuple[int, int] = (1, 1)
 
 # The join token travels as call metadata: ``authorization: Bearer <token>``.
 TOKEN_METADATA = "authorization"
@@ -57,6 +60,11 @@ SERVER_OPTIONS: tuple[tuple[str, int], ...] = (
     ("grpc.http2.max_ping_strikes", 2),
     ("grpc.max_receive_message_length", 16 * 1024 * 1024),
 )
+
+
+def streams_heartbeats(protocol: tuple[int, int]) -> bool:
+    """Whether a peer speaking ``protocol`` (same major) knows StreamHeartbeats."""
+    return protocol >= (1, 1)
 
 
 def compatible(major: int) -> bool:

@@ -31,10 +31,12 @@ from typing import TYPE_CHECKING
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import generate_latest
+from prometheus_client.openmetrics.exposition import generate_latest as om_generate_latest
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
 if TYPE_CHECKING:
+    from ..agent.wire import pb
     from .nodes import NodeMap, NodeState
     from .service import ControlStats
 
@@ -193,88 +195,128 @@ def _num(v: float) -> str:
 _INF = float("inf")
 _SAMPLE_NAMES = [f.name + "_total" if f.type == "counter" else f.name for f in FAMILIES]
 _HEADERS = [f"# HELP {n} {f.help}\n# TYPE {n} {f.type}\n".encode() for n, f in zip(_SAMPLE_NAMES, FAMILIES, strict=True)]
+# OpenMetrics 1.0 names a counter family without ``_total`` (its samples keep it)
+_OM_HEADERS = [f"# HELP {f.name} {f.help}\n# TYPE {f.name} {f.type}\n".encode() for f in FAMILIES]
 # per family: 'name{k1="%s",k2="%s"} %s\n'
 _TEMPLATES = [n + "{" + ",".join(f'{k}="%s"' for k in f.labels) + "} %s\n" for n, f in zip(_SAMPLE_NAMES, FAMILIES, strict=True)]
 
 
+# How each field of a Gpu message is rendered: (kind, family, extra). The renderer walks only the
+# fields a message has set (``ListFields``, in C), so an absent reading has no sample by construction.
+_K_INT, _K_FLOAT, _K_LABELLED, _K_FLAG, _K_XID, _K_FABRIC = range(6)
+_WIRE_GPU: dict[str, tuple[int, int, object]] = {
+    **{attr: (_K_FLOAT if scale != 1.0 or attr.endswith(("_ratio", "_celsius", "_watts")) else _K_INT, idx, scale)
+       for attr, idx, scale in _GPU_GAUGES},
+    "energy_joules": (_K_FLOAT, _I["llmgw_gpu_energy_joules"], 1.0),
+    "ecc_corrected_volatile": (_K_LABELLED, _I["llmgw_gpu_ecc_errors"], ',error_type="corrected"} '),
+    "ecc_uncorrected_volatile": (_K_LABELLED, _I["llmgw_gpu_ecc_errors"], ',error_type="uncorrected"} '),
+    "remapped_rows_correctable": (_K_LABELLED, _I["llmgw_gpu_remapped_rows"], ',kind="correctable"} '),
+    "remapped_rows_uncorrectable": (_K_LABELLED, _I["llmgw_gpu_remapped_rows"], ',kind="uncorrectable"} '),
+    "remapped_rows_pending": (_K_FLAG, _I["llmgw_gpu_row_remap_pending"], None),
+    "remapped_rows_failure": (_K_FLAG, _I["llmgw_gpu_row_remap_failure"], None),
+    "mig_mode": (_K_FLAG, _I["llmgw_gpu_mig_mode"], None),
+    "xid_errors": (_K_XID, _I["llmgw_gpu_xid_errors"], None),
+    "fabric_state": (_K_FABRIC, _I["llmgw_gpu_fabric_state"], None),
+}
+_WIRE_FACTS: dict[str, int] = {
+    "cpu_cores": _I["llmgw_node_cpu_cores"],
+    "memory_total_bytes": _I["llmgw_node_memory_total_bytes"],
+    "memory_available_bytes": _I["llmgw_node_memory_available_bytes"],
+}
+_OPEN = [n + "{" for n in _SAMPLE_NAMES]  # 'name{'
+_HEALTH_LINES: dict[str, tuple[tuple[str, str], ...]] = {}
+
+
+def _health_lines(state: str) -> tuple[tuple[str, str], ...]:
+    """(label suffix, value) per health state sample for a GPU in ``state`` (memoised: few states)."""
+    got = _HEALTH_LINES.get(state)
+    if got is None:
+        got = tuple((f',state="{_escape(s)}"}} ', "1.0\n" if s == state else "0.0\n")
+                    for s in dict.fromkeys([*GPU_HEALTH_STATES.values(), state]))
+        if len(_HEALTH_LINES) < 64:  # an agent could send any word: bound the memo
+            _HEALTH_LINES[state] = got
+    return got
+
+
 def node_text(st: NodeState, is_up: bool) -> dict[int, bytes]:
-    """The same samples as :func:`node_samples` as Prometheus text lines, by family (the fast path:
-    label prefixes built once per node and GPU, no intermediate tuples)."""
-    d = st.discovery
+    """The same samples as :func:`node_samples` as Prometheus text lines, by family.
+
+    PERF: the scrape of a large cluster is this function (bench/cluster_scale.py: every node's text
+    is rebuilt when heartbeats come faster than scrapes). It renders straight from the reading's
+    protobuf message (:attr:`NodeState.wire`), the form a heartbeat arrives in, visiting only the
+    fields the agent set; label prefixes are built once per node and GPU; integers are written as
+    integers (no float round trip), floats with ``repr`` (non-finite ones spelled as Prometheus does).
+    """
+    d = st.wire
     f = d.facts
     n = _escape(st.name)
-    nl = f'node="{n}"'
-    parts: dict[int, list[str]] = {}
+    nl = f'node="{n}"}} '
+    parts: list[list[str]] = [[] for _ in _SAMPLE_NAMES]
+    op = _OPEN
+    parts[_I["llmgw_node_info"]].append(_TEMPLATES[_I["llmgw_node_info"]] % (
+        n, _escape(f.hostname), _escape(st.agent_version or f.agent_version), _escape(f.driver_version),
+        _escape(f.cuda_driver_version), _escape(d.source or "none"), "1.0"))
+    i = _I["llmgw_node_up"]
+    parts[i].append(f"{op[i]}{nl}{'1.0' if is_up else '0.0'}\n")
+    i = _I["llmgw_node_cordoned"]
+    parts[i].append(f"{op[i]}{nl}{'1.0' if st.cordoned else '0.0'}\n")
+    i = _I["llmgw_node_last_heartbeat_timestamp_seconds"]
+    parts[i].append(f"{op[i]}{nl}{_num(st.last_heartbeat)}\n")
+    if is_up:
+        _render_readings(d, f, n, parts)
+    return {i: "".join(v).encode() for i, v in enumerate(parts) if v}
 
-    def put(idx: int, line: str) -> None:
-        lst = parts.get(idx)
-        if lst is None:
-            parts[idx] = [line]
-        else:
-            lst.append(line)
 
-    N = _SAMPLE_NAMES
-    put(_I["llmgw_node_info"], _TEMPLATES[_I["llmgw_node_info"]] % (
-        n, _escape(f.hostname), _escape(st.agent_version or f.agent_version or ""), _escape(f.driver_version or ""),
-        _escape(f.cuda_driver_version or ""), _escape(d.source), "1.0"))
-    put(_I["llmgw_node_up"], f"{N[_I['llmgw_node_up']]}{{{nl}}} {'1.0' if is_up else '0.0'}\n")
-    put(_I["llmgw_node_cordoned"], f"{N[_I['llmgw_node_cordoned']]}{{{nl}}} {'1.0' if st.cordoned else '0.0'}\n")
-    idx = _I["llmgw_node_last_heartbeat_timestamp_seconds"]
-    put(idx, f"{N[idx]}{{{nl}}} {_num(st.last_heartbeat)}\n")
-    if not is_up:
-        return {i: "".join(v).encode() for i, v in parts.items()}
-    for idx, v in ((_I["llmgw_node_cpu_cores"], f.cpu_cores), (_I["llmgw_node_memory_total_bytes"], f.memory_total_bytes),
-                   (_I["llmgw_node_memory_available_bytes"], f.memory_available_bytes)):
-        if v is not None:
-            put(idx, f"{N[idx]}{{{nl}}} {_num(float(v))}\n")
-    idx = _I["llmgw_node_discovery_errors"]
-    put(idx, f"{N[idx]}{{{nl}}} {_num(float(len(d.errors)))}\n")
+def _render_readings(d: pb.Discovery, f: pb.NodeFacts, n: str, parts: list[list[str]]) -> None:
+    op = _OPEN
+    nl = f'node="{n}"}} '
+    for fd, v in f.ListFields():
+        i = _WIRE_FACTS.get(fd.name)
+        if i is not None:
+            parts[i].append(f"{op[i]}{nl}{v}\n")
+    i = _I["llmgw_node_discovery_errors"]
+    parts[i].append(f"{op[i]}{nl}{len(d.errors)}\n")
+    rcv, xmit = _I["llmgw_node_ib_port_receive_bytes"], _I["llmgw_node_ib_port_transmit_bytes"]
     for p in f.infiniband:
-        pl = f'{nl},device="{_escape(p.device)}",port="{p.port}"'
-        if p.rcv_bytes is not None:
-            idx = _I["llmgw_node_ib_port_receive_bytes"]
-            put(idx, f"{N[idx]}{{{pl}}} {_num(float(p.rcv_bytes))}\n")
-        if p.xmit_bytes is not None:
-            idx = _I["llmgw_node_ib_port_transmit_bytes"]
-            put(idx, f"{N[idx]}{{{pl}}} {_num(float(p.xmit_bytes))}\n")
+        pl = f'node="{n}",device="{_escape(p.device)}",port="{p.port}"}} '
+        if p.HasField("rcv_bytes"):
+            parts[rcv].append(f"{op[rcv]}{pl}{p.rcv_bytes}\n")
+        if p.HasField("xmit_bytes"):
+            parts[xmit].append(f"{op[xmit]}{pl}{p.xmit_bytes}\n")
+    spec_of = _WIRE_GPU.get
+    info, health = _I["llmgw_gpu_info"], parts[_I["llmgw_gpu_health_state"]]
+    state_of = GPU_HEALTH_STATES.get
+    health_open = op[_I["llmgw_gpu_health_state"]]
     for g in d.gpus:
-        gl = f'{nl},gpu_uuid="{_escape(g.uuid)}",gpu_index="{"" if g.index is None else g.index}"'
-        idx = _I["llmgw_gpu_info"]
-        put(idx, f'{N[idx]}{{{gl},gpu_model="{_escape(g.name or "")}",pci_bus_id="{_escape(g.pci_bus_id or "")}",'
-                 f'parent_gpu_uuid="{_escape(g.parent_uuid or "")}"}} 1.0\n')
-        for attr, idx, scale in _GPU_GAUGES:
-            v = getattr(g, attr)
-            if v is not None:
-                put(idx, f"{N[idx]}{{{gl}}} {_num(float(v) * scale)}\n")
-        if g.energy_joules is not None:
-            idx = _I["llmgw_gpu_energy_joules"]
-            put(idx, f"{N[idx]}{{{gl}}} {_num(float(g.energy_joules))}\n")
-        idx = _I["llmgw_gpu_ecc_errors"]
-        if g.ecc_corrected_volatile is not None:
-            put(idx, f'{N[idx]}{{{gl},error_type="corrected"}} {_num(float(g.ecc_corrected_volatile))}\n')
-        if g.ecc_uncorrected_volatile is not None:
-            put(idx, f'{N[idx]}{{{gl},error_type="uncorrected"}} {_num(float(g.ecc_uncorrected_volatile))}\n')
-        idx = _I["llmgw_gpu_xid_errors"]
-        for code, count in g.xid_errors:
-            put(idx, f'{N[idx]}{{{gl},xid="{code}"}} {_num(float(count))}\n')
-        idx = _I["llmgw_gpu_remapped_rows"]
-        if g.remapped_rows_correctable is not None:
-            put(idx, f'{N[idx]}{{{gl},kind="correctable"}} {_num(float(g.remapped_rows_correctable))}\n')
-        if g.remapped_rows_uncorrectable is not None:
-            put(idx, f'{N[idx]}{{{gl},kind="uncorrectable"}} {_num(float(g.remapped_rows_uncorrectable))}\n')
-        for idx, b in ((_I["llmgw_gpu_row_remap_pending"], g.remapped_rows_pending),
-                       (_I["llmgw_gpu_row_remap_failure"], g.remapped_rows_failure), (_I["llmgw_gpu_mig_mode"], g.mig_mode)):
-            if b is not None:
-                put(idx, f"{N[idx]}{{{gl}}} {'1.0' if b else '0.0'}\n")
-        state = GPU_HEALTH_STATES.get(g.health, g.health)
-        idx = _I["llmgw_gpu_health_state"]
-        for st_ in dict.fromkeys([*GPU_HEALTH_STATES.values(), state]):
-            put(idx, f'{N[idx]}{{{gl},state="{_escape(st_)}"}} {"1.0" if st_ == state else "0.0"}\n')
-        if g.fabric_state is not None:
-            idx = _I["llmgw_gpu_fabric_state"]
-            for st_ in dict.fromkeys([*FABRIC_STATES, g.fabric_state]):
-                put(idx, f'{N[idx]}{{{gl},state="{_escape(st_)}"}} {"1.0" if st_ == g.fabric_state else "0.0"}\n')
-    return {i: "".join(v).encode() for i, v in parts.items()}
+        gp = f'node="{n}",gpu_uuid="{_escape(g.uuid)}",gpu_index="{g.index if g.HasField("index") else ""}"'
+        gl = gp + "} "
+        parts[info].append(f'{op[info]}{gp},gpu_model="{_escape(g.name)}",pci_bus_id="{_escape(g.pci_bus_id)}",'
+                           f'parent_gpu_uuid="{_escape(g.parent_uuid)}"}} 1.0\n')
+        for fd, v in g.ListFields():
+            spec = spec_of(fd.name)
+            if spec is None:
+                continue
+            kind, i, extra = spec
+            if kind == _K_FLOAT:
+                v = v * extra
+                parts[i].append(f"{op[i]}{gl}{repr(v) if v - v == 0 else floatToGoString(v)}\n")
+            elif kind == _K_INT:
+                parts[i].append(f"{op[i]}{gl}{v}\n")
+            elif kind == _K_LABELLED:
+                parts[i].append(f"{op[i]}{gp}{extra}{v}\n")
+            elif kind == _K_FLAG:
+                parts[i].append(f"{op[i]}{gl}{'1.0' if v else '0.0'}\n")
+            elif kind == _K_XID:
+                lst = parts[i]
+                for x in v:
+                    lst.append(f'{op[i]}{gp},xid="{x.xid}"}} {x.count}\n')
+            else:  # fabric state: one sample per known state, 1 on the current one
+                lst = parts[i]
+                for s in dict.fromkeys([*FABRIC_STATES, v]):
+                    lst.append(f'{op[i]}{gp},state="{_escape(s)}"}} {"1.0" if s == v else "0.0"}\n')
+        h = g.health or "unknown"
+        for suffix, value in _health_lines(state_of(h, h)):
+            health.append(f"{health_open}{gp}{suffix}{value}")
 
 
 class _Families:
@@ -331,8 +373,13 @@ class ClusterCollector(Collector):
         """The same families as :meth:`collect` as Prometheus text 0.0.4, node texts cached."""
         return b"".join(await self.render_parts())
 
-    async def render_parts(self) -> list[bytes]:
-        """:meth:`render_text` in pieces (one per family, in order), to be written one after another."""
+    async def render_parts(self, openmetrics: bool = False) -> list[bytes]:
+        """:meth:`render_text` in pieces (one per family, in order), to be written one after another.
+
+        ``openmetrics``: the same families as OpenMetrics 1.0 (what a real Prometheus asks for); the
+        sample lines are the same in both formats, only the family headers differ. No ``# EOF``: the
+        page it is part of ends with one.
+        """
         t0 = slice0 = time.perf_counter()
         nodes = self.nodes
         now = nodes.monotonic()
@@ -353,19 +400,22 @@ class ClusterCollector(Collector):
                 per_family[idx].append(text)
             ages.append(_TEMPLATES[AGE] % (_escape(st.name), _num(st.age(now))))
             seen.add(st.name)
-            if i & 15 == 15 and time.perf_counter() - slice0 > self.slice_s:
+            if i & 3 == 3 and time.perf_counter() - slice0 > self.slice_s:
                 await asyncio.sleep(0)  # let the data path run; the node map may change meanwhile (fine)
                 slice0 = time.perf_counter()
         for name in [n for n in cache if n not in seen]:
             del cache[name]
         per_family[AGE] = ["".join(ages).encode()]
         out: list[bytes] = []
-        for idx, header in enumerate(_HEADERS):
-            out.append(header + b"".join(per_family[idx]))
+        for idx, header in enumerate(_OM_HEADERS if openmetrics else _HEADERS):
+            chunks_ = per_family[idx]
+            chunks_.insert(0, header)
+            out.append(b"".join(chunks_))  # one copy (header + join would make two)
             if time.perf_counter() - slice0 > self.slice_s:
                 await asyncio.sleep(0)
                 slice0 = time.perf_counter()
-        out.append(generate_latest(_Families([*self._self(), self._duration(time.perf_counter() - t0)])))
+        own = _Families([*self._self(), self._duration(time.perf_counter() - t0)])
+        out.append(om_generate_latest(own).removesuffix(b"# EOF\n") if openmetrics else generate_latest(own))
         return out
 
     # -- the control plane's own --
@@ -400,10 +450,14 @@ class ClusterCollector(Collector):
             refused.add_metric([reason], float(s.refused.get(reason, 0)))
         beats = CounterMetricFamily("llmgw_control_heartbeats", "Heartbeats received")
         beats.add_metric([], float(s.heartbeats))
+        streams = GaugeMetricFamily(
+            "llmgw_control_heartbeat_streams", "Heartbeat streams open (agents on protocol 1.1 or later)"
+        )
+        streams.add_metric([], float(s.streams_open))
         errors = CounterMetricFamily(
             "llmgw_control_rpc_errors", "Agent calls answered with an error, by method and gRPC status",
             labels=["method", "code"],
         )
         for (method, code), v in sorted(s.rpc_errors.items()):
             errors.add_metric([method, code], float(v))
-        return [nodes, reg, dereg, refused, beats, errors]
+        return [nodes, reg, dereg, refused, beats, streams, errors]

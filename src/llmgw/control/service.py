@@ -26,7 +26,7 @@ import grpc
 
 from .. import __version__
 from .._proto.agent.v1 import agent_pb2_grpc
-from ..agent.wire import PROTOCOL, SERVER_OPTIONS, TOKEN_METADATA, compatible, discovery_from_proto, pb
+from ..agent.wire import PROTOCOL, SERVER_OPTIONS, TOKEN_METADATA, compatible, pb
 from ..errors import ConfigError
 from ..log import control_logger as log
 from .nodes import NodeMap
@@ -48,6 +48,8 @@ class ControlStats:
     reregistrations: int = 0
     deregistrations: int = 0
     heartbeats: int = 0
+    streams_open: int = 0
+    """Heartbeat streams open now (one per agent on protocol 1.1 or later)."""
     refused: dict[str, int] = field(default_factory=dict)
     """Refused joins by reason: ``invalid_token``, ``missing_token``, ``incompatible_version``, ``invalid_request``."""
     rpc_errors: dict[tuple[str, str], int] = field(default_factory=dict)
@@ -134,7 +136,8 @@ class AgentService(agent_pb2_grpc.AgentServiceServicer):
         self.stats.error(method, code)
         await context.abort(code, message)
 
-    async def _authenticate(self, context: Any, method: str, node: str) -> None:
+    async def _authenticate(self, context: Any, method: str, node: str) -> str:
+        """Check the call's join token (aborting with UNAUTHENTICATED); the token, for a stream to recheck."""
         given: str | None = None
         for key, value in context.invocation_metadata() or ():
             if key == TOKEN_METADATA and isinstance(value, str):
@@ -147,7 +150,11 @@ class AgentService(agent_pb2_grpc.AgentServiceServicer):
                 "no join token: the agent must send the control plane's join token (llmgw agent --token-env NAME)",
             )
         # SECURITY: never log or echo the token.
-        if not self._tokens.check(self.control().join_tokens, given or ""):
+        await self._check(context, method, node, given or "")
+        return given or ""
+
+    async def _check(self, context: Any, method: str, node: str, given: str) -> None:
+        if not self._tokens.check(self.control().join_tokens, given):
             self.stats.refuse("invalid_token")
             log.warning("refused %s from node %r at %s: wrong join token", method, node, context.peer())
             await self._abort(
@@ -175,7 +182,7 @@ class AgentService(agent_pb2_grpc.AgentServiceServicer):
                 context, "Register", grpc.StatusCode.INVALID_ARGUMENT,
                 f"node_name must be 1-{MAX_NAME} printable characters without spaces, got {name[:60]!r}",
             )
-        discovery = discovery_from_proto(request.discovery)
+        discovery = request.discovery
         st, created = self.nodes.register(
             name, peer=peer, agent_version=request.agent_version, protocol=theirs, discovery=discovery
         )
@@ -185,7 +192,7 @@ class AgentService(agent_pb2_grpc.AgentServiceServicer):
         log.info(
             "node %s %sregistered from %s (agent %s, protocol %d.%d, %d GPU(s), source %s)",
             name, "" if created else "re-", peer, request.agent_version or "?", *theirs, len(discovery.gpus),
-            discovery.source,
+            discovery.source or "none",
         )
         c = self.control()
         return pb.RegisterResponse(
@@ -199,7 +206,7 @@ class AgentService(agent_pb2_grpc.AgentServiceServicer):
     async def Heartbeat(self, request: pb.HeartbeatRequest, context: Any) -> pb.HeartbeatResponse:
         await self._authenticate(context, "Heartbeat", request.node_name)
         st = self.nodes.heartbeat(
-            request.node_id, request.sequence, discovery_from_proto(request.discovery), peer=context.peer()
+            request.node_id, request.sequence, request.discovery, peer=context.peer()
         )
         if st is None:
             await self._abort(
@@ -209,6 +216,46 @@ class AgentService(agent_pb2_grpc.AgentServiceServicer):
             raise AssertionError("unreachable")
         self.stats.heartbeats += 1
         return pb.HeartbeatResponse(heartbeat_interval_seconds=self.control().heartbeat_interval, cordoned=st.cordoned)
+
+    async def StreamHeartbeats(self, request_iterator: Any, context: Any) -> None:  # type: ignore[override]
+        """Heartbeats on one stream: each message recorded and answered as :meth:`Heartbeat` would.
+
+        (grpc.aio takes a coroutine that reads and writes through ``context``; the generated stub only
+        knows the iterator form, hence the override ignore.)
+
+        PERF: the control plane's cost at scale. A unary call per beat costs grpc.aio about 0.55 ms of
+        CPU, a message on an open stream about 0.25 ms (bench/cluster_scale.py); ``context.read`` and
+        ``write`` rather than the iterators, which add a task switch per message.
+        """
+        method = "StreamHeartbeats"
+        msg = await context.read()
+        if msg is grpc.aio.EOF:
+            return
+        given = await self._authenticate(context, method, msg.heartbeat.node_name)
+        peer = context.peer()
+        stats = self.stats
+        stats.streams_open += 1
+        try:
+            await self._stream_beats(context, method, msg, given, peer)
+        finally:
+            stats.streams_open -= 1
+
+    async def _stream_beats(self, context: Any, method: str, msg: Any, given: str, peer: str) -> None:
+        nodes, stats = self.nodes, self.stats
+        while msg is not grpc.aio.EOF:
+            hb = msg.heartbeat
+            await self._check(context, method, hb.node_name, given)  # a reload may have removed the token
+            st = nodes.heartbeat(hb.node_id, hb.sequence, hb.discovery, peer=peer)
+            if st is None:
+                await self._abort(
+                    context, method, grpc.StatusCode.NOT_FOUND,
+                    f"node {hb.node_name!r} is not registered here (the control plane restarted?): register again",
+                )
+                raise AssertionError("unreachable")
+            stats.heartbeats += 1
+            await context.write(pb.StreamHeartbeatsResponse(heartbeat=pb.HeartbeatResponse(
+                heartbeat_interval_seconds=self.control().heartbeat_interval, cordoned=st.cordoned)))
+            msg = await context.read()
 
     async def Deregister(self, request: pb.DeregisterRequest, context: Any) -> pb.DeregisterResponse:
         await self._authenticate(context, "Deregister", request.node_name)

@@ -180,9 +180,53 @@ class HeartbeatRequest(_message.Message):
 Global___HeartbeatRequest: _TypeAlias = HeartbeatRequest  # noqa: Y015
 
 @_typing.final
-class HeartbeatResponse(_message.Message):
+class StreamHeartbeatsRequest(_message.Message):
     """Heartbeat's answer."""
 
+    DESCRIPTOR: _descriptor.Descriptor
+
+    HEARTBEAT_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def heartbeat(self) -> Global___HeartbeatRequest:
+        """One beat, the same as a Heartbeat call's request."""
+
+    def __init__(
+        self,
+        *,
+        heartbeat: Global___HeartbeatRequest | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["heartbeat", b"heartbeat"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["heartbeat", b"heartbeat"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___StreamHeartbeatsRequest: _TypeAlias = StreamHeartbeatsRequest  # noqa: Y015
+
+@_typing.final
+class StreamHeartbeatsResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    HEARTBEAT_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def heartbeat(self) -> Global___HeartbeatResponse:
+        """The answer to one beat, the same as a Heartbeat call's."""
+
+    def __init__(
+        self,
+        *,
+        heartbeat: Global___HeartbeatResponse | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["heartbeat", b"heartbeat"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["heartbeat", b"heartbeat"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___StreamHeartbeatsResponse: _TypeAlias = StreamHeartbeatsResponse  # noqa: Y015
+
+@_typing.final
+class HeartbeatResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     HEARTBEAT_INTERVAL_SECONDS_FIELD_NUMBER: _builtins.int

@@ -48,6 +48,11 @@ class AgentServiceStub:
                 request_serializer=llmgw_dot_agent_dot_v1_dot_agent__pb2.HeartbeatRequest.SerializeToString,
                 response_deserializer=llmgw_dot_agent_dot_v1_dot_agent__pb2.HeartbeatResponse.FromString,
                 _registered_method=True)
+        self.StreamHeartbeats = channel.stream_stream(
+                '/llmgw.agent.v1.AgentService/StreamHeartbeats',
+                request_serializer=llmgw_dot_agent_dot_v1_dot_agent__pb2.StreamHeartbeatsRequest.SerializeToString,
+                response_deserializer=llmgw_dot_agent_dot_v1_dot_agent__pb2.StreamHeartbeatsResponse.FromString,
+                _registered_method=True)
         self.Deregister = channel.unary_unary(
                 '/llmgw.agent.v1.AgentService/Deregister',
                 request_serializer=llmgw_dot_agent_dot_v1_dot_agent__pb2.DeregisterRequest.SerializeToString,
@@ -79,6 +84,19 @@ class AgentServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def StreamHeartbeats(self, request_iterator, context):
+        """Heartbeats as one stream per registration, one message per beat: what an
+        agent uses when the control plane speaks protocol 1.1 or later (a call per
+        beat costs the control plane about twice the CPU of a message on a stream).
+        Each message is answered by one. The join token is checked on every message
+        (a reload that removes it ends the stream with UNAUTHENTICATED); NOT_FOUND
+        ends it when the control plane does not know the node: register again. An
+        older control plane answers UNIMPLEMENTED: use Heartbeat.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Deregister(self, request, context):
         """Leave the cluster (the agent stops): the node is removed at once.
         """
@@ -98,6 +116,11 @@ def add_AgentServiceServicer_to_server(servicer, server):
                     servicer.Heartbeat,
                     request_deserializer=llmgw_dot_agent_dot_v1_dot_agent__pb2.HeartbeatRequest.FromString,
                     response_serializer=llmgw_dot_agent_dot_v1_dot_agent__pb2.HeartbeatResponse.SerializeToString,
+            ),
+            'StreamHeartbeats': grpc.stream_stream_rpc_method_handler(
+                    servicer.StreamHeartbeats,
+                    request_deserializer=llmgw_dot_agent_dot_v1_dot_agent__pb2.StreamHeartbeatsRequest.FromString,
+                    response_serializer=llmgw_dot_agent_dot_v1_dot_agent__pb2.StreamHeartbeatsResponse.SerializeToString,
             ),
             'Deregister': grpc.unary_unary_rpc_method_handler(
                     servicer.Deregister,
@@ -162,6 +185,33 @@ class AgentService:
             '/llmgw.agent.v1.AgentService/Heartbeat',
             llmgw_dot_agent_dot_v1_dot_agent__pb2.HeartbeatRequest.SerializeToString,
             llmgw_dot_agent_dot_v1_dot_agent__pb2.HeartbeatResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StreamHeartbeats(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/llmgw.agent.v1.AgentService/StreamHeartbeats',
+            llmgw_dot_agent_dot_v1_dot_agent__pb2.StreamHeartbeatsRequest.SerializeToString,
+            llmgw_dot_agent_dot_v1_dot_agent__pb2.StreamHeartbeatsResponse.FromString,
             options,
             channel_credentials,
             insecure,

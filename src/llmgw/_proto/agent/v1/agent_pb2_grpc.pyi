@@ -65,6 +65,15 @@ class AgentServiceStub:
     NOT_FOUND: the control plane does not know the node (it restarted):
     register again.
     """
+    StreamHeartbeats: _grpc.StreamStreamMultiCallable[_agent_pb2.StreamHeartbeatsRequest, _agent_pb2.StreamHeartbeatsResponse]
+    """Heartbeats as one stream per registration, one message per beat: what an
+    agent uses when the control plane speaks protocol 1.1 or later (a call per
+    beat costs the control plane about twice the CPU of a message on a stream).
+    Each message is answered by one. The join token is checked on every message
+    (a reload that removes it ends the stream with UNAUTHENTICATED); NOT_FOUND
+    ends it when the control plane does not know the node: register again. An
+    older control plane answers UNIMPLEMENTED: use Heartbeat.
+    """
     Deregister: _grpc.UnaryUnaryMultiCallable[_agent_pb2.DeregisterRequest, _agent_pb2.DeregisterResponse]
     """Leave the cluster (the agent stops): the node is removed at once."""
 
@@ -85,6 +94,15 @@ class AgentServiceAsyncStub(AgentServiceStub):
     """The latest readings, sent every `heartbeat_interval_seconds` (jittered).
     NOT_FOUND: the control plane does not know the node (it restarted):
     register again.
+    """
+    StreamHeartbeats: _aio.StreamStreamMultiCallable[_agent_pb2.StreamHeartbeatsRequest, _agent_pb2.StreamHeartbeatsResponse]  # type: ignore[assignment]
+    """Heartbeats as one stream per registration, one message per beat: what an
+    agent uses when the control plane speaks protocol 1.1 or later (a call per
+    beat costs the control plane about twice the CPU of a message on a stream).
+    Each message is answered by one. The join token is checked on every message
+    (a reload that removes it ends the stream with UNAUTHENTICATED); NOT_FOUND
+    ends it when the control plane does not know the node: register again. An
+    older control plane answers UNIMPLEMENTED: use Heartbeat.
     """
     Deregister: _aio.UnaryUnaryMultiCallable[_agent_pb2.DeregisterRequest, _agent_pb2.DeregisterResponse]  # type: ignore[assignment]
     """Leave the cluster (the agent stops): the node is removed at once."""
@@ -115,6 +133,21 @@ class AgentServiceServicer(metaclass=_abc_1.ABCMeta):
         """The latest readings, sent every `heartbeat_interval_seconds` (jittered).
         NOT_FOUND: the control plane does not know the node (it restarted):
         register again.
+        """
+
+    @_abc_1.abstractmethod
+    def StreamHeartbeats(
+        self,
+        request_iterator: _MaybeAsyncIterator[_agent_pb2.StreamHeartbeatsRequest],
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_agent_pb2.StreamHeartbeatsResponse], _abc.AsyncIterator[_agent_pb2.StreamHeartbeatsResponse]]:
+        """Heartbeats as one stream per registration, one message per beat: what an
+        agent uses when the control plane speaks protocol 1.1 or later (a call per
+        beat costs the control plane about twice the CPU of a message on a stream).
+        Each message is answered by one. The join token is checked on every message
+        (a reload that removes it ends the stream with UNAUTHENTICATED); NOT_FOUND
+        ends it when the control plane does not know the node: register again. An
+        older control plane answers UNIMPLEMENTED: use Heartbeat.
         """
 
     @_abc_1.abstractmethod

@@ -1,0 +1,133 @@
+"""Heartbeats on a stream (protocol 1.1), and the older peers that only know Heartbeat calls.
+
+Real agents (:class:`AgentClient`) against a real control plane over gRPC on 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+
+import grpc
+import pytest
+from cp_helpers import (
+    INTERVAL,
+    TOKEN,
+    control_config,
+    control_plane,
+    control_runtime,
+    free_port,
+    metrics,
+    pick,
+    wait_for,
+)
+from scenario import discovery_of, h100s
+
+from llmgw._proto.agent.v1 import agent_pb2_grpc
+from llmgw.agent.client import AgentClient, AgentRefused
+from llmgw.agent.model import Discovery
+from llmgw.control.nodes import NodeMap
+from llmgw.control.service import AgentService, ControlStats
+
+pytestmark = pytest.mark.timeout(60)
+
+
+class Source:
+    def __init__(self, host: str) -> None:
+        self.d = discovery_of({"hostname": host, "gpus": h100s(1, host[-1])})
+
+    def read(self) -> Discovery:
+        return self.d
+
+    def close(self) -> None:
+        pass
+
+
+@contextlib.asynccontextmanager
+async def running(client: AgentClient) -> AsyncIterator[asyncio.Task[None]]:
+    stop = asyncio.Event()
+    task = asyncio.create_task(client.run(stop))
+    try:
+        yield task
+    finally:
+        stop.set()
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(task, 10)
+
+
+async def test_agents_heartbeat_on_one_stream_each() -> None:
+    port = free_port()
+    async with control_runtime(port) as rt:
+        cp = control_plane(rt)
+        a = AgentClient(f"127.0.0.1:{port}", "node-s", TOKEN, Source("host-s"), rng=None)
+        async with running(a):
+            await wait_for(lambda: a.heartbeats >= 3, what="three beats")
+            assert a.streaming and cp.stats.streams_open == 1
+            assert pick(await metrics(rt), "llmgw_control_heartbeat_streams") == [1.0]
+            st = cp.nodes.get("node-s")
+            assert st is not None and st.heartbeats >= 3 and cp.nodes.state(st) == "up"
+            # the stream's answers carry the cordon like a Heartbeat call's
+            cp.set_cordoned("node-s", True)
+            await wait_for(lambda: a.cordoned, what="the cordon reaching the agent")
+        await wait_for(lambda: cp.stats.streams_open == 0, what="the stream closed")
+        assert cp.nodes.get("node-s") is None  # deregistered on stop
+
+
+async def test_an_older_agent_heartbeats_with_calls() -> None:
+    port = free_port()
+    async with control_runtime(port) as rt:
+        cp = control_plane(rt)
+        old = AgentClient(f"127.0.0.1:{port}", "node-o", TOKEN, Source("host-o"), protocol=(1, 0))
+        async with running(old):
+            await wait_for(lambda: old.heartbeats >= 3, what="three beats")
+            assert not old.streaming and cp.stats.streams_open == 0
+            st = cp.nodes.get("node-o")
+            assert st is not None and st.heartbeats >= 3 and st.protocol == (1, 0)
+
+
+class _OlderService(AgentService):
+    """A control plane from before protocol 1.1 that (wrongly) claims 1.1: only the fallback saves the agent."""
+
+    StreamHeartbeats = agent_pb2_grpc.AgentServiceServicer.StreamHeartbeats  # type: ignore[assignment]
+
+
+async def test_a_control_plane_without_the_stream_gets_heartbeat_calls() -> None:
+    port = free_port()
+    cfg = control_config(port)
+    nodes = NodeMap(lambda: 3 * INTERVAL)
+    server = grpc.aio.server()
+    agent_pb2_grpc.add_AgentServiceServicer_to_server(_OlderService(nodes, lambda: cfg.control, ControlStats()), server)
+    server.add_insecure_port(f"127.0.0.1:{port}")
+    await server.start()
+    try:
+        a = AgentClient(f"127.0.0.1:{port}", "node-f", TOKEN, Source("host-f"))
+        async with running(a):
+            await wait_for(lambda: a.heartbeats >= 2, what="beats after the fallback")
+            assert not a.streaming
+            st = nodes.get("node-f")
+            assert st is not None and st.heartbeats >= 2
+    finally:
+        await server.stop(0)
+
+
+async def test_a_reload_that_removes_the_token_ends_the_stream() -> None:
+    port = free_port()
+    async with control_runtime(port) as rt:
+        a = AgentClient(f"127.0.0.1:{port}", "node-t", TOKEN, Source("host-t"))
+        stop = asyncio.Event()
+        task = asyncio.create_task(a.run(stop))
+        try:
+            await wait_for(lambda: a.heartbeats >= 2 and a.streaming, what="beats on the stream")
+            rt.reload(control_config(port, join_token="a-new-token-for-everyone"))
+            with pytest.raises(AgentRefused) as exc:
+                await asyncio.wait_for(task, 10)
+            assert exc.value.code == grpc.StatusCode.UNAUTHENTICATED
+            assert "a-new-token" not in str(exc.value) and TOKEN not in str(exc.value)
+            stats = control_plane(rt).stats
+            assert stats.refused.get("invalid_token") == 1 and stats.streams_open == 0
+        finally:
+            stop.set()
+            task.cancel()
+            with contextlib.suppress(BaseException):
+                await task
