@@ -9,7 +9,15 @@ Measures, for the issue's scale goal (1,000 agents x 8 GPUs every 5 s):
   over ``--scrapes`` scrapes, and its sample count (goal < 250 ms at ~100,000 samples);
 * event-loop holds: ``GET /health`` every 2 ms on a kept-alive connection during the
   scrapes; the worst answer time minus the median bounds how long the loop was held
-  (goal < 10 ms).
+  (goal < 10 ms);
+* proxied requests during scrapes: one keep-alive client sends a chat completion every
+  5 ms through the gateway to a ``llmgw sim-engine`` replica, for ``--scrapes`` scrapes and
+  for as long again without; p50/p99 of each (goal: p99 within +10 ms of no scrapes).
+
+Scrapes ask what a real Prometheus asks (OpenMetrics first; ``--plain`` for text 0.0.4).
+
+``--fleet-only HOST:PORT`` just runs the agents against a control plane someone else
+started (``bench/dataplane/run.py --cluster N`` does), until SIGTERM.
 
 The agents are the real :class:`llmgw.agent.client.AgentClient`, all in this
 process (one gRPC channel each), on a source whose readings change on every read
@@ -95,6 +103,73 @@ async def get(port: int, path: str) -> tuple[float, bytes]:
     return time.perf_counter() - t0, body
 
 
+PROMETHEUS_ACCEPT = ("application/openmetrics-text;version=1.0.0,application/openmetrics-text;version=0.0.1;q=0.75,"
+                     "text/plain;version=0.0.4;q=0.5,*/*;q=0.1")
+
+
+async def scrape(port: int, plain: bool) -> tuple[float, bytes]:
+    t0 = time.perf_counter()
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    accept = "text/plain" if plain else PROMETHEUS_ACCEPT
+    writer.write(f"GET /metrics HTTP/1.1\r\nhost: x\r\naccept: {accept}\r\nconnection: close\r\n\r\n".encode())
+    body = await reader.read()
+    writer.close()
+    return time.perf_counter() - t0, body
+
+
+def proxied_pinger(port: int, stop: threading.Event, out: list[float]) -> None:
+    """A chat completion every 5 ms on one kept-alive connection (in a thread of its own)."""
+    sock = socket.create_connection(("127.0.0.1", port))
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    f = sock.makefile("rb")
+    body = b'{"model":"m","messages":[{"role":"user","content":"hi"}],"max_tokens":1}'
+    req = (b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+           b"content-length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+    while not stop.is_set():
+        t0 = time.perf_counter()
+        sock.sendall(req)
+        length = 0
+        status = f.readline()
+        while True:
+            line = f.readline()
+            if line.lower().startswith(b"content-length:"):
+                length = int(line.split(b":")[1])
+            if line in (b"\r\n", b""):
+                break
+        f.read(length)
+        if b" 200 " not in status:
+            raise SystemExit(f"bench: a proxied request failed: {status!r}")
+        out.append(time.perf_counter() - t0)
+        time.sleep(0.005)
+    sock.close()
+
+
+def pct(xs: list[float], q: float) -> float:
+    ys = sorted(xs)
+    return ys[min(len(ys) - 1, int(q * len(ys)))]
+
+
+class Fleet:
+    """``--agents`` agents against ``target``, started in waves (as a fleet starts), until :meth:`stop`."""
+
+    def __init__(self, target: str, a: argparse.Namespace) -> None:
+        self.clients = [AgentClient(target, f"node-{i:04d}", TOKEN, ChangingSource(i, a.gpus)) for i in range(a.agents)]
+        self.tasks: list[asyncio.Task[None]] = []
+        self._stop = asyncio.Event()
+
+    async def start(self) -> Fleet:
+        for i, c in enumerate(self.clients):
+            self.tasks.append(asyncio.create_task(c.run(self._stop)))
+            if i % 50 == 49:
+                await asyncio.sleep(0.05)
+        return self
+
+    async def stop(self) -> None:
+        """Every agent deregisters (bounded), as on SIGTERM."""
+        self._stop.set()
+        await asyncio.wait(self.tasks, timeout=30)
+
+
 def health_pinger(port: int, stop: threading.Event, out: list[float]) -> None:
     """GET /health every 2 ms on one kept-alive connection, in a thread of its own (not this
     process's event loop, which is busy with the agents and the scraped page)."""
@@ -119,12 +194,18 @@ def health_pinger(port: int, stop: threading.Event, out: list[float]) -> None:
 
 
 async def main_async(a: argparse.Namespace) -> dict[str, Any]:
-    cport, aport, lport = free_port(), free_port(), free_port()
+    cport, aport, lport, eport = free_port(), free_port(), free_port(), free_port()
     tmp = Path(tempfile.mkdtemp(prefix="llmgw-cluster-bench-"))
     cfg = tmp / "llmgw.yaml"
     cfg.write_text(
         f"listen: 127.0.0.1:{lport}\nadmin: 127.0.0.1:{aport}\n"
+        f"endpoints:\n  - {{id: e0, url: 'http://127.0.0.1:{eport}', model: m, engine: vllm}}\n"
         f"control:\n  listen: 127.0.0.1:{cport}\n  join_token_env: BENCH_JOIN\n  heartbeat_interval: {a.interval}s\n"
+    )
+    engine = subprocess.Popen(
+        [sys.executable, "-m", "llmgw", "--log-level", "warning", "sim-engine", "--listen", f"127.0.0.1:{eport}",
+         "--model", "m", "--ttft-ms", "0", "--tokens-per-second", "100000", "--slots", "64"],
+        stdout=subprocess.DEVNULL,
     )
     cmd = [sys.executable, "-m", "llmgw", "--log-level", "warning", "serve", "-c", str(cfg)]
     if a.pin:
@@ -139,14 +220,14 @@ async def main_async(a: argparse.Namespace) -> dict[str, Any]:
                 break
             except OSError:
                 await asyncio.sleep(0.05)
-        stop = asyncio.Event()
-        clients = [AgentClient(f"127.0.0.1:{cport}", f"node-{i:04d}", TOKEN, ChangingSource(i, a.gpus))
-                   for i in range(a.agents)]
-        tasks = []
-        for i, c in enumerate(clients):
-            tasks.append(asyncio.create_task(c.run(stop)))
-            if i % 50 == 49:
-                await asyncio.sleep(0.05)  # a fleet does not start in one instant
+        for _ in range(200):
+            try:
+                with socket.create_connection(("127.0.0.1", eport), timeout=1):
+                    break
+            except OSError:
+                await asyncio.sleep(0.05)
+        fleet = await Fleet(f"127.0.0.1:{cport}", a).start()
+        clients = fleet.clients
         t_reg = time.monotonic()
         while sum(c.registrations > 0 for c in clients) < a.agents:
             if time.monotonic() - t_reg > 120:
@@ -170,17 +251,32 @@ async def main_async(a: argparse.Namespace) -> dict[str, Any]:
         pstop = threading.Event()
         pt = threading.Thread(target=health_pinger, args=(aport, pstop, pings), daemon=True)
         pt.start()
+        quiet: list[float] = []
+        busy: list[float] = []
+        qstop = threading.Event()
+        qt = threading.Thread(target=proxied_pinger, args=(lport, qstop, busy), daemon=True)
+        qt.start()
         times, samples = [], 0
+        t_scrapes = time.monotonic()
         for _ in range(a.scrapes):
-            dt, body = await get(aport, "/metrics")
+            dt, body = await scrape(aport, a.plain)
             times.append(dt)
             text = body.partition(b"\r\n\r\n")[2]
-            samples = text.count(b"\n") - text.count(b"#")  # every # is a HELP or TYPE line here
+            samples = text.count(b"\n") - text.count(b"#")  # every # is a HELP, TYPE or EOF line here
             await asyncio.sleep(0.5)
+        span_s = time.monotonic() - t_scrapes
+        qstop.set()
+        qt.join()
         pstop.set()
         pt.join()
-        stop.set()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        # as long again, the same proxied load without scrapes
+        qstop = threading.Event()
+        qt = threading.Thread(target=proxied_pinger, args=(lport, qstop, quiet), daemon=True)
+        qt.start()
+        await asyncio.sleep(span_s)
+        qstop.set()
+        qt.join()
+        await fleet.stop()
         med = statistics.median(baseline) if baseline else 0.0
         return {
             "agents": a.agents, "gpus_per_agent": a.gpus, "interval_s": a.interval, "register_all_s": round(reg_s, 2),
@@ -191,13 +287,37 @@ async def main_async(a: argparse.Namespace) -> dict[str, Any]:
             "health_ms_during_scrapes": {"median": round(1000 * statistics.median(pings), 2),
                                          "max": round(1000 * max(pings), 2), "baseline_median": round(1000 * med, 2)},
             "max_loop_hold_ms_estimate": round(1000 * (max(pings) - med), 2),
+            "proxied_ms_during_scrapes": {"n": len(busy), "p50": round(1000 * pct(busy, 0.5), 2),
+                                          "p99": round(1000 * pct(busy, 0.99), 2), "max": round(1000 * max(busy), 2)},
+            "proxied_ms_without_scrapes": {"n": len(quiet), "p50": round(1000 * pct(quiet, 0.5), 2),
+                                           "p99": round(1000 * pct(quiet, 0.99), 2), "max": round(1000 * max(quiet), 2)},
+            "proxied_p99_added_by_scrapes_ms": round(1000 * (pct(busy, 0.99) - pct(quiet, 0.99)), 2),
         }
     finally:
-        serve.send_signal(signal.SIGTERM)
+        for proc in (serve, engine):
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+async def fleet_only(a: argparse.Namespace) -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    loop.add_signal_handler(signal.SIGTERM, stop.set)
+    loop.add_signal_handler(signal.SIGINT, stop.set)
+    fleet = await Fleet(a.fleet_only, a).start()
+    print(f"fleet: {len(fleet.clients)} agents x {a.gpus} GPUs against {a.fleet_only}", flush=True)
+    while not stop.is_set():  # and a Prometheus's scrapes, when asked
         try:
-            serve.wait(20)
-        except subprocess.TimeoutExpired:
-            serve.kill()
+            await asyncio.wait_for(stop.wait(), a.scrape_every if a.admin else None)
+        except asyncio.TimeoutError:
+            try:
+                await scrape(a.admin, a.plain)
+            except OSError as exc:
+                print(f"fleet: scrape failed: {exc}", flush=True)
+    await fleet.stop()
 
 
 def main() -> None:
@@ -209,9 +329,16 @@ def main() -> None:
     ap.add_argument("--scrapes", type=int, default=10)
     ap.add_argument("--pin", action="store_true", help="serve on core 0, the agents on the rest")
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--plain", action="store_true", help="scrape as text 0.0.4 (default: as Prometheus asks)")
+    ap.add_argument("--fleet-only", metavar="HOST:PORT", help="only run the agents against this control plane")
+    ap.add_argument("--admin", type=int, help="--fleet-only: scrape this admin port's /metrics every --scrape-every s")
+    ap.add_argument("--scrape-every", type=float, default=15.0)
     a = ap.parse_args()
     import uvloop
 
+    if a.fleet_only:
+        uvloop.run(fleet_only(a))
+        return
     res = uvloop.run(main_async(a))
     print(json.dumps(res, indent=2))
     if a.json:

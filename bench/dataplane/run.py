@@ -20,6 +20,7 @@ and the table shows the median of ``--rounds`` (3) with min-max.
     .venv/bin/python bench/dataplane/run.py /tmp/dataplane.json
     .venv/bin/python bench/dataplane/run.py out.json --proxies nginx,llmgw --rounds 5
     .venv/bin/python bench/dataplane/run.py out.json --profile /tmp/prof   # + py-spy of llmgw
+    .venv/bin/python bench/dataplane/run.py out.json --proxies nginx,llmgw --cluster 1000  # + a fleet of agents
 
 Every process it starts is stopped on exit (also on Ctrl-C).
 """
@@ -332,23 +333,40 @@ class NginxProxy(Proxy):
 class Llmgw(Proxy):
     name = "llmgw"
 
-    def __init__(self, port: int, admin: int, cmd: str, name: str = "llmgw") -> None:
+    def __init__(self, port: int, admin: int, cmd: str, name: str = "llmgw", cluster: tuple[int, int, int] | None = None,
+                 fleet_core: int = 1) -> None:
         super().__init__(port)
         self.admin = admin
         self.cmd = cmd
         self.name = name
+        self.cluster = cluster
+        """(control port, agents, GPUs each): also run the control plane, with that many agents heartbeating."""
+        self.fleet_core = fleet_core
+        self.fleet: subprocess.Popen | None = None  # type: ignore[type-arg]
 
     def start(self, d: Path, core: int, up: tuple[int, int]) -> None:
         conf = d / f"{self.name}.yaml"
-        conf.write_text(
+        text = (
             f"listen: 127.0.0.1:{self.port}\n"
             f"admin: 127.0.0.1:{self.admin}\n"
             "endpoints:\n"
             f'  - {{id: up0, url: "http://127.0.0.1:{up[0]}", model: m, engine: vllm}}\n'
             f'  - {{id: up1, url: "http://127.0.0.1:{up[1]}", model: m, engine: vllm}}\n'
         )
-        self.proc = start(["taskset", "-c", str(core), self.cmd, "serve", "-c", str(conf)], d / f"{self.name}.out")
+        env = None
+        if self.cluster is not None:
+            text += f"control:\n  listen: 127.0.0.1:{self.cluster[0]}\n  join_token_env: BENCH_JOIN\n"
+            env = {**os.environ, "BENCH_JOIN": "bench-join-token"}
+        conf.write_text(text)
+        self.proc = start(["taskset", "-c", str(core), self.cmd, "serve", "-c", str(conf)], d / f"{self.name}.out", env)
         wait_port(self.port, self.proc, self.name)
+        if self.cluster is not None:
+            # the agents and a Prometheus's scrapes (every 15 s) on the load core, as in life off the gateway's
+            cmd = ["taskset", "-c", str(self.fleet_core), sys.executable, str(HERE.parent / "cluster_scale.py"),
+                   "--fleet-only", f"127.0.0.1:{self.cluster[0]}", "--agents", str(self.cluster[1]),
+                   "--gpus", str(self.cluster[2]), "--admin", str(self.admin)]
+            self.fleet = start(cmd, d / f"{self.name}-fleet.out")
+            time.sleep(max(5.0, self.cluster[1] / 200))  # every agent registered and heartbeating
 
 
 class Relay(Proxy):
@@ -456,6 +474,9 @@ def main() -> None:
     ap.add_argument("--profile", metavar="DIR", help="afterwards, py-spy record llmgw under each load into DIR")
     ap.add_argument("--profile-rate", type=int, default=500)
     ap.add_argument("--keep", action="store_true", help="keep the work directory (configs, logs)")
+    ap.add_argument("--cluster", type=int, metavar="AGENTS",
+                    help="also run proxy 'cluster': llmgw with a control plane and AGENTS simulated agents of 8 GPUs "
+                         "heartbeating every 5 s, scraped every 15 s (the data path's ratio with and without a fleet)")
     args = ap.parse_args()
 
     base = args.port_base
@@ -467,9 +488,14 @@ def main() -> None:
     }
     if args.baseline:
         all_proxies["baseline"] = Llmgw(base + 83, base + 93, args.baseline, name="baseline")
+    if args.cluster:
+        all_proxies["cluster"] = Llmgw(base + 84, base + 94, args.llmgw, name="cluster",
+                                       cluster=(base + 95, args.cluster, 8), fleet_core=args.load_core)
     names = [n.strip() for n in args.proxies.split(",") if n.strip()]
     if args.baseline and "baseline" not in names:
         names.append("baseline")
+    if args.cluster and "cluster" not in names:
+        names.append("cluster")
     proxies = [all_proxies[n] for n in names]
     ports = [*up, *(p.port for p in proxies)] + [p.admin for p in proxies if isinstance(p, Llmgw)]
     busy = [p for p in ports if not port_free(p)]
