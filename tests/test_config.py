@@ -428,7 +428,7 @@ def test_agent_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     assert str(ei.value).splitlines() == [
         f"{p}:1: control: is required",
         f"{p}:1: token_env: environment variable NOPE_AGENT is not set (export it)",
-        f"{p}:2: gpu_source: unknown gpu source 'rocm'; choose one of auto, nvml, nvidia-smi, none",
+        f"{p}:2: gpu_source: unknown gpu source 'rocm'; choose one of auto, nvml, nvidia-smi, none, simulated",
         f"{p}:4: engines.tgi: unknown engine 'tgi'; choose one of vllm, llamacpp, trtllm, sglang",
         f"{p}:5: engines.vllm.pyhton: unknown key; did you mean 'python'?",
     ]

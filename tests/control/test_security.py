@@ -152,3 +152,38 @@ def test_a_control_plane_alone_is_something_to_serve() -> None:
 
     assert serve_problems(load({"control": {"listen": "127.0.0.1:1", "join_token": "t"}})) == []
     assert serve_problems(load({}))  # still refused: nothing to serve
+
+
+async def test_agent_config_file_carries_mutual_tls(pki: dict[str, Path], tmp_path: Path) -> None:
+    """``llmgw agent --config FILE`` as a process: tls_ca, tls_cert and tls_key from the file, against a control
+    plane that requires a client certificate."""
+    import os
+    import signal
+    import sys
+
+    port = free_port()
+    cfg = tmp_path / "agent.yaml"
+    cfg.write_text(
+        f"control: 127.0.0.1:{port}\ntoken_env: JOIN\nname: mtls-file-node\ngpu_source: none\n"
+        f"tls_ca: {pki['ca.pem']}\ntls_cert: {pki['client.pem']}\ntls_key: {pki['client.key']}\n"
+    )
+    async with control_runtime(port, tls_cert=str(pki["server.pem"]), tls_key=str(pki["server.key"]),
+                               tls_client_ca=str(pki["ca.pem"])) as rt:
+        p = subprocess.Popen([sys.executable, "-m", "llmgw", "agent", "--config", str(cfg)], stdout=subprocess.DEVNULL,
+                             stderr=subprocess.PIPE, text=True, env={**os.environ, "JOIN": TOKEN})
+        try:
+            await wait_for(lambda: _up(rt, "mtls-file-node"), what="the mTLS agent from its file up")
+        finally:
+            p.send_signal(signal.SIGTERM)
+            _, err = p.communicate(timeout=15)
+        assert p.returncode == 0, err
+
+
+def test_agent_file_tls_pair_must_be_whole(tmp_path: Path) -> None:
+    from llmgw.config.agent import load_agent_file
+
+    cfg = tmp_path / "agent.yaml"
+    cfg.write_text("control: cp0:7070\ntls_cert: /etc/llmgw/client.pem\n")
+    with pytest.raises(ConfigError) as e:
+        load_agent_file(cfg)
+    assert "tls_key: tls_cert and tls_key go together" in str(e.value)

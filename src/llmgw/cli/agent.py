@@ -120,6 +120,11 @@ def agent(
         token = file_cfg.token
         name = name or file_cfg.name
         gpu_source = gpu_source or file_cfg.gpu_source
+        use_tls = use_tls or file_cfg.tls
+        if tls_cert is None and tls_key is None:
+            tls_cert, tls_key = file_cfg.tls_cert, file_cfg.tls_key
+        tls_ca = tls_ca or file_cfg.tls_ca
+        insecure = insecure or file_cfg.insecure
     if control is None:
         raise click.UsageError("--control HOST:PORT is required (or control: in --config FILE)")
     if token_env is not None:

@@ -1,8 +1,9 @@
 """The node agent's own file (``llmgw config schema --agent``): its schema, dataclasses and loader.
 
-Reserved: the file is validated, nothing runs the agent yet. It is read like
+``llmgw agent --config FILE`` reads it (flags override it). It is read like
 ``llmgw.yaml`` (every problem in one pass, each on its YAML line), by the same
-rules and problem collection.
+rules and problem collection. ``engines:`` is validated now and used by the
+launchers (the replica issue).
 """
 
 from __future__ import annotations
@@ -15,11 +16,21 @@ from typing import Annotated, Any
 from pydantic import Field
 
 from ._problems import _document, _Problems, _section
-from ._rules import _HOSTPORT, _IDENT, _RUNNABLE_ENGINE, _TEXT, RUNNABLE_ENGINES, _choice, _env, _EnvValue
+from ._rules import (
+    _FLAG,
+    _HOSTPORT,
+    _IDENT,
+    _RUNNABLE_ENGINE,
+    _TEXT,
+    RUNNABLE_ENGINES,
+    _choice,
+    _env,
+    _EnvValue,
+)
 from ._yaml import _read_yaml
 from .model import _SECTION, _default, _In
 
-GPU_SOURCES = ("auto", "nvml", "nvidia-smi", "none")
+GPU_SOURCES = ("auto", "nvml", "nvidia-smi", "none", "simulated")
 _GPU_SOURCE = _choice("gpu source", GPU_SOURCES)
 
 
@@ -37,18 +48,23 @@ class AgentEngineConfig:
 
 @dataclass(frozen=True, slots=True)
 class AgentConfig:
-    """The node agent's own file. Reserved: validated, nothing runs it yet."""
+    """The node agent's own file (``llmgw agent --config FILE``)."""
 
     control: tuple[str, int]
     token: str | None = field(default=None, repr=False)
     name: str | None = None  # None: the host name
     gpu_source: str = "auto"
+    tls: bool = False
+    tls_ca: str | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    insecure: bool = False
     engines: Mapping[str, AgentEngineConfig] = field(default_factory=dict)
     source: str | None = None
 
 
 class _AgentIn(_In):
-    """The llmgw node agent's configuration. Reserved: validated, nothing runs it yet."""
+    """The llmgw node agent's configuration (llmgw agent --config FILE; its flags override it)."""
 
     control: Annotated[tuple[str, int], _HOSTPORT]
     """The control plane's address, HOST:PORT."""
@@ -57,7 +73,18 @@ class _AgentIn(_In):
     name: Annotated[str, _IDENT] | None = _default(AgentConfig, "name")
     """This node's name (default: the host name)."""
     gpu_source: Annotated[str, _GPU_SOURCE] = _default(AgentConfig, "gpu_source")
-    """Where GPU telemetry comes from: auto, nvml, nvidia-smi or none."""
+    """Where GPU telemetry comes from: auto (NVML, then nvidia-smi, then none), nvml, nvidia-smi, none, or
+    simulated (stand-in GPUs that say so: demos and tests)."""
+    tls: Annotated[bool, _FLAG] = _default(AgentConfig, "tls")
+    """Use TLS, trusting the system's CAs (implied by tls_ca / tls_cert)."""
+    tls_ca: Annotated[str, _TEXT] | None = _default(AgentConfig, "tls_ca")
+    """PEM CA that signed the control plane's certificate."""
+    tls_cert: Annotated[str, _TEXT] | None = _default(AgentConfig, "tls_cert")
+    """PEM client certificate (mutual TLS); needs tls_key."""
+    tls_key: Annotated[str, _TEXT] | None = _default(AgentConfig, "tls_key")
+    """PEM key of tls_cert."""
+    insecure: Annotated[bool, _FLAG] = _default(AgentConfig, "insecure")
+    """Allow plaintext to a control plane that is not on loopback (a network you trust)."""
     engines: dict[Annotated[str, _RUNNABLE_ENGINE], AgentEngineConfig] = Field(
         default_factory=dict, json_schema_extra={"propertyNames": {"enum": list(RUNNABLE_ENGINES)}}
     )
@@ -81,12 +108,19 @@ def _build_agent(data: Any, problems: _Problems) -> AgentConfig:
     if "control" not in doc:
         problems.add(("control",), "is required")
     v = {name: _section(problems, _AgentIn, doc, name) for name in _AgentIn.model_fields}
+    if (v["tls_cert"] is None) != (v["tls_key"] is None):
+        problems.add(("tls_key" if v["tls_key"] is None else "tls_cert",), "tls_cert and tls_key go together")
     problems.raise_if_any()
     return AgentConfig(
         control=v["control"],
         token=v["token_env"].value if v["token_env"] is not None else None,
         name=v["name"],
         gpu_source=v["gpu_source"],
+        tls=v["tls"],
+        tls_ca=v["tls_ca"],
+        tls_cert=v["tls_cert"],
+        tls_key=v["tls_key"],
+        insecure=v["insecure"],
         engines=v["engines"],
         source=problems.source,
     )

@@ -204,7 +204,7 @@ def _control(problems: _Problems, c: Any, raw: Any) -> ControlConfig | None:
     tokens = tuple(e.value for e in c.join_token_env) if c.join_token_env else (c.join_token or ())
     return ControlConfig(
         listen=c.listen, join_tokens=tokens, heartbeat_interval=c.heartbeat_interval, heartbeat_grace=grace,
-        database=c.database, tls_cert=c.tls_cert, tls_key=c.tls_key, tls_client_ca=c.tls_client_ca,
+        database=c.database, state_file=c.state_file, tls_cert=c.tls_cert, tls_key=c.tls_key, tls_client_ca=c.tls_client_ca,
         allow_insecure=c.allow_insecure,
     )
 

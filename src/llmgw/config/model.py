@@ -286,6 +286,7 @@ class ControlConfig:
     heartbeat_interval: float = 5.0
     heartbeat_grace: float = 15.0
     database: str | None = None
+    state_file: str | None = None
     tls_cert: str | None = None
     tls_key: str | None = None
     tls_client_ca: str | None = None
@@ -494,6 +495,8 @@ class _ControlIn(_In):
     """A node silent this long is lost (default: three heartbeat intervals)."""
     database: Annotated[str, _TEXT] | None = _default(ControlConfig, "database")
     """Where the control plane would keep its state (reserved: nothing is stored yet)."""
+    state_file: Annotated[str, _TEXT] | None = _default(ControlConfig, "state_file")
+    """A JSON file keeping operators' decisions (cordons) across restarts; default: memory only."""
     tls_cert: Annotated[str, _TEXT] | None = _default(ControlConfig, "tls_cert")
     """PEM certificate (chain) the gRPC listener presents; with tls_key."""
     tls_key: Annotated[str, _TEXT] | None = _default(ControlConfig, "tls_key")

@@ -6,8 +6,10 @@ clock (``monotonic``) for ages; an agent's clock is never used (skew).
 
 A node is ``up`` while its last heartbeat (or registration) is within the grace,
 ``unhealthy`` past it, and up again on the next heartbeat. ``cordoned`` is a flag
-beside that state (an operator's, kept across the node's re-registrations).
-Deregistration removes the node.
+beside that state: an operator's decision, kept by node name, so it outlives the
+node's deregistration (an agent restarted for maintenance comes back cordoned) and,
+with ``control.state_file``, the control plane's restart. Deregistration removes the
+node.
 """
 
 from __future__ import annotations
@@ -109,6 +111,8 @@ class NodeMap:
         self.monotonic = monotonic
         self._nodes: dict[str, NodeState] = {}
         self._by_id: dict[str, str] = {}
+        self.cordoned: set[str] = set()
+        """Names of cordoned nodes, registered or not (:meth:`set_cordoned`, :meth:`restore_cordons`)."""
 
     def __len__(self) -> int:
         return len(self._nodes)
@@ -133,6 +137,7 @@ class NodeMap:
             st = NodeState(
                 node_id=node_id_for(name), name=name, peer=peer, agent_version=agent_version, protocol=protocol,
                 reading=discovery, registered_at=wall, last_heartbeat=wall, last_seen=mono,
+                cordoned=name in self.cordoned,
             )
             self._nodes[name] = st
             self._by_id[st.node_id] = name
@@ -167,7 +172,7 @@ class NodeMap:
         return self._nodes.pop(name, None) if name is not None else None
 
     def set_cordoned(self, name: str, cordoned: bool) -> tuple[NodeState, bool]:
-        """Cordon or uncordon; ``(state, changed)``.
+        """Cordon or uncordon a registered node; ``(state, changed)``.
 
         Raises:
             KeyError: no such node.
@@ -175,9 +180,21 @@ class NodeMap:
         st = self._nodes[name]
         changed = st.cordoned != cordoned
         st.cordoned = cordoned
+        if cordoned:
+            self.cordoned.add(name)
+        else:
+            self.cordoned.discard(name)
         if changed:
             st.generation += 1
         return st, changed
+
+    def restore_cordons(self, names: set[str]) -> None:
+        """The cordons a saved state had (applied to nodes as they register)."""
+        self.cordoned = set(names)
+        for st in self._nodes.values():
+            if st.cordoned != (st.name in names):
+                st.cordoned = st.name in names
+                st.generation += 1
 
     def is_up(self, st: NodeState, now: float | None = None) -> bool:
         """Whether the node was heard from within the grace (``now``: monotonic)."""

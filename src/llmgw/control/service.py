@@ -27,7 +27,7 @@ import grpc
 from .. import __version__
 from .._proto.agent.v1 import agent_pb2_grpc
 from ..agent.wire import PROTOCOL, SERVER_OPTIONS, TOKEN_METADATA, compatible, pb
-from ..errors import ConfigError
+from ..errors import ConfigError, HTTPError
 from ..log import control_logger as log
 from .nodes import NodeMap
 
@@ -289,6 +289,7 @@ class ControlPlane:
         self.tls = False
         self._collector: Any = None
         self._last: ControlConfig | None = None
+        self._state: Any = None  # StateFile when control.state_file is set
 
     def _control(self) -> ControlConfig:
         c = self.config().control
@@ -313,6 +314,13 @@ class ControlPlane:
             )
         creds = server_credentials(c)
         self.tls = creds is not None
+        if c.state_file is not None:
+            from .state import StateFile
+
+            self._state = StateFile(c.state_file)
+            self.nodes.restore_cordons(self._state.load())
+        else:
+            log.info("cordons are kept in memory only (set control.state_file to keep them across restarts)")
         server = grpc.aio.server(options=list(SERVER_OPTIONS))
         agent_pb2_grpc.add_AgentServiceServicer_to_server(self.service, server)
         host, port = c.listen
@@ -374,6 +382,18 @@ class ControlPlane:
             st, changed = self.nodes.set_cordoned(name, cordoned)
         except KeyError:
             return None
+        if changed and self._state is not None:
+            try:
+                self._state.save(self.nodes.cordoned)
+            except OSError as exc:
+                self.nodes.set_cordoned(name, not cordoned)
+                log.error("could not save %s: %s; node %s left %s", self._state.path, exc, name,
+                          "uncordoned" if cordoned else "cordoned")
+                raise HTTPError(
+                    f"could not save control.state_file {self._state.path} ({exc.strerror or exc}); the node was "
+                    f"left {'uncordoned' if cordoned else 'cordoned'}: fix the file's directory or permissions",
+                    code="state_not_saved",
+                ) from None
         if changed:
             log.info("node %s %s", name, "cordoned" if cordoned else "uncordoned")
         view = node_view(self.nodes, st, gpus=False)
