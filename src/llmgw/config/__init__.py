@@ -35,7 +35,6 @@ The package, by concern (this module re-exports the public names):
 from __future__ import annotations
 
 from ._rules import RUNNABLE_ENGINES, STRATEGIES, parse_duration, parse_hostport, parse_size
-from .agent import GPU_SOURCES, AgentConfig, AgentEngineConfig, load_agent, load_agent_file
 from .loading import find_config, load, load_file, serve_problems, validate_for_serve
 from .model import DEFAULT_ADMIN as DEFAULT_ADMIN
 from .model import DEFAULT_LISTEN as DEFAULT_LISTEN
@@ -95,3 +94,16 @@ __all__ = [
     "serve_problems",
     "validate_for_serve",
 ]
+
+
+_AGENT_NAMES = frozenset({"GPU_SOURCES", "AgentConfig", "AgentEngineConfig", "load_agent", "load_agent_file"})
+
+
+def __getattr__(name: str) -> object:
+    # PERF: the node agent's file and its schema (~0.15 s and a few MiB to build) load on first use,
+    # not with every `llmgw serve`, which never reads an agent's file.
+    if name in _AGENT_NAMES:
+        from . import agent
+
+        return getattr(agent, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

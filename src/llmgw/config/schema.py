@@ -6,7 +6,6 @@ from typing import Any
 
 from pydantic import TypeAdapter
 
-from .agent import _AgentIn
 from .model import _ConfigIn
 
 
@@ -17,6 +16,8 @@ def config_schema(*, agent: bool = False) -> dict[str, Any]:
     the file (an environment variable being set, an alias clashing with a model
     another endpoint serves) only the loader checks.
     """
+    from .agent import _AgentIn  # (loaded on first use: `llmgw serve` never needs it)
+
     model = _AgentIn if agent else _ConfigIn
     schema = TypeAdapter(model).json_schema()
     docs = _field_docs()
@@ -39,6 +40,8 @@ def _field_docs() -> dict[str, dict[str, str]]:
     import inspect
     import sys
     from itertools import pairwise
+
+    from .agent import _AgentIn
 
     try:
         trees = [ast.parse(inspect.getsource(sys.modules[m.__module__])) for m in (_ConfigIn, _AgentIn)]
