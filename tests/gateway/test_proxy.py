@@ -185,35 +185,43 @@ async def request(
     """One request on a fresh connection; returns (status, headers, de-chunked body)."""
     r, w = await asyncio.open_connection("127.0.0.1", port)
     try:
-        w.write(
-            b"%s %s HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: %d\r\n%s\r\n%s"
-            % (method, path, len(body), headers, body)
-        )
-        head = await asyncio.wait_for(r.readuntil(b"\r\n\r\n"), 5)
-        lines = head.decode().split("\r\n")
-        status = int(lines[0].split()[1])
-        hdrs = {}
-        for line in lines[1:]:
-            if line:
-                k, v = line.split(":", 1)
-                hdrs[k.strip().lower().encode()] = v.strip().encode()
-        if b"content-length" in hdrs:
-            data = await asyncio.wait_for(r.readexactly(int(hdrs[b"content-length"])), 5)
-        else:
-            data = b""
-            while True:
-                size_line = await asyncio.wait_for(r.readline(), 5)
-                if not size_line:
-                    break  # connection closed without the last chunk
-                size = int(size_line.strip(), 16)
-                if size == 0:
-                    await r.readline()
-                    break
-                data += await r.readexactly(size)
-                await r.readexactly(2)
-        return status, hdrs, data
+        return await request_on(r, w, body, path, headers, method)
     finally:
         w.close()
+
+
+async def request_on(
+    r: asyncio.StreamReader, w: asyncio.StreamWriter, body: bytes, path: bytes = b"/v1/chat/completions",
+    headers: bytes = b"", method: bytes = b"POST",
+) -> tuple[int, dict[bytes, bytes], bytes]:
+    """One request on an open connection (kept open)."""
+    w.write(
+        b"%s %s HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: %d\r\n%s\r\n%s"
+        % (method, path, len(body), headers, body)
+    )
+    head = await asyncio.wait_for(r.readuntil(b"\r\n\r\n"), 5)
+    lines = head.decode().split("\r\n")
+    status = int(lines[0].split()[1])
+    hdrs = {}
+    for line in lines[1:]:
+        if line:
+            k, v = line.split(":", 1)
+            hdrs[k.strip().lower().encode()] = v.strip().encode()
+    if b"content-length" in hdrs:
+        data = await asyncio.wait_for(r.readexactly(int(hdrs[b"content-length"])), 5)
+    else:
+        data = b""
+        while True:
+            size_line = await asyncio.wait_for(r.readline(), 5)
+            if not size_line:
+                break  # connection closed without the last chunk
+            size = int(size_line.strip(), 16)
+            if size == 0:
+                await r.readline()
+                break
+            data += await r.readexactly(size)
+            await r.readexactly(2)
+    return status, hdrs, data
 
 
 def chat(stream: bool = False, model: str = "m") -> bytes:
@@ -468,6 +476,26 @@ async def test_stream_cut_by_engine_ends_with_an_error_event(mode: str) -> None:
         # whole events only: every event but the error is a complete data line
         assert all(e.startswith(b"data: {\"choices\"") and e.endswith(b"}}]}") for e in events[:-1])
         assert len(a.seen) + len(b.seen) == 1  # never retried after the first byte
+        assert inflight_zero(rt)
+
+
+async def test_the_client_connection_outlives_a_cut_stream() -> None:
+    """The cut stream's framing is complete (the error event, then the last chunk): the client's kept-alive
+    connection serves its next request. Closing it instead would make a client that reuses it at once fail a
+    request it cannot safely resend (seen in bench/soak.py)."""
+    a = FakeEngine("a")
+    async with gateway([a]) as rt:
+        r, w = await asyncio.open_connection("127.0.0.1", port_of(rt))
+        try:
+            a.mode = "cut_stream"
+            status, hdrs, data = await request_on(r, w, chat(stream=True))
+            assert status == 200 and b'"upstream_disconnected"' in data
+            assert hdrs.get(b"connection") != b"close"
+            a.mode = "ok"
+            status, _, data = await request_on(r, w, chat())
+            assert status == 200 and orjson.loads(data)["served_by"] == "a"
+        finally:
+            w.close()
         assert inflight_zero(rt)
 
 

@@ -604,7 +604,11 @@ class Call(Exchange):
         w = self.w
         if w.finished:
             return
-        w.keep_alive = False
+        if not w.chunked:
+            # a body of announced length cut short cannot be completed: only the close tells the client.
+            # A chunked stream's framing is completed below, so the connection stays usable (closing it
+            # would fail a client that reuses it at once with a request it cannot safely resend).
+            w.keep_alive = False
         if not w.disconnected:
             # Never a fabricated [DONE] or finish_reason: the client learns the truth.
             w.write(_sse_error(f"stream interrupted: {why}", code))
