@@ -131,6 +131,10 @@ class AgentClient:
         self.streaming = False
         """Heartbeats go on a StreamHeartbeats stream (both sides speak protocol 1.1 or later)."""
         self._stream: Any = None
+        self._reader: asyncio.Task[None] | None = None
+        self._stream_error: grpc.aio.AioRpcError | None = None
+        self._wake = asyncio.Event()
+        """Set when the heartbeat stream ended between beats: the loop acts at once, not an interval later."""
         self._channel: grpc.aio.Channel | None = None
         self._stub: Any = None
         self._metadata = ((TOKEN_METADATA, f"Bearer {token}"),)
@@ -149,6 +153,9 @@ class AgentClient:
 
     def _end_stream(self) -> None:
         call, self._stream = self._stream, None
+        reader, self._reader = self._reader, None
+        if reader is not None:
+            reader.cancel()
         if call is not None:
             call.cancel()
 
@@ -169,12 +176,16 @@ class AgentClient:
                              errors=(f"GPU source failed: {type(exc).__name__}: {exc}",))
 
     async def _sleep(self, stop: asyncio.Event, seconds: float) -> bool:
-        """Sleep, or return True at once when ``stop`` is set."""
-        try:
-            await asyncio.wait_for(stop.wait(), timeout=max(0.0, seconds))
+        """Sleep, or return True at once when ``stop`` is set (early, False, when the heartbeat stream ended)."""
+        if stop.is_set():
             return True
-        except asyncio.TimeoutError:
-            return False
+        waiters = [asyncio.ensure_future(stop.wait()), asyncio.ensure_future(self._wake.wait())]
+        try:
+            await asyncio.wait(waiters, timeout=max(0.0, seconds), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for w in waiters:
+                w.cancel()
+        return stop.is_set()
 
     def _jittered(self) -> float:
         return self.interval * self.rng.uniform(0.9, 1.1)
@@ -212,7 +223,7 @@ class AgentClient:
             self.on_registered(resp)
         return resp
 
-    async def heartbeat(self) -> pb.HeartbeatResponse:
+    async def heartbeat(self) -> None:
         """One beat: a message on the heartbeat stream (opened on first use), or a Heartbeat call.
 
         Raises:
@@ -225,7 +236,8 @@ class AgentClient:
         req = pb.HeartbeatRequest(
             node_id=self.node_id, node_name=self.name, sequence=self.sequence, discovery=discovery_to_proto(discovery)
         )
-        resp: pb.HeartbeatResponse
+        self._wake.clear()
+        resp: pb.HeartbeatResponse | None = None
         if self.streaming:
             try:
                 resp = await self._beat_on_stream(req)
@@ -237,17 +249,28 @@ class AgentClient:
         if not self.streaming:
             resp = await self._connect().Heartbeat(req, metadata=self._metadata, timeout=CALL_TIMEOUT)
         self.heartbeats += 1
-        if resp.heartbeat_interval_seconds > 0:
-            self.interval = resp.heartbeat_interval_seconds
-        self.cordoned = resp.cordoned
-        return resp
+        if resp is not None:
+            self._answer(resp)
 
-    async def _beat_on_stream(self, req: pb.HeartbeatRequest) -> pb.HeartbeatResponse:
+    async def _beat_on_stream(self, req: pb.HeartbeatRequest) -> pb.HeartbeatResponse | None:
+        """One message on the heartbeat stream; the answer when one is due (a new stream's first).
+
+        The control plane answers a stream's first message and then only when the answer changes
+        (a cordon, a new interval): PERF, half its cost per beat. A reader task takes the answers as
+        they come; when the stream ends between beats it records why and wakes the loop.
+        """
+        if self._stream_error is not None:  # it ended since the last beat
+            exc, self._stream_error = self._stream_error, None
+            self._end_stream()
+            raise exc
         call = self._stream
+        first = call is None
         if call is None:
             call = self._stream = self._connect().StreamHeartbeats(metadata=self._metadata)
         try:
             await asyncio.wait_for(call.write(pb.StreamHeartbeatsRequest(heartbeat=req)), CALL_TIMEOUT)
+            if not first:
+                return None
             got = await asyncio.wait_for(call.read(), CALL_TIMEOUT)
         except asyncio.TimeoutError:
             self._end_stream()
@@ -262,12 +285,37 @@ class AgentClient:
             got = grpc.aio.EOF
         if got is grpc.aio.EOF:
             self._end_stream()
-            code = await call.code()
-            raise grpc.aio.AioRpcError(
-                code if code != grpc.StatusCode.OK else grpc.StatusCode.UNAVAILABLE,
-                grpc.aio.Metadata(), grpc.aio.Metadata(), await call.details() or "the heartbeat stream ended",
-            )
+            raise await self._ended(call)
+        self._reader = asyncio.create_task(self._read_answers(call))
         return got.heartbeat
+
+    @staticmethod
+    async def _ended(call: Any) -> grpc.aio.AioRpcError:
+        code = await call.code()
+        return grpc.aio.AioRpcError(
+            code if code != grpc.StatusCode.OK else grpc.StatusCode.UNAVAILABLE,
+            grpc.aio.Metadata(), grpc.aio.Metadata(), await call.details() or "the heartbeat stream ended",
+        )
+
+    def _answer(self, resp: pb.HeartbeatResponse) -> None:
+        if resp.heartbeat_interval_seconds > 0:
+            self.interval = resp.heartbeat_interval_seconds
+        self.cordoned = resp.cordoned
+
+    async def _read_answers(self, call: Any) -> None:
+        try:
+            while True:
+                got = await call.read()
+                if got is grpc.aio.EOF:
+                    self._stream_error = await self._ended(call)
+                    break
+                self._answer(got.heartbeat)
+        except grpc.aio.AioRpcError as exc:
+            self._stream_error = exc
+        except asyncio.CancelledError:
+            return
+        if self._stream is call:
+            self._wake.set()
 
     async def deregister(self, reason: str, timeout: float = 2.0) -> bool:
         if self.node_id is None:

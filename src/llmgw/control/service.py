@@ -224,8 +224,10 @@ class AgentService(agent_pb2_grpc.AgentServiceServicer):
         knows the iterator form, hence the override ignore.)
 
         PERF: the control plane's cost at scale. A unary call per beat costs grpc.aio about 0.55 ms of
-        CPU, a message on an open stream about 0.25 ms (bench/cluster_scale.py); ``context.read`` and
-        ``write`` rather than the iterators, which add a task switch per message.
+        CPU, a message on an open stream read and answered about 0.3 ms, read alone about 0.2 ms: so
+        the first message is answered and later ones only when the answer changes (a cordon, a new
+        interval). ``context.read`` and ``write`` rather than the iterators, which add a task switch
+        per message.
         """
         method = "StreamHeartbeats"
         msg = await context.read()
@@ -242,6 +244,7 @@ class AgentService(agent_pb2_grpc.AgentServiceServicer):
 
     async def _stream_beats(self, context: Any, method: str, msg: Any, given: str, peer: str) -> None:
         nodes, stats = self.nodes, self.stats
+        said: tuple[float, bool] | None = None  # the answer last written: the next one only when it changes
         while msg is not grpc.aio.EOF:
             hb = msg.heartbeat
             await self._check(context, method, hb.node_name, given)  # a reload may have removed the token
@@ -253,8 +256,11 @@ class AgentService(agent_pb2_grpc.AgentServiceServicer):
                 )
                 raise AssertionError("unreachable")
             stats.heartbeats += 1
-            await context.write(pb.StreamHeartbeatsResponse(heartbeat=pb.HeartbeatResponse(
-                heartbeat_interval_seconds=self.control().heartbeat_interval, cordoned=st.cordoned)))
+            answer = (self.control().heartbeat_interval, st.cordoned)
+            if answer != said:
+                await context.write(pb.StreamHeartbeatsResponse(heartbeat=pb.HeartbeatResponse(
+                    heartbeat_interval_seconds=answer[0], cordoned=answer[1])))
+                said = answer
             msg = await context.read()
 
     async def Deregister(self, request: pb.DeregisterRequest, context: Any) -> pb.DeregisterResponse:

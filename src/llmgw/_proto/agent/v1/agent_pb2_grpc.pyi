@@ -69,7 +69,8 @@ class AgentServiceStub:
     """Heartbeats as one stream per registration, one message per beat: what an
     agent uses when the control plane speaks protocol 1.1 or later (a call per
     beat costs the control plane about twice the CPU of a message on a stream).
-    Each message is answered by one. The join token is checked on every message
+    The first message is answered, later ones only when the answer changes (a
+    cordon, a new interval). The join token is checked on every message
     (a reload that removes it ends the stream with UNAUTHENTICATED); NOT_FOUND
     ends it when the control plane does not know the node: register again. An
     older control plane answers UNIMPLEMENTED: use Heartbeat.
@@ -99,7 +100,8 @@ class AgentServiceAsyncStub(AgentServiceStub):
     """Heartbeats as one stream per registration, one message per beat: what an
     agent uses when the control plane speaks protocol 1.1 or later (a call per
     beat costs the control plane about twice the CPU of a message on a stream).
-    Each message is answered by one. The join token is checked on every message
+    The first message is answered, later ones only when the answer changes (a
+    cordon, a new interval). The join token is checked on every message
     (a reload that removes it ends the stream with UNAUTHENTICATED); NOT_FOUND
     ends it when the control plane does not know the node: register again. An
     older control plane answers UNIMPLEMENTED: use Heartbeat.
@@ -144,7 +146,8 @@ class AgentServiceServicer(metaclass=_abc_1.ABCMeta):
         """Heartbeats as one stream per registration, one message per beat: what an
         agent uses when the control plane speaks protocol 1.1 or later (a call per
         beat costs the control plane about twice the CPU of a message on a stream).
-        Each message is answered by one. The join token is checked on every message
+        The first message is answered, later ones only when the answer changes (a
+        cordon, a new interval). The join token is checked on every message
         (a reload that removes it ends the stream with UNAUTHENTICATED); NOT_FOUND
         ends it when the control plane does not know the node: register again. An
         older control plane answers UNIMPLEMENTED: use Heartbeat.
