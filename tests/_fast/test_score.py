@@ -192,11 +192,34 @@ def test_load_and_queued_corrections(score: ModuleType) -> None:
         s.on_dispatch(1.1)
     assert s.load() == 9.0
     assert s.queued() == 1.0
-    # corrections never go below zero
+    # corrections never go below what this router has in flight there (a scrape
+    # that has not seen our requests yet does not make the replica look idle)
     s.on_scrape(2.0, 0, 0, None)
     s.on_complete(2.1)
-    assert s.load() == 0.0
+    assert s.inflight == 3
+    assert s.load() == 3.0
     assert s.queued() == 0.0
+    for _ in range(3):
+        s.on_complete(2.2)
+    assert s.load() == 0.0  # nor below zero
+
+
+def test_a_burst_spreads_when_a_scrape_under_reports_it(score: ModuleType) -> None:
+    """Eight requests sent to a replica whose next scrape counts none of them yet
+    (still on their way): the router's own in-flight count keeps it from looking idle."""
+    a, b = score.EndpointState(0), score.EndpointState(1)
+    for state in (a, b):
+        state.on_scrape(0.0, 0, 0, None)
+    picker = score.Picker("score", seed=1)
+    picks = []
+    for k in range(16):
+        if k == 8:  # a's scrape lands mid-burst, seeing nothing of it (b's comes later)
+            a.on_scrape_sent()
+            a.on_scrape(0.5, 0, 0, None)
+        i = picker.pick([a, b], 0.5, 10.0)
+        (a, b)[i].on_dispatch(0.5)
+        picks.append(i)
+    assert picks.count(0) == picks.count(1) == 8, picks
 
 
 def test_queued_is_absent_without_queue_gauge(score: ModuleType) -> None:

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import gzip
+import math
 import re
 import shutil
 import subprocess
+import time
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -28,6 +29,8 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.metrics_core import GaugeMetricFamily
 
 from llmgw.admin.metrics import FleetCollector, PrometheusObserver, status_class
+from llmgw.config import load
+from llmgw.fleet.registry import Registry
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -211,24 +214,24 @@ async def test_register_collector() -> None:
         assert "llmgw_control_plane_nodes" not in text
 
 
-# -- the routing layer's live state, read defensively --
+# -- the routing layer's live state, read off the real registry --
 
 
-class _Breaker:
-    def __init__(self, state: str) -> None:
-        self.state = state
-
-
-def _fake_ep(eid: str, **attrs: Any) -> Any:
-    ep = SimpleNamespace(
-        id=eid, models=("m",), cfg=SimpleNamespace(pool=None, engine="vllm"), inflight=1, draining=False,
-        consecutive_failures=0, engine=SimpleNamespace(scraped=False), stale=False,
-        scrape_ok=0, scrape_failures=0, scrape_seconds=0.0,
+def _registry() -> Registry:
+    """Real replicas (not started: nothing is scraped): two vLLM ones and an external provider."""
+    return Registry(
+        load(
+            {
+                "endpoints": [
+                    {"id": "with", "url": "http://127.0.0.1:9", "model": "m"},
+                    {"id": "half", "url": "http://127.0.0.1:9", "model": "m"},
+                    {"id": "without", "url": "http://127.0.0.1:9", "model": "m", "engine": "external"},
+                    {"id": "gone", "url": "http://127.0.0.1:9", "model": "n"},
+                ],
+                "breaker": {"failures": 1, "cooldown": "60s"},
+            }
+        )
     )
-    ep.fresh = lambda: (None, None, None)
-    for k, v in attrs.items():
-        setattr(ep, k, v)
-    return ep
 
 
 def _render(registry: Any, admission: Any = None) -> dict[str, Any]:
@@ -237,45 +240,66 @@ def _render(registry: Any, admission: Any = None) -> dict[str, Any]:
     return families(generate_latest(reg).decode())
 
 
-def test_routing_signals_exported_when_present_and_omitted_when_absent() -> None:
-    class Admission:
-        def queue_depths(self) -> dict[str, int]:
-            return {"interactive": 2, "batch": 7}
+async def test_routing_signals_exported_when_present_and_omitted_when_absent() -> None:
+    registry = _registry()
+    try:
+        now = time.monotonic()
+        eps = registry.endpoints
+        eps["with"].state.breaker.record_failure(now)  # open
+        eps["with"].state.drain_rate = 4.5
+        eps["with"].state.latency = 0.25
+        half = eps["half"].state.breaker
+        half.record_failure(now - 120.0)  # opened two minutes ago: the cooldown is over ...
+        assert half.allow(now) and eps["half"].breaker_state == "half_open"  # ... a probe went
+        eps["gone"].state.breaker.record_failure(now)  # model n: no usable replica
+        queue = registry.pools["m"].queue
+        items = [object() for _ in range(9)]
+        for i, item in enumerate(items):
+            queue.push(0 if i < 2 else 2, None, item, now)  # 2 critical, 7 batch
+        fams = _render(registry)
+        assert sample(fams, "llmgw_endpoint_breaker_open", replica="with") == 1.0
+        # 1 only while open (an `== 1` alert must not fire, nor miss, on half-open), and the state family
+        assert sample(fams, "llmgw_endpoint_breaker_open", replica="half") == 0.0
+        assert sample(fams, "llmgw_endpoint_breaker_state", replica="half", state="half_open") == 1.0
+        assert sample(fams, "llmgw_endpoint_breaker_state", replica="half", state="open") == 0.0
+        assert sample(fams, "llmgw_endpoint_breaker_state", replica="with", state="open") == 1.0
+        assert sample(fams, "llmgw_endpoint_breaker_state", replica="with") == 1.0  # one state at a time
+        assert sample(fams, "llmgw_endpoint_breaker_state", replica="without", state="closed") == 1.0
+        assert sample(fams, "llmgw_endpoint_breaker_open", replica="without") == 0.0
+        assert sample(fams, "llmgw_endpoint_drain_rate", replica="with") == 4.5
+        assert sample(fams, "llmgw_endpoint_latency_seconds", replica="with") == 0.25
+        # never measured: absent, not 0
+        assert sample(fams, "llmgw_endpoint_drain_rate", replica="without") is None
+        assert sample(fams, "llmgw_endpoint_latency_seconds", replica="without") is None
+        assert sample(fams, "llmgw_endpoint_waiting", replica="with") is None
+        assert sample(fams, "llmgw_admission_queue_depth", band="critical") == 2.0
+        assert sample(fams, "llmgw_admission_queue_depth", band="batch") == 7.0
+        assert sample(fams, "llmgw_admission_queue_depth", band="standard") == 0.0
+        assert sample(fams, "llmgw_pool_saturation", model="m") == registry.pool_saturation("m")
+        assert sample(fams, "llmgw_pool_saturation", model="n") == math.inf  # no usable replica
+        # never scraped yet: stale; not scraped at all (an external provider): no staleness, no scrape counters
+        assert sample(fams, "llmgw_endpoint_metrics_stale", replica="with") == 1.0
+        assert sample(fams, "llmgw_endpoint_metrics_stale", replica="without") is None
+        assert sample(fams, "llmgw_scrapes_total", replica="without") is None
+        for item in items:
+            assert queue.remove(item)
+    finally:
+        registry.close()
 
-        pool_saturation = {"m": 0.75, "n": None}
 
-    eps = {
-        "with": _fake_ep("with", breaker=_Breaker("open"), drain_rate=4.5),
-        "half": _fake_ep("half", breaker=_Breaker("half_open")),
-        "without": _fake_ep("without"),
-    }
-    fams = _render(SimpleNamespace(endpoints=eps), Admission())
-    assert sample(fams, "llmgw_endpoint_breaker_open", replica="with") == 1.0
-    # 1 only while open (an `== 1` alert must not fire, nor miss, on half-open), and the state family
-    assert sample(fams, "llmgw_endpoint_breaker_open", replica="half") == 0.0
-    assert sample(fams, "llmgw_endpoint_breaker_state", replica="half", state="half_open") == 1.0
-    assert sample(fams, "llmgw_endpoint_breaker_state", replica="half", state="open") == 0.0
-    assert sample(fams, "llmgw_endpoint_breaker_state", replica="with", state="open") == 1.0
-    assert sample(fams, "llmgw_endpoint_breaker_state", replica="with") == 1.0  # one state at a time
-    assert sample(fams, "llmgw_endpoint_breaker_state", replica="without") is None
-    assert sample(fams, "llmgw_endpoint_breaker_open", replica="without") is None
-    assert sample(fams, "llmgw_endpoint_drain_rate", replica="with") == 4.5
-    assert sample(fams, "llmgw_endpoint_drain_rate", replica="without") is None
-    assert sample(fams, "llmgw_admission_queue_depth", band="batch") == 7.0
-    assert sample(fams, "llmgw_pool_saturation", model="m") == 0.75
-    assert sample(fams, "llmgw_pool_saturation", model="n") is None
-    # not scraped (an external provider): no staleness, no scrape counters
-    assert sample(fams, "llmgw_endpoint_metrics_stale", replica="with") is None
-
-
-def test_broken_routing_layer_does_not_break_metrics(caplog: pytest.LogCaptureFixture) -> None:
-    class Broken:
+async def test_broken_admission_source_does_not_break_metrics(caplog: pytest.LogCaptureFixture) -> None:
+    class Broken:  # another admission controller (AdminApp's ``admission``) with a bug
         def queue_depths(self) -> dict[str, int]:
             raise RuntimeError("bug")
 
-    fams = _render(SimpleNamespace(endpoints={"x": _fake_ep("x")}), Broken())
-    assert sample(fams, "llmgw_admission_queue_depth") is None
-    assert sample(fams, "llmgw_endpoint_inflight", replica="x") == 1.0
+    registry = _registry()
+    try:
+        fams = _render(registry, Broken())
+        assert sample(fams, "llmgw_admission_queue_depth") is None
+        assert sample(fams, "llmgw_endpoint_inflight", replica="with") == 0.0
+        assert "queue_depths" in caplog.text
+    finally:
+        registry.close()
 
 
 def test_status_classes() -> None:

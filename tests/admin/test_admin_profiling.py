@@ -107,19 +107,40 @@ async def test_cpu_profile_pstats(rt: Any, tmp_path: Path) -> None:
     assert "burn_cpu_in_the_loop" in funcs
 
 
+async def parked_outer(ready: asyncio.Event, release: asyncio.Event) -> None:
+    await parked_inner(ready, release)
+
+
+async def parked_inner(ready: asyncio.Event, release: asyncio.Event) -> None:
+    ready.set()
+    await release.wait()
+
+
 async def test_task_and_thread_dumps(rt: Any) -> None:
-    status, hdrs, body = await get(rt, "/debug/pprof/tasks")
-    assert status == 200 and hdrs["content-type"].startswith("text/plain")
-    text = body.decode()
-    assert "Task 'llmgw-scrape-a' (pending) Poller._run" in text
-    assert "poller.py" in text and "awaiting <Future" in text
-    status, _, body = await get(rt, "/debug/pprof/tasks?format=json")
+    # A task parked at a known point: where the poller's task is at the moment of a
+    # dump depends on timing (asleep, or somewhere inside a scrape under load), so
+    # the deepest frame is checked on this one.
+    ready, release = asyncio.Event(), asyncio.Event()
+    parked = asyncio.create_task(parked_outer(ready, release), name="parked")
+    await ready.wait()
+    try:
+        status, hdrs, body = await get(rt, "/debug/pprof/tasks")
+        assert status == 200 and hdrs["content-type"].startswith("text/plain")
+        text = body.decode()
+        assert "Task 'llmgw-scrape-a' (pending) Poller._run" in text
+        assert "poller.py" in text and "awaiting <Future" in text
+        assert "Task 'parked' (pending) parked_outer" in text
+        status, _, body = await get(rt, "/debug/pprof/tasks?format=json")
+    finally:
+        release.set()
+        await parked
     tasks = {t["name"]: t for t in orjson.loads(body)["tasks"]}
     scrape = tasks["llmgw-scrape-a"]
     assert scrape["state"] == "pending"
-    # the whole await chain, outermost first: Poller._run -> ... -> asyncio.sleep
-    fns = [f["function"] for f in scrape["stack"]]
-    assert fns[0] == "Poller._run" and fns[-1] in ("sleep", "Poller._scrape", "scrape_once", "wait_for")
+    assert scrape["stack"][0]["function"] == "Poller._run"  # outermost first, whatever it awaits now
+    # the whole await chain, outermost first, down to the leaf coroutine
+    fns = [f["function"] for f in tasks["parked"]["stack"]]
+    assert fns == ["parked_outer", "parked_inner", "Event.wait"], fns
     status, _, body = await get(rt, "/debug/pprof/threads")
     assert status == 200 and b"MainThread" in body
     status, _, body = await get(rt, "/debug/pprof/")

@@ -1,19 +1,23 @@
 """Helpers for the mirror tests: GGUF files (with the gguf package and by hand) and Ollama stores.
 
-Run as a script, it is ``llmgw`` with a hook that stops an import at a chosen
-point, so a test can kill it there (see :func:`hooked_main`).
+Run as a script, it is ``llmgw`` with a breakpoint that stops an import at a chosen
+point of the real code (set with the tracer; nothing is replaced by a copy), so a
+test can kill it there (see :func:`hooked_main`).
 """
 
 from __future__ import annotations
 
 import hashlib
+import inspect
 import json
 import os
 import struct
 import sys
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 # --- GGUF written by the gguf package ------------------------------------------
@@ -290,6 +294,41 @@ def _touch(path: str) -> None:
         pass
 
 
+def _break_in(
+    func: Any, at: str | None, then: Callable[[], None], when: Callable[[FrameType], bool] | None = None
+) -> None:
+    """Call ``then()`` when the real ``func`` reaches the line holding ``at`` (when it is
+    called, for ``None``) and ``when(frame)`` holds: a breakpoint set with the tracer, so
+    the process stops inside the project's own code, not in a copy of it.
+
+    Raises:
+        AssertionError: ``at`` is not on exactly one line of ``func`` (the code changed:
+            the test must follow it).
+    """
+    code = inspect.unwrap(func).__code__
+    line = -1
+    if at is not None:
+        lines, first = inspect.getsourcelines(code)
+        hits = [first + i for i, text in enumerate(lines) if at in text]
+        assert len(hits) == 1, f"{at!r} is on {len(hits)} lines of {code.co_qualname}"
+        line = hits[0]
+
+    def local(frame: FrameType, event: str, arg: Any) -> Any:
+        if event == "line" and frame.f_lineno == line and (when is None or when(frame)):
+            then()
+        return local
+
+    def global_(frame: FrameType, event: str, arg: Any) -> Any:
+        if frame.f_code is not code:
+            return None  # (no line events anywhere else: the rest runs at full speed)
+        if at is None and (when is None or when(frame)):
+            then()
+        return local
+
+    sys.settrace(global_)
+    threading.settrace(global_)
+
+
 def hooked_main(argv: list[str]) -> None:
     """Run ``llmgw ARGV`` with hooks set by environment variables.
 
@@ -302,8 +341,6 @@ def hooked_main(argv: list[str]) -> None:
       blob until ``MIRROR_TEST_PARTIES`` processes have arrived, so all of them
       race for the same name at once.
     """
-    from contextlib import contextmanager
-
     import llmgw.mirror.catalogue as cat
     import llmgw.mirror.store as st
     from llmgw.cli import main
@@ -332,33 +369,17 @@ def hooked_main(argv: list[str]) -> None:
 
         st._write_all = slow_write
     elif pause == "place":
-        orig_place = st.MirrorStore._place
-
-        def paused_place(self: Any, *args: Any, **kwargs: Any) -> Any:
-            stop()
-            return orig_place(self, *args, **kwargs)
-
-        st.MirrorStore._place = paused_place  # type: ignore[method-assign]
+        _break_in(st.MirrorStore._place, None, stop)
     elif pause == "record":
-        orig_add = cat.Catalogue.add
-
-        def paused_add(self: Any, *args: Any, **kwargs: Any) -> Any:
-            stop()
-            return orig_add(self, *args, **kwargs)
-
-        cat.Catalogue.add = paused_add  # type: ignore[method-assign]
+        _break_in(cat.Catalogue.add, None, stop)
     elif pause == "commit":
-
-        @contextmanager
-        def paused_tx(self: Any) -> Any:
-            db = self._db
-            db.execute("BEGIN IMMEDIATE")
-            yield db
-            if db.execute("SELECT count(*) FROM models").fetchone()[0]:
-                stop()
-            db.execute("COMMIT")
-
-        cat.Catalogue.transaction = paused_tx  # type: ignore[method-assign]
+        # in the real transaction, at its COMMIT, once the block has recorded a model
+        _break_in(
+            cat.Catalogue.transaction,
+            'db.execute("COMMIT")',
+            stop,
+            when=lambda frame: bool(frame.f_locals["db"].execute("SELECT count(*) FROM models").fetchone()[0]),
+        )
 
     barrier = os.environ.get("MIRROR_TEST_BARRIER")
     if barrier:

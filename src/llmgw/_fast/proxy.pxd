@@ -68,7 +68,7 @@ cdef class Call(Exchange):
     cdef bint retrying                # counted in the retry budget
     cdef double deadline              # monotonic; when dkind expires
     cdef int dkind                    # Deadline
-    cdef bint progress                # a stream's bytes arrived since the sweep last looked
+    cdef bint progress                # answer bytes arrived since the sweep last looked
     cdef object error                 # the last attempt's HTTPError, or None
     cdef bytes head_tail              # the head sent on a reused connection (a fresh retry resends it)
     # the answer

@@ -256,7 +256,7 @@ class Call(Exchange):
         self._run: bytes | None = None  # a read holding whole chunks to relay as they came ...
         self._run_start = 0  # ... from here
         self._run_end = 0  # ... to here (see on_response_chunk)
-        self.progress = False  # a stream's bytes arrived since the sweep last looked
+        self.progress = False  # answer bytes arrived since the sweep last looked
         if LLMGW_DEBUG:
             _live.made("calls")
 
@@ -470,6 +470,8 @@ class Call(Exchange):
             self._tail_prev = self._tail
             self._tail = out
         else:
+            # (read_timeout is the longest silence: a buffered answer's bytes move it on too)
+            self.progress = True
             self._buf.append(data)
             self.sent_bytes += len(data)
             if self.sent_bytes > _MAX_BUFFERED:
@@ -644,8 +646,8 @@ class Call(Exchange):
             conn, self.conn = self.conn, None
             if conn is not None:
                 conn.abort()
-            gw.observer.upstream_error(ep.id, "read_timeout")
             if self.streaming:
+                gw.observer.upstream_error(ep.id, "read_timeout")
                 self._cut_stream("the replica stopped sending", "upstream_timeout")
                 self._completed(False)
             else:
@@ -676,6 +678,9 @@ class Call(Exchange):
             ep.state.on_abort(monotonic())
             if self.probe:
                 ep.state.breaker.release()
+        if self.retrying:  # (a retry in flight holds a slot of the retry budget)
+            gw.budget.done_retry()
+            self.retrying = False
         self._done(None)
 
     def _completed(self, success: bool) -> None:
@@ -836,7 +841,7 @@ class Gateway(App):
         read_timeout = self.read_timeout
         expired = []
         for c in self._watched:
-            if c.progress:  # a stream moved since the last sweep: its read deadline too
+            if c.progress:  # an answer's bytes came since the last sweep: its read deadline too
                 c.progress = False
                 if c.dkind == D_READ:
                     c.deadline = now + read_timeout

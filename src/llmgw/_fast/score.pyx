@@ -307,7 +307,9 @@ cdef class EndpointState:
     cdef inline double _load(self) noexcept:
         cdef double n = (0.0 if isnan(self.waiting) else self.waiting) + (0.0 if isnan(self.running) else self.running)
         n = n + <double>(self.dispatched_since_scrape - self.completed_since_scrape)
-        return n if n > 0.0 else 0.0
+        # never less than our own requests in flight there (see score_py.EndpointState.load)
+        cdef double own = <double>self.inflight
+        return n if n > own else own
 
     cdef double _queued(self) noexcept:
         cdef double w = self.waiting

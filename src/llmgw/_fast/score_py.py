@@ -489,12 +489,19 @@ class EndpointState:
         return self.max_running if self.max_running > 1.0 else 1.0
 
     def load(self) -> float:
-        """Corrected requests on the replica: ``max(0, W + R + dispatched - completed)``."""
+        """Corrected requests on the replica: ``max(inflight, W + R + dispatched - completed)``.
+
+        NOTE: never less than this router's own requests in flight there. A scrape
+        taken while a burst's requests are still on their way (sent, not yet counted
+        by the engine) under-reports them; without the floor the replica then looks
+        emptier than it is and takes the rest of the burst (a 13/3 split of 16).
+        """
         w = self.waiting
         r = self.running
         n = (w if w == w else 0.0) + (r if r == r else 0.0)
         n = n + (self.dispatched_since_scrape - self.completed_since_scrape)
-        return n if n > 0.0 else 0.0
+        own = float(self.inflight)
+        return n if n > own else own
 
     def queued(self) -> float:
         """Corrected queue (NaN if the engine reports no queue gauge).

@@ -12,7 +12,7 @@ a few dictionary operations:
 * :class:`FleetCollector` and :class:`RuntimeCollector` read the registry, the
   admission queues and the process at scrape time: nothing is kept in sync per
   request. A signal that is absent for a replica (never scraped, not reported by
-  its engine, stale, no breaker) is omitted for it, never exported as 0.
+  its engine, stale) is omitted for it, never exported as 0.
 
 Everything here runs on the event loop thread (hooks and scrapes alike), so no
 locks are taken. ``docs/metrics.md`` lists every family.
@@ -41,7 +41,7 @@ from ..gateway.observe import Hist, TrafficCounters
 from ..log import admin_logger as log
 
 if TYPE_CHECKING:
-    from ..fleet.registry import Registry
+    from ..fleet.registry import Endpoint, Registry
     from ..gateway.observe import Observer
     from .ports import Listeners
 
@@ -331,27 +331,21 @@ def pool_saturations(registry: Registry, admission: object | None = None) -> dic
     return out
 
 
-def breaker_state(ep: Any) -> str | None:
-    """``closed``, ``open`` or ``half_open`` from ``ep.breaker.state`` (or ``ep.breaker_state``); ``None``: no breaker."""
-    b = getattr(ep, "breaker", None)
-    state = getattr(b, "state", None) if b is not None else getattr(ep, "breaker_state", None)
-    if state is None:
-        return None
-    state = getattr(state, "value", state)  # an Enum is fine too
-    return str(state).lower().replace("-", "_")
+def breaker_state(ep: Endpoint) -> str:
+    """``closed``, ``open`` or ``half_open``: the replica's circuit breaker.
 
-
-
-
-def _number(ep: Any, name: str) -> float | None:
-    return _finite(getattr(ep, name, None))
+    NOTE: read as typed attributes of the real :class:`~llmgw.fleet.registry.Endpoint`,
+    never probed with ``getattr(..., None)``: a renamed field fails loudly (mypy, the
+    tests) instead of quietly dropping a signal from /metrics and the admin API.
+    """
+    return ep.breaker_state
 
 
 class FleetCollector(Collector):
     """Live state read from the registry and the admission queues at scrape time.
 
     A signal that is absent for a replica (never scraped, not reported by its
-    engine, stale, no breaker, no drain-rate estimate) is omitted for that
+    engine, stale, no drain-rate estimate) is omitted for that
     replica, never exported as 0.
 
     Args:
@@ -413,15 +407,14 @@ class FleetCollector(Collector):
             inflight.add_metric(lv, ep.inflight)
             draining.add_metric(lv, 1.0 if ep.draining else 0.0)
             failures.add_metric(lv, ep.consecutive_failures)
-            state = breaker_state(ep)
-            if state is not None:
-                breaker.add_metric(lv, 1.0 if state == "open" else 0.0)
-                for st in BREAKER_STATES:
-                    breaker_state_.add_metric([*lv, st], 1.0 if st == state else 0.0)
-            rate = _number(ep, "drain_rate")
+            state = ep.breaker_state
+            breaker.add_metric(lv, 1.0 if state == "open" else 0.0)
+            for st in BREAKER_STATES:
+                breaker_state_.add_metric([*lv, st], 1.0 if st == state else 0.0)
+            rate = _finite(ep.drain_rate)  # (None, NaN: never measured; left out)
             if rate is not None:
                 drain.add_metric(lv, rate)
-            lat = _number(ep, "latency")
+            lat = _finite(ep.latency)
             if lat is not None:
                 latency.add_metric(lv, lat)
             if not ep.engine.scraped:
