@@ -310,6 +310,7 @@ async def test_refused_key_is_probed_each_cooldown_and_at_once_after_a_reload() 
 
 
 async def test_a_probe_that_is_answered_clears_the_hold(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="llmgw.upstream")
     a, b = Engine("a", secret("engine-key-a")), Engine("b", None)
     async with running([(a, secret("engine-key-a")), (b, None)], breaker={"cooldown": "200ms"}) as rt:
         p = client(rt)

@@ -1114,7 +1114,7 @@ class Gateway(App):
             return
         if success:
             ep.clear_auth()
-            upstream_logger.warning("replica %s accepts the gateway's API key again; it is back in routing", ep.id)
+            upstream_logger.info("replica %s accepts the gateway's API key again; it is back in routing", ep.id)
         else:
             gate.record_failure(now)
 
