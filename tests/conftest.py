@@ -3,17 +3,26 @@
 Compiled modules are tested twice, once per twin: a fixture named after the
 module (``httpproto``, ``promscan``, ...) is parametrized over ``c`` and ``py``.
 Under ``LLMGW_NO_EXTENSIONS=1`` the ``c`` cases are deselected (not skipped).
+
+Canary secrets (``tests/canary.py``): the keys and tokens in test configs carry a
+mark; a test during which one reached a log record (its message or traceback) or
+the bytes a test client read from an asyncio stream (what a gateway answered)
+fails. The watch is session-wide and costs one search per record and per read.
 """
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import importlib
+import logging
 from collections.abc import Iterator
 from types import ModuleType
+from typing import Any
 
 import pytest
 
+from canary import MARK, MARK_BYTES
 from llmgw._accel import NO_EXTENSIONS
 
 TWINS = [pytest.param("c", marks=pytest.mark.c_extension, id="c"), pytest.param("py", id="py")]
@@ -88,3 +97,66 @@ def pytest_asyncio_loop_factories(config: pytest.Config, item: pytest.Item) -> d
     import uvloop
 
     return {"uvloop": uvloop.new_event_loop}
+
+
+# -- canary secrets --
+
+_leaks: list[str] = []
+
+
+class _CanaryHandler(logging.Handler):
+    """Sees every log record (on the root logger, and on ``llmgw.access``, which may
+    not propagate) and notes those that carry a canary secret."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            text = record.getMessage()
+        except Exception:  # (a record whose arguments do not format: its parts then)
+            text = f"{record.msg!r} {record.args!r}"
+        if record.exc_info and record.exc_info[1] is not None:
+            text += " " + logging.Formatter().formatException(record.exc_info)
+        if MARK in text:
+            _leaks.append(f"log record of {record.name} ({record.levelname}): {text[:300]!r}")
+
+
+_handler = _CanaryHandler(level=0)
+_feed_data = asyncio.StreamReader.feed_data
+
+
+def _watched_feed_data(self: asyncio.StreamReader, data: Any) -> None:
+    raw = data if isinstance(data, bytes) else bytes(data)
+    at = raw.find(MARK_BYTES)
+    if at >= 0:
+        _leaks.append(f"bytes a test client read: {raw[max(0, at - 120) : at + 60]!r}")
+    _feed_data(self, data)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    logging.getLogger().addHandler(_handler)
+    logging.getLogger("llmgw.access").addHandler(_handler)
+    asyncio.StreamReader.feed_data = _watched_feed_data  # type: ignore[method-assign]
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    logging.getLogger().removeHandler(_handler)
+    logging.getLogger("llmgw.access").removeHandler(_handler)
+    asyncio.StreamReader.feed_data = _feed_data  # type: ignore[method-assign]
+
+
+@pytest.fixture(autouse=True)
+def _no_canary_leaked() -> Iterator[None]:
+    """Fail the test during which a canary secret leaked (see the module docstring)."""
+    _leaks.clear()
+    yield
+    if _leaks:
+        found = list(_leaks)
+        _leaks.clear()
+        pytest.fail("a canary secret leaked:\n  " + "\n  ".join(found[:5]), pytrace=False)
+
+
+@pytest.fixture
+def canary_leaks() -> Iterator[list[str]]:
+    """The leaks noted so far in this test, for a test that leaks on purpose (to
+    show the watch works); cleared after it, so it does not fail for them."""
+    yield _leaks
+    _leaks.clear()

@@ -32,6 +32,7 @@ __all__ = [
     "PromParseError",
     "RateLimitedError",
     "UnauthorizedError",
+    "UpstreamAuthError",
 ]
 
 
@@ -241,6 +242,20 @@ class BadGatewayError(HTTPError):
     status = 502
     type = "server_error"
     code = "bad_gateway"
+
+
+class UpstreamAuthError(HTTPError):
+    """502: a replica refused the key llmgw sends it (401/403): llmgw's config is wrong, not the client's key.
+
+    Its own class, not a :class:`BadGatewayError` (and not a 401, which would tell
+    the client that *its* key is bad), so that what is keyed on error classes
+    (retry advice to clients, counting) can tell it apart: retrying does not help
+    until the gateway's configuration is fixed.
+    """
+
+    status = 502
+    type = "server_error"
+    code = "upstream_auth_failed"
 
 
 class GatewayTimeoutError(HTTPError):

@@ -272,9 +272,13 @@ class GatewayRuntime:
             if i in registry.endpoints:
                 registry.remove(i).pool.close_idle()
         for i in changed:
+            gone = None
             if i in registry.endpoints:
-                registry.remove(i).pool.close_idle()
-            registry.add(new[i])
+                gone = registry.remove(i)
+                gone.pool.close_idle()
+            ep = registry.add(new[i])
+            if gone is not None and new[i].api_key == old[i].api_key:
+                ep.adopt_auth(gone)  # (a changed key is probed at once: the new replica starts unheld)
         for i in added:
             registry.add(new[i])
         registry.reconfigure(config)
@@ -292,7 +296,11 @@ class GatewayRuntime:
         if reg is None or self.listen_addr is None:
             return False, {"ready": False, "reason": "starting"}
         missing = [m for m in self.config.model_names() if not any(ep.usable for ep in reg.candidates(m))]
-        return not missing, {"ready": not missing, "models_unavailable": missing}
+        body: dict[str, Any] = {"ready": not missing, "models_unavailable": missing}
+        refused = sorted(ep.id for ep in reg.endpoints.values() if ep.auth_failed)
+        if refused:
+            body["replicas_auth_failed"] = refused  # (they refuse the gateway's key: the config needs fixing)
+        return not missing, body
 
     # -- signals --
 

@@ -25,11 +25,16 @@ from admin_helpers import (
     wait_for,
 )
 
+from canary import secret
 from llmgw.admin.app import AdminApp
 from llmgw.admin.ports import Listeners
 from llmgw.config import load, load_file
 from llmgw.fleet.registry import Registry
 from llmgw.runtime import GatewayRuntime
+
+SECRET_B = secret("sk-b")
+ADMIN_SECRET = secret("admin-token")
+NEW_SECRET = secret("admin-token-reloaded")
 
 
 async def api(rt: Any, method: str, path: str, body: Any = None, token: str | None = None) -> tuple[int, Any]:
@@ -102,11 +107,11 @@ async def test_add_remove_drain_endpoints() -> None:
     try:
         async with running([a]) as rt:
             assert rt.registry is not None and rt.poller is not None
-            entry = {"id": "b", "url": b.url, "model": "m", "api_key": "sk-secret-b", "pool": "gpu"}
+            entry = {"id": "b", "url": b.url, "model": "m", "api_key": SECRET_B, "pool": "gpu"}
             status, body = await api(rt, "POST", "/admin/v1/endpoints", entry)
             assert status == 201, body
             assert body["id"] == "b" and body["url"] == b.url
-            assert "sk-secret-b" not in orjson.dumps(body).decode()
+            assert SECRET_B not in orjson.dumps(body).decode()
             assert "b" in rt.registry.endpoints
             # the poller follows
             await wait_for(lambda: rt.registry.endpoints["b"].scrape_ok > 0)
@@ -211,37 +216,37 @@ async def test_admin_token(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> N
     a = Engine("a")
     await a.start()
     conf = tmp_path / "llmgw.yaml"
-    _write(conf, config_for([a], admin_token="s3cret-admin-token"))
+    _write(conf, config_for([a], admin_token=ADMIN_SECRET))
     try:
         async with running([], config=load_file(conf)) as rt:
             status, body = await api(rt, "GET", "/admin/v1/endpoints")
             assert status == 401 and error_code(body) == "missing_admin_token"
-            assert "s3cret" not in orjson.dumps(body).decode()
+            assert ADMIN_SECRET not in orjson.dumps(body).decode()
             status, body = await api(rt, "GET", "/admin/v1/endpoints", token="wrong")
             assert status == 401 and error_code(body) == "invalid_admin_token"
-            status, body = await api(rt, "GET", "/admin/v1/endpoints", token="s3cret-admin-token")
+            status, body = await api(rt, "GET", "/admin/v1/endpoints", token=ADMIN_SECRET)
             assert status == 200
             status, _, _ = await http(admin_port(rt), "GET", "/debug/pprof/tasks")
             assert status == 401
             status, _, _ = await http(
-                admin_port(rt), "GET", "/debug/pprof/tasks", headers={"authorization": "Bearer s3cret-admin-token"}
+                admin_port(rt), "GET", "/debug/pprof/tasks", headers={"authorization": f"Bearer {ADMIN_SECRET}"}
             )
             assert status == 200
             # probes and the scraper stay open
             for path in ("/health", "/ready", "/metrics"):
                 assert (await http(admin_port(rt), "GET", path))[0] == 200, path
             # A reload brings a new token (here from the environment): the old one stops working.
-            monkeypatch.setenv("LLMGW_TEST_ADMIN_TOKEN", "n3w-admin-token")
+            monkeypatch.setenv("LLMGW_TEST_ADMIN_TOKEN", NEW_SECRET)
             _write(conf, config_for([a], admin_token_env="LLMGW_TEST_ADMIN_TOKEN"))
-            status, body = await api(rt, "POST", "/admin/v1/reload", token="s3cret-admin-token")
+            status, body = await api(rt, "POST", "/admin/v1/reload", token=ADMIN_SECRET)
             assert status == 200, body
-            assert rt.config.admin_token == "n3w-admin-token"
-            status, body = await api(rt, "GET", "/admin/v1/endpoints", token="s3cret-admin-token")
+            assert rt.config.admin_token == NEW_SECRET
+            status, body = await api(rt, "GET", "/admin/v1/endpoints", token=ADMIN_SECRET)
             assert status == 401 and error_code(body) == "invalid_admin_token"
-            assert (await api(rt, "GET", "/admin/v1/endpoints", token="n3w-admin-token"))[0] == 200
+            assert (await api(rt, "GET", "/admin/v1/endpoints", token=NEW_SECRET))[0] == 200
             # ... and a reload that drops it opens the routes again (bound to loopback)
             _write(conf, config_for([a]))
-            assert (await api(rt, "POST", "/admin/v1/reload", token="n3w-admin-token"))[0] == 200
+            assert (await api(rt, "POST", "/admin/v1/reload", token=NEW_SECRET))[0] == 200
             assert (await api(rt, "GET", "/admin/v1/endpoints"))[0] == 200
     finally:
         await a.stop()
@@ -324,7 +329,7 @@ def _admin_app(config: Any) -> AdminApp:
 
 def test_warns_when_admin_is_exposed_without_token(caplog: pytest.LogCaptureFixture) -> None:
     base = load({})
-    for host, token, warned in (("0.0.0.0", None, True), ("10.1.2.3", "t", False), ("127.0.0.1", None, False),
+    for host, token, warned in (("0.0.0.0", None, True), ("10.1.2.3", secret("t"), False), ("127.0.0.1", None, False),
                                 ("::1", None, False), ("localhost", None, False)):
         caplog.clear()
         _admin_app(dataclasses.replace(base, admin=(host, 9090), admin_token=token))

@@ -13,6 +13,7 @@ import yaml
 from admin_helpers import Engine, admin_port, client_port, config_for, gone, running, wait_for
 from click.testing import CliRunner, Result
 
+from canary import secret
 from llmgw.cli.ctl import ctl
 from llmgw.config import load_file
 
@@ -118,7 +119,7 @@ async def test_token_errors() -> None:
         real = rt.config
 
         class WithToken:
-            admin_token = "tok-123"
+            admin_token = secret("tok-123")
 
             def __getattr__(self, name: str) -> Any:
                 return getattr(real, name)
@@ -130,7 +131,7 @@ async def test_token_errors() -> None:
             assert res.output == "llmgw: error: the admin API needs a token: pass --token or set LLMGW_ADMIN_TOKEN\n"
             res = await invoke("--admin", url(rt), "--token", "nope", "endpoints")
             assert "refused the token" in res.output
-            res = await invoke("--admin", url(rt), "endpoints", "--json", env={"LLMGW_ADMIN_TOKEN": "tok-123"})
+            res = await invoke("--admin", url(rt), "endpoints", "--json", env={"LLMGW_ADMIN_TOKEN": secret("tok-123")})
             assert res.exit_code == 0, res.output
         finally:
             rt.config = real

@@ -9,6 +9,8 @@ from typing import Any
 
 from admin_helpers import Engine, admin_of, admin_port, chat, client_port, http, running, wait_for
 
+from canary import secret
+
 ROOT = Path(__file__).resolve().parents[2]
 DASHBOARD = ROOT / "deploy" / "grafana" / "llmgw.json"
 METRIC = re.compile(r"\b((?:llmgw|process|python)_[a-zA-Z0-9_]+)\b")
@@ -64,7 +66,7 @@ async def _register_a_node(target: str) -> None:
         await agent_pb2_grpc.AgentServiceStub(ch).Register(
             pb.RegisterRequest(node_name="n1", protocol=pb.ProtocolVersion(major=PROTOCOL[0]),
                                discovery=discovery_to_proto(d)),
-            metadata=[("authorization", "Bearer t")], timeout=5,
+            metadata=[("authorization", f"Bearer {secret('join')}")], timeout=5,
         )
 
 
@@ -92,7 +94,7 @@ async def test_every_queried_metric_exists() -> None:
     dash = json.loads(DASHBOARD.read_text())
     exprs = queries(dash)
     a, b = Engine("a"), Engine("b")
-    control = {"listen": f"127.0.0.1:{_free_port()}", "join_token": "t"}
+    control = {"listen": f"127.0.0.1:{_free_port()}", "join_token": secret("join")}
     async with running([a, b], control=control) as rt:
         await _register_a_node(control["listen"])
         assert rt.registry is not None

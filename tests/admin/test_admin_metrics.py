@@ -28,6 +28,7 @@ from admin_helpers import (
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.metrics_core import GaugeMetricFamily
 
+from canary import secret
 from llmgw.admin.metrics import FleetCollector, PrometheusObserver, status_class
 from llmgw.config import load
 from llmgw.fleet.registry import Registry
@@ -348,7 +349,7 @@ async def test_docs_list_every_family() -> None:
     with socket.socket() as sock:  # a control plane too: the cluster families are on the same page
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    async with running([a], control={"listen": f"127.0.0.1:{port}", "join_token": "t"}) as rt:
+    async with running([a], control={"listen": f"127.0.0.1:{port}", "join_token": secret("join")}) as rt:
         _, text = await scrape(rt)
     # the text format names counters with their _total, as the docs do
     exported = set(re.findall(r"^# TYPE (llmgw_[a-z0-9_]+) ", text, re.M))

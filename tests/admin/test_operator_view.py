@@ -27,7 +27,10 @@ from admin_helpers import (
     wait_for,
 )
 
-KEY = "sk-operator-canary-4b1d"
+from canary import secret
+
+KEY = secret("sk-operator-4b1d")
+WRONG = secret("sk-wrong-key-0000")
 
 
 async def metrics(rt: object) -> dict[str, object]:
@@ -49,11 +52,11 @@ async def test_answers_before_routing_are_counted_logged_and_carry_a_request_id(
     ) as rt:
         port = client_port(rt)
         body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
-        bad_key = {"authorization": "Bearer sk-wrong-key-0000", "content-type": "application/json"}
+        bad_key = {"authorization": f"Bearer {WRONG}", "content-type": "application/json"}
         for _ in range(3):  # a burst of bad keys
             status, h401, b401 = await http(port, "POST", "/v1/chat/completions", body, bad_key)
             assert status == 401 and h401["x-request-id"]
-            assert b"sk-wrong" not in b401
+            assert WRONG.encode() not in b401
         status, h413, _ = await http(
             port, "POST", "/v1/chat/completions", b"x" * 4096, {"authorization": f"Bearer {KEY}"}
         )
@@ -81,7 +84,7 @@ async def test_answers_before_routing_are_counted_logged_and_carry_a_request_id(
             line["id"] for line in lines if line["status"] == 401
         }
         text = "\n".join(r.getMessage() for r in caplog.records)
-        assert KEY not in text and "sk-wrong-key-0000" not in text
+        assert KEY not in text and WRONG not in text
 
 
 async def test_a_refusal_naming_a_served_model_is_timed_under_it() -> None:

@@ -17,11 +17,12 @@ from typing import Any
 import orjson
 from prometheus_client.parser import text_string_to_metric_families
 
+from canary import secret
 from llmgw.config import load
 from llmgw.runtime import GatewayRuntime, components_for
 
 HERE = Path(__file__).resolve().parent
-TOKEN = "join-secret-for-tests-7f3a"
+TOKEN = secret("join-for-tests-7f3a")
 INTERVAL = 0.2
 
 

@@ -14,6 +14,7 @@ import orjson
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from canary import secret
 from llmgw.engines import llamacpp, sglang, trtllm, vllm
 from llmgw.engines.sim import SimConfig, SimEngine, SimFaults
 from llmgw.errors import ConfigError
@@ -547,25 +548,25 @@ async def test_stream_respects_flow_control(make_engine) -> None:
 
 
 async def test_vllm_checks_only_v1(make_engine) -> None:
-    eng = await make_engine(engine="vllm", api_key="sekrit", **FAST)
+    eng = await make_engine(engine="vllm", api_key=secret("sekrit"), **FAST)
     p = port(eng)
     assert (await request(p, "GET", "/metrics")).status == 200
     assert (await request(p, "GET", "/health")).status == 200
     r = await request(p, "GET", "/v1/models")
     assert r.status == 401 and r.json() == {"error": "Unauthorized"}
-    assert (await request(p, "GET", "/v1/models", headers={"x-api-key": "sekrit"})).status == 401
-    ok = await request(p, "POST", CHAT, chat_body(), headers={"authorization": "Bearer sekrit"})
+    assert (await request(p, "GET", "/v1/models", headers={"x-api-key": secret("sekrit")})).status == 401
+    ok = await request(p, "POST", CHAT, chat_body(), headers={"authorization": "Bearer " + secret("sekrit")})
     assert ok.status == 200
 
 
 async def test_llamacpp_guards_metrics(make_engine) -> None:
-    eng = await make_engine(engine="llamacpp", api_key="k1,k2", **FAST)
+    eng = await make_engine(engine="llamacpp", api_key=secret("k1") + "," + secret("k2"), **FAST)
     p = port(eng)
     r = await request(p, "GET", "/metrics")
     assert r.status == 401
     assert r.json() == {"error": {"code": 401, "message": "Invalid API Key", "type": "authentication_error"}}
-    assert (await request(p, "GET", "/metrics", headers={"authorization": "Bearer k2"})).status == 200
-    assert (await request(p, "GET", "/metrics", headers={"x-api-key": "k1"})).status == 200
+    assert (await request(p, "GET", "/metrics", headers={"authorization": "Bearer " + secret("k2")})).status == 200
+    assert (await request(p, "GET", "/metrics", headers={"x-api-key": secret("k1")})).status == 200
     assert (await request(p, "GET", "/slots")).status == 401
     for public in ("/health", "/v1/health", "/v1/models", "/models"):
         assert (await request(p, "GET", public)).status == 200, public
@@ -581,13 +582,13 @@ async def test_llamacpp_without_metrics(make_engine) -> None:
 
 
 async def test_sglang_exempts_health_and_metrics(make_engine) -> None:
-    eng = await make_engine(engine="sglang", api_key="k")
+    eng = await make_engine(engine="sglang", api_key=secret("k"))
     p = port(eng)
     assert (await request(p, "GET", "/metrics")).status == 200
     assert (await request(p, "GET", "/health_generate")).status == 200
     r = await request(p, "GET", "/v1/models")
     assert r.status == 401 and r.json() == {"error": "Unauthorized"}
-    assert (await request(p, "GET", "/v1/models", headers={"authorization": "Bearer k"})).status == 200
+    assert (await request(p, "GET", "/v1/models", headers={"authorization": "Bearer " + secret("k")})).status == 200
 
 
 async def test_trtllm_ignores_api_key(make_engine, caplog) -> None:

@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 
+from canary import secret
 from llmgw.config import load
 from llmgw.fleet.poller import Poller
 from llmgw.fleet.registry import Registry
@@ -106,13 +107,13 @@ async def test_vllm_scrape_sums_engines_and_filters_model() -> None:
 async def test_llamacpp_scrape_uses_key_and_kv_is_absent() -> None:
     srv = MetricsServer()
     srv.page = LLAMA_PAGE
-    srv.key = b"sekret"
-    reg, poller = await _setup(srv, engine="llamacpp", api_key="sekret")
+    srv.key = secret("sekret").encode()
+    reg, poller = await _setup(srv, engine="llamacpp", api_key=secret("sekret"))
     ep = reg.endpoints["r0"]
     try:
         await _until(lambda: ep.last_scrape is not None)
         assert ep.fresh() == (5.0, 2.0, None)  # no KV gauge on llama.cpp: absent, never 0
-        assert srv.auth_seen[-1] == b"Bearer sekret"
+        assert srv.auth_seen[-1] == b"Bearer " + secret("sekret").encode()
     finally:
         await _teardown(srv, reg, poller)
 

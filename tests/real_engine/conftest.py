@@ -28,6 +28,7 @@ from typing import Any
 import openai
 import pytest
 
+from canary import secret
 from llmgw.config import load
 from llmgw.gateway.app import GatewayRuntime
 from llmgw.testing.gguf_model import write_tiny_llama
@@ -36,7 +37,7 @@ from llmgw.testing.llamacpp import EngineUnavailableError, LlamaServer, find_lla
 # tests/real_engine/conftest.py: the repository is two levels up, ../shared next to it.
 SHARED_DIR = Path(__file__).resolve().parents[2].parent / "shared"
 
-KEY = "engine-secret"
+KEY = secret("engine")
 MODEL = "tiny"
 # Per slot: CTX / PARALLEL tokens, room for a prompt plus the long generations below.
 PARALLEL = 2

@@ -17,6 +17,7 @@ import openai
 import orjson
 import pytest
 
+from canary import secret
 from llmgw.testing.llamacpp import LlamaServer
 
 from .conftest import (
@@ -322,8 +323,9 @@ async def test_replica_killed_mid_stream_openai_client(make_replica: Any) -> Non
 # -- the engine's own errors --
 
 
-async def test_engine_401_reaches_the_client_openai_shaped(replicas: list[LlamaServer]) -> None:
-    """A wrong engine key: llama-server answers 401 with an integer code; the client gets a string."""
+async def test_engine_401_is_the_gateways_problem(replicas: list[LlamaServer]) -> None:
+    """A wrong engine key: llama-server answers 401; the client gets 502 ``upstream_auth_failed``
+    (its own key was fine), OpenAI-shaped, with no key in it."""
     await wait_idle(replicas)
     status, _, raw_body = await http_request(
         (replicas[0].host, replicas[0].port), "POST", "/v1/chat/completions",
@@ -331,23 +333,22 @@ async def test_engine_401_reaches_the_client_openai_shaped(replicas: list[LlamaS
     )
     assert status == 401 and isinstance(orjson.loads(raw_body)["error"]["code"], int)
 
-    cfg_servers = [LlamaServer(r.binary, r.model, port=r.port, api_key="wrong") for r in replicas[:1]]
+    cfg_servers = [LlamaServer(r.binary, r.model, port=r.port, api_key=secret("wrong")) for r in replicas[:1]]
     async with run_fleet(cfg_servers) as fleet:
         body = orjson.dumps({"model": MODEL, "messages": MESSAGES, "max_tokens": 4})
         status, headers, payload = await http_request(fleet.addr, "POST", "/v1/chat/completions", body)
-        assert status == 401
+        assert status == 502
         assert headers["content-type"].startswith("application/json")
         err = orjson.loads(payload)["error"]
         assert set(err) >= {"message", "type", "param", "code"}
-        assert err["code"] == "invalid_api_key"
-        assert "Invalid API Key" in err["message"]
-        assert KEY not in payload.decode()
+        assert err["code"] == "upstream_auth_failed"
+        assert KEY not in payload.decode() and secret("wrong") not in payload.decode()
 
         client = fleet.client()
-        with pytest.raises(openai.AuthenticationError) as info:
+        with pytest.raises(openai.InternalServerError) as info:
             await client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4)
-        assert info.value.status_code == 401
-        assert isinstance(info.value.body, dict) and isinstance(info.value.body["code"], str)
+        assert info.value.status_code == 502
+        assert isinstance(info.value.body, dict) and info.value.body["code"] == "upstream_auth_failed"
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])

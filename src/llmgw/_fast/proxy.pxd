@@ -74,6 +74,7 @@ cdef class Call(Exchange):
     # the answer
     cdef Response resp
     cdef readonly bint streaming
+    cdef readonly bint relaying       # a non-streamed answer above max_buffered, relayed as it comes
     cdef list _buf                    # a non-streamed answer's body so far
     cdef bytes _pending               # a stream's bytes short of a whole SSE event
     cdef readonly Py_ssize_t sent_bytes
@@ -100,6 +101,7 @@ cdef class Call(Exchange):
     cdef _attempt_failed(self, error, kind, bint counts=*)
     cdef bint _fresh_retry(self, exc) except -1
     cpdef on_response_head(self, Response resp)
+    cdef bytes _forward(self, Response resp)
     cpdef on_response_body(self, data)
     cpdef on_response_chunk(self, bytes buf, Py_ssize_t chunk_start, Py_ssize_t start, Py_ssize_t end)
     cpdef on_response_end(self)
@@ -135,6 +137,8 @@ cdef class Gateway(App):
     cdef readonly object config
     cdef double first_byte_timeout
     cdef double read_timeout
+    cdef readonly Py_ssize_t max_buffered  # upstream.max_buffered_body
+    cdef tuple _secrets               # the config's plain secrets, as bytes (redact)
     cdef int retry_attempts
     cdef object budget                # RetryBudget
     cdef double stale_after

@@ -27,7 +27,15 @@ Failure semantics:
 * after the first byte there is never a retry: a stream cut by the engine ends
   with an SSE ``data: {"error": ...}`` event and the connection is closed;
 * a client that goes away aborts the upstream request at once; every counter
-  returns to where it was.
+  returns to where it was;
+* a 401/403 from the engine means llmgw's key for it is wrong: the replica is
+  held out of routing (``Endpoint.hold_auth``), the request retried elsewhere, and
+  only if none takes it answered 502 ``upstream_auth_failed``;
+* a non-streamed answer above ``upstream.max_buffered_body`` is relayed as it
+  arrives with the engine's framing (a cut then shows as an incomplete body).
+
+Secrets (replica, client and admin keys, join tokens) are redacted from what an
+engine's error answer or headers would carry to a client or a log (:func:`redact`).
 
 NOTE (compiled build): classes declared in ``proxy.pxd`` are extension types,
 so they cannot grow attributes that are not declared there, and methods declared
@@ -41,8 +49,9 @@ import hashlib
 import hmac
 import math
 import os
+import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Container, Iterable
 from typing import TYPE_CHECKING, Any
 
 import orjson
@@ -59,6 +68,7 @@ from ..errors import (
     OverloadedError,
     RateLimitedError,
     UnauthorizedError,
+    UpstreamAuthError,
 )
 from ..log import access_logger, upstream_logger
 from . import _live
@@ -127,7 +137,6 @@ __all__ = ["Call", "Gateway"]
 
 _SSE_SEP = b"\n\n"
 _VISIBLE_ASCII = bytes(range(33, 127))
-_MAX_BUFFERED = 64 * 1024 * 1024
 _RETRYABLE_STATUS = (502, 503)
 _UNKNOWN = "(unknown)"  # the model label for requests naming no served model (bounded cardinality)
 _TICK = 0.05  # seconds between deadline sweeps
@@ -154,6 +163,80 @@ def _sse_error(message: str, code: str) -> bytes:
     return b"data: " + orjson.dumps(
         {"error": {"message": message, "type": "server_error", "param": None, "code": code}}
     ) + _SSE_SEP
+
+
+_REDACTED = b"[redacted]"
+# Tokens an error text is cut into, to find a secret that is not there whole: runs
+# between JSON and text punctuation, then (for a key in a URL or a header value)
+# between URL punctuation too, then (a key shown in part: "sk-ab12...") runs of
+# letters, digits, "-", "_" and "+".
+_TOKENS = (
+    re.compile(rb"[^\s\"'`,;()\[\]{}<>\\]+"),
+    re.compile(rb"[^\s\"'`,;:()\[\]{}<>\\/=&?@#]+"),
+    re.compile(rb"[A-Za-z0-9_+-]+"),
+)
+_WHOLE_MIN = 4  # a secret this long or longer is redacted wherever it stands, whole
+_FRAGMENT_MIN = 6  # a token this long that is part of a secret is redacted
+
+
+def redact(data: bytes, plain: Iterable[bytes], digests: Container[bytes] = ()) -> bytes:
+    """``data`` with the secrets in it replaced by ``[redacted]``.
+
+    SECURITY: an engine's error body may echo what it was sent or holds (its key, a
+    key a client put in a request body); none of it may reach a client or a log.
+    Cold path: error answers only (a success path never scans a body).
+
+    Args:
+        data: the text (an engine's error body, a header block).
+        plain: the secrets llmgw holds in plain (replica keys, the admin token,
+            join tokens): redacted whole wherever they stand (those shorter than
+            4 bytes only as a whole token), and so is any token of 6 bytes or more
+            that is a piece of one (an engine showing part of a key).
+        digests: SHA-256 digests of the secrets llmgw holds only so (client keys):
+            a token whose digest is one of them is redacted.
+    """
+    secrets = sorted({p for p in plain if p}, key=len, reverse=True)
+    for sec in secrets:
+        if len(sec) >= _WHOLE_MIN and sec in data:
+            data = data.replace(sec, _REDACTED)
+    if not secrets and not digests:
+        return data
+    for pattern in _TOKENS:
+        out: list[bytes] = []
+        pos = 0
+        for m in pattern.finditer(data):
+            tok = m.group()
+            if tok == _REDACTED or tok == b"redacted" or not _is_secret(tok, secrets, digests):
+                continue
+            out.append(data[pos : m.start()])
+            out.append(_REDACTED)
+            pos = m.end()
+        if out:
+            out.append(data[pos:])
+            data = b"".join(out)
+    return data
+
+
+def _is_secret(tok: bytes, secrets: list[bytes], digests: Container[bytes]) -> bool:
+    if tok in secrets:
+        return True
+    if len(tok) >= _FRAGMENT_MIN:
+        for sec in secrets:
+            if tok in sec:
+                return True
+    return bool(digests) and hashlib.sha256(tok).digest() in digests
+
+
+def config_secrets(config: Config) -> tuple[bytes, ...]:
+    """The secrets ``config`` holds in plain: replica keys, the admin token, join tokens."""
+    out = [ep.api_key for ep in config.endpoints if ep.api_key]
+    if config.admin_token:
+        out.append(config.admin_token)
+    if config.control is not None:
+        out.extend(config.control.join_tokens)
+    if config.follow is not None and config.follow.token:
+        out.append(config.follow.token)
+    return tuple(s.encode() for s in out if s)
 
 
 class Call(Exchange):
@@ -189,6 +272,7 @@ class Call(Exchange):
         "pool",
         "probe",
         "progress",
+        "relaying",
         "req",
         "resp",
         "retrying",
@@ -243,6 +327,7 @@ class Call(Exchange):
         self.dkind = D_NONE
         self.resp: Response | None = None
         self.streaming = False
+        self.relaying = False  # a non-streamed answer too large to buffer, relayed as it comes
         self._buf: list[bytes] = []
         self._pending = b""
         self.sent_bytes = 0
@@ -437,11 +522,49 @@ class Call(Exchange):
         if resp.event_stream and resp.status < 300:
             self.streaming = True
             w = self.w
-            w.start(resp.status, (), -1, resp.forward + self.rid_line + self.gw.replica_line(self.ep))  # type: ignore[arg-type]
+            w.start(resp.status, (), -1, self._forward(resp) + self.rid_line + self.gw.replica_line(self.ep))  # type: ignore[arg-type]
             conn = self.conn
             if conn is not None:
                 w.add_flow_listener(conn)
+        elif resp.content_length > self.gw.max_buffered and resp.status < 400:
+            self._start_relay()
         self._deadline(D_READ, self.ttfb + self.gw.read_timeout)
+
+    def _forward(self, resp: Response) -> bytes:
+        """The engine's header lines for the client.
+
+        SECURITY: the one secret an engine is given is its own key; one that echoes
+        it in a header has it redacted. PERF: one search of the header block, for
+        replicas that have a key; every other secret is looked for in error answers.
+        """
+        fwd = resp.forward
+        key = self.ep.api_key  # type: ignore[union-attr]
+        if key is not None and key in fwd:
+            fwd = self.gw.redact(fwd, self.ep)
+        return fwd
+
+    def _start_relay(self) -> None:
+        """A non-streamed answer too large to buffer (``upstream.max_buffered_body``):
+        relay it as it arrives, framed as the engine framed it. With a Content-Length
+        the client gets the same one, so a cut leaves it a body shorter than promised;
+        a chunked (or close-delimited) answer goes chunked, and a cut ends it with no
+        last chunk. Either way the cut stays visible: never a short 200 that looks whole.
+        What was buffered so far goes first."""
+        resp = self.resp
+        assert resp is not None
+        w = self.w
+        self.relaying = True
+        cl = resp.content_length
+        w.start(resp.status, (), cl if cl >= 0 else -1,
+                self._forward(resp) + self.rid_line + self.gw.replica_line(self.ep))  # type: ignore[arg-type]
+        conn = self.conn
+        if conn is not None:
+            w.add_flow_listener(conn)  # (a slow client pauses the replica: memory stays bounded)
+        buf, self._buf = self._buf, []
+        for piece in buf:
+            w.write(piece)
+        if buf:
+            self._tail = buf[len(buf) - 1]  # (no negative index: the module compiles with wraparound off)
 
     def on_response_body(self, data: bytes) -> None:
         if self.streaming:
@@ -469,14 +592,24 @@ class Call(Exchange):
             # last two writes, read at the end instead of searching every event.
             self._tail_prev = self._tail
             self._tail = out
+        elif self.relaying:
+            self.progress = True
+            self.sent_bytes += len(data)
+            self._tail_prev = self._tail
+            self._tail = data  # (usage is read off the last two reads at the end)
+            self.w.write(data)
         else:
             # (read_timeout is the longest silence: a buffered answer's bytes move it on too)
             self.progress = True
             self._buf.append(data)
             self.sent_bytes += len(data)
-            if self.sent_bytes > _MAX_BUFFERED:
+            if self.sent_bytes > self.gw.max_buffered:
+                if self.resp.status < 400:  # type: ignore[union-attr]
+                    self._start_relay()
+                    return
+                # (an error answer is read whole to be normalized; one this large is not an error answer)
                 self._attempt_failed(
-                    BadGatewayError(f"replica {self.ep.id} sent an answer larger than {_MAX_BUFFERED} bytes"),  # type: ignore[union-attr]
+                    BadGatewayError(f"replica {self.ep.id} sent an error answer larger than {self.gw.max_buffered} bytes"),  # type: ignore[union-attr]
                     "bad_response",
                 )
 
@@ -550,6 +683,15 @@ class Call(Exchange):
             w.end()
             self._completed(True)
             return
+        if self.relaying:
+            if conn is not None:
+                conn.release()
+            w.end()
+            if self.gw.count_tokens:
+                prev = self._tail_prev
+                self.usage = usage_counts(prev[max(0, len(prev) - 2048) :] + self._tail)
+            self._completed(True)
+            return
         buf = self._buf
         body = buf[0] if len(buf) == 1 else b"".join(buf)
         self._buf = []
@@ -557,8 +699,13 @@ class Call(Exchange):
             conn.release()
         status = resp.status
         if status >= 400:
-            # (the engine's own error shapes: llmgw.engines.errors, handed in by the runtime)
-            normalized = self.gw._normalize_error(status, body, ep.engine)
+            if status == 401 or status == 403:
+                self._auth_refused(status)
+                return
+            # (the engine's own error shapes: llmgw.engines.errors, handed in by the runtime;
+            # SECURITY: redacted before and after, as normalizing may decode an escaped secret)
+            gw = self.gw
+            normalized = gw.redact(gw._normalize_error(status, gw.redact(body, ep), ep.engine), ep)
             if status >= 500:
                 if status in _RETRYABLE_STATUS:
                     message = orjson.loads(normalized)["error"]["message"]
@@ -575,10 +722,44 @@ class Call(Exchange):
             w.send(status, normalized, _JSON_CT, self.rid_line + self.gw.replica_line(ep))
             self._completed(status < 500)
             return
-        w.send(status, body, (), resp.forward + self.rid_line + self.gw.replica_line(ep))
+        w.send(status, body, (), self._forward(resp) + self.rid_line + self.gw.replica_line(ep))
         if self.gw.count_tokens:
             self.usage = usage_counts(body)
         self._completed(True)
+
+    def _auth_refused(self, status: int) -> None:
+        """The replica answered 401/403: it refused the key *llmgw* sent it (the
+        client's own key, if any, was checked and never goes upstream). That is
+        llmgw's misconfiguration, so the client never gets a 401 saying its key is
+        bad: the replica is held out of routing (:meth:`Gateway.auth_refused`), not
+        counted against its breaker, and the request is retried on another replica.
+
+        NOTE: retried although it was sent: an engine checks the key before it
+        does any work, so nothing was generated and sending it elsewhere does
+        nothing twice. Only when no other replica takes it (retries.attempts, the
+        retry budget) is the answer a 502 ``upstream_auth_failed``.
+        """
+        ep = self.ep
+        assert ep is not None
+        self.gw.auth_refused(ep, status)
+        self._attempt_failed(
+            UpstreamAuthError(
+                f"replica {ep.id} refused the API key the gateway sends it (HTTP {status}); "
+                "the gateway's configuration for it must be fixed"
+            ),
+            "auth_failed",
+            counts=False,
+        )
+
+    def _cut_relay(self, kind: str) -> None:
+        """A relayed large answer lost its replica: close the client's connection
+        mid-body (a short Content-Length body, or no last chunk)."""
+        ep = self.ep
+        assert ep is not None
+        self.gw.observer.upstream_error(ep.id, kind)
+        if not self.w.finished:
+            self.w.abort()
+        self._completed(False)
 
     def on_upstream_lost(self, exc: BaseException | None) -> None:
         self.conn = None
@@ -587,6 +768,9 @@ class Call(Exchange):
         if self.phase != P_SENT:
             return
         kind = "bad_response" if isinstance(exc, ValueError) else "reset"
+        if self.relaying:
+            self._cut_relay(kind)
+            return
         if self.streaming:
             ep = self.ep
             assert ep is not None
@@ -646,6 +830,9 @@ class Call(Exchange):
             conn, self.conn = self.conn, None
             if conn is not None:
                 conn.abort()
+            if self.relaying:
+                self._cut_relay("read_timeout")
+                return
             if self.streaming:
                 gw.observer.upstream_error(ep.id, "read_timeout")
                 self._cut_stream("the replica stopped sending", "upstream_timeout")
@@ -788,6 +975,7 @@ class Gateway(App):
         self.config = config
         self.first_byte_timeout = config.upstream.first_byte_timeout
         self.read_timeout = config.upstream.read_timeout
+        self.max_buffered = config.upstream.max_buffered_body
         self.retry_attempts = config.retries.attempts
         self.budget = RetryBudget(config.retries.budget)
         self.stale_after = config.scrape.stale_after
@@ -812,6 +1000,7 @@ class Gateway(App):
             k.sha256: adm.bands.index(k.band) for k in config.auth.keys if k.band is not None and k.band in adm.bands
         }
         self.auth = bool(self.keys)
+        self._secrets = config_secrets(config)
         self.access_log = config.access_log.enabled
         self.expose_replica = config.server.expose_replica
 
@@ -895,6 +1084,9 @@ class Gateway(App):
         """Tell ``ep``'s breaker how an attempt ended; report a state change."""
         if success and ep.state.breaker_settled():
             return  # PERF: the usual case; record_success would change nothing
+        if ep.auth_failed:
+            self._auth_outcome(ep, success, now)
+            return
         breaker = ep.state.breaker
         before = breaker.state_code
         if success:
@@ -903,6 +1095,49 @@ class Gateway(App):
             breaker.record_failure(now)
         if breaker.state_code != before:
             self.observer.breaker_transition(ep.id, breaker.state)
+
+    # -- a replica that refuses its key (cold path) --
+
+    def auth_refused(self, ep: Endpoint, status: int) -> None:
+        """``ep`` answered 401/403: hold it out of routing (warned once, naming the
+        replica, never the key)."""
+        if ep.hold_auth(monotonic()):
+            upstream_logger.warning(
+                "replica %s refused the API key the gateway sends it (HTTP %d): fix its api_key or api_key_env "
+                "and reload; until then it takes no requests but one probe every %gs, and its model's other "
+                "replicas serve",
+                ep.id, status, self.config.breaker.cooldown,
+            )
+
+    def _auth_outcome(self, ep: Endpoint, success: bool, now: float) -> None:
+        """An attempt on a replica held for a refused key ended other than 401/403.
+
+        Only the gate's probe (the one request it let through, half-open) says
+        anything of the key now; an answer to a request sent before the hold is
+        ignored. Answered (any status but 401/403, 5xx aside): the key is accepted.
+        No verdict (a 5xx, a reset, a timeout): probe again next cooldown. The
+        replica's own breaker counts none of it.
+        """
+        gate = ep.state.breaker
+        if gate.state_code != _score.BREAKER_HALF_OPEN:
+            return
+        if success:
+            ep.clear_auth()
+            upstream_logger.info("replica %s accepts the gateway's API key again; it is back in routing", ep.id)
+        else:
+            gate.record_failure(now)
+
+    def redact(self, data: bytes, ep: Endpoint | None = None) -> bytes:
+        """``data`` with every secret the gateway knows replaced (:func:`redact`): the
+        replicas' keys (``ep``'s too, if it left the registry), the admin token, join
+        tokens, and the client keys (by digest)."""
+        plain = list(self._secrets)
+        for e in self.registry.endpoints.values():
+            if e.api_key is not None:
+                plain.append(e.api_key)
+        if ep is not None and ep.api_key is not None:
+            plain.append(ep.api_key)
+        return redact(data, plain, self.keys)
 
     def _ensure_sweep(self) -> None:
         if self._sweep_handle is None:
@@ -985,6 +1220,8 @@ class Gateway(App):
     def half_opened(self, ep: Endpoint) -> None:
         """``ep``'s breaker may have just moved from open to half-open (in the
         picker, taking its probe): report each such move once."""
+        if ep.auth_failed:
+            return  # (the probe of a refused key: its gate is not the replica's breaker)
         breaker = ep.state.breaker
         n = breaker.half_opened
         while ep.half_opened_seen < n:

@@ -9,7 +9,7 @@
 cimport cython
 
 from llmgw._fast.httpproto cimport monotonic
-from llmgw._fast.score cimport EndpointState, Picker, pool_saturation
+from llmgw._fast.score cimport Breaker, EndpointState, Picker, pool_saturation
 from llmgw._fast.upstream cimport UpstreamPool
 
 
@@ -34,8 +34,19 @@ cdef class Endpoint:
     cdef public object scrape_problem     # why its metrics can't be read, or None
     cdef public double scrape_seconds
     cdef public long long half_opened_seen  # breaker.half_opened already reported (the proxy)
+    # The replica refused llmgw's key for it (401/403): out of routing until a probe
+    # is answered otherwise. Meanwhile state.breaker is a gate (a breaker of one
+    # failure and a fixed cooldown: its half-open probe is the key's probe) and
+    # `breaker` keeps the replica's own, untouched. hold_auth() -> clear_auth().
+    cdef readonly bint auth_failed
+    cdef readonly Breaker breaker         # the replica's own circuit breaker (views read this one)
+    cdef readonly bytes api_key           # its key (redaction; None: none), never shown
+    cdef double _auth_cooldown            # seconds between the gate's probes (breaker.cooldown)
 
     cpdef bytes target(self, bytes path)
+    cpdef bint hold_auth(self, double now)
+    cpdef bint clear_auth(self)
+    cpdef adopt_auth(self, Endpoint old)
     cpdef close(self)
 
 

@@ -37,10 +37,10 @@ else:
     _score = select("score")
     _admit = select("admit")
     _up = select("upstream")
-Breaker = _score.Breaker
 AdmissionQueue = _admit.AdmissionQueue
 if not cython.compiled:
     # (the compiled build takes these from replica.pxd: C types and C calls)
+    Breaker = _score.Breaker
     EndpointState = _score.EndpointState
     Picker = _score.Picker
     pool_saturation = _score.pool_saturation
@@ -65,8 +65,12 @@ class Endpoint:
     """
 
     __slots__ = (
+        "_auth_cooldown",
+        "api_key",
+        "auth_failed",
         "auth_line",
         "base_path",
+        "breaker",
         "cfg",
         "completed",
         "engine",
@@ -105,7 +109,11 @@ class Endpoint:
             idle_timeout=upstream.idle_timeout,
         )
         b = config.breaker
-        self.state = EndpointState(0, Breaker(b.failures, b.cooldown, b.max_cooldown))
+        self.breaker = Breaker(b.failures, b.cooldown, b.max_cooldown)
+        self.state = EndpointState(0, self.breaker)
+        self.api_key = cfg.api_key.encode() if cfg.api_key else None
+        self.auth_failed = False
+        self._auth_cooldown = b.cooldown
         self.state.draining = cfg.draining
         if cfg.slots:
             self.state.slots = float(cfg.slots)
@@ -163,15 +171,15 @@ class Endpoint:
 
     @property
     def breaker_state(self) -> str:
-        return str(self.state.breaker.state)
+        return str(self.breaker.state)
 
     @property
     def breaker_open(self) -> bool:
-        return self.state.breaker.state == "open"
+        return self.breaker.state == "open"
 
     @property
     def consecutive_failures(self) -> int:
-        return int(self.state.breaker.consecutive_failures)
+        return int(self.breaker.consecutive_failures)
 
     @property
     def stale(self) -> bool:
@@ -186,13 +194,58 @@ class Endpoint:
 
     @property
     def usable(self) -> bool:
-        """Whether new requests may go here (not draining, breaker not open)."""
+        """Whether new requests may go here (not draining, breaker not open, key not refused
+        but for its probe)."""
         return bool(self.state.usable(monotonic()))
 
     def target(self, path: bytes) -> bytes:
         """The request target on this replica for a client path."""
         base = self.base_path
         return base + path if base else path
+
+    # -- the key llmgw sends it, refused (401/403): llmgw's problem, not the engine's --
+
+    def hold_auth(self, now: float) -> bool:
+        """The replica refused its key: take it out of routing, as an open breaker is,
+        without counting a failure on its breaker (the engine is not failing).
+
+        Routing reads ``state.breaker``; while held that is a *gate*, a breaker that
+        one failure opens for a fixed ``breaker.cooldown``, so the half-open machinery
+        lets one request through each cooldown: the key's probe. The replica's own
+        breaker waits, untouched, in :attr:`breaker`.
+
+        Returns:
+            ``True`` when this newly took it out (the caller warns once); ``False`` when
+            it was held already (a refused probe: the gate reopens for another cooldown;
+            an answer to a request sent before the hold changes nothing).
+        """
+        if self.auth_failed:
+            self.state.breaker.record_failure(now)  # (half-open: reopen; open: nothing)
+            return False
+        gate = Breaker(1, self._auth_cooldown, self._auth_cooldown)
+        gate.record_failure(now)
+        self.auth_failed = True
+        self.state.breaker = gate
+        return True
+
+    def clear_auth(self) -> bool:
+        """A probe was answered other than 401/403: the key is accepted; back into
+        routing under its own breaker. Returns whether it was held."""
+        if not self.auth_failed:
+            return False
+        self.auth_failed = False
+        self.state.breaker = self.breaker
+        # (its own probe, if one was out when the key was refused, never reports)
+        self.breaker.release()
+        return True
+
+    def adopt_auth(self, old: Endpoint) -> None:
+        """Carry ``old``'s hold over to this replica, which replaces it in a reload that
+        left its key as it was (a reload that changes the key starts unheld: the next
+        request probes the new key at once)."""
+        if old.auth_failed and not self.auth_failed:
+            self.auth_failed = True
+            self.state.breaker = old.state.breaker
 
     def close(self) -> None:
         self.pool.close()

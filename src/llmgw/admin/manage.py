@@ -84,9 +84,11 @@ def method_not_allowed(method: bytes, path: bytes, allowed: str) -> HTTPError:
 
 
 def endpoint_state(ep: Any) -> str:
-    """One word for an operator: ``draining``, ``open``, ``half-open``, ``stale`` or ``ok``."""
+    """One word for an operator: ``draining``, ``auth_failed``, ``open``, ``half-open``, ``stale`` or ``ok``."""
     if ep.draining:
         return "draining"
+    if getattr(ep, "auth_failed", False):
+        return "auth_failed"  # (the replica refuses the key the gateway sends it: fix the config)
     b = breaker_state(ep)
     if b == "open":
         return "open"
@@ -165,6 +167,7 @@ def endpoint_view(ep: Endpoint, now: float | None = None) -> dict[str, Any]:
         "kv_cache_usage": kv,
         "drain_rate": _num(getattr(ep, "drain_rate", None)),
         "breaker": breaker_state(ep),
+        "auth_failed": bool(getattr(ep, "auth_failed", False)),
         "usable": getattr(ep, "usable", None),
         "score_inputs": score_inputs(ep),
         "stale": ep.stale,

@@ -229,6 +229,7 @@ class Known(NamedTuple):
 # Label values known ahead (the data path's, see llmgw.gateway.observe).
 UPSTREAM_ERROR_KINDS = (
     "connect_refused", "connect_timeout", "reset", "first_byte_timeout", "read_timeout", "bad_response", "status_5xx",
+    "auth_failed",
 )
 ADMISSION_OUTCOMES = (
     ("admitted", ""), ("queued", ""), ("dequeued", ""),
@@ -391,6 +392,11 @@ class FleetCollector(Collector):
             labels=[*labels, "state"],
         )
         failures = gauge("llmgw_endpoint_consecutive_failures", "Failed attempts on the replica since its last success.")
+        auth_failed = gauge(
+            "llmgw_endpoint_auth_failed",
+            "1 while the replica refuses the API key the gateway sends it (401/403: fix the config); "
+            "it takes no requests but a probe each breaker cooldown. Else 0.",
+        )
         scrapes = CounterMetricFamily(
             "llmgw_scrapes_total", "Scrapes of the replica's metrics page, by result (ok, failed).",
             labels=[*labels, "result"],
@@ -407,6 +413,7 @@ class FleetCollector(Collector):
             inflight.add_metric(lv, ep.inflight)
             draining.add_metric(lv, 1.0 if ep.draining else 0.0)
             failures.add_metric(lv, ep.consecutive_failures)
+            auth_failed.add_metric(lv, 1.0 if ep.auth_failed else 0.0)
             state = ep.breaker_state
             breaker.add_metric(lv, 1.0 if state == "open" else 0.0)
             for st in BREAKER_STATES:
@@ -432,7 +439,7 @@ class FleetCollector(Collector):
                 kv.add_metric(lv, k)
         yield from (
             info, inflight, waiting, running, kv, drain, latency, draining, stale, breaker, breaker_state_, failures,
-            scrapes, scrape_time,
+            auth_failed, scrapes, scrape_time,
         )
 
         adm = admission_source(self.registry, self.admission)

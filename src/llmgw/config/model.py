@@ -149,6 +149,9 @@ class UpstreamConfig:
     """Keep-alive connections kept per replica."""
     idle_timeout: Annotated[float, _duration(0.01)] = 30.0
     """An idle upstream connection is closed after this."""
+    max_buffered_body: Annotated[int, _size(lo=1024)] = 4 * 1024 * 1024
+    """A non-streamed answer up to this size is buffered (a cut one becomes a 502); a larger
+    one is relayed as it arrives, with the engine's framing (a cut shows as an incomplete body)."""
 
     __pydantic_config__ = _SECTION
 

@@ -15,10 +15,12 @@ from typing import TYPE_CHECKING
 from .._accel import select
 
 if TYPE_CHECKING:
-    from .._fast.proxy_py import Call, Gateway
+    from .._fast.proxy_py import Call, Gateway, config_secrets, redact
 else:
     _impl = select("proxy")
     Call = _impl.Call
     Gateway = _impl.Gateway
+    config_secrets = _impl.config_secrets
+    redact = _impl.redact
 
-__all__ = ["Call", "Gateway"]
+__all__ = ["Call", "Gateway", "config_secrets", "redact"]
