@@ -39,7 +39,9 @@ async def fleet(n: int = 2, *, sim: dict[str, Any] | None = None, **extra: Any) 
         {
             "listen": "127.0.0.1:0",
             "admin": "127.0.0.1:0",
-            "endpoints": [{"id": f"e{i}", "url": e.url, "model": "m"} for i, e in enumerate(engines)],
+            "endpoints": [
+                {"id": f"e{i}", "url": e.url, "model": "m", "engine": e.config.engine} for i, e in enumerate(engines)
+            ],
             "routing": {"strategy": "round_robin"},
             "upstream": upstream,
             **extra,
@@ -100,7 +102,7 @@ async def test_a_failure_after_the_send_is_answered_not_resent(how: str, reused:
             # warm a pooled connection to each replica
             for i in range(2):
                 assert (await request(rt, chat(), b"warm-%d" % i))[0] == 200
-            assert all(p.idle_connections == 1 for p in pools(rt))
+            assert all(p.idle_connections >= 1 for p in pools(rt))
         for e in engines:
             e.set_faults(drop_next=1, drop_how=how)
         status, _hdrs, body = await request(rt, chat(), b"once")
@@ -175,12 +177,16 @@ async def test_a_pooled_connection_is_never_used_past_idle_timeout() -> None:
     async with fleet(1, upstream={"idle_timeout": "150ms"}) as (rt, _engines):
         assert (await request(rt, chat(), b"a"))[0] == 200
         pool = pools(rt)[0]
-        assert pool.idle_connections == 1
-        conn = pool._idle[0] if hasattr(pool, "_idle") else None  # (pure twin: inspect it)
+        conn = pool.take_idle()
+        assert conn is not None
+        conn.release()  # (back to the pool, idle from now)
         await asyncio.sleep(0.2)  # (the thing under test is the passage of time)
-        assert pool.take_idle() is None
-        if conn is not None:
-            assert conn.transport is None or conn.transport.is_closing()
+        # (a scrape may have left a younger connection: that one may be handed out)
+        other = pool.take_idle()
+        assert other is not conn
+        if other is not None:
+            other.release()
+        assert conn.transport is None or conn.transport.is_closing()
         assert (await request(rt, chat(), b"b"))[0] == 200
 
 
@@ -294,3 +300,32 @@ async def test_openai_sdk_against_a_stuck_engine_sends_one_request() -> None:
         assert exc.value.status_code == 504
         assert engines[0].state.requests == 1
         assert sum(engines[0].arrivals.values()) == 1
+
+
+async def test_a_stream_from_an_engine_that_closes_after_it_is_not_pooled() -> None:
+    # llama-server closes right after a streamed answer although it says keep-alive:
+    # llmgw closes the connection too instead of handing it to the next request.
+    assert ENGINES["llamacpp"].closes_after_stream and not ENGINES["vllm"].closes_after_stream
+    for engine, pooled in (("llamacpp", False), ("vllm", True)):
+        # (the first request waits for the first scrape; the next comes 2 s later)
+        async with fleet(1, sim={"engine": engine}, scrape={"interval": "2s"}) as (rt, _engines):
+            pool = pools(rt)[0]
+            body = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True,
+                                 "max_tokens": 4})
+            assert (await request(rt, chat(), b"warm"))[0] == 200
+            for _ in range(pool.idle_connections):  # (out of the way: only the stream's may be pooled)
+                idle = pool.take_idle()
+                if idle is not None:
+                    idle.abort()
+            assert rt.listen_addr is not None
+            r, w = await asyncio.open_connection("127.0.0.1", rt.listen_addr[1])
+            try:
+                w.write(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-length: %d\r\n\r\n%s"
+                        % (len(body), body))
+                data = b""
+                while b"[DONE]" not in data or not data.endswith(b"\r\n\r\n"):  # (bounded by the timeout)
+                    data += await asyncio.wait_for(r.read(65536), 5)
+            finally:
+                w.close()
+            assert b"[DONE]" in data
+            assert (pool.idle_connections > 0) == pooled, engine

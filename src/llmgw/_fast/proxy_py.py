@@ -568,7 +568,9 @@ class Call(Exchange):
                 self.sent_bytes += len(self._pending)
                 self._pending = b""
             if conn is not None:
-                conn.release()
+                # (llama-server closes after a stream while it says keep-alive:
+                # pooled, the connection would meet the next request with its close)
+                conn.release(not ep.engine.closes_after_stream)
             w.end()
             self._completed(True)
             return

@@ -64,7 +64,7 @@ cdef class UpstreamConnection(ResponseSink):
     cpdef pause_reading(self)
     cpdef resume_reading(self)
     cpdef abort(self)
-    cpdef release(self)
+    cpdef release(self, bint reuse=*)
 
 
 @cython.final

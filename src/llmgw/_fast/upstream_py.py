@@ -291,12 +291,16 @@ class UpstreamConnection(ResponseSink):
         if self.transport is not None:
             self.transport.abort()
 
-    def release(self) -> None:
-        """The exchange is over: back to the pool if reusable, else closed."""
+    def release(self, reuse: bool = True) -> None:
+        """The exchange is over: back to the pool if reusable, else closed.
+
+        ``reuse=False``: closed even so (the replica is known to close it now,
+        whatever its answer said: see ``EngineInfo.closes_after_stream``).
+        """
         self.sink = None
         if self._read_paused:
             self.resume_reading()
-        if self.reusable and self.transport is not None and self.reader.where() == 0:
+        if reuse and self.reusable and self.transport is not None and self.reader.where() == 0:
             self.pool._put_idle(self)
         else:
             self.reusable = False

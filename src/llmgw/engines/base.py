@@ -63,6 +63,9 @@ class EngineInfo:
             llmgw closes its idle connections to the engine before that
             (:meth:`idle_timeout`): a request written just as the engine closes is
             lost, and llmgw never sends a request twice.
+        closes_after_stream: the engine closes the connection right after a streamed
+            answer although the answer says keep-alive: llmgw closes it too instead
+            of pooling it (a request written to it as the close arrives is lost).
 
     The error fields are read by :func:`llmgw.engines.errors.normalize_error`.
     """
@@ -83,6 +86,7 @@ class EngineInfo:
     error_extra_fields: tuple[str, ...] = ()
     scraped: bool = True
     keep_alive: float | None = None
+    closes_after_stream: bool = False
     notes: tuple[str, ...] = field(default=())
 
     def idle_timeout(self) -> float:

@@ -58,5 +58,9 @@ INFO = EngineInfo(
     # built from llama-cpp-python 0.3.36, whose answers say "Keep-Alive: timeout=5,
     # max=100" and which closes an idle connection 5.0 s after an answer.
     keep_alive=5.0,
+    # It closes the connection at once after a streamed answer, which says
+    # "Keep-Alive: timeout=5, max=100" all the same (measured on the same binary;
+    # engines.md §2).
+    closes_after_stream=True,
     notes=("start llama-server with --metrics, or llmgw routes to it blind",),
 )
