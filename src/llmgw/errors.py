@@ -122,6 +122,9 @@ class HTTPError(LlmgwError):
         close: whether the connection must be closed after the answer.
         headers: more header lines of the answer, ``((name, value), ...)`` as bytes
             (e.g. ``Allow`` on a 405).
+        should_retry: ``False``: the answer carries ``x-should-retry: false``, which
+            the OpenAI SDKs obey (they retry 408, 409, 429 and 5xx unless told not
+            to): set on answers a retry would only repeat. ``None``: no header.
     """
 
     status = 500
@@ -129,6 +132,7 @@ class HTTPError(LlmgwError):
     code: str | None = "internal_error"
     close = False
     headers: tuple[tuple[bytes, bytes], ...] = ()
+    should_retry: bool | None = None
 
     def __init__(
         self,
@@ -141,6 +145,7 @@ class HTTPError(LlmgwError):
         status: int | None = None,
         type: str | None = None,
         headers: tuple[tuple[bytes, bytes], ...] | None = None,
+        should_retry: bool | None = None,
     ) -> None:
         super().__init__(message)
         self.message = message
@@ -155,6 +160,8 @@ class HTTPError(LlmgwError):
             self.close = close
         if headers is not None:
             self.headers = headers
+        if should_retry is not None:
+            self.should_retry = should_retry
         self.retry_after = retry_after
 
 
@@ -164,6 +171,7 @@ class BadRequestError(HTTPError):
     status = 400
     type = "invalid_request_error"
     code = "invalid_request"
+    should_retry = False  # the same request gets the same answer
 
 
 class UnauthorizedError(HTTPError):
@@ -180,6 +188,7 @@ class NotFoundError(HTTPError):
     status = 404
     type = "invalid_request_error"
     code = "not_found"
+    should_retry = False  # the same request gets the same answer
 
 
 class MethodNotAllowedError(HTTPError):
@@ -200,6 +209,7 @@ class ModelNotFoundError(HTTPError):
     status = 404
     type = "invalid_request_error"
     code = "model_not_found"
+    should_retry = False  # the same request gets the same answer
 
 
 class PayloadTooLargeError(HTTPError):
@@ -209,6 +219,7 @@ class PayloadTooLargeError(HTTPError):
     type = "invalid_request_error"
     code = "request_too_large"
     close = True
+    should_retry = False  # the same request gets the same answer
 
 
 class HeadersTooLargeError(HTTPError):
@@ -256,6 +267,7 @@ class UpstreamAuthError(HTTPError):
     status = 502
     type = "server_error"
     code = "upstream_auth_failed"
+    should_retry = False  # retrying does not help until the gateway's configuration is fixed
 
 
 class GatewayTimeoutError(HTTPError):

@@ -629,6 +629,42 @@ async def test_error_faults(make_engine) -> None:
     assert eng.state.errors == 3
 
 
+@pytest.mark.parametrize("how", ["reset", "eof"])
+async def test_drop_faults_close_after_the_request_arrived(make_engine, how: str) -> None:
+    eng = await make_engine(count_arrivals=True, **FAST)
+    p = port(eng)
+    eng.set_faults(drop_next=1, drop_how=how)
+    reader, writer = await asyncio.open_connection("127.0.0.1", p)
+    try:
+        writer.write(build_request("POST", CHAT, chat_body(), headers={"x-request-id": "d1"}))
+        if how == "reset":
+            with pytest.raises(ConnectionResetError):
+                await asyncio.wait_for(reader.read(65536), 2.0)
+        else:
+            assert await asyncio.wait_for(reader.read(65536), 2.0) == b""  # an end of stream, no answer
+    finally:
+        writer.close()
+    assert eng.state.drops == 1 and eng.arrivals == {b"d1": 1}
+    assert (await request(p, "POST", CHAT, chat_body())).status == 200
+    with pytest.raises(ConfigError):
+        eng.set_faults(drop_how="later")
+
+
+async def test_keepalive_timeout_closes_idle_connections(make_engine) -> None:
+    eng = await make_engine(keepalive_timeout=0.1, **FAST)
+    reader, writer = await asyncio.open_connection("127.0.0.1", port(eng))
+    try:
+        writer.write(build_request("GET", "/health", close=False))
+        assert b" 200 " in await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 2.0)
+        # then nothing more: the engine closes the idle connection (bounded wait)
+        while await asyncio.wait_for(reader.read(65536), 2.0):
+            pass
+    finally:
+        writer.close()
+    with pytest.raises(ConfigError):
+        SimConfig(keepalive_timeout=0)
+
+
 async def test_cut_after_chunks(make_engine) -> None:
     eng = await make_engine(**FAST)
     p = port(eng)

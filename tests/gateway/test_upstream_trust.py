@@ -274,6 +274,7 @@ async def test_refused_key_without_another_replica_is_a_502() -> None:
         assert err["code"] == "upstream_auth_failed" and err["type"] == "server_error"
         assert "refused the API key" in err["message"] and MARK not in err["message"]
         assert hdrs[b"x-request-id"]
+        assert hdrs[b"x-should-retry"] == b"false"  # the same request gets the same answer until the config changes
         status, _, data, _ = await fetch(admin(rt), path=b"/ready", method=b"GET", headers=b"")
         assert status == 503 and orjson.loads(data)["models_unavailable"] == ["m"]
 

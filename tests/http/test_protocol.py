@@ -877,7 +877,7 @@ def test_oversize_body_is_413_then_a_lingering_close(server: ModuleType) -> None
         c = Conn(server, max_body=10)
         c.feed(b"POST /up HTTP/1.1\r\nHost: t\r\nContent-Length: 100\r\n\r\n0123")
         assert c.t.data == error(413, b"Content Too Large", "request body is 100 bytes; the limit is 10",
-                                 "request_too_large")
+                                 "request_too_large", extra=b"x-should-retry: false\r\n")
         assert c.t.calls() == ["pause_reading", "write_eof", "resume_reading"]
         c.feed(b"4567890" * 10)  # the rest of the refused body: dropped
         assert c.app.requests == [] and c.t.calls() == ["pause_reading", "write_eof", "resume_reading"]

@@ -66,11 +66,12 @@ cdef class Call(Exchange):
     cdef readonly int tries
     cdef bint probe                   # this attempt is a half-open breaker's probe
     cdef bint retrying                # counted in the retry budget
+    cdef bint reused                  # the attempt runs on a connection taken from the pool
     cdef double deadline              # monotonic; when dkind expires
     cdef int dkind                    # Deadline
     cdef bint progress                # answer bytes arrived since the sweep last looked
     cdef object error                 # the last attempt's HTTPError, or None
-    cdef bytes head_tail              # the head sent on a reused connection (a fresh retry resends it)
+    cdef bytes head_tail              # the attempt's head (resent on a new connection only if none was written)
     # the answer
     cdef Response resp
     cdef readonly bint streaming
@@ -95,16 +96,17 @@ cdef class Call(Exchange):
     @cython.locals(now=double, ep=Endpoint, state=EndpointState)
     cdef dispatch(self)
     @cython.locals(now=double)
-    cdef _send(self, UpstreamConnection conn, bytes head, bint reused)
+    cdef _send(self, UpstreamConnection conn, bytes head, bint reused, bint resend=*)
     cdef _deadline(self, int kind, double at)
     @cython.locals(now=double)
-    cdef _attempt_failed(self, error, kind, bint counts=*)
-    cdef bint _fresh_retry(self, exc) except -1
+    cdef _attempt_failed(self, error, kind, bint counts=*, bint sent=*)
+    cdef bint _fresh_retry(self, exc, bint written) except -1
     cpdef on_response_head(self, Response resp)
     cdef bytes _forward(self, Response resp)
     cpdef on_response_body(self, data)
     cpdef on_response_chunk(self, bytes buf, Py_ssize_t chunk_start, Py_ssize_t start, Py_ssize_t end)
     cpdef on_response_end(self)
+    @cython.locals(conn=UpstreamConnection, written=bint)
     cpdef on_upstream_lost(self, exc)
     cpdef on_read_end(self)
     cdef flush_chunks(self)
@@ -140,6 +142,7 @@ cdef class Gateway(App):
     cdef readonly Py_ssize_t max_buffered  # upstream.max_buffered_body
     cdef tuple _secrets               # the config's plain secrets, as bytes (redact)
     cdef int retry_attempts
+    cdef bint retry_after_send        # retries.after_send: resend requests whose bytes were written
     cdef object budget                # RetryBudget
     cdef double stale_after
     cdef double max_waiting

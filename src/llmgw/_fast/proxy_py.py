@@ -18,12 +18,18 @@ only to open a new upstream connection. The :class:`Gateway` is the server's
 :class:`~llmgw._fast.server_py.App` and each call is its upstream connection's
 :class:`~llmgw._fast.upstream_py.Exchange`, so both are called through C.
 
-Failure semantics:
+Failure semantics (a request reaches an engine at most once):
 
-* before any byte reached the client (connect refused or timed out, reset,
-  502/503 from the engine, a non-streamed answer cut short) the request is retried
-  on another replica (``retries.attempts`` times, within ``retries.budget``), then
-  answered with a clear error;
+* before the request reached a replica (connect refused or timed out) or when
+  the replica answered 502/503, the request is retried on another replica
+  (``retries.attempts`` times, within ``retries.budget``), then answered with a
+  clear error; a connection found closed before any byte was written to it is
+  replaced by a new one to the same replica;
+* once its bytes were written, a request is never sent again, to the same replica
+  or another: a reset, an end of stream or a timeout before the complete answer
+  is answered 502 or 504 (the engine that reset may already be generating; as
+  nginx never resends a sent POST). ``retries.after_send: true`` restores
+  resending such requests while no byte reached the client;
 * after the first byte there is never a retry: a stream cut by the engine ends
   with an SSE ``data: {"error": ...}`` event and the connection is closed;
 * a client that goes away aborts the upstream request at once; every counter
@@ -276,6 +282,7 @@ class Call(Exchange):
         "req",
         "resp",
         "retrying",
+        "reused",
         "rid_line",
         "sent_at",
         "sent_bytes",
@@ -323,6 +330,7 @@ class Call(Exchange):
         self.tries = 0
         self.probe = False
         self.retrying = False
+        self.reused = False
         self.deadline = 0.0
         self.dkind = D_NONE
         self.resp: Response | None = None
@@ -427,7 +435,7 @@ class Call(Exchange):
         self.phase = P_CONNECTING
         self.connect_task = gw.loop.create_task(self._connect(ep, head))
 
-    async def _connect(self, ep: Endpoint, head: bytes) -> None:
+    async def _connect(self, ep: Endpoint, head: bytes, resend: bool = False) -> None:
         try:
             conn = await ep.pool.connect()
         except asyncio.CancelledError:
@@ -447,13 +455,16 @@ class Call(Exchange):
         if self.phase == P_DONE or self.ep is not ep:
             conn.release()
             return
-        self._send(conn, head, reused=False)
+        self._send(conn, head, False, resend)
 
-    def _send(self, conn: UpstreamConnection, head: bytes, reused: bool) -> None:
+    def _send(self, conn: UpstreamConnection, head: bytes, reused: bool, resend: bool = False) -> None:
         self.phase = P_SENT
         self.conn = conn
         self.resp = None
-        self.head_tail = head if reused else b""
+        self.reused = reused
+        # (what a new connection to the same replica is sent if this one fails
+        # first: once per attempt, not again on that new connection)
+        self.head_tail = b"" if resend else head
         now = monotonic()
         self.sent_at = now
         self._deadline(D_FIRST_BYTE, now + self.gw.first_byte_timeout)
@@ -465,8 +476,13 @@ class Call(Exchange):
         self.deadline = at
         self.gw.watch(self)
 
-    def _attempt_failed(self, error: HTTPError, kind: str, counts: bool = True) -> None:
-        """This attempt failed before any byte reached the client: retry or answer."""
+    def _attempt_failed(self, error: HTTPError, kind: str, counts: bool = True, sent: bool = False) -> None:
+        """This attempt failed before any byte reached the client: retry or answer.
+
+        ``sent``: the request's bytes were written to the replica, which may be
+        working on it: answered, never sent to another replica (unless
+        ``retries.after_send``).
+        """
         gw = self.gw
         ep = self.ep
         assert ep is not None
@@ -490,7 +506,11 @@ class Call(Exchange):
         if self.w.disconnected:
             self._finish(None)
             return
-        if self.tries <= gw.retry_attempts and gw.budget.can_retry(gw.active_calls):
+        if (
+            self.tries <= gw.retry_attempts
+            and (not sent or gw.retry_after_send)
+            and gw.budget.can_retry(gw.active_calls)
+        ):
             if self.tried is None:
                 self.tried = []
             self.tried.append(ep)
@@ -501,17 +521,21 @@ class Call(Exchange):
             return
         self._finish(error)
 
-    def _fresh_retry(self, exc: BaseException | None) -> bool:
-        """A reused keep-alive connection the replica had closed: try again on a new
-        one (the upstream client's rule: ``should_retry_fresh``)."""
-        if not should_retry_fresh(len(self.head_tail) > 0, self.resp is not None, exc):
+    def _fresh_retry(self, exc: BaseException | None, written: bool) -> bool:
+        """Send the request again on a new connection to the same replica, once: when
+        none of it was written (the connection was found closed), or, with
+        ``retries.after_send``, when a reused connection was lost before the answer
+        began (the upstream client's rule: ``should_retry_fresh``)."""
+        if not self.head_tail:
+            return False  # (once per attempt)
+        if written and not should_retry_fresh(self.reused, self.resp is not None, exc):
             return False
         head, self.head_tail = self.head_tail, b""
         ep = self.ep
         assert ep is not None
         self.conn = None
         self.phase = P_CONNECTING
-        self.connect_task = self.gw.loop.create_task(self._connect(ep, head))
+        self.connect_task = self.gw.loop.create_task(self._connect(ep, head, True))
         return True
 
     # -- the ResponseReader sink (via the upstream connection) --
@@ -610,7 +634,7 @@ class Call(Exchange):
                 # (an error answer is read whole to be normalized; one this large is not an error answer)
                 self._attempt_failed(
                     BadGatewayError(f"replica {self.ep.id} sent an error answer larger than {self.gw.max_buffered} bytes"),  # type: ignore[union-attr]
-                    "bad_response",
+                    "bad_response", True, True,  # (the engine had the request: not resent, at most once)
                 )
 
     def on_response_chunk(self, buf: bytes, chunk_start: int, start: int, end: int) -> None:
@@ -679,7 +703,9 @@ class Call(Exchange):
                 self.sent_bytes += len(self._pending)
                 self._pending = b""
             if conn is not None:
-                conn.release()
+                # (llama-server closes after a stream while it says keep-alive:
+                # pooled, the connection would meet the next request with its close)
+                conn.release(not ep.engine.closes_after_stream)
             w.end()
             self._completed(True)
             return
@@ -762,7 +788,7 @@ class Call(Exchange):
         self._completed(False)
 
     def on_upstream_lost(self, exc: BaseException | None) -> None:
-        self.conn = None
+        conn, self.conn = self.conn, None
         if self._run is not None:
             self.flush_chunks()  # (whole events that arrived before the loss)
         if self.phase != P_SENT:
@@ -778,12 +804,15 @@ class Call(Exchange):
             self._cut_stream("the replica closed the connection", "upstream_disconnected")
             self._completed(False)
             return
-        if self._fresh_retry(exc):
+        # NOTE: at most once. Bytes handed to the transport may have reached the
+        # engine, which may be generating: never sent again (unless after_send).
+        written = conn is None or conn.written
+        if (not written or self.gw.retry_after_send) and self._fresh_retry(exc, written):
             return
         ep = self.ep
         assert ep is not None
         self._attempt_failed(
-            BadGatewayError(f"replica {ep.id} closed the connection before a complete answer"), kind
+            BadGatewayError(f"replica {ep.id} closed the connection before a complete answer"), kind, True, written
         )
 
     def _cut_stream(self, why: str, code: str) -> None:
@@ -824,8 +853,11 @@ class Call(Exchange):
             ep.failures += 1
             gw.breaker_outcome(ep, False, now)
             gw.observer.upstream_error(ep.id, "first_byte_timeout")
-            # Not retried: the engine may be working on it.
-            self._finish(GatewayTimeoutError(f"replica {ep.id} did not answer within {gw.first_byte_timeout:g}s"))
+            # Not retried, here or by the client (x-should-retry: false): the engine
+            # may be working on it, and a retry would wait as long again.
+            self._finish(GatewayTimeoutError(
+                f"replica {ep.id} did not answer within {gw.first_byte_timeout:g}s", should_retry=False
+            ))
         elif kind == D_READ:
             conn, self.conn = self.conn, None
             if conn is not None:
@@ -838,7 +870,9 @@ class Call(Exchange):
                 self._cut_stream("the replica stopped sending", "upstream_timeout")
                 self._completed(False)
             else:
-                self._attempt_failed(BadGatewayError(f"replica {ep.id} stopped sending its answer"), "read_timeout")
+                self._attempt_failed(
+                    BadGatewayError(f"replica {ep.id} stopped sending its answer"), "read_timeout", True, True
+                )
 
     # -- endings --
 
@@ -977,6 +1011,7 @@ class Gateway(App):
         self.read_timeout = config.upstream.read_timeout
         self.max_buffered = config.upstream.max_buffered_body
         self.retry_attempts = config.retries.attempts
+        self.retry_after_send = config.retries.after_send
         self.budget = RetryBudget(config.retries.budget)
         self.stale_after = config.scrape.stale_after
         self.max_waiting = float(config.saturation.max_waiting)

@@ -106,7 +106,8 @@ class Endpoint:
             cfg.port,
             connect_timeout=upstream.connect_timeout,
             max_idle=upstream.max_idle_connections,
-            idle_timeout=upstream.idle_timeout,
+            # (explicit upstream.idle_timeout wins; else below the engine's own keep-alive)
+            idle_timeout=upstream.idle_timeout if upstream.idle_timeout is not None else engine.idle_timeout(),
         )
         b = config.breaker
         self.breaker = Breaker(b.failures, b.cooldown, b.max_cooldown)

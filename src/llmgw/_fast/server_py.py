@@ -170,6 +170,9 @@ def _error_headers(exc: HTTPError, extra: tuple[tuple[bytes, bytes], ...] = ()) 
         seconds = max(1, int(exc.retry_after + 0.999))
         headers.append((b"retry-after", b"%d" % seconds))
         headers.append((b"retry-after-ms", b"%d" % max(1, int(exc.retry_after * 1000))))
+    if exc.should_retry is not None:
+        # (the OpenAI SDKs' header: they skip their own retries on "false")
+        headers.append((b"x-should-retry", b"true" if exc.should_retry else b"false"))
     return headers
 
 

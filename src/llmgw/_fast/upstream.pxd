@@ -16,7 +16,8 @@ from llmgw._fast.server cimport SocketWriter
 
 cdef class UpstreamPool
 
-# When a request lost on a pooled keep-alive connection is sent again on a new one.
+# When an exchange lost on a pooled keep-alive connection is sent again on a new one
+# (scrapes; proxied calls only with retries.after_send).
 cpdef bint should_retry_fresh(bint reused, bint got_response_head, exc) except -1
 
 
@@ -46,7 +47,8 @@ cdef class UpstreamConnection(ResponseSink):
     cdef readonly object transport    # None once closed
     cdef readonly Exchange sink       # the exchange in progress, or None
     cdef ResponseReader reader
-    cdef readonly bint reusable       # may go back to the pool when the exchange ends
+    cdef readonly bint reusable       # may go back to the pool when the exchange ends (False once its close arrived)
+    cdef readonly bint written        # send() handed the current request to the transport
     cdef readonly double idle_since   # monotonic; when it went back to the pool
     cdef readonly Py_ssize_t requests # exchanges sent on it
     cdef object _connected
@@ -62,7 +64,7 @@ cdef class UpstreamConnection(ResponseSink):
     cpdef pause_reading(self)
     cpdef resume_reading(self)
     cpdef abort(self)
-    cpdef release(self)
+    cpdef release(self, bint reuse=*)
 
 
 @cython.final
@@ -78,7 +80,7 @@ cdef class UpstreamPool:
     cdef object _sweeper              # TimerHandle closing idle connections, or None
     cdef readonly bint closed
 
-    @cython.locals(conn=UpstreamConnection)
+    @cython.locals(conn=UpstreamConnection, cutoff=double)
     cpdef UpstreamConnection take_idle(self)
     cdef _put_idle(self, UpstreamConnection conn)
     @cython.locals(conn=UpstreamConnection, cutoff=double)

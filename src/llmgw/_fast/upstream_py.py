@@ -49,17 +49,20 @@ if not cython.compiled:
 __all__ = ["Exchange", "UpstreamConnection", "UpstreamPool", "should_retry_fresh"]
 
 
-# One rule for every exchange the upstream client makes: proxied calls (the
-# proxy's Call) and scrapes (llmgw.fleet.poller.scrape_once).
+# The rule for exchanges that may be sent twice: scrapes (GET, idempotent:
+# llmgw.fleet.poller.scrape_once), and proxied calls only with
+# ``retries.after_send: true`` (the proxy's Call; by default a request whose bytes
+# were written is never sent again, see UpstreamConnection.written).
 def should_retry_fresh(reused: bool, got_response_head: bool, exc: BaseException | None) -> bool:
     """Whether an exchange lost with ``exc`` is sent once more, on a new connection.
 
     A connection that sat idle in the pool may have been closed by the replica in
-    the meantime (idle timeouts; llama-server closes after a streamed answer while
-    it advertises keep-alive, see ``shared/reference/engines.md`` §2). The request
-    written to it then meets a reset or an end of stream, and the replica never saw
-    it: sending it again on a new connection to the *same* replica is safe and is
-    not a failure of the replica. Each condition says why:
+    the meantime (its keep-alive timeout ran out just as the request was written:
+    the pool closes idle connections before the engine's timeout and never hands
+    out one whose close has arrived, so this is a narrow race). The request
+    written to it then meets a reset or an end of stream, and the replica most
+    likely never saw it -- but a replica that crashed after reading it looks the
+    same, which is why the proxy does not resend by default. Each condition says why:
 
     * ``reused``: only a connection taken from the pool can be stale. A new one that
       fails is the replica's own answer (down, refusing, overloaded), for the
@@ -153,6 +156,7 @@ class UpstreamConnection(ResponseSink):
         self.sink: Exchange | None = None  # the exchange in progress
         self.reader = ResponseReader(self)
         self.reusable = True
+        self.written = False
         self.idle_since = 0.0
         self.requests = 0
         self._connected: asyncio.Future[None] | None = None
@@ -243,21 +247,30 @@ class UpstreamConnection(ResponseSink):
 
     def send(self, sink: Any, head: bytes, body: bytes) -> None:
         """Start an exchange: ``sink`` (an :class:`Exchange`, or any object with its
-        methods) will hear about the response."""
+        methods) will hear about the response.
+
+        :attr:`written` says afterwards whether the request was handed to the
+        transport; when it was not (the connection was closed, or its close had
+        already arrived), ``sink.on_upstream_lost`` has been called, before this
+        returns, and the replica has seen nothing of the request.
+        """
         if not isinstance(sink, Exchange):
             sink = _ObjectExchange(sink)
         self.sink = sink
         self.requests += 1
+        self.written = False
         t = self.transport
-        if t is None:
+        if t is None or not self.reusable:
             # NOTE: the replica can close between connect() returning and this
-            # call (the exchange awaited in between); that is a lost upstream,
-            # which the sink knows how to retry, not an assertion failure.
+            # call (the exchange awaited in between), or its end of stream can
+            # have arrived: a lost upstream that never saw a byte, which the sink
+            # may safely send again, not an assertion failure.
             self.sink = None
             sink.on_upstream_lost(ConnectionResetError("the replica closed the connection"))
             return
         out = self._out  # (set with the transport, in connection_made)
         assert out is not None
+        self.written = True
         out.write(head, body)
 
     def pause_reading(self) -> None:
@@ -278,12 +291,16 @@ class UpstreamConnection(ResponseSink):
         if self.transport is not None:
             self.transport.abort()
 
-    def release(self) -> None:
-        """The exchange is over: back to the pool if reusable, else closed."""
+    def release(self, reuse: bool = True) -> None:
+        """The exchange is over: back to the pool if reusable, else closed.
+
+        ``reuse=False``: closed even so (the replica is known to close it now,
+        whatever its answer said: see ``EngineInfo.closes_after_stream``).
+        """
         self.sink = None
         if self._read_paused:
             self.resume_reading()
-        if self.reusable and self.transport is not None and self.reader.where() == 0:
+        if reuse and self.reusable and self.transport is not None and self.reader.where() == 0:
             self.pool._put_idle(self)
         else:
             self.reusable = False
@@ -298,7 +315,11 @@ class UpstreamPool:
         host, port: the replica's address.
         connect_timeout: seconds to establish a TCP connection.
         max_idle: idle connections kept for reuse.
-        idle_timeout: seconds an idle connection is kept.
+        idle_timeout: seconds an idle connection is kept: shorter than the
+            replica's own keep-alive timeout, so that llmgw, not the replica, closes
+            it (a request written just as the replica closes would be lost; see
+            ``llmgw.engines.base.EngineInfo.keep_alive``). A connection idle longer
+            is never handed out, even before the sweep closes it.
     """
 
     def __init__(
@@ -324,12 +345,26 @@ class UpstreamPool:
         return len(self._idle)
 
     def take_idle(self) -> UpstreamConnection | None:
-        """A connected idle connection, if there is one (no await)."""
+        """A connected idle connection, if there is one (no await).
+
+        Never one whose close (an end of stream, a reset) has already arrived, nor
+        one idle for ``idle_timeout`` or longer (the sweep may not have run yet).
+        """
         idle = self._idle
+        if not idle:
+            return None
+        cutoff = monotonic() - self.idle_timeout
         while idle:
             conn = idle.pop()  # most recently used: warmest, least likely closed by the peer
-            if conn.transport is not None and not conn.transport.is_closing():
-                return conn
+            t = conn.transport
+            if t is None or not conn.reusable or t.is_closing():
+                continue  # (closing: connection_lost forgets it)
+            if conn.idle_since <= cutoff:
+                # (the newest is too old, so the rest are too: the loop closes them all)
+                conn.reusable = False
+                t.close()
+                continue
+            return conn
         return None
 
     async def connect(self) -> UpstreamConnection:
@@ -375,18 +410,24 @@ class UpstreamPool:
             self._sweeper = self._loop.call_later(self.idle_timeout, self._sweep)
 
     def _sweep(self) -> None:
+        """Close connections idle for ``idle_timeout``; run again when the oldest left is due."""
         self._sweeper = None
         cutoff = monotonic() - self.idle_timeout
-        keep: collections.deque[UpstreamConnection] = collections.deque()
-        for conn in self._idle:
-            if conn.idle_since < cutoff:
-                if conn.transport is not None:
-                    conn.transport.close()
-            else:
-                keep.append(conn)
-        self._idle = keep
-        if keep:
-            self._sweeper = self._loop.call_later(self.idle_timeout / 2, self._sweep)
+        idle = self._idle
+        # (oldest first: connections are appended as they are released)
+        while idle:
+            conn = idle[0]
+            if conn.idle_since > cutoff:
+                break
+            idle.popleft()
+            conn.reusable = False
+            if conn.transport is not None:
+                conn.transport.close()
+        if idle:
+            conn = idle[0]
+            # NOTE: on the dot, not every idle_timeout / 2: the close must come
+            # before the replica's own keep-alive timeout, a fixed margin later.
+            self._sweeper = self._loop.call_later(max(conn.idle_since - cutoff, 0.001), self._sweep)
 
     def _forget(self, conn: UpstreamConnection) -> None:
         self._all.discard(conn)

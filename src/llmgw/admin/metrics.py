@@ -185,7 +185,9 @@ class PrometheusObserver(TrafficCounters, Collector):
             _zeros(self._errors, ((r, k) for r in known.replicas for k in UPSTREAM_ERROR_KINDS)),
         )
         yield _counter(
-            "llmgw_retries_total", "Requests retried on another replica before the first byte, by model.",
+            "llmgw_retries_total",
+            "Requests sent to another replica after one could not be reached or answered 502/503 (with "
+            "retries.after_send, also after a failure past the send), by model.",
             ["model"], _zeros({(m,): n for m, n in self._retries.items()}, ((m,) for m in known.models)),
         )
         yield _counter(

@@ -72,6 +72,13 @@ async def _serve(cfg: Any, host: str, port: int) -> int:
 @click.option("--no-metrics", is_flag=True, help="Serve no Prometheus page (404), like llama-server without --metrics.")
 @click.option("--embedding-dim", type=click.IntRange(1, 65_536), default=384, show_default=True,
               help="Length of /v1/embeddings vectors.")
+@click.option("--keepalive-timeout", type=click.FloatRange(0.01, 86_400), default=300.0, show_default=True,
+              help="Close idle keep-alive connections after this many seconds (uvicorn-based engines: 5).")
+@click.option("--drop-rate", type=click.FloatRange(0, 1), default=0.0,
+              help="Fault: probability of closing the connection, unanswered, once a request arrived.")
+@click.option("--drop-next", type=click.IntRange(0), default=0, help="Fault: drop the next N requests so.")
+@click.option("--drop-how", type=click.Choice(["reset", "eof"]), default="reset", show_default=True,
+              help="Fault: how a drop closes (a TCP reset, or an end of stream).")
 @click.option("--error-rate", type=click.FloatRange(0, 1), default=0.0, help="Fault: probability of a 5xx answer.")
 @click.option("--error-next", type=click.IntRange(0), default=0, help="Fault: the next N requests get a 5xx.")
 @click.option("--error-status", type=click.IntRange(500, 599), default=500, show_default=True,
@@ -90,7 +97,7 @@ async def _serve(cfg: Any, host: str, port: int) -> int:
 def sim_engine(listen: tuple[str, int] | None, model: str, engine: str, api_key: str | None, slots: int,
                max_queue: int, queue_full_status: str, ttft_ms: float, tokens_per_second: float, seed: int,
                max_model_len: int, kv_tokens: int, startup_delay: float, no_metrics: bool, embedding_dim: int,
-               error_rate: float, error_next: int, error_status: int, cut_after_chunks: int | None,
+               keepalive_timeout: float, drop_rate: float, drop_next: int, drop_how: str, error_rate: float, error_next: int, error_status: int, cut_after_chunks: int | None,
                cut_rate: float | None, cut_next: int | None, hang_after_chunks: int | None,
                hang_rate: float | None, hang_next: int | None, extra_latency_ms: float) -> None:
     """Run a simulated inference engine (vLLM, llama.cpp, TensorRT-LLM or SGLang).
@@ -110,7 +117,7 @@ def sim_engine(listen: tuple[str, int] | None, model: str, engine: str, api_key:
     faults = SimFaults()
     changes: dict[str, Any] = {
         "error_rate": error_rate, "error_next": error_next, "error_status": error_status,
-        "extra_latency_ms": extra_latency_ms,
+        "extra_latency_ms": extra_latency_ms, "drop_rate": drop_rate, "drop_next": drop_next, "drop_how": drop_how,
     }
     for key, value in (("cut_after_chunks", cut_after_chunks), ("cut_rate", cut_rate), ("cut_next", cut_next),
                        ("hang_after_chunks", hang_after_chunks), ("hang_rate", hang_rate),
@@ -123,7 +130,7 @@ def sim_engine(listen: tuple[str, int] | None, model: str, engine: str, api_key:
             model=model, engine=engine, api_key=api_key, slots=slots, max_queue=max_queue,
             queue_full_status=int(queue_full_status), ttft_ms=ttft_ms, tokens_per_second=tokens_per_second,
             seed=seed, max_model_len=max_model_len, kv_tokens=kv_tokens, startup_delay=startup_delay,
-            metrics=not no_metrics, embedding_dim=embedding_dim, faults=faults,
+            metrics=not no_metrics, embedding_dim=embedding_dim, keepalive_timeout=keepalive_timeout, faults=faults,
         )
     except ConfigError as exc:
         flag = "--" + exc.key.replace("_", "-") if exc.key else "a flag"

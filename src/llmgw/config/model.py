@@ -141,14 +141,20 @@ class UpstreamConfig:
 
     connect_timeout: Annotated[float, _duration(0.001)] = 2.0
     """TCP connect to a replica; past it the request is retried elsewhere."""
-    first_byte_timeout: Annotated[float, _duration(0.001)] = 120.0
-    """Request sent to response head; past it 504."""
+    # NOTE: 540s: a non-streamed answer arrives whole, so this bounds its whole
+    # generation: 3,000 tokens at 10 tokens/s is 300s, plus prefill and the
+    # engine's own queue. It stays under the OpenAI SDKs' 600s timeout less
+    # admission.queue_timeout (30s), so the client hears llmgw's 504 (with
+    # x-should-retry: false) before its own timeout makes it resend.
+    first_byte_timeout: Annotated[float, _duration(0.001)] = 540.0
+    """Request sent to response head (for a non-streamed request, its whole generation); past it 504, not retried."""
     read_timeout: Annotated[float, _duration(0.001)] = 300.0
     """Longest silence inside a response."""
     max_idle_connections: Annotated[int, _int(0)] = 64
     """Keep-alive connections kept per replica."""
-    idle_timeout: Annotated[float, _duration(0.01)] = 30.0
-    """An idle upstream connection is closed after this."""
+    idle_timeout: Annotated[float, _duration(0.01)] | None = None
+    """An idle upstream connection is closed after this; default per engine, below its own keep-alive (4s for
+    vLLM, SGLang, trtllm-serve and llama-server, which close idle connections at 5s)."""
     max_buffered_body: Annotated[int, _size(lo=1024)] = 4 * 1024 * 1024
     """A non-streamed answer up to this size is buffered (a cut one becomes a 502); a larger
     one is relayed as it arrives, with the engine's framing (a cut shows as an incomplete body)."""
@@ -161,9 +167,12 @@ class RetryConfig:
     """Retries before the first byte reached the client (``retries:`` section)."""
 
     attempts: Annotated[int, _int(0, 10)] = 1
-    """How many other replicas are tried when one fails before any byte reached the client."""
+    """How many other replicas are tried when one could not be reached or answered 502/503."""
     budget: Annotated[float, _num(0.0, 1.0)] = 0.2
     """Retries in flight may not exceed this fraction of the requests in flight."""
+    after_send: Annotated[bool, _FLAG] = False
+    """true: also resend a request whose bytes reached a replica that then failed (reset, end of stream, stalled
+    answer) before any byte reached the client. Off: such a request is answered 502, never sent twice."""
 
     __pydantic_config__ = _SECTION
 

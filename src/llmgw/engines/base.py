@@ -12,7 +12,11 @@ from typing import Literal
 
 Aggregate = Literal["sum", "max", "mean"]
 
-__all__ = ["Aggregate", "EngineInfo", "MetricSpec"]
+__all__ = ["DEFAULT_KEEP_ALIVE", "Aggregate", "EngineInfo", "MetricSpec"]
+
+# An idle keep-alive connection's life on a server whose timeout is not known:
+# uvicorn's and Node.js's default (5 s), the shortest of the common servers'.
+DEFAULT_KEEP_ALIVE = 5.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,6 +58,14 @@ class EngineInfo:
         error_extra_fields: members of its error object passed on to clients beside
             OpenAI's four (they tell the client what to change).
         scraped: whether llmgw scrapes it at all (external providers are not).
+        keep_alive: seconds the engine keeps an idle keep-alive connection before
+            closing it (``None``: not known, taken to be :data:`DEFAULT_KEEP_ALIVE`).
+            llmgw closes its idle connections to the engine before that
+            (:meth:`idle_timeout`): a request written just as the engine closes is
+            lost, and llmgw never sends a request twice.
+        closes_after_stream: the engine closes the connection right after a streamed
+            answer although the answer says keep-alive: llmgw closes it too instead
+            of pooling it (a request written to it as the close arrives is lost).
 
     The error fields are read by :func:`llmgw.engines.errors.normalize_error`.
     """
@@ -73,4 +85,13 @@ class EngineInfo:
     error_type_codes: tuple[tuple[str, str], ...] = ()
     error_extra_fields: tuple[str, ...] = ()
     scraped: bool = True
+    keep_alive: float | None = None
+    closes_after_stream: bool = False
     notes: tuple[str, ...] = field(default=())
+
+    def idle_timeout(self) -> float:
+        """How long llmgw keeps an idle connection to this engine (``upstream.idle_timeout``'s
+        default): 80 % of its keep-alive, 4 s of 5 s. The margin covers what separates the
+        engine's clock from llmgw's (the answer's last bytes in flight, a busy loop); a
+        connection is never handed out past it, even before the sweep closes it."""
+        return 0.8 * (self.keep_alive if self.keep_alive is not None else DEFAULT_KEEP_ALIVE)

@@ -53,5 +53,14 @@ INFO = EngineInfo(
     # OpenAI calls a prompt longer than the context "context_length_exceeded".
     error_type_codes=((CONTEXT_ERROR_TYPE, "context_length_exceeded"),),
     error_extra_fields=CONTEXT_ERROR_FIELDS,
+    # cpp-httplib's CPPHTTPLIB_KEEPALIVE_TIMEOUT_SECOND, 5 s (yhirose/cpp-httplib:
+    # httplib.h; llama-server does not change it): measured on the llama-server
+    # built from llama-cpp-python 0.3.36, whose answers say "Keep-Alive: timeout=5,
+    # max=100" and which closes an idle connection 5.0 s after an answer.
+    keep_alive=5.0,
+    # It closes the connection at once after a streamed answer, which says
+    # "Keep-Alive: timeout=5, max=100" all the same (measured on the same binary;
+    # engines.md §2).
+    closes_after_stream=True,
     notes=("start llama-server with --metrics, or llmgw routes to it blind",),
 )

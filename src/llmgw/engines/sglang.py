@@ -41,5 +41,8 @@ INFO = EngineInfo(
     # ErrorResponse: flat {"object": "error", ..., "code": int}, the HTTP status
     # (sgl-project/sglang python/sglang/srt/entrypoints/openai/protocol.py).
     integer_error_code=True,
+    # uvicorn.run(..., timeout_keep_alive=5) (sgl-project/sglang:
+    # python/sglang/srt/entrypoints/http_server.py, launch_server).
+    keep_alive=5.0,
     notes=("start SGLang with --enable-metrics",),
 )

@@ -39,5 +39,8 @@ INFO = EngineInfo(
     default_port=8000,
     # ErrorResponse: flat {"object": "error", ..., "code": <HTTP status>} (engines.md §3.4 [T2]).
     integer_error_code=True,
+    # uvicorn with timeout_keep_alive=TIMEOUT_KEEP_ALIVE = 5 s (NVIDIA/TensorRT-LLM:
+    # tensorrt_llm/serve/openai_server.py).
+    keep_alive=5.0,
     notes=("set return_perf_metrics: true and enable_iter_perf_stats: true in trtllm-serve's --config",),
 )

@@ -43,4 +43,8 @@ INFO = EngineInfo(
     # {"error": {..., "code": 400}} since v0.10.1, flat {"object": "error", ..., "code": 400}
     # before: the HTTP status either way (engines.md §1.4 [V15]).
     integer_error_code=True,
+    # uvicorn's timeout_keep_alive=envs.VLLM_HTTP_TIMEOUT_KEEP_ALIVE, default 5 s
+    # (vllm-project/vllm: vllm/entrypoints/openai/api_server.py, vllm/envs.py;
+    # before the variable, TIMEOUT_KEEP_ALIVE = 5 in api_server.py).
+    keep_alive=5.0,
 )

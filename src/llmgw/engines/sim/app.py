@@ -11,8 +11,10 @@ batch of tokens that fell due together.
 from __future__ import annotations
 
 import asyncio
+import collections
 import os
 import random
+import socket
 import struct
 import time
 from collections.abc import Awaitable, Callable
@@ -68,7 +70,7 @@ class SimState:
         requests: inference requests received (chat, completions; embeddings apart).
         embeddings: embeddings requests answered.
         rejected: answered ``queue_full_status`` because the queue was full.
-        errors / cuts / hangs: injected faults.
+        errors / cuts / hangs / drops: injected faults.
         prompt_tokens: prompt tokens of admitted requests.
         generation_tokens: output tokens, including those of running requests so far.
         ttft_ms / tokens_per_second: the current speed.
@@ -88,6 +90,7 @@ class SimState:
     errors: int
     cuts: int
     hangs: int
+    drops: int
     prompt_tokens: int
     generation_tokens: int
     ttft_ms: float
@@ -124,6 +127,7 @@ class SimApp:
         self._id_seq = 0
         self._ready_timer: asyncio.TimerHandle | None = None
         self._routes = self._build_routes()
+        self.arrivals: collections.Counter[bytes] = collections.Counter()  # (with cfg.count_arrivals)
 
     def bind(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
@@ -224,6 +228,13 @@ class SimApp:
             return None
         cfg = self.cfg
         self.stats.requests += 1
+        if cfg.count_arrivals:
+            self.arrivals[request.request_id or b""] += 1
+        faults = self.faults
+        if faults.draw_drop(self.rng):
+            self.stats.drops += 1
+            self._drop(writer, faults.drop_how)
+            return None
         try:
             try:
                 data = orjson.loads(request.body)
@@ -245,7 +256,7 @@ class SimApp:
             status, body = d.unknown_model(job.model)
             writer.send(status, body)
             return None
-        faults, rng = self.faults, self.rng
+        rng = self.rng
         err = faults.draw_error(rng)
         if err:
             self.stats.errors += 1
@@ -312,6 +323,17 @@ class SimApp:
             writer.send(200, self._whole_body(job, req))
         finally:
             sched.finish(req, "abort")
+
+    @staticmethod
+    def _drop(writer: ResponseWriter, how: str) -> None:
+        """Close the connection without an answer: a reset, or an orderly end of stream."""
+        t = writer.transport
+        if how == "reset" and t is not None:
+            sock = t.get_extra_info("socket")
+            if sock is not None:
+                # (linger on, 0 s: close() sends RST instead of FIN)
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        writer.abort()
 
     async def _hang(self, req: SimRequest, writer: ResponseWriter, steps: int) -> None:
         """Hold the slot, produce nothing more, never answer; cut when the engine stops."""
@@ -478,6 +500,7 @@ class SimApp:
             errors=st.errors,
             cuts=st.cuts,
             hangs=st.hangs,
+            drops=st.drops,
             prompt_tokens=st.prompt_tokens,
             generation_tokens=st.generation_tokens + sched.generating(now),
             ttft_ms=self.ttft * 1e3,

@@ -39,6 +39,11 @@ class SimConfig:
         chat_max_tokens: output length of a chat completion without ``max_tokens``.
         completion_max_tokens: the same for ``/v1/completions`` (OpenAI's default is 16).
         embedding_dim: length of ``/v1/embeddings`` vectors.
+        keepalive_timeout: seconds an idle keep-alive connection is kept open
+            (uvicorn's ``timeout_keep_alive``: 5 for vLLM, SGLang and trtllm-serve;
+            cpp-httplib's 5 for llama-server); the default keeps them long.
+        count_arrivals: count inference requests per ``X-Request-Id``
+            (:attr:`SimEngine.arrivals`: a request that arrives twice is counted twice).
         faults: the fault switches in force at start (changed later at run time).
     """
 
@@ -58,6 +63,8 @@ class SimConfig:
     chat_max_tokens: int = 64
     completion_max_tokens: int = 16
     embedding_dim: int = 384
+    keepalive_timeout: float = 300.0
+    count_arrivals: bool = False
     faults: SimFaults = field(default_factory=SimFaults)
 
     def __post_init__(self) -> None:
@@ -90,6 +97,8 @@ class SimConfig:
         _check_int("chat_max_tokens", self.chat_max_tokens, 1, 100_000_000)
         _check_int("completion_max_tokens", self.completion_max_tokens, 1, 100_000_000)
         _check_int("embedding_dim", self.embedding_dim, 1, 65_536)
+        if isinstance(self.keepalive_timeout, bool) or not 0.01 <= self.keepalive_timeout <= 86_400:
+            raise ConfigError("keepalive_timeout", "must be between 0.01 and 86400 seconds")
         if not isinstance(self.faults, SimFaults):
             raise ConfigError("faults", "must be a SimFaults")
 
@@ -110,6 +119,7 @@ class SimConfig:
             "chat_max_tokens": self.chat_max_tokens,
             "completion_max_tokens": self.completion_max_tokens,
             "embedding_dim": self.embedding_dim,
+            "keepalive_timeout": self.keepalive_timeout,
         }
 
 

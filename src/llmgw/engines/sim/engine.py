@@ -63,7 +63,9 @@ class SimEngine:
                 "sim-engine %s: trtllm-serve has no API-key support; --api-key is ignored "
                 "(every request is accepted, as the real server would)", cfg.model,
             )
-        server = HTTPServer(self.app, limits or ServerLimits(keepalive_timeout=300.0), name=f"sim-{cfg.engine}")
+        server = HTTPServer(
+            self.app, limits or ServerLimits(keepalive_timeout=cfg.keepalive_timeout), name=f"sim-{cfg.engine}"
+        )
         self.address = await server.listen(host, port)
         self._server = server
         if cfg.startup_delay > 0:
@@ -107,6 +109,11 @@ class SimEngine:
     def state(self) -> SimState:
         """A snapshot of the scheduler and counters (what ``/metrics`` reports)."""
         return self.app.state()
+
+    @property
+    def arrivals(self) -> dict[bytes, int]:
+        """Inference requests received per ``X-Request-Id`` (with ``count_arrivals``; else empty)."""
+        return dict(self.app.arrivals)
 
     @property
     def ready(self) -> bool:

@@ -4,7 +4,7 @@ Each fault fires for the next ``*_next`` inference requests, then for each later
 with probability ``*_rate``; it is off while both are 0. Only inference requests
 (chat, completions, embeddings) draw faults; health, models, metrics and the
 control endpoint never fail. Faults are drawn in this order, at most one each:
-error, hang, cut.
+drop, error, hang, cut.
 """
 
 from __future__ import annotations
@@ -23,6 +23,10 @@ class SimFaults:
     """The fault switches in force; mutable at run time.
 
     Attributes:
+        drop_rate / drop_next: close the connection as soon as the request has arrived,
+            without an answer (an engine that crashed or restarted after reading it).
+        drop_how: ``reset`` (a TCP reset: SO_LINGER 0, then close) or ``eof`` (an
+            orderly close: the client reads an end of stream).
         error_rate / error_next: answer ``error_status`` at once, in the engine's error shape.
         error_status: the 5xx status of injected errors (500..599).
         cut_rate / cut_next: cut the connection (TCP abort) after ``cut_after_chunks`` SSE
@@ -36,6 +40,9 @@ class SimFaults:
         extra_latency_ms: added to every request's time to first token.
     """
 
+    drop_rate: float = 0.0
+    drop_next: int = 0
+    drop_how: str = "reset"
     error_rate: float = 0.0
     error_next: int = 0
     error_status: int = 500
@@ -83,6 +90,12 @@ class SimFaults:
 
     # -- draws (one per inference request, in this order) --
 
+    def draw_drop(self, rng: random.Random) -> bool:
+        if self.drop_next > 0:
+            self.drop_next -= 1
+            return True
+        return self.drop_rate > 0 and rng.random() < self.drop_rate
+
     def draw_error(self, rng: random.Random) -> int:
         """The status to answer with, or 0 for no injected error."""
         if self.error_next > 0:
@@ -106,6 +119,7 @@ class SimFaults:
 
 
 FAULT_KEYS: tuple[str, ...] = tuple(f.name for f in fields(SimFaults))
+DROP_HOW: tuple[str, ...] = ("reset", "eof")
 
 
 def _check(key: str, value: Any, source: str | None) -> Any:
@@ -124,6 +138,10 @@ def _check(key: str, value: Any, source: str | None) -> Any:
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 3_600_000:
             raise bad("a number of milliseconds between 0 and 3600000")
         return float(value)
+    if key == "drop_how":
+        if value not in DROP_HOW:
+            raise bad(" or ".join(DROP_HOW))
+        return value
     if key == "hang_after_chunks" and value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:

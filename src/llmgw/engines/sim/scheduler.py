@@ -180,6 +180,7 @@ class Stats:
         self.errors = 0  # injected errors
         self.cuts = 0
         self.hangs = 0
+        self.drops = 0
         self.embeddings = 0
         # llama.cpp-style accumulators
         self.prompt_seconds = 0.0
