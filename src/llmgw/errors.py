@@ -26,6 +26,7 @@ __all__ = [
     "LlmgwError",
     "MethodNotAllowedError",
     "ModelNotFoundError",
+    "ModelUnavailableError",
     "NotFoundError",
     "OverloadedError",
     "PayloadTooLargeError",
@@ -233,6 +234,15 @@ class OverloadedError(HTTPError):
     status = 503
     type = "service_unavailable_error"
     code = "service_unavailable"
+
+
+class ModelUnavailableError(HTTPError):
+    """503: every replica of the model is down (unreachable, stale, breaker open, draining);
+    answered at once, never queued; ``retry_after`` is when one may be back."""
+
+    status = 503
+    type = "service_unavailable_error"
+    code = "model_unavailable"
 
 
 class BadGatewayError(HTTPError):

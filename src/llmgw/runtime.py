@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -287,12 +288,26 @@ class GatewayRuntime:
         return {"added": added, "removed": removed, "changed": changed, "restart_needed_for": not_applied}
 
     def readiness(self) -> tuple[bool, dict[str, Any]]:
-        """Whether every configured model has a usable replica, and which do not."""
+        """Whether every configured model has a usable replica, and which do not.
+
+        The body names each model without one in ``models_unavailable`` and, in
+        ``unavailable``, why each of its replicas takes nothing (``unreachable``,
+        ``stale``, ``breaker_open``, ``breaker_probing``, ``draining``; a model with no
+        replica at all maps to ``{}``).
+        """
         reg = self.registry
         if reg is None or self.listen_addr is None:
             return False, {"ready": False, "reason": "starting"}
-        missing = [m for m in self.config.model_names() if not any(ep.usable for ep in reg.candidates(m))]
-        return not missing, {"ready": not missing, "models_unavailable": missing}
+        now = time.monotonic()
+        missing: list[str] = []
+        why: dict[str, dict[str, str]] = {}
+        for m in self.config.model_names():
+            eps = reg.candidates(m)
+            reasons = {ep.id: ep.unusable_reason(now) for ep in eps}
+            if not any(r is None for r in reasons.values()):
+                missing.append(m)
+                why[m] = {i: r for i, r in reasons.items() if r is not None}
+        return not missing, {"ready": not missing, "models_unavailable": missing, "unavailable": why}
 
     # -- signals --
 

@@ -9,7 +9,8 @@
 # on_upstream_lost) -> _completed or _attempt_failed (retry: dispatch again) ->
 # _finish -> _done (counted, logged, the next queued call admitted). The
 # gateway's sweep calls expired() when a call's deadline passes; the writer calls
-# client_gone() if the client leaves first.
+# client_gone() if the client leaves first. A pool that is down (ModelPool.unavailable)
+# is answered by _refuse (admit) or _refuse_queued (_admit), never queued.
 
 cimport cython
 
@@ -91,6 +92,7 @@ cdef class Call(Exchange):
     @cython.locals(now=double, victim=Call)
     cdef admit(self)
     cdef shed(self, reason, message)
+    cdef _refuse(self, reason, error)
     @cython.locals(now=double, ep=Endpoint, state=EndpointState)
     cdef dispatch(self)
     @cython.locals(now=double)
@@ -158,8 +160,10 @@ cdef class Gateway(App):
     @cython.locals(now=double, read_timeout=double, c=Call, keep=set, expired=list)
     cpdef _sweep(self)
     cdef admit_next(self, ModelPool pool)
-    @cython.locals(now=double, call=Call)
+    @cython.locals(now=double, sat=double, call=Call)
     cdef _admit(self, ModelPool pool)
+    @cython.locals(call=Call)
+    cdef _refuse_queued(self, ModelPool pool, reason, error)
     cdef breaker_outcome(self, Endpoint ep, bint success, double now)
     cdef _ensure_sweep(self)
     cpdef on_scrape(self, ep)

@@ -177,7 +177,9 @@ def _fmt(value: Any, kind: str = "") -> str:
     return str(value)
 
 
-_STATE_STYLE = {"ok": "green", "draining": "yellow", "stale": "magenta", "open": "red", "half-open": "red"}
+_STATE_STYLE = {
+    "ok": "green", "draining": "yellow", "stale": "magenta", "unreachable": "red", "open": "red", "half-open": "red",
+}
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
