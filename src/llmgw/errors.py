@@ -32,6 +32,7 @@ __all__ = [
     "PayloadTooLargeError",
     "PromParseError",
     "RateLimitedError",
+    "ShuttingDownError",
     "UnauthorizedError",
 ]
 
@@ -243,6 +244,15 @@ class ModelUnavailableError(HTTPError):
     status = 503
     type = "service_unavailable_error"
     code = "model_unavailable"
+
+
+class ShuttingDownError(HTTPError):
+    """503: the gateway is shutting down (a request it had queued, or one still running
+    at ``server.shutdown_timeout``); retry, on another instance if there is one."""
+
+    status = 503
+    type = "service_unavailable_error"
+    code = "shutting_down"
 
 
 class BadGatewayError(HTTPError):

@@ -16,7 +16,9 @@ configuration, wires them together and starts them, in this order:
    cluster collector), each made from the finished :class:`Parts`.
 
 :meth:`GatewayRuntime.stop` takes them down in reverse (the client listener
-drains before the admin one closes, so probes see "shutting down"). Reloads
+drains before the admin one closes, so probes see "shutting down"), answering
+every request: queued ones at once, running ones at ``server.shutdown_timeout``
+(see its docstring). Reloads
 (the admin API, SIGHUP through :meth:`GatewayRuntime.install_sighup`) go through
 :meth:`GatewayRuntime.reload`.
 
@@ -309,6 +311,12 @@ class GatewayRuntime:
                 why[m] = {i: r for i, r in reasons.items() if r is not None}
         return not missing, {"ready": not missing, "models_unavailable": missing, "unavailable": why}
 
+    def hurry(self) -> None:
+        """Make a running (or coming) :meth:`stop` wait no longer for requests in flight:
+        they are ended at once, as at ``server.shutdown_timeout`` (a second Ctrl-C)."""
+        if self.server is not None:
+            self.server.hurry()
+
     # -- signals --
 
     def install_sighup(self) -> Callable[[], None]:
@@ -333,8 +341,19 @@ class GatewayRuntime:
         return uninstall
 
     async def stop(self) -> None:
-        """Stop the components, stop accepting, finish in-flight requests (``server.shutdown_timeout``), close."""
+        """Shut down gracefully; every request gets an answer.
+
+        In order: requests waiting in the admission queue get 503 ``shutting_down`` at
+        once (and so would any that would wait from now on); the components stop; the
+        client listener stops accepting and requests in flight get
+        ``server.shutdown_timeout`` to finish (or until :meth:`hurry`); then each
+        still running is ended honestly (:meth:`Gateway.cut`: an SSE error event and
+        the end of the chunked body for a stream, a 503 for an answer not begun), and
+        only what is still open after that is cut; then the rest closes.
+        """
         timeout = self.config.server.shutdown_timeout
+        if self.gateway is not None:
+            self.gateway.shutdown()
         while self.components:
             component = self.components.pop()
             try:
@@ -343,10 +362,12 @@ class GatewayRuntime:
                 log.exception("stopping %s failed; going on with the shutdown", component.name)
         if self.poller is not None:
             await self.poller.close()
+        if self.server is not None:
+            # (the gateway's deadline sweep keeps running meanwhile: a stream that
+            # stalls is still cut at read_timeout)
+            await self.server.close(timeout, cut=self.gateway.cut if self.gateway is not None else None)
         if self.gateway is not None:
             self.gateway.close()
-        if self.server is not None:
-            await self.server.close(timeout)
         if self.admin_server is not None:
             await self.admin_server.close(1.0)
         if self.admin is not None:

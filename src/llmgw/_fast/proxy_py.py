@@ -59,6 +59,7 @@ from ..errors import (
     NotFoundError,
     OverloadedError,
     RateLimitedError,
+    ShuttingDownError,
     UnauthorizedError,
 )
 from ..log import access_logger, upstream_logger
@@ -185,6 +186,10 @@ def _unavailable_error(model: str, why: tuple[dict[str, int], float]) -> HTTPErr
     )
 
 
+def _shutting_down(message: str) -> HTTPError:
+    return ShuttingDownError(f"the gateway is shutting down; {message}", retry_after=1.0)
+
+
 def _sse_error(message: str, code: str) -> bytes:
     return b"data: " + orjson.dumps(
         {"error": {"message": message, "type": "server_error", "param": None, "code": code}}
@@ -309,8 +314,8 @@ class Call(Exchange):
     def admit(self) -> None:
         """Straight through below saturation 1.0 with nobody waiting; else queue (or shed).
 
-        A pool that is down rather than full (``ModelPool.unavailable``) answers 503
-        at once: waiting would not help.
+        A pool that is down rather than full (``ModelPool.unavailable``), or a gateway
+        that is shutting down, answers 503 at once: waiting would not help.
         """
         gw = self.gw
         pool = self.pool
@@ -324,6 +329,9 @@ class Call(Exchange):
             self.dispatch()
             return
         # (the cold path: what follows costs nothing while the pool has room)
+        if gw.closing:
+            self._refuse("shutting_down", _shutting_down("retry"))
+            return
         why = pool.unavailable(now)
         if why is not None:
             self._refuse("model_unavailable", _unavailable_error(self.model, why))
@@ -704,6 +712,38 @@ class Call(Exchange):
             else:
                 self._attempt_failed(BadGatewayError(f"replica {ep.id} stopped sending its answer"), "read_timeout")
 
+    def stop_now(self) -> None:
+        """The gateway stops and waits no longer (``server.shutdown_timeout`` passed, or
+        a second signal): end this request with an answer, never a bare cut. A stream
+        ends with an SSE error event and the end of its chunked body (as a read
+        timeout's cut); a request with no answer begun gets 503 ``shutting_down``."""
+        phase = self.phase
+        if phase == P_DONE:
+            return
+        if phase == P_QUEUED:
+            self.pool.queue.remove(self)
+            self.dkind = D_NONE
+            self._refuse("shutting_down", _shutting_down("retry"))
+            return
+        task = self.connect_task
+        if task is not None:
+            task.cancel()
+            self.connect_task = None
+        conn, self.conn = self.conn, None
+        if conn is not None:
+            conn.abort()  # (the engine stops generating)
+        ep = self.ep
+        if ep is not None and phase in (P_CONNECTING, P_SENT):
+            # Not the replica's failure: no breaker outcome.
+            ep.state.on_abort(monotonic())
+            if self.probe:
+                ep.state.breaker.release()
+        if self.streaming:
+            self._cut_stream("the gateway is shutting down", "shutting_down")
+            self._finish(None)
+        else:
+            self._finish(_shutting_down("it could not wait longer for this answer; retry"))
+
     # -- endings --
 
     def client_gone(self) -> None:
@@ -826,6 +866,7 @@ class Gateway(App):
         self.counters: TrafficCounters | None = None
         self.count_tokens = False
         self.active_calls = 0
+        self.closing = False
         self._admitting = False
         self._watched: set[Call] = set()
         self._sweep_handle: asyncio.TimerHandle | None = None
@@ -922,6 +963,9 @@ class Gateway(App):
 
     def _admit(self, pool: ModelPool) -> None:
         queue = pool.queue
+        if self.closing:
+            self._refuse_queued(pool, "shutting_down", _shutting_down("retry"))
+            return
         for _ in range(len(queue)):
             now = monotonic()
             sat = pool.saturation(now, self.stale_after, self.max_waiting, self.max_kv)
@@ -958,6 +1002,25 @@ class Gateway(App):
             call = popped  # (typed in proxy.pxd)
             call.dkind = D_NONE
             call._refuse(reason, error)
+
+    def shutdown(self) -> None:
+        """Stop queueing (the first step of a graceful shutdown): every request waiting
+        for admission gets 503 ``shutting_down`` now, and so does every request that
+        would wait from now on; requests already sent go on (see :meth:`cut`)."""
+        self.closing = True
+        for pool in list(self.pools.values()):
+            if len(pool.queue):
+                self.admit_next(pool)
+
+    def cut(self, w: ResponseWriter) -> bool:
+        """The server waits no longer for ``w`` (shutdown): end its request honestly
+        now (:meth:`Call.stop_now`); ``False`` when it is not one of this gateway's calls."""
+        watcher = w.watcher
+        if not isinstance(watcher, Call):
+            return False
+        call = watcher  # (typed in proxy.pxd)
+        call.stop_now()
+        return True
 
     def breaker_outcome(self, ep: Endpoint, success: bool, now: float) -> None:
         """Tell ``ep``'s breaker how an attempt ended; report a state change."""
