@@ -259,6 +259,24 @@ async def test_an_open_breaker_is_503_with_retry_after_its_probe() -> None:
         assert status == 503 and orjson.loads(data)["unavailable"] == {"m": {"v0": "breaker_open"}}
 
 
+async def test_after_the_cooldown_the_probe_goes_and_closes_the_breaker() -> None:
+    engine = Engine()
+    async with gateway(engine, breaker={"failures": 1, "cooldown": "300ms"}, retries={"attempts": 0}) as rt:
+        assert rt.registry is not None
+        ep = rt.registry.endpoints["v0"]
+        await until(lambda: ep.last_scrape is not None)
+        engine.mode = "reset"
+        status, _, _ = await chat(_port(rt))
+        assert status == 502 and ep.breaker_open
+        status, _, body = await chat(_port(rt))
+        assert status == 503 and body["error"]["code"] == "model_unavailable"
+        engine.mode = "ok"
+        await until(lambda: ep.state.breaker.available(time.monotonic()))
+        status, _, _ = await chat(_port(rt))  # the half-open breaker's probe
+        assert status == 200
+        assert ep.breaker_state == "closed" and ep.usable
+
+
 async def test_a_saturated_pool_still_queues() -> None:
     engine = Engine()
     engine.waiting = 100  # up, and full: saturation far above 1
