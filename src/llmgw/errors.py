@@ -26,11 +26,13 @@ __all__ = [
     "LlmgwError",
     "MethodNotAllowedError",
     "ModelNotFoundError",
+    "ModelUnavailableError",
     "NotFoundError",
     "OverloadedError",
     "PayloadTooLargeError",
     "PromParseError",
     "RateLimitedError",
+    "ShuttingDownError",
     "UnauthorizedError",
     "UpstreamAuthError",
 ]
@@ -245,6 +247,24 @@ class OverloadedError(HTTPError):
     status = 503
     type = "service_unavailable_error"
     code = "service_unavailable"
+
+
+class ModelUnavailableError(HTTPError):
+    """503: every replica of the model is down (unreachable, stale, breaker open, draining);
+    answered at once, never queued; ``retry_after`` is when one may be back."""
+
+    status = 503
+    type = "service_unavailable_error"
+    code = "model_unavailable"
+
+
+class ShuttingDownError(HTTPError):
+    """503: the gateway is shutting down (a request it had queued, or one still running
+    at ``server.shutdown_timeout``); retry, on another instance if there is one."""
+
+    status = 503
+    type = "service_unavailable_error"
+    code = "shutting_down"
 
 
 class BadGatewayError(HTTPError):

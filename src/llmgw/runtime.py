@@ -16,7 +16,9 @@ configuration, wires them together and starts them, in this order:
    cluster collector), each made from the finished :class:`Parts`.
 
 :meth:`GatewayRuntime.stop` takes them down in reverse (the client listener
-drains before the admin one closes, so probes see "shutting down"). Reloads
+drains before the admin one closes, so probes see "shutting down"), answering
+every request: queued ones at once, running ones at ``server.shutdown_timeout``
+(see its docstring). Reloads
 (the admin API, SIGHUP through :meth:`GatewayRuntime.install_sighup`) go through
 :meth:`GatewayRuntime.reload`.
 
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -291,16 +294,36 @@ class GatewayRuntime:
         return {"added": added, "removed": removed, "changed": changed, "restart_needed_for": not_applied}
 
     def readiness(self) -> tuple[bool, dict[str, Any]]:
-        """Whether every configured model has a usable replica, and which do not."""
+        """Whether every configured model has a usable replica, and which do not.
+
+        The body names each model without one in ``models_unavailable`` and, in
+        ``unavailable``, why each of its replicas takes nothing (``unreachable``,
+        ``stale``, ``breaker_open``, ``breaker_probing``, ``draining``; a model with no
+        replica at all maps to ``{}``).
+        """
         reg = self.registry
         if reg is None or self.listen_addr is None:
             return False, {"ready": False, "reason": "starting"}
-        missing = [m for m in self.config.model_names() if not any(ep.usable for ep in reg.candidates(m))]
-        body: dict[str, Any] = {"ready": not missing, "models_unavailable": missing}
+        now = time.monotonic()
+        missing: list[str] = []
+        why: dict[str, dict[str, str]] = {}
+        for m in self.config.model_names():
+            eps = reg.candidates(m)
+            reasons = {ep.id: ep.unusable_reason(now) for ep in eps}
+            if not any(r is None for r in reasons.values()):
+                missing.append(m)
+                why[m] = {i: r for i, r in reasons.items() if r is not None}
+        body: dict[str, Any] = {"ready": not missing, "models_unavailable": missing, "unavailable": why}
         refused = sorted(ep.id for ep in reg.endpoints.values() if ep.auth_failed)
         if refused:
             body["replicas_auth_failed"] = refused  # (they refuse the gateway's key: the config needs fixing)
         return not missing, body
+
+    def hurry(self) -> None:
+        """Make a running (or coming) :meth:`stop` wait no longer for requests in flight:
+        they are ended at once, as at ``server.shutdown_timeout`` (a second Ctrl-C)."""
+        if self.server is not None:
+            self.server.hurry()
 
     # -- signals --
 
@@ -326,8 +349,19 @@ class GatewayRuntime:
         return uninstall
 
     async def stop(self) -> None:
-        """Stop the components, stop accepting, finish in-flight requests (``server.shutdown_timeout``), close."""
+        """Shut down gracefully; every request gets an answer.
+
+        In order: requests waiting in the admission queue get 503 ``shutting_down`` at
+        once (and so would any that would wait from now on); the components stop; the
+        client listener stops accepting and requests in flight get
+        ``server.shutdown_timeout`` to finish (or until :meth:`hurry`); then each
+        still running is ended honestly (:meth:`Gateway.cut`: an SSE error event and
+        the end of the chunked body for a stream, a 503 for an answer not begun), and
+        only what is still open after that is cut; then the rest closes.
+        """
         timeout = self.config.server.shutdown_timeout
+        if self.gateway is not None:
+            self.gateway.shutdown()
         while self.components:
             component = self.components.pop()
             try:
@@ -336,10 +370,12 @@ class GatewayRuntime:
                 log.exception("stopping %s failed; going on with the shutdown", component.name)
         if self.poller is not None:
             await self.poller.close()
+        if self.server is not None:
+            # (the gateway's deadline sweep keeps running meanwhile: a stream that
+            # stalls is still cut at read_timeout)
+            await self.server.close(timeout, cut=self.gateway.cut if self.gateway is not None else None)
         if self.gateway is not None:
             self.gateway.close()
-        if self.server is not None:
-            await self.server.close(timeout)
         if self.admin_server is not None:
             await self.admin_server.close(1.0)
         if self.admin is not None:

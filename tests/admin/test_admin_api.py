@@ -52,12 +52,12 @@ async def test_health_and_ready_names_unavailable_models() -> None:
     async with running([a, b]) as rt:
         assert await api(rt, "GET", "/health") == (200, {"status": "ok"})
         status, body = await api(rt, "GET", "/ready")
-        assert status == 200 and body == {"ready": True, "models_unavailable": []}
+        assert status == 200 and body == {"ready": True, "models_unavailable": [], "unavailable": {}}
         for eid in ("a", "b"):
             assert (await api(rt, "POST", f"/admin/v1/endpoints/{eid}/drain"))[0] == 200
         status, body = await api(rt, "GET", "/ready")
         assert status == 503
-        assert body == {"ready": False, "models_unavailable": ["m"]}
+        assert body == {"ready": False, "models_unavailable": ["m"], "unavailable": {"m": {"a": "draining", "b": "draining"}}}
         assert (await api(rt, "POST", "/admin/v1/endpoints/b/undrain"))[0] == 200
         assert (await api(rt, "GET", "/ready"))[0] == 200
         # never on the client port
@@ -90,9 +90,12 @@ async def test_list_and_get_endpoints() -> None:
         assert ed["state"] == "ok" and ed["stale"] is False
         assert ed["waiting"] is None and ed["running"] is None and ed["kv_cache_usage"] is None
         assert ed["scrape"]["problem"] and "404" in ed["scrape"]["problem"]
-        # unreachable: stale
+        # unreachable (its scrapes are refused): down, not usable, and why
         eg = eps["gone"]
-        assert eg["state"] == "stale" and eg["stale"] is True and eg["waiting"] is None
+        assert eg["state"] == "unreachable" and eg["stale"] is True and eg["waiting"] is None
+        assert eg["usable"] is False and eg["down"] is True and eg["unusable_reason"] == "unreachable"
+        assert eg["scrape"]["failing"] >= 1
+        assert ea["unusable_reason"] is None and ea["down"] is False
         assert eg["last_scrape_age_s"] is None and eg["scrape"]["ok"] == 0
         status, one = await api(rt, "GET", "/admin/v1/endpoints/a")
         assert status == 200 and one["id"] == "a"

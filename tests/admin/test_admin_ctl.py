@@ -32,7 +32,8 @@ async def test_endpoints_table_and_json() -> None:
     async with running([a, dark], more=[gone()]) as rt:
         assert rt.registry is not None
         eps = rt.registry.endpoints
-        await wait_for(lambda: eps["a"].scrape_ok > 0 and eps["dark"].scrape_failures > 0)
+        await wait_for(lambda: eps["a"].scrape_ok > 0 and eps["dark"].scrape_failures > 0
+                       and eps["gone"].scrape_failures > 0)
         res = await invoke("--admin", url(rt), "endpoints")
         assert res.exit_code == 0, res.output
         lines = res.output.splitlines()
@@ -43,7 +44,8 @@ async def test_endpoints_table_and_json() -> None:
         assert rows["a"] == ["a", "m", "vllm", "gpu", "ok", "0", "2", "3", "25%", "–"]
         # absent is –, never 0: an engine without a metrics page, and one that cannot be reached
         assert rows["dark"] == ["dark", "m", "vllm", "gpu", "ok", "0", "–", "–", "–", "–"]
-        assert rows["gone"] == ["gone", "m", "vllm", "gpu", "stale", "0", "–", "–", "–", "–"]
+        # (its scrapes are refused: down, so STATE says why nothing goes to it)
+        assert rows["gone"] == ["gone", "m", "vllm", "gpu", "unreachable", "0", "–", "–", "–", "–"]
 
         res = await invoke("endpoints", "--json", env={"LLMGW_ADMIN": url(rt)})
         assert res.exit_code == 0, res.output

@@ -17,7 +17,8 @@ Upstream error ``kind`` values: ``connect_refused``, ``connect_timeout``,
 ``read_timeout``, ``bad_response`` (not valid HTTP), ``status_5xx``.
 Admission ``outcome``: ``admitted`` (straight through), ``queued``, ``dequeued``,
 ``rejected``; ``reason`` for rejections: ``queue_full``, ``queue_timeout``,
-``evicted``, ``client_gone`` (the client left while queued).
+``evicted``, ``client_gone`` (the client left while queued), ``model_unavailable``
+(every replica down: answered 503 at once, not queued), ``shutting_down``.
 """
 
 from __future__ import annotations

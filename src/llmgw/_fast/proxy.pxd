@@ -9,7 +9,10 @@
 # on_upstream_lost) -> _completed or _attempt_failed (retry: dispatch again) ->
 # _finish -> _done (counted, logged, the next queued call admitted). The
 # gateway's sweep calls expired() when a call's deadline passes; the writer calls
-# client_gone() if the client leaves first.
+# client_gone() if the client leaves first. A pool that is down (ModelPool.unavailable)
+# is answered by _refuse (admit) or _refuse_queued (_admit), never queued. Shutdown:
+# Gateway.shutdown() answers the queue (_refuse_queued); at the deadline the server
+# calls Gateway.cut(writer) -> Call.stop_now() for each answer still running.
 
 cimport cython
 
@@ -93,6 +96,7 @@ cdef class Call(Exchange):
     @cython.locals(now=double, victim=Call)
     cdef admit(self)
     cdef shed(self, reason, message)
+    cdef _refuse(self, reason, error)
     @cython.locals(now=double, ep=Endpoint, state=EndpointState)
     cdef dispatch(self)
     @cython.locals(now=double)
@@ -112,6 +116,7 @@ cdef class Call(Exchange):
     cdef flush_chunks(self)
     cdef _cut_stream(self, why, code)
     cdef expired(self)
+    cdef stop_now(self)
     cpdef client_gone(self)
     @cython.locals(now=double, ep=Endpoint, state=EndpointState)
     cdef _completed(self, bint success)
@@ -132,6 +137,7 @@ cdef class Gateway(App):
     cdef TrafficCounters counters     # the observer when it is one (called through C), else None
     cdef readonly bint count_tokens   # read usage off answers (an observer wants it)
     cdef readonly Py_ssize_t active_calls
+    cdef readonly bint closing        # shutdown() began: nothing is queued any more
     cdef bint _admitting              # admit_next is running (no re-entry)
     cdef set _watched                 # calls with a deadline
     cdef object _sweep_handle
@@ -165,8 +171,13 @@ cdef class Gateway(App):
     @cython.locals(now=double, read_timeout=double, c=Call, keep=set, expired=list)
     cpdef _sweep(self)
     cdef admit_next(self, ModelPool pool)
-    @cython.locals(now=double, call=Call)
+    @cython.locals(now=double, sat=double, call=Call)
     cdef _admit(self, ModelPool pool)
+    @cython.locals(call=Call)
+    cdef _refuse_queued(self, ModelPool pool, reason, error)
+    cpdef shutdown(self)
+    @cython.locals(call=Call)
+    cpdef bint cut(self, ResponseWriter w) except -1
     cdef breaker_outcome(self, Endpoint ep, bint success, double now)
     cdef _ensure_sweep(self)
     cpdef on_scrape(self, ep)

@@ -70,9 +70,11 @@ from ..errors import (
     HTTPError,
     MethodNotAllowedError,
     ModelNotFoundError,
+    ModelUnavailableError,
     NotFoundError,
     OverloadedError,
     RateLimitedError,
+    ShuttingDownError,
     UnauthorizedError,
     UpstreamAuthError,
 )
@@ -104,6 +106,9 @@ else:
 JSONScanError = _js.JSONScanError
 RetryBudget = _score.RetryBudget
 retry_after = _score.retry_after
+_RETRY_AFTER_MIN = _score.RETRY_AFTER_MIN
+_RETRY_AFTER_MAX = _score.RETRY_AFTER_MAX
+_RETRY_AFTER_DEFAULT = _score.RETRY_AFTER_DEFAULT
 NullObserver = _counters.NullObserver
 if not cython.compiled:
     # (the compiled build takes these from proxy.pxd: C types, C calls, C enums)
@@ -163,6 +168,42 @@ def _last_events(data: bytes) -> bytes:
             if end >= 0:
                 return data[end + 2 :]
     return data
+
+
+# How the 503 for a model that is down words each reason (replica_py.UNUSABLE_REASONS);
+# it counts replicas and never names them (``server.expose_replica``).
+_REASON_WORDS = {
+    "unreachable": "unreachable",
+    "stale": "failing its scrapes",
+    "breaker_open": "with an open circuit breaker",
+    "auth_failed": "refusing the API key the gateway sends it (fix its key in the configuration)",
+    "draining": "draining",
+}
+
+
+def _unavailable_error(model: str, why: tuple[dict[str, int], float]) -> HTTPError:
+    """The 503 for a model none of whose replicas can take a request (``ModelPool.unavailable``):
+    ``Retry-After`` is when one may be back (its breaker's probe, the next scrape)."""
+    reasons, wait = why
+    if wait == math.inf:
+        wait = _RETRY_AFTER_DEFAULT  # (only draining: an operator decides when)
+    if wait < _RETRY_AFTER_MIN:
+        wait = _RETRY_AFTER_MIN
+    elif wait > _RETRY_AFTER_MAX:
+        wait = _RETRY_AFTER_MAX
+    parts = []
+    for reason in sorted(reasons):
+        parts.append(f"{reasons[reason]} {_REASON_WORDS.get(reason, reason)}")
+    n = sum(reasons.values())
+    return ModelUnavailableError(
+        f"the model `{model}` is unavailable: no replica can take requests ({n} replica{'s' if n != 1 else ''}: "
+        f"{', '.join(parts)}); retry after {math.ceil(wait)}s",
+        retry_after=wait,
+    )
+
+
+def _shutting_down(message: str) -> HTTPError:
+    return ShuttingDownError(f"the gateway is shutting down; {message}", retry_after=1.0)
 
 
 def _sse_error(message: str, code: str) -> bytes:
@@ -365,7 +406,11 @@ class Call(Exchange):
     # -- admission --
 
     def admit(self) -> None:
-        """Straight through below saturation 1.0 with nobody waiting; else queue (or shed)."""
+        """Straight through below saturation 1.0 with nobody waiting; else queue (or shed).
+
+        A pool that is down rather than full (``ModelPool.unavailable``), or a gateway
+        that is shutting down, answers 503 at once: waiting would not help.
+        """
         gw = self.gw
         pool = self.pool
         now = monotonic()
@@ -376,6 +421,14 @@ class Call(Exchange):
             else:
                 gw.observer.admission(self.band_name, "admitted")
             self.dispatch()
+            return
+        # (the cold path: what follows costs nothing while the pool has room)
+        if gw.closing:
+            self._refuse("shutting_down", _shutting_down("retry"))
+            return
+        why = pool.unavailable(now)
+        if why is not None:
+            self._refuse("model_unavailable", _unavailable_error(self.model, why))
             return
         evicted = pool.queue.push(self.band, self.tenant, self, now)
         if evicted is False:
@@ -400,6 +453,13 @@ class Call(Exchange):
         self.phase = P_DONE
         self._finish(RateLimitedError(f"{message}; retry after {math.ceil(wait)}s", retry_after=wait, code=reason))
 
+    def _refuse(self, reason: str, error: HTTPError) -> None:
+        """Answer ``error`` to a request sent nowhere yet (new, or taken out of the
+        queue), counted as an admission rejection for ``reason``."""
+        self.gw.observer.admission(self.band_name, "rejected", reason)
+        self.phase = P_DONE
+        self._finish(error)
+
     # -- attempts --
 
     def dispatch(self) -> None:
@@ -408,9 +468,15 @@ class Call(Exchange):
         now = monotonic()
         ep = self.pool.pick(now, gw.stale_after, self.tried or ())
         if ep is None:
-            err = self.error or OverloadedError(
-                f"no replica of model `{self.model}` is available (all draining or failing)", retry_after=1
-            )
+            err = self.error
+            if err is None:
+                why = self.pool.unavailable(now)
+                if why is not None:
+                    err = _unavailable_error(self.model, why)
+                else:
+                    err = OverloadedError(
+                        f"no replica of model `{self.model}` is available (all draining or failing)", retry_after=1
+                    )
             self._finish(err)
             return
         self.ep = ep
@@ -874,6 +940,38 @@ class Call(Exchange):
                     BadGatewayError(f"replica {ep.id} stopped sending its answer"), "read_timeout", True, True
                 )
 
+    def stop_now(self) -> None:
+        """The gateway stops and waits no longer (``server.shutdown_timeout`` passed, or
+        a second signal): end this request with an answer, never a bare cut. A stream
+        ends with an SSE error event and the end of its chunked body (as a read
+        timeout's cut); a request with no answer begun gets 503 ``shutting_down``."""
+        phase = self.phase
+        if phase == P_DONE:
+            return
+        if phase == P_QUEUED:
+            self.pool.queue.remove(self)
+            self.dkind = D_NONE
+            self._refuse("shutting_down", _shutting_down("retry"))
+            return
+        task = self.connect_task
+        if task is not None:
+            task.cancel()
+            self.connect_task = None
+        conn, self.conn = self.conn, None
+        if conn is not None:
+            conn.abort()  # (the engine stops generating)
+        ep = self.ep
+        if ep is not None and phase in (P_CONNECTING, P_SENT):
+            # Not the replica's failure: no breaker outcome.
+            ep.state.on_abort(monotonic())
+            if self.probe:
+                ep.state.breaker.release()
+        if self.streaming:
+            self._cut_stream("the gateway is shutting down", "shutting_down")
+            self._finish(None)
+        else:
+            self._finish(_shutting_down("it could not wait longer for this answer; retry"))
+
     # -- endings --
 
     def client_gone(self) -> None:
@@ -999,6 +1097,7 @@ class Gateway(App):
         self.counters: TrafficCounters | None = None
         self.count_tokens = False
         self.active_calls = 0
+        self.closing = False
         self._admitting = False
         self._watched: set[Call] = set()
         self._sweep_handle: asyncio.TimerHandle | None = None
@@ -1098,9 +1197,20 @@ class Gateway(App):
 
     def _admit(self, pool: ModelPool) -> None:
         queue = pool.queue
+        if self.closing:
+            self._refuse_queued(pool, "shutting_down", _shutting_down("retry"))
+            return
         for _ in range(len(queue)):
             now = monotonic()
-            if pool.saturation(now, self.stale_after, self.max_waiting, self.max_kv) >= 1.0:
+            sat = pool.saturation(now, self.stale_after, self.max_waiting, self.max_kv)
+            if sat >= 1.0:
+                if sat == math.inf:
+                    # No replica usable: if the pool is down (not just waiting on a
+                    # breaker's probe), waiting helps nobody: answer them all now.
+                    why = pool.unavailable(now)
+                    if why is not None:
+                        self._refuse_queued(pool, "model_unavailable", _unavailable_error(pool.name, why))
+                        return
                 # Nothing in flight and still "full": nothing will free capacity but
                 # time; the sweep checks again.
                 if not any(st.inflight for st in pool.states):
@@ -1114,6 +1224,37 @@ class Gateway(App):
             call.dkind = D_NONE
             self.observer.admission(call.band_name, "dequeued")
             call.dispatch()
+
+    def _refuse_queued(self, pool: ModelPool, reason: str, error: HTTPError) -> None:
+        """Answer ``error`` to every request queued for ``pool``, now."""
+        queue = pool.queue
+        for _ in range(len(queue)):
+            popped = queue.pop()
+            if popped is None:
+                return
+            assert isinstance(popped, Call)
+            call = popped  # (typed in proxy.pxd)
+            call.dkind = D_NONE
+            call._refuse(reason, error)
+
+    def shutdown(self) -> None:
+        """Stop queueing (the first step of a graceful shutdown): every request waiting
+        for admission gets 503 ``shutting_down`` now, and so does every request that
+        would wait from now on; requests already sent go on (see :meth:`cut`)."""
+        self.closing = True
+        for pool in list(self.pools.values()):
+            if len(pool.queue):
+                self.admit_next(pool)
+
+    def cut(self, w: ResponseWriter) -> bool:
+        """The server waits no longer for ``w`` (shutdown): end its request honestly
+        now (:meth:`Call.stop_now`); ``False`` when it is not one of this gateway's calls."""
+        watcher = w.watcher
+        if not isinstance(watcher, Call):
+            return False
+        call = watcher  # (typed in proxy.pxd)
+        call.stop_now()
+        return True
 
     def breaker_outcome(self, ep: Endpoint, success: bool, now: float) -> None:
         """Tell ``ep``'s breaker how an attempt ended; report a state change."""
@@ -1179,7 +1320,8 @@ class Gateway(App):
             self._sweep_handle = self.loop.call_later(_TICK, self._sweep)
 
     def on_scrape(self, ep: Endpoint) -> None:
-        """A scrape of ``ep`` landed: queued requests of its models may go now."""
+        """A scrape of ``ep`` landed or failed: queued requests of its models may go
+        now, or be answered 503 (the pool went down)."""
         pools = self.registry.pools
         for m in ep.models:
             pool = pools.get(m)

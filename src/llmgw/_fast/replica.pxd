@@ -26,6 +26,7 @@ cdef class Endpoint:
     cdef readonly UpstreamPool pool
     cdef readonly EndpointState state
     cdef readonly double stale_after      # seconds a scrape stays fresh
+    cdef readonly double scrape_interval  # seconds between scrapes (the next look at a down replica)
     cdef readonly object metrics_path
     cdef public Py_ssize_t completed      # answered requests (the proxy counts)
     cdef public Py_ssize_t failures       # failed attempts (the proxy counts)
@@ -33,6 +34,9 @@ cdef class Endpoint:
     cdef public Py_ssize_t scrape_failures
     cdef public object scrape_problem     # why its metrics can't be read, or None
     cdef public double scrape_seconds
+    cdef public Py_ssize_t scrape_failing # scrape attempts failed in a row (scrape_failed / scrape_answered)
+    cdef public double failing_since      # monotonic time the first of them failed; NaN: none
+    cdef public bint unreachable          # the last attempt could not reach the engine
     cdef public long long half_opened_seen  # breaker.half_opened already reported (the proxy)
     # The replica refused llmgw's key for it (401/403): out of routing until a probe
     # is answered otherwise. Meanwhile state.breaker is a gate (a breaker of one
@@ -48,6 +52,12 @@ cdef class Endpoint:
     cpdef bint clear_auth(self)
     cpdef adopt_auth(self, Endpoint old)
     cpdef close(self)
+    cpdef scrape_answered(self)
+    @cython.locals(at=double)
+    cpdef scrape_failed(self, double now, bint unreachable)
+    cpdef unusable_reason(self, double now)
+    @cython.locals(wait=double, left=double)
+    cpdef double usable_in(self, double now)
 
 
 @cython.final
@@ -62,3 +72,5 @@ cdef class ModelPool:
     cpdef remove(self, Endpoint ep)
     cpdef Endpoint pick(self, double now, double stale_after, exclude=*)
     cpdef double saturation(self, double now, double stale_after, double max_waiting, double max_kv)
+    @cython.locals(ep=Endpoint, wait=double, w=double)
+    cpdef unavailable(self, double now)

@@ -11,6 +11,19 @@ it ahead (from config), its upstream connection pool, and its
 when absent, never 0; this router's own requests; the breaker). A
 :class:`ModelPool` is one model's replicas, their states as one list for the
 picker, the picker and the admission queue.
+
+Down, not full. The poller reports each scrape attempt (:meth:`Endpoint.scrape_failed`,
+:meth:`Endpoint.scrape_answered`) and the replica keeps the verdict in
+``state.down``, which takes it out of routing (``EndpointState.usable``): it is
+*down* when its last scrape could not reach the engine (connection refused or
+reset: ``unreachable``), or when its scrapes have kept failing (timeouts,
+unreadable answers) until its last good scrape, or the first failure if it never
+had one, is older than ``scrape.stale_after`` (``stale``). Any answer from the
+engine clears it. A replica whose first scrape has not happened yet is not down: it
+is stale (saturation 1.0), so requests wait for that scrape as before. A pool none
+of whose replicas can take a request for a reason that waiting will not fix soon
+(down, breaker open, draining) is :meth:`ModelPool.unavailable`: the gateway answers
+503 at once instead of queueing, which is for a saturated pool, not a dead one.
 """
 
 from __future__ import annotations
@@ -37,6 +50,7 @@ else:
     _score = select("score")
     _admit = select("admit")
     _up = select("upstream")
+_BREAKER_OPEN = _score.BREAKER_OPEN
 AdmissionQueue = _admit.AdmissionQueue
 if not cython.compiled:
     # (the compiled build takes these from replica.pxd: C types and C calls)
@@ -47,7 +61,11 @@ if not cython.compiled:
     monotonic = _hp.monotonic
     UpstreamPool = _up.UpstreamPool
 
-__all__ = ["Endpoint", "ModelPool"]
+__all__ = ["UNUSABLE_REASONS", "Endpoint", "ModelPool"]
+
+# Why a replica takes no new request (Endpoint.unusable_reason); the same words
+# in the admin API, /ready and the 503's message.
+UNUSABLE_REASONS = ("draining", "unreachable", "stale", "auth_failed", "breaker_open", "breaker_probing")
 
 
 def _opt(x: float) -> float | None:
@@ -74,6 +92,7 @@ class Endpoint:
         "cfg",
         "completed",
         "engine",
+        "failing_since",
         "failures",
         "half_opened_seen",
         "host_header",
@@ -82,12 +101,15 @@ class Endpoint:
         "models",
         "pool",
         "replica_line",
+        "scrape_failing",
         "scrape_failures",
+        "scrape_interval",
         "scrape_ok",
         "scrape_problem",
         "scrape_seconds",
         "stale_after",
         "state",
+        "unreachable",
     )
 
     def __init__(self, cfg: EndpointConfig, config: Config, engine: Any) -> None:
@@ -122,6 +144,7 @@ class Endpoint:
             # Never scraped: always "fresh" but blind (no gauges); routing knows.
             self.state.scraped_at = math.inf
         self.stale_after = config.scrape.stale_after
+        self.scrape_interval = config.scrape.interval
         self.metrics_path = cfg.metrics_path
         self.completed = 0
         self.failures = 0
@@ -129,6 +152,9 @@ class Endpoint:
         self.scrape_failures = 0
         self.scrape_seconds = 0.0
         self.scrape_problem: str | None = None
+        self.scrape_failing = 0  # scrape attempts failed in a row (0: the last one was answered)
+        self.failing_since = math.nan  # when the first of them failed (monotonic); NaN: none failing
+        self.unreachable = False  # the last attempt could not reach the engine
         self.half_opened_seen = 0
 
     # -- views for the admin API and metrics (absent is None, never 0) --
@@ -195,9 +221,71 @@ class Endpoint:
 
     @property
     def usable(self) -> bool:
-        """Whether new requests may go here (not draining, breaker not open, key not refused
-        but for its probe)."""
+        """Whether new requests may go here (not draining, not down, breaker not open, key not
+        refused but for its probe)."""
         return bool(self.state.usable(monotonic()))
+
+    @property
+    def down(self) -> bool:
+        """The poller's verdict: unreachable, or scrapes failing past ``stale_after``."""
+        return bool(self.state.down)
+
+    # -- the poller's reports (it owns ``state.down``) --
+
+    def scrape_answered(self) -> None:
+        """A scrape got an HTTP answer (whatever it said): the engine is there."""
+        self.scrape_failing = 0
+        self.failing_since = math.nan
+        self.unreachable = False
+        self.state.down = False
+
+    def scrape_failed(self, now: float, unreachable: bool) -> None:
+        """A scrape attempt failed; ``unreachable``: no connection could carry it (refused,
+        reset), else it timed out or the answer was not HTTP. Decides ``state.down``."""
+        self.scrape_failures += 1
+        if self.scrape_failing == 0:
+            self.failing_since = now
+        self.scrape_failing += 1
+        self.unreachable = unreachable
+        # Stale from the last good scrape or, with none ever, from the first failure
+        # (the start of the process is no evidence that the replica is down).
+        at = self.state.scraped_at
+        if at != at:
+            at = self.failing_since
+        self.state.down = unreachable or now - at > self.stale_after
+
+    # -- why it takes nothing --
+
+    def unusable_reason(self, now: float) -> str | None:
+        """Why no new request may go here now (one of ``UNUSABLE_REASONS``), or ``None``: usable."""
+        st = self.state
+        if st.draining:
+            return "draining"
+        if st.down:
+            return "unreachable" if self.unreachable else "stale"
+        breaker = st.breaker
+        if not breaker.available(now):
+            if self.auth_failed:  # (the gate a refused key holds it with, in the breaker's place)
+                return "auth_failed"
+            return "breaker_open" if breaker.state_code == _BREAKER_OPEN else "breaker_probing"
+        return None
+
+    def usable_in(self, now: float) -> float:
+        """Seconds until this replica may take requests again, at the earliest: its
+        breaker's next probe, the poller's next scrape (whichever is later); 0.0 if it
+        is usable, ``inf`` when draining (only an operator ends that)."""
+        st = self.state
+        if st.draining:
+            return math.inf
+        wait = 0.0
+        if st.down:
+            wait = self.scrape_interval
+        breaker = st.breaker
+        if breaker.state_code == _BREAKER_OPEN:
+            left = breaker.open_until - now
+            if left > wait:
+                wait = left
+        return wait
 
     def target(self, path: bytes) -> bytes:
         """The request target on this replica for a client path."""
@@ -289,6 +377,28 @@ class ModelPool:
 
     def saturation(self, now: float, stale_after: float, max_waiting: float, max_kv: float) -> float:
         return pool_saturation(self.states, now, stale_after, max_waiting, max_kv)
+
+    def unavailable(self, now: float) -> tuple[dict[str, int], float] | None:
+        """``None`` while some replica can take a request now, or may soon (a
+        half-open breaker's probe is out: its answer decides); else the pool is
+        down: ``({reason: replicas}, seconds until one may be usable again)``.
+
+        PERF: a cold path (the gateway asks only when it would queue or found no
+        replica), and it stops at the first usable replica.
+        """
+        reasons: dict[str, int] = {}
+        wait = math.inf
+        for ep in self.endpoints:
+            why = ep.unusable_reason(now)
+            if why is None or why == "breaker_probing":
+                return None
+            reasons[why] = reasons.get(why, 0) + 1
+            w = ep.usable_in(now)
+            if w < wait:
+                wait = w
+        if not reasons:
+            return None  # (no replicas: the gateway answers 404 before asking)
+        return reasons, wait
 
 
 

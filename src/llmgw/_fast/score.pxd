@@ -57,6 +57,8 @@ cdef class EndpointState:
     cdef public double max_running        # most `running` a scrape showed
     cdef public bint seen_full            # a scrape showed a queue: max_running is the capacity
     cdef public bint draining
+    cdef public bint down                 # the poller found it down (unreachable, or scrapes failing
+                                          #   past stale_after): not usable until a scrape reaches it
     cdef Breaker _breaker                 # never None (the property setter checks)
     cdef double _t_last                   # last event (NaN: none yet)
     cdef double _area                     # EWMA sums, time constant DRAIN_TAU:

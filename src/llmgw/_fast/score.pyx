@@ -193,6 +193,7 @@ cdef class EndpointState:
         self.max_running = 0.0
         self.seen_full = False
         self.draining = False
+        self.down = False
         if breaker is None:
             self._breaker = Breaker()
         else:
@@ -297,7 +298,7 @@ cdef class EndpointState:
         return isnan(self.scraped_at) or now - self.scraped_at > stale_after
 
     cdef inline bint _usable(self, double now) noexcept:
-        return not self.draining and self._breaker._available(now)
+        return not self.draining and not self.down and self._breaker._available(now)
 
     cdef inline double _capacity(self) noexcept:
         if self.slots > 0.0:
@@ -349,7 +350,7 @@ cdef class EndpointState:
         return self._stale(now, stale_after)
 
     def usable(self, double now):
-        """Whether new requests may go here: not draining, breaker available."""
+        """Whether new requests may go here: not draining, not down, breaker available."""
         return self._usable(now)
 
     def capacity(self):

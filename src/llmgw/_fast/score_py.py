@@ -39,8 +39,9 @@ docstring).
 
 Choosing a replica: :class:`Picker`
 -----------------------------------
-A replica is *usable* when it is not draining and its breaker is available (closed,
-open past its cooldown, or half-open with no probe out). It is *fresh* when its last
+A replica is *usable* when it is not draining, not ``down`` (the poller's verdict:
+unreachable, or scrapes failing past ``stale_after``) and its breaker is available
+(closed, open past its cooldown, or half-open with no probe out). It is *fresh* when its last
 scrape is at most ``stale_after`` seconds old and reported ``waiting`` or
 ``running``. ``pick`` returns an index into the list, or -1.
 
@@ -309,8 +310,9 @@ class EndpointState:
     spends here; NaN: unknown), ``slots`` (requests the replica runs at once; NaN:
     unknown), ``max_running`` (most ``running`` any scrape showed), ``seen_full`` (some
     scrape showed a queue, so ``max_running`` is the replica's capacity rather than
-    a lower bound), ``draining``,
-    ``breaker``.
+    a lower bound), ``draining``, ``down`` (the poller found the replica down: it
+    cannot be reached, or its scrapes have failed for longer than ``stale_after``;
+    set and cleared by the poller), ``breaker``.
 
     The data path calls :meth:`on_dispatch` when it sends a request here and
     :meth:`on_complete` (response received in full, any status the engine produced)
@@ -335,6 +337,7 @@ class EndpointState:
         "_window",
         "completed_since_scrape",
         "dispatched_since_scrape",
+        "down",
         "drain_rate",
         "draining",
         "index",
@@ -364,6 +367,7 @@ class EndpointState:
         self.max_running = 0.0
         self.seen_full = False
         self.draining = False
+        self.down = False
         self._breaker = Breaker() if breaker is None else breaker
         # Exponentially weighted sums (time constant DRAIN_TAU) of requests in flight
         # over time, of completions, and of observed time; NaN: no event yet.
@@ -478,8 +482,8 @@ class EndpointState:
         return at != at or now - at > stale_after
 
     def usable(self, now: float) -> bool:
-        """Whether new requests may go here: not draining, breaker available."""
-        return not self.draining and self._breaker.available(now)
+        """Whether new requests may go here: not draining, not down, breaker available."""
+        return not self.draining and not self.down and self._breaker.available(now)
 
     def capacity(self) -> float:
         """Requests the replica runs at once: ``slots``, else the most seen running (at least 1)."""

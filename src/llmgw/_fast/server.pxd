@@ -157,7 +157,11 @@ cdef class HTTPServer:
     cdef readonly Py_ssize_t rejected # connections answered 503 at once
     cdef object _server               # the asyncio.Server
     cdef object _idle                 # a future close() waits on
+    cdef object _hurry                # ... and one hurry() completes (a second Ctrl-C)
+    cdef bint _hurried                # hurry() was called: close() waits no longer
 
     @cython.locals(conn=HTTPProtocol)
     cdef _shutdown_all(self, bint now)
+    @cython.locals(conn=HTTPProtocol, w=ResponseWriter, ended=bint)
+    cdef bint _cut_all(self, cut) except -1
     cdef _maybe_closed(self)

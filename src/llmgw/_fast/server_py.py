@@ -153,6 +153,9 @@ _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 # Seconds a connection closed after an error answer keeps reading (and dropping)
 # what the client still sends; see HTTPProtocol._linger_close.
 _LINGER_S = 2.0
+# Seconds the answers ended at shutdown (HTTPServer.close's ``cut``) get to reach
+# their clients before the connections are cut.
+_CUT_FLUSH_S = 1.0
 JSON = b"application/json"
 _JSON_CT = ((b"content-type", JSON),)
 
@@ -441,6 +444,11 @@ class ResponseWriter:
         :meth:`on_disconnect` keeps a list of callbacks.
         """
         self._watcher = watcher
+
+    @property
+    def watcher(self) -> Any:
+        """What :meth:`watch` was given (``None`` once the client has gone)."""
+        return self._watcher
 
     def on_disconnect(self, callback: Callable[[], Any]) -> None:
         """Call ``callback()`` if the client disconnects before the response ends."""
@@ -933,6 +941,8 @@ class HTTPServer:
         self.rejected = 0
         self._server: asyncio.Server | None = None
         self._idle: asyncio.Future[None] | None = None
+        self._hurry: asyncio.Future[None] | None = None
+        self._hurried = False
 
     async def listen(self, host: str, port: int, *, backlog: int = 2048, reuse_port: bool = False) -> tuple[str, int]:
         """Bind and start accepting; returns the bound (host, port).
@@ -963,24 +973,55 @@ class HTTPServer:
     def sockets(self) -> list[socket.socket]:
         return list(self._server.sockets) if self._server else []
 
-    async def close(self, timeout: float = 10.0) -> None:
-        """Stop accepting, let in-flight responses finish for ``timeout`` s, then cut."""
+    async def close(self, timeout: float = 10.0, cut: Callable[[ResponseWriter], bool] | None = None) -> None:
+        """Stop accepting, let in-flight responses finish for ``timeout`` s (or until
+        :meth:`hurry`), then end the rest.
+
+        ``cut(writer)`` is offered each response still running then, to end it
+        honestly (an SSE error event and the end of the chunked body, a 503) rather
+        than by cutting the connection; it returns whether it did. What is written
+        gets :data:`_CUT_FLUSH_S` to reach the clients; every connection still open
+        after that is cut.
+        """
         self.closing = True
         if self._server is not None:
             self._server.close()
         self._shutdown_all(False)
         if self.connections:
             self._idle = self.loop.create_future()
-            try:
-                await asyncio.wait_for(asyncio.shield(self._idle), timeout)
-            except asyncio.TimeoutError:
+            if not self._hurried:
+                self._hurry = self.loop.create_future()
+                await asyncio.wait((self._idle, self._hurry), timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+            if self.connections:
                 log.warning(
-                    "%s: %d connection(s) still busy after %.1fs; closing them", self.name,
-                    len(self.connections), timeout,
+                    "%s: %d connection(s) still busy after %.1fs; %s", self.name, len(self.connections),
+                    timeout, "ending their answers" if cut is not None else "closing them",
                 )
+                if cut is not None and self._cut_all(cut) and self.connections:
+                    # (a connection whose answer was ended closes by itself once written)
+                    await asyncio.wait((self._idle,), timeout=_CUT_FLUSH_S)
             self._shutdown_all(True)
         if self._server is not None:
             await self._server.wait_closed()
+
+    def hurry(self) -> None:
+        """Wait no longer in :meth:`close` (a second Ctrl-C): end what runs now."""
+        self._hurried = True
+        if self._hurry is not None and not self._hurry.done():
+            self._hurry.set_result(None)
+
+    def _cut_all(self, cut: Callable[[ResponseWriter], bool]) -> bool:
+        """Offer each running response to ``cut``; whether it ended any."""
+        ended = False
+        for conn in list(self.connections):
+            w = conn._current
+            if w is None or w.finished:
+                continue
+            try:
+                ended = cut(w) or ended
+            except Exception:  # one bad ending must not keep the others from theirs
+                log.exception("%s: ending a response at shutdown failed", self.name)
+        return ended
 
     def _shutdown_all(self, now: bool) -> None:
         """Ask every connection to close after its response (``now``: cut them)."""

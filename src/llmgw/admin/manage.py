@@ -84,11 +84,14 @@ def method_not_allowed(method: bytes, path: bytes, allowed: str) -> HTTPError:
 
 
 def endpoint_state(ep: Any) -> str:
-    """One word for an operator: ``draining``, ``auth_failed``, ``open``, ``half-open``, ``stale`` or ``ok``."""
+    """One word for an operator: ``draining``, ``auth_failed``, ``unreachable``, ``open``, ``half-open``,
+    ``stale`` or ``ok``."""
     if ep.draining:
         return "draining"
-    if getattr(ep, "auth_failed", False):
+    if ep.auth_failed:
         return "auth_failed"  # (the replica refuses the key the gateway sends it: fix the config)
+    if ep.down and ep.unreachable:
+        return "unreachable"
     b = breaker_state(ep)
     if b == "open":
         return "open"
@@ -119,6 +122,11 @@ def _call(obj: Any, name: str) -> Any:
     except Exception:
         log.exception("reading %s.%s() for the admin API failed; leaving it out", type(obj).__name__, name)
         return None
+
+
+def _call_now(obj: Any, name: str, now: float) -> Any:
+    fn = getattr(obj, name, None)
+    return fn(now) if callable(fn) else None
 
 
 def score_inputs(ep: Any) -> dict[str, Any]:
@@ -169,6 +177,10 @@ def endpoint_view(ep: Endpoint, now: float | None = None) -> dict[str, Any]:
         "breaker": breaker_state(ep),
         "auth_failed": bool(getattr(ep, "auth_failed", False)),
         "usable": getattr(ep, "usable", None),
+        # why not (replica_py.UNUSABLE_REASONS: draining, unreachable, stale,
+        # breaker_open, breaker_probing), null when usable
+        "unusable_reason": _call_now(ep, "unusable_reason", now),
+        "down": getattr(ep, "down", None),
         "score_inputs": score_inputs(ep),
         "stale": ep.stale,
         "scraped": ep.engine.scraped,
@@ -176,6 +188,7 @@ def endpoint_view(ep: Endpoint, now: float | None = None) -> dict[str, Any]:
         "scrape": {
             "ok": ep.scrape_ok,
             "failed": ep.scrape_failures,
+            "failing": getattr(ep, "scrape_failing", None),
             "seconds": round(ep.scrape_seconds, 6),
             "problem": ep.scrape_problem,
         },

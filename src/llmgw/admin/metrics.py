@@ -236,6 +236,7 @@ UPSTREAM_ERROR_KINDS = (
 ADMISSION_OUTCOMES = (
     ("admitted", ""), ("queued", ""), ("dequeued", ""),
     ("rejected", "queue_full"), ("rejected", "queue_timeout"), ("rejected", "evicted"), ("rejected", "client_gone"),
+    ("rejected", "model_unavailable"), ("rejected", "shutting_down"),
 )
 BREAKER_STATES = ("closed", "open", "half_open")
 

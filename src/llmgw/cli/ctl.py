@@ -178,7 +178,8 @@ def _fmt(value: Any, kind: str = "") -> str:
 
 
 _STATE_STYLE = {
-    "ok": "green", "draining": "yellow", "stale": "magenta", "open": "red", "half-open": "red", "auth_failed": "red",
+    "ok": "green", "draining": "yellow", "stale": "magenta", "unreachable": "red", "open": "red", "half-open": "red",
+    "auth_failed": "red",
 }
 
 

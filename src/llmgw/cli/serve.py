@@ -100,8 +100,21 @@ async def _serve(cfg: Config, demo: bool) -> int:
 
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
+    runtime: GatewayRuntime | None = None
+
+    def on_signal() -> None:
+        # The first SIGINT/SIGTERM shuts down gracefully; a second one (Ctrl-C again,
+        # as with uvicorn) ends the requests still running now instead of at
+        # server.shutdown_timeout: each still gets an answer (an SSE error event, a 503).
+        if not stop.is_set():
+            stop.set()
+            return
+        echo_err("llmgw: stopping now (ending the requests still running)")
+        if runtime is not None:
+            runtime.hurry()
+
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, on_signal)
     engines: list[Any] = []
     agent: tuple[asyncio.Event, asyncio.Task[None], int] | None = None
     try:
@@ -161,7 +174,10 @@ async def _serve(cfg: Config, demo: bool) -> int:
             await stop.wait()
         finally:
             uninstall()
-        echo_err("llmgw: shutting down (finishing in-flight requests)")
+        echo_err(
+            f"llmgw: shutting down (finishing in-flight requests for up to {cfg.server.shutdown_timeout:g}s; "
+            "Ctrl-C again to stop now)"
+        )
         if agent is not None:
             agent[0].set()
             try:

@@ -5,7 +5,11 @@ don't march in lockstep), with a timeout shorter than the interval, over the
 replica's pooled keep-alive connections, sending the replica's key as a bearer
 token (llama.cpp guards ``/metrics`` with it). What it reads goes into the
 registry; a replica whose last good scrape is older than ``scrape.stale_after``
-is stale, and its numbers are never used as if fresh.
+is stale, and its numbers are never used as if fresh. Each attempt's outcome
+goes to the replica too (``Endpoint.scrape_failed`` / ``scrape_answered``), which
+decides whether it is *down* (unreachable, or failing past ``stale_after``): then
+nothing is routed to it, and a model with every replica down is answered 503 at
+once (see :mod:`llmgw._fast.replica_py`). The first answer clears it.
 
 Logging says what is wrong once: when an engine does not serve the metrics its
 mapping needs (404, 401, names missing), one warning names the replica, the
@@ -216,12 +220,30 @@ class Poller:
         except asyncio.CancelledError:
             raise
         except (OSError, asyncio.TimeoutError, ValueError) as exc:
-            ep.scrape_failures += 1
-            reason = "timed out" if isinstance(exc, asyncio.TimeoutError) else str(exc) or type(exc).__name__
-            log.debug("scrape of %s failed: %s", ep.id, reason)
+            timed_out = isinstance(exc, asyncio.TimeoutError)
+            was_down = ep.down
+            # Refused or reset: nothing listens there (down now). A timeout or an
+            # answer that is not HTTP: down once the scrapes stay failing past
+            # stale_after (an engine busy for a moment is not an outage).
+            ep.scrape_failed(time.monotonic(), isinstance(exc, OSError) and not timed_out)
+            reason = "timed out" if timed_out else str(exc) or type(exc).__name__
+            if ep.down and not was_down:
+                # (info, once per outage: a restart is an ordinary blip, not a warning)
+                log.info(
+                    "replica %s (%s at %s) is down (%s: %s); no requests go to it until a scrape reaches it",
+                    ep.id, ep.engine.title, ep.cfg.url, "unreachable" if ep.unreachable else "stale", reason,
+                )
+            else:
+                log.debug("scrape of %s failed: %s", ep.id, reason)
+            if self._on_update is not None:
+                # (requests queued for its models may have to be answered now)
+                self._on_update(ep)
             return
         finally:
             ep.scrape_seconds += time.monotonic() - t0
+        if ep.down:
+            log.info("replica %s (%s): reachable again", ep.id, ep.engine.title)
+        ep.scrape_answered()
         if status != 200:
             ep.scrape_failures += 1
             wanted = ", ".join(sorted(names[0] for names in mapping.names if names))
