@@ -278,11 +278,11 @@ async def test_refused_key_without_another_replica_is_a_502() -> None:
         status, _, data, _ = await fetch(admin(rt), path=b"/ready", method=b"GET", headers=b"")
         body = orjson.loads(data)
         assert status == 503 and body["models_unavailable"] == ["m"] and body["unavailable"] == {"m": {"a": "auth_failed"}}
-        # held until its probe: the next request is told at once why, not queued
+        # held until its probe: the next request is told at once why (not queued), as one a retry cannot fix
         status, hdrs, data, _ = await fetch(client(rt))
         err = orjson.loads(data)["error"]
-        assert status == 503 and err["code"] == "model_unavailable" and hdrs[b"retry-after"]
-        assert "refusing the API key" in err["message"] and MARK not in err["message"]
+        assert status == 502 and err["code"] == "upstream_auth_failed" and hdrs[b"x-should-retry"] == b"false"
+        assert "refuses the API key" in err["message"] and MARK not in err["message"]
 
 
 async def test_refused_key_is_probed_each_cooldown_and_at_once_after_a_reload() -> None:

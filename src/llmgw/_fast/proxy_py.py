@@ -185,6 +185,14 @@ def _unavailable_error(model: str, why: tuple[dict[str, int], float]) -> HTTPErr
     """The 503 for a model none of whose replicas can take a request (``ModelPool.unavailable``):
     ``Retry-After`` is when one may be back (its breaker's probe, the next scrape)."""
     reasons, wait = why
+    if len(reasons) == 1 and "auth_failed" in reasons:
+        # every replica refuses the gateway's key: only fixing the config helps, so the answer a
+        # client must not retry (x-should-retry: false), not a 503 its SDK would retry
+        n = reasons["auth_failed"]
+        return UpstreamAuthError(
+            f"the model `{model}` is unavailable: its replica{'s' if n != 1 else ''} refuse{'' if n != 1 else 's'} "
+            "the API key the gateway sends; the gateway's configuration must be fixed"
+        )
     if wait == math.inf:
         wait = _RETRY_AFTER_DEFAULT  # (only draining: an operator decides when)
     if wait < _RETRY_AFTER_MIN:
