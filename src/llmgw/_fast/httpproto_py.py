@@ -76,6 +76,8 @@ DEFAULT_MAX_BODY = 16 * 1024 * 1024
 # than an OverflowError in one of them.
 _MAX_CONTENT_LENGTH = 2**63 - 1
 
+_OWS = (b" ", b"\t")
+
 # Header kinds. A header llmgw reads is classified once, on arrival.
 H_OTHER = 0  # forwarded untouched
 H_HOP = 1  # hop-by-hop: consumed here, never forwarded (RFC 9110 §7.6.1)
@@ -367,6 +369,13 @@ class _CallbackSink(RequestSink):
             self._on_head(request)
 
 
+def _unsupported_coding() -> HTTPError:
+    return HTTPError(
+        "unsupported Transfer-Encoding: llmgw reads chunked request bodies only", status=501,
+        type="invalid_request_error", code="unsupported_transfer_coding", close=True,
+    )
+
+
 class RequestReader:
     """Reads pipelined HTTP/1.1 requests from one connection (sans-IO).
 
@@ -490,8 +499,17 @@ class RequestReader:
     def on_header(self, name: bytes, value: bytes) -> None:
         req = self._req
         assert req is not None
+        if not self._in_head:
+            # a chunked body's trailer fields: not part of the head, not read (as
+            # in the compiled twin, which never hands them to the request)
+            return
         if self._error is not None:
             return
+        raw = value
+        if value[-1:] in _OWS:
+            # llhttp keeps trailing whitespace; it is not part of the value (RFC 9112
+            # §5: OWS field-value OWS). Found by the h11 differential test.
+            value = value.rstrip(b" \t")
         # NOTE: a field error is raised from on_headers_complete, once llhttp has
         # accepted the whole head: a malformed head is a 400 wherever the bad byte
         # is, and the compiled twin (which reads the fields before llhttp has seen
@@ -538,6 +556,14 @@ class RequestReader:
             if req.content_type is None:
                 req.content_type = value
                 self._forward.append(b"%s: %s\r\n" % (name, value))
+        elif kind == H_TRANSFER_ENCODING:
+            if _te_chunked(raw) and value.lower() != b"chunked":
+                # SECURITY: llhttp takes any codings before a final "chunked"
+                # ("gzip, chunked"); the body would be de-chunked and sent on still
+                # gzip-coded, with nothing to say so. A coding this server does not
+                # decode is 501 (RFC 9112 §6.1). (A value llhttp refuses, one not
+                # ending in chunked, stays a 400.) Found by the h11 differential test.
+                self._error = _unsupported_coding()
         elif kind == H_CONTENT_LENGTH:
             # llhttp has validated the digits and rejected duplicates.
             req.content_length = min(int(value), _MAX_CONTENT_LENGTH)
@@ -632,8 +658,10 @@ class Response:
 def _te_chunked(value: bytes) -> bool:
     """Whether a Transfer-Encoding value ends with the token ``chunked``, as llhttp
     reads it: the whole value, or after a comma (``gzip chunked`` and ``x-chunked``
-    are not chunked: such a response runs until the connection closes)."""
-    v = value.rstrip(b" \t").lower()
+    are not chunked: such a response runs until the connection closes). Spaces
+    after the token are ignored but not a tab: llhttp does not take ``chunked\t``
+    as chunked (a response so framed runs until close; a request is refused)."""
+    v = value.rstrip(b" ").lower()
     if not v.endswith(b"chunked"):
         return False
     rest = v[:-7].rstrip(b" \t")
@@ -756,6 +784,9 @@ class ResponseReader:
         assert resp is not None
         if not self._in_head:
             return  # a chunked body's trailer fields: not part of the head, not passed on
+        raw = value
+        if value[-1:] in _OWS:
+            value = value.rstrip(b" \t")  # (not part of the value: see RequestReader.on_header)
         self._head_bytes += len(name) + len(value) + 4
         if self._head_bytes > self.max_head_bytes or len(resp.headers) >= self.max_headers:
             raise ValueError("upstream response head is too large")
@@ -771,7 +802,7 @@ class ResponseReader:
             self._forward.append(b"%s: %s\r\n" % (name, value))
         elif kind == H_CONTENT_LENGTH:
             resp.content_length = min(int(value), _MAX_CONTENT_LENGTH)
-        elif kind == H_TRANSFER_ENCODING and _te_chunked(value):
+        elif kind == H_TRANSFER_ENCODING and _te_chunked(raw):  # (the raw value: llhttp's rule on a tab)
             resp.chunked = True
 
     def on_headers_complete(self) -> None:
@@ -779,6 +810,10 @@ class ResponseReader:
         assert resp is not None
         self._in_head = False
         resp.status = self._parser.get_status_code()
+        if resp.status < 100:
+            # llhttp takes any three digits; 000-099 is no status at all (RFC 9110 §15)
+            # (as an interim response its body would reach the sink with no head)
+            raise ValueError(f"status code {resp.status} is not a status")
         if resp.status < 200:
             if resp.status == 101:
                 raise ValueError("the replica switched protocols (101), which llmgw never asks for")
