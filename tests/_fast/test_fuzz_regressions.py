@@ -102,7 +102,10 @@ def test_status_below_100_is_malformed(httpproto: ModuleType, status: bytes) -> 
 
 
 @pytest.mark.parametrize(
-    ("te", "status"), [(b"gzip, chunked", 501), (b"deflate,chunked", 501), (b"gzip", 400), (b" Chunked ", None)]
+    ("te", "status"),
+    [(b"gzip, chunked", 501), (b"deflate,chunked", 501), (b"chued\r\nTransfer-Encoding: chunked", 501),
+     (b"chunked\r\nTransfer-Encoding: chunked", 400), (b"gzip", 400), (b"chunked, gzip", 400),
+     (b" Chunked ", None)],
 )
 def test_request_transfer_codings_other_than_chunked_are_501(httpproto: ModuleType, te: bytes, status: int | None) -> None:
     # h11 differential: llhttp takes any codings before a final chunked; llmgw read

@@ -1292,7 +1292,7 @@ cdef class RequestReader:
         cdef char* fw
         cdef int kind
         cdef long long cl
-        cdef bint chunked = False, has_te = False
+        cdef bint chunked = False, has_te = False, te_other = False
         cdef Request req = Request.__new__(Request)
         cdef Py_ssize_t count = 0
         cdef char stack[_STACK_HEAD]
@@ -1357,6 +1357,8 @@ cdef class RequestReader:
                 if kind == H_TRANSFER_ENCODING:
                     has_te = True
                     chunked = _te_chunked(s, vs, pos - 2)  # (the raw value: llhttp's rule on a tab)
+                    if not _te_only_chunked(s, vs, eol):
+                        te_other = True
                 elif kind == H_CONTENT_LENGTH:
                     cl = _length_value(s, vs, eol)
                     if cl >= 0:
@@ -1407,9 +1409,6 @@ cdef class RequestReader:
                         if req.host is not None:
                             error = BadRequestError("duplicate Host header", close=True)
                         req.host = PyBytes_FromStringAndSize(s + vs, nv)
-                    elif kind == H_TRANSFER_ENCODING:
-                        if chunked and not _te_only_chunked(s, vs, eol):
-                            error = _unsupported_coding()  # (see the twin)
                     continue
                 # a line passed on: "name: value" CRLF
                 fwlen = _put_field(fw, fwlen, s + fs, nn, s + vs, nv)
@@ -1418,6 +1417,7 @@ cdef class RequestReader:
             if fw != &stack[0]:
                 PyMem_Free(fw)
         self._error = error
+        self._te_coded = chunked and te_other  # (refused in on_headers_complete, see the twin)
         # how the body ends (RFC 9112 section 6.3; llhttp refuses the rest)
         if has_te:
             self._body = B_CHUNKED if chunked else B_NONE
@@ -1446,6 +1446,8 @@ cdef class RequestReader:
         if self._error is not None:
             error, self._error = self._error, None
             raise error
+        if self._te_coded:
+            raise _unsupported_coding()
         parser = self._parser
         if not self._version_known:
             version = parser.get_http_version()

@@ -420,6 +420,8 @@ class RequestReader:
         self._dead = False
         self._ends = 0
         self._error: HTTPError | None = None  # a field error, raised once llhttp accepts the head
+        self._te_other = False
+        self._te_chunked = False
 
     @property
     def in_message(self) -> bool:
@@ -484,6 +486,8 @@ class RequestReader:
         self._in_head = True
         self._head_bytes = 0
         self._head_fed = -1  # the head began during the current feed
+        self._te_other = False  # a Transfer-Encoding line says more than "chunked"
+        self._te_chunked = False  # the last one ends with chunked
         self._url_parts = []
         self._forward = []
         self._body = []
@@ -557,13 +561,9 @@ class RequestReader:
                 req.content_type = value
                 self._forward.append(b"%s: %s\r\n" % (name, value))
         elif kind == H_TRANSFER_ENCODING:
-            if _te_chunked(raw) and value.lower() != b"chunked":
-                # SECURITY: llhttp takes any codings before a final "chunked"
-                # ("gzip, chunked"); the body would be de-chunked and sent on still
-                # gzip-coded, with nothing to say so. A coding this server does not
-                # decode is 501 (RFC 9112 §6.1). (A value llhttp refuses, one not
-                # ending in chunked, stays a 400.) Found by the h11 differential test.
-                self._error = _unsupported_coding()
+            # (read in on_headers_complete: codings other than chunked)
+            self._te_other = self._te_other or value.lower() != b"chunked"
+            self._te_chunked = _te_chunked(raw)
         elif kind == H_CONTENT_LENGTH:
             # llhttp has validated the digits and rejected duplicates.
             req.content_length = min(int(value), _MAX_CONTENT_LENGTH)
@@ -575,6 +575,13 @@ class RequestReader:
         if self._error is not None:
             error, self._error = self._error, None
             raise error
+        if self._te_other and self._te_chunked:
+            # SECURITY: llhttp takes any codings before a final chunked ("gzip,
+            # chunked", or two Transfer-Encoding lines); the body would be de-chunked
+            # and sent on still coded, with nothing to say so. A coding this server
+            # does not decode is 501 (RFC 9112 §6.1); chunked not last stays llhttp's
+            # 400 (§6.3). Found by the h11 differential test.
+            raise _unsupported_coding()
         parser = self._parser
         req.method = parser.get_method()
         parts = self._url_parts
