@@ -396,7 +396,7 @@ cdef Py_ssize_t _field(const char* s, Py_ssize_t pos, Py_ssize_t end, Py_ssize_t
     # value s[vs:eol] (eol: past its last byte that is not OWS). Returns where the line after it
     # starts; -1: no more. Lines without a colon are skipped (llhttp refuses a
     # head with one; what is read of it then does not matter).
-    cdef Py_ssize_t e, colon, v
+    cdef Py_ssize_t e, colon, v, ve
     while pos < end - 2:
         e = _eol(s, pos, end) - 1
         if e < pos:
@@ -412,9 +412,11 @@ cdef Py_ssize_t _field(const char* s, Py_ssize_t pos, Py_ssize_t end, Py_ssize_t
             nn[0] = colon - pos
             vs[0] = v
             # the value ends before trailing OWS (RFC 9112 §5: OWS field-value OWS)
-            eol[0] = e
-            while eol[0] > v and _ows(s[eol[0] - 1]):
-                eol[0] -= 1
+            ve = e
+            if _ows(s[ve - 1]):  # (rare: one test per field otherwise)
+                while ve > v and _ows(s[ve - 1]):
+                    ve -= 1
+            eol[0] = ve
             return e + 2
         pos = e + 2
     return -1
