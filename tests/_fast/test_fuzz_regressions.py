@@ -130,3 +130,22 @@ def test_trailing_whitespace_is_not_part_of_a_value(httpproto: ModuleType) -> No
     assert req.forward == b"X-Other: a b\r\n"
     events, _ = read_response(httpproto, b"HTTP/1.1 200 OK\r\nX-A: v \r\ncontent-length: 0\r\n\r\n")
     assert events[0] == ("head", 200, [(b"X-A", b"v"), (b"content-length", b"0")])
+
+
+@pytest.mark.parametrize("framing", [b"", b"Content-Length: 3\r\n", b"Transfer-Encoding: gzip\r\n",
+                                     b"Transfer-Encoding: chunked\r\n"])
+@pytest.mark.parametrize("status", [b"104", b"106", b"199"])
+def test_interim_statuses_llhttp_gives_a_body_are_malformed(httpproto: ModuleType, status: bytes, framing: bytes) -> None:
+    # fuzz_response: llhttp frames only 100, 102 and 103 without a body; the pure twin
+    # passed another 1xx's "body" (and its end) to the sink with no head
+    events, error = read_response(httpproto, b"HTTP/1.1 " + status + b" X\r\n" + framing + b"\r\nabc")
+    assert isinstance(error, ValueError)
+    assert events == []
+
+
+@pytest.mark.parametrize("status", [b"100", b"102", b"103"])
+def test_interim_statuses_are_dropped(httpproto: ModuleType, status: bytes) -> None:
+    events, where = read_response(httpproto, b"HTTP/1.1 " + status + b" X\r\nLink: </a>\r\n\r\n"
+                                  b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+    assert where == 0
+    assert events == [("head", 200, [(b"content-length", b"2")]), ("body", b"ok"), ("end",)]

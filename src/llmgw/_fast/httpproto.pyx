@@ -1054,6 +1054,9 @@ cdef class ResponseReader:
         if resp.status < 200:
             if resp.status == 101:
                 raise ValueError("the replica switched protocols (101), which llmgw never asks for")
+            if resp.status != 100 and resp.status != 102 and resp.status != 103:
+                # (see the twin: llhttp would read a body for it)
+                raise ValueError(f"interim status {resp.status}: llmgw reads 100, 102 and 103 only")
             self._interim = True  # 1xx: dropped (see the twin)
             return
         self._resp = resp

@@ -77,6 +77,7 @@ DEFAULT_MAX_BODY = 16 * 1024 * 1024
 _MAX_CONTENT_LENGTH = 2**63 - 1
 
 _OWS = (b" ", b"\t")
+_BODILESS_INTERIM = (100, 102, 103)  # the 1xx statuses llhttp frames without a body
 
 # Header kinds. A header llmgw reads is classified once, on arrival.
 H_OTHER = 0  # forwarded untouched
@@ -824,6 +825,12 @@ class ResponseReader:
         if resp.status < 200:
             if resp.status == 101:
                 raise ValueError("the replica switched protocols (101), which llmgw never asks for")
+            if resp.status not in _BODILESS_INTERIM:
+                # llhttp frames only 100, 102 and 103 as bodiless; another 1xx would
+                # have a body (to the close, without framing), and this interim
+                # response's bytes would reach the sink with no head. Found by
+                # bench/fuzz/fuzz_response.py.
+                raise ValueError(f"interim status {resp.status}: llmgw reads 100, 102 and 103 only")
             # NOTE: an interim response (100 Continue, 103 Early Hints) precedes
             # the real one on the same exchange (RFC 9110 §15.2); passing it on
             # as the answer would end the exchange early. It is dropped.
