@@ -149,3 +149,16 @@ def test_interim_statuses_are_dropped(httpproto: ModuleType, status: bytes) -> N
                                   b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
     assert where == 0
     assert events == [("head", 200, [(b"content-length", b"2")]), ("body", b"ok"), ("end",)]
+
+
+def test_response_header_count_is_checked_once_the_head_is_whole(httpproto: ModuleType) -> None:
+    # fuzz_response: the pure twin refused an unfinished head at its max_headers+1st
+    # line; the compiled one (which reads the fields of a whole head) waited. Both now
+    # bound an unfinished head by its bytes and count its lines once it is whole.
+    sink = Sink()
+    reader = httpproto.ResponseReader(sink, max_head_bytes=4096, max_headers=2)
+    reader.feed(b"HTTP/1.1 200 OK\r\nA: 1\r\nB: 2\r\nC: 3\r\nD: 4\r\n")
+    assert reader.where() == 1 and sink.events == []
+    with pytest.raises(ValueError, match="too large"):
+        reader.feed(b"\r\n")
+    assert sink.events == []
