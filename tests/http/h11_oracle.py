@@ -130,6 +130,18 @@ def _values(lines: list[bytes], name: bytes) -> list[bytes]:
 
 def classify(data: bytes, ours: Outcome, theirs: Outcome) -> str | None:
     """The name of the explained class this disagreement belongs to, or ``None``."""
+    for a, b in zip(ours.requests, theirs.requests, strict=False):
+        if fields(a)[:4] != fields(b)[:4]:
+            break
+        if a["keep_alive"] != b["keep_alive"]:
+            # one side keeps the connection and reads on, the other stops: what follows
+            # is read by one side only, whatever it holds
+            own = [(n.lower(), v.lower()) for n, v in a["headers"]]
+            if a["version"] == b"1.0" and any(n == b"connection" and b"keep-alive" in v for n, v in own):
+                return "http/1.0-keep-alive"
+            if any(n == b"proxy-connection" for n, _ in own):
+                return "proxy-connection"
+            break
     segs = _segments(data)
     # request lines: the first part's, and later parts' that look like one (not body bytes)
     starts = [segs[0][0].split(b" ")] if segs else []

@@ -154,3 +154,12 @@ def check_mutated(mod: ModuleType, data: bytes) -> str | None:
 @given(mutated())
 def test_mutated_requests_agree_or_differ_as_explained(httpproto: ModuleType, data: bytes) -> None:
     check_mutated(httpproto, data)
+
+
+def test_what_follows_a_keep_alive_difference_is_that_class(httpproto: ModuleType) -> None:
+    # llmgw keeps an HTTP/1.0 keep-alive connection and reads the next request, h11 stops:
+    # whatever follows (here a request h11 would refuse) belongs to that class
+    data = EXPLAINED["http/1.0-keep-alive"][0] + b"get / HTTP/1.1\r\n\r\n"
+    ours, theirs = llmgw_read(httpproto, data), h11_read(data)
+    assert ours.end == "reject" and theirs.accepted and len(theirs.requests) == 1
+    assert classify(data, ours, theirs) == "http/1.0-keep-alive"
