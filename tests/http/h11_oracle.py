@@ -86,9 +86,10 @@ def h11_read(data: bytes) -> Outcome:
 
 
 def fields(r: dict[str, Any]) -> tuple[Any, ...]:
-    """What both readers must agree on for one request."""
-    return (r["method"], r["target"], [(n.lower(), v) for n, v in r["headers"]], r["body"], r["keep_alive"],
-            r["version"])
+    """What both readers must agree on for one request. (h11 reports a Transfer-Encoding
+    value in lower case, as it reads it; that is its API, not a difference.)"""
+    headers = [(n.lower(), v.lower() if n.lower() == b"transfer-encoding" else v) for n, v in r["headers"]]
+    return (r["method"], r["target"], headers, r["body"], r["keep_alive"], r["version"])
 
 
 # -- the disagreements, explained ---------------------------------------------------------
@@ -191,6 +192,10 @@ def classify(data: bytes, ours: Outcome, theirs: Outcome) -> str | None:
         if theirs.accepted and h11_read(data + b"\r\n\r\n").end == "reject":
             return "refused-before-the-line-ends"
         return None
+    if ours.accepted and theirs.end == "upgrade":
+        if not any(b"upgrade" in v.lower() for v in _values(lines, b"connection")):
+            return "upgrade-header-alone"
+        return None
     if ours.accepted and theirs.end == "reject":
         # llmgw is looser
         if any(b"HTTP/1.1" in seg[0] and not _values(seg[1:], b"host") for seg in segs):
@@ -221,6 +226,12 @@ def classify(data: bytes, ours: Outcome, theirs: Outcome) -> str | None:
 
 EXPLAINED: dict[str, tuple[bytes, str]] = {
     # name: (an input of the class, why llmgw does what it does)
+    "upgrade-header-alone": (
+        b"POST / HTTP/1.1\r\nHost: a\r\nUpgrade: h2c\r\nContent-Length: 0\r\n\r\n",
+        "RFC 9110 §7.8: a sender of Upgrade must also send the 'upgrade' connection option (Upgrade is "
+        "hop-by-hop). Without it llhttp does not take the request for an upgrade, and llmgw answers it as a "
+        "plain request (dropping the header, which it never forwards); h11 reports a switch proposal.",
+    ),
     "data-after-close": (
         b"GET / HTTP/1.1\r\nHost: a\r\nConnection: close\r\n\r\nGET /more HTTP/1.1\r\n",
         "After a request that closes the connection (RFC 9112 §9.6: the server closes after its answer), "
