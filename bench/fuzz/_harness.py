@@ -252,6 +252,7 @@ def main(target: ModuleType) -> None:
     for i, s in enumerate(seeds(target)):  # the committed seeds start the working corpus
         (corpus / f"seed-{i}").write_bytes(s)
     t0 = time.monotonic()
+    commit = _commit()  # (at the start: the code under test)
     total: dict[str, Any] = {"inputs": 0, "crashes": 0, "disagreements": 0, "slowest_s": 0.0, "findings": {},
                              "explained": {}}
     hangs: list[str] = []
@@ -292,7 +293,7 @@ def main(target: ModuleType) -> None:
         "target": target.NAME,
         "engine": args.engine,
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "commit": _commit(),
+        "commit": commit,
         "python": platform.python_version(),
         "inputs": total["inputs"],
         "seconds": round(seconds, 1),
