@@ -443,6 +443,9 @@ def _layer_dict(
         (json.dumps({"schemaVersion": 2, "config": _layer_dict(), "layers": [_layer_dict(media=None)]}).encode(),
          "no mediaType"),
         (b" " * (1 << 20) + b"{}", "larger than"),
+        # bench/fuzz/fuzz_ollama.py: json.loads raised RecursionError and a plain ValueError here
+        (b"[" * 100_000, "not valid JSON"),
+        (b'{"schemaVersion": ' + b"7" * 5000 + b"}", "not valid JSON"),
     ],
 )  # fmt: skip
 def test_malformed_manifests(ollama: OllamaStore, store: MirrorStore, doc: bytes, message: str) -> None:
@@ -471,6 +474,22 @@ def test_config_that_is_not_json(ollama: OllamaStore, store: MirrorStore, tiny: 
     ollama.write_manifest([], model="cfg", raw=json.dumps(doc).encode())
     with pytest.raises(OllamaManifestError, match=r"config blob .* not valid JSON"):
         import_ollama(store, "cfg", ollama_dir=ollama.root)
+
+
+@pytest.mark.parametrize("raw", [b"[" * 100_000, b'{"x": ' + b"1" * 5000 + b"}"])
+def test_config_and_params_json_that_json_cannot_read(
+    ollama: OllamaStore, store: MirrorStore, tiny: bytes, raw: bytes
+) -> None:
+    # bench/fuzz/fuzz_ollama.py: nesting and integer digits past what json.loads
+    # reads escaped as RecursionError / ValueError instead of the mirror's errors
+    cfg = ollama.blob(raw)
+    doc = {"schemaVersion": 2, "config": {"mediaType": CONFIG_MT, **cfg}, "layers": [ollama.layer("model", tiny)]}
+    ollama.write_manifest([], model="cfg", raw=json.dumps(doc).encode())
+    with pytest.raises(OllamaManifestError, match=r"config blob .* not valid JSON"):
+        import_ollama(store, "cfg", ollama_dir=ollama.root)
+    from llmgw.mirror.ollama import parse_params
+
+    assert parse_params(raw.decode()) == raw.decode()  # a params layer that is not JSON is kept as text
 
 
 def test_oversized_small_layer_claim(ollama: OllamaStore, store: MirrorStore, tiny: bytes) -> None:

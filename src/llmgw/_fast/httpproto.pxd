@@ -63,6 +63,7 @@ cdef class RequestReader:
     cdef bint _complete               # httptools reported the message complete
     cdef object _error                # a field error, raised once llhttp accepts the head
     cdef bint _version_known          # the request line said HTTP/1.1 or HTTP/1.0
+    cdef bint _te_coded               # codings besides a final chunked: 501 (see the twin)
     cdef bint _check_upgrade          # CONNECT, or an Upgrade header: ask llhttp
     cdef bint _connection             # a Connection header: ask llhttp about keep-alive
     cdef list _parts                  # body bytes so far

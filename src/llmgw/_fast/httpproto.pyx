@@ -393,10 +393,10 @@ cdef Py_ssize_t _field(const char* s, Py_ssize_t pos, Py_ssize_t end, Py_ssize_t
                        Py_ssize_t* vs, Py_ssize_t* eol) noexcept nogil:
     # The next header line at or after pos in a head that ends at end (with the
     # blank line), as llhttp's callbacks give it: its name s[start:start+nn], its
-    # value s[vs:eol] (eol: the index of its CR). Returns where the line after it
+    # value s[vs:eol] (eol: past its last byte that is not OWS). Returns where the line after it
     # starts; -1: no more. Lines without a colon are skipped (llhttp refuses a
     # head with one; what is read of it then does not matter).
-    cdef Py_ssize_t e, colon, v
+    cdef Py_ssize_t e, colon, v, ve
     while pos < end - 2:
         e = _eol(s, pos, end) - 1
         if e < pos:
@@ -411,7 +411,12 @@ cdef Py_ssize_t _field(const char* s, Py_ssize_t pos, Py_ssize_t end, Py_ssize_t
             start[0] = pos
             nn[0] = colon - pos
             vs[0] = v
-            eol[0] = e
+            # the value ends before trailing OWS (RFC 9112 §5: OWS field-value OWS)
+            ve = e
+            if _ows(s[ve - 1]):  # (rare: one test per field otherwise)
+                while ve > v and _ows(s[ve - 1]):
+                    ve -= 1
+            eol[0] = ve
             return e + 2
         pos = e + 2
     return -1
@@ -562,8 +567,13 @@ cdef Py_ssize_t _head_end(const char* s, Py_ssize_t start, Py_ssize_t n) noexcep
         if i < 0:
             return -1
         # s[i] is LF: a blank line follows it if CR LF comes next (and CR before)
-        if i + 2 < n and s[i + 1] == 13 and s[i + 2] == 10 and i >= 1 and s[i - 1] == 13:
-            return i + 3
+        if i + 2 < n and s[i + 1] == 13 and s[i + 2] == 10:
+            if i >= 1 and s[i - 1] == 13:
+                return i + 3
+            if memchr(s, 10, <size_t>i) == NULL:
+                # the first line ended by a bare LF: llhttp takes that for an HTTP/0.9
+                # request line (and refuses it), and the blank line after it ends the head
+                return i + 3
         i += 1
     return -1
 
@@ -584,8 +594,10 @@ cdef inline bint _ows(char c) noexcept nogil:
 
 cdef bint _te_chunked(const char* s, Py_ssize_t vs, Py_ssize_t ve) noexcept nogil:
     # whether the Transfer-Encoding value s[vs:ve] ends with the token "chunked"
-    # (trailing OWS aside), as llhttp reads it: the whole value, or after a comma
-    while ve > vs and _ows(s[ve - 1]):
+    # (trailing spaces aside), as llhttp reads it: the whole value, or after a
+    # comma. NOTE: llhttp takes spaces after the token but not a tab ("chunked\t"
+    # frames a response by close, and is refused in a request): so does this.
+    while ve > vs and s[ve - 1] == 32:
         ve -= 1
     if ve - vs < 7 or not _ieq(s + ve - 7, b"chunked", 7):
         return False
@@ -593,6 +605,22 @@ cdef bint _te_chunked(const char* s, Py_ssize_t vs, Py_ssize_t ve) noexcept nogi
     while ve > vs and _ows(s[ve - 1]):
         ve -= 1
     return ve == vs or s[ve - 1] == 44
+
+
+cdef bint _te_only_chunked(const char* s, Py_ssize_t vs, Py_ssize_t ve) noexcept nogil:
+    # whether the Transfer-Encoding value s[vs:ve] is "chunked" alone (OWS aside)
+    while ve > vs and _ows(s[ve - 1]):
+        ve -= 1
+    while vs < ve and _ows(s[vs]):
+        vs += 1
+    return ve - vs == 7 and _ieq(s + vs, b"chunked", 7)
+
+
+cdef object _unsupported_coding():
+    return HTTPError(
+        "unsupported Transfer-Encoding: llmgw reads chunked request bodies only", status=501,
+        type="invalid_request_error", code="unsupported_transfer_coding", close=True,
+    )
 
 
 cdef enum:
@@ -808,12 +836,22 @@ cdef class ResponseReader:
         """
         cdef bytes buf = data if type(data) is bytes else bytes(data)
         cdef Py_ssize_t n = PyBytes_GET_SIZE(buf)
+        cdef const char* s = PyBytes_AS_STRING(buf)
         cdef Py_ssize_t pos = 0
-        cdef Py_ssize_t base, e, take, stop
+        cdef Py_ssize_t base, e, take, stop, start
         cdef bytes head
         cdef ChunkFraming* f = &self._chunks
         while pos < n:
             if self._want_head:
+                if PyBytes_GET_SIZE(self._acc) == 0 and (s[pos] == 13 or s[pos] == 10):
+                    # empty lines before a status line are skipped, as llhttp (and so
+                    # the twin) skips them: a replica's stray CRLF after a body
+                    start = pos
+                    while pos < n and (s[pos] == 13 or s[pos] == 10):
+                        pos += 1
+                    self._llhttp(buf, start, pos)
+                    if pos == n:
+                        return
                 base = PyBytes_GET_SIZE(self._acc)
                 head = _head_so_far(self._acc, buf, pos)
                 e = _head_end(PyBytes_AS_STRING(head), base - 3 if base > 3 else 0, PyBytes_GET_SIZE(head))
@@ -972,7 +1010,7 @@ cdef class ResponseReader:
                         resp.content_length = cl
                 elif kind == H_TRANSFER_ENCODING:
                     has_te = True
-                    chunked = _te_chunked(s, vs, eol)
+                    chunked = _te_chunked(s, vs, pos - 2)  # (the raw value: llhttp's rule on a tab)
             resp.forward = PyBytes_FromStringAndSize(fw, fwlen)
         finally:
             if fw != &stack[0]:
@@ -1010,9 +1048,15 @@ cdef class ResponseReader:
         self._next = None
         if resp is None:
             raise ValueError("a response head that was not framed")
+        if resp.status < 100:
+            # llhttp takes any three digits; 000-099 is no status at all (RFC 9110 §15)
+            raise ValueError(f"status code {self._parser.get_status_code()} is not a status")
         if resp.status < 200:
             if resp.status == 101:
                 raise ValueError("the replica switched protocols (101), which llmgw never asks for")
+            if resp.status != 100 and resp.status != 102 and resp.status != 103:
+                # (see the twin: llhttp would read a body for it)
+                raise ValueError(f"interim status {resp.status}: llmgw reads 100, 102 and 103 only")
             self._interim = True  # 1xx: dropped (see the twin)
             return
         self._resp = resp
@@ -1253,7 +1297,7 @@ cdef class RequestReader:
         cdef char* fw
         cdef int kind
         cdef long long cl
-        cdef bint chunked = False, has_te = False
+        cdef bint chunked = False, has_te = False, te_other = False
         cdef Request req = Request.__new__(Request)
         cdef Py_ssize_t count = 0
         cdef char stack[_STACK_HEAD]
@@ -1293,6 +1337,10 @@ cdef class RequestReader:
         if eol - k == 8 and memcmp(s + k, b"HTTP/1.", 7) == 0 and (s[k + 7] == 49 or s[k + 7] == 48):
             req.version = b"1.1" if s[k + 7] == 49 else b"1.0"
             self._version_known = True
+        elif k >= eol and s[eol] != 13:
+            # no version and a bare LF (llhttp takes that for an HTTP/0.9 line, and
+            # on_headers_complete refuses it): the target runs to the LF
+            te = eol + 1
         head_bytes = te - t
         if head_bytes > max_head:
             error = HeadersTooLargeError("request line is too long", close=True)
@@ -1313,7 +1361,9 @@ cdef class RequestReader:
                 kind = _classify(s + fs, nn)
                 if kind == H_TRANSFER_ENCODING:
                     has_te = True
-                    chunked = _te_chunked(s, vs, eol)
+                    chunked = _te_chunked(s, vs, pos - 2)  # (the raw value: llhttp's rule on a tab)
+                    if not _te_only_chunked(s, vs, eol):
+                        te_other = True
                 elif kind == H_CONTENT_LENGTH:
                     cl = _length_value(s, vs, eol)
                     if cl >= 0:
@@ -1372,6 +1422,7 @@ cdef class RequestReader:
             if fw != &stack[0]:
                 PyMem_Free(fw)
         self._error = error
+        self._te_coded = chunked and te_other  # (refused in on_headers_complete, see the twin)
         # how the body ends (RFC 9112 section 6.3; llhttp refuses the rest)
         if has_te:
             self._body = B_CHUNKED if chunked else B_NONE
@@ -1389,12 +1440,19 @@ cdef class RequestReader:
         cdef Request req = self._next
         self._next = None
         if req is None:
+            # llhttp ended a head this framing did not see end: a version-less
+            # (HTTP/0.9) request line ended by a bare LF; the twin says so
+            version = self._parser.get_http_version()
+            if version != "1.1" and version != "1.0":
+                raise BadRequestError(f"unsupported HTTP version {version}", close=True)
             raise BadRequestError("malformed HTTP request: a head that was not framed", close=True)
         self._req = req
         self._body_size = 0
         if self._error is not None:
             error, self._error = self._error, None
             raise error
+        if self._te_coded:
+            raise _unsupported_coding()
         parser = self._parser
         if not self._version_known:
             version = parser.get_http_version()

@@ -76,6 +76,9 @@ DEFAULT_MAX_BODY = 16 * 1024 * 1024
 # than an OverflowError in one of them.
 _MAX_CONTENT_LENGTH = 2**63 - 1
 
+_OWS = (b" ", b"\t")
+_BODILESS_INTERIM = (100, 102, 103)  # the 1xx statuses llhttp frames without a body
+
 # Header kinds. A header llmgw reads is classified once, on arrival.
 H_OTHER = 0  # forwarded untouched
 H_HOP = 1  # hop-by-hop: consumed here, never forwarded (RFC 9110 §7.6.1)
@@ -367,6 +370,13 @@ class _CallbackSink(RequestSink):
             self._on_head(request)
 
 
+def _unsupported_coding() -> HTTPError:
+    return HTTPError(
+        "unsupported Transfer-Encoding: llmgw reads chunked request bodies only", status=501,
+        type="invalid_request_error", code="unsupported_transfer_coding", close=True,
+    )
+
+
 class RequestReader:
     """Reads pipelined HTTP/1.1 requests from one connection (sans-IO).
 
@@ -411,6 +421,8 @@ class RequestReader:
         self._dead = False
         self._ends = 0
         self._error: HTTPError | None = None  # a field error, raised once llhttp accepts the head
+        self._te_other = False
+        self._te_chunked = False
 
     @property
     def in_message(self) -> bool:
@@ -475,6 +487,8 @@ class RequestReader:
         self._in_head = True
         self._head_bytes = 0
         self._head_fed = -1  # the head began during the current feed
+        self._te_other = False  # a Transfer-Encoding line says more than "chunked"
+        self._te_chunked = False  # the last one ends with chunked
         self._url_parts = []
         self._forward = []
         self._body = []
@@ -490,8 +504,17 @@ class RequestReader:
     def on_header(self, name: bytes, value: bytes) -> None:
         req = self._req
         assert req is not None
+        if not self._in_head:
+            # a chunked body's trailer fields: not part of the head, not read (as
+            # in the compiled twin, which never hands them to the request)
+            return
         if self._error is not None:
             return
+        raw = value
+        if value[-1:] in _OWS:
+            # llhttp keeps trailing whitespace; it is not part of the value (RFC 9112
+            # §5: OWS field-value OWS). Found by the h11 differential test.
+            value = value.rstrip(b" \t")
         # NOTE: a field error is raised from on_headers_complete, once llhttp has
         # accepted the whole head: a malformed head is a 400 wherever the bad byte
         # is, and the compiled twin (which reads the fields before llhttp has seen
@@ -538,6 +561,10 @@ class RequestReader:
             if req.content_type is None:
                 req.content_type = value
                 self._forward.append(b"%s: %s\r\n" % (name, value))
+        elif kind == H_TRANSFER_ENCODING:
+            # (read in on_headers_complete: codings other than chunked)
+            self._te_other = self._te_other or value.lower() != b"chunked"
+            self._te_chunked = _te_chunked(raw)
         elif kind == H_CONTENT_LENGTH:
             # llhttp has validated the digits and rejected duplicates.
             req.content_length = min(int(value), _MAX_CONTENT_LENGTH)
@@ -549,6 +576,13 @@ class RequestReader:
         if self._error is not None:
             error, self._error = self._error, None
             raise error
+        if self._te_other and self._te_chunked:
+            # SECURITY: llhttp takes any codings before a final chunked ("gzip,
+            # chunked", or two Transfer-Encoding lines); the body would be de-chunked
+            # and sent on still coded, with nothing to say so. A coding this server
+            # does not decode is 501 (RFC 9112 §6.1); chunked not last stays llhttp's
+            # 400 (§6.3). Found by the h11 differential test.
+            raise _unsupported_coding()
         parser = self._parser
         req.method = parser.get_method()
         parts = self._url_parts
@@ -632,8 +666,10 @@ class Response:
 def _te_chunked(value: bytes) -> bool:
     """Whether a Transfer-Encoding value ends with the token ``chunked``, as llhttp
     reads it: the whole value, or after a comma (``gzip chunked`` and ``x-chunked``
-    are not chunked: such a response runs until the connection closes)."""
-    v = value.rstrip(b" \t").lower()
+    are not chunked: such a response runs until the connection closes). Spaces
+    after the token are ignored but not a tab: llhttp does not take ``chunked\t``
+    as chunked (a response so framed runs until close; a request is refused)."""
+    v = value.rstrip(b" ").lower()
     if not v.endswith(b"chunked"):
         return False
     rest = v[:-7].rstrip(b" \t")
@@ -690,6 +726,7 @@ class ResponseReader:
         self._head_fed = 0
         self._in_head = False
         self._interim = False
+        self._too_many = False  # more header lines than max_headers (raised once the head is whole)
 
     @property
     def in_message(self) -> bool:
@@ -746,6 +783,7 @@ class ResponseReader:
 
     def on_message_begin(self) -> None:
         self._resp = Response()
+        self._too_many = False
         self._forward = []
         self._head_bytes = 0
         self._head_fed = 0
@@ -756,9 +794,18 @@ class ResponseReader:
         assert resp is not None
         if not self._in_head:
             return  # a chunked body's trailer fields: not part of the head, not passed on
+        raw = value
+        if value[-1:] in _OWS:
+            value = value.rstrip(b" \t")  # (not part of the value: see RequestReader.on_header)
         self._head_bytes += len(name) + len(value) + 4
-        if self._head_bytes > self.max_head_bytes or len(resp.headers) >= self.max_headers:
+        if self._head_bytes > self.max_head_bytes:
             raise ValueError("upstream response head is too large")
+        if len(resp.headers) >= self.max_headers:
+            # NOTE: raised once the head is whole, as the compiled twin (which reads the
+            # fields of a whole head) does: an unfinished head is bounded by its bytes
+            # alone. Found by bench/fuzz/fuzz_response.py.
+            self._too_many = True
+            return
         resp.headers.append((name, value))
         lname = name.lower()
         kind = _KINDS.get(lname, H_OTHER)
@@ -771,17 +818,29 @@ class ResponseReader:
             self._forward.append(b"%s: %s\r\n" % (name, value))
         elif kind == H_CONTENT_LENGTH:
             resp.content_length = min(int(value), _MAX_CONTENT_LENGTH)
-        elif kind == H_TRANSFER_ENCODING and _te_chunked(value):
+        elif kind == H_TRANSFER_ENCODING and _te_chunked(raw):  # (the raw value: llhttp's rule on a tab)
             resp.chunked = True
 
     def on_headers_complete(self) -> None:
         resp = self._resp
         assert resp is not None
         self._in_head = False
+        if self._too_many:
+            raise ValueError("upstream response head is too large")
         resp.status = self._parser.get_status_code()
+        if resp.status < 100:
+            # llhttp takes any three digits; 000-099 is no status at all (RFC 9110 §15)
+            # (as an interim response its body would reach the sink with no head)
+            raise ValueError(f"status code {resp.status} is not a status")
         if resp.status < 200:
             if resp.status == 101:
                 raise ValueError("the replica switched protocols (101), which llmgw never asks for")
+            if resp.status not in _BODILESS_INTERIM:
+                # llhttp frames only 100, 102 and 103 as bodiless; another 1xx would
+                # have a body (to the close, without framing), and this interim
+                # response's bytes would reach the sink with no head. Found by
+                # bench/fuzz/fuzz_response.py.
+                raise ValueError(f"interim status {resp.status}: llmgw reads 100, 102 and 103 only")
             # NOTE: an interim response (100 Continue, 103 Early Hints) precedes
             # the real one on the same exchange (RFC 9110 §15.2); passing it on
             # as the answer would end the exchange early. It is dropped.

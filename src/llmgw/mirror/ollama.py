@@ -47,8 +47,10 @@ __all__ = [
     "candidate_roots",
     "find_manifest",
     "import_ollama",
+    "parse_config",
     "parse_manifest",
     "parse_ollama_name",
+    "parse_params",
 ]
 
 DEFAULT_HOST = "registry.ollama.ai"
@@ -313,6 +315,55 @@ def _layer(obj: Any, where: str, what: str) -> Layer:
     return Layer(media, "sha256:" + m.group(1).lower(), size)
 
 
+def _json(data: bytes | str) -> Any:
+    """``json.loads``, with every way it refuses untrusted text a ``ValueError``.
+
+    Besides ``JSONDecodeError`` and ``UnicodeDecodeError`` (both ``ValueError``\\ s),
+    ``json.loads`` raises ``RecursionError`` for arrays or objects nested about a
+    thousand deep, and a plain ``ValueError`` for an integer of more than 4300 digits
+    (both found by bench/fuzz/fuzz_ollama.py); neither may escape as a crash.
+    """
+    try:
+        return json.loads(data)
+    except RecursionError:
+        raise ValueError("nested too deeply") from None
+
+
+def parse_config(data: bytes, display: str) -> dict[str, Any]:
+    """The config blob's bytes as a dict (``{}`` when it is JSON but not an object).
+
+    Raises:
+        OllamaManifestError: it is not JSON.
+        OllamaUnsupportedError: it describes a cloud model, or weights that are not GGUF.
+    """
+    try:
+        parsed = _json(data)
+    except ValueError as exc:
+        raise OllamaManifestError(
+            f"the config blob of {display} is not valid JSON; pull the model again (ollama pull {display})"
+        ) from exc
+    config: dict[str, Any] = parsed if isinstance(parsed, dict) else {}
+    if config.get("remote_host") or config.get("remote_model"):
+        raise OllamaUnsupportedError(
+            f"{display} is a cloud model (served by {config.get('remote_host') or 'a remote host'}); it has"
+            " no local weights to mirror"
+        )
+    model_format = config.get("model_format")
+    if model_format not in (None, "", "gguf"):
+        raise OllamaUnsupportedError(
+            f"{display} is in {model_format!r} format, not GGUF; llmgw mirrors GGUF models"
+        )
+    return config
+
+
+def parse_params(text: str) -> Any:
+    """A ``params`` layer: its JSON value, or the text itself when it is not JSON."""
+    try:
+        return _json(text)
+    except ValueError:
+        return text
+
+
 def parse_manifest(data: bytes, where: str) -> Manifest:
     """Validate a manifest's bytes.
 
@@ -321,8 +372,8 @@ def parse_manifest(data: bytes, where: str) -> Manifest:
     """
     fix = "; pull the model again with Ollama"
     try:
-        doc = json.loads(data)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        doc = _json(data)
+    except ValueError as exc:
         raise OllamaManifestError(f"{where} is not valid JSON ({exc}){fix}") from exc
     if not isinstance(doc, dict):
         raise OllamaManifestError(f"{where} is not a JSON object{fix}")
@@ -476,25 +527,7 @@ def import_ollama(
             " llama.cpp cannot load it; pull a GGUF build of the model, or import a GGUF file with"
             " llmgw mirror import"
         )
-    config: dict[str, Any] = {}
-    try:
-        parsed = json.loads(ostore.read_small(manifest.config))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise OllamaManifestError(
-            f"the config blob of {display} is not valid JSON; pull the model again (ollama pull {display})"
-        ) from exc
-    if isinstance(parsed, dict):
-        config = parsed
-    if config.get("remote_host") or config.get("remote_model"):
-        raise OllamaUnsupportedError(
-            f"{display} is a cloud model (served by {config.get('remote_host') or 'a remote host'}); it has"
-            " no local weights to mirror"
-        )
-    model_format = config.get("model_format")
-    if model_format not in (None, "", "gguf"):
-        raise OllamaUnsupportedError(
-            f"{display} is in {model_format!r} format, not GGUF; llmgw mirrors GGUF models"
-        )
+    config = parse_config(ostore.read_small(manifest.config), display)
     weights = [layer for layer in manifest.layers if layer.kind in _ROLE_OF]
     models = [layer for layer in weights if layer.kind == "model"]
     if not models:
@@ -525,10 +558,7 @@ def import_ollama(
         elif kind == "system":
             info["system"] = text
         elif kind == "params":
-            try:
-                info["params"] = json.loads(text)
-            except json.JSONDecodeError:
-                info["params"] = text
+            info["params"] = parse_params(text)
 
     sources: list[SourceFile] = []
     try:
