@@ -163,10 +163,11 @@ def _fill(msg: Any, src: _Source, depth: int) -> None:
 
 
 def _samples_from_text(text: bytes) -> list[tuple[str, tuple[str, ...], str]]:
+    # (values as floats: the text writes counts as integers, prometheus_client parses those as int)
     out = []
     for fam in _m["parse_text"](text.decode()):
         for s in fam.samples:
-            out.append((s.name, tuple(sorted(s.labels.items())), repr(s.value)))
+            out.append((s.name, tuple(sorted(s.labels.items())), repr(float(s.value))))
     return sorted(out)
 
 
