@@ -144,6 +144,32 @@ def proxied_pinger(port: int, stop: threading.Event, out: list[float]) -> None:
     sock.close()
 
 
+def _ping_main(kind: str, port: int, stop: Any, out: Any) -> None:
+    samples: list[float] = []
+    (health_pinger if kind == "health" else proxied_pinger)(port, stop, samples)
+    out.put(samples)
+
+
+class Pinger:
+    """A pinger in a process of its own: in a thread of this one, its timings would include the
+    waits for this process's GIL (the agents' loop, a 19 MB page read), not the gateway's."""
+
+    def __init__(self, kind: str, port: int) -> None:
+        import multiprocessing as mp
+
+        ctx = mp.get_context("spawn")
+        self.stop_ev = ctx.Event()
+        self.out = ctx.Queue()
+        self.proc = ctx.Process(target=_ping_main, args=(kind, port, self.stop_ev, self.out), daemon=True)
+        self.proc.start()
+
+    def stop(self) -> list[float]:
+        self.stop_ev.set()
+        got: list[float] = self.out.get(timeout=30)
+        self.proc.join(10)
+        return got
+
+
 def pct(xs: list[float], q: float) -> float:
     ys = sorted(xs)
     return ys[min(len(ys) - 1, int(q * len(ys)))]
@@ -202,11 +228,11 @@ async def main_async(a: argparse.Namespace) -> dict[str, Any]:
         f"endpoints:\n  - {{id: e0, url: 'http://127.0.0.1:{eport}', model: m, engine: vllm}}\n"
         f"control:\n  listen: 127.0.0.1:{cport}\n  join_token_env: BENCH_JOIN\n  heartbeat_interval: {a.interval}s\n"
     )
-    engine = subprocess.Popen(
-        [sys.executable, "-m", "llmgw", "--log-level", "warning", "sim-engine", "--listen", f"127.0.0.1:{eport}",
-         "--model", "m", "--ttft-ms", "0", "--tokens-per-second", "100000", "--slots", "64"],
-        stdout=subprocess.DEVNULL,
-    )
+    ecmd = [sys.executable, "-m", "llmgw", "--log-level", "warning", "sim-engine", "--listen", f"127.0.0.1:{eport}",
+            "--model", "m", "--ttft-ms", "0", "--tokens-per-second", "100000", "--slots", "64"]
+    if a.pin:  # the engine with the agents, off the gateway's core
+        ecmd = ["taskset", "-c", ",".join(str(c) for c in range(1, os.cpu_count() or 2)) or "0", *ecmd]
+    engine = subprocess.Popen(ecmd, stdout=subprocess.DEVNULL)
     cmd = [sys.executable, "-m", "llmgw", "--log-level", "warning", "serve", "-c", str(cfg)]
     if a.pin:
         cmd = ["taskset", "-c", "0", *cmd]
@@ -240,22 +266,12 @@ async def main_async(a: argparse.Namespace) -> dict[str, Any]:
         cpu_pct = 100 * (cpu_seconds(serve.pid) - c0) / (time.monotonic() - w0)
         beats = sum(c.heartbeats for c in clients)
         # scrapes, with /health pinged every 2 ms meanwhile
-        pings: list[float] = []
-        baseline: list[float] = []
-        pstop = threading.Event()
-        pt = threading.Thread(target=health_pinger, args=(aport, pstop, baseline), daemon=True)
-        pt.start()
+        base_p = Pinger("health", aport)
         await asyncio.sleep(1.0)
-        pstop.set()
-        pt.join()
-        pstop = threading.Event()
-        pt = threading.Thread(target=health_pinger, args=(aport, pstop, pings), daemon=True)
-        pt.start()
-        quiet: list[float] = []
-        busy: list[float] = []
-        qstop = threading.Event()
-        qt = threading.Thread(target=proxied_pinger, args=(lport, qstop, busy), daemon=True)
-        qt.start()
+        baseline = base_p.stop()
+        health = Pinger("health", aport)
+        proxied = Pinger("proxied", lport)
+        await asyncio.sleep(0.5)  # (the child processes start)
         times, samples = [], 0
         t_scrapes = time.monotonic()
         for _ in range(a.scrapes):
@@ -265,17 +281,12 @@ async def main_async(a: argparse.Namespace) -> dict[str, Any]:
             samples = text.count(b"\n") - text.count(b"#")  # every # is a HELP, TYPE or EOF line here
             await asyncio.sleep(0.5)
         span_s = time.monotonic() - t_scrapes
-        qstop.set()
-        qt.join()
-        pstop.set()
-        pt.join()
+        busy = proxied.stop()
+        pings = health.stop()
         # as long again, the same proxied load without scrapes
-        qstop = threading.Event()
-        qt = threading.Thread(target=proxied_pinger, args=(lport, qstop, quiet), daemon=True)
-        qt.start()
-        await asyncio.sleep(span_s)
-        qstop.set()
-        qt.join()
+        quiet_p = Pinger("proxied", lport)
+        await asyncio.sleep(span_s + 0.5)
+        quiet = quiet_p.stop()
         await fleet.stop()
         med = statistics.median(baseline) if baseline else 0.0
         return {

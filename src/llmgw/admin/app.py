@@ -100,6 +100,7 @@ class TextCollector(Protocol):
 
 _TEXT = ((b"content-type", b"text/plain; charset=utf-8"),)
 _OM_EOF = b"# EOF\n"
+_WRITE_SLICE = 256 * 1024
 _GZIP_MIN = 4096  # smaller pages are not worth compressing
 
 
@@ -345,8 +346,18 @@ class AdminApp:
             w.send(200, body, headers)
             return
         w.start(200, headers, content_length=total)
+        # PERF: a slice at a time, at the client's pace. Handed the whole page at once, the
+        # transport would write it in one go while a fast reader keeps the socket draining:
+        # 19 MB for 1,000 nodes held the event loop ~15 ms (bench/cluster_scale.py).
         for part in parts:
-            w.write(part)
+            for i in range(0, len(part), _WRITE_SLICE):
+                if w.disconnected:
+                    return
+                w.write(part[i:i + _WRITE_SLICE] if len(part) > _WRITE_SLICE else part)
+                if w.write_paused:
+                    await w.drain()
+                else:
+                    await asyncio.sleep(0)
         w.end()
 
     def _send_metrics(self, req: Request, w: ResponseWriter, body: bytes, content_type: str) -> None:
