@@ -170,3 +170,12 @@ async def test_heap_snapshot(rt: Any) -> None:
         status, _, body = await get(rt, "/debug/pprof/heap?stop=1&format=json")
     assert status == 200 and orjson.loads(body)["tracing"] is False
     assert not tracemalloc.is_tracing()
+
+
+def test_task_text_takes_a_frame_without_a_line_number() -> None:
+    """A coroutine between instructions (not started, say) has no line number: the text says so, never raises."""
+    from llmgw.admin.profiling import format_tasks
+
+    text = format_tasks([{"name": "t", "state": "pending", "coro": "c()", "awaiting": [],
+                          "stack": [{"file": __file__, "line": None, "function": "c"}]}])
+    assert 'line None, in c' in text

@@ -331,7 +331,8 @@ def format_tasks(tasks: list[dict[str, Any]]) -> str:
         lines.append(f"Task {t['name']!r} ({t['state']}) {t['coro']}")
         for fr in t["stack"]:
             lines.append(f'  File "{fr["file"]}", line {fr["line"]}, in {fr["function"]}')
-            src = linecache.getline(fr["file"], fr["line"]).strip()
+            # (a frame between instructions, e.g. a coroutine not started, has no line number)
+            src = linecache.getline(fr["file"], fr["line"]).strip() if fr["line"] else ""
             if src:
                 lines.append(f"    {src}")
         if t["awaiting"]:
