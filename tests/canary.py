@@ -2,14 +2,26 @@
 
 A canary is recognisable by :data:`MARK`; ``tests/conftest.py`` fails any test
 during which one reached a log record or the bytes a test client read from a
-socket (an asyncio stream: what the gateway answered). Secrets must never leave
-the gateway, so a canary in either is a leak.
+socket (an asyncio stream: what the gateway answered), and helpers that run
+llmgw processes check what those wrote (:func:`check_text`: the agents' logs).
+Secrets must never leave the gateway, so a canary in any of them is a leak.
 """
 
 from __future__ import annotations
 
 MARK = "canary-secret"
 MARK_BYTES = MARK.encode()
+
+
+leaks: list[str] = []
+"""What leaked during the current test (``tests/conftest.py`` fails the test when it is not empty)."""
+
+
+def check_text(where: str, text: str) -> None:
+    """Note a leak when ``text`` (what a process wrote, say) carries a canary secret."""
+    at = text.find(MARK)
+    if at >= 0:
+        leaks.append(f"{where}: {text[max(0, at - 120) : at + 60]!r}")
 
 
 def secret(label: str) -> str:

@@ -23,6 +23,7 @@ from typing import Any
 import pytest
 
 from canary import MARK, MARK_BYTES
+from canary import leaks as _leaks
 from llmgw._accel import NO_EXTENSIONS
 
 TWINS = [pytest.param("c", marks=pytest.mark.c_extension, id="c"), pytest.param("py", id="py")]
@@ -100,9 +101,6 @@ def pytest_asyncio_loop_factories(config: pytest.Config, item: pytest.Item) -> d
 
 
 # -- canary secrets --
-
-_leaks: list[str] = []
-
 
 class _CanaryHandler(logging.Handler):
     """Sees every log record (on the root logger, and on ``llmgw.access``, which may

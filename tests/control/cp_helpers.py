@@ -17,7 +17,7 @@ from typing import Any
 import orjson
 from prometheus_client.parser import text_string_to_metric_families
 
-from canary import secret
+from canary import check_text, secret
 from llmgw.config import load
 from llmgw.runtime import GatewayRuntime, components_for
 
@@ -155,6 +155,7 @@ class AgentProc:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.send_signal(signal.SIGKILL)
             self.proc.wait(5)
+        check_text(f"agent {self.name}'s log", self.stderr())  # (a join token must never be logged)
 
     def stderr(self) -> str:
         return self.log.read_text(errors="replace") if self.log.exists() else ""

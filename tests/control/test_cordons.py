@@ -93,3 +93,13 @@ async def test_a_bad_state_file_stops_the_start_with_its_name(tmp_path: Path, co
             pass
     assert "control.state_file" in str(e.value) and str(state) in str(e.value)
     assert state.read_text() == content  # never overwritten
+
+
+def test_a_canary_in_an_agents_log_is_a_leak(tmp_path: Path, canary_leaks: list[str]) -> None:
+    """The agents' logs are watched too: a join token written there fails the test that ran the agent."""
+    from canary import secret
+
+    a = AgentProc(1, "leaky", tmp_path / "none.json", tmp_path / "leaky.log")
+    (tmp_path / "leaky.log").write_text(f"refused: token {secret('join')} was wrong\n")
+    a.stop()
+    assert len(canary_leaks) == 1 and "agent leaky's log" in canary_leaks[0]
