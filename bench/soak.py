@@ -67,6 +67,18 @@ def fds(pid: int) -> int:
     return len(os.listdir(f"/proc/{pid}/fd"))
 
 
+def fd_kinds(pid: int) -> dict[str, int]:
+    """Open descriptors by kind (socket, pipe, anon_inode:[eventpoll], a file, ...)."""
+    out: Counter[str] = Counter()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        out[target.split(":")[0] if ":" in target else "file"] += 1
+    return dict(out)
+
+
 # ---------------------------------------------------------------- a small HTTP/1.1 client
 
 
@@ -375,7 +387,11 @@ class Soak:
                 await asyncio.wait_for(self.stop.wait(), 5.0)
 
     async def gauges(self) -> dict[str, float]:
-        a = await Conn(self.aport).request("GET", "/metrics", headers="accept: text/plain\r\n")
+        conn = Conn(self.aport)
+        try:
+            a = await conn.request("GET", "/metrics", headers="accept: text/plain\r\nconnection: close\r\n")
+        finally:
+            conn.close()  # (its descriptor on the gateway's side must not count against the baseline)
         out: dict[str, float] = {}
         for line in a.body.decode().splitlines():
             if line.startswith(("llmgw_endpoint_inflight", "llmgw_admission_queue_depth",
@@ -388,7 +404,7 @@ class Soak:
         await self.setup()
         assert self.serve is not None
         pid = self.serve.pid
-        idle_fds_before = fds(pid)
+        idle_fds_before, kinds_before = fds(pid), fd_kinds(pid)
         t0 = time.monotonic()
         jobs = [asyncio.create_task(j()) for j in (self.traffic, self.chaos, self.operators, self.sampler)]
         await asyncio.sleep(self.a.warmup)
@@ -400,7 +416,7 @@ class Soak:
         await asyncio.sleep(1.0)
         gauges = await self.gauges()
         await asyncio.sleep(4.0)  # idle upstream connections expire (upstream.idle_timeout 2 s)
-        idle_fds_after = fds(pid)
+        idle_fds_after, kinds_after = fds(pid), fd_kinds(pid)
         rss_end = rss_mib(pid)
         after_warm = [r for t, r, _ in self.samples if t >= self.a.warmup]
         total = sum(self.kinds.values())
@@ -414,7 +430,8 @@ class Soak:
                         "max_after_warmup": round(max(after_warm, default=rss_end), 1),
                         "growth_after_warmup": round(max(after_warm, default=rss_end) - rss_warm, 1),
                         "median_after_warmup": round(statistics.median(after_warm), 1) if after_warm else None},
-            "fds": {"idle_before": idle_fds_before, "idle_after": idle_fds_after,
+            "fds": {"idle_before": idle_fds_before, "idle_after": idle_fds_after, "kinds_before": kinds_before,
+                    "kinds_after": kinds_after,
                     "max_during": max((f for _, _, f in self.samples), default=None)},
             "gauges_after": gauges, "gauges_nonzero": {k: v for k, v in gauges.items() if v != 0},
         }

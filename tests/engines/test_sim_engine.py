@@ -486,7 +486,12 @@ async def test_queue_overflow_429_llamacpp(make_engine) -> None:
 
 
 async def test_queued_requests_run_in_order(make_engine) -> None:
-    eng = await make_engine(slots=1, ttft_ms=20.0, tokens_per_second=1e9)
+    # T long enough that all three arrive while the first is served, however loaded the machine: the
+    # waits are then 0, T - a2 and 2T - a3 (a2, a3: how much later the others arrived), whose sum is at
+    # least T for any arrivals within T. (With 20 ms, a loaded machine spread the arrivals enough to
+    # make the old bound of 55 ms fail.)
+    T = 0.2
+    eng = await make_engine(slots=1, ttft_ms=T * 1000, tokens_per_second=1e9)
     p = port(eng)
     loop = asyncio.get_running_loop()
     t0 = loop.time()
@@ -498,11 +503,11 @@ async def test_queued_requests_run_in_order(make_engine) -> None:
         done.append(loop.time() - t0)
 
     await asyncio.gather(*(one() for _ in range(3)))
-    assert done[-1] >= 0.055  # three 20 ms requests, one at a time
+    assert done[-1] >= 3 * T - 0.005  # three requests of T, one at a time (5 ms: the clocks' rounding)
     assert eng.state.completed == 3
     text = (await request(p, "GET", "/metrics")).body.decode()
     L = {"model_name": "m", "engine": "0"}
-    assert value(text, vllm.QUEUE_TIME + "_sum", **L) >= 0.055  # 0 + 20 + 40 ms of waiting
+    assert value(text, vllm.QUEUE_TIME + "_sum", **L) >= T
 
 
 async def test_disconnect_frees_the_slot(make_engine) -> None:
