@@ -2,8 +2,9 @@
 
 A canary is recognisable by :data:`MARK`; ``tests/conftest.py`` fails any test
 during which one reached a log record or the bytes a test client read from a
-socket (an asyncio stream: what the gateway answered), and helpers that run
-llmgw processes check what those wrote (:func:`check_text`: the agents' logs).
+socket (an asyncio stream: what the gateway answered), the output a test captured
+from a process (``Popen.communicate``, ``subprocess.run``, click's ``CliRunner``),
+and what the agents it ran logged (:func:`check_text`).
 Secrets must never leave the gateway, so a canary in any of them is a leak.
 """
 

@@ -16,13 +16,15 @@ import asyncio
 import gc
 import importlib
 import logging
+import subprocess
 from collections.abc import Iterator
 from types import ModuleType
 from typing import Any
 
 import pytest
+from click.testing import CliRunner
 
-from canary import MARK, MARK_BYTES
+from canary import MARK, MARK_BYTES, check_text
 from canary import leaks as _leaks
 from llmgw._accel import NO_EXTENSIONS
 
@@ -129,16 +131,48 @@ def _watched_feed_data(self: asyncio.StreamReader, data: Any) -> None:
     _feed_data(self, data)
 
 
+def _check_output(where: str, *outputs: Any) -> None:
+    for out in outputs:
+        if isinstance(out, bytes):
+            out = out.decode("utf-8", "replace")
+        if isinstance(out, str):
+            check_text(where, out)
+
+
+_communicate = subprocess.Popen.communicate
+
+
+def _watched_communicate(self: subprocess.Popen[Any], *args: Any, **kwargs: Any) -> tuple[Any, Any]:
+    """What a process a test ran printed (captured output: llmgw's CLI, serve, agents; ``subprocess.run``
+    captures through this too) is watched as well."""
+    out, err = _communicate(self, *args, **kwargs)
+    _check_output(f"output of {str(self.args)[:120]}", out, err)
+    return out, err
+
+
+def _watched_invoke(self: Any, *args: Any, **kwargs: Any) -> Any:
+    res = _invoke(self, *args, **kwargs)
+    _check_output("output of a CliRunner run", res.output)
+    return res
+
+
+_invoke = CliRunner.invoke
+
+
 def pytest_configure(config: pytest.Config) -> None:
     logging.getLogger().addHandler(_handler)
     logging.getLogger("llmgw.access").addHandler(_handler)
     asyncio.StreamReader.feed_data = _watched_feed_data  # type: ignore[method-assign]
+    subprocess.Popen.communicate = _watched_communicate  # type: ignore[method-assign]
+    CliRunner.invoke = _watched_invoke  # type: ignore[method-assign]
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
     logging.getLogger().removeHandler(_handler)
     logging.getLogger("llmgw.access").removeHandler(_handler)
     asyncio.StreamReader.feed_data = _feed_data  # type: ignore[method-assign]
+    subprocess.Popen.communicate = _communicate  # type: ignore[method-assign]
+    CliRunner.invoke = _invoke  # type: ignore[method-assign]
 
 
 @pytest.fixture(autouse=True)

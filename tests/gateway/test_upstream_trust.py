@@ -445,3 +445,17 @@ async def test_an_error_answer_over_the_limit_is_a_502() -> None:
     async with running([(a, None)], upstream={"max_buffered_body": "1MiB"}, retries={"attempts": 0}) as rt:
         status, _, data, _ = await fetch(client(rt))
         assert status == 502 and "larger than" in orjson.loads(data)["error"]["message"]
+
+
+def test_the_canary_watch_sees_what_processes_print(canary_leaks: list[str]) -> None:
+    """Output a test captured from a process (llmgw's CLI, serve, an agent) is watched too."""
+    import subprocess
+    import sys
+
+    res = subprocess.run([sys.executable, "-c", f"print({secret('printed')!r})"], capture_output=True, text=True,
+                         timeout=30)
+    assert res.returncode == 0 and len(canary_leaks) == 1 and "output of" in canary_leaks[0]
+    p = subprocess.Popen([sys.executable, "-c", f"import sys; sys.stderr.write({secret('stderr')!r})"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    p.communicate(timeout=30)
+    assert len(canary_leaks) == 2
