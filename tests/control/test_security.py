@@ -20,7 +20,7 @@ from llmgw.errors import ConfigError
 
 pytestmark = [
     pytest.mark.timeout(60),
-    pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command to make certificates"),
+    pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command to make certificates (apt-get install openssl; .ci/run installs it)"),
 ]
 
 
