@@ -1,0 +1,138 @@
+"""What a node agent is asked to run (:class:`ReplicaSpec`) and what it reports (:class:`ReplicaStatus`).
+
+The control plane is declarative: it hands each node the complete set of
+replicas that should run there, and the agent's supervisor starts what is
+missing and stops what is no longer asked for (:class:`Supervisor`). Sending
+the same set twice changes nothing, so a lost or repeated message, an agent
+restart or a control-plane restart all converge on the same state.
+
+The wire (``proto/llmgw/agent/v1``) carries these as messages; this module is
+the Python side both halves share.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+# Replica states, in the order a healthy replica passes through them.
+FETCHING = "fetching"  # the model's blobs are being fetched from the control plane's mirror
+STARTING = "starting"  # the engine runs; readiness not reached yet
+READY = "ready"  # readiness reached: the router may send it requests
+DRAINING = "draining"  # asked to stop: SIGTERM sent, waiting for the engine to exit
+STOPPED = "stopped"  # exited after being asked to
+FAILED = "failed"  # gave up: repeated crashes, readiness timeout, missing binary, bad model
+STATES = (FETCHING, STARTING, READY, DRAINING, STOPPED, FAILED)
+
+
+@dataclass(frozen=True, slots=True)
+class ModelBlob:
+    """One content-addressed file of a mirror model the replica needs."""
+
+    digest: str
+    """``sha256:<64 hex>``."""
+    size: int
+    """Bytes."""
+    role: str = "model"
+    """``model`` (the GGUF the engine loads) or ``projector`` (a vision model's mmproj)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaSpec:
+    """One replica a node should run. Equal specs mean the same replica: no restart."""
+
+    id: str
+    """Unique in the cluster, stable for the replica's life (e.g. ``chat-3f9a1c``)."""
+    deployment: str
+    engine: str
+    """``vllm``, ``llamacpp``, ``trtllm`` or ``sglang``."""
+    model: str
+    """A mirror reference (then ``blobs`` is set), a file path on the node, or an id the engine fetches itself."""
+    served_name: str
+    """The model name clients use; the engine is told to answer to it."""
+    blobs: tuple[ModelBlob, ...] = ()
+    """Set for a mirror reference: the agent fetches these into its own store before launching."""
+    gpus: tuple[str, ...] = ()
+    """GPU UUIDs (``GPU-…`` or ``MIG-…``), passed as ``CUDA_VISIBLE_DEVICES``; empty: CPU."""
+    gpu_memory_fraction: float | None = None
+    """The share of each GPU's memory the claim holds (vLLM/SGLang memory fraction); None: the engine's default."""
+    slots: int | None = None
+    """Parallel sequences (llama.cpp ``-np``); None: the engine's default."""
+    context: int | None = None
+    """Context length in tokens (llama.cpp ``-c``); None: the engine's default."""
+    args: tuple[str, ...] = ()
+    """Extra engine arguments from the deployment, appended after llmgw's own."""
+    env: Mapping[str, str] = field(default_factory=dict, repr=False)
+    api_key: str = field(default="", repr=False)
+    """The per-replica key the control plane generated: the engine demands it, the router sends it."""
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaStatus:
+    """What the agent knows about one replica, reported on every heartbeat."""
+
+    id: str
+    state: str
+    """One of :data:`STATES`."""
+    port: int | None = None
+    """The port the engine listens on (the agent picks it); None until launched."""
+    pid: int | None = None
+    restarts: int = 0
+    """Crashes restarted so far."""
+    exit_code: int | None = None
+    """The last exit status (negative: killed by that signal)."""
+    message: str = ""
+    """Why it failed or is waiting, in a line, with the engine's last output lines where they explain it."""
+    log_path: str | None = None
+    fetched: int | None = None
+    """Bytes of the model fetched so far, while ``fetching``."""
+    fetch_total: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class LocalModel:
+    """Where a replica's model files are on the node."""
+
+    path: str
+    projector: str | None = None
+
+
+class ModelFetcher(Protocol):
+    """Brings a mirror model's blobs onto the node (the agent's mirror client)."""
+
+    async def ensure(self, spec: ReplicaSpec, progress: Callable[[int, int], None]) -> LocalModel:
+        """Return the local files for ``spec.blobs``, fetching what the node lacks.
+
+        ``progress(done, total)`` is called as bytes arrive. Concurrent calls for the
+        same blobs share one download. Raises :class:`llmgw.mirror.errors.MirrorError`
+        (a clear message) when a blob cannot be fetched or fails its digest.
+        """
+        ...
+
+
+class Supervisor(Protocol):
+    """Runs a node's replicas (``llmgw.launch.supervisor``)."""
+
+    async def adopt(self) -> None:
+        """At agent start: take over replicas still running from before, stop what cannot be adopted."""
+        ...
+
+    async def apply(self, desired: Sequence[ReplicaSpec]) -> None:
+        """Make the node run exactly ``desired``: start what is missing, stop what is not asked for.
+
+        Returns once the changes are under way (it does not wait for readiness).
+        """
+        ...
+
+    def statuses(self) -> list[ReplicaStatus]:
+        """Every replica known, including failed and recently stopped ones."""
+        ...
+
+    def log_tail(self, replica_id: str, lines: int = 100) -> str:
+        """The last ``lines`` lines of a replica's log file. Raises KeyError for an unknown replica."""
+        ...
+
+    async def close(self, *, stop: bool = True) -> None:
+        """Stop supervising; with ``stop``, stop every replica (SIGTERM, then SIGKILL after the grace)."""
+        ...
