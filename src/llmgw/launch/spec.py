@@ -136,3 +136,28 @@ class Supervisor(Protocol):
     async def close(self, *, stop: bool = True) -> None:
         """Stop supervising; with ``stop``, stop every replica (SIGTERM, then SIGKILL after the grace)."""
         ...
+
+
+class ReplicaController(Protocol):
+    """The control plane's side (``llmgw.control.deployments``): what each node should run, and what it reports.
+
+    The agent service (``llmgw.control.service``) asks it for a node's desired set
+    when a heartbeat arrives and whenever it announces a change, and hands it the
+    statuses each heartbeat carries.
+    """
+
+    def desired(self, node: str) -> tuple[int, tuple[ReplicaSpec, ...]]:
+        """``(generation, specs)`` for ``node``; the generation rises whenever that node's set changes."""
+        ...
+
+    def report(self, node: str, address: str, statuses: Sequence[ReplicaStatus]) -> None:
+        """The replica statuses a heartbeat from ``node`` carried; ``address`` is where its replicas are reached."""
+        ...
+
+    def node_gone(self, node: str) -> None:
+        """``node`` deregistered or was removed: its replicas are gone."""
+        ...
+
+    def subscribe(self, changed: Callable[[str], None]) -> None:
+        """Call ``changed(node)`` (on the control plane's loop) whenever ``node``'s desired set changes."""
+        ...
