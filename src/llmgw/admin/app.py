@@ -298,6 +298,8 @@ class AdminApp:
             return None
         if path.startswith(b"/admin/v1"):
             self._authorize(req)
+            if path.startswith(b"/admin/v1/replicas/"):
+                return self.api.handle_replicas(req, w)
             self.api.handle(req, w)
             return None
         if path.startswith(b"/debug/pprof"):

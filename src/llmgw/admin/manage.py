@@ -21,6 +21,7 @@ Routes::
     POST   /admin/v1/nodes/{name}/cordon    no new replicas go there
     POST   /admin/v1/nodes/{name}/uncordon
     GET    /admin/v1/gpus                   every GPU of every node
+    GET    /admin/v1/replicas/{id}/logs     the end of a replica's log, from its node (?lines=N, default 100)
 
 The node routes need a control plane in the process (``control:``); without one
 they answer 404 saying so.
@@ -30,7 +31,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 from urllib.parse import unquote
 
@@ -66,7 +67,9 @@ ROUTES = (
     "POST /admin/v1/nodes/{name}/cordon",
     "POST /admin/v1/nodes/{name}/uncordon",
     "GET /admin/v1/gpus",
+    "GET /admin/v1/replicas/{id}/logs",
 )
+MAX_LOG_LINES = 10_000
 
 
 def conflict(message: str, code: str = "conflict") -> HTTPError:
@@ -193,6 +196,26 @@ def endpoint_view(ep: Endpoint, now: float | None = None) -> dict[str, Any]:
             "problem": ep.scrape_problem,
         },
     }
+
+
+def _lines(req: Request) -> int:
+    """``?lines=N`` (1 to :data:`MAX_LOG_LINES`, default 100)."""
+    target = req.target
+    q = target.find(b"?")
+    raw: bytes | None = None
+    if q >= 0:
+        for part in target[q + 1:].split(b"&"):
+            k, _, v = part.partition(b"=")
+            if k == b"lines":
+                raw = v
+    if raw is None:
+        return 100
+    if not raw.isdigit() or not 1 <= int(raw) <= MAX_LOG_LINES:
+        raise BadRequestError(
+            f"lines must be a whole number from 1 to {MAX_LOG_LINES}, got {raw[:20].decode('latin-1')!r}",
+            param="lines", code="invalid_lines",
+        )
+    return int(raw)
 
 
 def _json_body(req: Request) -> Any:
@@ -365,6 +388,38 @@ class ManagementAPI:
             w.send_json(200, view)
             return None
         raise NotFoundError(f"no admin route {path.decode('latin-1')[:200]}; routes: {', '.join(ROUTES)}")
+
+    def handle_replicas(self, req: Request, w: ResponseWriter) -> Awaitable[None]:
+        """``/admin/v1/replicas/...`` (answered asynchronously: the node is asked)."""
+        path = req.path.rstrip(b"/")
+        parts = path[len(PREFIX):].split(b"/")
+        if len(parts) != 3 or parts[0] != b"replicas" or parts[2] != b"logs" or not parts[1]:
+            raise NotFoundError(f"no admin route {path.decode('latin-1')[:200]}; routes: {', '.join(ROUTES)}")
+        if req.method not in (b"GET", b"HEAD"):
+            raise method_not_allowed(req.method, path, "GET")
+        replica_id = unquote(parts[1].decode("latin-1"))
+        lines = _lines(req)
+        nodes = self.nodes
+        if nodes is None:
+            raise NotFoundError(
+                "this llmgw runs no control plane (add a control: section to the config); no replicas here",
+                code="no_control_plane",
+            )
+        return self._replica_logs(nodes, replica_id, lines, w)
+
+    async def _replica_logs(self, nodes: NodeControl, replica_id: str, lines: int, w: ResponseWriter) -> None:
+        try:
+            text = await nodes.replica_logs(replica_id, lines)
+        except Exception as exc:
+            status = getattr(exc, "status", None)
+            if status is None:
+                raise
+            raise HTTPError(
+                str(exc), status=status, type="invalid_request_error" if status < 500 else "server_error",
+                code=getattr(exc, "code", None), param="id" if status == 404 else None,
+            ) from None
+        w.send_json(200, {"replica": replica_id, "node": nodes.node_of_replica(replica_id), "lines": lines,
+                          "text": text})
 
     def reload(self, trigger: str) -> dict[str, Any]:
         """Re-read the config file (:func:`reload_answer`)."""

@@ -67,6 +67,15 @@ class NodeControl(Protocol):
     def set_cordoned(self, name: str, cordoned: bool) -> dict[str, Any] | None:
         """Cordon or uncordon; the node with ``changed``; ``None`` when there is no such node."""
 
+    def node_of_replica(self, replica_id: str) -> str | None:
+        """The node whose latest heartbeat reported the replica; ``None``: none did."""
+
+    async def replica_logs(self, replica_id: str, lines: int = 100) -> str:
+        """The last ``lines`` lines of the replica's log, from its node.
+
+        Raises :class:`llmgw.control.service.ReplicaLogsError` (``status``, ``code``) when they cannot be had.
+        """
+
 
 class Listener(Protocol):
     """What the admin app reads off a listener (an :class:`llmgw.http.server.HTTPServer`)."""

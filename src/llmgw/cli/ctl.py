@@ -8,6 +8,7 @@
     llmgw ctl nodes                     the control plane's nodes: state, heartbeat age, GPUs
     llmgw ctl gpus                      every GPU of every node: memory, utilisation, power, health
     llmgw ctl cordon NODE / uncordon NODE   no new replicas to a node / again
+    llmgw ctl logs REPLICA [--lines N]  the end of a replica's log file, from its node
 
 ``--admin URL`` (``$LLMGW_ADMIN``, default ``http://127.0.0.1:9090``) and
 ``--token`` (``$LLMGW_ADMIN_TOKEN``) pick the gateway; ``--json`` prints the API's
@@ -456,6 +457,26 @@ def cordon(ctx: click.Context, node: str, admin: str | None, token: str | None, 
 def uncordon(ctx: click.Context, node: str, admin: str | None, token: str | None, as_json: bool | None) -> None:
     """Uncordon NODE: replicas may be placed there again."""
     _cordon(ctx, node, False, _target(ctx, admin, token, as_json))
+
+
+@ctl.command()
+@click.argument("replica", metavar="REPLICA")
+@click.option("-n", "--lines", type=click.IntRange(1, 10_000), default=100, show_default=True,
+              help="How many lines from the end.")
+@_options(group=False)
+@click.pass_context
+def logs(
+    ctx: click.Context, replica: str, lines: int, admin: str | None, token: str | None, as_json: bool | None
+) -> None:
+    """Print the end of REPLICA's log file (the engine's output), asked of the node that runs it."""
+    t = _target(ctx, admin, token, as_json)
+    data = t.call("GET", f"/admin/v1/replicas/{quote(replica, safe='')}/logs?lines={lines}")
+    if t.as_json:
+        _print_json(data)
+        return
+    text = data.get("text") if isinstance(data, dict) else None
+    if isinstance(text, str):
+        click.echo(text, nl=not text.endswith("\n") and bool(text))
 
 
 def main() -> None:  # pragma: no cover - `python -m llmgw.cli.ctl`

@@ -15,9 +15,11 @@ for a client certificate). Plaintext is refused off loopback unless
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import hmac
 import ipaddress
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -26,7 +28,16 @@ import grpc
 
 from .. import __version__
 from .._proto.agent.v1 import agent_pb2_grpc
-from ..agent.wire import PROTOCOL, SERVER_OPTIONS, TOKEN_METADATA, compatible, pb
+from ..agent.wire import (
+    PROTOCOL,
+    SERVER_OPTIONS,
+    TOKEN_METADATA,
+    compatible,
+    pb,
+    runs_replicas,
+    spec_to_proto,
+    status_from_proto,
+)
 from ..errors import ConfigError, HTTPError
 from ..log import control_logger as log
 from .nodes import NodeMap
@@ -34,10 +45,47 @@ from .nodes import NodeMap
 if TYPE_CHECKING:
     from ..admin.app import AdminApp
     from ..config import Config, ControlConfig
+    from ..launch.spec import ReplicaController
+    from .nodes import NodeState
 
-__all__ = ["ControlPlane", "ControlStats"]
+__all__ = ["ControlPlane", "ControlStats", "ReplicaLogsError"]
 
 MAX_NAME = 253
+MAX_LABELS = 64
+MAX_LABEL = 253
+MAX_LOG_LINES = 10_000
+LOG_TIMEOUT = 10.0
+"""How long ``ctl logs`` waits for the node's answer, seconds (a stream agent answers at once;
+one on Heartbeat calls at its next beat)."""
+
+
+class ReplicaLogsError(Exception):
+    """A log tail that cannot be had: ``status`` (404 unknown replica, 504 no answer, 502 the node's error)."""
+
+    def __init__(self, message: str, status: int, code: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.code = code
+
+
+class _Link:
+    """One node's open heartbeat stream: what was last written on it, so the next answer goes only when due."""
+
+    __slots__ = ("acked", "closed", "context", "lock", "node", "replicas", "said", "sent")
+
+    def __init__(self, node: str, context: Any) -> None:
+        self.node = node
+        self.context = context
+        self.lock = asyncio.Lock()
+        """Writes come from the beat loop and from pushes (a desired set, a log request): one at a time."""
+        self.said: tuple[float, bool] | None = None
+        self.replicas = False
+        """The agent runs replicas (its beats carry applied_generation)."""
+        self.acked: int | None = None
+        """The generation the agent last said it applied."""
+        self.sent: int | None = None
+        """The generation last written on this stream (not sent again until the agent acknowledges another)."""
+        self.closed = False
 
 
 @dataclass
@@ -126,11 +174,207 @@ class _Tokens:
 class AgentService(agent_pb2_grpc.AgentServiceServicer):
     """The three RPCs over a :class:`NodeMap`."""
 
-    def __init__(self, nodes: NodeMap, control: Callable[[], ControlConfig], stats: ControlStats) -> None:
+    def __init__(
+        self, nodes: NodeMap, control: Callable[[], ControlConfig], stats: ControlStats,
+        controller: ReplicaController | None = None,
+    ) -> None:
         self.nodes = nodes
         self.control = control
         self.stats = stats
         self._tokens = _Tokens()
+        self.controller: ReplicaController | None = None
+        self._links: dict[str, _Link] = {}
+        """Node name -> its open heartbeat stream (the latest one)."""
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._log_ids = itertools.count(1)
+        self._log_queue: dict[str, list[pb.LogRequest]] = {}
+        """Node name -> log requests not yet written to it."""
+        self._log_waits: dict[int, tuple[str, asyncio.Future[str]]] = {}
+        self.mirror_access: Callable[[str], tuple[str, str] | None] | None = None
+        """Node name -> ``(mirror base URL, the node's credential)`` sent in Register's answer; ``None``
+        (or a ``None`` answer): the agents are given no mirror access."""
+        if controller is not None:
+            self.attach(controller)
+
+    # -- the replica controller --
+
+    def attach(self, controller: ReplicaController | None) -> None:
+        """Use ``controller`` for desired sets and statuses (``None``: none; no replicas are sent)."""
+        self.controller = controller
+        if controller is not None:
+            controller.subscribe(self._changed)
+
+    def _changed(self, node: str) -> None:
+        """``node``'s desired set changed: written on its stream at once (agents on calls get it on their next beat)."""
+        if self.controller is None:
+            return
+        link = self._links.get(node)
+        if link is not None and link.replicas:
+            self._spawn(self._push(link))
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _push(self, link: _Link) -> None:
+        try:
+            await self._write(link, None)
+        except Exception as exc:  # the stream ended under us: the agent reconnects and gets it then
+            log.debug("could not push to node %s: %s", link.node, exc)
+
+    def _desired(self, node: str, applied: int | None, sent: int | None) -> tuple[int, pb.DesiredReplicas] | None:
+        """The desired set to send ``node`` when its generation is neither what it applied nor already sent."""
+        ctl = self.controller
+        if ctl is None:
+            return None
+        try:
+            gen, specs = ctl.desired(node)
+        except Exception:
+            log.exception("the replica controller failed to give node %s's desired set", node)
+            return None
+        if gen in (applied, sent):
+            return None
+        msg = pb.DesiredReplicas(generation=gen)
+        msg.replicas.extend(spec_to_proto(s) for s in specs)
+        return gen, msg
+
+    def _report(self, st: NodeState, hb: pb.HeartbeatRequest) -> None:
+        """A beat's replica statuses: kept on the node and handed to the controller."""
+        statuses = tuple(status_from_proto(m) for m in hb.replicas) if hb.replicas else ()
+        st.replicas = statuses
+        ctl = self.controller
+        if ctl is not None:
+            try:
+                ctl.report(st.name, st.address, statuses)
+            except Exception:
+                log.exception("the replica controller failed on node %s's report", st.name)
+
+    def _gone(self, node: str) -> None:
+        link = self._links.pop(node, None)
+        if link is not None:
+            link.closed = True
+        self._log_queue.pop(node, None)
+        for rid, (n, fut) in list(self._log_waits.items()):
+            if n == node and not fut.done():
+                fut.set_exception(ReplicaLogsError(f"node {node} left the cluster", 502, "node_gone"))
+                self._log_waits.pop(rid, None)
+        if self.controller is not None:
+            try:
+                self.controller.node_gone(node)
+            except Exception:
+                log.exception("the replica controller failed on node %s leaving", node)
+
+    def _due(self, link: _Link, st: NodeState) -> bool:
+        """Whether the stream has something to write (PERF: most beats have nothing; no lock taken then)."""
+        if link.said != (self.control().heartbeat_interval, st.cordoned) or st.name in self._log_queue:
+            return True
+        ctl = self.controller
+        if ctl is None or not link.replicas:
+            return False
+        try:
+            gen = ctl.desired(st.name)[0]
+        except Exception:
+            return False  # (logged when the set is built)
+        return gen not in (link.acked, link.sent)
+
+    async def _write(self, link: _Link, st: NodeState | None) -> None:
+        """Write the stream's answer when one is due: a new interval or cordon, a desired set, log requests."""
+        async with link.lock:
+            if link.closed:
+                return
+            if st is None:
+                st = self.nodes.get(link.node)
+                if st is None:
+                    return
+            answer = (self.control().heartbeat_interval, st.cordoned)
+            desired = self._desired(link.node, link.acked, link.sent) if link.replicas else None
+            logs = self._log_queue.pop(link.node, None)
+            if answer == link.said and desired is None and not logs:
+                return
+            resp = pb.HeartbeatResponse(heartbeat_interval_seconds=answer[0], cordoned=answer[1])
+            if desired is not None:
+                resp.desired.CopyFrom(desired[1])
+            if logs:
+                resp.log_requests.extend(logs)
+            await link.context.write(pb.StreamHeartbeatsResponse(heartbeat=resp))
+            link.said = answer
+            if desired is not None:
+                link.sent = desired[0]
+
+    async def close(self) -> None:
+        """Cancel the pushes still under way (the server has stopped)."""
+        tasks = list(self._tasks)
+        for t in tasks:
+            t.cancel()
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    # -- log tails (ctl logs) --
+
+    def node_of_replica(self, replica_id: str) -> str | None:
+        """The node whose latest heartbeat reported ``replica_id``."""
+        for st in self.nodes:
+            for r in st.replicas:
+                if r.id == replica_id:
+                    return st.name
+        return None
+
+    async def replica_logs(self, replica_id: str, lines: int = 100, timeout: float = LOG_TIMEOUT) -> str:
+        """The last ``lines`` lines of a replica's log, asked of the node that runs it.
+
+        Raises:
+            ReplicaLogsError: no node reports that replica (404), the node did not answer in time (504),
+                or it could not read the log (502).
+        """
+        node = self.node_of_replica(replica_id)
+        st = self.nodes.get(node) if node is not None else None
+        if node is None or st is None:
+            raise ReplicaLogsError(
+                f"no node reports a replica {replica_id!r}; llmgw ctl deployments lists them", 404, "replica_not_found"
+            )
+        rid = next(self._log_ids)
+        fut: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+        self._log_waits[rid] = (node, fut)
+        req = pb.LogRequest(request_id=rid, replica_id=replica_id, lines=max(1, min(lines, MAX_LOG_LINES)))
+        self._log_queue.setdefault(node, []).append(req)
+        link = self._links.get(node)
+        if link is not None:
+            self._spawn(self._push(link))
+        try:
+            return await asyncio.wait_for(fut, timeout)
+        except asyncio.TimeoutError:
+            raise ReplicaLogsError(
+                f"node {node} did not answer for replica {replica_id}'s log within {timeout:g}s (is its agent up?)",
+                504, "node_timeout",
+            ) from None
+        finally:
+            self._log_waits.pop(rid, None)
+            q = self._log_queue.get(node)
+            if q is not None:
+                if req in q:
+                    q.remove(req)
+                if not q:
+                    self._log_queue.pop(node, None)
+
+    async def ReplicaLogs(self, request: pb.ReplicaLogsRequest, context: Any) -> pb.ReplicaLogsResponse:
+        await self._authenticate(context, "ReplicaLogs", request.node_name)
+        st = self.nodes.by_id(request.node_id)
+        if st is None:
+            await self._abort(
+                context, "ReplicaLogs", grpc.StatusCode.NOT_FOUND,
+                f"node {request.node_name!r} is not registered here: register again",
+            )
+            raise AssertionError("unreachable")
+        wait = self._log_waits.get(request.request_id)
+        if wait is None or wait[0] != st.name or wait[1].done():  # a node answers only what it was asked
+            return pb.ReplicaLogsResponse(accepted=False)
+        fut = wait[1]
+        if request.HasField("error"):
+            fut.set_exception(ReplicaLogsError(f"node {st.name}: {request.error}", 502, "log_unavailable"))
+        else:
+            fut.set_result(request.text)
+        return pb.ReplicaLogsResponse(accepted=True)
 
     async def _abort(self, context: Any, method: str, code: grpc.StatusCode, message: str) -> None:
         self.stats.error(method, code)
@@ -182,9 +426,22 @@ class AgentService(agent_pb2_grpc.AgentServiceServicer):
                 context, "Register", grpc.StatusCode.INVALID_ARGUMENT,
                 f"node_name must be 1-{MAX_NAME} printable characters without spaces, got {name[:60]!r}",
             )
+        labels = dict(request.labels)
+        bad = [k for k, v in labels.items() if not k or len(k) > MAX_LABEL or len(v) > MAX_LABEL
+               or not (k + v).isprintable()]
+        advertise = request.advertise_address if request.HasField("advertise_address") else None
+        if len(labels) > MAX_LABELS or bad or (advertise is not None and (
+                not advertise or len(advertise) > MAX_NAME or any(c.isspace() for c in advertise))):
+            self.stats.refuse("invalid_request")
+            await self._abort(
+                context, "Register", grpc.StatusCode.INVALID_ARGUMENT,
+                f"labels: at most {MAX_LABELS}, keys and values of 1-{MAX_LABEL} printable characters"
+                f"{f' (bad: {bad[0][:60]!r})' if bad else ''}; advertise_address: a host name or IP without spaces",
+            )
         discovery = request.discovery
         st, created = self.nodes.register(
-            name, peer=peer, agent_version=request.agent_version, protocol=theirs, discovery=discovery
+            name, peer=peer, agent_version=request.agent_version, protocol=theirs, discovery=discovery,
+            labels=labels, advertise=advertise,
         )
         self.stats.registrations += 1
         if not created:
@@ -195,13 +452,17 @@ class AgentService(agent_pb2_grpc.AgentServiceServicer):
             discovery.source or "none",
         )
         c = self.control()
-        return pb.RegisterResponse(
+        resp = pb.RegisterResponse(
             node_id=st.node_id,
             control_plane_version=__version__,
             protocol=pb.ProtocolVersion(major=PROTOCOL[0], minor=PROTOCOL[1]),
             heartbeat_interval_seconds=c.heartbeat_interval,
             heartbeat_grace_seconds=c.heartbeat_grace,
         )
+        access = self.mirror_access(name) if self.mirror_access is not None and runs_replicas(theirs) else None
+        if access is not None:
+            resp.mirror_url, resp.mirror_credential = access  # SECURITY: the credential is never logged
+        return resp
 
     async def Heartbeat(self, request: pb.HeartbeatRequest, context: Any) -> pb.HeartbeatResponse:
         await self._authenticate(context, "Heartbeat", request.node_name)
@@ -215,7 +476,16 @@ class AgentService(agent_pb2_grpc.AgentServiceServicer):
             )
             raise AssertionError("unreachable")
         self.stats.heartbeats += 1
-        return pb.HeartbeatResponse(heartbeat_interval_seconds=self.control().heartbeat_interval, cordoned=st.cordoned)
+        resp = pb.HeartbeatResponse(heartbeat_interval_seconds=self.control().heartbeat_interval, cordoned=st.cordoned)
+        if request.HasField("applied_generation") and runs_replicas(st.protocol):
+            self._report(st, request)
+            desired = self._desired(st.name, request.applied_generation, None)
+            if desired is not None:
+                resp.desired.CopyFrom(desired[1])
+        logs = self._log_queue.pop(st.name, None)
+        if logs:
+            resp.log_requests.extend(logs)
+        return resp
 
     async def StreamHeartbeats(self, request_iterator: Any, context: Any) -> None:  # type: ignore[override]
         """Heartbeats on one stream: each message recorded and answered as :meth:`Heartbeat` would.
@@ -244,24 +514,35 @@ class AgentService(agent_pb2_grpc.AgentServiceServicer):
 
     async def _stream_beats(self, context: Any, method: str, msg: Any, given: str, peer: str) -> None:
         nodes, stats = self.nodes, self.stats
-        said: tuple[float, bool] | None = None  # the answer last written: the next one only when it changes
-        while msg is not grpc.aio.EOF:
-            hb = msg.heartbeat
-            await self._check(context, method, hb.node_name, given)  # a reload may have removed the token
-            st = nodes.heartbeat(hb.node_id, hb.sequence, hb.discovery, peer=peer)
-            if st is None:
-                await self._abort(
-                    context, method, grpc.StatusCode.NOT_FOUND,
-                    f"node {hb.node_name!r} is not registered here (the control plane restarted?): register again",
-                )
-                raise AssertionError("unreachable")
-            stats.heartbeats += 1
-            answer = (self.control().heartbeat_interval, st.cordoned)
-            if answer != said:
-                await context.write(pb.StreamHeartbeatsResponse(heartbeat=pb.HeartbeatResponse(
-                    heartbeat_interval_seconds=answer[0], cordoned=answer[1])))
-                said = answer
-            msg = await context.read()
+        link: _Link | None = None  # what was last written: the next answer only when it changes
+        try:
+            while msg is not grpc.aio.EOF:
+                hb = msg.heartbeat
+                await self._check(context, method, hb.node_name, given)  # a reload may have removed the token
+                st = nodes.heartbeat(hb.node_id, hb.sequence, hb.discovery, peer=peer)
+                if st is None:
+                    await self._abort(
+                        context, method, grpc.StatusCode.NOT_FOUND,
+                        f"node {hb.node_name!r} is not registered here (the control plane restarted?): register again",
+                    )
+                    raise AssertionError("unreachable")
+                stats.heartbeats += 1
+                if link is None or link.node != st.name:
+                    if link is not None and self._links.get(link.node) is link:
+                        del self._links[link.node]
+                    link = self._links[st.name] = _Link(st.name, context)
+                if hb.HasField("applied_generation") and runs_replicas(st.protocol):
+                    link.replicas = True
+                    link.acked = hb.applied_generation
+                    self._report(st, hb)
+                if self._due(link, st):
+                    await self._write(link, st)
+                msg = await context.read()
+        finally:
+            if link is not None:
+                link.closed = True
+                if self._links.get(link.node) is link:
+                    del self._links[link.node]
 
     async def Deregister(self, request: pb.DeregisterRequest, context: Any) -> pb.DeregisterResponse:
         await self._authenticate(context, "Deregister", request.node_name)
@@ -269,6 +550,7 @@ class AgentService(agent_pb2_grpc.AgentServiceServicer):
         if st is not None:
             self.stats.deregistrations += 1
             log.info("node %s deregistered (%s)", st.name, request.reason or "no reason given")
+            self._gone(st.name)
         return pb.DeregisterResponse(removed=st is not None)
 
 
@@ -280,16 +562,20 @@ class ControlPlane:
             and intervals); its ``control`` section must be set.
         admin: the admin app: the cluster collector goes on its ``/metrics`` and the
             node routes on its management API. ``None``: neither (a bare control plane).
+        controller: what each node should run and where its replicas are
+            (:class:`~llmgw.launch.spec.ReplicaController`); ``None``: nodes are sent no replicas.
     """
 
     name = "control plane"
 
-    def __init__(self, config: Callable[[], Config], admin: AdminApp | None = None) -> None:
+    def __init__(
+        self, config: Callable[[], Config], admin: AdminApp | None = None, controller: ReplicaController | None = None
+    ) -> None:
         self.config = config
         self.admin = admin
         self.stats = ControlStats()
         self.nodes = NodeMap(lambda: self._control().heartbeat_grace)
-        self.service = AgentService(self.nodes, self._control, self.stats)
+        self.service = AgentService(self.nodes, self._control, self.stats, controller)
         self.server: grpc.aio.Server | None = None
         self.address: tuple[str, int] | None = None
         self.tls = False
@@ -361,8 +647,16 @@ class ControlPlane:
         if self.server is not None:
             await self.server.stop(1.0)
             self.server = None
+        await self.service.close()
 
     # -- the nodes API (admin.ports.NodeControl) --
+
+    async def replica_logs(self, replica_id: str, lines: int = 100) -> str:
+        """The end of a replica's log, from its node (:meth:`AgentService.replica_logs`)."""
+        return await self.service.replica_logs(replica_id, lines)
+
+    def node_of_replica(self, replica_id: str) -> str | None:
+        return self.service.node_of_replica(replica_id)
 
     def list_nodes(self) -> list[dict[str, Any]]:
         from .views import node_view
