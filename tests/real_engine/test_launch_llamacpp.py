@@ -24,7 +24,7 @@ import pytest
 from canary import secret
 from launch.helpers import Watched, gone, http, wait_gone
 from llmgw.config.agent import AgentEngineConfig
-from llmgw.launch.spec import DRAINING, FAILED, READY, STARTING, STOPPED, ModelBlob, ReplicaSpec
+from llmgw.launch.spec import DRAINING, FAILED, READY, STOPPED, ReplicaSpec
 
 pytestmark = pytest.mark.real_engine
 
@@ -189,17 +189,3 @@ async def test_an_agent_killed_with_sigkill_leaves_no_orphan(
         await w.sup.close()
     await wait_gone(pid)
     assert w.status("chat-1").state == STOPPED  # type: ignore[union-attr]
-
-
-async def test_a_spec_the_supervisor_cannot_run_fails_saying_why(tmp_path: Path) -> None:
-    w = Watched(tmp_path / "state", engines={"llamacpp": AgentEngineConfig(binary=str(tmp_path / "nope"))})
-    try:
-        await w.sup.apply([spec_for(tmp_path / "m.gguf"),
-                           spec_for(tmp_path / "m.gguf", id="mirror-1", blobs=(ModelBlob("sha256:" + "0" * 64, 1),))])
-        st = await w.wait_state("chat-1", FAILED)
-        assert "engines.llamacpp.binary" in st.message
-        st = await w.wait_state("mirror-1", FAILED)
-        assert "mirror" in st.message
-        assert STARTING not in (s.state for s in w.sup.statuses())
-    finally:
-        await w.sup.close()
