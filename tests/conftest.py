@@ -54,6 +54,13 @@ upstream = _twin_fixture("upstream")
 
 
 @pytest.fixture(autouse=True)
+def _state_home(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The control plane's default store (``$XDG_STATE_HOME/llmgw/``) in a fresh directory per test,
+    never the user's own (a subprocess inherits it)."""
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path_factory.mktemp("state")))
+
+
+@pytest.fixture(autouse=True)
 def _no_live_objects_left(request: pytest.FixtureRequest) -> Iterator[None]:
     """In the compiled debug build, a test leaves no connection, writer, call or
     upstream connection of its own alive (uvloop's test base checks its handles

@@ -56,7 +56,8 @@ async def test_with_a_state_file_cordons_survive_the_control_planes_restart(tmp_
             await wait_for(lambda: _node(rt, "node-2"), what="node up")
             assert (await api(rt, "POST", "/admin/v1/nodes/node-2/cordon"))[0] == 200
         assert json.loads(state.read_text()) == {"version": 1, "cordoned": ["node-2"]}
-        assert [p.name for p in state.parent.iterdir()] == ["control.json"]  # no temporary file left
+        # no temporary file left (the deployments' store lives beside the state file by default)
+        assert sorted(p.name for p in state.parent.iterdir()) == ["control.json", "deployments.sqlite3"]
         async with control_runtime(port, state_file=str(state)) as rt2:
             node = await wait_for(lambda: _node(rt2, "node-2"), timeout=15, what="agent re-registered")
             assert node["cordoned"] is True
@@ -72,7 +73,7 @@ async def test_a_state_file_that_cannot_be_saved_changes_nothing(tmp_path: Path)
     d = tmp_path / "state"
     a = _agent(tmp_path, port, "node-3")
     try:
-        async with control_runtime(port, state_file=str(d / "control.json")) as rt:
+        async with control_runtime(port, state_file=str(d / "control.json"), database="sqlite::memory:") as rt:
             await wait_for(lambda: _node(rt, "node-3"), what="node up")
             d.write_text("a file where the state file's directory was\n")  # the disk went away under us
             status, body = await api(rt, "POST", "/admin/v1/nodes/node-3/cordon")

@@ -165,6 +165,7 @@ cdef class Gateway(App):
     cdef bint access_log
     cdef bint expose_replica          # x-llmgw-replica on answers (server.expose_replica)
     cdef object _normalize_error      # (status, body, engine) -> bytes: llmgw.engines.errors
+    cdef public object held_models    # models answering 503 (not 404) without a replica (deployments)
 
     cdef watch(self, Call call)
     cdef unwatch(self, Call call)

@@ -1109,6 +1109,9 @@ class Gateway(App):
         self._admitting = False
         self._watched: set[Call] = set()
         self._sweep_handle: asyncio.TimerHandle | None = None
+        self.held_models: Container[str] = frozenset()
+        """Models that answer 503 ``model_unavailable`` rather than 404 while they have no replica
+        (the control plane's deployments: ``llmgw.control.deployments``)."""
         self.reconfigure(config)
 
     def reconfigure(self, config: Config) -> None:
@@ -1501,6 +1504,13 @@ class Gateway(App):
         real = self.aliases.get(model, model)
         pool = self.pools.get(real)
         if pool is None or not pool.endpoints:
+            if real in self.held_models:
+                # (the cold path: a deployed model with no replica now, scaled to 0 or still starting)
+                raise ModelUnavailableError(
+                    f"the model `{model[:200]}` is unavailable: its deployment has no ready replica "
+                    "(scaled to 0, or its replicas are starting)",
+                    param="model", retry_after=_RETRY_AFTER_DEFAULT,
+                )
             raise ModelNotFoundError(
                 f"The model `{model[:200]}` does not exist or you do not have access to it.", param="model"
             )

@@ -67,7 +67,7 @@ from .profiling import (
 if TYPE_CHECKING:
     from ..config import Config
     from ..fleet.registry import Registry
-    from .ports import FleetControl, Listeners, NodeControl
+    from .ports import DeploymentControl, FleetControl, Listeners, NodeControl
 
 __all__ = ["AdminApp", "FleetCollector", "PrometheusObserver", "TextCollector"]
 
@@ -224,6 +224,10 @@ class AdminApp:
     def attach_nodes(self, nodes: NodeControl | None) -> None:
         """Serve ``/admin/v1/nodes`` from this control plane (``None``: no control plane, the routes answer 404)."""
         self.api.nodes = nodes
+
+    def attach_deployments(self, deployments: DeploymentControl | None) -> None:
+        """Serve ``/admin/v1/deployments`` from this controller (``None``: the routes answer 404)."""
+        self.api.deployments = deployments
 
     def register_collector(self, collector: Collector) -> None:
         """Add a collector to the admin ``/metrics`` (the control plane and other parts use this)."""

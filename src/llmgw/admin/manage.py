@@ -22,9 +22,15 @@ Routes::
     POST   /admin/v1/nodes/{name}/uncordon
     GET    /admin/v1/gpus                   every GPU of every node
     GET    /admin/v1/replicas/{id}/logs     the end of a replica's log, from its node (?lines=N, default 100)
+    GET    /admin/v1/deployments            every deployment: desired/ready replicas, where, why not
+    POST   /admin/v1/deployments            create one (body: a config ``deployments[]`` entry)
+    GET    /admin/v1/deployments/{name}     one deployment
+    POST   /admin/v1/deployments/{name}/scale  body ``{"replicas": N}``
+    DELETE /admin/v1/deployments/{name}     undeploy (its replicas drain, then stop)
 
-The node routes need a control plane in the process (``control:``); without one
-they answer 404 saying so.
+The node and deployment routes need a control plane in the process (``control:``);
+without one they answer 404 saying so. ``?show_secrets=1`` on the deployment reads
+adds each replica's API key and the engine environment's values.
 """
 
 from __future__ import annotations
@@ -48,7 +54,7 @@ if TYPE_CHECKING:
     from ..config import Config
     from ..fleet.registry import Endpoint, Registry
     from .metrics import PrometheusObserver
-    from .ports import FleetControl, NodeControl
+    from .ports import DeploymentControl, FleetControl, NodeControl
 
 __all__ = ["ManagementAPI", "endpoint_state", "endpoint_view", "reload_answer"]
 
@@ -68,6 +74,11 @@ ROUTES = (
     "POST /admin/v1/nodes/{name}/uncordon",
     "GET /admin/v1/gpus",
     "GET /admin/v1/replicas/{id}/logs",
+    "GET /admin/v1/deployments",
+    "POST /admin/v1/deployments",
+    "GET /admin/v1/deployments/{name}",
+    "POST /admin/v1/deployments/{name}/scale",
+    "DELETE /admin/v1/deployments/{name}",
 )
 MAX_LOG_LINES = 10_000
 
@@ -167,6 +178,8 @@ def endpoint_view(ep: Endpoint, now: float | None = None) -> dict[str, Any]:
         "models": list(ep.models),
         "engine": cfg.engine,
         "pool": cfg.pool,
+        "deployment": cfg.deployment,
+        "node": cfg.node,
         "state": endpoint_state(ep),
         "draining": ep.draining,
         "inflight": ep.inflight,
@@ -216,6 +229,16 @@ def _lines(req: Request) -> int:
             param="lines", code="invalid_lines",
         )
     return int(raw)
+def _truthy(req: Request, name: str) -> bool:
+    target = req.target
+    q = target.find(b"?")
+    if q < 0:
+        return False
+    for part in target[q + 1:].split(b"&"):
+        k, _, v = part.partition(b"=")
+        if k.decode("latin-1") == name:
+            return v.lower() in (b"", b"1", b"true", b"yes")
+    return False
 
 
 def _json_body(req: Request) -> Any:
@@ -300,6 +323,8 @@ class ManagementAPI:
         self.admission = admission
         self.nodes: NodeControl | None = None
         """The control plane's nodes (attached by the control plane when it starts)."""
+        self.deployments: DeploymentControl | None = None
+        """The control plane's deployments (attached likewise)."""
 
     def _endpoint(self, endpoint_id: str) -> Endpoint:
         ep: Endpoint | None = self.registry.endpoints.get(endpoint_id)
@@ -339,6 +364,8 @@ class ManagementAPI:
             return None
         elif parts[:1] in ([b"nodes"], [b"gpus"]):
             return self.handle_nodes(parts, method, path, w)
+        elif parts[:1] == [b"deployments"]:
+            return self.handle_deployments(req, parts, method, path, w)
         elif parts == [b"queues"]:
             if method not in (b"GET", b"HEAD"):
                 raise method_not_allowed(method, path, "GET")
@@ -420,6 +447,58 @@ class ManagementAPI:
             ) from None
         w.send_json(200, {"replica": replica_id, "node": nodes.node_of_replica(replica_id), "lines": lines,
                           "text": text})
+
+    # -- deployments (the control plane) --
+
+    def handle_deployments(self, req: Request, parts: list[bytes], method: bytes, path: bytes, w: ResponseWriter) -> None:
+        ctl = self.deployments
+        if ctl is None:
+            raise NotFoundError(
+                "this llmgw runs no control plane (add a control: section to the config); no deployments here",
+                code="no_control_plane",
+            )
+        show = _truthy(req, "show_secrets")
+        try:
+            if len(parts) == 1:
+                if method in (b"GET", b"HEAD"):
+                    w.send_json(200, {"deployments": ctl.list_views(show_secrets=show)})
+                    return None
+                if method == b"POST":
+                    from ..control.deployments import parse_deployment
+
+                    w.send_json(201, ctl.create(parse_deployment(_json_body(req))))
+                    return None
+                raise method_not_allowed(method, path, "GET or POST")
+            name = unquote(parts[1].decode("latin-1"))
+            if len(parts) == 2:
+                if method in (b"GET", b"HEAD"):
+                    w.send_json(200, ctl.view(name, show_secrets=show))
+                    return None
+                if method == b"DELETE":
+                    w.send_json(200, ctl.delete(name))
+                    return None
+                raise method_not_allowed(method, path, "GET or DELETE")
+            if len(parts) == 3 and parts[2] == b"scale":
+                if method != b"POST":
+                    raise method_not_allowed(method, path, "POST")
+                body = _json_body(req)
+                n = body.get("replicas") if isinstance(body, dict) else None
+                if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= 1024:
+                    raise BadRequestError(
+                        'the body must be {"replicas": N} with N a whole number from 0 to 1024',
+                        param="replicas", code="invalid_replicas",
+                    )
+                w.send_json(200, ctl.scale(name, n))
+                return None
+        except ValueError as exc:
+            status = getattr(exc, "status", None)
+            if status is None:
+                raise
+            raise HTTPError(
+                str(exc), status=status, type="invalid_request_error", code=getattr(exc, "code", None),
+                param=getattr(exc, "param", None),
+            ) from None
+        raise NotFoundError(f"no admin route {path.decode('latin-1')[:200]}; routes: {', '.join(ROUTES)}")
 
     def reload(self, trigger: str) -> dict[str, Any]:
         """Re-read the config file (:func:`reload_answer`)."""

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 if TYPE_CHECKING:
     from ..config import Config, EndpointConfig
 
-__all__ = ["FleetControl", "Listener", "Listeners", "NodeControl"]
+__all__ = ["DeploymentControl", "FleetControl", "Listener", "Listeners", "NodeControl"]
 
 
 class FleetControl(Protocol):
@@ -75,6 +75,29 @@ class NodeControl(Protocol):
 
         Raises :class:`llmgw.control.service.ReplicaLogsError` (``status``, ``code``) when they cannot be had.
         """
+
+
+class DeploymentControl(Protocol):
+    """The control plane's deployments (:class:`llmgw.control.deployments.DeploymentController`).
+
+    Each change raises :class:`llmgw.control.deployments.DeploymentError` (a ``ValueError`` with
+    ``status``, ``code`` and ``param``) when refused.
+    """
+
+    def list_views(self, *, show_secrets: bool = False) -> list[dict[str, Any]]:
+        """Every deployment: desired and ready replicas, where each runs, why one is missing."""
+
+    def view(self, name: str, *, show_secrets: bool = False) -> dict[str, Any]:
+        """One deployment (``DeploymentError`` 404 when there is none)."""
+
+    def create(self, cfg: Any) -> dict[str, Any]:
+        """Add a deployment (a :class:`~llmgw.config.DeploymentConfig`); its view."""
+
+    def scale(self, name: str, replicas: int) -> dict[str, Any]:
+        """Set its replica count; its view."""
+
+    def delete(self, name: str) -> dict[str, Any]:
+        """Undeploy it: its replicas drain, then stop."""
 
 
 class Listener(Protocol):

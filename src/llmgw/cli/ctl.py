@@ -9,6 +9,10 @@
     llmgw ctl gpus                      every GPU of every node: memory, utilisation, power, health
     llmgw ctl cordon NODE / uncordon NODE   no new replicas to a node / again
     llmgw ctl logs REPLICA [--lines N]  the end of a replica's log file, from its node
+    llmgw ctl deploy chat --model tiny:1b --engine llamacpp --replicas 2
+    llmgw ctl deployments               desired and ready replicas, where each runs, why one is not placed
+    llmgw ctl scale chat 3              (a config deployment's scale holds until its entry changes)
+    llmgw ctl undeploy chat             its replicas drain, then stop
 
 ``--admin URL`` (``$LLMGW_ADMIN``, default ``http://127.0.0.1:9090``) and
 ``--token`` (``$LLMGW_ADMIN_TOKEN``) pick the gateway; ``--json`` prints the API's
@@ -197,6 +201,8 @@ def ctl(ctx: click.Context, admin: str | None, token: str | None, as_json: bool 
       llmgw ctl queues                admission queues per priority band
       llmgw ctl nodes / gpus          the control plane's nodes and their GPUs
       llmgw ctl cordon NODE           no new replicas to a node (uncordon NODE: again)
+      llmgw ctl deploy NAME --model M run a model on the cluster (scale NAME N, undeploy NAME)
+      llmgw ctl deployments           desired/ready replicas, where they run, why one is not placed
     """
     ctx.obj = Target(admin or DEFAULT_ADMIN, token or None, bool(as_json))
 
@@ -217,12 +223,15 @@ def endpoints(ctx: click.Context, admin: str | None, token: str | None, as_json:
     from rich.table import Table
 
     eps = data.get("endpoints", [])
+    # (the DEPLOYMENT column only where the control plane runs replicas; their POOL is their node)
+    deployed = any(ep.get("deployment") for ep in eps)
     table = Table(box=None, pad_edge=False, header_style="bold")
     for col, justify in (
-        ("ID", "left"), ("MODEL", "left"), ("ENGINE", "left"), ("POOL", "left"), ("STATE", "left"),
+        ("ID", "left"), ("MODEL", "left"), ("ENGINE", "left"), ("POOL", "left"),
+        *((("DEPLOYMENT", "left"),) if deployed else ()), ("STATE", "left"),
         ("INFLIGHT", "right"), ("WAITING", "right"), ("RUNNING", "right"), ("KV", "right"), ("DRAIN RATE", "right"),
     ):
-        table.add_column(col, justify=justify, no_wrap=True)  # type: ignore[arg-type]
+        table.add_column(col, justify=justify, no_wrap=True)
     for ep in eps:
         state = ep.get("state", "?")
         table.add_row(
@@ -230,6 +239,7 @@ def endpoints(ctx: click.Context, admin: str | None, token: str | None, as_json:
             ",".join(ep.get("models", [])),
             str(ep.get("engine") or ABSENT),
             str(ep.get("pool") or ABSENT),
+            *((str(ep.get("deployment") or ABSENT),) if deployed else ()),
             f"[{_STATE_STYLE.get(state, 'white')}]{state}[/]",
             _fmt(ep.get("inflight")),
             _fmt(ep.get("waiting")),
@@ -477,6 +487,175 @@ def logs(
     text = data.get("text") if isinstance(data, dict) else None
     if isinstance(text, str):
         click.echo(text, nl=not text.endswith("\n") and bool(text))
+# -- deployments --
+
+_DEPLOY_STATE_STYLE = {"ready": "green", "starting": "yellow", "fetching": "yellow", "pending": "yellow",
+                       "draining": "magenta", "failed": "red", "stopped": "red"}
+
+
+def _kv_pairs(values: tuple[str, ...], what: str) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for v in values:
+        k, sep, val = v.partition("=")
+        if not sep or not k:
+            raise CtlError(f"{what} {v!r}: write KEY=VALUE")
+        out[k] = val
+    return out
+
+
+@ctl.command()
+@click.argument("name")
+@click.option("--model", required=True, help="A mirror reference (tiny:1b), a file path on the nodes, or an id the "
+              "engine downloads itself.")
+@click.option("--engine", default=None, help="vllm (default), llamacpp, trtllm or sglang.")
+@click.option("--replicas", type=click.IntRange(0, 1024), default=None, help="How many (default 1).")
+@click.option("--gpus", type=click.IntRange(0, 64), default=None, help="GPUs per replica (default 1; 0 for llamacpp).")
+@click.option("--gpu-memory", metavar="SIZE", default=None, help="GPU memory each replica needs per GPU (40GiB).")
+@click.option("--gpu-model", default=None, help="Only GPUs whose name contains this (H100).")
+@click.option("--label", "labels", multiple=True, metavar="KEY=VALUE", help="Only nodes with this label (repeat).")
+@click.option("--share-gpus", is_flag=True, default=False, help="Replicas may share a GPU (needs its memory known).")
+@click.option("--slots", type=click.IntRange(1, 4096), default=None, help="Parallel sequences (llama.cpp -np).")
+@click.option("--context", type=click.IntRange(1), default=None, help="Context length in tokens (llama.cpp -c).")
+@click.option("--memory", metavar="SIZE", default=None, help="Node memory a CPU replica needs.")
+@click.option("--cpu-cores", type=float, default=None, help="CPU cores a CPU replica claims.")
+@click.option("--served-name", default=None, help="The model name clients use (default NAME).")
+@click.option("--arg", "args", multiple=True, metavar="ARG", help="An extra engine argument (repeat).")
+@click.option("--env", "envs", multiple=True, metavar="KEY=VALUE", help="An engine environment variable (repeat).")
+@_options(group=False)
+@click.pass_context
+def deploy(ctx: click.Context, name: str, model: str, engine: str | None, replicas: int | None, gpus: int | None,
+           gpu_memory: str | None, gpu_model: str | None, labels: tuple[str, ...], share_gpus: bool,
+           slots: int | None, context: int | None, memory: str | None, cpu_cores: float | None,
+           served_name: str | None, args: tuple[str, ...], envs: tuple[str, ...], admin: str | None,
+           token: str | None, as_json: bool | None) -> None:
+    """Run NAME on the cluster: the control plane places its replicas and keeps them running.
+
+    The deployment lives in the control plane's store (deployments in the config file are
+    managed there instead).
+    """
+    t = _target(ctx, admin, token, as_json)
+    body: dict[str, Any] = {"name": name, "model": model}
+    for key, v in (("engine", engine), ("replicas", replicas), ("gpus", gpus), ("gpu_memory", gpu_memory),
+                   ("gpu_model", gpu_model), ("slots", slots), ("context", context), ("memory", memory),
+                   ("cpu_cores", cpu_cores), ("served_name", served_name)):
+        if v is not None:
+            body[key] = v
+    if labels:
+        body["node_labels"] = _kv_pairs(labels, "--label")
+    if share_gpus:
+        body["share_gpus"] = True
+    if args:
+        body["args"] = list(args)
+    if envs:
+        body["env"] = _kv_pairs(envs, "--env")
+    data = t.call("POST", "/admin/v1/deployments", body)
+    if t.as_json:
+        _print_json(data)
+        return
+    _say_deployment(data, "deployed")
+
+
+def _say_deployment(d: dict[str, Any], verb: str) -> None:
+    click.echo(f"{d.get('name')}: {verb}: {d.get('placed', 0)} of {d.get('desired')} replica(s) placed"
+               + (f" on {', '.join(d['nodes'])}" if d.get("nodes") else ""))
+    if d.get("message"):
+        from ._common import echo_err
+
+        echo_err(f"{d.get('name')}: {d['message']}", level="warning")
+
+
+@ctl.command()
+@click.argument("name")
+@click.argument("replicas", type=click.IntRange(0, 1024))
+@_options(group=False)
+@click.pass_context
+def scale(ctx: click.Context, name: str, replicas: int, admin: str | None, token: str | None,
+          as_json: bool | None) -> None:
+    """Set deployment NAME to REPLICAS replicas (0: none; requests then get 503 model_unavailable).
+
+    Scaling down drains the replicas it removes first: their requests in flight finish. On a
+    deployment from the config file the scale holds until that entry changes in the file.
+    """
+    t = _target(ctx, admin, token, as_json)
+    data = t.call("POST", f"/admin/v1/deployments/{quote(name, safe='')}/scale", {"replicas": replicas})
+    if t.as_json:
+        _print_json(data)
+        return
+    _say_deployment(data, f"scaled to {replicas}")
+
+
+@ctl.command()
+@click.argument("name")
+@_options(group=False)
+@click.pass_context
+def undeploy(ctx: click.Context, name: str, admin: str | None, token: str | None, as_json: bool | None) -> None:
+    """Remove deployment NAME: its replicas drain (requests in flight finish), then stop."""
+    t = _target(ctx, admin, token, as_json)
+    data = t.call("DELETE", f"/admin/v1/deployments/{quote(name, safe='')}")
+    if t.as_json:
+        _print_json(data)
+        return
+    n = len(data.get("draining") or [])
+    click.echo(f"{name}: undeployed" + (f"; {n} replica(s) draining, then stopping" if n else ""))
+
+
+@ctl.command()
+@click.option("--show-secrets", is_flag=True, default=False, help="Show each replica's API key.")
+@_options(group=False)
+@click.pass_context
+def deployments(ctx: click.Context, show_secrets: bool, admin: str | None, token: str | None,
+                as_json: bool | None) -> None:
+    """List the deployments: desired and ready replicas, where each runs, why one is not placed.
+
+    Values nobody reported (a replica's port before it started) show as –.
+    """
+    t = _target(ctx, admin, token, as_json)
+    data = t.call("GET", "/admin/v1/deployments" + ("?show_secrets=1" if show_secrets else ""))
+    if t.as_json:
+        _print_json(data)
+        return
+    from rich.markup import escape
+    from rich.table import Table
+
+    rows = data.get("deployments", [])
+    console = _console()
+    if not rows:
+        console.print("no deployments (add deployments: to the config file, or run llmgw ctl deploy)")
+        return
+    table = Table(box=None, pad_edge=False, header_style="bold")
+    for col, justify in (("DEPLOYMENT", "left"), ("MODEL", "left"), ("ENGINE", "left"), ("READY", "right"),
+                         ("DESIRED", "right"), ("SOURCE", "left"), ("NODES", "left"), ("WHY NOT", "left")):
+        table.add_column(col, justify=justify, no_wrap=col != "WHY NOT")  # type: ignore[arg-type]
+    for d in rows:
+        desired = _fmt(d.get("desired")) + ("*" if d.get("scaled") else "")
+        table.add_row(
+            str(d.get("name")), str(d.get("model")), str(d.get("engine")), _fmt(d.get("ready")), desired,
+            str(d.get("source")), ", ".join(d.get("nodes") or []) or ABSENT,
+            escape(str(d.get("message"))) if d.get("message") else ABSENT,
+        )
+    console.print(table)
+    reps = [r for d in rows for r in d.get("replicas", [])]
+    if reps:
+        rt = Table(box=None, pad_edge=False, header_style="bold")
+        cols = ["REPLICA", "DEPLOYMENT", "NODE", "STATE", "ADDRESS", "GPUS", "RESTARTS", "ROUTED"]
+        if show_secrets:
+            cols.append("API KEY")
+        for col in cols:
+            rt.add_column(col, justify="right" if col == "RESTARTS" else "left", no_wrap=True)
+        for r in reps:
+            state = str(r.get("state"))
+            addr = f"{r['address']}:{r['port']}" if r.get("address") and r.get("port") else ABSENT
+            row = [str(r.get("id")), str(r.get("deployment")), str(r.get("node")),
+                   f"[{_DEPLOY_STATE_STYLE.get(state, 'white')}]{state}[/]", addr,
+                   str(len(r.get("gpus") or [])) if r.get("gpus") else "cpu", _fmt(r.get("restarts")),
+                   "yes" if r.get("in_router") else "no"]
+            if show_secrets:
+                row.append(str(r.get("api_key") or ABSENT))
+            rt.add_row(*row)
+        console.print()
+        console.print(rt)
+    if any(d.get("scaled") for d in rows):
+        console.print("* scaled with llmgw ctl scale: holds until the deployment's entry in the config file changes")
 
 
 def main() -> None:  # pragma: no cover - `python -m llmgw.cli.ctl`

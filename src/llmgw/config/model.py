@@ -29,6 +29,7 @@ from ._rules import (
     _HEADER_NAME,
     _HOSTPORT,
     _IDENT,
+    _LABEL_MAP,
     _METRIC_NAMES,
     _METRICS_PATH,
     _MODEL_NAME,
@@ -86,6 +87,9 @@ class EndpointConfig:
     host: str = "127.0.0.1"
     port: int = 80
     base_path: str = ""
+    # set on a replica the control plane runs (llmgw.control.deployments); None for endpoints: entries
+    deployment: str | None = None
+    node: str | None = None
 
     @property
     def model(self) -> str:
@@ -307,28 +311,54 @@ class ControlConfig:
 
 @dataclass(frozen=True, slots=True)
 class DeploymentConfig:
-    """One model deployment the control plane would run (``deployments[]``). Reserved: not used yet."""
+    """One model deployment the control plane runs (``deployments[]``; docs/deployments.md)."""
 
     name: Annotated[str, _IDENT]
     """Unique name of the deployment."""
     model: Annotated[str, _MODEL_NAME]
-    """The model to run (a mirror name or a path the engine understands)."""
+    """The model: a mirror reference (tiny:1b), a file path on the nodes, or an id the engine downloads itself."""
     engine: Annotated[str, _RUNNABLE_ENGINE] = "vllm"
     """The engine that runs it."""
     replicas: Annotated[int, _int(0, 1024)] = 1
     """How many replicas to run."""
-    gpus: Annotated[int, _int(0, 64)] = 1
-    """GPUs per replica (0: CPU)."""
+    gpus: Annotated[int, _int(0, 64)] | None = None
+    """GPUs per replica (0: CPU); default 1, or 0 for llamacpp."""
     gpu_memory: Annotated[int, _size()] | None = None
-    """GPU memory per replica (a size), when the engine should be held to less than a whole GPU."""
+    """GPU memory each replica needs on each of its GPUs (a size); default: from the mirror's GGUF facts."""
     args: Annotated[tuple[str, ...], _STRINGS] = ()
     """Extra command-line arguments for the engine."""
     env: Annotated[Mapping[str, str], _ENV_MAP] = field(default_factory=dict, repr=False)
     """Extra environment variables for the engine."""
     served_name: Annotated[str, _MODEL_NAME] | None = None
-    """The model name clients use (default: model)."""
+    """The model name clients use (default: the deployment's name)."""
+    gpu_model: Annotated[str, _TEXT] | None = None
+    """Only GPUs whose name contains this (case-insensitive): H100, A100-SXM4-80GB."""
+    node_labels: Annotated[Mapping[str, str], _LABEL_MAP] = field(default_factory=dict)
+    """Only nodes with every one of these labels (the agent's labels:)."""
+    share_gpus: Annotated[bool, _FLAG] = False
+    """true: replicas may share a GPU (each holds gpu_memory of it); default one replica per GPU."""
+    slots: Annotated[int, _int(1, 4096)] | None = None
+    """Parallel sequences per replica (llama.cpp -np)."""
+    context: Annotated[int, _int(1, 10_000_000)] | None = None
+    """Context length in tokens (llama.cpp -c: shared by the slots)."""
+    memory: Annotated[int, _size()] | None = None
+    """Node memory a CPU replica needs (default: from the mirror's GGUF facts)."""
+    cpu_cores: Annotated[float, _num(0.0, 4096.0)] | None = None
+    """CPU cores a CPU replica claims (default: none claimed)."""
 
     __pydantic_config__ = _SECTION
+
+    @property
+    def gpu_count(self) -> int:
+        """GPUs per replica, the engine's default applied."""
+        if self.gpus is not None:
+            return self.gpus
+        return 0 if self.engine == "llamacpp" else 1
+
+    @property
+    def model_name(self) -> str:
+        """The name clients use."""
+        return self.served_name or self.name
 
 
 @dataclass(frozen=True, slots=True)
@@ -360,7 +390,6 @@ class Config:
     mirror_root: str | None = None
     admin_token: str | None = field(default=None, repr=False)
     source: str | None = None
-    # reserved for the control plane: validated, nothing reads them yet
     control: ControlConfig | None = None
     deployments: tuple[DeploymentConfig, ...] = ()
     follow: FollowConfig | None = None
@@ -506,7 +535,7 @@ class _ControlIn(_In):
     heartbeat_grace: Annotated[float, _duration(0.1)] | None = None
     """A node silent this long is lost (default: three heartbeat intervals)."""
     database: Annotated[str, _TEXT] | None = _default(ControlConfig, "database")
-    """Where the control plane would keep its state (reserved: nothing is stored yet)."""
+    """Where the control plane keeps desired state: sqlite:///PATH (default: beside state_file, else ~/.local/state/llmgw/control.sqlite3)."""
     state_file: Annotated[str, _TEXT] | None = _default(ControlConfig, "state_file")
     """A JSON file keeping operators' decisions (cordons) across restarts; default: memory only."""
     tls_cert: Annotated[str, _TEXT] | None = _default(ControlConfig, "tls_cert")
@@ -557,5 +586,5 @@ class _ConfigIn(_In):
     mirror: _MirrorIn = Field(default_factory=_MirrorIn)
     control: _ControlIn | None = None
     deployments: tuple[DeploymentConfig, ...] = ()
-    """Reserved for the control plane: the deployments it would run."""
+    """The deployments the control plane runs (needs control:)."""
     follow: _FollowIn | None = None

@@ -37,6 +37,7 @@ from prometheus_client.utils import floatToGoString
 
 if TYPE_CHECKING:
     from ..agent.wire import pb
+    from .deployments import DeploymentController
     from .nodes import NodeMap, NodeState
     from .service import ControlStats
 
@@ -336,11 +337,19 @@ class ClusterCollector(Collector):
         nodes: the node map, read at every scrape.
         stats: the control plane's counters.
         slice_s: :meth:`render_text` yields to the event loop after this long.
+        deployments: the deployments: their replica counts and the GPU memory their
+            replicas hold (``llmgw_gpu_memory_allocated_bytes``: every GPU of every node
+            that is up, 0 where nothing is placed; a claim on a GPU its node no longer
+            reports is exported too, with ``gpu_index=""``).
     """
 
-    def __init__(self, nodes: NodeMap, stats: ControlStats, slice_s: float = 0.002) -> None:
+    def __init__(
+        self, nodes: NodeMap, stats: ControlStats, slice_s: float = 0.002,
+        deployments: DeploymentController | None = None,
+    ) -> None:
         self.nodes = nodes
         self.stats = stats
+        self.deployments = deployments
         self.slice_s = slice_s
         self._cache: dict[str, tuple[tuple[int, bool, str], dict[int, bytes]]] = {}
         self.rebuilt = 0
@@ -460,4 +469,34 @@ class ClusterCollector(Collector):
         )
         for (method, code), v in sorted(s.rpc_errors.items()):
             errors.add_metric([method, code], float(v))
-        return [nodes, reg, dereg, refused, beats, streams, errors]
+        out: list[Metric] = [nodes, reg, dereg, refused, beats, streams, errors]
+        if self.deployments is not None:
+            out.extend(self._deployment_families(self.deployments))
+        return out
+
+    def _deployment_families(self, ctl: DeploymentController) -> list[Metric]:
+        alloc = GaugeMetricFamily(
+            "llmgw_gpu_memory_allocated_bytes",
+            "GPU memory the replicas placed on the GPU hold (their claims), bytes", labels=list(_GPU),
+        )
+        held = ctl.allocated()
+        now = self.nodes.monotonic()
+        for st in self.nodes:
+            if not self.nodes.is_up(st, now):
+                continue
+            for g in st.discovery.gpus:
+                key = (st.name, g.uuid)
+                alloc.add_metric([st.name, g.uuid, "" if g.index is None else str(g.index)], float(held.pop(key, 0)))
+        for (node, uuid), v in sorted(held.items()):
+            owner = self.nodes.get(node)
+            if owner is None or self.nodes.is_up(owner, now):
+                alloc.add_metric([node, uuid, ""], float(v))
+        desired = GaugeMetricFamily("llmgw_deployment_replicas_desired", "Replicas a deployment asks for",
+                                    labels=["deployment"])
+        ready = GaugeMetricFamily("llmgw_deployment_replicas_ready", "Replicas of a deployment reported ready",
+                                  labels=["deployment"])
+        for name, dep in sorted(ctl.deployments.items()):
+            desired.add_metric([name], float(dep.desired))
+            ready.add_metric([name], float(sum(1 for r in ctl.replicas.values()
+                                               if r.deployment == name and r.state == "ready")))
+        return [alloc, desired, ready]

@@ -46,7 +46,9 @@ if TYPE_CHECKING:
     from ..admin.app import AdminApp
     from ..config import Config, ControlConfig
     from ..launch.spec import ReplicaController
+    from .deployments import DeploymentController, Router
     from .nodes import NodeState
+    from .resolve import Resolver
 
 __all__ = ["ControlPlane", "ControlStats", "ReplicaLogsError"]
 
@@ -555,27 +557,34 @@ class AgentService(agent_pb2_grpc.AgentServiceServicer):
 
 
 class ControlPlane:
-    """The control plane as a runtime component: gRPC listener, node map, cluster collector, nodes API.
+    """The control plane as a runtime component: gRPC listener, node map, cluster collector, nodes API,
+    and the deployments (:attr:`deployments`, a :class:`~.deployments.DeploymentController`, made at start).
 
     Args:
         config: the running configuration (called per use: a reload changes tokens
             and intervals); its ``control`` section must be set.
         admin: the admin app: the cluster collector goes on its ``/metrics`` and the
-            node routes on its management API. ``None``: neither (a bare control plane).
-        controller: what each node should run and where its replicas are
-            (:class:`~llmgw.launch.spec.ReplicaController`); ``None``: nodes are sent no replicas.
+            node and deployment routes on its management API. ``None``: neither (a bare control plane).
+        router: the router deployment replicas join when ready (``None``: they are placed and
+            launched but nobody routes to them here).
+        resolver: a model string -> the mirror's model (default: the mirror at ``mirror.root``).
     """
 
     name = "control plane"
 
     def __init__(
-        self, config: Callable[[], Config], admin: AdminApp | None = None, controller: ReplicaController | None = None
+        self, config: Callable[[], Config], admin: AdminApp | None = None, router: Router | None = None,
+        resolver: Resolver | None = None,
     ) -> None:
         self.config = config
         self.admin = admin
+        self.router = router
+        self.resolver = resolver
+        self.deployments: DeploymentController | None = None
+        """The replicas' desired state (``ReplicaController``): the agent service asks it what each node runs."""
         self.stats = ControlStats()
         self.nodes = NodeMap(lambda: self._control().heartbeat_grace)
-        self.service = AgentService(self.nodes, self._control, self.stats, controller)
+        self.service = AgentService(self.nodes, self._control, self.stats)
         self.server: grpc.aio.Server | None = None
         self.address: tuple[str, int] | None = None
         self.tls = False
@@ -613,6 +622,18 @@ class ControlPlane:
             self.nodes.restore_cordons(self._state.load())
         else:
             log.info("cordons are kept in memory only (set control.state_file to keep them across restarts)")
+        from .deployments import DeploymentController
+        from .resolve import mirror_resolver
+        from .store import open_store
+
+        store = open_store(c.database, c.state_file)
+        log.info("deployments are kept in %s", store.path)
+        self.deployments = DeploymentController(
+            nodes=self.nodes, store=store, router=self.router, config=self.config,
+            resolver=self.resolver or mirror_resolver(self.config().mirror_root),
+        )
+        await self.deployments.start()
+        self.service.attach(self.deployments)  # desired sets pushed to the agents, their statuses back
         server = grpc.aio.server(options=list(SERVER_OPTIONS))
         agent_pb2_grpc.add_AgentServiceServicer_to_server(self.service, server)
         host, port = c.listen
@@ -629,9 +650,10 @@ class ControlPlane:
         if self.admin is not None:
             from .collector import ClusterCollector
 
-            self._collector = ClusterCollector(self.nodes, self.stats)
+            self._collector = ClusterCollector(self.nodes, self.stats, deployments=self.deployments)
             self.admin.register_text_collector(self._collector)
             self.admin.attach_nodes(self)
+            self.admin.attach_deployments(self.deployments)
         log.info(
             "control plane listening on %s://%s:%d (heartbeat every %gs, grace %gs%s)",
             "grpcs" if self.tls else "grpc", host, bound, c.heartbeat_interval, c.heartbeat_grace,
@@ -641,6 +663,7 @@ class ControlPlane:
     async def stop(self) -> None:
         if self.admin is not None:
             self.admin.attach_nodes(None)
+            self.admin.attach_deployments(None)
             if self._collector is not None:
                 self.admin.unregister_collector(self._collector)
                 self._collector = None
@@ -648,6 +671,9 @@ class ControlPlane:
             await self.server.stop(1.0)
             self.server = None
         await self.service.close()
+        if self.deployments is not None:
+            await self.deployments.stop()
+            self.deployments = None
 
     # -- the nodes API (admin.ports.NodeControl) --
 
