@@ -8,14 +8,16 @@ switching a check off.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
+from collections.abc import Awaitable, Collection, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from ..config import Config, EndpointConfig
+    from ..http.parser import Request
+    from ..http.server import ResponseWriter
 
-__all__ = ["FleetControl", "Listener", "Listeners", "NodeControl"]
+__all__ = ["FleetControl", "Listener", "Listeners", "MirrorBlobs", "NodeControl"]
 
 
 class FleetControl(Protocol):
@@ -66,6 +68,14 @@ class NodeControl(Protocol):
 
     def set_cordoned(self, name: str, cordoned: bool) -> dict[str, Any] | None:
         """Cordon or uncordon; the node with ``changed``; ``None`` when there is no such node."""
+
+
+class MirrorBlobs(Protocol):
+    """The mirror's blobs for node agents (:class:`llmgw.mirror.serve.BlobServer`; the control plane
+    attaches it with :meth:`llmgw.admin.app.AdminApp.attach_mirror`)."""
+
+    def handle(self, req: Request, w: ResponseWriter) -> Awaitable[None] | None:
+        """Answer a request under ``/mirror/v1/`` (it checks the node's credential itself)."""
 
 
 class Listener(Protocol):

@@ -29,6 +29,8 @@ from .._proto.agent.v1 import agent_pb2_grpc
 from ..agent.wire import PROTOCOL, SERVER_OPTIONS, TOKEN_METADATA, compatible, pb
 from ..errors import ConfigError, HTTPError
 from ..log import control_logger as log
+from ..mirror.serve import BlobServer
+from .credentials import NodeCredentials
 from .nodes import NodeMap
 
 if TYPE_CHECKING:
@@ -131,6 +133,7 @@ class AgentService(agent_pb2_grpc.AgentServiceServicer):
         self.control = control
         self.stats = stats
         self._tokens = _Tokens()
+        self.credentials: NodeCredentials | None = None  # the nodes' mirror credentials (ControlPlane sets it)
 
     async def _abort(self, context: Any, method: str, code: grpc.StatusCode, message: str) -> None:
         self.stats.error(method, code)
@@ -268,6 +271,8 @@ class AgentService(agent_pb2_grpc.AgentServiceServicer):
         st = self.nodes.deregister(request.node_id)
         if st is not None:
             self.stats.deregistrations += 1
+            if self.credentials is not None:
+                self.credentials.revoke(st.name)
             log.info("node %s deregistered (%s)", st.name, request.reason or "no reason given")
         return pb.DeregisterResponse(removed=st is not None)
 
@@ -290,6 +295,11 @@ class ControlPlane:
         self.stats = ControlStats()
         self.nodes = NodeMap(lambda: self._control().heartbeat_grace)
         self.service = AgentService(self.nodes, self._control, self.stats)
+        # Mirror blobs for the agents (admin listener, /mirror/v1/blobs/...), each node with its own
+        # credential; the controller sets the authorizer (mirror_server.allowed): until then, none.
+        self.credentials = NodeCredentials()
+        self.service.credentials = self.credentials
+        self.mirror_server = BlobServer(self._mirror_root, self.credentials)
         self.server: grpc.aio.Server | None = None
         self.address: tuple[str, int] | None = None
         self.tls = False
@@ -346,6 +356,7 @@ class ControlPlane:
             self._collector = ClusterCollector(self.nodes, self.stats)
             self.admin.register_text_collector(self._collector)
             self.admin.attach_nodes(self)
+            self.admin.attach_mirror(self.mirror_server)
         log.info(
             "control plane listening on %s://%s:%d (heartbeat every %gs, grace %gs%s)",
             "grpcs" if self.tls else "grpc", host, bound, c.heartbeat_interval, c.heartbeat_grace,
@@ -355,12 +366,19 @@ class ControlPlane:
     async def stop(self) -> None:
         if self.admin is not None:
             self.admin.attach_nodes(None)
+            self.admin.attach_mirror(None)
             if self._collector is not None:
                 self.admin.unregister_collector(self._collector)
                 self._collector = None
+        self.mirror_server.close()
         if self.server is not None:
             await self.server.stop(1.0)
             self.server = None
+
+    def _mirror_root(self) -> str:
+        from ..mirror.store import default_root
+
+        return self.config().mirror_root or str(default_root())
 
     # -- the nodes API (admin.ports.NodeControl) --
 
