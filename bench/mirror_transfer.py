@@ -14,10 +14,17 @@ processes weighs on both alike):
   issues a credential for one node and allows it every blob, which in a real
   cluster registration and placement do.
 
+The fetch runs twice per round: into a node store on the work directory's disk,
+and into one on tmpfs (``/dev/shm``, where there is one). A fetch is durable (the
+blob is fsync'd before it counts), so on disk it cannot beat the disk's own write
+rate: the script measures that too (writing the same number of bytes and
+fsyncing, as ``dd conv=fdatasync`` does). The tmpfs row is the transfer itself:
+socket, hash and copy.
+
 ``sync`` runs (untimed) before each run, so one run's writeback does not slow
 the next. Goal (issue 18): the fetch at least 80% of openssl's rate.
 
-    python bench/mirror_transfer.py [--size-mib 384] [--runs 3]
+    python bench/mirror_transfer.py [--size-mib 384] [--runs 5] [--dir DIR] [--tmpfs DIR]
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ import argparse
 import asyncio
 import json
 import os
+import resource
 import shutil
 import socket
 import statistics
@@ -95,11 +103,49 @@ async def _fetch(url: str, credential: str, root: Path, blob: Any) -> float:
         await fetcher.close()
 
 
+def _cpu_self() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+def _cpu_children() -> float:
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
+
+
+def _cpu_of(pid: int) -> float:
+    """CPU seconds (user + system) process ``pid`` has used (Linux ``/proc``; 0 elsewhere)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _write_and_sync(path: Path, size: int) -> float:
+    """Seconds to write ``size`` bytes to a new file and fsync it (what ``dd conv=fdatasync`` measures)."""
+    buf = memoryview(bytearray(os.urandom(1 << 20)) * 4)
+    t0 = time.perf_counter()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        left = size
+        while left:
+            left -= os.write(fd, buf[: min(len(buf), left)])
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    took = time.perf_counter() - t0
+    path.unlink()
+    return took
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--size-mib", type=int, default=384)
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--dir", type=Path, default=None, help="where to put the mirrors (default: a temp dir)")
+    ap.add_argument("--tmpfs", type=Path, default=Path("/dev/shm") if Path("/dev/shm").is_dir() else None,
+                    help="a memory file system for the second node store (default /dev/shm; 'none': skip)")
     ap.add_argument("--serve", metavar="CONFIG", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.serve:
@@ -138,28 +184,54 @@ def main() -> None:
             sys.exit("the gateway did not start")
         served = json.loads(line)
         subprocess.run(["openssl", "dgst", "-sha256", str(blob_path)], check=True, capture_output=True)  # warm
-        openssl: list[float] = []
-        fetch: list[float] = []
+        tmpfs = None if args.tmpfs is None or str(args.tmpfs) == "none" else Path(
+            tempfile.mkdtemp(prefix="llmgw-transfer-", dir=args.tmpfs))
+        times: dict[str, list[float]] = {"openssl": [], "disk": [], "fetch-disk": [], "fetch-tmpfs": []}
+        cpu: dict[str, list[float]] = {"openssl": [], "client": [], "server": []}
         for i in range(args.runs):
             subprocess.run(["sync"], check=True)
+            c0 = _cpu_children()
             t0 = time.perf_counter()
             out = subprocess.run(["openssl", "dgst", "-sha256", str(blob_path)], check=True, capture_output=True,
                                  text=True).stdout
-            openssl.append(time.perf_counter() - t0)
+            times["openssl"].append(time.perf_counter() - t0)
+            cpu["openssl"].append(_cpu_children() - c0)
             assert f.digest[7:] in out, out
-            node = work / f"node-mirror-{i}"
             subprocess.run(["sync"], check=True)
-            fetch.append(_run_loop(_fetch(served["url"], served["credential"], node, blob)))
-            shutil.rmtree(node)
+            times["disk"].append(_write_and_sync(work / "dd.bin", size))
+            for row, where in (("fetch-disk", work), ("fetch-tmpfs", tmpfs)):
+                if where is None:
+                    continue
+                node = where / f"node-mirror-{i}"
+                subprocess.run(["sync"], check=True)
+                c0, s0 = _cpu_self(), _cpu_of(proc.pid)
+                times[row].append(_run_loop(_fetch(served["url"], served["credential"], node, blob)))
+                cpu["client"].append(_cpu_self() - c0)
+                cpu["server"].append(_cpu_of(proc.pid) - s0)
+                shutil.rmtree(node)
+        if tmpfs is not None:
+            shutil.rmtree(tmpfs, ignore_errors=True)
         mib = size / (1 << 20)
-        o = mib / statistics.median(openssl)
-        t = mib / statistics.median(fetch)
-        print(f"blob: {args.size_mib} MiB, {args.runs} runs each, {os.cpu_count()} CPUs")
-        print(f"openssl dgst -sha256: {o:8.0f} MiB/s   (median {statistics.median(openssl):.3f} s;"
-              f" runs {', '.join(f'{x:.3f}' for x in openssl)})")
-        print(f"mirror fetch:         {t:8.0f} MiB/s   (median {statistics.median(fetch):.3f} s;"
-              f" runs {', '.join(f'{x:.3f}' for x in fetch)})")
-        print(f"ratio: {t / o:.0%} of openssl (goal: at least 80%)")
+        rate = {k: mib / statistics.median(v) for k, v in times.items() if v}
+        print(f"blob: {args.size_mib} MiB, {args.runs} runs each (median), {os.cpu_count()} CPUs,"
+              f" load average {os.getloadavg()[0]:.1f}")
+        labels = {
+            "openssl": "openssl dgst -sha256",
+            "disk": "disk: write + fsync",
+            "fetch-disk": "fetch, node store on disk",
+            "fetch-tmpfs": "fetch, node store on tmpfs",
+        }
+        for k, v in times.items():
+            if v:
+                print(f"{labels[k]:28s} {rate[k]:7.0f} MiB/s  (runs {', '.join(f'{x:.3f}' for x in v)} s)")
+        gib = size / (1 << 30)
+        print("CPU seconds per GiB (load-independent): openssl {:.2f}; fetch: client {:.2f} (the hash alone is"
+              " openssl's, on its own thread), server {:.2f}".format(
+                  *(statistics.median(cpu[k]) / gib for k in ("openssl", "client", "server"))))
+        for k in ("fetch-disk", "fetch-tmpfs"):
+            if k in rate:
+                print(f"{labels[k]}: {rate[k] / rate['openssl']:.0%} of openssl (goal: at least 80%)"
+                      + (f"; {rate[k] / rate['disk']:.0%} of the disk's write rate" if k == "fetch-disk" else ""))
     finally:
         if proc is not None:
             assert proc.stdin is not None

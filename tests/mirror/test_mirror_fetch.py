@@ -318,6 +318,13 @@ async def test_blob_route_auth_ranges_and_errors(tmp_path: Path, caplog: pytest.
         assert h["content-range"] == f"bytes 100-199/{model.size}"
         status, h, body = await raw_get(m.url, path, {**auth, "range": "bytes=-10"})
         assert status == 206 and body == data[-10:]
+        m.cp.mirror_server.use_sendfile = False  # the path TLS connections take: read, then write
+        m.cp.mirror_server.chunk = 4096
+        status, h, body = await raw_get(m.url, path, auth)
+        assert status == 200 and body == data
+        status, h, body = await raw_get(m.url, path, {**auth, "range": "bytes=5000-"})
+        assert status == 206 and body == data[5000:]
+        m.cp.mirror_server.use_sendfile = True
         for bad in (f"bytes={model.size}-", "bytes=5-2", "bytes=0-1,5-6", "items=0-1", "bytes=-0"):
             status, h, body = await raw_get(m.url, path, {**auth, "range": bad})
             assert (status, err(body)) == (416, "range_not_satisfiable"), bad

@@ -252,9 +252,11 @@ class MirrorFetcher:
         self._jobs[blob.digest] = job
         job.task = asyncio.get_running_loop().create_task(self._fetch(job), name=f"llmgw-fetch-{blob.digest[7:19]}")
 
-        def forget(_: object) -> None:
+        def forget(task: asyncio.Task[Path]) -> None:
             if self._jobs.get(blob.digest) is job:
                 del self._jobs[blob.digest]
+            if not task.cancelled():
+                task.exception()  # (retrieved here: every waiter may have given up)
 
         job.task.add_done_callback(forget)
         return job

@@ -23,19 +23,28 @@ the admin token. The answers, in the order they are decided:
   bytes``, a strong ``ETag`` (``"sha256:<hex>"``), ``Repr-Digest`` (RFC 9530) and
   ``x-llmgw-digest``.
 
-PERF: the bytes are read with ``pread`` in a small thread pool (never on the event
-loop), one chunk ahead of the socket, and written at the client's pace (the
-writer's flow control): memory stays at two chunks per transfer whatever the
-blob's size, and a slow agent holds nothing but its own connection.
+PERF: on a plain TCP connection the bytes go with ``sendfile(2)`` from a thread
+(zero-copy: the file's pages go to the socket without passing through Python, and
+the event loop does nothing but wait), on a duplicate of the connection's socket,
+so a transport that closes meanwhile cannot hand its file descriptor number to
+another connection under the thread; the thread waits with ``poll`` while the
+socket is full, so it moves at the client's pace and is cut after
+:data:`STALL_S` without progress. Otherwise (TLS, or the head still queued) they
+are read with ``pread`` in the thread pool, one chunk ahead of the socket, and
+written through the writer's flow control. Either way memory stays at a chunk or
+two per transfer whatever the blob's size.
 """
 
 from __future__ import annotations
 
 import asyncio
 import base64
+import errno
 import os
 import re
+import select
 import stat
+import threading
 import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -57,6 +66,11 @@ BLOB_PREFIX = b"/mirror/v1/blobs/"
 # PERF: 1 MiB reads: the thread hop and the write cost per chunk vanish next to the
 # copy, and one chunk written to the socket holds the loop ~0.1 ms at most.
 CHUNK = 1 << 20
+# One sendfile call moves at most this much (then the thread checks whether to stop).
+SENDFILE_CHUNK = 8 << 20
+STALL_S = 120.0
+"""Seconds a transfer may make no progress (the agent stopped reading) before it is cut."""
+_POLL_MS = 500
 _O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 _O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _RANGE = re.compile(rb"bytes[ \t]*=[ \t]*(\d*)[ \t]*-[ \t]*(\d*)[ \t]*")
@@ -123,11 +137,13 @@ class BlobServer:
         allowed: ``allowed(node, digest)``; ``None`` refuses every blob (the
             controller sets :attr:`allowed` once it knows the placements).
         chunk: bytes per read.
-        threads: the reader threads (shared by every transfer).
+        threads: the transfer threads (shared by every transfer: one per ``sendfile``
+            transfer while it runs, so more transfers at once than this wait their turn).
 
     Attributes:
         allowed: the authorizer; replace it at any time.
         served: ``{"requests": n, "bytes": n}`` so far, for tests and metrics.
+        use_sendfile: send with ``sendfile(2)`` where the connection allows (``False``: always read and write).
     """
 
     def __init__(
@@ -137,7 +153,7 @@ class BlobServer:
         allowed: Authorizer | None = None,
         *,
         chunk: int = CHUNK,
-        threads: int = 4,
+        threads: int = 32,
     ) -> None:
         self._root = root
         self.credentials = credentials
@@ -146,6 +162,7 @@ class BlobServer:
         self._threads = threads
         self._pool: ThreadPoolExecutor | None = None
         self.served = {"requests": 0, "bytes": 0}
+        self.use_sendfile = True
 
     def close(self) -> None:
         """Stop the reader threads (transfers still running fail)."""
@@ -247,6 +264,39 @@ class BlobServer:
             return None
         return self._stream(w, fd, start, end, status, headers, node, digest)
 
+    def _sendfile_socket(self, w: ResponseWriter) -> int | None:
+        """A duplicate of the connection's socket for ``sendfile``, or ``None`` when it cannot be used."""
+        if not (self.use_sendfile and hasattr(os, "sendfile")) or w.disconnected:
+            return None
+        transport = w.transport
+        if transport is None or transport.is_closing() or transport.get_extra_info("sslcontext") is not None:
+            return None
+        sock = transport.get_extra_info("socket")
+        if sock is None or w.queued or transport.get_write_buffer_size():
+            return None  # (bytes still queued in the transport would come after ours)
+        try:
+            return os.dup(sock.fileno())
+        except (OSError, ValueError):
+            return None
+
+    async def _sendfile(
+        self, w: ResponseWriter, loop: asyncio.AbstractEventLoop, pool: ThreadPoolExecutor, sock_fd: int,
+        fd: int, start: int, end: int, digest: str,
+    ) -> int:
+        """Send ``[start, end)`` of ``fd`` with sendfile in a thread; the bytes sent (-1: cut off)."""
+        stop = threading.Event()
+        w.on_disconnect(stop.set)
+        try:
+            sent, why = await loop.run_in_executor(pool, _sendfile_all, sock_fd, fd, start, end, stop)
+        finally:
+            stop.set()
+            os.close(sock_fd)
+        if why and not w.disconnected:
+            log.warning("cut the transfer of %s after %d bytes: %s", digest, sent, why)
+            w.abort()
+            return -1
+        return sent
+
     async def _stream(
         self, w: ResponseWriter, fd: int, start: int, end: int, status: int,
         headers: list[tuple[bytes, bytes]], node: str, digest: str,
@@ -262,9 +312,17 @@ class BlobServer:
         pending: asyncio.Future[Any] | None = None
         try:
             w.start(status, headers, content_length=end - start)
-            reading = loop.run_in_executor(pool, os.pread, fd, min(chunk, end - offset), offset)
-            pending = reading
-            while offset < end:
+            sock_fd = self._sendfile_socket(w)
+            if sock_fd is not None:
+                n = await self._sendfile(w, loop, pool, sock_fd, fd, start, end, digest)
+                if n < 0:
+                    return  # cut off (and logged)
+                sent = n
+                offset = start + n
+            if offset < end and not w.disconnected:  # (no sendfile here: read and write)
+                reading = loop.run_in_executor(pool, os.pread, fd, min(chunk, end - offset), offset)
+                pending = reading
+            while pending is not None and offset < end:
                 data: bytes = await reading
                 pending = None
                 if not data:  # the file shrank under us: the client sees a short body and retries
@@ -300,3 +358,36 @@ class BlobServer:
             "sent %s [%d-%d) to node %s: %d bytes in %.2fs (%.0f MiB/s)",
             digest, start, end, node, sent, took, sent / max(took, 1e-6) / (1 << 20),
         )
+
+
+def _sendfile_all(sock_fd: int, fd: int, offset: int, end: int, stop: threading.Event) -> tuple[int, str]:
+    """Send ``[offset, end)`` of ``fd`` to the (non-blocking) socket ``sock_fd``, waiting with poll
+    while it is full; ``(bytes sent, why it stopped early or "")``. Runs in a thread."""
+    poller = select.poll()
+    poller.register(sock_fd, select.POLLOUT)
+    sent = 0
+    last = time.monotonic()
+    while offset < end:
+        if stop.is_set():
+            return sent, ""  # (the client went away: the caller knows)
+        try:
+            n = os.sendfile(sock_fd, fd, offset, min(end - offset, SENDFILE_CHUNK))
+        except BlockingIOError:
+            events = poller.poll(_POLL_MS)
+            if events and events[0][1] & (select.POLLERR | select.POLLHUP | select.POLLNVAL):
+                return sent, "the connection failed"
+            if not events and time.monotonic() - last > STALL_S:
+                return sent, f"no progress for {STALL_S:.0f}s (the agent stopped reading)"
+            continue
+        except OSError as exc:
+            if exc.errno in (errno.EPIPE, errno.ECONNRESET, errno.ENOTCONN, errno.EBADF):
+                return sent, "the connection failed"
+            if exc.errno in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP) and sent == 0:
+                return 0, ""  # no sendfile for this pair: the caller falls back to reads
+            raise
+        if n == 0:
+            return sent, "the blob is shorter than it was when the transfer began"
+        offset += n
+        sent += n
+        last = time.monotonic()
+    return sent, ""
