@@ -345,6 +345,48 @@ async def test_blob_route_auth_ranges_and_errors(tmp_path: Path, caplog: pytest.
         assert not any(secret in r.getMessage() for r in caplog.records)
 
 
+async def test_registration_access_deregistration_revokes_and_placement_authorizes(tmp_path: Path) -> None:
+    import grpc
+
+    from llmgw._proto.agent.v1 import agent_pb2_grpc
+    from llmgw.agent.wire import PROTOCOL, pb
+    from llmgw.mirror.serve import placed_blobs
+
+    async with mirror_runtime(tmp_path) as m:
+        cp = m.cp
+        # what Register's answer carries (i18-wire: AgentService.mirror_access)
+        assert cp.service.mirror_access is not None
+        access = cp.service.mirror_access("node-c")
+        assert access is not None
+        url, credential = access
+        assert url == m.url and cp.credentials.node_for(credential) == "node-c"
+
+        # the authorizer from the controller's desired sets: only blobs of replicas placed there
+        class Placed:
+            def desired(self, node: str) -> tuple[int, tuple[ReplicaSpec, ...]]:
+                return (1, (m.spec(),)) if node == "node-c" else (0, ())
+
+        cp.mirror_server.allowed = placed_blobs(Placed())  # type: ignore[arg-type]
+        path = f"/mirror/v1/blobs/{m.blobs[1].digest}"
+        status, _, body = await raw_get(url, path, {"authorization": f"Bearer {credential}"})
+        assert status == 200 and "sha256:" + hashlib.sha256(body).hexdigest() == m.blobs[1].digest
+        status, _, _ = await raw_get(url, path, {"authorization": f"Bearer {m.credential}"})
+        assert status == 403  # node-a has nothing placed
+
+        # a node that registers and deregisters over gRPC loses its credential
+        assert cp.address is not None
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{cp.address[1]}") as ch:
+            stub = agent_pb2_grpc.AgentServiceStub(ch)
+            meta = [("authorization", f"Bearer {JOIN}")]
+            reg = await stub.Register(pb.RegisterRequest(node_name="node-c", protocol=pb.ProtocolVersion(
+                major=PROTOCOL[0], minor=PROTOCOL[1])), metadata=meta, timeout=5)
+            await stub.Deregister(pb.DeregisterRequest(node_name="node-c", node_id=reg.node_id), metadata=meta,
+                                  timeout=5)
+        assert "node-c" not in cp.credentials
+        status, _, _ = await raw_get(url, path, {"authorization": f"Bearer {credential}"})
+        assert status == 401
+
+
 async def test_no_control_plane_no_mirror_route(tmp_path: Path) -> None:
     rt = GatewayRuntime(load({"listen": "127.0.0.1:0", "admin": "127.0.0.1:0"}))
     await rt.start()

@@ -93,6 +93,10 @@ class Listener(Protocol):
     def rejected(self) -> int:
         """Connections refused (at the limit or while closing)."""
 
+    @property
+    def sockets(self) -> list[Any]:
+        """The bound sockets (where it listens)."""
+
 
 @dataclass
 class Listeners:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import ipaddress
+import socket
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -134,6 +135,9 @@ class AgentService(agent_pb2_grpc.AgentServiceServicer):
         self.stats = stats
         self._tokens = _Tokens()
         self.credentials: NodeCredentials | None = None  # the nodes' mirror credentials (ControlPlane sets it)
+        self.mirror_access: Callable[[str], tuple[str, str] | None] | None = None
+        """Node name -> ``(mirror base URL, the node's credential)`` sent in Register's answer; ``None``
+        (or a ``None`` answer): the agents are given no mirror access."""
 
     async def _abort(self, context: Any, method: str, code: grpc.StatusCode, message: str) -> None:
         self.stats.error(method, code)
@@ -299,6 +303,7 @@ class ControlPlane:
         # credential; the controller sets the authorizer (mirror_server.allowed): until then, none.
         self.credentials = NodeCredentials()
         self.service.credentials = self.credentials
+        self.service.mirror_access = self.mirror_access
         self.mirror_server = BlobServer(self._mirror_root, self.credentials)
         self.server: grpc.aio.Server | None = None
         self.address: tuple[str, int] | None = None
@@ -379,6 +384,33 @@ class ControlPlane:
         from ..mirror.store import default_root
 
         return self.config().mirror_root or str(default_root())
+
+    def mirror_url(self) -> str | None:
+        """Where agents fetch blobs: the admin listener, ``http://HOST:PORT`` (``None`` without one).
+
+        A wildcard admin address (``0.0.0.0``, ``::``) is named by the ``control.listen`` host
+        when that is a specific one (the address agents already reach), else by this host's name.
+        """
+        listener = self.admin.listeners.admin if self.admin is not None else None
+        if listener is None or not listener.sockets:
+            return None
+        port = listener.sockets[0].getsockname()[1]
+        host = self.config().admin[0]
+        if host in ("", "0.0.0.0", "::"):
+            listen = self._control().listen[0]
+            host = listen if listen not in ("", "0.0.0.0", "::") else socket.getfqdn()
+        return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+    def mirror_access(self, node: str) -> tuple[str, str] | None:
+        """``(mirror URL, a new credential for node)`` for its RegisterResponse; ``None``: no mirror served.
+
+        Issuing revokes the credential the node had: each registration gets its own.
+        SECURITY: the caller sends it to that node alone and never logs it.
+        """
+        url = self.mirror_url()
+        if url is None:
+            return None
+        return url, self.credentials.issue(node)
 
     # -- the nodes API (admin.ports.NodeControl) --
 

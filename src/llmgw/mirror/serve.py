@@ -59,8 +59,9 @@ if TYPE_CHECKING:
     from ..control.credentials import NodeCredentials
     from ..http.parser import Request
     from ..http.server import ResponseWriter
+    from ..launch.spec import ReplicaController
 
-__all__ = ["BLOB_PREFIX", "CHUNK", "Authorizer", "BlobServer", "parse_range"]
+__all__ = ["BLOB_PREFIX", "CHUNK", "Authorizer", "BlobServer", "RangeNotSatisfiableError", "parse_range", "placed_blobs"]
 
 BLOB_PREFIX = b"/mirror/v1/blobs/"
 # PERF: 1 MiB reads: the thread hop and the write cost per chunk vanish next to the
@@ -81,6 +82,17 @@ Authorizer = Callable[[str, str], bool]
 
 def _deny(node: str, digest: str) -> bool:
     return False
+
+
+def placed_blobs(controller: ReplicaController) -> Authorizer:
+    """The authorizer the control plane uses: a node may fetch a blob when a replica in its
+    desired set (``controller.desired(node)``) lists it in ``blobs``."""
+
+    def allowed(node: str, digest: str) -> bool:
+        _, specs = controller.desired(node)
+        return any(b.digest == digest for spec in specs for b in spec.blobs)
+
+    return allowed
 
 
 class RangeNotSatisfiableError(HTTPError):
