@@ -116,9 +116,10 @@ class CuttingProxy:
     """A TCP proxy to ``target``: the first connection is cut after ``cut_after`` bytes of the
     answer; every connection's request bytes are kept in :attr:`requests`."""
 
-    def __init__(self, target: tuple[str, int], cut_after: int) -> None:
+    def __init__(self, target: tuple[str, int], cut_after: int, *, stall: bool = False) -> None:
         self.target = target
         self.cut_after = cut_after
+        self.stall = stall  # after cut_after bytes, hold the connection open instead of closing it
         self.requests: list[bytes] = []
         self.server: asyncio.Server | None = None
         self._tasks: set[asyncio.Task[None]] = set()
@@ -147,21 +148,23 @@ class CuttingProxy:
                 uw.write(data)
                 await uw.drain()
 
-        async def down() -> None:
+        async def down() -> bool:
             sent = 0
             while data := await ur.read(65536):
                 if limit is not None and sent + len(data) >= limit:
                     cw.write(data[: limit - sent])
                     await cw.drain()
-                    return
+                    return self.stall
                 sent += len(data)
                 cw.write(data)
                 await cw.drain()
+            return False
 
         t_up = asyncio.ensure_future(up())
         self._tasks.add(t_up)
         try:
-            await down()
+            if await down():
+                await t_up  # stalled: hold the connection until the client closes its side
         finally:
             t_up.cancel()
             self._tasks.discard(t_up)
@@ -249,6 +252,30 @@ async def test_interrupted_transfer_resumes_with_a_range(tmp_path: Path) -> None
         assert 0 < start < 1_000_000  # it resumed from what the cut transfer had written
         assert m.cp.mirror_server.served["requests"] == 2
         assert node_files(node_root)[1] == []
+
+
+async def test_a_stopped_replica_stops_its_fetch_and_the_next_resumes(tmp_path: Path) -> None:
+    async with mirror_runtime(tmp_path, big=600_000) as m:
+        model = m.blobs[0]
+        assert m.rt.admin_addr is not None
+        proxy = CuttingProxy(("127.0.0.1", m.rt.admin_addr[1]), cut_after=1_000_000, stall=True)
+        url = await proxy.start()
+        fetcher = MirrorFetcher(url, m.credential, tmp_path / "node-mirror", backoff=0.01, chunk=64 * 1024)
+        spec = ReplicaSpec(id="r", deployment="d", engine="llamacpp", model="tiny:1b", served_name="t",
+                           blobs=(model,))
+        try:
+            started = asyncio.Event()
+            first = asyncio.ensure_future(fetcher.ensure(spec, lambda d, t: started.set() if d > 0 else None))
+            await asyncio.wait_for(started.wait(), 10)
+            first.cancel()  # the supervisor stops the replica while it fetches
+            with pytest.raises(asyncio.CancelledError):
+                await first
+            local = await asyncio.wait_for(fetcher.ensure(spec, lambda d, t: None), 20)
+        finally:
+            await fetcher.close()
+            await proxy.close()
+        assert sha(local.path) == model.digest
+        assert len(proxy.requests) == 2 and b"range: bytes=" in proxy.requests[1].lower()
 
 
 async def test_corrupt_transfer_is_refused_and_nothing_kept(tmp_path: Path) -> None:

@@ -141,6 +141,9 @@ class MirrorFetcher:
         self.chunk = chunk
         self._ssl = ssl_context
         self._jobs: dict[str, _Job] = {}
+        """Digest -> the job new ensure() calls join."""
+        self._running: set[_Job] = set()
+        """Every job whose task has not finished (abandoned ones included)."""
         self._verified: dict[str, tuple[int, int, int, int]] = {}
         self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="llmgw-fetch")
         self._closed = False
@@ -150,19 +153,26 @@ class MirrorFetcher:
     def __repr__(self) -> str:
         return f"MirrorFetcher({self.base_url!r}, store={str(self.store.root)!r})"
 
+    def _abandon(self, job: _Job) -> None:
+        """Stop ``job``'s transfer; a new ensure() of the blob starts a new job."""
+        if self._jobs.get(job.blob.digest) is job:
+            del self._jobs[job.blob.digest]
+        job.cancelled.set()
+        conn = job.conn
+        sock = conn.sock if conn is not None else None
+        if sock is not None:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)  # unblocks a read in the transfer thread
+            except OSError:
+                pass
+
     async def close(self) -> None:
         """Stop every transfer (their ensure() calls fail) and release the store."""
         self._closed = True
-        for job in list(self._jobs.values()):
-            job.cancelled.set()
-            conn = job.conn
-            sock = getattr(conn, "sock", None) if conn is not None else None
-            if sock is not None:
-                try:
-                    sock.shutdown(socket.SHUT_RDWR)  # unblocks a read in the transfer thread
-                except OSError:
-                    pass
-        tasks = [j.task for j in self._jobs.values() if j.task is not None]
+        jobs = list(self._running)
+        for job in jobs:
+            self._abandon(job)
+        tasks = [j.task for j in jobs if j.task is not None and not j.task.done()]
         if tasks:
             await asyncio.gather(*tasks, return_exceptions=True)
         self._pool.shutdown(wait=True)
@@ -235,6 +245,10 @@ class MirrorFetcher:
             for job, heard in jobs:
                 if heard in job.listeners:
                     job.listeners.remove(heard)
+                if not job.listeners and job.task is not None and not job.task.done():
+                    # nobody waits for it any more (the replica was stopped): stop the transfer;
+                    # its partial file stays, and a later ensure() resumes from it
+                    self._abandon(job)
         await self._record(spec, blobs)
         projector = next((b for b in blobs if b.role == "projector"), None)
         return LocalModel(
@@ -250,11 +264,13 @@ class MirrorFetcher:
             return job
         job = _Job(blob)
         self._jobs[blob.digest] = job
+        self._running.add(job)
         job.task = asyncio.get_running_loop().create_task(self._fetch(job), name=f"llmgw-fetch-{blob.digest[7:19]}")
 
         def forget(task: asyncio.Task[Path]) -> None:
             if self._jobs.get(blob.digest) is job:
                 del self._jobs[blob.digest]
+            self._running.discard(job)
             if not task.cancelled():
                 task.exception()  # (retrieved here: every waiter may have given up)
 
@@ -449,7 +465,7 @@ class MirrorFetcher:
         hashing: list[Future[None] | None] = [None] * _BUFFERS
         got = 0
         flushed = 0
-        told = time.monotonic()
+        told = 0.0  # (the first chunk is reported at once)
         i = 0
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="llmgw-fetch-hash") as hasher:
             try:
