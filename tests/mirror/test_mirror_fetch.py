@@ -28,7 +28,7 @@ from llmgw.launch.spec import ModelBlob, ReplicaSpec
 from llmgw.mirror import MirrorStore, import_file
 from llmgw.mirror.errors import FetchError, ModelNotFoundError
 from llmgw.mirror.fetch import MirrorFetcher
-from llmgw.mirror.resolve import kv_cache_bytes, memory_needed, resolve
+from llmgw.mirror.resolve import find, kv_cache_bytes, memory_needed, resolve
 from llmgw.mirror.serve import RangeNotSatisfiableError, parse_range
 from llmgw.runtime import GatewayRuntime, components_for
 
@@ -479,6 +479,11 @@ def test_resolve_gives_blobs_and_placement_facts(tmp_path: Path) -> None:
             resolve(store, "nope")
     # by root, from another thread's point of view (a fresh connection)
     assert resolve(tmp_path / "mirror", "tiny:1b")[0] == blobs
+    found = find(tmp_path / "mirror", "tiny:1b")
+    assert found is not None and found[0] == blobs
+    for other in ("nope", "/models/x.gguf", "meta-llama/Llama-3.1-8B-Instruct"):
+        assert find(tmp_path / "mirror", other) is None
+    assert find(tmp_path / "no-mirror-here", "tiny:1b") is None
 
 
 def test_fetcher_refuses_a_bad_url(tmp_path: Path) -> None:

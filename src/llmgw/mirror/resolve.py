@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .errors import CorruptBlobError, MirrorError
+from .errors import CorruptBlobError, InvalidNameError, MirrorError, ModelNotFoundError
 from .gguf import read_gguf
 from .names import format_ref, parse_ref
 from .store import MirrorStore
@@ -27,7 +27,7 @@ from .store import MirrorStore
 if TYPE_CHECKING:
     from ..launch.spec import ModelBlob
 
-__all__ = ["ModelFacts", "kv_cache_bytes", "memory_needed", "resolve"]
+__all__ = ["ModelFacts", "find", "kv_cache_bytes", "memory_needed", "resolve"]
 
 # bytes per element of an f16 KV cache (llama.cpp's and vLLM's default cache type)
 _F16 = 2.0
@@ -218,3 +218,20 @@ def resolve(store: MirrorStore | str | os.PathLike[str], ref: str) -> tuple[tupl
         **header,
     )
     return tuple(blobs), facts
+
+
+def find(
+    store: MirrorStore | str | os.PathLike[str], model: str
+) -> tuple[tuple[ModelBlob, ...], ModelFacts] | None:
+    """:func:`resolve`, or ``None`` when ``model`` is not a mirror reference here (not a valid name,
+    no mirror at that root, or no such model in it): then it is a path or an id the engine knows.
+
+    Raises:
+        CorruptBlobError, MirrorError: as :func:`resolve`, for a model the mirror has but cannot serve.
+    """
+    if not isinstance(store, MirrorStore) and not MirrorStore.exists(store):
+        return None
+    try:
+        return resolve(store, model)
+    except (InvalidNameError, ModelNotFoundError):
+        return None
