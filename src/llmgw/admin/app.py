@@ -16,10 +16,13 @@ route                              token   what
 ``GET /debug/pprof/tasks``         yes     every asyncio task and its await chain
 ``GET /debug/pprof/threads``       yes     every thread's stack
 ``GET /debug/pprof/heap``          yes     tracemalloc: top allocation sites
+``GET /mirror/v1/blobs/sha256:…``  node    a mirror blob for a node agent (with a
+                                           control plane: :mod:`llmgw.mirror.serve`)
 =================================  ======  ==========================================
 
 "token": when ``admin_token`` is configured those routes need
 ``Authorization: Bearer <admin_token>``; probes and scrapers stay open.
+"node": a node's mirror credential (issued at registration), never the admin token.
 
 The app is given what it works on (the registry, the process's operations, the
 running configuration, the listeners: :mod:`.ports`) by the composition root,
@@ -67,7 +70,7 @@ from .profiling import (
 if TYPE_CHECKING:
     from ..config import Config
     from ..fleet.registry import Registry
-    from .ports import DeploymentControl, FleetControl, Listeners, NodeControl
+    from .ports import DeploymentControl, FleetControl, Listeners, MirrorBlobs, NodeControl
 
 __all__ = ["AdminApp", "FleetCollector", "PrometheusObserver", "TextCollector"]
 
@@ -200,6 +203,7 @@ class AdminApp:
             registry=registry, fleet=fleet, config=config, observer=self.observer, admission=admission
         )
         self.profiler = Profiler()
+        self.mirror: MirrorBlobs | None = None
         self._token_src: str | None = None
         self._token_digest: bytes | None = None
         cfg = config()
@@ -228,6 +232,10 @@ class AdminApp:
     def attach_deployments(self, deployments: DeploymentControl | None) -> None:
         """Serve ``/admin/v1/deployments`` from this controller (``None``: the routes answer 404)."""
         self.api.deployments = deployments
+
+    def attach_mirror(self, mirror: MirrorBlobs | None) -> None:
+        """Serve ``/mirror/v1/...`` (blobs for node agents) from ``mirror`` (``None``: the routes answer 404)."""
+        self.mirror = mirror
 
     def register_collector(self, collector: Collector) -> None:
         """Add a collector to the admin ``/metrics`` (the control plane and other parts use this)."""
@@ -311,6 +319,14 @@ class AdminApp:
             if method not in (b"GET", b"HEAD"):
                 raise method_not_allowed(method, path, "GET")
             return self._pprof(req, w, path)
+        if path.startswith(b"/mirror/v1/"):
+            # (its own credentials, per node: not the admin token)
+            mirror = self.mirror
+            if mirror is None:
+                raise NotFoundError(
+                    "this llmgw serves no mirror blobs: they are served by a control plane (a control: section)"
+                )
+            return mirror.handle(req, w)
         raise NotFoundError(
             f"no admin route {path.decode('latin-1')[:200]}; try /health, /ready, /metrics, /admin/v1/endpoints "
             "or /debug/pprof/"

@@ -8,14 +8,16 @@ switching a check off.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
+from collections.abc import Awaitable, Collection, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from ..config import Config, EndpointConfig
+    from ..http.parser import Request
+    from ..http.server import ResponseWriter
 
-__all__ = ["DeploymentControl", "FleetControl", "Listener", "Listeners", "NodeControl"]
+__all__ = ["DeploymentControl", "FleetControl", "Listener", "Listeners", "MirrorBlobs", "NodeControl"]
 
 
 class FleetControl(Protocol):
@@ -100,6 +102,14 @@ class DeploymentControl(Protocol):
         """Undeploy it: its replicas drain, then stop."""
 
 
+class MirrorBlobs(Protocol):
+    """The mirror's blobs for node agents (:class:`llmgw.mirror.serve.BlobServer`; the control plane
+    attaches it with :meth:`llmgw.admin.app.AdminApp.attach_mirror`)."""
+
+    def handle(self, req: Request, w: ResponseWriter) -> Awaitable[None] | None:
+        """Answer a request under ``/mirror/v1/`` (it checks the node's credential itself)."""
+
+
 class Listener(Protocol):
     """What the admin app reads off a listener (an :class:`llmgw.http.server.HTTPServer`)."""
 
@@ -114,6 +124,10 @@ class Listener(Protocol):
     @property
     def rejected(self) -> int:
         """Connections refused (at the limit or while closing)."""
+
+    @property
+    def sockets(self) -> list[Any]:
+        """The bound sockets (where it listens)."""
 
 
 @dataclass

@@ -110,6 +110,28 @@ async def run_agent(
         if holder:
             holder[0].poke()
 
+    fetchers: list[Any] = []
+
+    def registered(resp: Any) -> None:
+        """A registration's mirror access: the fetcher the supervisor brings mirror models with."""
+        if node is None or supervisor is None or not resp.HasField("mirror_url"):
+            return
+        current = fetchers[-1] if fetchers else None
+        if current is not None and current.base_url == resp.mirror_url.rstrip("/"):
+            current.credential = resp.mirror_credential  # (each registration gets its own)
+            return
+        from ..mirror.fetch import MirrorFetcher
+
+        try:
+            fetcher = MirrorFetcher(resp.mirror_url, resp.mirror_credential, os.path.join(node.state_dir, "mirror"))
+        except (ValueError, OSError) as exc:
+            from ..log import agent_logger
+
+            agent_logger.error("cannot fetch models from the control plane's mirror at %s: %s", resp.mirror_url, exc)
+            return
+        fetchers.append(fetcher)
+        supervisor.fetcher = fetcher
+
     if supervisor is None and node is not None:
         from ..launch.supervisor import ReplicaSupervisor
 
@@ -117,6 +139,7 @@ async def run_agent(
     client = AgentClient(
         target, name, token, source, credentials=credentials, protocol=protocol or PROTOCOL, supervisor=supervisor,
         labels=node.labels if node is not None else None, advertise=node.advertise if node is not None else None,
+        on_registered=registered,
     )
     holder.append(client)
     stopped = False
@@ -134,6 +157,8 @@ async def run_agent(
 
                 agent_logger.warning("the node's replicas are left running: the next agent started here adopts them")
             await supervisor.close(stop=stopped)
+        for f in fetchers:
+            await f.close()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(sig)
     return 0

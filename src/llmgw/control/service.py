@@ -20,6 +20,7 @@ import hashlib
 import hmac
 import ipaddress
 import itertools
+import socket
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -40,6 +41,8 @@ from ..agent.wire import (
 )
 from ..errors import ConfigError, HTTPError
 from ..log import control_logger as log
+from ..mirror.serve import BlobServer
+from .credentials import NodeCredentials
 from .nodes import NodeMap
 
 if TYPE_CHECKING:
@@ -192,6 +195,7 @@ class AgentService(agent_pb2_grpc.AgentServiceServicer):
         self._log_queue: dict[str, list[pb.LogRequest]] = {}
         """Node name -> log requests not yet written to it."""
         self._log_waits: dict[int, tuple[str, asyncio.Future[str]]] = {}
+        self.credentials: NodeCredentials | None = None  # the nodes' mirror credentials (ControlPlane sets it)
         self.mirror_access: Callable[[str], tuple[str, str] | None] | None = None
         """Node name -> ``(mirror base URL, the node's credential)`` sent in Register's answer; ``None``
         (or a ``None`` answer): the agents are given no mirror access."""
@@ -551,6 +555,8 @@ class AgentService(agent_pb2_grpc.AgentServiceServicer):
         st = self.nodes.deregister(request.node_id)
         if st is not None:
             self.stats.deregistrations += 1
+            if self.credentials is not None:
+                self.credentials.revoke(st.name)
             log.info("node %s deregistered (%s)", st.name, request.reason or "no reason given")
             self._gone(st.name)
         return pb.DeregisterResponse(removed=st is not None)
@@ -585,6 +591,12 @@ class ControlPlane:
         self.stats = ControlStats()
         self.nodes = NodeMap(lambda: self._control().heartbeat_grace)
         self.service = AgentService(self.nodes, self._control, self.stats)
+        # Mirror blobs for the agents (admin listener, /mirror/v1/blobs/...), each node with its own
+        # credential; the controller sets the authorizer (mirror_server.allowed): until then, none.
+        self.credentials = NodeCredentials()
+        self.service.credentials = self.credentials
+        self.service.mirror_access = self.mirror_access
+        self.mirror_server = BlobServer(self._mirror_root, self.credentials)
         self.server: grpc.aio.Server | None = None
         self.address: tuple[str, int] | None = None
         self.tls = False
@@ -634,6 +646,9 @@ class ControlPlane:
         )
         await self.deployments.start()
         self.service.attach(self.deployments)  # desired sets pushed to the agents, their statuses back
+        from ..mirror.serve import placed_blobs
+
+        self.mirror_server.allowed = placed_blobs(self.deployments)  # a node fetches what its replicas need
         server = grpc.aio.server(options=list(SERVER_OPTIONS))
         agent_pb2_grpc.add_AgentServiceServicer_to_server(self.service, server)
         host, port = c.listen
@@ -654,6 +669,7 @@ class ControlPlane:
             self.admin.register_text_collector(self._collector)
             self.admin.attach_nodes(self)
             self.admin.attach_deployments(self.deployments)
+            self.admin.attach_mirror(self.mirror_server)
         log.info(
             "control plane listening on %s://%s:%d (heartbeat every %gs, grace %gs%s)",
             "grpcs" if self.tls else "grpc", host, bound, c.heartbeat_interval, c.heartbeat_grace,
@@ -664,9 +680,11 @@ class ControlPlane:
         if self.admin is not None:
             self.admin.attach_nodes(None)
             self.admin.attach_deployments(None)
+            self.admin.attach_mirror(None)
             if self._collector is not None:
                 self.admin.unregister_collector(self._collector)
                 self._collector = None
+        self.mirror_server.close()
         if self.server is not None:
             await self.server.stop(1.0)
             self.server = None
@@ -674,6 +692,38 @@ class ControlPlane:
         if self.deployments is not None:
             await self.deployments.stop()
             self.deployments = None
+
+    def _mirror_root(self) -> str:
+        from ..mirror.store import default_root
+
+        return self.config().mirror_root or str(default_root())
+
+    def mirror_url(self) -> str | None:
+        """Where agents fetch blobs: the admin listener, ``http://HOST:PORT`` (``None`` without one).
+
+        A wildcard admin address (``0.0.0.0``, ``::``) is named by the ``control.listen`` host
+        when that is a specific one (the address agents already reach), else by this host's name.
+        """
+        listener = self.admin.listeners.admin if self.admin is not None else None
+        if listener is None or not listener.sockets:
+            return None
+        port = listener.sockets[0].getsockname()[1]
+        host = self.config().admin[0]
+        if host in ("", "0.0.0.0", "::"):
+            listen = self._control().listen[0]
+            host = listen if listen not in ("", "0.0.0.0", "::") else socket.getfqdn()
+        return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+    def mirror_access(self, node: str) -> tuple[str, str] | None:
+        """``(mirror URL, a new credential for node)`` for its RegisterResponse; ``None``: no mirror served.
+
+        Issuing revokes the credential the node had: each registration gets its own.
+        SECURITY: the caller sends it to that node alone and never logs it.
+        """
+        url = self.mirror_url()
+        if url is None:
+            return None
+        return url, self.credentials.issue(node)
 
     # -- the nodes API (admin.ports.NodeControl) --
 
