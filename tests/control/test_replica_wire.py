@@ -346,6 +346,13 @@ async def test_register_refuses_bad_labels() -> None:
             got = await stub.ReplicaLogs(pb.ReplicaLogsRequest(node_id=ok.node_id, node_name="n", request_id=99,
                                                                text="x"), metadata=md)
             assert not got.accepted
-            assert not ok.HasField("mirror_credential") and not ok.HasField("mirror_url")
+            # the mirror: this node's own credential (a new one per registration), never the join token
+            assert ok.mirror_url.startswith("http://127.0.0.1:") and ok.mirror_credential.startswith("llmgw-node-")
+            again = await stub.Register(
+                pb.RegisterRequest(node_name="n", protocol=pb.ProtocolVersion(major=1, minor=2)), metadata=md)
+            assert again.mirror_credential != ok.mirror_credential and TOKEN not in again.mirror_credential
+            older = await stub.Register(
+                pb.RegisterRequest(node_name="o", protocol=pb.ProtocolVersion(major=1, minor=1)), metadata=md)
+            assert not older.HasField("mirror_credential") and not older.HasField("mirror_url")
         finally:
             await ch.close()
