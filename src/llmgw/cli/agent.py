@@ -177,8 +177,8 @@ async def run_agent(
 @click.option("--tls-key", metavar="FILE", help="PEM key of --tls-cert.")
 @click.option("--insecure", is_flag=True, help="Allow plaintext to a non-loopback control plane.")
 @click.option("--state-dir", metavar="DIR",
-              help="Where replicas' records, logs and models are kept (default /var/lib/llmgw-agent as root, "
-                   "else ~/.local/state/llmgw-agent).")
+              help="Where replicas' records, logs and models are kept (default $XDG_STATE_HOME/llmgw-agent, "
+                   "/var/lib/llmgw-agent as root, else ~/.local/state/llmgw-agent).")
 @click.option("--label", "label_flags", metavar="KEY=VALUE", multiple=True,
               help="A node label (repeatable; added to the config file's labels:).")
 @click.option("--advertise", metavar="HOST", help="Where this node's replicas are reached (default: the address "

@@ -80,11 +80,14 @@ _ADVERTISE = _Rule(_host, {"type": "string", "examples": ["10.0.0.5", "gpu-node-
 
 def default_state_dir() -> str:
     """Where the agent keeps its replicas' state, logs and models when ``state_dir:`` is not set:
-    ``/var/lib/llmgw-agent`` as root, else ``$XDG_STATE_HOME/llmgw-agent`` (``~/.local/state/llmgw-agent``)."""
+    ``$XDG_STATE_HOME/llmgw-agent`` when that is set, else ``/var/lib/llmgw-agent`` as root, else
+    ``~/.local/state/llmgw-agent``."""
+    xdg = os.environ.get("XDG_STATE_HOME")
+    if xdg:
+        return os.path.join(xdg, "llmgw-agent")
     if hasattr(os, "geteuid") and os.geteuid() == 0:
         return "/var/lib/llmgw-agent"
-    base = os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
-    return os.path.join(base, "llmgw-agent")
+    return os.path.join(os.path.expanduser("~"), ".local", "state", "llmgw-agent")
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,7 +150,8 @@ class _AgentIn(_In):
     """Per engine, how to start it."""
     state_dir: Annotated[str, _TEXT] | None = _default(AgentConfig, "state_dir")
     """Where the agent keeps its replicas' records, their log files and the models fetched from the control
-    plane's mirror (default /var/lib/llmgw-agent as root, else ~/.local/state/llmgw-agent). A restarted agent
+    plane's mirror (default $XDG_STATE_HOME/llmgw-agent when set, else /var/lib/llmgw-agent as root, else
+    ~/.local/state/llmgw-agent). A restarted agent
     finds the replicas still running there and adopts them."""
     labels: Annotated[Mapping[str, str], _LABELS] = Field(default_factory=dict)
     """This node's labels, e.g. {zone: eu-1}: deployments' node_labels select nodes by them."""
