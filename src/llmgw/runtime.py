@@ -225,7 +225,7 @@ class GatewayRuntime:
         """
         registry, _, poller = self._require()
         registry.add(ep)
-        poller.sync()
+        poller.sync(spread=False)  # scraped at once: no request goes to it before its first scrape
         log.info("endpoint %s added (%s, model %s)", ep.id, ep.url, ", ".join(ep.models))
 
     def remove_endpoint(self, endpoint_id: str) -> None:
