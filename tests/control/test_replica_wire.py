@@ -173,12 +173,14 @@ async def test_a_change_is_pushed_at_once_and_statuses_come_back() -> None:
             await wait_for(lambda: a.heartbeats >= 1 and a.streaming, what="the first beat")
             st = cp.nodes.get("node-a")
             assert st is not None and st.labels == {"zone": "eu-1"} and st.address == "127.0.0.1"
-            assert sup.applied == []  # nothing asked yet: nothing applied
+            # the controller's generation 0 (nothing ever asked) still goes to an agent that applied nothing:
+            # what it may have adopted from before stops
+            await wait_for(lambda: sup.applied == [()], timeout=5, what="the empty set of generation 0")
             t0 = time.monotonic()
             gen = ctl_.set("node-a", [spec("r1")])
-            await wait_for(lambda: sup.applied, timeout=5, what="the set pushed to the agent")
-            assert sup.applied_at[0] - t0 < 1.0, "pushed at once, not at the next beat (20 s away)"
-            assert sup.applied[0] == (spec("r1"),)  # the key travelled with it
+            await wait_for(lambda: len(sup.applied) == 2, timeout=5, what="the set pushed to the agent")
+            assert sup.applied_at[1] - t0 < 1.0, "pushed at once, not at the next beat (20 s away)"
+            assert sup.applied[1] == (spec("r1"),)  # the key travelled with it
             # the agent acknowledges at once (an early beat), with the new replica's status
             await wait_for(lambda: a.applied == gen and (ctl_.last("node-a") or ()) != (), timeout=5,
                            what="the early beat with the status")
@@ -196,14 +198,14 @@ async def test_a_change_is_pushed_at_once_and_statuses_come_back() -> None:
             sup.changed()
             sup.changed()
             await wait_for(lambda: a.heartbeats >= beats + 1, timeout=5, what="an early beat")
-            assert len(sup.applied) == 1
+            assert len(sup.applied) == 2
             # scale to two, then none
             gen2 = ctl_.set("node-a", [spec("r1"), spec("r2")])
             await wait_for(lambda: a.applied == gen2, timeout=5, what="the second set")
             assert [s.id for s in sup.applied[-1]] == ["r1", "r2"]
             gen3 = ctl_.set("node-a", [])
             await wait_for(lambda: a.applied == gen3 and sup.applied[-1] == (), timeout=5, what="the empty set")
-            assert len(sup.applied) == 3
+            assert len(sup.applied) == 4
         await wait_for(lambda: ctl_.gone == ["node-a"], what="node_gone on deregistration")
 
 

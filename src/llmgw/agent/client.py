@@ -163,6 +163,7 @@ class AgentClient:
         self.advertise = advertise
         self.applied = 0
         """The generation of the desired set last applied (0: none yet)."""
+        self._applied_any = False
         self._wanted: tuple[int, tuple[ReplicaSpec, ...]] | None = None
         self._applier: asyncio.Task[None] | None = None
         self._tasks: set[asyncio.Task[None]] = set()
@@ -350,7 +351,8 @@ class AgentClient:
         if resp.HasField("desired"):
             d = resp.desired
             gen = d.generation
-            if gen != self.applied and (self._wanted is None or self._wanted[0] != gen):
+            fresh = gen != self.applied or not self._applied_any  # (a first set of generation 0 too)
+            if fresh and (self._wanted is None or self._wanted[0] != gen):
                 self._wanted = (gen, tuple(spec_from_proto(m) for m in d.replicas))
                 if self._applier is None or self._applier.done():
                     self._applier = asyncio.get_running_loop().create_task(self._apply())
@@ -370,14 +372,16 @@ class AgentClient:
         """Hand the desired set to the supervisor, the latest one when several came while one was applied."""
         sup = self.supervisor
         assert sup is not None
-        while self._wanted is not None and self._wanted[0] != self.applied:
+        while self._wanted is not None:
             gen, specs = self._wanted
             try:
                 await sup.apply(specs)
             except Exception:  # the supervisor reports per-replica failures in its statuses; this is its own bug
                 log.exception("applying desired generation %d (%d replica(s)) failed", gen, len(specs))
             log.info("applied desired generation %d: %d replica(s)", gen, len(specs))
-            self.applied = gen
+            self.applied, self._applied_any = gen, True
+            if self._wanted is not None and self._wanted[0] == gen:
+                self._wanted = None  # (else a newer one came while this one was applied: apply it too)
             self.poke()  # tell the control plane now
 
     async def _send_log(self, lr: pb.LogRequest) -> None:

@@ -239,7 +239,7 @@ class AgentService(agent_pb2_grpc.AgentServiceServicer):
         except Exception:
             log.exception("the replica controller failed to give node %s's desired set", node)
             return None
-        if gen in (applied, sent):
+        if gen == sent or (gen == applied and applied != 0):  # (0: the agent applied nothing yet: send even a 0)
             return None
         msg = pb.DesiredReplicas(generation=gen)
         msg.replicas.extend(spec_to_proto(s) for s in specs)
@@ -282,7 +282,7 @@ class AgentService(agent_pb2_grpc.AgentServiceServicer):
             gen = ctl.desired(st.name)[0]
         except Exception:
             return False  # (logged when the set is built)
-        return gen not in (link.acked, link.sent)
+        return gen != link.sent and (gen != link.acked or link.acked == 0)
 
     async def _write(self, link: _Link, st: NodeState | None) -> None:
         """Write the stream's answer when one is due: a new interval or cordon, a desired set, log requests."""

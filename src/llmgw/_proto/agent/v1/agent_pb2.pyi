@@ -220,8 +220,9 @@ class HeartbeatRequest(_message.Message):
     """Counts up from 1 per registration; lets the control plane spot lost beats."""
     applied_generation: _builtins.int
     """The generation of the desired replica set the agent has applied (0:
-    none yet). Set by every agent that runs replicas (protocol 1.2); absent
-    from older agents, which are sent no replicas.
+    none yet: it is sent the set whatever its generation). Set by every agent
+    that runs replicas (protocol 1.2); absent from older agents, which are
+    sent no replicas.
     """
     @_builtins.property
     def discovery(self) -> Global___Discovery:
