@@ -12,7 +12,6 @@ import os
 import shutil
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -22,19 +21,8 @@ from launch.helpers import Watched, gone, http
 from llmgw.config.agent import AgentEngineConfig
 from llmgw.launch import trtllm
 from llmgw.launch.spec import FAILED, READY, ReplicaSpec
-from llmgw.testing import standins
 
 KEY = secret("replica")
-
-
-@pytest.fixture
-def standin_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, str]]:
-    """The stand-ins first on PATH and PYTHONPATH (for this test and the engines it starts)."""
-    bin_dir = standins.install(tmp_path / "bin")
-    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}")
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
-        p for p in (str(standins.PYTHONPATH), os.environ.get("PYTHONPATH", "")) if p))
-    yield {"bin": str(bin_dir)}
 
 
 def spec(engine: str, model: str = "org/tiny", **kw: object) -> ReplicaSpec:
@@ -56,7 +44,8 @@ CHAT = b'{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max
 
 
 @pytest.mark.parametrize("engine", ["vllm", "sglang", "trtllm"])
-async def test_launched_ready_and_guarded(engine: str, standin_env: dict[str, str], tmp_path: Path) -> None:
+@pytest.mark.usefixtures("standin_env")
+async def test_launched_ready_and_guarded(engine: str, tmp_path: Path) -> None:
     w = Watched(tmp_path / "state", engines=ENGINES)
     s = spec(engine, model=str(tmp_path / "tiny") if engine == "trtllm" else "org/tiny")
     try:
@@ -85,16 +74,19 @@ async def test_launched_ready_and_guarded(engine: str, standin_env: dict[str, st
 
 
 @pytest.mark.parametrize("engine", ["vllm", "sglang", "trtllm"])
-async def test_a_flag_the_engine_lacks_fails_the_replica(
-    engine: str, standin_env: dict[str, str], tmp_path: Path
-) -> None:
-    w = Watched(tmp_path / "state", engines=ENGINES, max_crashes=2, backoff=0.01)
+@pytest.mark.usefixtures("standin_env")
+async def test_a_flag_the_engine_lacks_fails_the_replica(engine: str, tmp_path: Path) -> None:
+    w = Watched(tmp_path / "state", engines=ENGINES, max_crashes=2, backoff=0.01, log_max_bytes=200, log_backups=1)
     s = spec(engine, model=str(tmp_path / "tiny"), args=("--no-such-flag",))
     try:
         await w.sup.apply([s])
         st = await w.wait_state(s.id, FAILED)
         assert st.exit_code == 2
         assert "unrecognized arguments: --no-such-flag" in st.message
+        # the log passed its size at the restart: rotated, one old file kept
+        assert st.log_path is not None
+        assert Path(st.log_path + ".1").is_file() and not Path(st.log_path + ".2").exists()
+        assert "unrecognized arguments" in Path(st.log_path + ".1").read_text()
     finally:
         await w.sup.close()
 
