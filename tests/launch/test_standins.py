@@ -12,6 +12,7 @@ import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -20,7 +21,7 @@ from canary import secret
 from launch.helpers import Watched, gone, http
 from llmgw.config.agent import AgentEngineConfig
 from llmgw.launch import trtllm
-from llmgw.launch.spec import FAILED, READY, ReplicaSpec
+from llmgw.launch.spec import FAILED, READY, LocalModel, ModelBlob, ReplicaSpec
 
 KEY = secret("replica")
 
@@ -121,3 +122,58 @@ def test_the_trtllm_launcher_is_one_self_contained_file(tmp_path: Path) -> None:
     assert out.returncode == 0 and "trtllm-serve" in out.stdout
     source = trtllm.GUARD.read_text()
     assert "llmgw." not in source.replace("llmgw's", "") and "import llmgw" not in source
+
+
+@pytest.mark.usefixtures("standin_env")
+async def test_loading_then_a_readiness_timeout_fails_and_kills(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("LLMGW_STANDIN_STARTUP_DELAY", "60")
+    w = Watched(tmp_path / "state", engines=ENGINES, ready_timeout=1.5)
+    s = spec("vllm")
+    try:
+        await w.sup.apply([s])
+        st = await w.wait(s.id, lambda x: x.state == "starting" and x.pid is not None)
+        # it listens and answers 503 while loading: still starting, not ready
+        assert st.port is not None
+        st = await w.wait_state(s.id, FAILED, timeout=30)
+        assert "not ready within 1.5s" in st.message
+        assert st.restarts == 0
+        assert st.pid is not None and gone(st.pid)
+    finally:
+        await w.sup.close()
+
+
+class DirFetcher:
+    """A ModelFetcher over a local directory of ``sha256-<hex>`` files (the mirror client's stand-in)."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.calls = 0
+
+    async def ensure(self, spec: ReplicaSpec, progress: Callable[[int, int], None]) -> LocalModel:
+        self.calls += 1
+        total = sum(b.size for b in spec.blobs)
+        done = 0
+        paths = {}
+        for b in spec.blobs:
+            done += b.size
+            progress(done, total)
+            paths[b.role] = str(self.root / b.digest.replace(":", "-"))
+        return LocalModel(path=paths["model"], projector=paths.get("projector"))
+
+
+@pytest.mark.usefixtures("standin_env")
+async def test_a_mirror_model_is_fetched_first(tmp_path: Path) -> None:
+    fetcher = DirFetcher(tmp_path / "blobs")
+    w = Watched(tmp_path / "state", engines=ENGINES, fetcher=fetcher)
+    seen: list[str] = []
+    w.on_change_too = lambda: seen.extend(x.state for x in w.sup.statuses())
+    s = spec("vllm", model="tiny:1b", blobs=(ModelBlob("sha256:" + "a" * 64, 10),))
+    try:
+        await w.sup.apply([s])
+        await w.wait_state(s.id, READY)
+        assert seen[0] == "fetching" and fetcher.calls == 1
+        assert str(tmp_path / "blobs" / ("sha256-" + "a" * 64)) in w.sup.log_tail(s.id, 20)
+    finally:
+        await w.sup.close()

@@ -88,7 +88,7 @@ async def test_start_ready_auth_restart_and_stop(llama_server_bin: Path, tiny_mo
 
         # not asked for any more: drained and stopped, its record gone
         seen: list[str] = []
-        w.on_change_too = lambda: seen.append(w.status("chat-1").state)  # type: ignore[union-attr]
+        w.on_change_too = lambda: seen.extend(x.state for x in w.sup.statuses())
         await w.sup.apply([])
         await w.wait_state("chat-1", STOPPED)
         assert DRAINING in seen

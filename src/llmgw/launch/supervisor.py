@@ -261,11 +261,13 @@ class ReplicaSupervisor:
             d.mkdir(parents=True, exist_ok=True, mode=0o700)
         self._reps: dict[str, _Replica] = {}
         self._closed = False
+        self._adopted = False
 
     # -- the Supervisor protocol --
 
     async def adopt(self) -> None:
         """Take over engines recorded in the state dir that still run; kill the rest of the others."""
+        self._adopted = True
         for path in sorted(self._records.glob("*.json")):
             rid = path.stem
             if rid in self._reps:
@@ -295,6 +297,9 @@ class ReplicaSupervisor:
     async def apply(self, desired: Sequence[ReplicaSpec]) -> None:
         if self._closed:
             raise RuntimeError("the supervisor is closed")
+        if not self._adopted:
+            # (an engine left by an earlier agent must be adopted or stopped, never run twice)
+            await self.adopt()
         wanted: dict[str, ReplicaSpec] = {}
         for spec in desired:
             wanted[spec.id] = spec
@@ -374,7 +379,8 @@ class ReplicaSupervisor:
         return self._records / f"{rid}.json"
 
     def _start(self, spec: ReplicaSpec, fp: str) -> None:
-        rep = _Replica(id=spec.id, spec=spec, fp=fp, log_path=self._log_path(spec.id))
+        rep = _Replica(id=spec.id, spec=spec, fp=fp, log_path=self._log_path(spec.id),
+                       state=FETCHING if spec.blobs else STARTING)
         self._reps[spec.id] = rep
         if not _ID.match(spec.id):
             rep.state, rep.message = FAILED, (
