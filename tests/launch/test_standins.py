@@ -54,6 +54,9 @@ async def test_launched_ready_and_guarded(engine: str, tmp_path: Path) -> None:
         st = await w.wait_state(s.id, READY)
         assert st.port is not None
         assert KEY not in st.message and KEY not in w.sup.log_tail(s.id, 1000)
+        if engine == "sglang":  # it prints its settings, key included: the file has it, the tail does not
+            assert st.log_path is not None and KEY in Path(st.log_path).read_text()
+            assert "api_key='***'" in w.sup.log_tail(s.id, 1000)
         assert (await http(st.port, "GET", "/health"))[0] == 200
         status, body = await http(st.port, "POST", "/v1/chat/completions", key=KEY, body=CHAT)
         assert status == 200, body

@@ -348,7 +348,9 @@ class ReplicaSupervisor:
         path = rep.log_path if rep is not None else self._log_path(replica_id)
         if rep is None and not path.is_file():
             raise KeyError(replica_id)
-        return _tail(path, lines, max(_TAIL_CHARS, lines * 400))
+        text = _tail(path, lines, max(_TAIL_CHARS, lines * 400))
+        # NOTE: some engines print their whole configuration, key included (SGLang's server_args).
+        return self._redact(rep, text) if rep is not None else text
 
     async def close(self, *, stop: bool = True) -> None:
         self._closed = True
