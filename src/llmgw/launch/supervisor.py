@@ -643,7 +643,12 @@ class ReplicaSupervisor:
             # NOTE: before reaping the leader, whose unreaped pid keeps the group id from being reused.
             _kill_group(rep.pid, signal.SIGKILL)
         if rep.popen is not None:
-            rep.exit_code = rep.popen.wait()
+            code = rep.popen.poll()
+            if code is None:
+                # Unkillable for now (stuck in the kernel): never block the loop on it.
+                log.warning("replica %s: pid %d survives SIGKILL; left to be reaped later", rep.id, rep.pid)
+                _DETACHED.append(rep.popen)
+            rep.exit_code = code
             rep.popen = None
         elif rep.pid is not None:
             # Adopted: our child only if this same process started it before (tests); else init reaps it.
