@@ -180,3 +180,18 @@ async def test_a_mirror_model_is_fetched_first(tmp_path: Path) -> None:
         assert str(tmp_path / "blobs" / ("sha256-" + "a" * 64)) in w.sup.log_tail(s.id, 20)
     finally:
         await w.sup.close()
+
+
+@pytest.mark.usefixtures("standin_env")
+async def test_asked_again_while_stopping_it_comes_back(tmp_path: Path) -> None:
+    w = Watched(tmp_path / "state", engines=ENGINES)
+    s = spec("vllm")
+    try:
+        await w.sup.apply([s])
+        first = await w.wait_state(s.id, READY)
+        await w.sup.apply([])
+        await w.sup.apply([s])
+        again = await w.wait(s.id, lambda x: x.state == READY and x.pid != first.pid)
+        assert first.pid is not None and gone(first.pid) and again.restarts == 0
+    finally:
+        await w.sup.close()

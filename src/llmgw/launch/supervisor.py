@@ -313,7 +313,8 @@ class ReplicaSupervisor:
             elif rep.fp == fp:
                 if rep.spec is None:
                     rep.spec = spec  # an adopted replica: now it can be restarted after a crash
-                rep.next_spec = None
+                # (asked again while it is being stopped: start it again once it has stopped)
+                rep.next_spec = spec if rep.stop.is_set() else None
             elif rep.task is None:  # failed or stopped: start the new spec afresh
                 self._start(spec, fp)
                 changed = True
