@@ -48,11 +48,14 @@ CHAT = b'{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max
 @pytest.mark.usefixtures("standin_env")
 async def test_launched_ready_and_guarded(engine: str, tmp_path: Path) -> None:
     w = Watched(tmp_path / "state", engines=ENGINES)
-    s = spec(engine, model=str(tmp_path / "tiny") if engine == "trtllm" else "org/tiny")
+    s = spec(engine, model=str(tmp_path / "tiny") if engine == "trtllm" else "org/tiny", env={"LLMGW_T": "1"})
     try:
         await w.sup.apply([s])
         st = await w.wait_state(s.id, READY)
         assert st.port is not None
+        # its GPUs and the deployment's env reach the engine's environment
+        environ = Path(f"/proc/{st.pid}/environ").read_bytes().split(b"\0")
+        assert b"CUDA_VISIBLE_DEVICES=GPU-0000" in environ and b"LLMGW_T=1" in environ
         assert KEY not in st.message and KEY not in w.sup.log_tail(s.id, 1000)
         if engine == "sglang":  # it prints its settings, key included: the file has it, the tail does not
             assert st.log_path is not None and KEY in Path(st.log_path).read_text()
