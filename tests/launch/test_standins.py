@@ -88,8 +88,8 @@ async def test_a_flag_the_engine_lacks_fails_the_replica(engine: str, tmp_path: 
     try:
         await w.sup.apply([s])
         st = await w.wait_state(s.id, FAILED)
-        assert st.exit_code == 2
-        assert "unrecognized arguments: --no-such-flag" in st.message
+        assert st.exit_code == 2, st
+        assert "unrecognized arguments: --no-such-flag" in st.message, st
         # the log passed its size at the restart: rotated, one old file kept
         assert st.log_path is not None
         assert Path(st.log_path + ".1").is_file() and not Path(st.log_path + ".2").exists()
