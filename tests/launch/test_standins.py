@@ -12,7 +12,7 @@ import os
 import shutil
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -21,20 +21,9 @@ from canary import secret
 from launch.helpers import Watched, gone, http
 from llmgw.config.agent import AgentEngineConfig
 from llmgw.launch import trtllm
-from llmgw.launch.spec import FAILED, READY, ReplicaSpec
-from llmgw.testing import standins
+from llmgw.launch.spec import FAILED, READY, LocalModel, ModelBlob, ReplicaSpec
 
 KEY = secret("replica")
-
-
-@pytest.fixture
-def standin_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, str]]:
-    """The stand-ins first on PATH and PYTHONPATH (for this test and the engines it starts)."""
-    bin_dir = standins.install(tmp_path / "bin")
-    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}")
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
-        p for p in (str(standins.PYTHONPATH), os.environ.get("PYTHONPATH", "")) if p))
-    yield {"bin": str(bin_dir)}
 
 
 def spec(engine: str, model: str = "org/tiny", **kw: object) -> ReplicaSpec:
@@ -56,14 +45,21 @@ CHAT = b'{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max
 
 
 @pytest.mark.parametrize("engine", ["vllm", "sglang", "trtllm"])
-async def test_launched_ready_and_guarded(engine: str, standin_env: dict[str, str], tmp_path: Path) -> None:
+@pytest.mark.usefixtures("standin_env")
+async def test_launched_ready_and_guarded(engine: str, tmp_path: Path) -> None:
     w = Watched(tmp_path / "state", engines=ENGINES)
-    s = spec(engine, model=str(tmp_path / "tiny") if engine == "trtllm" else "org/tiny")
+    s = spec(engine, model=str(tmp_path / "tiny") if engine == "trtllm" else "org/tiny", env={"LLMGW_T": "1"})
     try:
         await w.sup.apply([s])
         st = await w.wait_state(s.id, READY)
         assert st.port is not None
+        # its GPUs and the deployment's env reach the engine's environment
+        environ = Path(f"/proc/{st.pid}/environ").read_bytes().split(b"\0")
+        assert b"CUDA_VISIBLE_DEVICES=GPU-0000" in environ and b"LLMGW_T=1" in environ
         assert KEY not in st.message and KEY not in w.sup.log_tail(s.id, 1000)
+        if engine == "sglang":  # it prints its settings, key included: the file has it, the tail does not
+            assert st.log_path is not None and KEY in Path(st.log_path).read_text()
+            assert "api_key='***'" in w.sup.log_tail(s.id, 1000)
         assert (await http(st.port, "GET", "/health"))[0] == 200
         status, body = await http(st.port, "POST", "/v1/chat/completions", key=KEY, body=CHAT)
         assert status == 200, body
@@ -85,16 +81,19 @@ async def test_launched_ready_and_guarded(engine: str, standin_env: dict[str, st
 
 
 @pytest.mark.parametrize("engine", ["vllm", "sglang", "trtllm"])
-async def test_a_flag_the_engine_lacks_fails_the_replica(
-    engine: str, standin_env: dict[str, str], tmp_path: Path
-) -> None:
-    w = Watched(tmp_path / "state", engines=ENGINES, max_crashes=2, backoff=0.01)
+@pytest.mark.usefixtures("standin_env")
+async def test_a_flag_the_engine_lacks_fails_the_replica(engine: str, tmp_path: Path) -> None:
+    w = Watched(tmp_path / "state", engines=ENGINES, max_crashes=2, backoff=0.01, log_max_bytes=200, log_backups=1)
     s = spec(engine, model=str(tmp_path / "tiny"), args=("--no-such-flag",))
     try:
         await w.sup.apply([s])
         st = await w.wait_state(s.id, FAILED)
-        assert st.exit_code == 2
-        assert "unrecognized arguments: --no-such-flag" in st.message
+        assert st.exit_code == 2, st
+        assert "unrecognized arguments: --no-such-flag" in st.message, st
+        # the log passed its size at the restart: rotated, one old file kept
+        assert st.log_path is not None
+        assert Path(st.log_path + ".1").is_file() and not Path(st.log_path + ".2").exists()
+        assert "unrecognized arguments" in Path(st.log_path + ".1").read_text()
     finally:
         await w.sup.close()
 
@@ -129,3 +128,73 @@ def test_the_trtllm_launcher_is_one_self_contained_file(tmp_path: Path) -> None:
     assert out.returncode == 0 and "trtllm-serve" in out.stdout
     source = trtllm.GUARD.read_text()
     assert "llmgw." not in source.replace("llmgw's", "") and "import llmgw" not in source
+
+
+@pytest.mark.usefixtures("standin_env")
+async def test_loading_then_a_readiness_timeout_fails_and_kills(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("LLMGW_STANDIN_STARTUP_DELAY", "60")
+    w = Watched(tmp_path / "state", engines=ENGINES, ready_timeout=1.5)
+    s = spec("vllm")
+    try:
+        await w.sup.apply([s])
+        st = await w.wait(s.id, lambda x: x.state == "starting" and x.pid is not None)
+        # it listens and answers 503 while loading: still starting, not ready
+        assert st.port is not None
+        st = await w.wait_state(s.id, FAILED, timeout=30)
+        assert "not ready within 1.5s" in st.message
+        assert st.restarts == 0
+        assert st.pid is not None and gone(st.pid)
+    finally:
+        await w.sup.close()
+
+
+class DirFetcher:
+    """A ModelFetcher over a local directory of ``sha256-<hex>`` files (the mirror client's stand-in)."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.calls = 0
+
+    async def ensure(self, spec: ReplicaSpec, progress: Callable[[int, int], None]) -> LocalModel:
+        self.calls += 1
+        total = sum(b.size for b in spec.blobs)
+        done = 0
+        paths = {}
+        for b in spec.blobs:
+            done += b.size
+            progress(done, total)
+            paths[b.role] = str(self.root / b.digest.replace(":", "-"))
+        return LocalModel(path=paths["model"], projector=paths.get("projector"))
+
+
+@pytest.mark.usefixtures("standin_env")
+async def test_a_mirror_model_is_fetched_first(tmp_path: Path) -> None:
+    fetcher = DirFetcher(tmp_path / "blobs")
+    w = Watched(tmp_path / "state", engines=ENGINES, fetcher=fetcher)
+    seen: list[str] = []
+    w.on_change_too = lambda: seen.extend(x.state for x in w.sup.statuses())
+    s = spec("vllm", model="tiny:1b", blobs=(ModelBlob("sha256:" + "a" * 64, 10),))
+    try:
+        await w.sup.apply([s])
+        await w.wait_state(s.id, READY)
+        assert seen[0] == "fetching" and fetcher.calls == 1
+        assert str(tmp_path / "blobs" / ("sha256-" + "a" * 64)) in w.sup.log_tail(s.id, 20)
+    finally:
+        await w.sup.close()
+
+
+@pytest.mark.usefixtures("standin_env")
+async def test_asked_again_while_stopping_it_comes_back(tmp_path: Path) -> None:
+    w = Watched(tmp_path / "state", engines=ENGINES)
+    s = spec("vllm")
+    try:
+        await w.sup.apply([s])
+        first = await w.wait_state(s.id, READY)
+        await w.sup.apply([])
+        await w.sup.apply([s])
+        again = await w.wait(s.id, lambda x: x.state == READY and x.pid != first.pid)
+        assert first.pid is not None and gone(first.pid) and again.restarts == 0
+    finally:
+        await w.sup.close()

@@ -88,7 +88,7 @@ async def test_start_ready_auth_restart_and_stop(llama_server_bin: Path, tiny_mo
 
         # not asked for any more: drained and stopped, its record gone
         seen: list[str] = []
-        w.on_change_too = lambda: seen.append(w.status("chat-1").state)  # type: ignore[union-attr]
+        w.on_change_too = lambda: seen.extend(x.state for x in w.sup.statuses())
         await w.sup.apply([])
         await w.wait_state("chat-1", STOPPED)
         assert DRAINING in seen
@@ -189,3 +189,49 @@ async def test_an_agent_killed_with_sigkill_leaves_no_orphan(
         await w.sup.close()
     await wait_gone(pid)
     assert w.status("chat-1").state == STOPPED  # type: ignore[union-attr]
+
+
+# -- llmgw ctl engine-check llamacpp --
+
+
+def _wrapper(path: Path, body: str) -> Path:
+    path.write_text("#!/bin/sh\n" + body)
+    path.chmod(0o755)
+    return path
+
+
+def test_engine_check_passes_on_the_real_binary(llama_server_bin: Path, tmp_path: Path) -> None:
+    out = subprocess.run([sys.executable, "-m", "llmgw", "ctl", "engine-check", "llamacpp", "--binary",
+                          str(llama_server_bin), "--json"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+    doc = orjson.loads(out.stdout)
+    assert doc["ok"] is True
+    got = {c["check"]: c["status"] for c in doc["checks"]}
+    assert got == {"found": "pass", "version": "pass", "flags": "pass", "devices": "info", "gpu": got["gpu"],
+                   "start": "pass", "ready": "pass", "metrics": "pass", "auth": "pass", "stop": "pass"}
+
+
+def test_engine_check_names_the_fix_for_a_missing_flag_or_metrics(llama_server_bin: Path, tmp_path: Path) -> None:
+    # A build whose --help lacks --metrics (the flag llmgw passes for the router's signals).
+    lacking = _wrapper(tmp_path / "llama-old", textwrap.dedent(f"""\
+        if [ "$1" = --help ]; then "{llama_server_bin}" --help 2>&1 | grep -v -- '^--metrics'; exit 0; fi
+        exec "{llama_server_bin}" "$@"
+        """))
+    out = subprocess.run([sys.executable, "-m", "llmgw", "ctl", "engine-check", "llamacpp", "--binary",
+                          str(lacking)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1
+    assert "FAIL  flags    `llama-server --help` lacks --metrics, which llmgw passes" in out.stdout
+    assert "fix: use a newer llama.cpp build" in out.stdout
+    assert "skipped: a static check failed" in out.stdout
+    # One that takes --metrics but serves no /metrics (drops the flag).
+    deaf = _wrapper(tmp_path / "llama-deaf", textwrap.dedent(f"""\
+        for a; do shift; [ "$a" = --metrics ] || set -- "$@" "$a"; done
+        exec "{llama_server_bin}" "$@"
+        """))
+    out = subprocess.run([sys.executable, "-m", "llmgw", "ctl", "engine-check", "llamacpp", "--binary",
+                          str(deaf)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1, out.stdout
+    line = next(ln for ln in out.stdout.splitlines() if "metrics" in ln and ln.startswith("FAIL"))
+    assert "/metrics answered 501" in line, out.stdout
+    assert "fix: start llama-server with --metrics" in out.stdout
+    assert "PASS  stop" in out.stdout

@@ -13,6 +13,7 @@
     llmgw ctl deployments               desired and ready replicas, where each runs, why one is not placed
     llmgw ctl scale chat 3              (a config deployment's scale holds until its entry changes)
     llmgw ctl undeploy chat             its replicas drain, then stop
+    llmgw ctl engine-check llamacpp     can this node run the engine as llmgw launches it?
 
 ``--admin URL`` (``$LLMGW_ADMIN``, default ``http://127.0.0.1:9090``) and
 ``--token`` (``$LLMGW_ADMIN_TOKEN``) pick the gateway; ``--json`` prints the API's
@@ -656,6 +657,75 @@ def deployments(ctx: click.Context, show_secrets: bool, admin: str | None, token
         console.print(rt)
     if any(d.get("scaled") for d in rows):
         console.print("* scaled with llmgw ctl scale: holds until the deployment's entry in the config file changes")
+
+
+# -- engine-check (issue 18): runs here, on this node; the logic is llmgw.launch.check --
+
+
+@ctl.command("engine-check")
+@click.argument("engine", type=click.Choice(["vllm", "llamacpp", "trtllm", "sglang"]))
+@click.option("--model", metavar="PATH-OR-ID",
+              help="The model for the live checks (llamacpp: default, a tiny GGUF llmgw writes).")
+@click.option("--static", "static_only", is_flag=True, help="Only the static checks (no engine is started).")
+@click.option("--agent-config", type=click.Path(dir_okay=False), metavar="FILE",
+              help="The node agent's config file: its engines: section says where the engine is.")
+@click.option("--binary", metavar="PATH", help="The engine's executable (overrides engines.<engine>.binary).")
+@click.option("--python", metavar="PATH", help="The engine's interpreter (overrides engines.<engine>.python).")
+@click.option("--gpu-source", type=click.Choice(["auto", "nvml", "nvidia-smi", "none", "simulated"]),
+              default="auto", show_default=True, help="Where GPUs are read from.")
+@click.option("--timeout", type=click.FloatRange(1, 86_400), default=600.0, show_default=True,
+              help="Seconds the engine may take to become ready.")
+@click.option("--node", metavar="NODE", help="Run the check on that node, through the control plane.")
+@click.option("--json", "as_json", is_flag=True, default=None, help="Print the checks as JSON.")
+@click.pass_context
+def engine_check(ctx: click.Context, engine: str, model: str | None, static_only: bool, agent_config: str | None,
+                 binary: str | None, python: str | None, gpu_source: str, timeout: float, node: str | None,
+                 as_json: bool | None) -> None:
+    """Check that this node can run ENGINE as llmgw launches it.
+
+    Static checks (found, version, the flags llmgw passes in its --help, GPU
+    driver), then live ones when a model is at hand: start, ready, the metrics
+    llmgw reads, 401 without the key, clean stop. One line per check, with the
+    fix when it fails; exit status 1 when any check fails.
+
+    \b
+    Example:
+      llmgw ctl engine-check llamacpp
+      llmgw ctl engine-check vllm --model facebook/opt-125m --agent-config agent.yaml
+    """
+    import asyncio
+    import logging
+
+    from ..config.agent import AgentEngineConfig, load_agent_file
+    from ..errors import ConfigError
+    from ..launch.check import engine_check as run_checks
+    from ..launch.check import render
+
+    if node is not None:
+        raise CtlError(f"--node {node}: running engine-check on a node goes through the control plane, which "
+                       "this build cannot do yet; run `llmgw ctl engine-check` on that node itself")
+    engines: dict[str, AgentEngineConfig] = {}
+    if agent_config is not None:
+        try:
+            engines = dict(load_agent_file(agent_config).engines)
+        except ConfigError as exc:
+            raise CtlError(str(exc)) from None
+    if binary is not None or python is not None:
+        base = engines.get(engine) or AgentEngineConfig()
+        engines[engine] = AgentEngineConfig(binary=binary if binary is not None else base.binary,
+                                            python=python if python is not None else base.python)
+    # (the supervisor's info lines would repeat what the checks say)
+    logging.getLogger("llmgw.agent.launch").setLevel(logging.WARNING)
+    checks = asyncio.run(run_checks(engine, engines=engines, model=model, live=not static_only,
+                                    gpu_source=gpu_source, timeout=timeout))
+    json_out = as_json if as_json is not None else (ctx.obj.as_json if isinstance(ctx.obj, Target) else False)
+    if json_out:
+        _print_json({"engine": engine, "ok": not any(c.failed for c in checks),
+                     "checks": [c.as_dict() for c in checks]})
+    else:
+        click.echo(render(checks))
+    if any(c.failed for c in checks):
+        ctx.exit(1)
 
 
 def main() -> None:  # pragma: no cover - `python -m llmgw.cli.ctl`

@@ -8,6 +8,7 @@ the supervisor runs it. Facts about each engine's server (metrics path, whether
 
 from __future__ import annotations
 
+import os
 import shutil
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -84,7 +85,7 @@ def find_binary(engine: AgentEngineConfig | None, default: str, what: str) -> st
         raise LaunchError(
             f"{what}: {where} is not an executable; install it or set engines.{what}.binary in the agent's config"
         )
-    return found
+    return os.path.abspath(found)  # (engines run in their own work directory)
 
 
 def find_python(engine: AgentEngineConfig | None, what: str) -> str:
@@ -97,7 +98,7 @@ def find_python(engine: AgentEngineConfig | None, what: str) -> str:
         raise LaunchError(
             f"{what}: {where} is not an executable; set engines.{what}.python to the interpreter that has {what}"
         )
-    return found
+    return os.path.abspath(found)
 
 
 def model_path(spec: ReplicaSpec, model: LocalModel | None) -> str:

@@ -14,7 +14,8 @@ Each replica, from start to end::
   file is the child's stdout and stderr; the agent holds no pipe), so an engine
   outlives an agent restart. The agent rotates the file by copy-and-truncate
   (the child writes with ``O_APPEND``, so it carries on at the new end).
-* A free port is picked for every start; the engine is in its own session and
+* A free port is picked for every start (in :data:`PORT_RANGE`, below the
+  kernel's ephemeral ports, so no outgoing connection takes it first); the engine is in its own session and
   process group, so a stop reaches its children too: SIGTERM to the group,
   SIGKILL after the grace.
 * Readiness: ``GET /health`` (the plan's path) answers 200 within
@@ -40,6 +41,7 @@ import hashlib
 import importlib
 import json
 import os
+import random
 import re
 import shutil
 import signal
@@ -131,7 +133,29 @@ def _probe_host(host: str) -> str:
     return host
 
 
-def _free_port(host: str) -> int:
+PORT_RANGE = (20000, 32767)
+"""Where replica ports are picked by default: below Linux's ephemeral range (32768-60999), so that
+no outgoing connection of the node takes the port between the pick and the engine's bind."""
+
+
+def _bindable(host: str, port: int) -> bool:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+        return True
+
+
+def _free_port(host: str, span: tuple[int, int] | None = PORT_RANGE, taken: frozenset[int] = frozenset()) -> int:
+    """A port ``host`` can bind now: random in ``span`` (skipping ``taken``), else one the kernel picks."""
+    if span is not None:
+        lo, hi = span
+        for _ in range(64):
+            port = random.randint(lo, hi)
+            if port not in taken and _bindable(host, port):
+                return port
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     with socket.socket(family, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
@@ -216,6 +240,8 @@ class ReplicaSupervisor:
         log_max_bytes: a log is rotated past this size; ``log_backups`` old ones are kept.
         keep_stopped: seconds a stopped replica stays in :meth:`statuses`.
         base_env: the environment engines start from (default: the agent's).
+        poll_interval: the longest wait between readiness probes.
+        port_range: where replica ports are picked (None: any free port the kernel gives).
     """
 
     def __init__(
@@ -237,6 +263,7 @@ class ReplicaSupervisor:
         keep_stopped: float = 300.0,
         base_env: Mapping[str, str] | None = None,
         poll_interval: float = 0.2,
+        port_range: tuple[int, int] | None = PORT_RANGE,
     ) -> None:
         self.state_dir = Path(state_dir)
         self.host = host
@@ -254,6 +281,7 @@ class ReplicaSupervisor:
         self.keep_stopped = keep_stopped
         self.base_env = dict(base_env) if base_env is not None else None
         self.poll_interval = poll_interval
+        self.port_range = port_range
         self._records = self.state_dir / "replicas"
         self._logs = self.state_dir / "logs"
         self._run = self.state_dir / "run"
@@ -261,11 +289,13 @@ class ReplicaSupervisor:
             d.mkdir(parents=True, exist_ok=True, mode=0o700)
         self._reps: dict[str, _Replica] = {}
         self._closed = False
+        self._adopted = False
 
     # -- the Supervisor protocol --
 
     async def adopt(self) -> None:
         """Take over engines recorded in the state dir that still run; kill the rest of the others."""
+        self._adopted = True
         for path in sorted(self._records.glob("*.json")):
             rid = path.stem
             if rid in self._reps:
@@ -295,6 +325,9 @@ class ReplicaSupervisor:
     async def apply(self, desired: Sequence[ReplicaSpec]) -> None:
         if self._closed:
             raise RuntimeError("the supervisor is closed")
+        if not self._adopted:
+            # (an engine left by an earlier agent must be adopted or stopped, never run twice)
+            await self.adopt()
         wanted: dict[str, ReplicaSpec] = {}
         for spec in desired:
             wanted[spec.id] = spec
@@ -308,7 +341,8 @@ class ReplicaSupervisor:
             elif rep.fp == fp:
                 if rep.spec is None:
                     rep.spec = spec  # an adopted replica: now it can be restarted after a crash
-                rep.next_spec = None
+                # (asked again while it is being stopped: start it again once it has stopped)
+                rep.next_spec = spec if rep.stop.is_set() else None
             elif rep.task is None:  # failed or stopped: start the new spec afresh
                 self._start(spec, fp)
                 changed = True
@@ -343,7 +377,9 @@ class ReplicaSupervisor:
         path = rep.log_path if rep is not None else self._log_path(replica_id)
         if rep is None and not path.is_file():
             raise KeyError(replica_id)
-        return _tail(path, lines, max(_TAIL_CHARS, lines * 400))
+        text = _tail(path, lines, max(_TAIL_CHARS, lines * 400))
+        # NOTE: some engines print their whole configuration, key included (SGLang's server_args).
+        return self._redact(rep, text) if rep is not None else text
 
     async def close(self, *, stop: bool = True) -> None:
         self._closed = True
@@ -374,7 +410,8 @@ class ReplicaSupervisor:
         return self._records / f"{rid}.json"
 
     def _start(self, spec: ReplicaSpec, fp: str) -> None:
-        rep = _Replica(id=spec.id, spec=spec, fp=fp, log_path=self._log_path(spec.id))
+        rep = _Replica(id=spec.id, spec=spec, fp=fp, log_path=self._log_path(spec.id),
+                       state=FETCHING if spec.blobs else STARTING)
         self._reps[spec.id] = rep
         if not _ID.match(spec.id):
             rep.state, rep.message = FAILED, (
@@ -528,7 +565,8 @@ class ReplicaSupervisor:
         work = self._run / rep.id
         work.mkdir(parents=True, exist_ok=True, mode=0o700)
         try:
-            port = _free_port(self.host)
+            taken = frozenset(r.port for r in self._reps.values() if r.port is not None and r is not rep)
+            port = _free_port(self.host, self.port_range, taken)
             plan = launcher_for(spec.engine)(spec, model, host=self.host, port=port,
                                              engine=self.engines.get(spec.engine), work_dir=work)
         except (LaunchError, OSError) as exc:
@@ -635,7 +673,12 @@ class ReplicaSupervisor:
             # NOTE: before reaping the leader, whose unreaped pid keeps the group id from being reused.
             _kill_group(rep.pid, signal.SIGKILL)
         if rep.popen is not None:
-            rep.exit_code = rep.popen.wait()
+            code = rep.popen.poll()
+            if code is None:
+                # Unkillable for now (stuck in the kernel): never block the loop on it.
+                log.warning("replica %s: pid %d survives SIGKILL; left to be reaped later", rep.id, rep.pid)
+                _DETACHED.append(rep.popen)
+            rep.exit_code = code
             rep.popen = None
         elif rep.pid is not None:
             # Adopted: our child only if this same process started it before (tests); else init reaps it.

@@ -28,6 +28,7 @@ import contextlib
 import hmac
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -128,6 +129,16 @@ async def _pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
 
 
 def _free_port() -> int:
+    # NOTE: below Linux's ephemeral range (32768-60999), where no outgoing connection
+    # can take the port before trtllm-serve binds it.
+    for _ in range(64):
+        port = random.randint(20000, 32767)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])

@@ -32,6 +32,9 @@ def _parser() -> Parser:
 def main(argv: list[str] | None = None) -> int:
     p = _parser()
     ns = p.parse_args(sys.argv[1:] if argv is None else argv)
+    # Like SGLang, print every setting at start, the key included (llmgw must not show it on).
+    print("server_args=ServerArgs(" + ", ".join(f"{k}={v!r}" for k, v in sorted(vars(ns).items())) + ")",
+          flush=True)
     return serve("sglang", ns.served_model_name or ns.model_path, ns.host, ns.port, api_key=ns.api_key,
                  metrics=ns.enable_metrics, slots=ns.max_running_requests or 8,
                  max_model_len=ns.context_length or 4096)
