@@ -56,6 +56,8 @@ class NodeState:
     cordoned: bool = False
     generation: int = 0
     """Bumped on every change (a cache of what was rendered from it can compare)."""
+    labels: dict[str, str] = field(default_factory=dict)
+    """The agent's ``labels:`` as it registered (deployments' ``node_labels`` select on them)."""
     _model: Discovery | None = field(default=None, repr=False)
     _wire: pb.Discovery | None = field(default=None, repr=False)
 

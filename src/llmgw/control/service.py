@@ -34,6 +34,7 @@ from .nodes import NodeMap
 if TYPE_CHECKING:
     from ..admin.app import AdminApp
     from ..config import Config, ControlConfig
+    from ..launch.spec import ReplicaController
     from .deployments import DeploymentController, Router
     from .resolve import Resolver
 
@@ -133,6 +134,10 @@ class AgentService(agent_pb2_grpc.AgentServiceServicer):
         self.control = control
         self.stats = stats
         self._tokens = _Tokens()
+        self.replicas: ReplicaController | None = None
+        """What each node should run and where its reports go (the :class:`ControlPlane` sets it at start):
+        ``desired(node)`` for a heartbeat's answer, ``report(...)`` with its statuses, ``node_gone`` on
+        deregistration, ``subscribe`` to push a changed set on an open stream."""
 
     async def _abort(self, context: Any, method: str, code: grpc.StatusCode, message: str) -> None:
         self.stats.error(method, code)
@@ -351,6 +356,7 @@ class ControlPlane:
             resolver=self.resolver or mirror_resolver(self.config().mirror_root),
         )
         await self.deployments.start()
+        self.service.replicas = self.deployments
         server = grpc.aio.server(options=list(SERVER_OPTIONS))
         agent_pb2_grpc.add_AgentServiceServicer_to_server(self.service, server)
         host, port = c.listen
@@ -388,6 +394,7 @@ class ControlPlane:
             await self.server.stop(1.0)
             self.server = None
         if self.deployments is not None:
+            self.service.replicas = None
             await self.deployments.stop()
             self.deployments = None
 

@@ -36,6 +36,7 @@ def node_view(nodes: NodeMap, st: NodeState, *, gpus: bool) -> dict[str, Any]:
         "id": st.node_id,
         "state": nodes.state(st, now),
         "cordoned": st.cordoned,
+        "labels": dict(st.labels),
         "hostname": f.hostname,
         "agent_version": st.agent_version or None,
         "protocol": f"{st.protocol[0]}.{st.protocol[1]}",
