@@ -398,6 +398,12 @@ def test_reserved_control_plane_sections(monkeypatch: pytest.MonkeyPatch) -> Non
         ({"deployments": [{"name": "a", "model": "m", "env": {"1X": "y"}}]}, "deployments[0].env", "environment variable name"),
         ({"deployments": [{"name": "a", "model": "m"}, {"name": "a", "model": "n"}]}, "deployments[1].name", "duplicate name"),
         ({"deployments": [{"name": "a", "model": "m", "replica": 2}]}, "deployments[0].replica", "did you mean 'replicas'"),
+        ({"deployments": [{"name": "a", "model": "m", "node_labels": {"bad key": "x"}}]}, "deployments[0].node_labels",
+         "is not a label name"),
+        ({"deployments": [{"name": "a", "model": "m", "node_labels": ["zone=eu"]}]}, "deployments[0].node_labels",
+         "mapping of label names"),
+        ({"deployments": [{"name": "a", "model": "m", "slots": 0}]}, "deployments[0].slots", "at least 1"),
+        ({"deployments": [{"name": "a", "model": "m", "share_gpus": "often"}]}, "deployments[0].share_gpus", ""),
         ({"follow": {"control": []}}, "follow.control", "HOST:PORT"),
     ],
 )
@@ -405,6 +411,20 @@ def test_reserved_sections_are_validated(data: object, key: str, fragment: str) 
     with pytest.raises(ConfigError) as ei:
         load(data)
     assert any(p.key == key and fragment in p.message for p in ei.value.problems), str(ei.value)
+
+
+def test_deployment_defaults_and_selectors() -> None:
+    cfg = load({"deployments": [
+        {"name": "v", "model": "m"},
+        {"name": "l", "model": "tiny:1b", "engine": "llamacpp", "slots": 4, "context": 8192, "memory": "2GiB"},
+        {"name": "g", "model": "m", "engine": "llamacpp", "gpus": 1, "gpu_model": "H100", "share_gpus": True,
+         "gpu_memory": "8GiB", "node_labels": {"zone": "eu-1", "llmgw.io/pool": "a"}, "served_name": "chat"},
+    ]})
+    v, lc, g = cfg.deployments
+    assert (v.gpu_count, v.model_name, v.engine) == (1, "v", "vllm")  # vLLM: one GPU; clients ask for the name
+    assert (lc.gpu_count, lc.slots, lc.context, lc.memory) == (0, 4, 8192, 2 * 2**30)  # llama.cpp: CPU
+    assert (g.gpu_count, g.gpu_model, g.share_gpus, g.model_name) == (1, "H100", True, "chat")
+    assert g.node_labels == {"zone": "eu-1", "llmgw.io/pool": "a"}
 
 
 def test_agent_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

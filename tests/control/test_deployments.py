@@ -235,6 +235,11 @@ async def test_unplaceable_deployments_explain_and_ctl_commands(tmp_path: Path) 
                            "--replicas", "2", "--label", "pool=cpu")
         assert res.exit_code == 0, res.output
         assert "needs a node; no node is eligible; gpu-node-3 lacks label pool=cpu" in res.output
+        st = control_plane(rt).nodes.get("gpu-node-3")
+        st.labels["pool"] = "cpu"  # (as the agent's labels: would say at registration)
+        controller(rt).sync()
+        assert [r.deployment for r in controller(rt).replicas.values()] == ["cpu", "cpu"]  # one CPU node: both there
+        st.labels.clear()
         res = await invoke("--admin", url, "deploy", "big", "--model", "x")
         assert res.exit_code == 1 and "deployment 'big' exists" in res.output
         res = await invoke("--admin", url, "deploy", "bad", "--model", "x", "--engine", "nope")
@@ -258,7 +263,7 @@ async def test_unplaceable_deployments_explain_and_ctl_commands(tmp_path: Path) 
         assert "API KEY" not in res.output
         row = next(line for line in res.output.splitlines() if line.startswith("fits-"))
         assert row.split()[1:5] == ["fits", "gpu-node-3", "pending", "–"], row  # no port reported yet: –
-        key = controller(rt).desired("gpu-node-3")[1][0].api_key
+        key = next(x for x in controller(rt).desired("gpu-node-3")[1] if x.deployment == "fits").api_key
         assert key not in res.output
         res = await invoke("--admin", url, "deployments", "--show-secrets")
         assert "API KEY" in res.output and key in res.output
@@ -269,7 +274,7 @@ async def test_unplaceable_deployments_explain_and_ctl_commands(tmp_path: Path) 
         res = await invoke("--admin", url, "undeploy", "fits")
         assert res.exit_code == 0 and "fits: undeployed; 1 replica(s) draining" in res.output
         # (never reported ready: nothing to drain, it leaves the node's set at once)
-        assert controller(rt).desired("gpu-node-3")[1] == ()
+        assert [x.deployment for x in controller(rt).desired("gpu-node-3")[1]] == ["cpu", "cpu"]
         status, body = await admin(rt, "POST", "/admin/v1/deployments/big/scale", {"replicas": -1})
         assert status == 400 and body["error"]["code"] == "invalid_replicas"
         status, body = await admin(rt, "POST", "/admin/v1/deployments", {"name": "x", "model": "m", "gpu": 1})

@@ -250,6 +250,7 @@ class DeploymentController:
         self._applied: tuple[DeploymentConfig, ...] | None = None
         self._missing_since: dict[str, float] = {}
         self._held: frozenset[str] | None = None
+        self._pass_nodes: list[NodeInfo] | None = None
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task[None] | None = None
         for sd in store.deployments():
@@ -428,8 +429,10 @@ class DeploymentController:
         now = self.clock()
         self.apply_config()
         self._forget_lost_nodes(now)
+        self._pass_nodes = None
         for dep in list(self.deployments.values()):
             self._converge(dep, now)
+        self._pass_nodes = None
         for r in list(self.replicas.values()):
             if r.draining_since is not None:
                 self._drain_step(r, now)
@@ -495,13 +498,15 @@ class DeploymentController:
                 for g in d.gpus
             )
             f = d.facts
-            out.append(NodeInfo(st.name, nodes.is_up(st, now), st.cordoned, getattr(st, "labels", None) or {}, gpus,
+            out.append(NodeInfo(st.name, nodes.is_up(st, now), st.cordoned, st.labels, gpus,
                                 f.cpu_cores, f.memory_total_bytes, f.memory_available_bytes))
         return out
 
     def _place_one(self, dep: Deployment) -> Replica | Unplaceable:
         need = self._need(dep)
-        got = place(need, self.node_infos(), [r.claim() for r in self.replicas.values()])
+        if self._pass_nodes is None:  # (once per pass: reading a node's GPUs converts its last heartbeat)
+            self._pass_nodes = self.node_infos()
+        got = place(need, self._pass_nodes, [r.claim() for r in self.replicas.values()])
         if isinstance(got, Unplaceable):
             return got
         assert isinstance(got, Choice)

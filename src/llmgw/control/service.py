@@ -690,6 +690,7 @@ class ControlPlane:
             self.server = None
         await self.service.close()
         if self.deployments is not None:
+            self.service.attach(None)
             await self.deployments.stop()
             self.deployments = None
 
