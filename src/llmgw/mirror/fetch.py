@@ -174,6 +174,8 @@ class MirrorFetcher:
                 sock.shutdown(socket.SHUT_RDWR)  # unblocks a read in the transfer thread
             except OSError:
                 pass
+        if job.task is not None:
+            job.task.cancel()  # (a wait between attempts ends now; a transfer thread sees the flag)
 
     async def close(self) -> None:
         """Stop every transfer (their ensure() calls fail) and release the store."""
@@ -184,7 +186,8 @@ class MirrorFetcher:
         tasks = [j.task for j in jobs if j.task is not None and not j.task.done()]
         if tasks:
             await asyncio.gather(*tasks, return_exceptions=True)
-        self._pool.shutdown(wait=True)
+        # (off the loop: a transfer thread may take up to a read's timeout to see its flag)
+        await asyncio.get_running_loop().run_in_executor(None, self._pool.shutdown, True)
         self.store.close()
 
     # -- ModelFetcher --
