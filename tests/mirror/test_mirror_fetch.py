@@ -486,9 +486,17 @@ def test_resolve_gives_blobs_and_placement_facts(tmp_path: Path) -> None:
     assert find(tmp_path / "no-mirror-here", "tiny:1b") is None
 
 
-def test_fetcher_refuses_a_bad_url(tmp_path: Path) -> None:
+async def test_fetcher_refuses_a_bad_url(tmp_path: Path) -> None:
     for bad in ("ftp://x", "localhost:9", "http://"):
         with pytest.raises(ValueError, match="http://HOST:PORT"):
             MirrorFetcher(bad, "c", tmp_path / "m")
+    fetcher = MirrorFetcher("http://127.0.0.1:9/prefix/", "c", tmp_path / "m")
+    try:
+        with pytest.raises(ValueError, match="http://HOST:PORT"):
+            fetcher.set_access("nope", "d")
+        fetcher.set_access("https://mirror.example:8443", "d")
+        assert (fetcher.base_url, fetcher.credential) == ("https://mirror.example:8443", "d")
+    finally:
+        await fetcher.close()
 
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import secrets
+import threading
 
 __all__ = ["CREDENTIAL_PREFIX", "NodeCredentials"]
 
@@ -41,15 +42,17 @@ def _digest(credential: str | bytes) -> bytes:
 class NodeCredentials:
     """The mirror credentials of the registered nodes, stored hashed.
 
-    Not thread-safe: use it on the control plane's event loop (where the gRPC
-    service and the admin listener run).
+    Thread-safe: registration may issue on the gRPC service's thread while the
+    admin listener checks on the main loop (each call holds a lock for a few
+    dictionary operations, never for I/O).
     """
 
-    __slots__ = ("_by_digest", "_by_node")
+    __slots__ = ("_by_digest", "_by_node", "_lock")
 
     def __init__(self) -> None:
         self._by_node: dict[str, bytes] = {}
         self._by_digest: dict[bytes, str] = {}
+        self._lock = threading.Lock()
 
     def __repr__(self) -> str:
         return f"NodeCredentials({len(self._by_node)} node(s))"
@@ -67,20 +70,25 @@ class NodeCredentials:
         """
         if not node:
             raise ValueError("a credential needs a node name")
-        self.revoke(node)
-        for _ in range(8):  # (a collision of 256 random bits does not happen; bounded anyway)
-            credential = CREDENTIAL_PREFIX + secrets.token_urlsafe(32)
-            digest = _digest(credential)
-            if digest not in self._by_digest:
-                break
-        else:  # pragma: no cover
-            raise RuntimeError("could not make a unique credential")
-        self._by_node[node] = digest
-        self._by_digest[digest] = node
+        with self._lock:
+            self._revoke(node)
+            for _ in range(8):  # (a collision of 256 random bits does not happen; bounded anyway)
+                credential = CREDENTIAL_PREFIX + secrets.token_urlsafe(32)
+                digest = _digest(credential)
+                if digest not in self._by_digest:
+                    break
+            else:  # pragma: no cover
+                raise RuntimeError("could not make a unique credential")
+            self._by_node[node] = digest
+            self._by_digest[digest] = node
         return credential
 
     def revoke(self, node: str) -> bool:
         """Forget ``node``'s credential; whether it had one."""
+        with self._lock:
+            return self._revoke(node)
+
+    def _revoke(self, node: str) -> bool:
         digest = self._by_node.pop(node, None)
         if digest is None:
             return False
@@ -92,8 +100,9 @@ class NodeCredentials:
         if not credential:
             return None
         digest = _digest(credential)
-        node = self._by_digest.get(digest)
-        stored = self._by_node.get(node) if node is not None else None
+        with self._lock:
+            node = self._by_digest.get(digest)
+            stored = self._by_node.get(node) if node is not None else None
         # SECURITY: always one constant-time comparison, hit or miss.
         ok = hmac.compare_digest(digest, stored if stored is not None else _DUMMY)
         return node if ok and stored is not None else None

@@ -100,7 +100,7 @@ class MirrorFetcher:
         base_url: the control plane's admin listener, ``http://host:port`` (or
             ``https://``); the path ``/mirror/v1/blobs/...`` is added to it.
         credential: this node's mirror credential (from the RegisterResponse);
-            set :attr:`credential` when a new registration brings a new one.
+            :meth:`set_access` when a new registration brings a new one.
         store_root: the node's own mirror root (created if missing).
         attempts: tries per blob before giving up (each after a corrupt or cut transfer).
         backoff: seconds before the second try; doubled each time, up to ``max_backoff``.
@@ -122,17 +122,9 @@ class MirrorFetcher:
         chunk: int = COPY_CHUNK,
         ssl_context: ssl.SSLContext | None = None,
     ) -> None:
-        parts = urlsplit(base_url)
-        if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise ValueError(f"the mirror URL must be http://HOST:PORT or https://HOST:PORT, got {base_url[:200]!r}")
         if attempts < 1:
             raise ValueError("attempts must be at least 1")
-        self.base_url = base_url.rstrip("/")
-        self._https = parts.scheme == "https"
-        self._host = parts.hostname
-        self._port = parts.port or (443 if self._https else 80)
-        self._prefix = parts.path.rstrip("/")
-        self.credential = credential
+        self.set_access(base_url, credential)
         self.store = MirrorStore(store_root)
         self.attempts = attempts
         self.backoff = backoff
@@ -150,6 +142,23 @@ class MirrorFetcher:
         self.downloads = 0
         """Transfers started (a resumed one counts again): for tests and logs."""
 
+    def set_access(self, base_url: str, credential: str) -> None:
+        """Use ``base_url`` and ``credential`` from now on (a new registration brings new ones);
+        transfers under way finish with the old ones.
+
+        Raises:
+            ValueError: ``base_url`` is not ``http(s)://HOST[:PORT][/PATH]``.
+        """
+        parts = urlsplit(base_url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(f"the mirror URL must be http://HOST:PORT or https://HOST:PORT, got {base_url[:200]!r}")
+        self.base_url = base_url.rstrip("/")
+        self._https = parts.scheme == "https"
+        self._host = parts.hostname
+        self._port = parts.port or (443 if self._https else 80)
+        self._prefix = parts.path.rstrip("/")
+        self.credential = credential
+
     def __repr__(self) -> str:
         return f"MirrorFetcher({self.base_url!r}, store={str(self.store.root)!r})"
 
@@ -165,6 +174,8 @@ class MirrorFetcher:
                 sock.shutdown(socket.SHUT_RDWR)  # unblocks a read in the transfer thread
             except OSError:
                 pass
+        if job.task is not None:
+            job.task.cancel()  # (a wait between attempts ends now; a transfer thread sees the flag)
 
     async def close(self) -> None:
         """Stop every transfer (their ensure() calls fail) and release the store."""
@@ -175,7 +186,8 @@ class MirrorFetcher:
         tasks = [j.task for j in jobs if j.task is not None and not j.task.done()]
         if tasks:
             await asyncio.gather(*tasks, return_exceptions=True)
-        self._pool.shutdown(wait=True)
+        # (off the loop: a transfer thread may take up to a read's timeout to see its flag)
+        await asyncio.get_running_loop().run_in_executor(None, self._pool.shutdown, True)
         self.store.close()
 
     # -- ModelFetcher --
