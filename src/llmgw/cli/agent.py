@@ -116,13 +116,12 @@ async def run_agent(
         """A registration's mirror access: the fetcher the supervisor brings mirror models with."""
         if node is None or supervisor is None or not resp.HasField("mirror_url"):
             return
-        current = fetchers[-1] if fetchers else None
-        if current is not None and current.base_url == resp.mirror_url.rstrip("/"):
-            current.credential = resp.mirror_credential  # (each registration gets its own)
-            return
         from ..mirror.fetch import MirrorFetcher
 
         try:
+            if fetchers:  # (each registration brings its own credential)
+                fetchers[0].set_access(resp.mirror_url, resp.mirror_credential)
+                return
             fetcher = MirrorFetcher(resp.mirror_url, resp.mirror_credential, os.path.join(node.state_dir, "mirror"))
         except (ValueError, OSError) as exc:
             from ..log import agent_logger
