@@ -324,7 +324,7 @@ async def test_a_log_request_times_out_when_the_node_does_not_answer() -> None:
             with pytest.raises(ReplicaLogsError) as exc:
                 await cp.service.replica_logs("r1", 5, timeout=0.5)
             assert exc.value.status == 504 and "did not answer" in str(exc.value)
-            assert cp.service._log_waits == {} and cp.service._log_queue == {}
+            assert cp.service._waits == {} and cp.service._asks == {}
 
 
 async def test_register_refuses_bad_labels() -> None:
@@ -358,3 +358,40 @@ async def test_register_refuses_bad_labels() -> None:
             assert not older.HasField("mirror_credential") and not older.HasField("mirror_url")
         finally:
             await ch.close()
+
+
+async def test_engine_check_runs_on_the_node() -> None:
+    port = free_port()
+    async with control_runtime(port, **SLOW) as rt:
+        asked: list[pb.EngineCheckRequest] = []
+
+        async def checker(req: pb.EngineCheckRequest) -> list[dict[str, object]]:
+            asked.append(req)
+            if req.engine == "vllm":
+                raise RuntimeError("no vllm here")
+            return [{"check": "binary", "status": "pass", "detail": "llama-server found", "fix": None},
+                    {"check": "flags", "status": "fail", "detail": "--metrics missing", "fix": "upgrade it"}]
+
+        async with agent(port, "node-e", Supervisor(), engine_checker=checker) as a, \
+                agent(port, "node-old", Supervisor(), protocol=(1, 1)) as old:
+            await wait_for(lambda: a.heartbeats >= 1 and old.heartbeats >= 1, what="beats")
+            admin = f"http://127.0.0.1:{rt.admin_addr[1]}"  # type: ignore[index]
+            t0 = time.monotonic()
+            res = await asyncio.to_thread(CliRunner().invoke, ctl, ["--admin", admin, "engine-check", "llamacpp",
+                                                                    "--node", "node-e", "--static"])
+            assert time.monotonic() - t0 < 5.0, "asked on the stream at once"
+            assert res.exit_code == 1, res.output  # a check failed: non-zero, as locally
+            assert "on node node-e:" in res.output and "--metrics missing" in res.output and "upgrade it" in res.output
+            assert asked[0].engine == "llamacpp" and asked[0].static_only and not asked[0].HasField("model")
+            res = await asyncio.to_thread(CliRunner().invoke, ctl, ["--admin", admin, "engine-check", "vllm",
+                                                                    "--node", "node-e", "--model", "m", "--json"])
+            assert res.exit_code == 1 and "could not run: RuntimeError: no vllm here" in res.output, res.output
+            assert asked[1].model == "m"
+            res = await asyncio.to_thread(CliRunner().invoke, ctl, ["--admin", admin, "engine-check", "llamacpp",
+                                                                    "--node", "node-old"])
+            assert res.exit_code == 1 and "protocol 1.1" in res.output, res.output
+            res = await asyncio.to_thread(CliRunner().invoke, ctl, ["--admin", admin, "engine-check", "llamacpp",
+                                                                    "--node", "nope"])
+            assert res.exit_code == 1 and "no node 'nope'" in res.output, res.output
+            status, body = await api(rt, "POST", "/admin/v1/nodes/node-e/engine-check")
+            assert status == 400 and body["error"]["param"] == "engine"

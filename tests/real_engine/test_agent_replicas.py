@@ -130,6 +130,16 @@ async def test_agent_runs_adopts_and_stops_the_real_engine(
             status, ans = await api(rt, "GET", "/admin/v1/replicas/chat-r1/logs?lines=50")
             assert status == 200 and ans["node"] == "node-r" and "llama" in ans["text"].lower(), ans
             assert KEY not in ans["text"]
+            # ctl engine-check --node: the agent checks the engine its config names
+            from click.testing import CliRunner
+
+            from llmgw.cli.ctl import ctl as ctl_cmd
+
+            admin = f"http://127.0.0.1:{rt.admin_addr[1]}"  # type: ignore[index]
+            res = await asyncio.to_thread(CliRunner().invoke, ctl_cmd, ["--admin", admin, "engine-check", "llamacpp",
+                                                                        "--node", "node-r", "--static"])
+            assert res.exit_code == 0, res.output
+            assert "on node node-r:" in res.output and "all checks passed" in res.output
 
             # the engine killed: restarted by the agent, reported ready again on another pid
             os.kill(pid, signal.SIGKILL)

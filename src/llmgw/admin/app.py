@@ -312,6 +312,8 @@ class AdminApp:
             self._authorize(req)
             if path.startswith(b"/admin/v1/replicas/"):
                 return self.api.handle_replicas(req, w)
+            if path.startswith(b"/admin/v1/nodes/") and path.rstrip(b"/").endswith(b"/engine-check"):
+                return self.api.handle_engine_check(req, w)
             self.api.handle(req, w)
             return None
         if path.startswith(b"/debug/pprof"):

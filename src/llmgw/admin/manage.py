@@ -22,6 +22,7 @@ Routes::
     POST   /admin/v1/nodes/{name}/uncordon
     GET    /admin/v1/gpus                   every GPU of every node
     GET    /admin/v1/replicas/{id}/logs     the end of a replica's log, from its node (?lines=N, default 100)
+    POST   /admin/v1/nodes/{name}/engine-check  run ``ctl engine-check`` on the node (body: engine, model, static, timeout)
     GET    /admin/v1/deployments            every deployment: desired/ready replicas, where, why not
     POST   /admin/v1/deployments            create one (body: a config ``deployments[]`` entry)
     GET    /admin/v1/deployments/{name}     one deployment
@@ -74,6 +75,7 @@ ROUTES = (
     "POST /admin/v1/nodes/{name}/uncordon",
     "GET /admin/v1/gpus",
     "GET /admin/v1/replicas/{id}/logs",
+    "POST /admin/v1/nodes/{name}/engine-check",
     "GET /admin/v1/deployments",
     "POST /admin/v1/deployments",
     "GET /admin/v1/deployments/{name}",
@@ -433,6 +435,54 @@ class ManagementAPI:
                 code="no_control_plane",
             )
         return self._replica_logs(nodes, replica_id, lines, w)
+
+    def handle_engine_check(self, req: Request, w: ResponseWriter) -> Awaitable[None]:
+        """``POST /admin/v1/nodes/{name}/engine-check`` (answered once the node's agent has run the checks)."""
+        path = req.path.rstrip(b"/")
+        parts = path[len(PREFIX):].split(b"/")
+        if len(parts) != 3 or not parts[1]:
+            raise NotFoundError(f"no admin route {path.decode('latin-1')[:200]}; routes: {', '.join(ROUTES)}")
+        if req.method != b"POST":
+            raise method_not_allowed(req.method, path, "POST")
+        nodes = self.nodes
+        if nodes is None:
+            raise NotFoundError(
+                "this llmgw runs no control plane (add a control: section to the config); no nodes here",
+                code="no_control_plane",
+            )
+        body = _json_body(req) if req.body else {}
+        if not isinstance(body, dict):
+            raise BadRequestError("the body must be a JSON object", code="invalid_body")
+        engine = body.get("engine")
+        if engine not in ("vllm", "llamacpp", "trtllm", "sglang"):
+            raise BadRequestError("engine must be one of vllm, llamacpp, trtllm, sglang", param="engine",
+                                  code="invalid_engine")
+        model = body.get("model")
+        if model is not None and (not isinstance(model, str) or not model or len(model) > 1024):
+            raise BadRequestError("model must be a path or a model id (a non-empty string)", param="model",
+                                  code="invalid_model")
+        static = body.get("static", False)
+        if not isinstance(static, bool):
+            raise BadRequestError("static must be true or false", param="static", code="invalid_static")
+        timeout = body.get("timeout", 600)
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 1 <= timeout <= 86_400:
+            raise BadRequestError("timeout must be seconds from 1 to 86400", param="timeout", code="invalid_timeout")
+        return self._engine_check(nodes, unquote(parts[1].decode("latin-1")), engine, model, static, float(timeout), w)
+
+    async def _engine_check(self, nodes: NodeControl, node: str, engine: str, model: str | None, static: bool,
+                            timeout: float, w: ResponseWriter) -> None:
+        try:
+            checks = await nodes.engine_check(node, engine, model=model, static_only=static, timeout=timeout)
+        except Exception as exc:
+            status = getattr(exc, "status", None)
+            if status is None:
+                raise
+            raise HTTPError(
+                str(exc), status=status, type="invalid_request_error" if status < 500 else "server_error",
+                code=getattr(exc, "code", None), param="name" if status == 404 else None,
+            ) from None
+        w.send_json(200, {"node": node, "engine": engine, "ok": not any(c.get("status") == "fail" for c in checks),
+                          "checks": checks})
 
     async def _replica_logs(self, nodes: NodeControl, replica_id: str, lines: int, w: ResponseWriter) -> None:
         try:

@@ -72,6 +72,10 @@ class NodeControl(Protocol):
     def node_of_replica(self, replica_id: str) -> str | None:
         """The node whose latest heartbeat reported the replica; ``None``: none did."""
 
+    async def engine_check(self, node: str, engine: str, *, model: str | None = None, static_only: bool = False,
+                           timeout: float = 600.0) -> list[dict[str, Any]]:
+        """``llmgw ctl engine-check ENGINE`` run by ``node``'s agent; the checks. Raises like :meth:`replica_logs`."""
+
     async def replica_logs(self, replica_id: str, lines: int = 100) -> str:
         """The last ``lines`` lines of the replica's log, from its node.
 

@@ -28,7 +28,7 @@ from __future__ import annotations
 import asyncio
 import random
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -131,6 +131,7 @@ class AgentClient:
         supervisor: Supervisor | None = None,
         labels: Mapping[str, str] | None = None,
         advertise: str | None = None,
+        engine_checker: Callable[[pb.EngineCheckRequest], Awaitable[Sequence[Mapping[str, Any]]]] | None = None,
     ) -> None:
         self.target = target
         self.name = name
@@ -159,6 +160,9 @@ class AgentClient:
         self._metadata = ((TOKEN_METADATA, f"Bearer {token}"),)
         self.supervisor = supervisor
         """Runs this node's replicas; ``None``: the agent only reports its GPUs."""
+        self.engine_checker = engine_checker
+        """Runs ``llmgw ctl engine-check`` here when the control plane asks (``--node``); the checks as
+        ``Check.as_dict`` gives them. ``None``: such requests are answered with an error."""
         self.labels = dict(labels or {})
         self.advertise = advertise
         self.applied = 0
@@ -346,6 +350,8 @@ class AgentClient:
         if resp.heartbeat_interval_seconds > 0:
             self.interval = resp.heartbeat_interval_seconds
         self.cordoned = resp.cordoned
+        for ec in resp.engine_checks:
+            self._spawn(self._send_check(ec))
         if self.supervisor is None:
             return
         if resp.HasField("desired"):
@@ -383,6 +389,26 @@ class AgentClient:
             if self._wanted is not None and self._wanted[0] == gen:
                 self._wanted = None  # (else a newer one came while this one was applied: apply it too)
             self.poke()  # tell the control plane now
+
+    async def _send_check(self, ec: pb.EngineCheckRequest) -> None:
+        if self.node_id is None:
+            return
+        req = pb.EngineCheckResultRequest(node_id=self.node_id, node_name=self.name, request_id=ec.request_id)
+        if self.engine_checker is None:
+            req.error = "this agent runs no engine checks"
+        else:
+            log.info("running the %s engine check the control plane asked for", ec.engine)
+            try:
+                for c in await self.engine_checker(ec):
+                    req.checks.add(name=str(c.get("check", "")), status=str(c.get("status", "")),
+                                   detail=str(c.get("detail", "")), fix=str(c.get("fix") or ""))
+            except Exception as exc:  # (a check reports failures as checks; this is the checker itself failing)
+                log.exception("the %s engine check failed to run", ec.engine)
+                req.error = f"the {ec.engine} engine check could not run: {type(exc).__name__}: {exc}"[:2000]
+        try:
+            await self._connect().EngineCheckResult(req, metadata=self._metadata, timeout=CALL_TIMEOUT)
+        except grpc.aio.AioRpcError as exc:
+            log.warning("could not send the %s engine check (%s: %s)", ec.engine, exc.code().name, exc.details())
 
     async def _send_log(self, lr: pb.LogRequest) -> None:
         sup = self.supervisor

@@ -51,6 +51,8 @@ class NodeOptions:
     engines: Mapping[str, Any] = field(default_factory=dict)
     labels: Mapping[str, str] = field(default_factory=dict)
     advertise: str | None = None
+    gpu_source: str = "auto"
+    """Where engine checks read GPUs (the agent's own ``gpu_source``)."""
 
     @property
     def bind(self) -> str:
@@ -135,10 +137,20 @@ async def run_agent(
         from ..launch.supervisor import ReplicaSupervisor
 
         supervisor = ReplicaSupervisor(node.state_dir, host=node.bind, engines=node.engines, on_change=changed)
+    async def check(req: Any) -> list[dict[str, Any]]:
+        """``llmgw ctl engine-check ENGINE --node`` here: the agent config's engines, the node's GPUs."""
+        from ..launch.check import engine_check
+
+        assert node is not None
+        kw: dict[str, Any] = {"timeout": req.timeout_seconds} if req.HasField("timeout_seconds") else {}
+        checks = await engine_check(req.engine, engines=node.engines, model=req.model if req.HasField("model") else None,
+                                    live=not req.static_only, gpu_source=node.gpu_source, **kw)
+        return [c.as_dict() for c in checks]
+
     client = AgentClient(
         target, name, token, source, credentials=credentials, protocol=protocol or PROTOCOL, supervisor=supervisor,
         labels=node.labels if node is not None else None, advertise=node.advertise if node is not None else None,
-        on_registered=registered,
+        on_registered=registered, engine_checker=check if node is not None else None,
     )
     holder.append(client)
     stopped = False
@@ -253,7 +265,8 @@ def agent(
             f"{control[0]} is not a loopback address: the join token would travel in the clear; "
             "use TLS (--tls-ca FILE, or --tls) or pass --insecure on a network you trust"
         )
-    node = NodeOptions(state_dir or default_state_dir(), engines=engines, labels=labels, advertise=advertise)
+    node = NodeOptions(state_dir or default_state_dir(), engines=engines, labels=labels, advertise=advertise,
+                       gpu_source=gpu_source or "auto")
     source = open_gpu_source(gpu_source or "auto")
     sys.exit(run_loop(run_agent(control, name or socket.gethostname(), token, source, credentials=credentials,
                                 node=node)))

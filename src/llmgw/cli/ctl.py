@@ -662,6 +662,31 @@ def deployments(ctx: click.Context, show_secrets: bool, admin: str | None, token
 # -- engine-check (issue 18): runs here, on this node; the logic is llmgw.launch.check --
 
 
+def _engine_check_on(ctx: click.Context, node: str, engine: str, model: str | None, static_only: bool, timeout: float,
+                     as_json: bool | None, *local: str | None) -> None:
+    """``--node``: the node's agent runs the checks with its own config; the control plane relays them."""
+    if any(v is not None for v in local):
+        raise click.UsageError("--agent-config, --binary and --python describe this machine; with --node the "
+                               "node's agent uses its own config file")
+    from ..launch.check import Check, render
+
+    t = _target(ctx, None, None, as_json)
+    t.timeout = (0.0 if static_only else timeout) + 240.0  # (the control plane's own bound is shorter)
+    body: dict[str, Any] = {"engine": engine, "static": static_only, "timeout": timeout}
+    if model is not None:
+        body["model"] = model
+    data = t.call("POST", f"/admin/v1/nodes/{quote(node, safe='')}/engine-check", body)
+    if t.as_json:
+        _print_json(data)
+    else:
+        checks = [Check(str(c.get("check", "")), str(c.get("status", "")), str(c.get("detail", "")),
+                        str(c.get("fix") or "")) for c in data.get("checks") or []]
+        click.echo(f"on node {node}:")
+        click.echo(render(checks))
+    if not data.get("ok", False):
+        ctx.exit(1)
+
+
 @ctl.command("engine-check")
 @click.argument("engine", type=click.Choice(["vllm", "llamacpp", "trtllm", "sglang"]))
 @click.option("--model", metavar="PATH-OR-ID",
@@ -702,8 +727,7 @@ def engine_check(ctx: click.Context, engine: str, model: str | None, static_only
     from ..launch.check import render
 
     if node is not None:
-        raise CtlError(f"--node {node}: running engine-check on a node goes through the control plane, which "
-                       "this build cannot do yet; run `llmgw ctl engine-check` on that node itself")
+        return _engine_check_on(ctx, node, engine, model, static_only, timeout, as_json, agent_config, binary, python)
     engines: dict[str, AgentEngineConfig] = {}
     if agent_config is not None:
         try:

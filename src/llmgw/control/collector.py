@@ -484,9 +484,12 @@ class ClusterCollector(Collector):
         for st in self.nodes:
             if not self.nodes.is_up(st, now):
                 continue
-            for g in st.discovery.gpus:
+            # PERF: the reading as it arrived (``st.wire``), not ``st.discovery``: turning every node's
+            # message into the model held the loop ~0.3 ms a node per scrape (~100 ms for 300 nodes)
+            for g in st.wire.gpus:
                 key = (st.name, g.uuid)
-                alloc.add_metric([st.name, g.uuid, "" if g.index is None else str(g.index)], float(held.pop(key, 0)))
+                alloc.add_metric([st.name, g.uuid, str(g.index) if g.HasField("index") else ""],
+                                 float(held.pop(key, 0)))
         for (node, uuid), v in sorted(held.items()):
             owner = self.nodes.get(node)
             if owner is None or self.nodes.is_up(owner, now):

@@ -64,8 +64,21 @@ LOG_TIMEOUT = 10.0
 one on Heartbeat calls at its next beat)."""
 
 
+CHECK_ALLOWANCE = 180.0
+"""Seconds an engine check may take beyond its readiness timeout (the static checks: a --help each)."""
+
+
+def _put_asks(resp: pb.HeartbeatResponse, asks: list[pb.LogRequest | pb.EngineCheckRequest]) -> None:
+    for a in asks:
+        if isinstance(a, pb.LogRequest):
+            resp.log_requests.append(a)
+        else:
+            resp.engine_checks.append(a)
+
+
 class ReplicaLogsError(Exception):
-    """A log tail that cannot be had: ``status`` (404 unknown replica, 504 no answer, 502 the node's error)."""
+    """What a node was asked and cannot be had (a log tail, an engine check): ``status`` (404 unknown
+    replica or node, 409 an agent too old, 504 no answer, 502 the node's error) and ``code``."""
 
     def __init__(self, message: str, status: int, code: str) -> None:
         super().__init__(message)
@@ -191,10 +204,11 @@ class AgentService(agent_pb2_grpc.AgentServiceServicer):
         self._links: dict[str, _Link] = {}
         """Node name -> its open heartbeat stream (the latest one)."""
         self._tasks: set[asyncio.Task[None]] = set()
-        self._log_ids = itertools.count(1)
-        self._log_queue: dict[str, list[pb.LogRequest]] = {}
-        """Node name -> log requests not yet written to it."""
-        self._log_waits: dict[int, tuple[str, asyncio.Future[str]]] = {}
+        self._ask_ids = itertools.count(1)
+        self._asks: dict[str, list[pb.LogRequest | pb.EngineCheckRequest]] = {}
+        """Node name -> what it is asked (log tails, engine checks) and has not been written yet."""
+        self._waits: dict[int, tuple[str, asyncio.Future[Any]]] = {}
+        """Request id -> (the node asked, the answer's future)."""
         self.credentials: NodeCredentials | None = None  # the nodes' mirror credentials (ControlPlane sets it)
         self.mirror_access: Callable[[str], tuple[str, str] | None] | None = None
         """Node name -> ``(mirror base URL, the node's credential)`` sent in Register's answer; ``None``
@@ -260,11 +274,11 @@ class AgentService(agent_pb2_grpc.AgentServiceServicer):
         link = self._links.pop(node, None)
         if link is not None:
             link.closed = True
-        self._log_queue.pop(node, None)
-        for rid, (n, fut) in list(self._log_waits.items()):
+        self._asks.pop(node, None)
+        for rid, (n, fut) in list(self._waits.items()):
             if n == node and not fut.done():
                 fut.set_exception(ReplicaLogsError(f"node {node} left the cluster", 502, "node_gone"))
-                self._log_waits.pop(rid, None)
+                self._waits.pop(rid, None)
         if self.controller is not None:
             try:
                 self.controller.node_gone(node)
@@ -273,7 +287,7 @@ class AgentService(agent_pb2_grpc.AgentServiceServicer):
 
     def _due(self, link: _Link, st: NodeState) -> bool:
         """Whether the stream has something to write (PERF: most beats have nothing; no lock taken then)."""
-        if link.said != (self.control().heartbeat_interval, st.cordoned) or st.name in self._log_queue:
+        if link.said != (self.control().heartbeat_interval, st.cordoned) or st.name in self._asks:
             return True
         ctl = self.controller
         if ctl is None or not link.replicas:
@@ -295,14 +309,14 @@ class AgentService(agent_pb2_grpc.AgentServiceServicer):
                     return
             answer = (self.control().heartbeat_interval, st.cordoned)
             desired = self._desired(link.node, link.acked, link.sent) if link.replicas else None
-            logs = self._log_queue.pop(link.node, None)
-            if answer == link.said and desired is None and not logs:
+            asks = self._asks.pop(link.node, None)
+            if answer == link.said and desired is None and not asks:
                 return
             resp = pb.HeartbeatResponse(heartbeat_interval_seconds=answer[0], cordoned=answer[1])
             if desired is not None:
                 resp.desired.CopyFrom(desired[1])
-            if logs:
-                resp.log_requests.extend(logs)
+            if asks:
+                _put_asks(resp, asks)
             await link.context.write(pb.StreamHeartbeatsResponse(heartbeat=resp))
             link.said = answer
             if desired is not None:
@@ -339,45 +353,98 @@ class AgentService(agent_pb2_grpc.AgentServiceServicer):
             raise ReplicaLogsError(
                 f"no node reports a replica {replica_id!r}; llmgw ctl deployments lists them", 404, "replica_not_found"
             )
-        rid = next(self._log_ids)
-        fut: asyncio.Future[str] = asyncio.get_running_loop().create_future()
-        self._log_waits[rid] = (node, fut)
+        rid = next(self._ask_ids)
         req = pb.LogRequest(request_id=rid, replica_id=replica_id, lines=max(1, min(lines, MAX_LOG_LINES)))
-        self._log_queue.setdefault(node, []).append(req)
+        text: str = await self._ask(
+            node, rid, req, timeout,
+            f"node {node} did not answer for replica {replica_id}'s log within {timeout:g}s (is its agent up?)",
+        )
+        return text
+
+    async def _ask(self, node: str, rid: int, req: pb.LogRequest | pb.EngineCheckRequest, timeout: float,
+                   late: str) -> Any:
+        """Ask ``node`` (in its next stream answer, written at once, or call answer); its answer, bounded."""
+        fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self._waits[rid] = (node, fut)
+        self._asks.setdefault(node, []).append(req)
         link = self._links.get(node)
         if link is not None:
             self._spawn(self._push(link))
         try:
             return await asyncio.wait_for(fut, timeout)
         except asyncio.TimeoutError:
-            raise ReplicaLogsError(
-                f"node {node} did not answer for replica {replica_id}'s log within {timeout:g}s (is its agent up?)",
-                504, "node_timeout",
-            ) from None
+            raise ReplicaLogsError(late, 504, "node_timeout") from None
         finally:
-            self._log_waits.pop(rid, None)
-            q = self._log_queue.get(node)
+            self._waits.pop(rid, None)
+            q = self._asks.get(node)
             if q is not None:
                 if req in q:
                     q.remove(req)
                 if not q:
-                    self._log_queue.pop(node, None)
+                    self._asks.pop(node, None)
+
+    # -- engine checks on a node (ctl engine-check --node) --
+
+    async def engine_check(self, node: str, engine: str, *, model: str | None = None, static_only: bool = False,
+                           timeout: float = 600.0) -> list[dict[str, Any]]:
+        """Run ``llmgw ctl engine-check ENGINE`` on ``node``'s agent; the checks as ``Check.as_dict`` gives them.
+
+        Raises:
+            ReplicaLogsError: no such node (404), an agent that cannot run checks (409), no answer
+                within ``timeout`` plus the static checks' allowance (504), or the agent could not run them (502).
+        """
+        st = self.nodes.get(node)
+        if st is None:
+            raise ReplicaLogsError(f"no node {node!r}; llmgw ctl nodes lists them", 404, "node_not_found")
+        if not runs_replicas(st.protocol):
+            raise ReplicaLogsError(
+                f"node {node}'s agent speaks protocol {st.protocol[0]}.{st.protocol[1]}: it cannot run engine checks "
+                "(1.2 or later can); upgrade it, or run llmgw ctl engine-check on the node itself", 409, "agent_too_old",
+            )
+        rid = next(self._ask_ids)
+        req = pb.EngineCheckRequest(request_id=rid, engine=engine, static_only=static_only, timeout_seconds=timeout)
+        if model is not None:
+            req.model = model
+        wait = (0.0 if static_only else timeout) + CHECK_ALLOWANCE
+        checks: list[dict[str, Any]] = await self._ask(
+            node, rid, req, wait, f"node {node} did not answer the {engine} engine check within {wait:g}s",
+        )
+        return checks
+
+    async def EngineCheckResult(
+        self, request: pb.EngineCheckResultRequest, context: Any
+    ) -> pb.EngineCheckResultResponse:
+        fut = await self._answer_for(context, "EngineCheckResult", request.node_id, request.node_name,
+                                     request.request_id)
+        if fut is None:
+            return pb.EngineCheckResultResponse(accepted=False)
+        if request.HasField("error"):
+            fut.set_exception(ReplicaLogsError(f"node {request.node_name}: {request.error}", 502, "check_failed"))
+        else:
+            fut.set_result([{"check": c.name, "status": c.status, "detail": c.detail, "fix": c.fix or None}
+                            for c in request.checks])
+        return pb.EngineCheckResultResponse(accepted=True)
+
+    async def _answer_for(self, context: Any, method: str, node_id: str, node_name: str,
+                          request_id: int) -> asyncio.Future[Any] | None:
+        """The future an answer resolves: only one this node was asked and still waited for."""
+        await self._authenticate(context, method, node_name)
+        st = self.nodes.by_id(node_id)
+        if st is None:
+            await self._abort(context, method, grpc.StatusCode.NOT_FOUND,
+                              f"node {node_name!r} is not registered here: register again")
+            raise AssertionError("unreachable")
+        wait = self._waits.get(request_id)
+        if wait is None or wait[0] != st.name or wait[1].done():  # a node answers only what it was asked
+            return None
+        return wait[1]
 
     async def ReplicaLogs(self, request: pb.ReplicaLogsRequest, context: Any) -> pb.ReplicaLogsResponse:
-        await self._authenticate(context, "ReplicaLogs", request.node_name)
-        st = self.nodes.by_id(request.node_id)
-        if st is None:
-            await self._abort(
-                context, "ReplicaLogs", grpc.StatusCode.NOT_FOUND,
-                f"node {request.node_name!r} is not registered here: register again",
-            )
-            raise AssertionError("unreachable")
-        wait = self._log_waits.get(request.request_id)
-        if wait is None or wait[0] != st.name or wait[1].done():  # a node answers only what it was asked
+        fut = await self._answer_for(context, "ReplicaLogs", request.node_id, request.node_name, request.request_id)
+        if fut is None:
             return pb.ReplicaLogsResponse(accepted=False)
-        fut = wait[1]
         if request.HasField("error"):
-            fut.set_exception(ReplicaLogsError(f"node {st.name}: {request.error}", 502, "log_unavailable"))
+            fut.set_exception(ReplicaLogsError(f"node {request.node_name}: {request.error}", 502, "log_unavailable"))
         else:
             fut.set_result(request.text)
         return pb.ReplicaLogsResponse(accepted=True)
@@ -488,9 +555,9 @@ class AgentService(agent_pb2_grpc.AgentServiceServicer):
             desired = self._desired(st.name, request.applied_generation, None)
             if desired is not None:
                 resp.desired.CopyFrom(desired[1])
-        logs = self._log_queue.pop(st.name, None)
-        if logs:
-            resp.log_requests.extend(logs)
+        asks = self._asks.pop(st.name, None)
+        if asks:
+            _put_asks(resp, asks)
         return resp
 
     async def StreamHeartbeats(self, request_iterator: Any, context: Any) -> None:  # type: ignore[override]
@@ -731,6 +798,11 @@ class ControlPlane:
     async def replica_logs(self, replica_id: str, lines: int = 100) -> str:
         """The end of a replica's log, from its node (:meth:`AgentService.replica_logs`)."""
         return await self.service.replica_logs(replica_id, lines)
+
+    async def engine_check(self, node: str, engine: str, *, model: str | None = None, static_only: bool = False,
+                           timeout: float = 600.0) -> list[dict[str, Any]]:
+        """``llmgw ctl engine-check --node`` (:meth:`AgentService.engine_check`)."""
+        return await self.service.engine_check(node, engine, model=model, static_only=static_only, timeout=timeout)
 
     def node_of_replica(self, replica_id: str) -> str | None:
         return self.service.node_of_replica(replica_id)

@@ -308,6 +308,7 @@ class HeartbeatResponse(_message.Message):
     CORDONED_FIELD_NUMBER: _builtins.int
     DESIRED_FIELD_NUMBER: _builtins.int
     LOG_REQUESTS_FIELD_NUMBER: _builtins.int
+    ENGINE_CHECKS_FIELD_NUMBER: _builtins.int
     heartbeat_interval_seconds: _builtins.float
     """The interval to use from now on, in seconds (it may change on a reload)."""
     cordoned: _builtins.bool
@@ -325,6 +326,12 @@ class HeartbeatResponse(_message.Message):
         a ReplicaLogs call.
         """
 
+    @_builtins.property
+    def engine_checks(self) -> _containers.RepeatedCompositeFieldContainer[Global___EngineCheckRequest]:
+        """Engine checks the control plane asks for (`llmgw ctl engine-check
+        --node`): answer each with an EngineCheckResult call.
+        """
+
     def __init__(
         self,
         *,
@@ -332,10 +339,11 @@ class HeartbeatResponse(_message.Message):
         cordoned: _builtins.bool = ...,
         desired: Global___DesiredReplicas | None = ...,
         log_requests: _abc.Iterable[Global___LogRequest] | None = ...,
+        engine_checks: _abc.Iterable[Global___EngineCheckRequest] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["desired", b"desired"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cordoned", b"cordoned", "desired", b"desired", "heartbeat_interval_seconds", b"heartbeat_interval_seconds", "log_requests", b"log_requests"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cordoned", b"cordoned", "desired", b"desired", "engine_checks", b"engine_checks", "heartbeat_interval_seconds", b"heartbeat_interval_seconds", "log_requests", b"log_requests"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1219,3 +1227,148 @@ class Gpu(_message.Message):
     def WhichOneof(self, oneof_group: _WhichOneofArgType__utilization_memory_ratio) -> _WhichOneofReturnType__utilization_memory_ratio | None: ...
 
 Global___Gpu: _TypeAlias = Gpu  # noqa: Y015
+
+@_typing.final
+class EngineCheckRequest(_message.Message):
+    """The control plane asks the node to check an engine as llmgw launches it."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    ENGINE_FIELD_NUMBER: _builtins.int
+    MODEL_FIELD_NUMBER: _builtins.int
+    STATIC_ONLY_FIELD_NUMBER: _builtins.int
+    TIMEOUT_SECONDS_FIELD_NUMBER: _builtins.int
+    request_id: _builtins.int
+    """Echoed in the answer (EngineCheckResultRequest.request_id)."""
+    engine: _builtins.str
+    """"vllm", "llamacpp", "trtllm" or "sglang"."""
+    model: _builtins.str
+    """The model for the live checks (a path on the node or an id the engine
+    fetches); absent: llama.cpp gets a tiny GGUF, the others skip them.
+    """
+    static_only: _builtins.bool
+    """Only the static checks (no engine is started)."""
+    timeout_seconds: _builtins.float
+    """Seconds the engine may take to become ready; absent: the agent's default."""
+    def __init__(
+        self,
+        *,
+        request_id: _builtins.int = ...,
+        engine: _builtins.str = ...,
+        model: _builtins.str | None = ...,
+        static_only: _builtins.bool = ...,
+        timeout_seconds: _builtins.float | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_model", b"_model", "_timeout_seconds", b"_timeout_seconds", "model", b"model", "timeout_seconds", b"timeout_seconds"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_model", b"_model", "_timeout_seconds", b"_timeout_seconds", "engine", b"engine", "model", b"model", "request_id", b"request_id", "static_only", b"static_only", "timeout_seconds", b"timeout_seconds"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__model: _TypeAlias = _typing.Literal["model"]  # noqa: Y015
+    _WhichOneofArgType__model: _TypeAlias = _typing.Literal["_model", b"_model"]  # noqa: Y015
+    _WhichOneofReturnType__timeout_seconds: _TypeAlias = _typing.Literal["timeout_seconds"]  # noqa: Y015
+    _WhichOneofArgType__timeout_seconds: _TypeAlias = _typing.Literal["_timeout_seconds", b"_timeout_seconds"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__model) -> _WhichOneofReturnType__model | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__timeout_seconds) -> _WhichOneofReturnType__timeout_seconds | None: ...
+
+Global___EngineCheckRequest: _TypeAlias = EngineCheckRequest  # noqa: Y015
+
+@_typing.final
+class EngineCheck(_message.Message):
+    """One check's outcome (llmgw.launch.check.Check)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    STATUS_FIELD_NUMBER: _builtins.int
+    DETAIL_FIELD_NUMBER: _builtins.int
+    FIX_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    """What was checked, e.g. "binary", "flags", "ready"."""
+    status: _builtins.str
+    """"pass", "fail" or "info"."""
+    detail: _builtins.str
+    """What was found."""
+    fix: _builtins.str
+    """How to fix a failed check (empty otherwise)."""
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        status: _builtins.str = ...,
+        detail: _builtins.str = ...,
+        fix: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["detail", b"detail", "fix", b"fix", "name", b"name", "status", b"status"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___EngineCheck: _TypeAlias = EngineCheck  # noqa: Y015
+
+@_typing.final
+class EngineCheckResultRequest(_message.Message):
+    """EngineCheckResult: one EngineCheckRequest's answer."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NODE_ID_FIELD_NUMBER: _builtins.int
+    NODE_NAME_FIELD_NUMBER: _builtins.int
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    CHECKS_FIELD_NUMBER: _builtins.int
+    ERROR_FIELD_NUMBER: _builtins.int
+    node_id: _builtins.str
+    """The id Register answered."""
+    node_name: _builtins.str
+    """The node's name (for the control plane's logs)."""
+    request_id: _builtins.int
+    """The EngineCheckRequest answered."""
+    error: _builtins.str
+    """Set when the checks could not run at all: why."""
+    @_builtins.property
+    def checks(self) -> _containers.RepeatedCompositeFieldContainer[Global___EngineCheck]:
+        """Every check, in the order run."""
+
+    def __init__(
+        self,
+        *,
+        node_id: _builtins.str = ...,
+        node_name: _builtins.str = ...,
+        request_id: _builtins.int = ...,
+        checks: _abc.Iterable[Global___EngineCheck] | None = ...,
+        error: _builtins.str | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_error", b"_error", "error", b"error"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_error", b"_error", "checks", b"checks", "error", b"error", "node_id", b"node_id", "node_name", b"node_name", "request_id", b"request_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__error: _TypeAlias = _typing.Literal["error"]  # noqa: Y015
+    _WhichOneofArgType__error: _TypeAlias = _typing.Literal["_error", b"_error"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__error) -> _WhichOneofReturnType__error | None: ...
+
+Global___EngineCheckResultRequest: _TypeAlias = EngineCheckResultRequest  # noqa: Y015
+
+@_typing.final
+class EngineCheckResultResponse(_message.Message):
+    """EngineCheckResult's answer."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ACCEPTED_FIELD_NUMBER: _builtins.int
+    accepted: _builtins.bool
+    """Whether the control plane still waited for this answer."""
+    def __init__(
+        self,
+        *,
+        accepted: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["accepted", b"accepted"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___EngineCheckResultResponse: _TypeAlias = EngineCheckResultResponse  # noqa: Y015

@@ -63,6 +63,11 @@ class AgentServiceStub:
                 request_serializer=llmgw_dot_agent_dot_v1_dot_agent__pb2.ReplicaLogsRequest.SerializeToString,
                 response_deserializer=llmgw_dot_agent_dot_v1_dot_agent__pb2.ReplicaLogsResponse.FromString,
                 _registered_method=True)
+        self.EngineCheckResult = channel.unary_unary(
+                '/llmgw.agent.v1.AgentService/EngineCheckResult',
+                request_serializer=llmgw_dot_agent_dot_v1_dot_agent__pb2.EngineCheckResultRequest.SerializeToString,
+                response_deserializer=llmgw_dot_agent_dot_v1_dot_agent__pb2.EngineCheckResultResponse.FromString,
+                _registered_method=True)
 
 
 class AgentServiceServicer:
@@ -119,6 +124,14 @@ class AgentServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def EngineCheckResult(self, request, context):
+        """The answer to an EngineCheckRequest a heartbeat answer carried (protocol
+        1.2): the checks `llmgw ctl engine-check ENGINE --node NODE` asked for.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AgentServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -146,6 +159,11 @@ def add_AgentServiceServicer_to_server(servicer, server):
                     servicer.ReplicaLogs,
                     request_deserializer=llmgw_dot_agent_dot_v1_dot_agent__pb2.ReplicaLogsRequest.FromString,
                     response_serializer=llmgw_dot_agent_dot_v1_dot_agent__pb2.ReplicaLogsResponse.SerializeToString,
+            ),
+            'EngineCheckResult': grpc.unary_unary_rpc_method_handler(
+                    servicer.EngineCheckResult,
+                    request_deserializer=llmgw_dot_agent_dot_v1_dot_agent__pb2.EngineCheckResultRequest.FromString,
+                    response_serializer=llmgw_dot_agent_dot_v1_dot_agent__pb2.EngineCheckResultResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -286,6 +304,33 @@ class AgentService:
             '/llmgw.agent.v1.AgentService/ReplicaLogs',
             llmgw_dot_agent_dot_v1_dot_agent__pb2.ReplicaLogsRequest.SerializeToString,
             llmgw_dot_agent_dot_v1_dot_agent__pb2.ReplicaLogsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def EngineCheckResult(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/llmgw.agent.v1.AgentService/EngineCheckResult',
+            llmgw_dot_agent_dot_v1_dot_agent__pb2.EngineCheckResultRequest.SerializeToString,
+            llmgw_dot_agent_dot_v1_dot_agent__pb2.EngineCheckResultResponse.FromString,
             options,
             channel_credentials,
             insecure,

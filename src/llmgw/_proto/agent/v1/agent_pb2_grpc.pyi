@@ -82,6 +82,10 @@ class AgentServiceStub:
     the last lines of one replica's log file. NOT_FOUND: the node is not
     registered; an answer nobody waits for any more is dropped.
     """
+    EngineCheckResult: _grpc.UnaryUnaryMultiCallable[_agent_pb2.EngineCheckResultRequest, _agent_pb2.EngineCheckResultResponse]
+    """The answer to an EngineCheckRequest a heartbeat answer carried (protocol
+    1.2): the checks `llmgw ctl engine-check ENGINE --node NODE` asked for.
+    """
 
 @_typing.type_check_only
 class AgentServiceAsyncStub(AgentServiceStub):
@@ -117,6 +121,10 @@ class AgentServiceAsyncStub(AgentServiceStub):
     """The answer to a LogRequest a heartbeat answer carried (protocol 1.2):
     the last lines of one replica's log file. NOT_FOUND: the node is not
     registered; an answer nobody waits for any more is dropped.
+    """
+    EngineCheckResult: _aio.UnaryUnaryMultiCallable[_agent_pb2.EngineCheckResultRequest, _agent_pb2.EngineCheckResultResponse]  # type: ignore[assignment]
+    """The answer to an EngineCheckRequest a heartbeat answer carried (protocol
+    1.2): the checks `llmgw ctl engine-check ENGINE --node NODE` asked for.
     """
 
 class AgentServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -180,6 +188,16 @@ class AgentServiceServicer(metaclass=_abc_1.ABCMeta):
         """The answer to a LogRequest a heartbeat answer carried (protocol 1.2):
         the last lines of one replica's log file. NOT_FOUND: the node is not
         registered; an answer nobody waits for any more is dropped.
+        """
+
+    @_abc_1.abstractmethod
+    def EngineCheckResult(
+        self,
+        request: _agent_pb2.EngineCheckResultRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_agent_pb2.EngineCheckResultResponse, _abc.Awaitable[_agent_pb2.EngineCheckResultResponse]]:
+        """The answer to an EngineCheckRequest a heartbeat answer carried (protocol
+        1.2): the checks `llmgw ctl engine-check ENGINE --node NODE` asked for.
         """
 
 def add_AgentServiceServicer_to_server(servicer: AgentServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
