@@ -65,8 +65,12 @@ async def test_missing_engines_and_gpus_say_how_to_fix(tmp_path: Path, monkeypat
     assert "engines.trtllm.python" in version.fix
 
 
-def test_ctl_node_is_not_wired_yet() -> None:
-    out = subprocess.run([sys.executable, "-m", "llmgw", "ctl", "engine-check", "vllm", "--node", "gpu-1"],
-                         capture_output=True, text=True, timeout=60)
+def test_ctl_node_goes_through_the_control_plane() -> None:
+    """(The node's side: tests/control/test_replica_wire.py and tests/real_engine/test_agent_replicas.py.)"""
+    out = subprocess.run([sys.executable, "-m", "llmgw", "ctl", "--admin", "http://127.0.0.1:1", "engine-check", "vllm",
+                          "--node", "gpu-1"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 1
-    assert "goes through the control plane" in out.stderr
+    assert "cannot reach the admin API at http://127.0.0.1:1" in out.stderr
+    out = subprocess.run([sys.executable, "-m", "llmgw", "ctl", "engine-check", "vllm", "--node", "gpu-1",
+                          "--binary", "/x"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "the node's agent uses its own config file" in out.stderr
