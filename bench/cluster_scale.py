@@ -280,6 +280,9 @@ async def main_async(a: argparse.Namespace) -> dict[str, Any]:
         await asyncio.sleep(0.5)  # (the child processes start)
         times, samples = [], 0
         t_scrapes = time.monotonic()
+        # the gateway's own watch of its loop meanwhile: the loop thread's CPU between 1 ms ticks is
+        # how long it was held; the wall time adds its waits for a core (admin /debug/pprof/loop)
+        watch = asyncio.create_task(get(aport, f"/debug/pprof/loop?seconds={a.scrapes * 0.7:g}"))
         for _ in range(a.scrapes):
             dt, body = await scrape(aport, a.plain)
             times.append(dt)
@@ -287,6 +290,7 @@ async def main_async(a: argparse.Namespace) -> dict[str, Any]:
             samples = text.count(b"\n") - text.count(b"#")  # every # is a HELP, TYPE or EOF line here
             await asyncio.sleep(0.5)
         span_s = time.monotonic() - t_scrapes
+        watched = json.loads((await watch)[1].partition(b"\r\n\r\n")[2])
         busy = proxied.stop()
         pings = health.stop()
         # as long again, the same proxied load without scrapes
@@ -305,6 +309,9 @@ async def main_async(a: argparse.Namespace) -> dict[str, Any]:
             "health_ms_during_scrapes": {"median": round(1000 * statistics.median(pings), 2),
                                          "max": round(1000 * max(pings), 2), "baseline_median": round(1000 * med, 2)},
             "max_loop_hold_ms_estimate": round(1000 * (max(pings) - med), 2),
+            "loop_hold_during_scrapes": {"cpu_max_ms": watched["cpu"]["max_ms"], "cpu_over_10ms":
+                                         watched["cpu"]["over_ms"]["10"], "wall_max_ms": watched["wall"]["max_ms"],
+                                         "ticks": watched["ticks"]},
             "proxied_ms_during_scrapes": {"n": len(busy), "p50": round(1000 * pct(busy, 0.5), 2),
                                           "p99": round(1000 * pct(busy, 0.99), 2), "max": round(1000 * max(busy), 2)},
             "proxied_ms_without_scrapes": {"n": len(quiet), "p50": round(1000 * pct(quiet, 0.5), 2),
