@@ -1,7 +1,9 @@
 """The control plane's gRPC service and the :class:`ControlPlane` component ``llmgw serve`` plugs in.
 
 ``AgentService`` (``proto/llmgw/agent/v1/agent.proto``) on ``control.listen``,
-on the process's event loop (``grpc.aio``). Every call carries the join token as
+served by ``grpc.aio`` on the control plane's own thread and loop
+(:mod:`.thread`): the handlers read and write the wire there, and hand what
+changes state (the node map, the counters the scrape reads) to the main loop. Every call carries the join token as
 ``authorization: Bearer <token>`` metadata; tokens are kept as SHA-256 digests and
 compared in constant time. A refusal is logged with the node name and the peer
 address, never the token.
@@ -15,6 +17,7 @@ for a client certificate). Plaintext is refused off loopback unless
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import hmac
 import ipaddress
@@ -29,7 +32,8 @@ from .._proto.agent.v1 import agent_pb2_grpc
 from ..agent.wire import PROTOCOL, SERVER_OPTIONS, TOKEN_METADATA, compatible, pb
 from ..errors import ConfigError, HTTPError
 from ..log import control_logger as log
-from .nodes import NodeMap
+from .nodes import NodeMap, NodeState
+from .thread import ControlThread, MainHop
 
 if TYPE_CHECKING:
     from ..admin.app import AdminApp
@@ -45,7 +49,12 @@ MAX_NAME = 253
 
 @dataclass
 class ControlStats:
-    """The control plane's own counters (exported by the cluster collector)."""
+    """The control plane's own counters (exported by the cluster collector).
+
+    Each counter has one writer: registrations, deregistrations and heartbeats are
+    counted on the main loop (with the node map), refusals, RPC errors and open
+    streams on the control thread; the scrape only reads them.
+    """
 
     registrations: int = 0
     reregistrations: int = 0
@@ -126,18 +135,60 @@ class _Tokens:
         return ok
 
 
-class AgentService(agent_pb2_grpc.AgentServiceServicer):
-    """The three RPCs over a :class:`NodeMap`."""
+class _Stream:
+    """One agent's heartbeat stream: answers the main loop decides, written on the control loop."""
 
-    def __init__(self, nodes: NodeMap, control: Callable[[], ControlConfig], stats: ControlStats) -> None:
+    __slots__ = ("context", "loop", "queue", "said", "stats")
+
+    def __init__(self, context: Any, loop: asyncio.AbstractEventLoop, stats: ControlStats) -> None:
+        self.context = context
+        self.loop = loop
+        self.stats = stats
+        self.queue: asyncio.Queue[Any] = asyncio.Queue()
+        self.said: tuple[float, bool] | None = None
+        """The answer last sent (main loop only): the next one only when it differs."""
+
+    def push(self, item: Any) -> None:
+        """Queue a response (or an ``(code, message)`` ending) for the agent; from any thread."""
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:  # the control loop is closed: the stream is gone
+            pass
+
+    async def write_loop(self) -> None:
+        while True:
+            item = await self.queue.get()
+            if isinstance(item, tuple):
+                code, message = item
+                self.stats.error("StreamHeartbeats", code)
+                await self.context.abort(code, message)  # the handler's pending read ends with it
+                return
+            await self.context.write(item)
+
+
+class AgentService(agent_pb2_grpc.AgentServiceServicer):
+    """The four RPCs over a :class:`NodeMap`.
+
+    The handlers run on the control loop; ``hop`` takes their state changes to the
+    main loop (``None``: both are one loop, as in a bare test).
+    """
+
+    def __init__(
+        self, nodes: NodeMap, control: Callable[[], ControlConfig], stats: ControlStats, hop: MainHop | None = None
+    ) -> None:
         self.nodes = nodes
         self.control = control
         self.stats = stats
+        self.hop = hop
         self._tokens = _Tokens()
         self.replicas: ReplicaController | None = None
         """What each node should run and where its reports go (the :class:`ControlPlane` sets it at start):
         ``desired(node)`` for a heartbeat's answer, ``report(...)`` with its statuses, ``node_gone`` on
         deregistration, ``subscribe`` to push a changed set on an open stream."""
+
+    async def _on_main(self, fn: Callable[..., Any], *args: Any) -> Any:
+        hop = self.hop
+        return fn(*args) if hop is None else await hop.run(fn, *args)
 
     async def _abort(self, context: Any, method: str, code: grpc.StatusCode, message: str) -> None:
         self.stats.error(method, code)
@@ -190,12 +241,7 @@ class AgentService(agent_pb2_grpc.AgentServiceServicer):
                 f"node_name must be 1-{MAX_NAME} printable characters without spaces, got {name[:60]!r}",
             )
         discovery = request.discovery
-        st, created = self.nodes.register(
-            name, peer=peer, agent_version=request.agent_version, protocol=theirs, discovery=discovery
-        )
-        self.stats.registrations += 1
-        if not created:
-            self.stats.reregistrations += 1
+        st, created = await self._on_main(self._register, name, peer, request.agent_version, theirs, discovery)
         log.info(
             "node %s %sregistered from %s (agent %s, protocol %d.%d, %d GPU(s), source %s)",
             name, "" if created else "re-", peer, request.agent_version or "?", *theirs, len(discovery.gpus),
@@ -210,19 +256,35 @@ class AgentService(agent_pb2_grpc.AgentServiceServicer):
             heartbeat_grace_seconds=c.heartbeat_grace,
         )
 
+    def _register(
+        self, name: str, peer: str, agent_version: str, protocol: tuple[int, int], discovery: Any
+    ) -> tuple[NodeState, bool]:
+        st, created = self.nodes.register(
+            name, peer=peer, agent_version=agent_version, protocol=protocol, discovery=discovery
+        )
+        self.stats.registrations += 1
+        if not created:
+            self.stats.reregistrations += 1
+        return st, created
+
+    def _beat(self, hb: Any, peer: str, at: tuple[float, float] | None = None) -> tuple[float, bool] | None:
+        """A heartbeat, on the main loop: the answer it gets, ``None`` for a node not registered here."""
+        st = self.nodes.heartbeat(hb.node_id, hb.sequence, hb.discovery, peer=peer, at=at)
+        if st is None:
+            return None
+        self.stats.heartbeats += 1
+        return (self.control().heartbeat_interval, st.cordoned)
+
     async def Heartbeat(self, request: pb.HeartbeatRequest, context: Any) -> pb.HeartbeatResponse:
         await self._authenticate(context, "Heartbeat", request.node_name)
-        st = self.nodes.heartbeat(
-            request.node_id, request.sequence, request.discovery, peer=context.peer()
-        )
-        if st is None:
+        answer = await self._on_main(self._beat, request, context.peer())
+        if answer is None:
             await self._abort(
                 context, "Heartbeat", grpc.StatusCode.NOT_FOUND,
                 f"node {request.node_name!r} is not registered here (the control plane restarted?): register again",
             )
             raise AssertionError("unreachable")
-        self.stats.heartbeats += 1
-        return pb.HeartbeatResponse(heartbeat_interval_seconds=self.control().heartbeat_interval, cordoned=st.cordoned)
+        return pb.HeartbeatResponse(heartbeat_interval_seconds=answer[0], cordoned=answer[1])
 
     async def StreamHeartbeats(self, request_iterator: Any, context: Any) -> None:  # type: ignore[override]
         """Heartbeats on one stream: each message recorded and answered as :meth:`Heartbeat` would.
@@ -250,33 +312,44 @@ class AgentService(agent_pb2_grpc.AgentServiceServicer):
             stats.streams_open -= 1
 
     async def _stream_beats(self, context: Any, method: str, msg: Any, given: str, peer: str) -> None:
-        nodes, stats = self.nodes, self.stats
-        said: tuple[float, bool] | None = None  # the answer last written: the next one only when it changes
-        while msg is not grpc.aio.EOF:
-            hb = msg.heartbeat
-            await self._check(context, method, hb.node_name, given)  # a reload may have removed the token
-            st = nodes.heartbeat(hb.node_id, hb.sequence, hb.discovery, peer=peer)
-            if st is None:
-                await self._abort(
-                    context, method, grpc.StatusCode.NOT_FOUND,
-                    f"node {hb.node_name!r} is not registered here (the control plane restarted?): register again",
-                )
-                raise AssertionError("unreachable")
-            stats.heartbeats += 1
-            answer = (self.control().heartbeat_interval, st.cordoned)
-            if answer != said:
-                await context.write(pb.StreamHeartbeatsResponse(heartbeat=pb.HeartbeatResponse(
-                    heartbeat_interval_seconds=answer[0], cordoned=answer[1])))
-                said = answer
-            msg = await context.read()
+        stream = _Stream(context, asyncio.get_running_loop(), self.stats)
+        writer = asyncio.create_task(stream.write_loop(), name="llmgw heartbeat answers")
+        hop, nodes = self.hop, self.nodes
+        try:
+            while msg is not grpc.aio.EOF:
+                hb = msg.heartbeat
+                await self._check(context, method, hb.node_name, given)  # a reload may have removed the token
+                if hop is None:
+                    self._stream_beat(stream, hb, peer, None)
+                else:  # recorded with the time it arrived; answered (when the answer changes) from there
+                    hop.submit(self._stream_beat, stream, hb, peer, (nodes.clock(), nodes.monotonic()))
+                msg = await context.read()
+        finally:
+            writer.cancel()
+
+    def _stream_beat(self, stream: _Stream, hb: Any, peer: str, at: tuple[float, float] | None) -> None:
+        """A streamed heartbeat, on the main loop: recorded, and answered when the answer changed."""
+        answer = self._beat(hb, peer, at)
+        if answer is None:
+            stream.push((grpc.StatusCode.NOT_FOUND,
+                         f"node {hb.node_name!r} is not registered here (the control plane restarted?): register again"))
+        elif answer != stream.said:
+            stream.said = answer
+            stream.push(pb.StreamHeartbeatsResponse(heartbeat=pb.HeartbeatResponse(
+                heartbeat_interval_seconds=answer[0], cordoned=answer[1])))
 
     async def Deregister(self, request: pb.DeregisterRequest, context: Any) -> pb.DeregisterResponse:
         await self._authenticate(context, "Deregister", request.node_name)
-        st = self.nodes.deregister(request.node_id)
-        if st is not None:
-            self.stats.deregistrations += 1
-            log.info("node %s deregistered (%s)", st.name, request.reason or "no reason given")
-        return pb.DeregisterResponse(removed=st is not None)
+        removed = await self._on_main(self._deregister, request.node_id, request.reason)
+        return pb.DeregisterResponse(removed=removed)
+
+    def _deregister(self, node_id: str, reason: str) -> bool:
+        st = self.nodes.deregister(node_id)
+        if st is None:
+            return False
+        self.stats.deregistrations += 1
+        log.info("node %s deregistered (%s)", st.name, reason or "no reason given")
+        return True
 
 
 class ControlPlane:
@@ -309,6 +382,8 @@ class ControlPlane:
         self.nodes = NodeMap(lambda: self._control().heartbeat_grace)
         self.service = AgentService(self.nodes, self._control, self.stats)
         self.server: grpc.aio.Server | None = None
+        self.thread: ControlThread | None = None
+        """The thread gRPC runs on (:mod:`.thread`), while the control plane runs."""
         self.address: tuple[str, int] | None = None
         self.tls = False
         self._collector: Any = None
@@ -349,6 +424,7 @@ class ControlPlane:
         from .resolve import mirror_resolver
         from .store import open_store
 
+        # (on the main loop, beside the node map it places on: the agent service reaches it there)
         store = open_store(c.database, c.state_file)
         log.info("deployments are kept in %s", store.path)
         self.deployments = DeploymentController(
@@ -357,17 +433,19 @@ class ControlPlane:
         )
         await self.deployments.start()
         self.service.replicas = self.deployments
-        server = grpc.aio.server(options=list(SERVER_OPTIONS))
-        agent_pb2_grpc.add_AgentServiceServicer_to_server(self.service, server)
         host, port = c.listen
         addr = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        thread = ControlThread()
+        thread.start()
+        assert thread.loop is not None
+        self.service.hop = MainHop(asyncio.get_running_loop(), thread.loop)
         try:
-            bound = server.add_secure_port(addr, creds) if creds is not None else server.add_insecure_port(addr)
-        except RuntimeError as exc:
-            raise OSError(f"control.listen: cannot bind {addr} ({exc})") from None
-        if not bound:
-            raise OSError(f"control.listen: cannot bind {addr}")
-        await server.start()
+            server, bound = await thread.run(self._serve(addr, creds))
+        except BaseException:
+            thread.stop()
+            self.service.hop = None
+            raise
+        self.thread = thread
         self.server = server
         self.address = (host, bound)
         if self.admin is not None:
@@ -383,6 +461,19 @@ class ControlPlane:
             ", mutual TLS" if c.tls_client_ca else "",
         )
 
+    async def _serve(self, addr: str, creds: grpc.ServerCredentials | None) -> tuple[grpc.aio.Server, int]:
+        """On the control loop: the gRPC server, bound and started."""
+        server = grpc.aio.server(options=list(SERVER_OPTIONS))
+        agent_pb2_grpc.add_AgentServiceServicer_to_server(self.service, server)
+        try:
+            bound = server.add_secure_port(addr, creds) if creds is not None else server.add_insecure_port(addr)
+        except RuntimeError as exc:
+            raise OSError(f"control.listen: cannot bind {addr} ({exc})") from None
+        if not bound:
+            raise OSError(f"control.listen: cannot bind {addr}")
+        await server.start()
+        return server, bound
+
     async def stop(self) -> None:
         if self.admin is not None:
             self.admin.attach_nodes(None)
@@ -390,9 +481,14 @@ class ControlPlane:
             if self._collector is not None:
                 self.admin.unregister_collector(self._collector)
                 self._collector = None
-        if self.server is not None:
-            await self.server.stop(1.0)
-            self.server = None
+        server, thread = self.server, self.thread
+        self.server = self.thread = None
+        if server is not None and thread is not None:
+            try:
+                await thread.run(server.stop(1.0))
+            finally:
+                thread.stop()
+                self.service.hop = None
         if self.deployments is not None:
             self.service.replicas = None
             await self.deployments.stop()
