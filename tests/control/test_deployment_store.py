@@ -79,7 +79,7 @@ async def test_a_mirror_reference_brings_blobs_and_its_memory_need(tmp_path: Pat
     ctl_ = DeploymentController(nodes=nodes, store=SQLiteStore(tmp_path / "cp.sqlite3"), router=None,
                                 config=lambda: cfg, resolver=mirror_resolver(root))
     try:
-        ctl_.sync()
+        ctl_.sync(10.0)
         d = ctl_.view("tiny")
         assert d["placed"] == 0 and d["mirror"] == "tiny:1b"
         assert d["message"].startswith(f"needs {(size + kv) / 1024**2:.0f} MiB of node memory; no node is eligible; "
@@ -87,13 +87,14 @@ async def test_a_mirror_reference_brings_blobs_and_its_memory_need(tmp_path: Pat
         big = 2 * (size + kv)  # room for both: CPU replicas share a node
         nodes.register("cpu-1", peer="ipv4:127.0.0.1:1", agent_version="t", protocol=(1, 1), discovery=Discovery(
             NodeFacts("h", cpu_cores=4, memory_total_bytes=big, memory_available_bytes=big)))
-        ctl_.sync()
+        ctl_.sync(10.0)
         _, specs = ctl_.desired("cpu-1")
         assert len(specs) == 2 and ctl_.view("tiny")["message"] is None
         s = specs[0]
         assert (s.model, s.engine, s.gpus, s.context) == ("tiny:1b", "llamacpp", (), 1024)
         assert [(b.role, b.size) for b in s.blobs] == [("model", size)] and s.blobs[0].digest.startswith("sha256:")
         assert specs[0].api_key != specs[1].api_key
+        assert ctl_.node_blobs("cpu-1") == {s.blobs[0].digest} and ctl_.node_blobs("elsewhere") == frozenset()
         # a path and a name the mirror lacks go to the engine as they are
         assert mirror_resolver(root)("/models/x.gguf") is None and mirror_resolver(root)("meta-llama/Llama-3") is None
     finally:
@@ -107,20 +108,20 @@ def test_a_changed_entry_ends_a_scale_and_replaces_replicas(tmp_path: Path) -> N
     nodes.register("n", peer="p", agent_version="t", protocol=(1, 1), discovery=Discovery(NodeFacts("h")))
     ctl_ = DeploymentController(nodes=nodes, store=SQLiteStore(tmp_path / "cp.sqlite3"), router=None,
                                 config=lambda: cfg[0], resolver=lambda m: None)
-    ctl_.sync()
+    ctl_.sync(10.0)
     first = ctl_.desired("n")[1][0].id
     ctl_.scale("c", 3)
     assert ctl_.view("c")["desired"] == 3 and ctl_.view("c")["scaled"]
     cfg[0] = load({"deployments": [entry]})  # reloaded, the entry unchanged: the scale holds
-    ctl_.sync()
+    ctl_.sync(10.0)
     assert ctl_.view("c")["desired"] == 3 and len(ctl_.desired("n")[1]) == 3
     cfg[0] = load({"deployments": [{**entry, "replicas": 2}]})  # changed in the file: the file wins
-    ctl_.sync()
+    ctl_.sync(10.0)
     d = ctl_.view("c")
     assert d["desired"] == 2 and not d["scaled"] and d["placed"] == 2
     assert first in {s.id for s in ctl_.desired("n")[1]}
     cfg[0] = load({"deployments": [{**entry, "replicas": 2, "args": ["--flash-attn"]}]})  # new replicas
-    ctl_.sync()
+    ctl_.sync(10.0)
     ids = {s.id for s in ctl_.desired("n")[1]}
     assert first not in ids and len(ids) == 2 and all(s.args == ("--flash-attn",) for s in ctl_.desired("n")[1])
     with pytest.raises(ValueError, match="in the config file"):
@@ -128,7 +129,7 @@ def test_a_changed_entry_ends_a_scale_and_replaces_replicas(tmp_path: Path) -> N
     with pytest.raises(ValueError, match="exists"):
         ctl_.create(parse_deployment({"name": "c", "model": "x"}))
     cfg[0] = load({})  # removed from the file: undeployed
-    ctl_.sync()
+    ctl_.sync(10.0)
     assert ctl_.list_views() == [] and ctl_.desired("n")[1] == ()
 
 

@@ -196,7 +196,7 @@ async def test_the_router_follows_ready_replicas_scale_down_drains_and_zero_answ
             assert "failed on node-1 (exit 1): llama-server: error: unknown argument" in d["message"]
             assert d["placed"] == 0  # (placed again after a backoff)
             ctl_.deployments["chat"].retry_at = 0.0
-            ctl_.sync()
+            ctl_.sync(10.0)
             await reps.follow("ready")
             assert len(reps.engines) == 1 and (await chat(rt, "chat"))[0] == 200
 
@@ -237,7 +237,7 @@ async def test_unplaceable_deployments_explain_and_ctl_commands(tmp_path: Path) 
         assert "needs a node; no node is eligible; gpu-node-3 lacks label pool=cpu" in res.output
         st = control_plane(rt).nodes.get("gpu-node-3")
         st.labels["pool"] = "cpu"  # (as the agent's labels: would say at registration)
-        controller(rt).sync()
+        controller(rt).sync(10.0)
         assert [r.deployment for r in controller(rt).replicas.values()] == ["cpu", "cpu"]  # one CPU node: both there
         st.labels.clear()
         res = await invoke("--admin", url, "deploy", "big", "--model", "x")

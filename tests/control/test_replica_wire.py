@@ -253,7 +253,7 @@ async def test_heartbeat_calls_carry_the_set_and_log_requests() -> None:
     cfg = control_config(port)
     nodes = NodeMap(lambda: 1.0)
     ctl_ = Controller()
-    service = _CallsOnly(nodes, lambda: cfg.control, ControlStats(), ctl_)
+    service = _CallsOnly(nodes, lambda: cfg.control, ControlStats(), controller=ctl_)
     server = grpc.aio.server()
     agent_pb2_grpc.add_AgentServiceServicer_to_server(service, server)
     server.add_insecure_port(f"127.0.0.1:{port}")

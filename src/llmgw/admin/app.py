@@ -18,6 +18,8 @@ route                              token   what
 ``GET /debug/pprof/heap``          yes     tracemalloc: top allocation sites
 ``GET /mirror/v1/blobs/sha256:…``  node    a mirror blob for a node agent (with a
                                            control plane: :mod:`llmgw.mirror.serve`)
+``GET /debug/pprof/loop``          yes     how long the event loop is held, for
+                                           ``seconds`` (CPU and wall, JSON)
 =================================  ======  ==========================================
 
 "token": when ``admin_token`` is configured those routes need
@@ -63,6 +65,7 @@ from .profiling import (
     format_heap,
     format_tasks,
     heap_report,
+    loop_holds,
     task_dump,
     thread_dump,
 )
@@ -408,6 +411,8 @@ class AdminApp:
                 w.send(200, format_tasks(tasks).encode(), _TEXT)
         elif name == b"threads":
             w.send(200, thread_dump().encode(), _TEXT)
+        elif name == b"loop":
+            return self._loop_holds(q, w)
         elif name == b"heap":
             report = heap_report(
                 int(_number(q, "top", 25, 1, 1000)),
@@ -422,6 +427,9 @@ class AdminApp:
         else:
             raise NotFoundError(f"no profile {name.decode('latin-1')[:100]!r}; see /debug/pprof/")
         return None
+
+    async def _loop_holds(self, q: dict[str, str], w: ResponseWriter) -> None:
+        w.send_json(200, await loop_holds(_number(q, "seconds", 10.0, 0.01, MAX_SECONDS)))
 
     async def _profile(self, q: dict[str, str], w: ResponseWriter) -> None:
         seconds = _number(q, "seconds", 10.0, 0.01, MAX_SECONDS)
@@ -467,4 +475,7 @@ _PPROF_INDEX = b"""llmgw profiles (the admin token is needed when one is configu
 /debug/pprof/threads                        every thread's stack
 /debug/pprof/heap?top=25                    tracemalloc: starts tracing on the first call, then the top
                                             allocation sites; &diff=1 growth since the last call; &stop=1
+/debug/pprof/loop?seconds=10                how long the event loop ran without reaching its timers:
+                                            its thread's CPU (the loop's doing) and wall time (with the
+                                            waits for a core), worst, p99 and counts over 1-50 ms
 """

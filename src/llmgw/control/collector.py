@@ -498,8 +498,11 @@ class ClusterCollector(Collector):
                                     labels=["deployment"])
         ready = GaugeMetricFamily("llmgw_deployment_replicas_ready", "Replicas of a deployment reported ready",
                                   labels=["deployment"])
+        n_ready: dict[str, int] = {}
+        for r in ctl.replicas.values():
+            if r.state == "ready":
+                n_ready[r.deployment] = n_ready.get(r.deployment, 0) + 1
         for name, dep in sorted(ctl.deployments.items()):
             desired.add_metric([name], float(dep.desired))
-            ready.add_metric([name], float(sum(1 for r in ctl.replicas.values()
-                                               if r.deployment == name and r.state == "ready")))
+            ready.add_metric([name], float(n_ready.get(name, 0)))
         return [alloc, desired, ready]

@@ -49,7 +49,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from ..config import DeploymentConfig, EndpointConfig, load
 from ..engines import get as get_engine
 from ..errors import ConfigError
-from ..launch.spec import DRAINING, FAILED, READY, ReplicaSpec, ReplicaStatus
+from ..launch.spec import FAILED, READY, ReplicaSpec, ReplicaStatus
 from ..log import control_logger as log
 from .placement import Choice, Claim, GpuInfo, Need, NodeInfo, Unplaceable, place
 from .resolve import MirrorModel, Resolver, memory_need
@@ -65,6 +65,13 @@ CONFIG = "config"
 API = "api"
 BACKOFF_MIN_S = 5.0
 BACKOFF_MAX_S = 300.0
+PASS_BUDGET_S = 0.02
+"""A pass of the loop places replicas for at most this long (one at least), then yields to the event
+loop and goes on at once in the next (a large cluster's placement never holds the data path up)."""
+CALL_BUDGET_S = 0.25
+"""The same for the pass an operator's call makes (``ctl deploy``, ``scale``): its answer shows what was placed."""
+RESOLVE_AGAIN_S = 10.0
+"""A model the mirror lacked is looked up again after this long (before placing another replica)."""
 NODE_LOST_S = 120.0
 """A node absent from the node map this long loses its replicas (they are placed elsewhere)."""
 
@@ -199,6 +206,7 @@ class Deployment:
     retry_at: float = 0.0
     model: MirrorModel | None = None
     resolved: bool = False
+    resolved_at: float = 0.0
 
     @property
     def desired(self) -> int:
@@ -251,6 +259,13 @@ class DeploymentController:
         self._missing_since: dict[str, float] = {}
         self._held: frozenset[str] | None = None
         self._pass_nodes: list[NodeInfo] | None = None
+        self._claims: list[Claim] | None = None
+        """Every replica's claim, for placement; rebuilt after a replica comes, goes or turns ready."""
+        self._node_cache: dict[str, tuple[tuple[Any, ...], NodeInfo]] = {}
+        self._pass_end = 0.0
+        self._placed_in_pass = 0
+        self._by_node: dict[str, dict[str, Replica]] = {}
+        self._by_deployment: dict[str, dict[str, Replica]] = {}
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task[None] | None = None
         for sd in store.deployments():
@@ -262,7 +277,7 @@ class DeploymentController:
             self.deployments[sd.name] = Deployment(cfg, sd.source, sd.replicas_override, sd.override_of)
         for sr in store.replicas():
             if sr.deployment in self.deployments:
-                self.replicas[sr.id] = Replica.from_stored(sr)
+                self._add(Replica.from_stored(sr))
             else:
                 store.delete_replica(sr.id)
         self.apply_config()
@@ -297,6 +312,7 @@ class DeploymentController:
                 self.sync()
             except Exception:
                 log.exception("the deployments pass failed; retrying on the next tick")
+            await asyncio.sleep(0)  # (a pass that asked for another at once still lets the loop run first)
             try:
                 await asyncio.wait_for(self._wake.wait(), self.tick)
             except TimeoutError:
@@ -365,7 +381,7 @@ class DeploymentController:
         self.deployments[cfg.name] = dep
         self.store.put_deployment(dep.stored())
         log.info("deployment %s created: %d replica(s) of %s on %s", cfg.name, cfg.replicas, cfg.model, cfg.engine)
-        self.sync()
+        self.sync(CALL_BUDGET_S)
         return self.view(cfg.name)
 
     def scale(self, name: str, replicas: int) -> dict[str, Any]:
@@ -382,7 +398,7 @@ class DeploymentController:
             dep.cfg = dataclasses.replace(dep.cfg, replicas=replicas)
         self.store.put_deployment(dep.stored())
         log.info("deployment %s scaled to %d", name, replicas)
-        self.sync()
+        self.sync(CALL_BUDGET_S)
         return self.view(name)
 
     def delete(self, name: str) -> dict[str, Any]:
@@ -398,7 +414,7 @@ class DeploymentController:
                 status=409, code="deployment_in_config",
             )
         draining = self._delete(name)
-        self.sync()
+        self.sync(CALL_BUDGET_S)
         return {"deleted": name, "draining": draining}
 
     def _delete(self, name: str) -> list[str]:
@@ -420,21 +436,46 @@ class DeploymentController:
         return dep
 
     def _of(self, name: str) -> list[Replica]:
-        return [r for r in self.replicas.values() if r.deployment == name]
+        return list(self._by_deployment.get(name, {}).values())
+
+    def _on(self, node: str) -> list[Replica]:
+        return list(self._by_node.get(node, {}).values())
+
+    def _add(self, r: Replica) -> None:
+        self._claims = None
+        self.replicas[r.id] = r
+        self._by_node.setdefault(r.node, {})[r.id] = r
+        self._by_deployment.setdefault(r.deployment, {})[r.id] = r
+
+    def _forget(self, r: Replica) -> None:
+        self._claims = None
+        self.replicas.pop(r.id, None)
+        for index, key in ((self._by_node, r.node), (self._by_deployment, r.deployment)):
+            group = index.get(key)
+            if group is not None:
+                group.pop(r.id, None)
+                if not group:
+                    del index[key]
 
     # -- the pass --
 
-    def sync(self) -> None:
-        """One reconcile pass: config, lost nodes, placement, scale-down, drains, held models."""
+    def sync(self, budget: float = PASS_BUDGET_S) -> None:
+        """One reconcile pass: config, lost nodes, placement, scale-down, drains, held models.
+
+        Placement stops after ``budget`` seconds (one replica is always placed when one is missing
+        and fits); the next pass then follows at once.
+        """
         now = self.clock()
-        self.apply_config()
-        self._forget_lost_nodes(now)
-        self._pass_nodes = None
-        for dep in list(self.deployments.values()):
-            self._converge(dep, now)
-        self._pass_nodes = None
-        for r in list(self.replicas.values()):
-            if r.draining_since is not None:
+        self._pass_end = time.perf_counter() + budget
+        self._placed_in_pass = 0
+        with self.store.batch():
+            self.apply_config()
+            self._forget_lost_nodes(now)
+            self._pass_nodes = None
+            for dep in list(self.deployments.values()):
+                self._converge(dep, now)
+            self._pass_nodes = None
+            for r in [r for r in self.replicas.values() if r.draining_since is not None]:
                 self._drain_step(r, now)
         self._hold()
 
@@ -445,6 +486,9 @@ class DeploymentController:
             if now < dep.retry_at:
                 return
             for _ in range(want - len(live)):
+                if self._placed_in_pass and time.perf_counter() > self._pass_end:
+                    self.wake()  # (more to place: the next pass goes on after the loop had its turn)
+                    return
                 got = self._place_one(dep)
                 if isinstance(got, Unplaceable):
                     if dep.message != got.reason:
@@ -469,13 +513,15 @@ class DeploymentController:
 
     def _need(self, dep: Deployment) -> Need:
         cfg = dep.cfg
-        if not dep.resolved:
+        now = self.clock()
+        if not dep.resolved or (dep.model is None and now - dep.resolved_at >= RESOLVE_AGAIN_S):
+            # (a model not in the mirror is looked up again now and then: it may be imported later)
             try:
                 dep.model = self.resolver(cfg.model)
             except Exception:
                 log.exception("resolving %s in the mirror failed; treating it as a name the engine knows", cfg.model)
                 dep.model = None
-            dep.resolved = True
+            dep.resolved, dep.resolved_at = True, now
         estimate = memory_need(dep.model, cfg.context) if dep.model is not None else None
         gpus = cfg.gpu_count
         if gpus > 0:
@@ -486,11 +532,20 @@ class DeploymentController:
         return Need(cfg.name, 0, None, False, None, cfg.node_labels, cfg.memory or estimate, cfg.cpu_cores)
 
     def node_infos(self) -> list[NodeInfo]:
-        """The node map as placement reads it."""
+        """The node map as placement reads it (a node's entry is rebuilt only when it changed)."""
         nodes = self.nodes
         now = nodes.monotonic()
         out = []
+        cache = self._node_cache
+        seen = set()
         for st in nodes:
+            up = nodes.is_up(st, now)
+            key = (st.node_id, st.generation, up, st.cordoned, tuple(st.labels.items()))
+            seen.add(st.name)
+            hit = cache.get(st.name)
+            if hit is not None and hit[0] == key:
+                out.append(hit[1])
+                continue
             d = st.discovery
             gpus = tuple(
                 GpuInfo(g.uuid, g.index, g.name, g.memory_total_bytes, g.memory_used_bytes,
@@ -498,15 +553,21 @@ class DeploymentController:
                 for g in d.gpus
             )
             f = d.facts
-            out.append(NodeInfo(st.name, nodes.is_up(st, now), st.cordoned, st.labels, gpus,
-                                f.cpu_cores, f.memory_total_bytes, f.memory_available_bytes))
+            info = NodeInfo(st.name, up, st.cordoned, dict(st.labels), gpus, f.cpu_cores, f.memory_total_bytes,
+                            f.memory_available_bytes)
+            cache[st.name] = (key, info)
+            out.append(info)
+        for name in [n for n in cache if n not in seen]:
+            del cache[name]
         return out
 
     def _place_one(self, dep: Deployment) -> Replica | Unplaceable:
         need = self._need(dep)
         if self._pass_nodes is None:  # (once per pass: reading a node's GPUs converts its last heartbeat)
             self._pass_nodes = self.node_infos()
-        got = place(need, self._pass_nodes, [r.claim() for r in self.replicas.values()])
+        if self._claims is None:
+            self._claims = [r.claim() for r in self.replicas.values()]
+        got = place(need, self._pass_nodes, self._claims)
         if isinstance(got, Unplaceable):
             return got
         assert isinstance(got, Choice)
@@ -519,7 +580,8 @@ class DeploymentController:
             need.cpu_cores or 0.0, frac, secrets.token_urlsafe(32), time.time(),
         )
         self.store.put_replica(r.stored())
-        self.replicas[rid] = r
+        self._add(r)
+        self._placed_in_pass += 1
         log.info("replica %s of %s placed on %s%s", rid, dep.cfg.name, got.node,
                  f" (GPUs {', '.join(got.gpus)})" if got.gpus else " (CPU)")
         self._invalidate(got.node)
@@ -553,14 +615,14 @@ class DeploymentController:
     def _drop(self, r: Replica, why: str) -> None:
         """Out of the router and out of its node's set (the agent stops it)."""
         self._leave_router(r)
-        self.replicas.pop(r.id, None)
+        self._forget(r)
         self.store.delete_replica(r.id)
         self._invalidate(r.node)
         log.info("replica %s of %s on %s %s: out of the node's set", r.id, r.deployment, r.node, why)
 
     def _forget_lost_nodes(self, now: float) -> None:
         present = {st.name for st in self.nodes}
-        for node in {r.node for r in self.replicas.values()}:
+        for node in list(self._by_node):
             if node in present:
                 self._missing_since.pop(node, None)
                 continue
@@ -604,6 +666,9 @@ class DeploymentController:
             return
         r.endpoint = r.id
         log.info("replica %s of %s ready on %s: in the router at %s", r.id, r.deployment, r.node, ep.url)
+        dep = self.deployments[r.deployment]
+        if dep.failures:  # it works again: the backoff and the failure's message end
+            dep.failures, dep.retry_at, dep.message = 0, 0.0, None
 
     def _leave_router(self, r: Replica) -> None:
         if r.endpoint is None or self.router is None:
@@ -625,7 +690,7 @@ class DeploymentController:
         specs = self._specs.get(node)
         if specs is None:
             specs = self._specs[node] = tuple(
-                self._spec(r) for r in sorted(self.replicas.values(), key=lambda r: r.id) if r.node == node
+                self._spec(r) for r in sorted(self._on(node), key=lambda r: r.id)
             )
         return gen, specs
 
@@ -668,6 +733,8 @@ class DeploymentController:
                 continue  # not ours (any more): the agent stops it, as its set lacks it
             seen.add(s.id)
             before = r.status
+            if (before is not None and before.state == READY) != (s.state == READY):
+                self._claims = None  # (a ready replica's memory is in its node's reading: Claim.loaded)
             r.status, r.address = s, address
             if r.draining_since is not None:
                 continue
@@ -680,11 +747,11 @@ class DeploymentController:
             elif s.state == FAILED:
                 self._failed(r, s)
                 changed = True
-            elif r.endpoint is not None and s.state != DRAINING:
+            elif r.endpoint is not None:  # (restarting, or the agent stopping it: not ready)
                 log.info("replica %s of %s on %s is %s: out of the router until ready", r.id, r.deployment, node,
                          s.state)
                 self._leave_router(r)
-        for r in [r for r in self.replicas.values() if r.node == node and r.id not in seen]:
+        for r in [r for r in self._on(node) if r.id not in seen]:
             if r.status is not None:  # reported before, not now: it vanished from its node
                 log.warning("replica %s of %s vanished from node %s's report", r.id, r.deployment, node)
                 r.status = None
@@ -708,15 +775,23 @@ class DeploymentController:
 
     def node_gone(self, node: str) -> None:
         """``node`` deregistered or was removed: its replicas are gone (placed again elsewhere)."""
-        for r in [r for r in self.replicas.values() if r.node == node]:
+        for r in self._on(node):
             self._leave_router(r)
-            self.replicas.pop(r.id, None)
+            self._forget(r)
             self.store.delete_replica(r.id)
         self._specs.pop(node, None)
         self._missing_since.pop(node, None)
         self.wake()
 
     # -- views --
+
+    def node_blobs(self, node: str) -> frozenset[str]:
+        """Digests of the mirror blobs the replicas placed on ``node`` need: what it may fetch (i18-fetch's
+        authorizer)."""
+        out: set[str] = set()
+        for r in self._on(node):
+            out.update(b.digest for b in self._spec(r).blobs)
+        return frozenset(out)
 
     def claims(self) -> list[Claim]:
         return [r.claim() for r in self.replicas.values()]

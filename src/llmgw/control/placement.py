@@ -178,21 +178,28 @@ def _gpu_need_text(need: Need) -> str:
     return what
 
 
-def _fits_gpus(node: NodeInfo, need: Need, uses: Mapping[tuple[str, str], _GpuUse]) -> tuple[list[tuple[int, GpuInfo]], str]:
-    """The node's GPUs that could take the replica, as ``(free bytes, gpu)``; and why others could not."""
+def _fits_gpus(
+    node: NodeInfo, need: Need, uses: Mapping[tuple[str, str], _GpuUse]
+) -> tuple[list[tuple[int, GpuInfo]], dict[str, int], int]:
+    """The node's GPUs that could take the replica, as ``(free bytes, gpu)``; why others could not
+    (reason -> GPUs); and how many of its GPUs nobody holds."""
     fit: list[tuple[int, GpuInfo]] = []
     why: dict[str, int] = {}
+    unheld = 0
     model = need.gpu_model.lower() if need.gpu_model else None
+    name = node.name
     for g in node.gpus:
         if g.mig_parent:
             continue
+        use = uses.get((name, g.uuid))
+        if use is None:
+            unheld += 1
         if model is not None and model not in (g.name or "").lower():
             why["another model"] = why.get("another model", 0) + 1
             continue
         if not g.healthy:
             why["unhealthy"] = why.get("unhealthy", 0) + 1
             continue
-        use = uses.get((node.name, g.uuid))
         if use is not None and (use.exclusive or not need.share):
             why["held by another replica"] = why.get("held by another replica", 0) + 1
             continue
@@ -205,7 +212,11 @@ def _fits_gpus(node: NodeInfo, need: Need, uses: Mapping[tuple[str, str], _GpuUs
                 why["too little free memory"] = why.get("too little free memory", 0) + 1
                 continue
         fit.append((free if free is not None else 0, g))
-    return fit, ", ".join(f"{n} {w}" for w, n in why.items())
+    return fit, why, unheld
+
+
+def _why_text(why: Mapping[str, int]) -> str:
+    return ", ".join(f"{n} {w}" for w, n in why.items())
 
 
 def _order_key(item: tuple[int, GpuInfo]) -> tuple[int, int, str]:
@@ -241,8 +252,8 @@ def place(need: Need, nodes: Sequence[NodeInfo], claims: Sequence[Claim]) -> Cho
             mem_loaded[c.node] = mem_loaded.get(c.node, 0) + c.memory
         cores_claimed[c.node] = cores_claimed.get(c.node, 0.0) + c.cpu_cores
     excluded: list[str] = []
-    best_partial: tuple[int, str, str] | None = None  # (usable GPUs, node, why the rest are not)
-    scored: list[tuple[tuple[int, int, int, str], Choice]] = []
+    best_partial: tuple[int, str, dict[str, int]] | None = None  # (usable GPUs, node, why the rest are not)
+    best: tuple[tuple[int, int, int, str], NodeInfo, list[tuple[int, GpuInfo]]] | None = None
     for node in nodes:
         if not node.up:
             excluded.append(f"{node.name} is down")
@@ -255,21 +266,18 @@ def place(need: Need, nodes: Sequence[NodeInfo], claims: Sequence[Claim]) -> Cho
             excluded.append(f"{node.name} {miss}")
             continue
         if need.gpus > 0:
-            fit, why = _fits_gpus(node, need, uses)
+            fit, why, unheld = _fits_gpus(node, need, uses)
             if len(fit) < need.gpus:
                 if best_partial is None or len(fit) > best_partial[0]:
                     best_partial = (len(fit), node.name, why)
                 continue
-            fit.sort(key=_order_key)
-            chosen = fit[: need.gpus]
-            fractions: tuple[float, ...] = ()
-            if need.gpu_memory is not None and all(g.memory_total for _, g in chosen):
-                fractions = tuple(need.gpu_memory / g.memory_total for _, g in chosen if g.memory_total)
+            # (scored without sorting its GPUs: only the winner's are sorted. The GPUs nobody holds
+            # have the most free memory, so the replica takes those first.)
+            fit_unheld = sum(1 for _, g in fit if (node.name, g.uuid) not in uses)
             left = sum(f for f, _ in fit) - need.gpus * (need.gpu_memory or 0)
-            unheld = sum(1 for g in node.gpus if not g.mig_parent and (node.name, g.uuid) not in uses)
-            unheld -= sum(1 for _, g in chosen if (node.name, g.uuid) not in uses)
-            scored.append(((same.get(node.name, 0), -unheld, -left, node.name),
-                           Choice(node.name, tuple(g.uuid for _, g in chosen), fractions)))
+            key = (same.get(node.name, 0), -(unheld - min(need.gpus, fit_unheld)), -left, node.name)
+            if best is None or key < best[0]:
+                best = (key, node, fit)
             continue
         # a CPU replica
         free = _free(node.memory_total, mem_claimed.get(node.name, 0), mem_loaded.get(node.name, 0),
@@ -291,15 +299,25 @@ def place(need: Need, nodes: Sequence[NodeInfo], claims: Sequence[Claim]) -> Cho
                 excluded.append(f"{node.name} has {spare:g} CPU cores unclaimed")
                 continue
         left_mem = (free or 0) - (need.memory or 0)
-        scored.append(((same.get(node.name, 0), 0, -left_mem, node.name), Choice(node.name)))
-    if scored:
-        scored.sort(key=lambda s: s[0])
-        return scored[0][1]
+        key = (same.get(node.name, 0), 0, -left_mem, node.name)
+        if best is None or key < best[0]:
+            best = (key, node, [])
+    if best is not None:
+        _, node, fit = best
+        if need.gpus == 0:
+            return Choice(node.name)
+        fit.sort(key=_order_key)
+        chosen = fit[: need.gpus]
+        fractions: tuple[float, ...] = ()
+        if need.gpu_memory is not None and all(g.memory_total for _, g in chosen):
+            fractions = tuple(need.gpu_memory / g.memory_total for _, g in chosen if g.memory_total)
+        return Choice(node.name, tuple(g.uuid for _, g in chosen), fractions)
     if need.gpus > 0:
         head = f"needs {_gpu_need_text(need)}"
         if best_partial is not None:
-            n, where, why = best_partial
-            tail = f"the largest free set is {n} on {where}" + (f" (others: {why})" if why and n < need.gpus else "")
+            n, where, why_ = best_partial
+            others = _why_text(why_)
+            tail = f"the largest free set is {n} on {where}" + (f" (others: {others})" if others else "")
         else:
             tail = "no node is eligible"
     else:

@@ -1,9 +1,10 @@
 """A deployment's model as the control plane's mirror knows it: blobs for the agent, facts for placement.
 
-NOTE: the minimal lookup against the mirror store's catalogue. i18-fetch's
-resolver (the mirror served to agents over HTTP) may replace
-:func:`resolve_mirror`; :class:`~.deployments.DeploymentController` takes the
-resolver as an argument, so only its default changes.
+NOTE: :func:`resolve_mirror` is the minimal lookup against the mirror store's
+catalogue. Where ``llmgw.mirror.resolve`` (i18-fetch's resolver: the header read
+from the blob, per-layer KV heads, key/value lengths) is present,
+:func:`mirror_resolver` uses its ``find`` instead; either way
+:class:`~.deployments.DeploymentController` takes the resolver as an argument.
 
 A model is a *mirror reference* when the mirror has it (``tiny:1b``; a bare name
 means ``:latest``). A path (``/models/x.gguf``, ``./x.gguf``) or anything the
@@ -35,6 +36,8 @@ class MirrorModel:
     embedding_length: int | None = None
     head_count: int | None = None
     head_count_kv: int | None = None
+    kv_bytes_per_token: int | None = None
+    """Bytes of f16 KV cache per token over all layers, where the resolver computed it (else from the shape)."""
 
 
 Resolver = Callable[[str], "MirrorModel | None"]
@@ -86,16 +89,40 @@ def resolve_mirror(root: str | os.PathLike[str], model: str) -> MirrorModel | No
 
 def mirror_resolver(root: str | os.PathLike[str] | None) -> Resolver:
     """A resolver over the mirror at ``root`` (default: ``$LLMGW_MIRROR``, else the user's mirror)."""
+    import importlib
+
     from ..mirror.store import default_root
 
     where = Path(root).expanduser() if root else default_root()
-    return lambda model: resolve_mirror(where, model)
+    try:
+        fetch_resolve = importlib.import_module("llmgw.mirror.resolve")  # (i18-fetch's, where merged)
+    except ImportError:
+        return lambda model: resolve_mirror(where, model)
+    find = fetch_resolve.find
+
+    def resolver(model: str) -> MirrorModel | None:
+        if _is_path(model):
+            return None
+        got = find(where, model)
+        if got is None:
+            return None
+        blobs, f = got
+        return MirrorModel(
+            ref=f.ref, blobs=tuple(blobs), size=f.model_size + (f.projector_size or 0),
+            context_length=f.context_length, block_count=f.block_count, embedding_length=f.embedding_length,
+            head_count=f.head_count, head_count_kv=f.head_count_kv if isinstance(f.head_count_kv, int) else None,
+            kv_bytes_per_token=f.kv_bytes_per_token(),
+        )
+
+    return resolver
 
 
 def kv_cache_bytes(m: MirrorModel, context: int | None) -> int | None:
     """The f16 KV cache for ``context`` tokens in all (llama.cpp's ``-c``, shared by its slots):
     ``2 (K and V) x layers x context x head_dim x kv_heads x 2 bytes``; ``None`` when a fact is missing."""
     ctx = context or m.context_length
+    if ctx and m.kv_bytes_per_token is not None:
+        return m.kv_bytes_per_token * ctx
     if not (ctx and m.block_count and m.embedding_length and m.head_count):
         return None
     kv_heads = m.head_count_kv or m.head_count

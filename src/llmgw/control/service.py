@@ -1,7 +1,9 @@
 """The control plane's gRPC service and the :class:`ControlPlane` component ``llmgw serve`` plugs in.
 
 ``AgentService`` (``proto/llmgw/agent/v1/agent.proto``) on ``control.listen``,
-on the process's event loop (``grpc.aio``). Every call carries the join token as
+served by ``grpc.aio`` on the control plane's own thread and loop
+(:mod:`.thread`): the handlers read and write the wire there, and hand what
+changes state (the node map, the counters the scrape reads) to the main loop. Every call carries the join token as
 ``authorization: Bearer <token>`` metadata; tokens are kept as SHA-256 digests and
 compared in constant time. A refusal is logged with the node name and the peer
 address, never the token.
@@ -43,14 +45,14 @@ from ..errors import ConfigError, HTTPError
 from ..log import control_logger as log
 from ..mirror.serve import BlobServer
 from .credentials import NodeCredentials
-from .nodes import NodeMap
+from .nodes import NodeMap, NodeState
+from .thread import ControlThread, MainHop
 
 if TYPE_CHECKING:
     from ..admin.app import AdminApp
     from ..config import Config, ControlConfig
     from ..launch.spec import ReplicaController
     from .deployments import DeploymentController, Router
-    from .nodes import NodeState
     from .resolve import Resolver
 
 __all__ = ["ControlPlane", "ControlStats", "ReplicaLogsError"]
@@ -86,29 +88,15 @@ class ReplicaLogsError(Exception):
         self.code = code
 
 
-class _Link:
-    """One node's open heartbeat stream: what was last written on it, so the next answer goes only when due."""
-
-    __slots__ = ("acked", "closed", "context", "lock", "node", "replicas", "said", "sent")
-
-    def __init__(self, node: str, context: Any) -> None:
-        self.node = node
-        self.context = context
-        self.lock = asyncio.Lock()
-        """Writes come from the beat loop and from pushes (a desired set, a log request): one at a time."""
-        self.said: tuple[float, bool] | None = None
-        self.replicas = False
-        """The agent runs replicas (its beats carry applied_generation)."""
-        self.acked: int | None = None
-        """The generation the agent last said it applied."""
-        self.sent: int | None = None
-        """The generation last written on this stream (not sent again until the agent acknowledges another)."""
-        self.closed = False
-
 
 @dataclass
 class ControlStats:
-    """The control plane's own counters (exported by the cluster collector)."""
+    """The control plane's own counters (exported by the cluster collector).
+
+    Each counter has one writer: registrations, deregistrations and heartbeats are
+    counted on the main loop (with the node map), refusals, RPC errors and open
+    streams on the control thread; the scrape only reads them.
+    """
 
     registrations: int = 0
     reregistrations: int = 0
@@ -189,21 +177,66 @@ class _Tokens:
         return ok
 
 
+class _Stream:
+    """One agent's heartbeat stream: answers the main loop decides, written on the control loop."""
+
+    __slots__ = ("acked", "closed", "context", "loop", "node", "queue", "replicas", "said", "sent", "stats")
+
+    def __init__(self, context: Any, loop: asyncio.AbstractEventLoop, stats: ControlStats) -> None:
+        self.context = context
+        self.loop = loop
+        self.stats = stats
+        self.queue: asyncio.Queue[Any] = asyncio.Queue()
+        # (the rest: main loop only)
+        self.said: tuple[float, bool] | None = None
+        """The answer last sent: the next one only when it differs."""
+        self.node: str | None = None
+        self.replicas = False
+        """The agent runs replicas (its beats carry applied_generation)."""
+        self.acked: int | None = None
+        """The generation the agent last said it applied."""
+        self.sent: int | None = None
+        """The generation last sent on this stream (not again until the agent acknowledges another)."""
+        self.closed = False
+
+    def push(self, item: Any) -> None:
+        """Queue a response (or an ``(code, message)`` ending) for the agent; from any thread."""
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:  # the control loop is closed: the stream is gone
+            pass
+
+    async def write_loop(self) -> None:
+        while True:
+            item = await self.queue.get()
+            if isinstance(item, tuple):
+                code, message = item
+                self.stats.error("StreamHeartbeats", code)
+                await self.context.abort(code, message)  # the handler's pending read ends with it
+                return
+            await self.context.write(item)
+
+
 class AgentService(agent_pb2_grpc.AgentServiceServicer):
-    """The three RPCs over a :class:`NodeMap`."""
+    """The four RPCs over a :class:`NodeMap`.
+
+    The handlers run on the control loop; ``hop`` takes their state changes to the
+    main loop (``None``: both are one loop, as in a bare test).
+    """
 
     def __init__(
-        self, nodes: NodeMap, control: Callable[[], ControlConfig], stats: ControlStats,
+        self, nodes: NodeMap, control: Callable[[], ControlConfig], stats: ControlStats, hop: MainHop | None = None,
         controller: ReplicaController | None = None,
     ) -> None:
         self.nodes = nodes
         self.control = control
         self.stats = stats
+        self.hop = hop
         self._tokens = _Tokens()
+        # (the rest: main loop only)
         self.controller: ReplicaController | None = None
-        self._links: dict[str, _Link] = {}
+        self._links: dict[str, _Stream] = {}
         """Node name -> its open heartbeat stream (the latest one)."""
-        self._tasks: set[asyncio.Task[None]] = set()
         self._ask_ids = itertools.count(1)
         self._asks: dict[str, list[pb.LogRequest | pb.EngineCheckRequest]] = {}
         """Node name -> what it is asked (log tails, engine checks) and has not been written yet."""
@@ -216,7 +249,7 @@ class AgentService(agent_pb2_grpc.AgentServiceServicer):
         if controller is not None:
             self.attach(controller)
 
-    # -- the replica controller --
+    # -- the replica controller (main loop) --
 
     def attach(self, controller: ReplicaController | None) -> None:
         """Use ``controller`` for desired sets and statuses (``None``: none; no replicas are sent)."""
@@ -225,23 +258,10 @@ class AgentService(agent_pb2_grpc.AgentServiceServicer):
             controller.subscribe(self._changed)
 
     def _changed(self, node: str) -> None:
-        """``node``'s desired set changed: written on its stream at once (agents on calls get it on their next beat)."""
-        if self.controller is None:
-            return
+        """``node``'s desired set changed: pushed on its stream at once (agents on calls get it on their next beat)."""
         link = self._links.get(node)
-        if link is not None and link.replicas:
-            self._spawn(self._push(link))
-
-    def _spawn(self, coro: Any) -> None:
-        task = asyncio.get_running_loop().create_task(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-
-    async def _push(self, link: _Link) -> None:
-        try:
-            await self._write(link, None)
-        except Exception as exc:  # the stream ended under us: the agent reconnects and gets it then
-            log.debug("could not push to node %s: %s", link.node, exc)
+        if link is not None and link.replicas and self.controller is not None:
+            self._answer_stream(link, None)
 
     def _desired(self, node: str, applied: int | None, sent: int | None) -> tuple[int, pb.DesiredReplicas] | None:
         """The desired set to send ``node`` when its generation is neither what it applied nor already sent."""
@@ -285,50 +305,36 @@ class AgentService(agent_pb2_grpc.AgentServiceServicer):
             except Exception:
                 log.exception("the replica controller failed on node %s leaving", node)
 
-    def _due(self, link: _Link, st: NodeState) -> bool:
-        """Whether the stream has something to write (PERF: most beats have nothing; no lock taken then)."""
-        if link.said != (self.control().heartbeat_interval, st.cordoned) or st.name in self._asks:
-            return True
-        ctl = self.controller
-        if ctl is None or not link.replicas:
-            return False
-        try:
-            gen = ctl.desired(st.name)[0]
-        except Exception:
-            return False  # (logged when the set is built)
-        return gen != link.sent and (gen != link.acked or link.acked == 0)
-
-    async def _write(self, link: _Link, st: NodeState | None) -> None:
-        """Write the stream's answer when one is due: a new interval or cordon, a desired set, log requests."""
-        async with link.lock:
-            if link.closed:
-                return
+    def _answer_stream(self, link: _Stream, st: NodeState | None) -> None:
+        """Push the stream's answer when one is due: a new interval or cordon, a desired set, requests."""
+        if link.closed or link.node is None:
+            return
+        if st is None:
+            st = self.nodes.get(link.node)
             if st is None:
-                st = self.nodes.get(link.node)
-                if st is None:
-                    return
-            answer = (self.control().heartbeat_interval, st.cordoned)
-            desired = self._desired(link.node, link.acked, link.sent) if link.replicas else None
-            asks = self._asks.pop(link.node, None)
-            if answer == link.said and desired is None and not asks:
                 return
-            resp = pb.HeartbeatResponse(heartbeat_interval_seconds=answer[0], cordoned=answer[1])
-            if desired is not None:
-                resp.desired.CopyFrom(desired[1])
-            if asks:
-                _put_asks(resp, asks)
-            await link.context.write(pb.StreamHeartbeatsResponse(heartbeat=resp))
-            link.said = answer
-            if desired is not None:
-                link.sent = desired[0]
+        answer = (self.control().heartbeat_interval, st.cordoned)
+        desired = self._desired(link.node, link.acked, link.sent) if link.replicas else None
+        asks = self._asks.pop(link.node, None)
+        if answer == link.said and desired is None and not asks:
+            return
+        resp = pb.HeartbeatResponse(heartbeat_interval_seconds=answer[0], cordoned=answer[1])
+        if desired is not None:
+            resp.desired.CopyFrom(desired[1])
+            link.sent = desired[0]
+        if asks:
+            _put_asks(resp, asks)
+        link.said = answer
+        link.push(pb.StreamHeartbeatsResponse(heartbeat=resp))
+
+    def _unlink(self, link: _Stream) -> None:
+        link.closed = True
+        if link.node is not None and self._links.get(link.node) is link:
+            del self._links[link.node]
 
     async def close(self) -> None:
-        """Cancel the pushes still under way (the server has stopped)."""
-        tasks = list(self._tasks)
-        for t in tasks:
-            t.cancel()
-        if tasks:
-            await asyncio.gather(*tasks, return_exceptions=True)
+        """Nothing to cancel (pushes go through each stream's queue); kept for the component's stop."""
+
 
     # -- log tails (ctl logs) --
 
@@ -369,7 +375,7 @@ class AgentService(agent_pb2_grpc.AgentServiceServicer):
         self._asks.setdefault(node, []).append(req)
         link = self._links.get(node)
         if link is not None:
-            self._spawn(self._push(link))
+            self._answer_stream(link, None)
         try:
             return await asyncio.wait_for(fut, timeout)
         except asyncio.TimeoutError:
@@ -414,40 +420,46 @@ class AgentService(agent_pb2_grpc.AgentServiceServicer):
     async def EngineCheckResult(
         self, request: pb.EngineCheckResultRequest, context: Any
     ) -> pb.EngineCheckResultResponse:
-        fut = await self._answer_for(context, "EngineCheckResult", request.node_id, request.node_name,
-                                     request.request_id)
-        if fut is None:
-            return pb.EngineCheckResultResponse(accepted=False)
+        await self._authenticate(context, "EngineCheckResult", request.node_name)
         if request.HasField("error"):
-            fut.set_exception(ReplicaLogsError(f"node {request.node_name}: {request.error}", 502, "check_failed"))
+            result: Any = ReplicaLogsError(f"node {request.node_name}: {request.error}", 502, "check_failed")
         else:
-            fut.set_result([{"check": c.name, "status": c.status, "detail": c.detail, "fix": c.fix or None}
-                            for c in request.checks])
-        return pb.EngineCheckResultResponse(accepted=True)
+            result = [{"check": c.name, "status": c.status, "detail": c.detail, "fix": c.fix or None}
+                      for c in request.checks]
+        accepted = await self._on_main(self._resolve, request.node_id, request.request_id, result)
+        if accepted is None:
+            await self._abort(context, "EngineCheckResult", grpc.StatusCode.NOT_FOUND,
+                              f"node {request.node_name!r} is not registered here: register again")
+        return pb.EngineCheckResultResponse(accepted=bool(accepted))
 
-    async def _answer_for(self, context: Any, method: str, node_id: str, node_name: str,
-                          request_id: int) -> asyncio.Future[Any] | None:
-        """The future an answer resolves: only one this node was asked and still waited for."""
-        await self._authenticate(context, method, node_name)
+    def _resolve(self, node_id: str, request_id: int, result: Any) -> bool | None:
+        """On the main loop: resolve what this node was asked and is still awaited (``None``: no such node)."""
         st = self.nodes.by_id(node_id)
         if st is None:
-            await self._abort(context, method, grpc.StatusCode.NOT_FOUND,
-                              f"node {node_name!r} is not registered here: register again")
-            raise AssertionError("unreachable")
+            return None
         wait = self._waits.get(request_id)
         if wait is None or wait[0] != st.name or wait[1].done():  # a node answers only what it was asked
-            return None
-        return wait[1]
+            return False
+        if isinstance(result, Exception):
+            wait[1].set_exception(result)
+        else:
+            wait[1].set_result(result)
+        return True
 
     async def ReplicaLogs(self, request: pb.ReplicaLogsRequest, context: Any) -> pb.ReplicaLogsResponse:
-        fut = await self._answer_for(context, "ReplicaLogs", request.node_id, request.node_name, request.request_id)
-        if fut is None:
-            return pb.ReplicaLogsResponse(accepted=False)
+        await self._authenticate(context, "ReplicaLogs", request.node_name)
+        result: Any = request.text
         if request.HasField("error"):
-            fut.set_exception(ReplicaLogsError(f"node {request.node_name}: {request.error}", 502, "log_unavailable"))
-        else:
-            fut.set_result(request.text)
-        return pb.ReplicaLogsResponse(accepted=True)
+            result = ReplicaLogsError(f"node {request.node_name}: {request.error}", 502, "log_unavailable")
+        accepted = await self._on_main(self._resolve, request.node_id, request.request_id, result)
+        if accepted is None:
+            await self._abort(context, "ReplicaLogs", grpc.StatusCode.NOT_FOUND,
+                              f"node {request.node_name!r} is not registered here: register again")
+        return pb.ReplicaLogsResponse(accepted=bool(accepted))
+
+    async def _on_main(self, fn: Callable[..., Any], *args: Any) -> Any:
+        hop = self.hop
+        return fn(*args) if hop is None else await hop.run(fn, *args)
 
     async def _abort(self, context: Any, method: str, code: grpc.StatusCode, message: str) -> None:
         self.stats.error(method, code)
@@ -512,13 +524,9 @@ class AgentService(agent_pb2_grpc.AgentServiceServicer):
                 f"{f' (bad: {bad[0][:60]!r})' if bad else ''}; advertise_address: a host name or IP without spaces",
             )
         discovery = request.discovery
-        st, created = self.nodes.register(
-            name, peer=peer, agent_version=request.agent_version, protocol=theirs, discovery=discovery,
-            labels=labels, advertise=advertise,
+        st, created, access = await self._on_main(
+            self._register, name, peer, request.agent_version, theirs, discovery, labels, advertise
         )
-        self.stats.registrations += 1
-        if not created:
-            self.stats.reregistrations += 1
         log.info(
             "node %s %sregistered from %s (agent %s, protocol %d.%d, %d GPU(s), source %s)",
             name, "" if created else "re-", peer, request.agent_version or "?", *theirs, len(discovery.gpus),
@@ -532,32 +540,58 @@ class AgentService(agent_pb2_grpc.AgentServiceServicer):
             heartbeat_interval_seconds=c.heartbeat_interval,
             heartbeat_grace_seconds=c.heartbeat_grace,
         )
-        access = self.mirror_access(name) if self.mirror_access is not None and runs_replicas(theirs) else None
         if access is not None:
             resp.mirror_url, resp.mirror_credential = access  # SECURITY: the credential is never logged
         return resp
 
-    async def Heartbeat(self, request: pb.HeartbeatRequest, context: Any) -> pb.HeartbeatResponse:
-        await self._authenticate(context, "Heartbeat", request.node_name)
-        st = self.nodes.heartbeat(
-            request.node_id, request.sequence, request.discovery, peer=context.peer()
+    def _register(
+        self, name: str, peer: str, agent_version: str, protocol: tuple[int, int], discovery: Any,
+        labels: dict[str, str] | None = None, advertise: str | None = None,
+    ) -> tuple[NodeState, bool, tuple[str, str] | None]:
+        st, created = self.nodes.register(
+            name, peer=peer, agent_version=agent_version, protocol=protocol, discovery=discovery, labels=labels,
+            advertise=advertise,
         )
+        self.stats.registrations += 1
+        if not created:
+            self.stats.reregistrations += 1
+        access = self.mirror_access(name) if self.mirror_access is not None and runs_replicas(protocol) else None
+        return st, created, access
+
+    def _beat(self, hb: Any, peer: str, at: tuple[float, float] | None = None) -> NodeState | None:
+        """A heartbeat, on the main loop: the node (its statuses reported), ``None`` when not registered here."""
+        st = self.nodes.heartbeat(hb.node_id, hb.sequence, hb.discovery, peer=peer, at=at)
         if st is None:
-            await self._abort(
-                context, "Heartbeat", grpc.StatusCode.NOT_FOUND,
-                f"node {request.node_name!r} is not registered here (the control plane restarted?): register again",
-            )
-            raise AssertionError("unreachable")
+            return None
         self.stats.heartbeats += 1
+        if hb.HasField("applied_generation") and runs_replicas(st.protocol):
+            self._report(st, hb)
+        return st
+
+    def _unary_beat(self, hb: Any, peer: str) -> pb.HeartbeatResponse | None:
+        """A Heartbeat call, on the main loop: its answer (the desired set when due, requests); ``None``: unknown."""
+        st = self._beat(hb, peer)
+        if st is None:
+            return None
         resp = pb.HeartbeatResponse(heartbeat_interval_seconds=self.control().heartbeat_interval, cordoned=st.cordoned)
-        if request.HasField("applied_generation") and runs_replicas(st.protocol):
-            self._report(st, request)
-            desired = self._desired(st.name, request.applied_generation, None)
+        if hb.HasField("applied_generation") and runs_replicas(st.protocol):
+            desired = self._desired(st.name, hb.applied_generation, None)
             if desired is not None:
                 resp.desired.CopyFrom(desired[1])
         asks = self._asks.pop(st.name, None)
         if asks:
             _put_asks(resp, asks)
+        return resp
+
+    async def Heartbeat(self, request: pb.HeartbeatRequest, context: Any) -> pb.HeartbeatResponse:
+        await self._authenticate(context, "Heartbeat", request.node_name)
+        resp: pb.HeartbeatResponse | None = await self._on_main(self._unary_beat, request, context.peer())
+        if resp is None:
+            await self._abort(
+                context, "Heartbeat", grpc.StatusCode.NOT_FOUND,
+                f"node {request.node_name!r} is not registered here (the control plane restarted?): register again",
+            )
+            raise AssertionError("unreachable")
         return resp
 
     async def StreamHeartbeats(self, request_iterator: Any, context: Any) -> None:  # type: ignore[override]
@@ -586,47 +620,58 @@ class AgentService(agent_pb2_grpc.AgentServiceServicer):
             stats.streams_open -= 1
 
     async def _stream_beats(self, context: Any, method: str, msg: Any, given: str, peer: str) -> None:
-        nodes, stats = self.nodes, self.stats
-        link: _Link | None = None  # what was last written: the next answer only when it changes
+        stream = _Stream(context, asyncio.get_running_loop(), self.stats)
+        writer = asyncio.create_task(stream.write_loop(), name="llmgw heartbeat answers")
+        hop, nodes = self.hop, self.nodes
         try:
             while msg is not grpc.aio.EOF:
                 hb = msg.heartbeat
                 await self._check(context, method, hb.node_name, given)  # a reload may have removed the token
-                st = nodes.heartbeat(hb.node_id, hb.sequence, hb.discovery, peer=peer)
-                if st is None:
-                    await self._abort(
-                        context, method, grpc.StatusCode.NOT_FOUND,
-                        f"node {hb.node_name!r} is not registered here (the control plane restarted?): register again",
-                    )
-                    raise AssertionError("unreachable")
-                stats.heartbeats += 1
-                if link is None or link.node != st.name:
-                    if link is not None and self._links.get(link.node) is link:
-                        del self._links[link.node]
-                    link = self._links[st.name] = _Link(st.name, context)
-                if hb.HasField("applied_generation") and runs_replicas(st.protocol):
-                    link.replicas = True
-                    link.acked = hb.applied_generation
-                    self._report(st, hb)
-                if self._due(link, st):
-                    await self._write(link, st)
+                if hop is None:
+                    self._stream_beat(stream, hb, peer, None)
+                else:  # recorded with the time it arrived; answered (when the answer changes) from there
+                    hop.submit(self._stream_beat, stream, hb, peer, (nodes.clock(), nodes.monotonic()))
                 msg = await context.read()
         finally:
-            if link is not None:
-                link.closed = True
-                if self._links.get(link.node) is link:
-                    del self._links[link.node]
+            writer.cancel()
+            if hop is None:
+                self._unlink(stream)
+            else:
+                hop.submit(self._unlink, stream)
+
+    def _stream_beat(self, stream: _Stream, hb: Any, peer: str, at: tuple[float, float] | None) -> None:
+        """A streamed heartbeat, on the main loop: recorded, and answered when the answer changed."""
+        st = self._beat(hb, peer, at)
+        if st is None:
+            stream.push((grpc.StatusCode.NOT_FOUND,
+                         f"node {hb.node_name!r} is not registered here (the control plane restarted?): register again"))
+            return
+        if stream.node != st.name:
+            if stream.node is not None and self._links.get(stream.node) is stream:
+                del self._links[stream.node]
+            stream.node = st.name
+        if not stream.closed:
+            self._links[st.name] = stream
+        if hb.HasField("applied_generation") and runs_replicas(st.protocol):
+            stream.replicas = True
+            stream.acked = hb.applied_generation
+        self._answer_stream(stream, st)
 
     async def Deregister(self, request: pb.DeregisterRequest, context: Any) -> pb.DeregisterResponse:
         await self._authenticate(context, "Deregister", request.node_name)
-        st = self.nodes.deregister(request.node_id)
-        if st is not None:
-            self.stats.deregistrations += 1
-            if self.credentials is not None:
-                self.credentials.revoke(st.name)
-            log.info("node %s deregistered (%s)", st.name, request.reason or "no reason given")
-            self._gone(st.name)
-        return pb.DeregisterResponse(removed=st is not None)
+        removed = await self._on_main(self._deregister, request.node_id, request.reason)
+        return pb.DeregisterResponse(removed=removed)
+
+    def _deregister(self, node_id: str, reason: str) -> bool:
+        st = self.nodes.deregister(node_id)
+        if st is None:
+            return False
+        self.stats.deregistrations += 1
+        if self.credentials is not None:
+            self.credentials.revoke(st.name)
+        log.info("node %s deregistered (%s)", st.name, reason or "no reason given")
+        self._gone(st.name)
+        return True
 
 
 class ControlPlane:
@@ -659,12 +704,14 @@ class ControlPlane:
         self.nodes = NodeMap(lambda: self._control().heartbeat_grace)
         self.service = AgentService(self.nodes, self._control, self.stats)
         # Mirror blobs for the agents (admin listener, /mirror/v1/blobs/...), each node with its own
-        # credential; the controller sets the authorizer (mirror_server.allowed): until then, none.
+        # credential; a node may fetch what the replicas placed on it need (mirror_server.allowed).
         self.credentials = NodeCredentials()
         self.service.credentials = self.credentials
         self.service.mirror_access = self.mirror_access
         self.mirror_server = BlobServer(self._mirror_root, self.credentials)
         self.server: grpc.aio.Server | None = None
+        self.thread: ControlThread | None = None
+        """The thread gRPC runs on (:mod:`.thread`), while the control plane runs."""
         self.address: tuple[str, int] | None = None
         self.tls = False
         self._collector: Any = None
@@ -705,6 +752,7 @@ class ControlPlane:
         from .resolve import mirror_resolver
         from .store import open_store
 
+        # (on the main loop, beside the node map it places on: the agent service reaches it there)
         store = open_store(c.database, c.state_file)
         log.info("deployments are kept in %s", store.path)
         self.deployments = DeploymentController(
@@ -716,17 +764,19 @@ class ControlPlane:
         from ..mirror.serve import placed_blobs
 
         self.mirror_server.allowed = placed_blobs(self.deployments)  # a node fetches what its replicas need
-        server = grpc.aio.server(options=list(SERVER_OPTIONS))
-        agent_pb2_grpc.add_AgentServiceServicer_to_server(self.service, server)
         host, port = c.listen
         addr = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        thread = ControlThread()
+        thread.start()
+        assert thread.loop is not None
+        self.service.hop = MainHop(asyncio.get_running_loop(), thread.loop)
         try:
-            bound = server.add_secure_port(addr, creds) if creds is not None else server.add_insecure_port(addr)
-        except RuntimeError as exc:
-            raise OSError(f"control.listen: cannot bind {addr} ({exc})") from None
-        if not bound:
-            raise OSError(f"control.listen: cannot bind {addr}")
-        await server.start()
+            server, bound = await thread.run(self._serve(addr, creds))
+        except BaseException:
+            thread.stop()
+            self.service.hop = None
+            raise
+        self.thread = thread
         self.server = server
         self.address = (host, bound)
         if self.admin is not None:
@@ -743,6 +793,19 @@ class ControlPlane:
             ", mutual TLS" if c.tls_client_ca else "",
         )
 
+    async def _serve(self, addr: str, creds: grpc.ServerCredentials | None) -> tuple[grpc.aio.Server, int]:
+        """On the control loop: the gRPC server, bound and started."""
+        server = grpc.aio.server(options=list(SERVER_OPTIONS))
+        agent_pb2_grpc.add_AgentServiceServicer_to_server(self.service, server)
+        try:
+            bound = server.add_secure_port(addr, creds) if creds is not None else server.add_insecure_port(addr)
+        except RuntimeError as exc:
+            raise OSError(f"control.listen: cannot bind {addr} ({exc})") from None
+        if not bound:
+            raise OSError(f"control.listen: cannot bind {addr}")
+        await server.start()
+        return server, bound
+
     async def stop(self) -> None:
         if self.admin is not None:
             self.admin.attach_nodes(None)
@@ -751,10 +814,15 @@ class ControlPlane:
             if self._collector is not None:
                 self.admin.unregister_collector(self._collector)
                 self._collector = None
+        server, thread = self.server, self.thread
+        self.server = self.thread = None
+        if server is not None and thread is not None:
+            try:
+                await thread.run(server.stop(1.0))
+            finally:
+                thread.stop()
+                self.service.hop = None
         self.mirror_server.close()
-        if self.server is not None:
-            await self.server.stop(1.0)
-            self.server = None
         await self.service.close()
         if self.deployments is not None:
             self.service.attach(None)
@@ -806,6 +874,7 @@ class ControlPlane:
 
     def node_of_replica(self, replica_id: str) -> str | None:
         return self.service.node_of_replica(replica_id)
+
 
     def list_nodes(self) -> list[dict[str, Any]]:
         from .views import node_view

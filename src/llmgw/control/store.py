@@ -8,10 +8,13 @@ as the demo does); without it the file is ``deployments.sqlite3`` beside
 ``control.state_file``, else ``$XDG_STATE_HOME/llmgw/control.sqlite3``
 (``~/.local/state/llmgw/``).
 
-Writes are a row or two each, made on the event loop: WAL with
-``synchronous=FULL`` (a committed change survives a power cut) costs one fsync per
-change, which only operators' actions and placements make (never a request or a
-heartbeat). The file is created ``0600``: it holds the replicas' API keys.
+Writes are a row or two each (a pass that places many replicas makes them one
+transaction: :meth:`SQLiteStore.batch`), made on the event loop, and only by
+operators' actions and placements (never a request or a heartbeat). WAL with
+``synchronous=NORMAL``: a commit does not wait for the disk (an fsync took 10 ms
+and more here, on the loop), so a committed change survives llmgw's crash or
+restart, and a power cut may lose the last ones (the WAL is synced at each
+checkpoint). The file is created ``0600``: it holds the replicas' API keys.
 
 Schema::
 
@@ -28,7 +31,8 @@ import json
 import os
 import sqlite3
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -99,6 +103,10 @@ class DesiredStore(Protocol):
 
     def close(self) -> None: ...
 
+    def batch(self) -> AbstractContextManager[None]:
+        """Make the writes inside one transaction (one fsync for a pass that places many replicas)."""
+        ...
+
 
 def _state_home() -> Path:
     base = os.environ.get("XDG_STATE_HOME")
@@ -157,7 +165,7 @@ class SQLiteStore:
             self._db = sqlite3.connect(MEMORY if memory else self.path, isolation_level=None,
                                        check_same_thread=False, timeout=5.0)
             self._db.execute("PRAGMA journal_mode=WAL")
-            self._db.execute("PRAGMA synchronous=FULL")
+            self._db.execute("PRAGMA synchronous=NORMAL")
             self._db.executescript(_SCHEMA)
             row = self._db.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()
             if row is None:
@@ -172,9 +180,22 @@ class SQLiteStore:
     def close(self) -> None:
         self._db.close()
 
+    @contextmanager
+    def batch(self) -> Iterator[None]:
+        if self._db.in_transaction:  # (nested: the outer one commits)
+            yield
+            return
+        self._db.execute("BEGIN")
+        try:
+            yield
+        except BaseException:
+            self._db.execute("ROLLBACK")
+            raise
+        self._db.execute("COMMIT")
+
     def _write(self, sql: str, args: tuple[Any, ...]) -> None:
-        with self._db:  # (isolation_level=None: autocommit; one statement is one transaction)
-            self._db.execute(sql, args)
+        # (isolation_level=None: a statement outside batch() is a transaction of its own)
+        self._db.execute(sql, args)
 
     def deployments(self) -> list[StoredDeployment]:
         rows = self._db.execute(
@@ -191,11 +212,9 @@ class SQLiteStore:
         )
 
     def delete_deployment(self, name: str) -> None:
-        with self._db:
-            self._db.execute("BEGIN")
+        with self.batch():
             self._db.execute("DELETE FROM replicas WHERE deployment=?", (name,))
             self._db.execute("DELETE FROM deployments WHERE name=?", (name,))
-            self._db.execute("COMMIT")
 
     def replicas(self) -> list[StoredReplica]:
         rows = self._db.execute("SELECT id, deployment, node, spec, created_at FROM replicas ORDER BY created_at").fetchall()
