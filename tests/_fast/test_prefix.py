@@ -20,37 +20,54 @@ from llmgw._fast import jsonscan_py
 STALE = 3.0
 
 
-def unpack(chain: bytes) -> list[int]:
-    return list(struct.unpack(f"={len(chain) // 8}Q", chain))
+def unpack(key: bytes) -> list[int]:
+    """The links of a routing key (less its anchor words)."""
+    return list(struct.unpack(f"={len(key) // 8}Q", key))[2:]
 
 
-def pack(hashes: list[int]) -> bytes:
-    return struct.pack(f"={len(hashes)}Q", *hashes)
+def pack(hashes: list[int], anchor: int = 0, shallow: int = 0, later: bool = True) -> bytes:
+    """A routing key as json_route makes it: [anchor, its whole blocks (bit 63: a later
+    turn), links...]."""
+    return struct.pack(f"={len(hashes) + 2}Q", anchor, shallow | (1 << 63 if later and anchor else 0), *hashes)
 
 
-def reference(data: dict[str, Any], block: int, max_blocks: int) -> tuple[list[int], int]:
-    """The chain and session hash from the parsed body (bodies made by orjson.dumps, so a
-    value's raw text is its orjson.dumps)."""
+def reference(data: dict[str, Any], block: int, max_blocks: int) -> tuple[list[int], int, tuple[int, int]]:
+    """The chain, session hash and anchor from the parsed body (bodies made by
+    orjson.dumps, so a value's raw text is its orjson.dumps)."""
     msgs = data.get("messages")
+    anchor = -1
+    later = False
     if isinstance(msgs, list):
         stream = orjson.dumps(msgs)
+        for k, m in enumerate(msgs):
+            if not (isinstance(m, dict) and m.get("role") in ("system", "developer")):
+                anchor = len(orjson.dumps(msgs[: k + 1])) - 1  # (less the closing bracket)
+                later = k < len(msgs) - 1
+                break
     elif "prompt" in data:
         stream = orjson.dumps(data["prompt"])
     else:
         stream = b""
-    stream = stream[: block * max_blocks]
+    cap = block * max_blocks
+    stream = stream[:cap]
+    links = jsonscan_py.chain_hashes(stream, block)
+    anchored = (0, 0)
+    if 0 <= anchor <= cap and links:
+        # the anchor: the prefix up to that message's end, chained like the links
+        whole = jsonscan_py.chain_hashes(stream[:anchor], block)
+        anchored = (whole[-1], anchor // block | (1 << 63 if later else 0))
     session = 0
     for k in ("prompt_cache_key", "safety_identifier", "user"):
         if isinstance(data.get(k), str):
             session = jsonscan_py.key_hash(orjson.dumps(data[k])[1:-1])
             break
-    return jsonscan_py.chain_hashes(stream, block), session
+    return links, session, anchored
 
 
 _text = st.text(st.characters(codec="utf-8", exclude_categories=("Cs",)), max_size=300)
 _part = st.fixed_dictionaries({"type": st.just("text"), "text": _text})
 _message = st.fixed_dictionaries(
-    {"role": st.sampled_from(["system", "user", "assistant"]), "content": st.one_of(_text, st.lists(_part, max_size=3))}
+    {"role": st.sampled_from(["system", "developer", "user", "assistant"]), "content": st.one_of(_text, st.lists(_part, max_size=3))}
 )
 _body = st.fixed_dictionaries(
     {"model": st.sampled_from(["m", "llama"])},
@@ -72,8 +89,10 @@ def test_chain_matches_a_parse(jsonscan: ModuleType, data: dict[str, Any], block
     body = orjson.dumps(data)
     is_object, model, chain, session = jsonscan.json_route(body, block, max_blocks)
     assert is_object and model == data["model"]
-    want_chain, want_session = reference(data, block, max_blocks)
+    want_chain, want_session, want_anchor = reference(data, block, max_blocks)
     assert unpack(chain) == want_chain
+    if chain:
+        assert struct.unpack("=2Q", chain[:16]) == want_anchor
     assert session == want_session
     assert jsonscan.json_model(body) == (True, data["model"])
 
@@ -242,6 +261,32 @@ def test_independent_routers_agree_on_unseen_prefixes(score: ModuleType) -> None
         assert a[sa].tag == b[sb].tag
     assert len(spread) == 6  # and they spread over the fleet
     assert pa.decisions() == pb.decisions() == (0, 0, 0, 400)
+
+
+def test_a_shared_system_prompt_does_not_decide(score: ModuleType) -> None:
+    """A match that covers only the blocks before the anchor (a system prompt other
+    conversations share) is not a hit: the conversation's anchor decides, as it did
+    at the router that saw its first turn."""
+    a, b = fleet(score, 6), fleet(score, 6)
+    pa, pb = score.Picker("prefix", seed=10), score.Picker("prefix", seed=11)
+    system = [901, 902, 903]  # 3 whole blocks of system prompt
+    # router B has seen many conversations with that system prompt
+    for k in range(30):
+        pb.pick_prefix(b, 0.0, STALE, pack([*system, 5000 + k], 7000 + k, 3), 0)
+    # router A sees conversation X's first turn; router B its second
+    x1 = pack([*system, 42], 4242, 3)
+    x2 = pack([*system, 43, 44, 45], 4242, 3)
+    ia = pa.pick_prefix(a, 0.0, STALE, x1, 0)
+    ib = pb.pick_prefix(b, 0.1, STALE, x2, 0)
+    assert a[ia].tag == b[ib].tag
+    assert pb.decisions()[0] == 0  # never a prefix hit on the system prompt alone
+    # a match past the anchor is a hit
+    assert pb.pick_prefix(b, 0.2, STALE, pack([*system, 43, 44, 45, 46], 4242, 3), 0) == ib
+    assert pb.decisions()[0] == 1
+    # a first turn (nothing after its anchor) takes the system prompt's replica
+    home = pb.pick_prefix(b, 0.3, STALE, pack([*system, 7999], 7000, 3), 0)
+    first = pb.pick_prefix(b, 0.4, STALE, pack([*system, 8000], 8888, 3, later=False), 0)
+    assert first == home and pb.decisions()[0] == 2
 
 
 def test_index_is_bounded_and_ages_out(score: ModuleType) -> None:

@@ -193,6 +193,12 @@ cdef class _Scan:
     cdef Py_ssize_t open_start
     cdef Py_ssize_t msgs_start    # -1: no top-level "messages" array (the last one counts)
     cdef Py_ssize_t msgs_end
+    cdef bint in_msgs             # the top-level "messages" array is open
+    cdef bint want_role           # the next value is a message's "role"
+    cdef Py_ssize_t role_start    # the current message's role value (-1: none yet)
+    cdef Py_ssize_t role_end
+    cdef Py_ssize_t anchor        # where the first message not from system/developer ends (-1: none)
+    cdef bint later               # ... and more messages follow it (a conversation's later turn)
     cdef Py_ssize_t prompt_start  # -1: no top-level "prompt"
     cdef Py_ssize_t prompt_end
     cdef Py_ssize_t sess_start[3] # prompt_cache_key, safety_identifier, user (-1: none)
@@ -374,6 +380,10 @@ cdef class _Scan:
         self.open_kind = self.want
         self.want = W_NONE
         self.open_start = i
+        if self.open_kind == W_MESSAGES:  # (the last "messages" counts)
+            self.in_msgs = self.s[i] == 0x5B
+            self.anchor = -1
+            self.later = False
 
     cdef void route_value_end(self, Py_ssize_t i) noexcept:
         # (the top-level value that began at open_start ends at i)
@@ -381,6 +391,7 @@ cdef class _Scan:
         cdef Py_ssize_t start = self.open_start
         self.open_kind = W_NONE
         if kind == W_MESSAGES:
+            self.in_msgs = False
             if self.s[start] == 0x5B:
                 self.msgs_start = start
                 self.msgs_end = i
@@ -395,6 +406,14 @@ cdef class _Scan:
                 self.sess_end[kind - W_SESS0] = i - 1
             else:
                 self.sess_start[kind - W_SESS0] = -1
+
+    cdef bint system_role(self) noexcept:
+        """Whether the message that just ended had the role "system" or "developer" (as written)."""
+        cdef Py_ssize_t a = self.role_start, n = self.role_end - self.role_start
+        if a < 0:
+            return False
+        return ((n == 8 and memcmp(<const char*>self.s + a, b'"system"', 8) == 0)
+                or (n == 11 and memcmp(<const char*>self.s + a, b'"developer"', 11) == 0))
 
     cdef Py_ssize_t key(self, Py_ssize_t i, Py_ssize_t depth) except -2:
         """A member's key at ``i``: returns the index of its value (past the colon)."""
@@ -418,6 +437,8 @@ cdef class _Scan:
                 self.want_model = self.is_model_key(start, i)
         else:
             self.want_model = False
+            if depth == 3 and self.in_msgs:
+                self.want_role = i - start == 6 and memcmp(<const char*>s + start, b'"role"', 6) == 0
         while i < n and _ws(s[i]):
             i += 1
         if i >= n:
@@ -457,8 +478,16 @@ cdef class _Scan:
                 model_open = True
                 self.model_start = i
                 self.model_end = -1
-            if self.want != W_NONE and depth == 1:
-                self.route_value_start(i)
+            if self.route:
+                if self.want != W_NONE and depth == 1:
+                    self.route_value_start(i)
+                elif self.in_msgs:
+                    if depth == 2:
+                        self.role_start = -1
+                    elif depth == 3 and self.want_role:
+                        self.want_role = False
+                        self.role_start = i
+                        self.role_end = -1
             if c == 0x7B or c == 0x5B:  # { [
                 if depth >= 1024:
                     self.fail(J_DEPTH, i)
@@ -502,8 +531,17 @@ cdef class _Scan:
                     model_open = False
                     self.model_end = i
                     self.model_escaped = self.escaped
-                if self.open_kind != W_NONE and depth == 1:
-                    self.route_value_end(i)
+                if self.route:
+                    if self.open_kind != W_NONE and depth == 1:
+                        self.route_value_end(i)
+                    elif self.in_msgs:
+                        if depth == 3 and self.role_start >= 0 and self.role_end < 0:
+                            self.role_end = i
+                        elif depth == 2:
+                            if self.anchor >= 0:
+                                self.later = True
+                            elif not self.system_role():
+                                self.anchor = i
                 while i < n and _ws(s[i]):
                     i += 1
                 if depth == 0:
@@ -545,6 +583,12 @@ cdef _Scan _scan(bytes body, Py_ssize_t route_cap=-1):
     sc.open_kind = W_NONE
     if sc.route:
         sc.msgs_start = -1
+        sc.in_msgs = False
+        sc.want_role = False
+        sc.role_start = -1
+        sc.role_end = -1
+        sc.anchor = -1
+        sc.later = False
         sc.msgs_end = -1
         sc.prompt_start = -1
         sc.prompt_end = -1
@@ -661,18 +705,34 @@ cdef uint64_t _CHAIN_SEED = 0x243F6A8885A308D3ULL
 cdef uint64_t _KEY_SEED = 0x13198A2E03707344ULL
 
 
-cdef bytes _chain(const unsigned char* p, Py_ssize_t n, Py_ssize_t block):
+cdef bytes _chain(const unsigned char* p, Py_ssize_t n, Py_ssize_t block, Py_ssize_t anchor, bint later):
+    # The routing key (see the twin): [anchor hash (0: none), anchor // block (bit 63: later
+    # messages follow it), link 0, link 1, ...].
     cdef Py_ssize_t nb = (n + block - 1) // block
     cdef Py_ssize_t k, m
-    cdef uint64_t h = _CHAIN_SEED
-    cdef bytes out = PyBytes_FromStringAndSize(NULL, nb * 8)
-    cdef unsigned char* o = <unsigned char*>PyBytes_AS_STRING(out)
+    cdef uint64_t h = _CHAIN_SEED, a = 0, ab = 0
+    cdef bytes out
+    cdef unsigned char* o
+    if nb == 0:
+        return b""
+    out = PyBytes_FromStringAndSize(NULL, (nb + 2) * 8)
+    o = <unsigned char*>PyBytes_AS_STRING(out)
     for k in range(nb):
         m = n - k * block
         if m > block:
             m = block
+        if anchor > k * block and anchor < k * block + block:  # the anchor ends inside this block
+            a = _block_hash(h, p + k * block, anchor - k * block)
         h = _block_hash(h, p + k * block, m)
-        memcpy(o + k * 8, &h, 8)  # (native order: the pickers read it so)
+        if anchor == k * block + block:  # ... or with it
+            a = h
+        memcpy(o + (k + 2) * 8, &h, 8)  # (native order: the pickers read it so)
+    if a:
+        ab = <uint64_t>(anchor // block)
+        if later:
+            ab |= 1ULL << 63
+    memcpy(o, &a, 8)
+    memcpy(o + 8, &ab, 8)
     return out
 
 
@@ -685,8 +745,7 @@ cpdef tuple json_route(bytes body, Py_ssize_t block, Py_ssize_t max_blocks):
     cdef Py_ssize_t cap = block * max_blocks
     cdef _Scan sc = _scan(body, cap)
     cdef Py_ssize_t start = sc.model_start
-    cdef Py_ssize_t n
-    cdef int k
+    cdef Py_ssize_t n, k
     cdef object model = None
     cdef bytes chain
     cdef uint64_t sess = 0
@@ -699,10 +758,13 @@ cpdef tuple json_route(bytes body, Py_ssize_t block, Py_ssize_t max_blocks):
             model = orjson.loads(body[start:sc.model_end])
     if sc.msgs_start >= 0:
         n = sc.msgs_end - sc.msgs_start
-        chain = _chain(sc.s + sc.msgs_start, n if n < cap else cap, block)
+        k = -1  # the anchor's offset in the stream, if within what is hashed
+        if sc.anchor >= 0 and sc.anchor - sc.msgs_start <= cap:
+            k = sc.anchor - sc.msgs_start
+        chain = _chain(sc.s + sc.msgs_start, n if n < cap else cap, block, k, sc.later)
     elif sc.prompt_start >= 0:
         n = sc.prompt_end - sc.prompt_start
-        chain = _chain(sc.s + sc.prompt_start, n if n < cap else cap, block)
+        chain = _chain(sc.s + sc.prompt_start, n if n < cap else cap, block, -1, False)
     else:
         chain = b""
     for k in range(3):

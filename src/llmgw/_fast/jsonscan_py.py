@@ -28,8 +28,16 @@ only when asked (:func:`model_span`, used for rewriting the name).
   value; at most ``block * max_blocks`` bytes of it;
 * its *chain*: the stream cut into ``block``-byte blocks (the last one may be
   short), block ``i`` hashed over the hash of block ``i - 1``, so the hash of block
-  ``i`` stands for the whole prefix up to its end (see :func:`_block`), packed as
-  native-order unsigned 64-bit integers, 8 bytes each;
+  ``i`` stands for the whole prefix up to its end (see :func:`_block`);
+* its *anchor*: the hash, chained the same way, of the stream up to the end of
+  the first message whose role is not ``system`` or ``developer`` (the
+  conversation's first user turn, which every later turn repeats: what identifies
+  a conversation whose system prompt others share), and how many whole blocks lie
+  before that end, with bit 63 set when more messages follow it (a later turn);
+  0 and 0 without one (a ``prompt``, or no such message within the bytes hashed);
+* the *key* returned: ``[anchor, anchor blocks, link 0, link 1, ...]`` packed as
+  native-order unsigned 64-bit integers, 8 bytes each (``b""``: nothing to hash),
+  which ``score.Picker.pick_prefix`` reads;
 * the *session*: the hash (:func:`key_hash`) of the first string among the
   top-level ``prompt_cache_key``, ``safety_identifier`` and ``user`` members, or 0.
 
@@ -225,33 +233,59 @@ def json_route(body: bytes, block: int, max_blocks: int) -> tuple[bool, str | No
     if not isinstance(data, dict):
         return (False, None, b"", 0)
     model = data.get("model")
-    spans = _top_spans(body)
+    spans, ends = _top_spans(body)
     cap = block * max_blocks
     stream = b""
+    anchor = -1
+    later = False
     if isinstance(data.get("messages"), list):
         a, b = spans["messages"]
         stream = body[a:b][:cap]
+        for j, (m, end) in enumerate(zip(data["messages"], ends, strict=True)):
+            if not (isinstance(m, dict) and m.get("role") in ("system", "developer")):
+                anchor = end - a if end - a <= cap else -1
+                later = j < len(ends) - 1
+                break
     elif "prompt" in data:
         a, b = spans["prompt"]
         stream = body[a:b][:cap]
     chain = chain_hashes(stream, block)
+    key: list[int] = []
+    if chain:
+        ah = 0
+        if anchor >= 0:
+            whole = anchor // block
+            prev = chain[whole - 1] if whole else _CHAIN_SEED
+            ah = _block(prev, stream[whole * block : anchor]) if anchor % block else prev
+        key = [ah, (anchor // block | (1 << 63 if later else 0)) if ah else 0, *chain]
     session = 0
-    for k in _SESSION_KEYS:
-        if isinstance(data.get(k), str):
-            a, b = spans[k]
+    for name in _SESSION_KEYS:
+        if isinstance(data.get(name), str):
+            a, b = spans[name]
             session = _block(_KEY_SEED, body[a + 1 : b - 1])
             break
-    return (True, model if isinstance(model, str) else None, struct.pack(f"={len(chain)}Q", *chain), session)
+    return (True, model if isinstance(model, str) else None, struct.pack(f"={len(key)}Q", *key), session)
 
 
-def _top_spans(body: bytes) -> dict[str, tuple[int, int]]:
-    """Spans of the last value of each top-level key (a valid body that is an object)."""
+def _top_spans(body: bytes) -> tuple[dict[str, tuple[int, int]], list[int]]:
+    """Spans of the last value of each top-level key, and where each element of the
+    last top-level ``messages`` array ends (a valid body that is an object)."""
     spans: dict[str, tuple[int, int]] = {}
+    ends: list[int] = []
     stack: list[int] = []
     expect_key = False
     key: str | None = None  # the top-level key whose value is next
     open_key: str | None = None  # ... whose value is being read
     open_at = -1
+
+    def ended(end: int) -> None:
+        nonlocal open_key
+        if len(stack) == 1 and open_key is not None:
+            spans[open_key] = (open_at, end)
+            open_key = None
+        elif len(stack) == 2 and open_key == "messages" and stack[1] == 0x5B:
+            ends.append(end)
+
     for m in _TOKEN.finditer(body):
         tok = m.group()
         c = tok[0]
@@ -262,9 +296,7 @@ def _top_spans(body: bytes) -> dict[str, tuple[int, int]]:
             continue
         if c == 0x7D or c == 0x5D:  # } ]
             stack.pop()
-            if len(stack) == 1 and open_key is not None:
-                spans[open_key] = (open_at, m.end())
-                open_key = None
+            ended(m.end())
             continue
         if expect_key:
             expect_key = False
@@ -272,13 +304,14 @@ def _top_spans(body: bytes) -> dict[str, tuple[int, int]]:
             continue
         if len(stack) == 1 and key is not None:  # a top-level value begins
             open_key, open_at, key = key, m.start(), None
+            if open_key == "messages":
+                ends = []
         if c == 0x7B or c == 0x5B:  # { [
             stack.append(c)
             expect_key = c == 0x7B
-        elif len(stack) == 1 and open_key is not None:
-            spans[open_key] = (open_at, m.end())
-            open_key = None
-    return spans
+        else:
+            ended(m.end())
+    return spans, ends
 
 
 def header_hash(lines: bytes, name: bytes) -> int:

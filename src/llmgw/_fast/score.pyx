@@ -29,7 +29,9 @@ STRATEGIES = ("score", "least_inflight", "round_robin", "prefix")
 REASONS = ("prefix_hit", "session", "load_fallback", "blind")
 INDEX_ENTRIES = 16384
 SESSION_ENTRIES = 4096
-LOAD_BOUND = 0.5
+LOAD_BOUND = 0.25
+SLOWER = 3.0
+BLIND_SHARE = 0.2
 ENTRY_TTL = 600.0
 BREAKER_CLOSED = BS_CLOSED
 BREAKER_OPEN = BS_OPEN
@@ -45,6 +47,8 @@ cdef double C_KV_WEIGHT = 3.0
 cdef double C_RETRY_AFTER_MIN = 1.0
 cdef double C_RETRY_AFTER_MAX = 60.0
 cdef double C_RETRY_AFTER_DEFAULT = 5.0
+cdef double C_SLOWER = 3.0
+cdef double C_BLIND_SHARE = 0.2
 
 cdef tuple _STATE_NAMES = ("closed", "open", "half_open")
 cdef object os_urandom = os.urandom
@@ -526,7 +530,7 @@ cdef class Picker:
             raise TypeError("states must be a list and chain bytes, not None")
         if self._strategy == S_PREFIX:
             i = self._prefix(states, now, stale_after, <const unsigned char*>PyBytes_AS_STRING(chain),
-                             PyBytes_GET_SIZE(chain) >> 3, session)
+                             PyBytes_GET_SIZE(chain) >> 3, session)  # (words: anchor, its blocks, links)
         elif self._strategy == S_SCORE:
             i = self._score(states, now, stale_after)
         elif self._strategy == S_LEAST_INFLIGHT:
@@ -539,12 +543,24 @@ cdef class Picker:
 
     cdef Py_ssize_t _prefix(self, list states, double now, double stale_after, const unsigned char* chain,
                             Py_ssize_t nblocks, uint64_t session) except -2:
-        cdef Py_ssize_t b, i, k, n = PyList_GET_SIZE(states), pick = -1, slot, nhits = 0
-        cdef double prior = 1.0, c, limit
+        cdef Py_ssize_t b, i, k, n = PyList_GET_SIZE(states), pick = -1, slot, nhits = 0, matched = 0
+        cdef double prior = 1.0, c, limit, blind_limit, tb, tmax
         cdef int reason = R_BLIND
-        cdef uint64_t h, t, key, w, best_w, tag
+        cdef uint64_t h, t, key, w, best_w, tag, anchor = 0
+        cdef long long shallow = -1
+        cdef bint new_session = False
         cdef uint64_t hits[4]
         cdef EndpointState st
+        # (nblocks counts words: the anchor and its whole blocks, then the links)
+        if nblocks >= 3:
+            memcpy(&anchor, chain, 8)
+            memcpy(&h, chain + 8, 8)
+            if anchor and h >> 63:  # a later turn (see the twin)
+                shallow = <long long>(h & ~(1ULL << 63))
+            chain += 16
+            nblocks -= 2
+        else:
+            nblocks = 0
         b = self._score(states, now, stale_after)
         if b < 0:
             return -1
@@ -553,23 +569,27 @@ cdef class Picker:
             if c > prior:
                 prior = c
         limit = _util(_state_at(states, b), prior) + self._bound
+        tb = _state_at(states, b).latency
+        tmax = C_SLOWER * tb if tb > 0.0 else INFINITY
         if session:
             slot = _table_find(&self._sessions, session, now)
+            new_session = slot < 0  # (its hash places it, as in every router)
             if slot >= 0:
                 i = _find_tag(states, self._sessions.slots[slot].tag, now)
                 if i >= 0:
-                    if _allowed(_state_at(states, i), prior, limit):
+                    if _allowed(_state_at(states, i), prior, limit, tmax):
                         pick = i
                         reason = R_SESSION
                     else:
                         pick = b
                         reason = R_LOAD
-        if pick < 0 and nblocks:
+        if pick < 0 and nblocks and not new_session:
             for k in range(nblocks):
                 memcpy(&h, chain + 8 * k, 8)
                 slot = _table_find(&self._index, h, now)
                 if slot < 0:
                     break
+                matched += 1
                 t = self._index.slots[slot].tag
                 if nhits == 0 or hits[nhits - 1] != t:
                     if nhits == 4:
@@ -579,9 +599,11 @@ cdef class Picker:
                         nhits = 3
                     hits[nhits] = t
                     nhits += 1
+            if matched <= shallow:
+                nhits = 0  # (only the shared start is known: the conversation's anchor decides)
             for k in range(nhits - 1, -1, -1):
                 i = _find_tag(states, hits[k], now)
-                if i >= 0 and _allowed(_state_at(states, i), prior, limit):
+                if i >= 0 and _allowed(_state_at(states, i), prior, limit, tmax):
                     pick = i
                     reason = R_PREFIX
                     break
@@ -589,14 +611,17 @@ cdef class Picker:
                 pick = b
                 reason = R_LOAD
         if pick < 0:
+            blind_limit = limit - self._bound * (1.0 - C_BLIND_SHARE)
             key = session
+            if not key:
+                key = anchor
             if not key and nblocks:
                 memcpy(&key, chain, 8)
             if key:
                 best_w = 0
                 for i in range(n):
                     st = _state_at(states, i)
-                    if st._usable(now) and _allowed(st, prior, limit):
+                    if st._usable(now) and _allowed(st, prior, blind_limit, tmax):
                         w = _mix(key ^ st.tag)
                         if pick < 0 or w > best_w:
                             best_w = w
@@ -740,9 +765,11 @@ cdef inline double _util(EndpointState st, double prior) noexcept:
     return st._load() / c
 
 
-cdef inline bint _allowed(EndpointState st, double prior, double limit) noexcept:
+cdef inline bint _allowed(EndpointState st, double prior, double limit, double tmax) noexcept:
     cdef double c = st._capacity()
     cdef double load
+    if st.latency > tmax:
+        return False
     if not (st.slots > 0.0 or st.seen_full) and prior > c:
         c = prior
     load = st._load()

@@ -155,10 +155,17 @@ _R_BLIND = 3
 # Its defaults (routing.prefix in the config).
 INDEX_ENTRIES = 16384
 SESSION_ENTRIES = 4096
-LOAD_BOUND = 0.5
+LOAD_BOUND = 0.25
 ENTRY_TTL = 600.0
 _WAYS = 4  # a table is buckets of 4 slots; a key lives in bucket (key mod buckets)
 _HITS_KEPT = 4  # replicas along a cached prefix tried, deepest first
+# A replica whose latency is more than SLOWER x the best's is no home for a prefix or
+# a session (its cache saves less than its speed costs).
+SLOWER = 3.0
+# Where nothing is known, rendezvous hashing keeps to replicas within this share of
+# load_bound of the best's utilisation (or with a free slot): an unseen prompt is
+# placed nearly as score would, yet consistently across routers.
+BLIND_SHARE = 0.2
 
 BREAKER_CLOSED = 0
 BREAKER_OPEN = 1
@@ -745,7 +752,8 @@ class Picker:
         self, states: Sequence[EndpointState], now: float, stale_after: float, chain: bytes, session: int
     ) -> int:
         """:meth:`pick` with the request's routing key: ``chain`` (``jsonscan.json_route``'s
-        packed block hashes) and ``session`` (a session hash; 0: none).
+        key: the anchor, its whole blocks and the prompt's block links, as 64-bit words;
+        ``b""``: none) and ``session`` (a session hash; 0: none).
 
         With the ``prefix`` strategy, ``b`` is the replica ``score`` picks and a replica
         is *allowed* when it has a free slot (``load() + 1 <= capacity``) or its
@@ -755,13 +763,16 @@ class Picker:
         1. the session's replica, if the session table has one, it is usable and
            allowed (``session``); if it is not allowed: ``b`` (``load_fallback``), and
            the session stays on ``b`` from now on;
-        2. the replica that served the longest prefix of ``chain`` (the first blocks
+        2. the replica that served the longest prefix of the chain (the first blocks
            found in the index, in order, up to the first miss; among the last 4
            replicas along it, the deepest allowed one: ``prefix_hit``; none allowed:
-           ``b``, ``load_fallback``);
-        3. nothing known: rendezvous hashing of the session (else the first block)
-           over the allowed replicas' tags, so that routers that share nothing agree
-           (``blind``); no key at all: ``b`` (``blind``).
+           ``b``, ``load_fallback``); for a later turn of a conversation, provided
+           the match goes past its anchor's whole blocks (a match within them covers
+           only a system prompt that many conversations share, and says nothing of
+           this one, whose earlier turns the anchor's replica has);
+        3. otherwise: rendezvous hashing of the session (else the anchor, else the
+           first block) over the allowed replicas' tags, so that routers that share
+           nothing agree (``blind``); no key at all: ``b`` (``blind``).
 
         The chosen replica is then recorded for the session and for every block of
         the chain. Other strategies ignore the key.
@@ -795,35 +806,48 @@ class Picker:
             if c > prior:
                 prior = c
         limit = _util(states[b], prior) + self._bound
+        tb = states[b].latency
+        tmax = SLOWER * tb if tb > 0.0 else math.inf  # (slower replicas than this are no home)
         pick = -1
         reason = _R_BLIND
+        new_session = False  # a session no table knows: its hash places it, as in every router
         if session:
             slot = sessions.find(session, now)
+            new_session = slot < 0
             if slot >= 0:
                 i = _find_tag(states, sessions.tags[slot], now)
                 if i >= 0:
-                    if _allowed(states[i], prior, limit):
+                    if _allowed(states[i], prior, limit, tmax):
                         pick = i
                         reason = _R_SESSION
                     else:
                         pick = b
                         reason = _R_LOAD
-        nblocks = len(chain) >> 3
-        blocks: tuple[int, ...] = struct.unpack(f"={nblocks}Q", chain) if nblocks else ()
-        if pick < 0 and nblocks:
+        words = len(chain) >> 3
+        key: tuple[int, ...] = struct.unpack(f"={words}Q", chain) if words >= 3 else (0, 0)
+        anchor = key[0]
+        # a later turn: a match no deeper than its anchor's whole blocks covers only what
+        # conversations share (a system prompt); a first turn has nothing more to match
+        shallow = key[1] & ~(1 << 63) if anchor and key[1] >> 63 else -1
+        blocks = key[2:]
+        if pick < 0 and blocks and not new_session:
             hits: list[int] = []  # the tags along the cached prefix, deepest last
+            matched = 0
             for h in blocks:
                 slot = index.find(h, now)
                 if slot < 0:
                     break
+                matched += 1
                 t = index.tags[slot]
                 if not hits or hits[-1] != t:
                     if len(hits) == _HITS_KEPT:
                         del hits[0]
                     hits.append(t)
+            if matched <= shallow:
+                hits = []  # (only the shared start is known: the conversation's anchor decides)
             for k in range(len(hits) - 1, -1, -1):
                 i = _find_tag(states, hits[k], now)
-                if i >= 0 and _allowed(states[i], prior, limit):
+                if i >= 0 and _allowed(states[i], prior, limit, tmax):
                     pick = i
                     reason = _R_PREFIX
                     break
@@ -831,12 +855,13 @@ class Picker:
                 pick = b
                 reason = _R_LOAD
         if pick < 0:
-            key = session if session else (blocks[0] if nblocks else 0)
-            if key:
+            blind_limit = limit - self._bound * (1.0 - BLIND_SHARE)
+            h = session or anchor or (blocks[0] if blocks else 0)
+            if h:
                 best_w = -1
                 for i, st in enumerate(states):
-                    if st.usable(now) and _allowed(st, prior, limit):
-                        w = _mix(key ^ st.tag)
+                    if st.usable(now) and _allowed(st, prior, blind_limit, tmax):
+                        w = _mix(h ^ st.tag)
                         if w > best_w:
                             best_w = w
                             pick = i
@@ -956,8 +981,11 @@ def _util(st: EndpointState, prior: float) -> float:
     return st.load() / c
 
 
-def _allowed(st: EndpointState, prior: float, limit: float) -> bool:
-    """A free slot, or utilisation within ``limit`` (the best's plus the bound)."""
+def _allowed(st: EndpointState, prior: float, limit: float, tmax: float) -> bool:
+    """Not much slower than the best (latency at most ``tmax``), and a free slot or
+    utilisation within ``limit`` (the best's plus the bound)."""
+    if st.latency > tmax:
+        return False
     c = st.capacity()
     if not (st.slots > 0.0 or st.seen_full) and prior > c:
         c = prior

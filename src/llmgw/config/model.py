@@ -215,7 +215,7 @@ class PrefixConfig:
     """Slots of each model's session table (24 bytes each), per router."""
     entry_ttl: Annotated[float, _duration(1.0)] = 600.0
     """An index or session entry not used for this long is forgotten."""
-    load_bound: Annotated[float, _num(0.0, 100.0)] = 0.5
+    load_bound: Annotated[float, _num(0.0, 100.0)] = 0.25
     """A cached replica is preferred while it has a free slot or its utilisation (load / slots)
     exceeds the least-loaded choice's by at most this much; past it the request goes where score sends it."""
     session_header: Annotated[str, _HEADER_NAME] = "x-session-id"
