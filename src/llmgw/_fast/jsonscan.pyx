@@ -458,6 +458,7 @@ cdef class _Scan:
         cdef Py_ssize_t depth = 0
         cdef unsigned char c
         cdef bint model_open = False
+        cdef bint route = self.route  # (a register: json_model pays one test a value)
         cdef unsigned char stack[1024]  # 1: object, 0: array
         if n >= 3 and s[0] == 0xEF and s[1] == 0xBB and s[2] == 0xBF:
             self.fail(J_BOM, 0)
@@ -478,7 +479,7 @@ cdef class _Scan:
                 model_open = True
                 self.model_start = i
                 self.model_end = -1
-            if self.route:
+            if route:
                 if self.want != W_NONE and depth == 1:
                     self.route_value_start(i)
                 elif self.in_msgs:
@@ -531,7 +532,7 @@ cdef class _Scan:
                     model_open = False
                     self.model_end = i
                     self.model_escaped = self.escaped
-                if self.route:
+                if route:
                     if self.open_kind != W_NONE and depth == 1:
                         self.route_value_end(i)
                     elif self.in_msgs:
