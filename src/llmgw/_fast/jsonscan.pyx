@@ -427,18 +427,7 @@ cdef class _Scan:
         i = self.string(i + 1)
         if i < 0:
             return -1
-        if depth == 1:
-            if self.route:
-                self.want = self.route_key(start, i)
-                self.want_model = self.want == W_MODEL
-                if self.want == W_MODEL:
-                    self.want = W_NONE
-            else:
-                self.want_model = self.is_model_key(start, i)
-        else:
-            self.want_model = False
-            if depth == 3 and self.in_msgs:
-                self.want_role = i - start == 6 and memcmp(<const char*>s + start, b'"role"', 6) == 0
+        self.want_model = depth == 1 and self.is_model_key(start, i)
         while i < n and _ws(s[i]):
             i += 1
         if i >= n:
@@ -458,7 +447,6 @@ cdef class _Scan:
         cdef Py_ssize_t depth = 0
         cdef unsigned char c
         cdef bint model_open = False
-        cdef bint route = self.route  # (a register: json_model pays one test a value)
         cdef unsigned char stack[1024]  # 1: object, 0: array
         if n >= 3 and s[0] == 0xEF and s[1] == 0xBB and s[2] == 0xBF:
             self.fail(J_BOM, 0)
@@ -479,16 +467,6 @@ cdef class _Scan:
                 model_open = True
                 self.model_start = i
                 self.model_end = -1
-            if route:
-                if self.want != W_NONE and depth == 1:
-                    self.route_value_start(i)
-                elif self.in_msgs:
-                    if depth == 2:
-                        self.role_start = -1
-                    elif depth == 3 and self.want_role:
-                        self.want_role = False
-                        self.role_start = i
-                        self.role_end = -1
             if c == 0x7B or c == 0x5B:  # { [
                 if depth >= 1024:
                     self.fail(J_DEPTH, i)
@@ -532,17 +510,6 @@ cdef class _Scan:
                     model_open = False
                     self.model_end = i
                     self.model_escaped = self.escaped
-                if route:
-                    if self.open_kind != W_NONE and depth == 1:
-                        self.route_value_end(i)
-                    elif self.in_msgs:
-                        if depth == 3 and self.role_start >= 0 and self.role_end < 0:
-                            self.role_end = i
-                        elif depth == 2:
-                            if self.anchor >= 0:
-                                self.later = True
-                            elif not self.system_role():
-                                self.anchor = i
                 while i < n and _ws(s[i]):
                     i += 1
                 if depth == 0:
@@ -570,6 +537,155 @@ cdef class _Scan:
                 return 0
 
 
+    cdef Py_ssize_t key_route(self, Py_ssize_t i, Py_ssize_t depth) except -2:
+        """A member's key at ``i``: returns the index of its value (past the colon)."""
+        cdef const unsigned char* s = self.s
+        cdef Py_ssize_t n = self.n
+        cdef Py_ssize_t start = i
+        if i >= n:
+            return self.fail(J_EOF, n)
+        if s[i] != 0x22:
+            return self.fail(J_KEY, i)
+        i = self.string(i + 1)
+        if i < 0:
+            return -1
+        if depth == 1:
+            self.want = self.route_key(start, i)
+            self.want_model = self.want == W_MODEL
+            if self.want == W_MODEL:
+                self.want = W_NONE
+        else:
+            self.want_model = False
+            if depth == 3 and self.in_msgs:
+                self.want_role = i - start == 6 and memcmp(<const char*>s + start, b'"role"', 6) == 0
+        while i < n and _ws(s[i]):
+            i += 1
+        if i >= n:
+            return self.fail(J_EOF, n)
+        if s[i] != 0x3A:
+            return self.fail(J_CHAR, i)
+        i += 1
+        while i < n and _ws(s[i]):
+            i += 1
+        return i
+
+    cdef int run_route(self) except -1:
+        """run() that also reads the routing key (json_route): a copy, so that json_model pays nothing."""
+        cdef const unsigned char* s = self.s
+        cdef Py_ssize_t n = self.n
+        cdef Py_ssize_t i = 0
+        cdef Py_ssize_t depth = 0
+        cdef unsigned char c
+        cdef bint model_open = False
+        cdef unsigned char stack[1024]  # 1: object, 0: array
+        if n >= 3 and s[0] == 0xEF and s[1] == 0xBB and s[2] == 0xBF:
+            self.fail(J_BOM, 0)
+            return 0
+        while i < n and _ws(s[i]):
+            i += 1
+        if i < n:
+            self.top = s[i]
+        while True:
+            # -- a value starts at i --
+            if i >= n:
+                self.fail(J_EOF, n)
+                return 0
+            c = s[i]
+            if self.want_model:
+                # (the last top-level "model" wins, as in any JSON parser)
+                self.want_model = False
+                model_open = True
+                self.model_start = i
+                self.model_end = -1
+            if self.want != W_NONE and depth == 1:
+                self.route_value_start(i)
+            elif self.in_msgs:
+                if depth == 2:
+                    self.role_start = -1
+                elif depth == 3 and self.want_role:
+                    self.want_role = False
+                    self.role_start = i
+                    self.role_end = -1
+            if c == 0x7B or c == 0x5B:  # { [
+                if depth >= 1024:
+                    self.fail(J_DEPTH, i)
+                    return 0
+                stack[depth] = 1 if c == 0x7B else 0
+                depth += 1
+                i += 1
+                while i < n and _ws(s[i]):
+                    i += 1
+                if i >= n:
+                    self.fail(J_EOF, n)
+                    return 0
+                if c == 0x7B and s[i] == 0x7D or c == 0x5B and s[i] == 0x5D:
+                    i += 1
+                    depth -= 1
+                elif c == 0x7B:
+                    i = self.key_route(i, depth)
+                    if i < 0:
+                        return 0
+                    continue
+                else:
+                    continue
+            elif c == 0x22:
+                i = self.string(i + 1)
+                if i < 0:
+                    return 0
+            elif c == 0x2D or 0x30 <= c <= 0x39:
+                i = self.number(i)
+                if i < 0:
+                    return 0
+            elif c == 0x74 or c == 0x66 or c == 0x6E:
+                i = self.literal(i)
+                if i < 0:
+                    return 0
+            else:
+                self.fail(J_CHAR, i)
+                return 0
+            # -- a value ended at i; close containers as they end --
+            while True:
+                if model_open and depth == 1:
+                    model_open = False
+                    self.model_end = i
+                    self.model_escaped = self.escaped
+                if self.open_kind != W_NONE and depth == 1:
+                    self.route_value_end(i)
+                elif self.in_msgs:
+                    if depth == 3 and self.role_start >= 0 and self.role_end < 0:
+                        self.role_end = i
+                    elif depth == 2:
+                        if self.anchor >= 0:
+                            self.later = True
+                        elif not self.system_role():
+                            self.anchor = i
+                while i < n and _ws(s[i]):
+                    i += 1
+                if depth == 0:
+                    if i < n:
+                        self.fail(J_TRAILING, i)
+                    return 0
+                if i >= n:
+                    self.fail(J_EOF, n)
+                    return 0
+                c = s[i]
+                if c == 0x2C:  # ,
+                    i += 1
+                    while i < n and _ws(s[i]):
+                        i += 1
+                    if stack[depth - 1]:
+                        i = self.key_route(i, depth)
+                        if i < 0:
+                            return 0
+                    break  # the next value
+                if (c == 0x7D and stack[depth - 1]) or (c == 0x5D and not stack[depth - 1]):
+                    i += 1
+                    depth -= 1
+                    continue  # a container ended: a value ended
+                self.fail(J_CHAR, i)
+                return 0
+
+
 cdef _Scan _scan(bytes body, Py_ssize_t route_cap=-1):
     cdef _Scan sc = _Scan.__new__(_Scan)
     sc.s = <const unsigned char*>PyBytes_AS_STRING(body)
@@ -580,9 +696,9 @@ cdef _Scan _scan(bytes body, Py_ssize_t route_cap=-1):
     sc.want_model = False
     sc.top = 0
     sc.route = route_cap >= 0
-    sc.want = W_NONE
-    sc.open_kind = W_NONE
     if sc.route:
+        sc.want = W_NONE
+        sc.open_kind = W_NONE
         sc.msgs_start = -1
         sc.in_msgs = False
         sc.want_role = False
@@ -595,7 +711,9 @@ cdef _Scan _scan(bytes body, Py_ssize_t route_cap=-1):
         sc.prompt_end = -1
         sc.sess_start[0] = sc.sess_start[1] = sc.sess_start[2] = -1
         sc.sess_end[0] = sc.sess_end[1] = sc.sess_end[2] = -1
-    sc.run()
+        sc.run_route()
+    else:
+        sc.run()
     if sc.err != J_OK:
         raise JSONScanError(_MESSAGES[sc.err], sc.err_pos)
     return sc
