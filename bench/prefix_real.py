@@ -15,10 +15,12 @@ prefill and two tokens), p50/p99; the engines' own prefill time
 (``timings.cache_n``) over all prompt tokens. Turn 1 of each conversation can hit
 only the shared system prompt.
 
-``--cache-ram`` defaults to 32 MiB, about five of these conversations' KV (6 KiB a
-token at 256 x 6), so that a replica caches a fraction of the working set, as a
-GPU's KV memory does; llama-server's own default, 8 GiB, would keep every
-conversation on every replica it ever visited and leave routing nothing to win.
+``--cache-ram`` defaults to 0: each replica caches what its two slots hold, a
+fraction of the working set, as a GPU's KV memory does; llama-server's own
+default, 8 GiB of host memory, keeps every conversation on every replica it ever
+visited and leaves routing little to win. Turns are ``--think`` seconds apart
+(exponential): without a pause, a conversation's next turn finds the slot its last
+turn just freed, and load-only routing sends it back there by accident.
 
     LLMGW_SHARED_DIR=/work/shared nice .venv/bin/python bench/prefix_real.py
     .venv/bin/python bench/prefix_real.py --conversations 20 --turns 6 --json
@@ -80,9 +82,13 @@ async def post(port: int, body: dict[str, Any]) -> tuple[float, dict[str, Any], 
     return elapsed, orjson.loads(payload), replica
 
 
-async def conversation(port: int, rng: random.Random, system: str, turns: int, out: list[dict[str, Any]]) -> None:
+async def conversation(
+    port: int, rng: random.Random, system: str, turns: int, think: float, out: list[dict[str, Any]]
+) -> None:
     messages: list[dict[str, str]] = [{"role": "system", "content": system}]
     for turn in range(turns):
+        if turn and think > 0:
+            await asyncio.sleep(rng.expovariate(1.0 / think))  # the user reads and types
         messages.append({"role": "user", "content": text(rng, 150)})
         elapsed, answer, replica = await post(port, {"model": "m", "messages": messages, "max_tokens": 2})
         timings = answer.get("timings") or {}
@@ -147,7 +153,7 @@ async def run_strategy(args: argparse.Namespace, strategy: str, replicas: list[L
 
         async def one(k: int) -> None:
             async with sem:
-                await conversation(port, random.Random(args.seed * 1000 + k), system, args.turns, out)
+                await conversation(port, random.Random(args.seed * 1000 + k), system, args.turns, args.think, out)
 
         t0 = time.perf_counter()
         await asyncio.gather(*(one(k) for k in range(args.conversations)))
@@ -207,14 +213,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--strategies", default="score,prefix")
     ap.add_argument("--replicas", type=int, default=3)
     ap.add_argument("--parallel", type=int, default=2, help="slots per replica (-np)")
-    ap.add_argument("--ctx", type=int, default=8192, help="context per replica (-c), split between its slots")
-    ap.add_argument("--cache-ram", type=int, default=32,
+    ap.add_argument("--ctx", type=int, default=6144, help="context per replica (-c), split between its slots")
+    ap.add_argument("--cache-ram", type=int, default=0,
                     help="llama-server --cache-ram (MiB): its host-memory prompt cache, beside the slots'")
     ap.add_argument("--width", type=int, default=256)
     ap.add_argument("--layers", type=int, default=6)
     ap.add_argument("--conversations", type=int, default=20)
     ap.add_argument("--turns", type=int, default=6)
-    ap.add_argument("--concurrency", type=int, default=6)
+    ap.add_argument("--concurrency", type=int, default=10)
+    ap.add_argument("--think", type=float, default=1.0, help="mean seconds between an answer and the next turn")
     ap.add_argument("--system-chars", type=int, default=300)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--json", action="store_true")
