@@ -15,10 +15,13 @@ prefill and two tokens), p50/p99; the engines' own prefill time
 (``timings.cache_n``) over all prompt tokens. Turn 1 of each conversation can hit
 only the shared system prompt.
 
-``--cache-ram`` defaults to 0: each replica caches what its two slots hold, a
-fraction of the working set, as a GPU's KV memory does; llama-server's own
-default, 8 GiB of host memory, keeps every conversation on every replica it ever
-visited and leaves routing little to win. Turns are ``--think`` seconds apart
+``--cache-ram`` defaults to 48 MiB of host memory beside the two slots: about
+eight of these conversations' KV (6 KiB a token at 256 x 6), more than the seven
+a replica serves when conversations keep to one, fewer than the twenty a replica
+sees when they wander, as a GPU's KV memory holds a fraction of the fleet's
+working set. llama-server's own default, 8 GiB, keeps every conversation on every
+replica it ever visited and leaves routing little to win; 0 (slots only) keeps
+too little for either. Turns are ``--think`` seconds apart
 (exponential): without a pause, a conversation's next turn finds the slot its last
 turn just freed, and load-only routing sends it back there by accident.
 
@@ -214,13 +217,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--replicas", type=int, default=3)
     ap.add_argument("--parallel", type=int, default=2, help="slots per replica (-np)")
     ap.add_argument("--ctx", type=int, default=6144, help="context per replica (-c), split between its slots")
-    ap.add_argument("--cache-ram", type=int, default=0,
+    ap.add_argument("--cache-ram", type=int, default=48,
                     help="llama-server --cache-ram (MiB): its host-memory prompt cache, beside the slots'")
     ap.add_argument("--width", type=int, default=256)
     ap.add_argument("--layers", type=int, default=6)
     ap.add_argument("--conversations", type=int, default=20)
     ap.add_argument("--turns", type=int, default=6)
-    ap.add_argument("--concurrency", type=int, default=10)
+    ap.add_argument("--concurrency", type=int, default=6)
     ap.add_argument("--think", type=float, default=1.0, help="mean seconds between an answer and the next turn")
     ap.add_argument("--system-chars", type=int, default=300)
     ap.add_argument("--seed", type=int, default=1)
