@@ -83,6 +83,10 @@ def test_config_is_immutable() -> None:
         ({"access_log": "yes"}, "access_log", "true or false"),
         ({"routing": {"strategy": "random"}}, "routing.strategy", "choose one of score"),
         ({"endpoints": [EP], "models": {"m": {"strategy": "x"}}}, "models.m.strategy", "unknown strategy"),
+        ({"routing": {"prefix": {"block_bytes": 8}}}, "routing.prefix.block_bytes", "at least 64"),
+        ({"routing": {"prefix": {"load_bound": -1}}}, "routing.prefix.load_bound", "at least 0"),
+        ({"routing": {"prefix": {"session_header": "bad header"}}}, "routing.prefix.session_header", "header"),
+        ({"routing": {"prefix": {"blocks": 3}}}, "routing.prefix.blocks", "unknown key"),
         ({"admission": {"default_band": "vip"}}, "admission.default_band", "not one of the bands"),
         ({"admission": {"bands": []}}, "admission.bands", "distinct band names"),
         ({"admission": {"bands": ["a", "a"]}}, "admission.bands", "distinct band names"),
@@ -334,6 +338,15 @@ def test_config_can_be_replaced() -> None:
     cfg = load({"endpoints": [EP]})
     moved = dataclasses.replace(cfg, listen=("0.0.0.0", 1))
     assert moved.listen == ("0.0.0.0", 1) and moved.endpoints == cfg.endpoints
+
+
+def test_routing_prefix_section() -> None:
+    cfg = load({"endpoints": [EP], "routing": {"strategy": "prefix", "prefix": {"block_bytes": 1000, "max_blocks": 1024,
+                                                                                "entry_ttl": "2m"}}})
+    p = cfg.routing.prefix
+    assert cfg.routing.strategy == "prefix" and p.entry_ttl == 120.0
+    assert p.block == 1000 and p.blocks == 65  # (a multiple of 8; block x blocks at most 64 KiB)
+    assert load({"endpoints": [EP]}).routing.prefix.session_header == "x-session-id"
 
 
 def test_strategies_come_from_the_routing_kernel() -> None:

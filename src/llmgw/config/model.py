@@ -202,11 +202,50 @@ class ScrapeConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class PrefixConfig:
+    """The ``prefix`` strategy's knobs (``routing.prefix:``); docs/routing.md explains them.
+
+    ``block_bytes`` is rounded down to a multiple of 8, and ``max_blocks`` lowered so
+    that ``block_bytes * max_blocks`` is at most 64 KiB.
+    """
+
+    block_bytes: Annotated[int, _int(64, 4096)] = 256
+    """The prompt's leading content is hashed in blocks of this many bytes (about 64 tokens)."""
+    max_blocks: Annotated[int, _int(1, 1024)] = 64
+    """Blocks hashed per request at most: the longest prefix routing can tell apart."""
+    index_entries: Annotated[int, _int(64, 1 << 24)] = 16384
+    """Slots of each model's prefix index (24 bytes each: 384 KiB by default), per router."""
+    session_entries: Annotated[int, _int(64, 1 << 24)] = 4096
+    """Slots of each model's session table (24 bytes each), per router."""
+    entry_ttl: Annotated[float, _duration(1.0)] = 600.0
+    """An index or session entry not used for this long is forgotten."""
+    load_bound: Annotated[float, _num(0.0, 100.0)] = 0.25
+    """A cached replica is preferred while it has a free slot or its utilisation (load / slots)
+    exceeds the least-loaded choice's by at most this much; past it the request goes where score sends it."""
+    session_header: Annotated[str, _HEADER_NAME] = "x-session-id"
+    """The request header naming a conversation (else the body's prompt_cache_key, safety_identifier, user)."""
+
+    __pydantic_config__ = _SECTION
+
+    @property
+    def block(self) -> int:
+        """``block_bytes`` as used: a multiple of 8."""
+        return self.block_bytes // 8 * 8
+
+    @property
+    def blocks(self) -> int:
+        """``max_blocks`` as used: ``block * blocks`` is at most 64 KiB."""
+        return min(self.max_blocks, 65536 // self.block)
+
+
+@dataclass(frozen=True, slots=True)
 class RoutingConfig:
     """How a replica is chosen (``routing:`` section)."""
 
     strategy: Annotated[str, _STRATEGY] = "score"
-    """score, least_inflight or round_robin."""
+    """score, least_inflight, round_robin or prefix."""
+    prefix: PrefixConfig = field(default_factory=PrefixConfig)
+    """The prefix strategy's knobs."""
 
     __pydantic_config__ = _SECTION
 
