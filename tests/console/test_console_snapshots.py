@@ -45,3 +45,11 @@ def test_view_snapshot(snap_compare: object, recorded: str, view: str) -> None:
 def test_help_and_read_only_snapshot(snap_compare: object, recorded: str) -> None:
     assert snap_compare(_app(recorded, "endpoints", read_only=True), press=["question_mark"],  # type: ignore[operator]
                         terminal_size=(80, 24), run_before=_loaded)
+
+
+def test_no_deployments_api_snapshot(snap_compare: object) -> None:
+    routes = fleet(endpoints=9, nodes=4, gpus_per_node=2)
+    del routes["/admin/v1/deployments"]
+    with serve_in_thread(ReplayAPI(routes)) as port:
+        assert snap_compare(_app(f"http://127.0.0.1:{port}", "deployments"),  # type: ignore[operator]
+                            terminal_size=(80, 24), run_before=_loaded)

@@ -178,8 +178,23 @@ def fleet(endpoints: int = 8, nodes: int = 2, gpus_per_node: int = 4, *, seed: i
              "digest": "sha256:" + "0123456789ab" + "0" * 52, "projector": None, "source_kind": "file"},
         ],
     }
+    deployments = [
+        {"name": "chat", "model": "llama3.2:1b", "engine": "llamacpp", "desired": 3, "ready": 2,
+         "nodes": ["node-000", "node-001"], "message": "1 replica not placed: no node has 12.0 GB of free GPU memory",
+         "replicas": [
+             {"id": "chat-a1", "node": "node-000", "state": "ready", "message": None},
+             {"id": "chat-b2", "node": "node-001", "state": "ready", "message": None},
+         ]},
+        {"name": "vision", "model": "llava:7b", "engine": "vllm", "desired": 1, "ready": 0, "nodes": ["node-001"],
+         "message": None, "replicas": [{"id": "vision-c3", "node": "node-001", "state": "starting",
+                                        "message": "fetching the model"}]},
+    ]
     return {
         "/admin/v1/endpoints": {"endpoints": eps},
+        "/admin/v1/deployments": {"deployments": deployments},
+        "/admin/v1/replicas/chat-a1/logs": {"replica": "chat-a1", "node": "node-000", "lines": 100,
+                                            "text": "main: server is listening on http://0.0.0.0:41001\n"
+                                                    "srv  update_slots: all slots are idle"},
         "/admin/v1/queues": queues,
         "/admin/v1/nodes": {"nodes": node_rows},
         "/admin/v1/gpus": {"gpus": gpu_rows},

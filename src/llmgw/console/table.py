@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from rich.cells import cell_len
 from rich.style import Style
 from rich.text import Text
 from textual.binding import Binding
@@ -21,7 +20,7 @@ from textual.message import Message
 from textual.scroll_view import ScrollView
 from textual.strip import Strip
 
-from .views import Column, Row
+from .views import Cell, Column, Row, column_widths
 
 __all__ = ["FleetTable"]
 
@@ -75,21 +74,19 @@ class FleetTable(ScrollView, can_focus=True):
     # -- data --
 
     def set_rows(self, columns: Sequence[Column], rows: list[Row], *, sort_column: int | None = None,
-                 sort_reverse: bool = False, keep: str | None = None) -> None:
-        """Show ``rows`` (already sorted and filtered); the cursor stays on the row keyed ``keep`` if present."""
+                 sort_reverse: bool = False, keep: str | None = None, widths: list[int] | None = None) -> None:
+        """Show ``rows`` (already sorted and filtered); the cursor stays on the row keyed ``keep`` if present.
+
+        ``widths``: the columns' widths (:func:`~llmgw.console.views.column_widths` of every row, so
+        columns keep still while a filter narrows the rows); measured from ``rows`` when not given.
+        """
         columns = tuple(columns)
         if columns != self.columns:
             self.scroll_to(0, 0, animate=False)
         self.columns = columns
         self.sort_column = sort_column
         self.sort_reverse = sort_reverse
-        widths = [cell_len(c.label) + 1 for c in columns]
-        for r in rows:
-            for i, cell in enumerate(r.cells):
-                n = cell.cell_len if isinstance(cell, Text) else len(cell)
-                if n > widths[i]:
-                    widths[i] = n
-        self.widths = [min(w, MAX_WIDTH) for w in widths]
+        self.widths = widths if widths is not None else column_widths(columns, rows, MAX_WIDTH)
         self.rows = rows
         if keep is not None:
             for i, r in enumerate(rows):
@@ -107,10 +104,13 @@ class FleetTable(ScrollView, can_focus=True):
 
     # -- rendering --
 
-    def _line(self, cells: Sequence[str | Text], style: Style | None = None) -> Text:
+    def _line(self, cells: Sequence[str | Text | Cell], style: Style | None = None) -> Text:
         t = Text(no_wrap=True, overflow="crop", end="")
         for i, (col, cell, w) in enumerate(zip(self.columns, cells, self.widths, strict=False)):
-            piece = cell.copy() if isinstance(cell, Text) else Text(cell)
+            if isinstance(cell, Cell):
+                piece = cell.text()
+            else:
+                piece = cell.copy() if isinstance(cell, Text) else Text(cell)
             n = piece.cell_len
             if n > w:
                 piece.truncate(w - 1)

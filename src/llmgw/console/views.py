@@ -19,11 +19,14 @@ from rich.text import Text
 __all__ = [
     "ABSENT",
     "VIEWS",
+    "BarCell",
+    "Cell",
     "Column",
     "Row",
     "View",
     "apply_filter",
     "bar",
+    "column_widths",
     "sort_rows",
 ]
 
@@ -48,12 +51,53 @@ class Column:
     right: bool = False
 
 
+class Cell:
+    """A styled cell kept as plain text plus a style: a rich ``Text`` is made only for the lines on
+    screen (8,000 GPUs × a dozen cells as ``Text`` objects would cost more than the poll itself)."""
+
+    __slots__ = ("plain", "style")
+
+    def __init__(self, plain: str, style: str = "") -> None:
+        self.plain = plain
+        self.style = style
+
+    def text(self) -> Text:
+        return Text(self.plain, style=self.style)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Cell) and self.plain == other.plain and self.style == other.style
+
+    def __repr__(self) -> str:
+        return f"Cell({self.plain!r}, {self.style!r})"
+
+
+class BarCell(Cell):
+    """``█████░░░ 62%``: ``full`` filled of ``width``, then the number."""
+
+    __slots__ = ("full", "width")
+
+    def __init__(self, plain: str, style: str, full: int, width: int) -> None:
+        super().__init__(plain, style)
+        self.full = full
+        self.width = width
+
+    def text(self) -> Text:
+        t = Text()
+        t.append(self.plain[: self.full], style=self.style)
+        t.append(self.plain[self.full : self.width], style="dim")
+        t.append(self.plain[self.width :])
+        return t
+
+
+CellType = str | Cell
+
+
 @dataclass(slots=True)
 class Row:
     """One line: its key (stable across refreshes), the cells, a sort value per column, the record."""
 
     key: str
-    cells: tuple[str | Text, ...]
+    cells: tuple[CellType, ...]
     sort: tuple[Any, ...]
     record: dict[str, Any] = field(default_factory=dict)
     text: str = ""  # what the filter matches (every cell, lower case, one a line)
@@ -120,23 +164,20 @@ def fmt_gib(v: Any) -> str:
     return ABSENT if x is None else f"{x / 1024**3:.1f}"
 
 
-def word(state: Any) -> Text:
+def word(state: Any) -> Cell:
     s = str(state) if state is not None else ABSENT
-    return Text(s, style=_STATE_STYLE.get(s, ""))
+    return Cell(s, _STATE_STYLE.get(s, ""))
 
 
-def bar(ratio: float | None, width: int = 8, label: str | None = None) -> Text:
+def bar(ratio: float | None, width: int = 8, label: str | None = None) -> CellType:
     """``█████░░░ 62%``: the bar and its number (never a colour alone); ``–`` when absent."""
     if ratio is None:
-        return Text(ABSENT)
+        return ABSENT
     r = max(0.0, min(1.0, ratio))
     full = round(r * width)
     style = _BAD if r >= 0.9 else _WARN if r >= 0.7 else _GOOD
-    t = Text()
-    t.append("█" * full, style=style)
-    t.append("░" * (width - full), style="dim")
-    t.append(" " + (label if label is not None else f"{r * 100:3.0f}%"))
-    return t
+    return BarCell("█" * full + "░" * (width - full) + " " + (label if label is not None else f"{r * 100:3.0f}%"),
+                   style, full, width)
 
 
 def short_digest(d: Any) -> str:
@@ -150,10 +191,23 @@ def _sortval(v: Any) -> Any:
 # -- rows --
 
 
-def _row(key: str, cells: Sequence[str | Text], sort: Sequence[Any], record: dict[str, Any]) -> Row:
+def _row(key: str, cells: Sequence[CellType], sort: Sequence[Any], record: dict[str, Any]) -> Row:
     # one cell a line: ^ and $ (re.MULTILINE) anchor at a cell's start and end
-    text = "\n".join(c.plain if isinstance(c, Text) else c for c in cells).lower()
+    text = "\n".join(c if isinstance(c, str) else c.plain for c in cells).lower()
     return Row(key, tuple(cells), tuple(sort), record, text)
+
+
+def column_widths(columns: Sequence[Column], rows: Sequence[Row], cap: int = 48) -> list[int]:
+    """Each column's width: its label (and a sort arrow) or its longest cell, at most ``cap``.
+
+    PERF: ``len()`` of the plain text: the console's cells are one terminal cell per character
+    (ASCII, block elements, –, °, ×).
+    """
+    widths = [len(c.label) + 1 for c in columns]
+    for i in range(len(columns)):
+        longest = max((len(c) if isinstance(c, str) else len(c.plain) for c in (r.cells[i] for r in rows)), default=0)
+        widths[i] = min(max(widths[i], longest), cap)
+    return widths
 
 
 def sort_rows(rows: list[Row], column: int, reverse: bool) -> list[Row]:
@@ -349,7 +403,7 @@ class NodesView(View):
             errors = len(n.get("errors") or []) + sum(len(g.get("errors") or []) for g in gs)
             age = num(n.get("heartbeat_age_s"))
             cells = (
-                name, word(n.get("state")), Text("cordoned", style=_WARN) if n.get("cordoned") else "no",
+                name, word(n.get("state")), Cell("cordoned", _WARN) if n.get("cordoned") else "no",
                 fmt_age(age, show_ages), str(n.get("gpu_count", len(gs))), bar(util), bar(mem),
                 str(errors), str(n.get("hostname") or ABSENT), str(n.get("agent_version") or ABSENT),
             )
@@ -389,7 +443,7 @@ class GPUsView(View):
             ecc = ABSENT if ecc_c is None and ecc_u is None else f"{fmt_int(ecc_c)}/{fmt_int(ecc_u)}"
             xids = cur("xid_errors") or {}
             xid = ",".join(f"{k}×{v}" for k, v in sorted(xids.items())) if xids else ("none" if current else ABSENT)
-            health = word(g.get("health")) if current else Text(f"node {g.get('node_state')}", style=_BAD)
+            health = word(g.get("health")) if current else Cell(f"node {g.get('node_state')}", _BAD)
             key = f"{g.get('node')}/{g.get('uuid')}"
             cells = (
                 str(g.get("node")), fmt_int(g.get("index")), bar(util, 6), bar(mem, 6, mem_label),
@@ -418,20 +472,22 @@ class DeploymentsView(View):
     hint = "s scale  enter replicas"
 
     def rows(self, data: dict[str, Any], show_ages: bool = True) -> list[Row]:
+        # The shape of /admin/v1/deployments (control/deployments.py): name, model, engine, desired,
+        # ready, nodes, message (why a replica is not placed), replicas [{id, node, state, message}].
         doc = data.get("/admin/v1/deployments") or {}
         out = []
         for d in doc.get("deployments", []):
             name = str(d.get("name"))
-            replicas = d.get("replicas")
-            reps = replicas if isinstance(replicas, list) else []
-            desired = d.get("desired", d.get("desired_replicas", replicas if isinstance(replicas, int) else None))
-            ready = d.get("ready", d.get("ready_replicas"))
-            if ready is None and reps:
-                ready = sum(1 for r in reps if r.get("state") in ("ready", "running"))
-            where = sorted({str(r.get("node")) for r in reps if r.get("node")})
-            why = d.get("unplaced_reason") or d.get("reason") or next(
-                (r.get("reason") for r in reps if r.get("reason")), None)
-            cells = (name, str(d.get("model") or ABSENT), str(d.get("engine") or ABSENT), fmt_int(ready),
+            got = d.get("replicas")
+            reps: list[dict[str, Any]] = [r for r in got if isinstance(r, dict)] if isinstance(got, list) else []
+            desired = d.get("desired")
+            ready = d.get("ready")
+            nodes = d.get("nodes")
+            where = sorted(map(str, nodes)) if isinstance(nodes, list) else sorted(
+                {str(r.get("node")) for r in reps if r.get("node")})
+            why = d.get("message") or next((r.get("message") for r in reps if r.get("message")), None)
+            cells = (name, str(d.get("model") or ABSENT), str(d.get("engine") or ABSENT),
+                     Cell(fmt_int(ready), _GOOD if ready is not None and ready == desired else _WARN),
                      fmt_int(desired), ",".join(where) or ABSENT, str(why) if why else ABSENT)
             sort = (name, d.get("model"), d.get("engine"), num(ready), num(desired), ",".join(where), why)
             out.append(_row(name, cells, sort, d))
