@@ -71,6 +71,15 @@ def test_console_in_a_real_terminal(session: str) -> None:
         text = screen_until(session, lambda t: "console: keys" in t and "command mode" in t)
         tmux("send-keys", "-t", session, "Escape")
         screen_until(session, lambda t: "GPUs (2/4)" in t)
+        tmux("send-keys", "-t", session, ":mirror")
+        screen_until(session, lambda t: ":mirror" in t)
+        tmux("send-keys", "-t", session, "Enter")
+        text = screen_until(session, lambda t: "Mirror (3)" in t)
+        assert "llava:7b" in text and "Q4_0" in text
+        tmux("send-keys", "-t", session, "I")  # shift-i, as a terminal sends it
+        screen_until(session, lambda t: "Import from Ollama" in t and "no Ollama models found" in t)
+        tmux("send-keys", "-t", session, "Escape")
+        screen_until(session, lambda t: "Import from Ollama" not in t)
         tmux("send-keys", "-t", session, "q")
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
