@@ -254,6 +254,14 @@ class ImportScreen(ModalScreen[None]):
             await asyncio.sleep(self.poll)
             try:
                 job = await self.client.get(f"/admin/v1/mirror/imports/{quote_id(job['id'])}")
+            except APIError as exc:
+                if exc.status == 404:  # (the gateway restarted: its jobs are gone)
+                    self._status(Text(f"the gateway no longer knows this import ({exc}); look in the mirror view",
+                                      style="bold red"))
+                    self.done.set()
+                    return
+                self._status(Text(f"lost the import's progress: {exc}; retrying", style="yellow"))
+                continue
             except ClientError as exc:
                 self._status(Text(f"lost the import's progress: {exc}; retrying", style="yellow"))
                 continue
@@ -374,6 +382,7 @@ class ConsoleApp(App[None]):
 
     def notify(self, message: str, *args: Any, **kw: Any) -> None:
         self.told.append(message)
+        del self.told[:-200]
         super().notify(message, *args, **kw)
 
     # -- polling --
