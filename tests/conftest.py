@@ -199,3 +199,15 @@ def canary_leaks() -> Iterator[list[str]]:
     show the watch works); cleared after it, so it does not fail for them."""
     yield _leaks
     _leaks.clear()
+
+
+@pytest.fixture(autouse=True)
+def _access_log_propagation_restored() -> Iterator[None]:
+    """A test that runs llmgw's CLI in-process (CliRunner) calls ``llmgw.log.setup``, which stops
+    ``llmgw.access`` propagating to the root logger, for the rest of the session: a later test
+    reading access records with ``caplog`` then sees none. Each test gets the setting back as
+    it found it."""
+    access = logging.getLogger("llmgw.access")
+    before = access.propagate
+    yield
+    access.propagate = before

@@ -11,6 +11,7 @@ route                              token   what
                                            has a usable replica (503 + which not)
 ``GET /metrics``                   no      Prometheus text or OpenMetrics (``Accept``)
 ``/admin/v1/...``                  yes     the management API (:mod:`.manage`)
+``/admin/v1/mirror/...``           yes     the mirror and Ollama imports (:mod:`.mirror_api`)
 ``GET /debug/pprof/profile``       yes     CPU profile for ``seconds`` (speedscope,
                                            collapsed or pstats)
 ``GET /debug/pprof/tasks``         yes     every asyncio task and its await chain
@@ -56,6 +57,7 @@ from ..http.server import ResponseWriter
 from ..log import admin_logger as log
 from .manage import ManagementAPI, conflict, method_not_allowed
 from .metrics import FleetCollector, Known, LoopLagMonitor, PrometheusObserver, RuntimeCollector
+from .mirror_api import MirrorAPI
 from .profiling import (
     DEFAULT_HZ,
     MAX_HZ,
@@ -205,6 +207,7 @@ class AdminApp:
         self.api = ManagementAPI(
             registry=registry, fleet=fleet, config=config, observer=self.observer, admission=admission
         )
+        self.mirror_api = MirrorAPI(config)  # /admin/v1/mirror/...: the mirror, the Ollama store, import jobs
         self.profiler = Profiler()
         self.mirror: MirrorBlobs | None = None
         self._token_src: str | None = None
@@ -227,6 +230,7 @@ class AdminApp:
         """Stop the loop-lag timer (the runtime's ``stop`` may call this; it also stops on its own)."""
         if self.lag is not None:
             self.lag.stop()
+        self.mirror_api.close()
 
     def attach_nodes(self, nodes: NodeControl | None) -> None:
         """Serve ``/admin/v1/nodes`` from this control plane (``None``: no control plane, the routes answer 404)."""
@@ -317,6 +321,8 @@ class AdminApp:
                 return self.api.handle_replicas(req, w)
             if path.startswith(b"/admin/v1/nodes/") and path.rstrip(b"/").endswith(b"/engine-check"):
                 return self.api.handle_engine_check(req, w)
+            if path.startswith(b"/admin/v1/mirror"):
+                return self.mirror_api.handle(req, w)
             self.api.handle(req, w)
             return None
         if path.startswith(b"/debug/pprof"):
