@@ -203,11 +203,20 @@ def canary_leaks() -> Iterator[list[str]]:
 
 @pytest.fixture(autouse=True)
 def _access_log_propagation_restored() -> Iterator[None]:
-    """A test that runs llmgw's CLI in-process (CliRunner) calls ``llmgw.log.setup``, which stops
-    ``llmgw.access`` propagating to the root logger, for the rest of the session: a later test
-    reading access records with ``caplog`` then sees none. Each test gets the setting back as
-    it found it."""
-    access = logging.getLogger("llmgw.access")
-    before = access.propagate
+    """A test that runs llmgw's CLI in-process (CliRunner) calls ``llmgw.log.setup``, which puts a
+    handler on the root logger (writing to whatever ``sys.stderr`` is when a record comes: in a
+    later test, the output a CliRunner captures), sets levels, and stops ``llmgw.access``
+    propagating to the root logger, all for the rest of the session. Each test gets the logging
+    set-up back as it found it."""
+    root, llmgw_log, access = logging.getLogger(), logging.getLogger("llmgw"), logging.getLogger("llmgw.access")
+    before = (root.handlers[:], root.level, llmgw_log.handlers[:], llmgw_log.level, access.handlers[:], access.level,
+              access.propagate)
     yield
-    access.propagate = before
+    for logger, handlers in ((root, before[0]), (llmgw_log, before[2]), (access, before[4])):
+        for h in logger.handlers[:]:
+            if h not in handlers:
+                logger.removeHandler(h)
+    root.setLevel(before[1])
+    llmgw_log.setLevel(before[3])
+    access.setLevel(before[5])
+    access.propagate = before[6]
