@@ -75,9 +75,14 @@ class Launcher(Protocol):
         ...
 
 
-def find_binary(engine: AgentEngineConfig | None, default: str, what: str) -> str:
-    """``engines.<name>.binary`` from the agent config, else ``default`` found on PATH."""
+def find_binary(engine: AgentEngineConfig | None, default: str, what: str, *, beside_python: bool = False) -> str:
+    """``engines.<name>.binary`` from the agent config, else (``beside_python``) ``default`` in the
+    directory of ``engines.<name>.python`` (a virtualenv's bin), else ``default`` found on PATH."""
     configured = engine.binary if engine is not None else None
+    if beside_python and configured is None and engine is not None and engine.python:
+        beside = Path(engine.python).absolute().parent / default
+        if beside.is_file():
+            return str(beside)
     name = configured or default
     found = shutil.which(name)
     if found is None:

@@ -32,11 +32,7 @@ FLAGS = ("--host", "--port", "--config", "--max_seq_len", "--max_batch_size")
 
 
 def binary(engine: AgentEngineConfig | None) -> str:
-    if engine is not None and engine.binary is None and engine.python:
-        beside = Path(engine.python).absolute().parent / BINARY
-        if beside.is_file():
-            return str(beside)
-    return find_binary(engine, BINARY, "trtllm")
+    return find_binary(engine, BINARY, "trtllm", beside_python=True)
 
 
 def plan(

@@ -30,11 +30,7 @@ FLAGS = ("--api-key", "--served-model-name", "--host", "--port", "--gpu-memory-u
 
 
 def binary(engine: AgentEngineConfig | None) -> str:
-    if engine is not None and engine.binary is None and engine.python:
-        beside = Path(engine.python).absolute().parent / BINARY
-        if beside.is_file():
-            return str(beside)
-    return find_binary(engine, BINARY, "vllm")
+    return find_binary(engine, BINARY, "vllm", beside_python=True)
 
 
 def plan(
