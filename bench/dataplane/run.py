@@ -258,6 +258,26 @@ def main_thread_cpu(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / CLK_TCK
 
 
+def thread_stats(pid: int) -> dict[str, list[float]]:
+    """Per thread name (``comm``; the main thread as ``main``): [CPU seconds, voluntary and involuntary
+    context switches], summed over threads of that name: which of llmgw's threads the CPU went to."""
+    out: dict[str, list[float]] = {}
+    for t in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            fields = (t / "stat").read_text().rsplit(")", 1)[1].split()
+            status = (t / "status").read_text().splitlines()
+            name = "main" if t.name == str(pid) else (t / "comm").read_text().strip()
+        except OSError:
+            continue
+        cs = {k: int(v) for k, _, v in (line.partition(":\t") for line in status)
+              if k in ("voluntary_ctxt_switches", "nonvoluntary_ctxt_switches")}
+        row = out.setdefault(name, [0.0, 0.0, 0.0])
+        row[0] += (int(fields[11]) + int(fields[12])) / CLK_TCK
+        row[1] += cs.get("voluntary_ctxt_switches", 0)
+        row[2] += cs.get("nonvoluntary_ctxt_switches", 0)
+    return out
+
+
 def rss_mib(pid: int) -> float:
     kib = 0
     for p in tree(pid):
@@ -344,7 +364,7 @@ class Llmgw(Proxy):
     name = "llmgw"
 
     def __init__(self, port: int, admin: int, cmd: str, name: str = "llmgw", cluster: tuple[int, int, int] | None = None,
-                 fleet_core: int = 1) -> None:
+                 fleet_core: int = 1, scrape_every: float = 15.0) -> None:
         super().__init__(port)
         self.admin = admin
         self.cmd = cmd
@@ -352,6 +372,7 @@ class Llmgw(Proxy):
         self.cluster = cluster
         """(control port, agents, GPUs each): also run the control plane, with that many agents heartbeating."""
         self.fleet_core = fleet_core
+        self.scrape_every = scrape_every
         self.fleet: subprocess.Popen | None = None  # type: ignore[type-arg]
 
     def start(self, d: Path, core: int, up: tuple[int, int]) -> None:
@@ -374,7 +395,9 @@ class Llmgw(Proxy):
             # the agents and a Prometheus's scrapes (every 15 s) on the load core, as in life off the gateway's
             cmd = ["taskset", "-c", str(self.fleet_core), sys.executable, str(HERE.parent / "cluster_scale.py"),
                    "--fleet-only", f"127.0.0.1:{self.cluster[0]}", "--agents", str(self.cluster[1]),
-                   "--gpus", str(self.cluster[2]), "--admin", str(self.admin)]
+                   "--gpus", str(self.cluster[2])]
+            if self.scrape_every > 0:
+                cmd += ["--admin", str(self.admin), "--scrape-every", str(self.scrape_every)]
             self.fleet = start(cmd, d / f"{self.name}-fleet.out")
             time.sleep(max(5.0, self.cluster[1] / 200))  # every agent registered and heartbeating
 
@@ -404,6 +427,7 @@ def steal_ticks(core: int) -> int:
 
 def measure_load(p: Proxy, args: argparse.Namespace, script: str) -> dict:
     m0 = main_thread_cpu(p.pid)
+    th0 = thread_stats(p.pid) if isinstance(p, Llmgw) else {}
     u0, s0 = cpu_split(p.pid)
     st0 = steal_ticks(args.proxy_core)
     t0 = time.monotonic()
@@ -411,6 +435,7 @@ def measure_load(p: Proxy, args: argparse.Namespace, script: str) -> dict:
     elapsed = time.monotonic() - t0
     u1, s1 = cpu_split(p.pid)
     main = main_thread_cpu(p.pid) - m0
+    th1 = thread_stats(p.pid) if isinstance(p, Llmgw) else {}
     steal = (steal_ticks(args.proxy_core) - st0) / os.sysconf("SC_CLK_TCK") / elapsed
     cpu = (u1 - u0) + (s1 - s0)
     n = r["requests"]
@@ -424,6 +449,10 @@ def measure_load(p: Proxy, args: argparse.Namespace, script: str) -> dict:
         "user_us_per": round((u1 - u0) / n * 1e6, 2) if n else None,
         "sys_us_per": round((s1 - s0) / n * 1e6, 2) if n else None,
         "main_thread_us_per": round(main / n * 1e6, 2) if n and isinstance(p, Llmgw) else None,
+        # per thread name: CPU share of a core over the run, context switches per request (vol., invol.)
+        "threads": {k: {"util": round((v[0] - th0.get(k, [0, 0, 0])[0]) / elapsed, 4),
+                        "cs_per": [round((v[i] - th0.get(k, [0, 0, 0])[i]) / n, 3) for i in (1, 2)] if n else None}
+                    for k, v in th1.items()},
         "errors": r["errors"],
         "error_detail": {k: r[k] for k in ("socket_errors", "non2xx", "bad_body")},
         "rss_mib": round(rss_mib(p.pid), 1),
@@ -490,6 +519,8 @@ def main() -> None:
     ap.add_argument("--cluster", type=int, metavar="AGENTS",
                     help="also run proxy 'cluster': llmgw with a control plane and AGENTS simulated agents of 8 GPUs "
                          "heartbeating every 5 s, scraped every 15 s (the data path's ratio with and without a fleet)")
+    ap.add_argument("--cluster-scrape-every", type=float, default=15.0, metavar="S",
+                    help="--cluster: seconds between the fleet's scrapes of /metrics (0: none)")
     args = ap.parse_args()
 
     base = args.port_base
@@ -503,7 +534,8 @@ def main() -> None:
         all_proxies["baseline"] = Llmgw(base + 83, base + 93, args.baseline, name="baseline")
     if args.cluster:
         all_proxies["cluster"] = Llmgw(base + 84, base + 94, args.llmgw, name="cluster",
-                                       cluster=(base + 95, args.cluster, 8), fleet_core=args.load_core)
+                                       cluster=(base + 95, args.cluster, 8), fleet_core=args.load_core,
+                                       scrape_every=args.cluster_scrape_every)
     names = [n.strip() for n in args.proxies.split(",") if n.strip()]
     if args.baseline and "baseline" not in names:
         names.append("baseline")
@@ -572,6 +604,13 @@ def main() -> None:
                 "rss_mib_max": max(x["rss_mib"] for x in rs),
                 "main_thread_us_per_request": med([x["nonstream"]["main_thread_us_per"] for x in rs
                                                    if x["nonstream"].get("main_thread_us_per") is not None]),
+                "main_thread_us_per_stream": med([x["stream"]["main_thread_us_per"] for x in rs
+                                                  if x["stream"].get("main_thread_us_per") is not None])
+                if not args.no_stream else None,
+                # per thread name, median share of a core during the runs
+                "thread_util": {kind: {t: med([x[kind]["threads"][t]["util"] for x in rs if t in x[kind].get("threads", {})])
+                                       for t in rs[-1][kind].get("threads", {})}
+                                for kind in ("nonstream", "stream") if kind in rs[-1]},
                 "errors": sum(x["nonstream"]["errors"] + x.get("stream", {}).get("errors", 0) + x["lat_errors"] for x in rs),
             }
         # Rounds in which the load could not drive nginx to its core's limit, or the
@@ -621,10 +660,19 @@ def main() -> None:
                   f"{s.get('round_ratio_stream') or 0:6.2f} "
                   f"{s['added_p50_us']:8.1f} {s['rss_mib_max']:7.1f} {s['errors']:6d}")
         print("x nginx: median CPU over nginx's median; /round: median of each round's ratio to nginx in that round")
-        threads = {n: s["main_thread_us_per_request"] for n, s in summary.items() if s.get("main_thread_us_per_request")}
-        if threads:  # the data path's own thread, without the control plane's threads beside it
-            print("main thread (the data path's loop) us/request: " + ", ".join(
-                f"{n} {v:.1f}" + (f" (x nginx {v / ref['us_per_request']:.2f})" if ref else "") for n, v in threads.items()))
+        for unit, key, rkey in (("request", "main_thread_us_per_request", "us_per_request"),
+                                ("stream", "main_thread_us_per_stream", "us_per_stream")):
+            threads = {n: s[key] for n, s in summary.items() if s.get(key)}
+            if threads:  # the data path's own thread, without the control plane's threads beside it
+                print(f"main thread (the data path's loop) us/{unit}: " + ", ".join(
+                    f"{n} {v:.1f}" + (f" (x nginx {v / ref[rkey]:.2f})" if ref and ref.get(rkey) else "")
+                    for n, v in threads.items()))
+        for name, s in summary.items():  # where a llmgw's CPU went, by thread
+            for kind, per in s.get("thread_util", {}).items():
+                if per:
+                    print(f"{name} threads, share of a core ({kind}): "
+                          + ", ".join(f"{t} {v:.3f}" for t, v in sorted(per.items(), key=lambda kv: -(kv[1] or 0))
+                                      if v))
         if contended:
             print(f"contended rounds (nginx util < {CONTENDED_UTIL} on requests, or steal > {CONTENDED_STEAL} "
                   f"of the proxy core: the machine was busy elsewhere): {contended}")
