@@ -113,8 +113,9 @@ class RouterPort:
         ep = self.parts.registry.endpoints.get(endpoint_id)
         return None if ep is None else int(ep.inflight)
 
-    def hold(self, models: frozenset[str]) -> None:
+    def hold(self, models: frozenset[str], wanted: frozenset[str]) -> None:
         self.parts.gateway.held_models = models
+        self.parts.fleet.wanted_models = wanted
 
 
 def control_plane(parts: Parts) -> Component:
@@ -162,6 +163,8 @@ class GatewayRuntime:
         self.poller: Poller | None = None
         self.admin: AdminApp | None = None
         self._reloads: dict[str, int] = {"ok": 0, "failed": 0}
+        self.wanted_models: frozenset[str] = frozenset()
+        """Models the control plane's deployments want a replica of (``/ready`` waits for one of each)."""
 
     def _config(self) -> Config:
         return self.config
@@ -322,7 +325,8 @@ class GatewayRuntime:
         return {"added": added, "removed": removed, "changed": changed, "restart_needed_for": not_applied}
 
     def readiness(self) -> tuple[bool, dict[str, Any]]:
-        """Whether every configured model has a usable replica, and which do not.
+        """Whether every configured model, and every model a deployment wants replicas of (scaled
+        above 0), has a usable replica, and which do not.
 
         The body names each model without one in ``models_unavailable`` and, in
         ``unavailable``, why each of its replicas takes nothing (``unreachable``,
@@ -335,7 +339,7 @@ class GatewayRuntime:
         now = time.monotonic()
         missing: list[str] = []
         why: dict[str, dict[str, str]] = {}
-        for m in self.config.model_names():
+        for m in dict.fromkeys([*self.config.model_names(), *sorted(self.wanted_models)]):
             eps = reg.candidates(m)
             reasons = {ep.id: ep.unusable_reason(now) for ep in eps}
             if not any(r is None for r in reasons.values()):

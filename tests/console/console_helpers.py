@@ -49,7 +49,7 @@ async def wait_for(cond: Callable[[], Any], timeout: float = 10.0, what: str = "
 async def register(port: int, name: str, spec: dict[str, Any]) -> None:
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
         stub = agent_pb2_grpc.AgentServiceStub(ch)
-        req = pb.RegisterRequest(node_name=name, agent_version="test", protocol=pb.ProtocolVersion(major=PROTOCOL[0]),
+        req = pb.RegisterRequest(node_name=name, agent_version="test", protocol=pb.ProtocolVersion(major=PROTOCOL[0], minor=PROTOCOL[1]),
                                  discovery=discovery_to_proto(discovery_of(spec)))
         await stub.Register(req, metadata=[("authorization", f"Bearer {TOKEN}")], timeout=5)
 

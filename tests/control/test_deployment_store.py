@@ -72,7 +72,7 @@ async def test_a_mirror_reference_brings_blobs_and_its_memory_need(tmp_path: Pat
     kv = 2 * 2 * 1024 * 16 * 4 * 2  # K and V, 2 layers, 1024 tokens, head dim 16, 4 KV heads, f16
     nodes = NodeMap(lambda: 60.0)
     small = size + kv - 1  # one byte short of file + KV cache
-    nodes.register("cpu-1", peer="ipv4:127.0.0.1:1", agent_version="t", protocol=(1, 1), discovery=Discovery(
+    nodes.register("cpu-1", peer="ipv4:127.0.0.1:1", agent_version="t", protocol=(1, 2), discovery=Discovery(
         NodeFacts("h", cpu_cores=4, memory_total_bytes=small, memory_available_bytes=small)))
     cfg = load({"deployments": [{"name": "tiny", "model": "tiny:1b", "engine": "llamacpp", "context": 1024,
                                  "replicas": 2}]})
@@ -85,7 +85,7 @@ async def test_a_mirror_reference_brings_blobs_and_its_memory_need(tmp_path: Pat
         assert d["message"].startswith(f"needs {(size + kv) / 1024**2:.0f} MiB of node memory; no node is eligible; "
                                        "cpu-1 has"), d["message"]
         big = 2 * (size + kv)  # room for both: CPU replicas share a node
-        nodes.register("cpu-1", peer="ipv4:127.0.0.1:1", agent_version="t", protocol=(1, 1), discovery=Discovery(
+        nodes.register("cpu-1", peer="ipv4:127.0.0.1:1", agent_version="t", protocol=(1, 2), discovery=Discovery(
             NodeFacts("h", cpu_cores=4, memory_total_bytes=big, memory_available_bytes=big)))
         ctl_.sync(10.0)
         _, specs = ctl_.desired("cpu-1")
@@ -105,7 +105,7 @@ def test_a_changed_entry_ends_a_scale_and_replaces_replicas(tmp_path: Path) -> N
     entry: dict[str, Any] = {"name": "c", "model": "m", "engine": "llamacpp", "replicas": 1}
     cfg = [load({"deployments": [entry]})]
     nodes = NodeMap(lambda: 60.0)
-    nodes.register("n", peer="p", agent_version="t", protocol=(1, 1), discovery=Discovery(NodeFacts("h")))
+    nodes.register("n", peer="p", agent_version="t", protocol=(1, 2), discovery=Discovery(NodeFacts("h")))
     ctl_ = DeploymentController(nodes=nodes, store=SQLiteStore(tmp_path / "cp.sqlite3"), router=None,
                                 config=lambda: cfg[0], resolver=lambda m: None)
     ctl_.sync(10.0)

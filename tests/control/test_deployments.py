@@ -38,7 +38,7 @@ async def invoke(*args: str) -> Result:
 async def register(port: int, name: str, spec: dict[str, Any]) -> None:
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
         stub = agent_pb2_grpc.AgentServiceStub(ch)
-        req = pb.RegisterRequest(node_name=name, agent_version="test", protocol=pb.ProtocolVersion(major=PROTOCOL[0]),
+        req = pb.RegisterRequest(node_name=name, agent_version="test", protocol=pb.ProtocolVersion(major=PROTOCOL[0], minor=PROTOCOL[1]),
                                  discovery=discovery_to_proto(discovery_of(spec)))
         await stub.Register(req, metadata=[("authorization", f"Bearer {TOKEN}")], timeout=5)
 
@@ -136,6 +136,8 @@ async def test_the_router_follows_ready_replicas_scale_down_drains_and_zero_answ
         # not ready yet: the model answers 503 model_unavailable (it is deployed), not 404
         status, body = await chat(rt, "chat")
         assert status == 503 and body["error"]["code"] == "model_unavailable", body
+        status, ready = await admin(rt, "GET", "/ready")  # ... and the router is not ready without it
+        assert status == 503 and "chat" in ready["models_unavailable"], ready
         reps = Replicas(ctl_, "node-1", tokens_per_second=20.0)
         try:
             await reps.follow("starting")
@@ -144,6 +146,7 @@ async def test_the_router_follows_ready_replicas_scale_down_drains_and_zero_answ
             assert s.id in rt.registry.endpoints
             status, body = await chat(rt, "chat")
             assert status == 200, body
+            assert "chat" not in (await admin(rt, "GET", "/ready"))[1]["models_unavailable"]
             status, eps = await admin(rt, "GET", "/admin/v1/endpoints")
             ep = next(e for e in eps["endpoints"] if e["id"] == s.id)
             assert (ep["deployment"], ep["node"], ep["pool"], ep["models"]) == ("chat", "node-1", "node-1", ["chat"])
@@ -207,6 +210,8 @@ async def test_the_router_follows_ready_replicas_scale_down_drains_and_zero_answ
             assert not [e for e in rt.registry.endpoints if e.startswith("chat-")]
             status, body = await chat(rt, "chat")
             assert status == 503 and body["error"]["code"] == "model_unavailable", body
+            # (wanted by nobody now: not what /ready waits for)
+            assert "chat" not in (await admin(rt, "GET", "/ready"))[1]["models_unavailable"]
             # undeployed: the model is gone (404)
             assert (await admin(rt, "DELETE", "/admin/v1/deployments/chat"))[0] == 200
             status, body = await chat(rt, "chat")

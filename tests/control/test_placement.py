@@ -44,6 +44,16 @@ def test_down_cordoned_and_labels_are_filtered_and_named() -> None:
     assert "n lacks label rack=7" in r
 
 
+def test_an_agent_too_old_to_launch_is_never_placed_on() -> None:
+    # (an agent of protocol 1.1 registers and reports its GPUs, but desired sets are 1.2's)
+    nodes = [node("n-old", 8, launch_protocol=(1, 1)), node("n-cpu", 0, cpu_cores=8, memory_total=64 * GIB,
+                                                               memory_available=60 * GIB)]
+    r = why(place(Need("d", gpus=1), nodes, []))
+    assert "n-old's agent speaks protocol 1.1, which cannot launch replicas (upgrade its llmgw)" in r, r
+    assert chosen(place(Need("d", gpus=0, memory=GIB), nodes, [])).node == "n-cpu"
+    assert "n-old's agent speaks protocol 1.1" in why(place(Need("d", gpus=0, memory=GIB), nodes[:1], []))
+
+
 def test_the_issue_example_explanation() -> None:
     nodes = [node("gpu-node-1", 2, gpus=(gpu("a", 0, used=50 * GIB), gpu("b", 1, used=60 * GIB))),
              node("gpu-node-3", 2, gpus=(gpu("c", 0, used=10 * GIB), gpu("d", 1, used=70 * GIB)))]

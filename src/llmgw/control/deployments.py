@@ -46,6 +46,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
+from ..agent.wire import runs_replicas
 from ..config import DeploymentConfig, EndpointConfig, load
 from ..engines import get as get_engine
 from ..errors import ConfigError
@@ -101,8 +102,9 @@ class Router(Protocol):
     def inflight(self, endpoint_id: str) -> int | None:
         """Requests in flight to it; ``None``: no such endpoint."""
 
-    def hold(self, models: frozenset[str]) -> None:
-        """Models that answer 503 ``model_unavailable`` (not 404) while they have no replica."""
+    def hold(self, models: frozenset[str], wanted: frozenset[str]) -> None:
+        """Models that answer 503 ``model_unavailable`` (not 404) while they have no replica (``models``),
+        and those of them some replica is wanted for (``wanted``: ``/ready`` waits for one of each)."""
 
 
 # -- deployments as config entries --
@@ -257,7 +259,7 @@ class DeploymentController:
         self._subscribers: list[Callable[[str], None]] = []
         self._applied: tuple[DeploymentConfig, ...] | None = None
         self._missing_since: dict[str, float] = {}
-        self._held: frozenset[str] | None = None
+        self._held: tuple[frozenset[str], frozenset[str]] | None = None
         self._pass_nodes: list[NodeInfo] | None = None
         self._claims: list[Claim] | None = None
         """Every replica's claim, for placement; rebuilt after a replica comes, goes or turns ready."""
@@ -540,7 +542,7 @@ class DeploymentController:
         seen = set()
         for st in nodes:
             up = nodes.is_up(st, now)
-            key = (st.node_id, st.generation, up, st.cordoned, tuple(st.labels.items()))
+            key = (st.node_id, st.generation, up, st.cordoned, tuple(st.labels.items()), st.protocol)
             seen.add(st.name)
             hit = cache.get(st.name)
             if hit is not None and hit[0] == key:
@@ -554,7 +556,7 @@ class DeploymentController:
             )
             f = d.facts
             info = NodeInfo(st.name, up, st.cordoned, dict(st.labels), gpus, f.cpu_cores, f.memory_total_bytes,
-                            f.memory_available_bytes)
+                            f.memory_available_bytes, None if runs_replicas(st.protocol) else st.protocol)
             cache[st.name] = (key, info)
             out.append(info)
         for name in [n for n in cache if n not in seen]:
@@ -637,9 +639,10 @@ class DeploymentController:
         if self.router is None:
             return
         held = frozenset(d.cfg.model_name for d in self.deployments.values())
-        if held != self._held:
-            self._held = held
-            self.router.hold(held)
+        wanted = frozenset(d.cfg.model_name for d in self.deployments.values() if d.desired > 0)
+        if (held, wanted) != self._held:
+            self._held = (held, wanted)
+            self.router.hold(held, wanted)
 
     def _endpoint_config(self, r: Replica, port: int) -> EndpointConfig:
         dep = self.deployments.get(r.deployment)

@@ -8,7 +8,7 @@ free set is 1 on gpu-node-3``.
 
 Filter (a node is out when any fails):
 
-* up (heard from within the heartbeat grace) and not cordoned;
+* up (heard from within the heartbeat grace) and not cordoned, its agent new enough to launch (protocol 1.2);
 * every label the deployment asks for, with that value;
 * a GPU replica: ``gpus`` GPUs of the asked model (a case-insensitive substring of
   the GPU's name: ``H100`` matches ``NVIDIA H100 80GB HBM3``), healthy, each with
@@ -74,6 +74,8 @@ class NodeInfo:
     cpu_cores: int | None = None
     memory_total: int | None = None
     memory_available: int | None = None
+    launch_protocol: tuple[int, int] | None = None
+    """The agent's wire protocol when it is too old to launch replicas (before 1.2), else ``None``."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -260,6 +262,11 @@ def place(need: Need, nodes: Sequence[NodeInfo], claims: Sequence[Claim]) -> Cho
             continue
         if node.cordoned:
             excluded.append(f"{node.name} is cordoned")
+            continue
+        if node.launch_protocol is not None:
+            major, minor = node.launch_protocol
+            excluded.append(f"{node.name}'s agent speaks protocol {major}.{minor}, which cannot launch replicas "
+                            f"(upgrade its llmgw)")
             continue
         miss = _label_miss(node, need.labels)
         if miss is not None:
