@@ -20,7 +20,7 @@ from click.testing import CliRunner, Result
 from cp_helpers import TOKEN, free_port, wait_for
 from test_deployments import register
 
-from llmgw.agent.model import Discovery, NodeFacts
+from llmgw.agent.model import GPU, Discovery, NodeFacts
 from llmgw.cli.ctl import ctl
 from llmgw.config import load
 from llmgw.control.deployments import DeploymentController, parse_deployment
@@ -28,6 +28,7 @@ from llmgw.control.nodes import NodeMap
 from llmgw.control.resolve import mirror_resolver
 from llmgw.control.store import SQLiteStore, database_path
 from llmgw.errors import ConfigError
+from llmgw.launch.spec import ReplicaStatus
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -99,6 +100,67 @@ async def test_a_mirror_reference_brings_blobs_and_its_memory_need(tmp_path: Pat
         assert mirror_resolver(root)("/models/x.gguf") is None and mirror_resolver(root)("meta-llama/Llama-3") is None
     finally:
         await ctl_.stop()
+
+
+def _ready(ctl_: DeploymentController, node: str, ids: set[str]) -> None:
+    """``node``'s heartbeat: these replicas ready, the rest of its set starting."""
+    ctl_.report(node, "127.0.0.1", [ReplicaStatus(s.id, "ready" if s.id in ids else "starting", port=9000 + i)
+                                    for i, s in enumerate(ctl_.desired(node)[1])])
+    ctl_.sync(10.0)
+
+
+@pytest.mark.parametrize("gpus", [4, 2], ids=["room-beside", "one-at-a-time"])
+def test_a_changed_entry_rolls_its_replicas_over_without_a_gap(tmp_path: Path, gpus: int) -> None:
+    # 2 replicas of 1 GPU each; the entry's args change. With 4 GPUs the new replicas start beside the
+    # old ones; with 2 there is no room, so one old replica makes room at a time. Either way an old one
+    # leaves only when a new one is ready in its place (never fewer ready than before, but for the
+    # one-at-a-time case's one), and the old ones keep running what they ran meanwhile.
+    entry: dict[str, Any] = {"name": "c", "model": "m", "engine": "vllm", "replicas": 2, "gpu_memory": "10GiB"}
+    cfg = [load({"deployments": [entry]})]
+    nodes = NodeMap(lambda: 60.0)
+    hw = tuple(GPU(f"GPU-{i}", i, "NVIDIA H100 80GB HBM3", memory_total_bytes=80 << 30, memory_used_bytes=0)
+               for i in range(gpus))
+    nodes.register("n", peer="p", agent_version="t", protocol=(1, 2), discovery=Discovery(NodeFacts("h"), hw))
+    ctl_ = DeploymentController(nodes=nodes, store=SQLiteStore(tmp_path / "cp.sqlite3"), router=None,
+                                config=lambda: cfg[0], resolver=lambda m: None)
+    ctl_.sync(10.0)
+    old = {s.id for s in ctl_.desired("n")[1]}
+    assert len(old) == 2
+    _ready(ctl_, "n", old)
+    assert ctl_.view("c")["ready"] == 2
+
+    def ready_ids() -> set[str]:
+        return {r["id"] for r in ctl_.view("c")["replicas"] if r["state"] == "ready"}
+
+    cfg[0] = load({"deployments": [{**entry, "args": ["--enforce-eager"]}]})
+    ctl_.sync(10.0)
+    specs = {s.id: s for s in ctl_.desired("n")[1]}
+    assert all(specs[i].args == () for i in old & set(specs))  # the old ones run on, unchanged
+    new = set(specs) - old
+    d = ctl_.view("c")
+    if gpus == 4:
+        assert old <= set(specs) and len(new) == 2 and d["outdated"] == 2 and d["placed"] == 2 and ready_ids() == old
+    else:  # no room: one old replica drains (and, with nothing in flight, is gone) to make room
+        assert d["message"] and "one at a time" in d["message"], d
+        gone = old - set(specs)
+        assert len(gone) == 1 and len(ready_ids() & old) == 1
+        ctl_.sync(10.0)
+        new = set(s.id for s in ctl_.desired("n")[1]) - old
+        assert len(new) == 1
+    assert all(s.args == ("--enforce-eager",) for s in ctl_.desired("n")[1] if s.id in new)
+    _ready(ctl_, "n", (old | new) - {min(new)} if gpus == 4 else old)  # the new ones still starting
+    assert old & ready_ids() == old & {s.id for s in ctl_.desired("n")[1]}  # no old one left for nothing
+    for _ in range(4):  # each new replica ready in turn: an old one leaves for it, a new one is placed
+        ids = {s.id for s in ctl_.desired("n")[1]}
+        _ready(ctl_, "n", ids)
+        assert len(ready_ids()) >= (2 if gpus == 4 else 1)  # (one-at-a-time: the one making room)
+        ctl_.sync(10.0)
+    final = ctl_.desired("n")[1]
+    assert len(final) == 2 and not ({s.id for s in final} & old)
+    assert all(s.args == ("--enforce-eager",) for s in final)
+    _ready(ctl_, "n", {s.id for s in final})
+    d = ctl_.view("c")
+    assert (d["ready"], d["placed"], d["outdated"], d["message"]) == (2, 2, 0, None), d
 
 
 def test_a_changed_entry_ends_a_scale_and_replaces_replicas(tmp_path: Path) -> None:

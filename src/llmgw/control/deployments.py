@@ -171,6 +171,9 @@ class Replica:
     """Monotonic time the scale-down chose it; it leaves the node's set once drained."""
     spec: ReplicaSpec | None = field(default=None, repr=False)
     """What its node is told to run, made once (an equal spec means no restart)."""
+    outdated: bool = False
+    """It runs an earlier form of its deployment (engine, model, args... changed): it keeps serving until
+    a replica of the new form is ready to take its place (a rolling update), then drains."""
 
     @property
     def state(self) -> str:
@@ -186,6 +189,7 @@ class Replica:
         return StoredReplica(self.id, self.deployment, self.node, {
             "gpus": list(self.gpus), "gpu_memory": self.gpu_memory, "exclusive": self.exclusive, "memory": self.memory,
             "cpu_cores": self.cpu_cores, "fraction": self.fraction, "api_key": self.api_key,
+            **({"outdated": True} if self.outdated else {}),
         }, self.created_at)
 
     @classmethod
@@ -193,7 +197,7 @@ class Replica:
         s = r.spec
         return cls(r.id, r.deployment, r.node, tuple(s.get("gpus", ())), int(s.get("gpu_memory", 0)),
                    bool(s.get("exclusive", True)), int(s.get("memory", 0)), float(s.get("cpu_cores", 0.0)),
-                   s.get("fraction"), str(s.get("api_key", "")), r.created_at)
+                   s.get("fraction"), str(s.get("api_key", "")), r.created_at, outdated=bool(s.get("outdated")))
 
 
 @dataclass
@@ -356,10 +360,14 @@ class DeploymentController:
 
     def _replace(self, old: Deployment | None, new: Deployment) -> None:
         if old is not None and _placement_changed(old.cfg, new.cfg):
-            # the replicas would differ (engine, model, GPUs, args, served name...): replace them all (the
-            # old ones drain while the pass places new ones where the claims allow)
+            # the replicas would differ (engine, model, GPUs, args, served name...): a rolling update. The
+            # old ones keep what they run and keep serving; each drains once a new one is ready in its
+            # place (or, with no room for a new one beside them, one at a time: see _converge)
             for r in self._of(new.cfg.name):
-                self._start_drain(r)
+                if r.draining_since is None and not r.outdated:
+                    self._spec(r)  # (made from the old entry, before it is replaced)
+                    r.outdated = True
+                    self.store.put_replica(r.stored())
         elif old is not None:  # only the count changed: the same replicas, the same history
             new.message, new.failures, new.retry_at = old.message, old.failures, old.retry_at
             new.model, new.resolved = old.model, old.resolved
@@ -482,8 +490,12 @@ class DeploymentController:
         self._hold()
 
     def _converge(self, dep: Deployment, now: float) -> None:
-        live = [r for r in self._of(dep.cfg.name) if r.draining_since is None]
+        mine = [r for r in self._of(dep.cfg.name) if r.draining_since is None]
+        live = [r for r in mine if not r.outdated]
+        old = [r for r in mine if r.outdated]
         want = dep.desired
+        if old:
+            self._retire(live, old, want)
         if len(live) < want:
             if now < dep.retry_at:
                 return
@@ -493,6 +505,8 @@ class DeploymentController:
                     return
                 got = self._place_one(dep)
                 if isinstance(got, Unplaceable):
+                    if old and self._make_room(dep, live, old):
+                        return
                     if dep.message != got.reason:
                         log.warning("deployment %s: %d of %d replicas placed: %s", dep.cfg.name,
                                     len(self._live(dep)), want, got.reason)
@@ -509,6 +523,31 @@ class DeploymentController:
                 self._start_drain(r)
             if want == 0 or dep.failures == 0:
                 dep.message = None
+
+    def _retire(self, live: list[Replica], old: list[Replica], want: int) -> None:
+        """A rolling update's step: outdated replicas that serve nothing drain now; of those that serve,
+        as many stay as the new form's ready replicas do not yet replace (oldest go first)."""
+        ready_new = sum(1 for r in live if r.state == READY)
+        serving = sorted((r for r in old if r.state == READY), key=lambda r: r.created_at)
+        for r in old:
+            if r.state != READY:
+                self._start_drain(r)
+        for r in serving[: max(0, len(serving) - max(0, want - ready_new))]:
+            self._start_drain(r)
+
+    def _make_room(self, dep: Deployment, live: list[Replica], old: list[Replica]) -> bool:
+        """No room for a new replica beside the outdated ones: one of them drains to make room, unless a
+        new one is still on its way (then that one is waited for). Whether the update goes on."""
+        if any(r.state != READY for r in live):
+            return True
+        serving = sorted((r for r in old if r.draining_since is None), key=lambda r: r.created_at)
+        if not serving:
+            return False
+        log.info("deployment %s: no room for a new replica beside the old ones; replacing them one at a time",
+                 dep.cfg.name)
+        self._start_drain(serving[0])
+        dep.message = "rolling update: replacing its replicas one at a time (no room for a new one beside the old)"
+        return True
 
     def _live(self, dep: Deployment) -> list[Replica]:
         return [r for r in self._of(dep.cfg.name) if r.draining_since is None]
@@ -816,6 +855,7 @@ class DeploymentController:
             "restarts": s.restarts if s is not None else None, "exit_code": s.exit_code if s is not None else None,
             "message": (s.message or None) if s is not None else None,
             "fetched": s.fetched if s is not None else None, "fetch_total": s.fetch_total if s is not None else None,
+            "outdated": r.outdated,
         }
         if show_secrets:
             out["api_key"] = r.api_key
@@ -834,7 +874,8 @@ class DeploymentController:
             "name": name, "source": dep.source, "model": cfg.model, "served_name": cfg.model_name,
             "engine": cfg.engine, "desired": dep.desired, "configured": cfg.replicas,
             "scaled": dep.override is not None, "ready": sum(1 for r in reps if r.state == READY),
-            "placed": sum(1 for r in reps if r.draining_since is None),
+            "placed": sum(1 for r in reps if r.draining_since is None and not r.outdated),
+            "outdated": sum(1 for r in reps if r.draining_since is None and r.outdated),
             "nodes": sorted({r.node for r in reps if r.draining_since is None}),
             "message": dep.message, "mirror": dep.model.ref if dep.model is not None else None,
             "spec": spec, "replicas": [self.replica_view(r, show_secrets=show_secrets) for r in reps],
