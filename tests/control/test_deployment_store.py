@@ -72,7 +72,8 @@ async def test_a_mirror_reference_brings_blobs_and_its_memory_need(tmp_path: Pat
     size = (tmp_path / "tiny.gguf").stat().st_size
     kv = 2 * 2 * 1024 * 16 * 4 * 2  # K and V, 2 layers, 1024 tokens, head dim 16, 4 KV heads, f16
     nodes = NodeMap(lambda: 60.0)
-    small = size + kv - 1  # one byte short of file + KV cache
+    need = size + kv + 256 * 2**20  # the file, the KV cache, the engine's compute buffers (the margin's floor)
+    small = need - 1  # one byte short
     nodes.register("cpu-1", peer="ipv4:127.0.0.1:1", agent_version="t", protocol=(1, 2), discovery=Discovery(
         NodeFacts("h", cpu_cores=4, memory_total_bytes=small, memory_available_bytes=small)))
     cfg = load({"deployments": [{"name": "tiny", "model": "tiny:1b", "engine": "llamacpp", "context": 1024,
@@ -83,9 +84,9 @@ async def test_a_mirror_reference_brings_blobs_and_its_memory_need(tmp_path: Pat
         ctl_.sync(10.0)
         d = ctl_.view("tiny")
         assert d["placed"] == 0 and d["mirror"] == "tiny:1b"
-        assert d["message"].startswith(f"needs {(size + kv) / 1024**2:.0f} MiB of node memory; no node is eligible; "
+        assert d["message"].startswith(f"needs {need / 1024**2:.0f} MiB of node memory; no node is eligible; "
                                        "cpu-1 has"), d["message"]
-        big = 2 * (size + kv)  # room for both: CPU replicas share a node
+        big = 2 * need  # room for both: CPU replicas share a node
         nodes.register("cpu-1", peer="ipv4:127.0.0.1:1", agent_version="t", protocol=(1, 2), discovery=Discovery(
             NodeFacts("h", cpu_cores=4, memory_total_bytes=big, memory_available_bytes=big)))
         ctl_.sync(10.0)

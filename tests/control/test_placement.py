@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from llmgw.control.placement import GIB, Choice, Claim, GpuInfo, Need, NodeInfo, Unplaceable, place
-from llmgw.control.resolve import MirrorModel, kv_cache_bytes, memory_need
+from llmgw.control.resolve import MirrorModel, compute_margin, kv_cache_bytes, memory_need
 
 
 def gpu(uuid: str, index: int = 0, total: int | None = 80 * GIB, used: int | None = 0,
@@ -154,6 +154,7 @@ def test_kv_cache_estimate(ctx: int | None, expect: int) -> None:
     m = MirrorModel("t:1", (), 1000, context_length=2048, block_count=4, embedding_length=64, head_count=4,
                     head_count_kv=2)
     assert kv_cache_bytes(m, ctx) == expect
-    assert memory_need(m, ctx) == 1000 + expect
+    assert memory_need(m, ctx) == 1000 + expect + 256 * 2**20  # (a small model: the margin's floor)
     assert kv_cache_bytes(MirrorModel("t:1", (), 1000), ctx) is None
-    assert memory_need(MirrorModel("t:1", (), 1000), ctx) == 1000
+    assert memory_need(MirrorModel("t:1", (), 1000), ctx) == 1000 + 256 * 2**20
+    assert compute_margin(40 * GIB) == 4 * GIB  # a large one: a tenth of its files

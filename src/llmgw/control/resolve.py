@@ -20,7 +20,8 @@ from pathlib import Path
 
 from ..launch.spec import ModelBlob
 
-__all__ = ["MirrorModel", "Resolver", "kv_cache_bytes", "memory_need", "mirror_resolver", "resolve_mirror"]
+__all__ = ["MirrorModel", "Resolver", "compute_margin", "kv_cache_bytes", "memory_need", "mirror_resolver",
+           "resolve_mirror"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,6 +131,17 @@ def kv_cache_bytes(m: MirrorModel, context: int | None) -> int | None:
     return 2 * m.block_count * ctx * head_dim * kv_heads * 2
 
 
+COMPUTE_MARGIN_MIN = 256 << 20
+
+
+def compute_margin(files: int) -> int:
+    """What an engine holds beyond weights and KV cache (compute buffers; on a GPU its CUDA context too),
+    as placement reserves it: a tenth of the files, at least 256 MiB (llama.cpp's logits buffer alone is
+    vocabulary x batch x 4 bytes: about 250 MiB for a 128k vocabulary at its default batch of 512)."""
+    return max(COMPUTE_MARGIN_MIN, files // 10)
+
+
 def memory_need(m: MirrorModel, context: int | None) -> int:
-    """The memory a replica of ``m`` needs: its files plus the KV cache (when the facts give it)."""
-    return m.size + (kv_cache_bytes(m, context) or 0)
+    """The memory a replica of ``m`` needs: its files, the KV cache (when the facts give it) and
+    :func:`compute_margin`."""
+    return m.size + (kv_cache_bytes(m, context) or 0) + compute_margin(m.size)

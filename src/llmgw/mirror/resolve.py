@@ -115,7 +115,8 @@ def memory_needed(
 ) -> int | None:
     """Weights (model and projector files) plus :func:`kv_cache_bytes`; ``None`` when the KV part is unknown.
 
-    The engine's compute buffers come on top (a few hundred MiB): placement keeps a margin.
+    The engine's compute buffers come on top (a few hundred MiB): placement keeps a margin
+    (:func:`llmgw.control.resolve.compute_margin`).
     """
     kv = kv_cache_bytes(facts, context, slots, bytes_per_element=bytes_per_element)
     if kv is None:
