@@ -16,7 +16,10 @@ blob a replica needs (``ReplicaSpec.blobs``):
    (:meth:`MirrorStore.place_fetched`: read-only, fsync'd, hard-linked into place);
    a corrupt transfer is refused and its partial file removed, and the fetch is
    tried again with exponential backoff, a bounded number of times, then fails
-   with a :class:`~llmgw.mirror.errors.FetchError` that says why;
+   with a :class:`~llmgw.mirror.errors.FetchError` that says why. A blob the
+   disk cannot hold is refused before it is asked for (:class:`NoSpaceError`);
+   a write that fails (the disk full, an I/O error) is not retried, and its
+   partial file is removed;
 4. the model is recorded in the node's catalogue (so ``llmgw mirror ls`` shows it
    and ``llmgw mirror gc`` keeps its blobs).
 
@@ -53,7 +56,7 @@ from urllib.parse import urlsplit
 from .. import __version__
 from ..log import mirror_logger as log
 from .errors import FetchError, MirrorError, ModelExistsError, NoSpaceError
-from .store import COPY_CHUNK, MirrorStore, _start_writeback, _write_all, is_digest
+from .store import COPY_CHUNK, MirrorStore, _human, _start_writeback, _write_all, is_digest
 
 if TYPE_CHECKING:
     from ..launch.spec import LocalModel, ModelBlob, ReplicaSpec
@@ -67,6 +70,8 @@ _PROGRESS_EVERY_S = 0.2
 # hashed, one being filled, one spare so neither waits on the other's jitter.
 _BUFFERS = 3
 _WRITEBACK_EVERY = 32 << 20
+# Keep this much free beyond the blob (the catalogue and the file system need room too).
+_SPACE_MARGIN = 16 << 20
 
 
 class _Fatal(Exception):
@@ -343,7 +348,10 @@ class MirrorFetcher:
                         f"the disk holding {self.store.root} filled up while fetching {blob.digest}"
                         f" ({blob.size} bytes); free some space (llmgw mirror gc removes unused blobs)"
                     ) from exc
-                raise
+                raise FetchError(
+                    f"cannot write {blob.digest} ({blob.size} bytes) into the node's mirror at"
+                    f" {self.store.root}: {exc.strerror or exc}; nothing was kept"
+                ) from exc
             self._remember(blob.digest)
             job.done = blob.size
             return path
@@ -375,13 +383,22 @@ class MirrorFetcher:
                 job.done = have
                 loop.call_soon_threadsafe(job.notify)
                 if have < blob.size:
-                    h = self._get(job, fd, have, h, loop)
+                    try:
+                        h = self._get(job, fd, have, h, loop)
+                    except NoSpaceError:
+                        raise  # (refused before a byte was written: what the partial file holds stays good)
+                    except OSError:
+                        # A local failure (the disk is full, the file may not grow, an I/O error):
+                        # what was written is not worth resuming from, and it holds space.
+                        _discard(fd, partial)
+                        job.done = 0
+                        loop.call_soon_threadsafe(job.notify)
+                        raise
                 size = os.fstat(fd).st_size
                 actual = "sha256:" + h.hexdigest()
                 if size != blob.size or actual != blob.digest:
                     # SECURITY: never keep bytes that are not the blob asked for.
-                    os.ftruncate(fd, 0)
-                    os.unlink(partial)
+                    _discard(fd, partial)
                     job.done = 0
                     loop.call_soon_threadsafe(job.notify)
                     raise _Retry(
@@ -448,6 +465,7 @@ class MirrorFetcher:
                 raise _Retry(
                     f"the mirror sent {length} bytes from offset {have} for a blob of {blob.size} bytes"
                 )
+            self._check_space(blob, fd, have, length)
             os.lseek(fd, have, os.SEEK_SET)
             got = self._pump(job, resp, fd, length, h, have, loop)
         finally:
@@ -461,6 +479,18 @@ class MirrorFetcher:
                     took, got / max(took, 1e-6) / (1 << 20),
                 )
         return h
+
+    def _check_space(self, blob: ModelBlob, fd: int, have: int, length: int) -> None:
+        """Refuse at once, before any byte comes, a blob the disk cannot hold."""
+        st = os.fstatvfs(fd)
+        available = st.f_bavail * st.f_frsize
+        needed = length
+        if available < needed + _SPACE_MARGIN:
+            raise NoSpaceError(
+                f"not enough space in {self.store.root} for {blob.digest} ({_human(blob.size)}"
+                f"{f', resuming at {_human(have)}' if have else ''}): it needs {_human(needed)} more and"
+                f" {_human(available)} is free; free some space (llmgw mirror gc removes unused blobs)"
+            )
 
     def _pump(
         self, job: _Job, resp: http.client.HTTPResponse, fd: int, length: int, h: Any, offset: int,
@@ -569,6 +599,18 @@ def _hash_prefix(fd: int, have: int, h: Any) -> int:
     if done < have:
         os.ftruncate(fd, done)
     return done
+
+
+def _discard(fd: int, partial: Path) -> None:
+    """Empty and remove a partial file (best effort: the caller is reporting a failure already)."""
+    try:
+        os.ftruncate(fd, 0)
+    except OSError:
+        pass
+    try:
+        os.unlink(partial)
+    except FileNotFoundError:
+        pass
 
 
 def _why(exc: BaseException) -> str:
