@@ -17,9 +17,9 @@ blob a replica needs (``ReplicaSpec.blobs``):
    a corrupt transfer is refused and its partial file removed, and the fetch is
    tried again with exponential backoff, a bounded number of times, then fails
    with a :class:`~llmgw.mirror.errors.FetchError` that says why. A blob the
-   disk cannot hold is refused before it is asked for (:class:`NoSpaceError`);
-   a write that fails (the disk full, an I/O error) is not retried, and its
-   partial file is removed;
+   disk cannot hold is refused before its first byte is written
+   (:class:`NoSpaceError`); a write that fails (the disk full, an I/O error) is
+   not retried, and its partial file is removed;
 4. the model is recorded in the node's catalogue (so ``llmgw mirror ls`` shows it
    and ``llmgw mirror gc`` keeps its blobs).
 
@@ -27,8 +27,9 @@ Concurrent :meth:`MirrorFetcher.ensure` calls for the same blob share one downlo
 each caller hears the progress of all its blobs. A 401, 403 or 404 is not retried
 (the credential, the placement or the mirror is wrong: a retry cannot help).
 
-The transfers run in threads (blocking sockets, ``readinto`` a reusable buffer,
-``os.write``): the event loop only hears progress, a few times a second.
+The transfers run in threads (blocking sockets, ``readinto`` a ring of buffers kept
+from one transfer to the next, ``os.write``): the event loop only hears progress, a few
+times a second.
 SECURITY: the credential goes in the ``Authorization`` header only, never in a
 message or a log line.
 """
