@@ -357,7 +357,7 @@ class MirrorFetcher:
                     ) from exc
                 raise FetchError(
                     f"cannot write {blob.digest} ({blob.size} bytes) into the node's mirror at"
-                    f" {self.store.root}: {exc.strerror or exc}; nothing was kept"
+                    f" {self.store.root}: {exc.strerror or exc}"
                 ) from exc
             self._remember(blob.digest)
             job.done = blob.size
