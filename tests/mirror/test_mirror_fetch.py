@@ -13,6 +13,8 @@ import contextlib
 import hashlib
 import logging
 import os
+import resource
+import threading
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,6 +24,8 @@ import orjson
 import pytest
 from mirror_helpers import write_gguf, write_projector
 
+from llmgw.agent.client import AgentClient
+from llmgw.agent.model import Discovery, NodeFacts
 from llmgw.config import load
 from llmgw.control.credentials import CREDENTIAL_PREFIX, NodeCredentials
 from llmgw.launch.spec import ModelBlob, ReplicaSpec
@@ -43,6 +47,7 @@ class Mirror:
     store: MirrorStore
     blobs: tuple[ModelBlob, ...]
     credential: str
+    control_port: int
     allowed: set[tuple[str, str]] = field(default_factory=set)
 
     @property
@@ -76,15 +81,16 @@ async def mirror_runtime(tmp_path: Path, *, big: int = 0) -> AsyncIterator[Mirro
     store = MirrorStore(tmp_path / "cp-mirror")
     import_file(store, model, name="tiny:1b", projectors=[proj])
     blobs, _ = resolve(store, "tiny:1b")
+    control_port = _free_port()
     cfg = load({
         "listen": "127.0.0.1:0", "admin": "127.0.0.1:0", "mirror": {"root": str(store.root)},
-        "control": {"listen": f"127.0.0.1:{_free_port()}", "join_token": JOIN},
+        "control": {"listen": f"127.0.0.1:{control_port}", "join_token": JOIN, "heartbeat_interval": 0.1},
     })
     rt = GatewayRuntime(cfg, components=components_for(cfg))
     await rt.start()
     try:
         cp = rt.components[0]
-        m = Mirror(rt, store, blobs, cp.credentials.issue("node-a"))
+        m = Mirror(rt, store, blobs, cp.credentials.issue("node-a"), control_port)
         cp.mirror_server.allowed = lambda node, digest: (node, digest) in m.allowed
         m.allowed.update(("node-a", b.digest) for b in blobs)
         yield m
@@ -116,10 +122,13 @@ class CuttingProxy:
     """A TCP proxy to ``target``: the first connection is cut after ``cut_after`` bytes of the
     answer; every connection's request bytes are kept in :attr:`requests`."""
 
-    def __init__(self, target: tuple[str, int], cut_after: int, *, stall: bool = False) -> None:
+    def __init__(
+        self, target: tuple[str, int], cut_after: int, *, stall: bool = False, gate: asyncio.Event | None = None
+    ) -> None:
         self.target = target
         self.cut_after = cut_after
         self.stall = stall  # after cut_after bytes, hold the connection open instead of closing it
+        self.gate = gate  # after cut_after bytes, wait for it to be set, then forward the rest
         self.requests: list[bytes] = []
         self.server: asyncio.Server | None = None
         self._tasks: set[asyncio.Task[None]] = set()
@@ -150,11 +159,15 @@ class CuttingProxy:
 
         async def down() -> bool:
             sent = 0
+            cut = limit
             while data := await ur.read(65536):
-                if limit is not None and sent + len(data) >= limit:
-                    cw.write(data[: limit - sent])
+                if cut is not None and sent + len(data) >= cut:
+                    cw.write(data[: cut - sent])
                     await cw.drain()
-                    return self.stall
+                    if self.gate is None:
+                        return self.stall
+                    await self.gate.wait()
+                    data, sent, cut = data[cut - sent:], cut, None
                 sent += len(data)
                 cw.write(data)
                 await cw.drain()
@@ -299,6 +312,86 @@ async def test_corrupt_transfer_is_refused_and_nothing_kept(tmp_path: Path) -> N
         blobs, tmp = node_files(node_root)
         assert model.digest[7:] not in blobs
         assert tmp == []
+
+
+async def test_a_failed_write_stops_the_hash_thread_and_keeps_nothing(tmp_path: Path) -> None:
+    """The disk refuses a write half-way (here: the file may not grow past 1 MB, EFBIG, as a full
+    disk refuses with ENOSPC) while the hash thread digests the chunks before it: the fetch fails
+    with a message that says so, the hash thread is gone, the partial file removed; not retried."""
+    async with mirror_runtime(tmp_path, big=600_000) as m:
+        model = m.blobs[0]
+        assert model.size > 2_000_000
+        node_root = tmp_path / "node-mirror"
+        fetcher = MirrorFetcher(m.url, m.credential, node_root, attempts=3, backoff=0.01, chunk=64 * 1024)
+        spec = ReplicaSpec(id="r", deployment="d", engine="llamacpp", model="tiny:1b", served_name="t",
+                           blobs=(model,))
+        heard: list[int] = []
+        soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+        try:
+            resource.setrlimit(resource.RLIMIT_FSIZE, (1_000_000, hard))  # (Python ignores SIGXFSZ: EFBIG)
+            try:
+                with pytest.raises(FetchError, match=r"cannot write sha256:[0-9a-f]{64} \(\d+ bytes\) into the"
+                                   r" node's mirror at .*: File too large"):
+                    await asyncio.wait_for(fetcher.ensure(spec, lambda d, t: heard.append(d)), 20)
+            finally:
+                resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+            assert fetcher.downloads == 1  # a local failure is not one a retry of the transfer fixes
+            assert max(heard) > 0 and heard[-1] == 0  # progress went back to nothing kept
+            assert node_files(node_root) == ([], [])
+            assert not [t for t in threading.enumerate() if t.name.startswith("llmgw-fetch-hash")]
+            # the disk takes writes again: the next ensure() fetches the blob whole
+            local = await asyncio.wait_for(fetcher.ensure(spec, lambda d, t: None), 20)
+            assert sha(local.path) == model.digest and fetcher.downloads == 2
+        finally:
+            await fetcher.close()
+
+
+class _NodeSource:
+    def read(self) -> Discovery:
+        return Discovery(facts=NodeFacts(hostname="node-a"), source="simulated")
+
+    def close(self) -> None:
+        pass
+
+
+async def test_heartbeats_go_on_while_a_blob_is_fetched(tmp_path: Path) -> None:
+    """The transfer runs off the event loop: with a fetch held half-way (the mirror's bytes stop
+    coming), the agent registers and heartbeats on the same loop, then the fetch completes."""
+    async with mirror_runtime(tmp_path, big=600_000) as m:
+        model = m.blobs[0]
+        assert m.rt.admin_addr is not None
+        gate = asyncio.Event()
+        proxy = CuttingProxy(("127.0.0.1", m.rt.admin_addr[1]), cut_after=1_000_000, gate=gate)
+        url = await proxy.start()
+        fetcher = MirrorFetcher(url, m.credential, tmp_path / "node-mirror", chunk=64 * 1024)
+        spec = ReplicaSpec(id="r", deployment="d", engine="llamacpp", model="tiny:1b", served_name="t",
+                           blobs=(model,))
+        agent = AgentClient(f"127.0.0.1:{m.control_port}", "node-a", JOIN, _NodeSource())
+        stop = asyncio.Event()
+        running: asyncio.Task[None] | None = None
+        halfway = asyncio.Event()
+        fetch = asyncio.ensure_future(fetcher.ensure(spec, lambda d, t: halfway.set() if d > 0 else None))
+        try:
+            await asyncio.wait_for(halfway.wait(), 10)
+            running = asyncio.ensure_future(agent.run(stop))
+            for _ in range(500):  # (bounded: 3 beats at the 0.1 s interval take ~0.3 s)
+                if agent.heartbeats >= 3 or running.done():
+                    break
+                await asyncio.sleep(0.02)
+            assert agent.heartbeats >= 3 and agent.registrations == 1
+            assert not fetch.done()  # the blob is still on its way
+            gate.set()
+            local = await asyncio.wait_for(fetch, 20)
+            assert sha(local.path) == model.digest and fetcher.downloads == 1
+        finally:
+            gate.set()
+            stop.set()
+            if running is not None:
+                await asyncio.wait_for(running, 10)
+            fetch.cancel()
+            await asyncio.gather(fetch, return_exceptions=True)
+            await fetcher.close()
+            await proxy.close()
 
 
 # -- the route ------------------------------------------------------------------------------

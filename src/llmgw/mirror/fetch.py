@@ -16,7 +16,10 @@ blob a replica needs (``ReplicaSpec.blobs``):
    (:meth:`MirrorStore.place_fetched`: read-only, fsync'd, hard-linked into place);
    a corrupt transfer is refused and its partial file removed, and the fetch is
    tried again with exponential backoff, a bounded number of times, then fails
-   with a :class:`~llmgw.mirror.errors.FetchError` that says why;
+   with a :class:`~llmgw.mirror.errors.FetchError` that says why. A blob the
+   disk cannot hold is refused before its first byte is written
+   (:class:`NoSpaceError`); a write that fails (the disk full, an I/O error) is
+   not retried, and its partial file is removed;
 4. the model is recorded in the node's catalogue (so ``llmgw mirror ls`` shows it
    and ``llmgw mirror gc`` keeps its blobs).
 
@@ -24,8 +27,9 @@ Concurrent :meth:`MirrorFetcher.ensure` calls for the same blob share one downlo
 each caller hears the progress of all its blobs. A 401, 403 or 404 is not retried
 (the credential, the placement or the mirror is wrong: a retry cannot help).
 
-The transfers run in threads (blocking sockets, ``readinto`` a reusable buffer,
-``os.write``): the event loop only hears progress, a few times a second.
+The transfers run in threads (blocking sockets, ``readinto`` a ring of buffers kept
+from one transfer to the next, ``os.write``): the event loop only hears progress, a few
+times a second.
 SECURITY: the credential goes in the ``Authorization`` header only, never in a
 message or a log line.
 """
@@ -53,7 +57,7 @@ from urllib.parse import urlsplit
 from .. import __version__
 from ..log import mirror_logger as log
 from .errors import FetchError, MirrorError, ModelExistsError, NoSpaceError
-from .store import COPY_CHUNK, MirrorStore, _start_writeback, _write_all, is_digest
+from .store import COPY_CHUNK, MirrorStore, _human, _start_writeback, _write_all, is_digest
 
 if TYPE_CHECKING:
     from ..launch.spec import LocalModel, ModelBlob, ReplicaSpec
@@ -67,6 +71,14 @@ _PROGRESS_EVERY_S = 0.2
 # hashed, one being filled, one spare so neither waits on the other's jitter.
 _BUFFERS = 3
 _WRITEBACK_EVERY = 32 << 20
+# PERF: a ring of buffers is kept for the next transfer (at most this many rings):
+# allocating 3 x 4 MiB costs 8-20 ms on the benchmark VM (every page faulted in and
+# zeroed), 2-6% of a 384 MiB transfer, paid again by every blob.
+_KEEP_RINGS = 1
+_rings: list[list[memoryview]] = []
+_rings_lock = threading.Lock()
+# Keep this much free beyond the blob (the catalogue and the file system need room too).
+_SPACE_MARGIN = 16 << 20
 
 
 class _Fatal(Exception):
@@ -343,7 +355,10 @@ class MirrorFetcher:
                         f"the disk holding {self.store.root} filled up while fetching {blob.digest}"
                         f" ({blob.size} bytes); free some space (llmgw mirror gc removes unused blobs)"
                     ) from exc
-                raise
+                raise FetchError(
+                    f"cannot write {blob.digest} ({blob.size} bytes) into the node's mirror at"
+                    f" {self.store.root}: {exc.strerror or exc}"
+                ) from exc
             self._remember(blob.digest)
             job.done = blob.size
             return path
@@ -375,13 +390,22 @@ class MirrorFetcher:
                 job.done = have
                 loop.call_soon_threadsafe(job.notify)
                 if have < blob.size:
-                    h = self._get(job, fd, have, h, loop)
+                    try:
+                        h = self._get(job, fd, have, h, loop)
+                    except NoSpaceError:
+                        raise  # (refused before a byte was written: what the partial file holds stays good)
+                    except OSError:
+                        # A local failure (the disk is full, the file may not grow, an I/O error):
+                        # what was written is not worth resuming from, and it holds space.
+                        _discard(fd, partial)
+                        job.done = 0
+                        loop.call_soon_threadsafe(job.notify)
+                        raise
                 size = os.fstat(fd).st_size
                 actual = "sha256:" + h.hexdigest()
                 if size != blob.size or actual != blob.digest:
                     # SECURITY: never keep bytes that are not the blob asked for.
-                    os.ftruncate(fd, 0)
-                    os.unlink(partial)
+                    _discard(fd, partial)
                     job.done = 0
                     loop.call_soon_threadsafe(job.notify)
                     raise _Retry(
@@ -448,6 +472,7 @@ class MirrorFetcher:
                 raise _Retry(
                     f"the mirror sent {length} bytes from offset {have} for a blob of {blob.size} bytes"
                 )
+            self._check_space(blob, fd, have, length)
             os.lseek(fd, have, os.SEEK_SET)
             got = self._pump(job, resp, fd, length, h, have, loop)
         finally:
@@ -462,6 +487,18 @@ class MirrorFetcher:
                 )
         return h
 
+    def _check_space(self, blob: ModelBlob, fd: int, have: int, length: int) -> None:
+        """Refuse at once, before any byte comes, a blob the disk cannot hold."""
+        st = os.fstatvfs(fd)
+        available = st.f_bavail * st.f_frsize
+        needed = length
+        if available < needed + _SPACE_MARGIN:
+            raise NoSpaceError(
+                f"not enough space in {self.store.root} for {blob.digest} ({_human(blob.size)}"
+                f"{f', resuming at {_human(have)}' if have else ''}): it needs {_human(needed)} more and"
+                f" {_human(available)} is free; free some space (llmgw mirror gc removes unused blobs)"
+            )
+
     def _pump(
         self, job: _Job, resp: http.client.HTTPResponse, fd: int, length: int, h: Any, offset: int,
         loop: asyncio.AbstractEventLoop,
@@ -473,45 +510,49 @@ class MirrorFetcher:
         it and reads into the next. A buffer is refilled only after its hash has run.
         """
         chunk = self.chunk
-        views = [memoryview(bytearray(chunk)) for _ in range(_BUFFERS)]
-        hashing: list[Future[None] | None] = [None] * _BUFFERS
+        views = _take_ring(chunk, length)
+        hashing: list[Future[None] | None] = [None] * len(views)
         got = 0
         flushed = 0
         told = 0.0  # (the first chunk is reported at once)
         i = 0
-        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="llmgw-fetch-hash") as hasher:
-            try:
-                while got < length:
-                    if job.cancelled.is_set():
-                        raise _Fatal("stopped (the agent is shutting down)")
-                    pending = hashing[i]
-                    if pending is not None:
-                        pending.result()
-                    view = views[i][: min(chunk, length - got)]
-                    try:
-                        n = resp.readinto(view)
-                    except (OSError, http.client.HTTPException) as exc:
-                        raise _Retry(f"the transfer broke off after {offset + got} bytes ({_why(exc)})") from None
-                    if not n:
-                        raise _Retry(f"the mirror closed the connection after {offset + got} bytes")
-                    data = view[:n]
-                    hashing[i] = hasher.submit(h.update, data)
-                    _write_all(fd, data)
-                    got += n
-                    if got - flushed >= _WRITEBACK_EVERY:
-                        _start_writeback(fd, offset + flushed, got - flushed)
-                        flushed = got
-                    job.done = offset + got
-                    now = time.monotonic()
-                    if now - told >= _PROGRESS_EVERY_S:
-                        told = now
-                        loop.call_soon_threadsafe(job.notify)
-                    i = (i + 1) % _BUFFERS
-            finally:
-                # Never leave the hash thread reading a buffer that is going away.
-                for pending in hashing:
-                    if pending is not None:
-                        pending.result()
+        try:
+            with ThreadPoolExecutor(max_workers=1, thread_name_prefix="llmgw-fetch-hash") as hasher:
+                try:
+                    while got < length:
+                        if job.cancelled.is_set():
+                            raise _Fatal("stopped (the agent is shutting down)")
+                        pending = hashing[i]
+                        if pending is not None:
+                            pending.result()
+                        view = views[i][: min(chunk, length - got)]
+                        try:
+                            n = resp.readinto(view)
+                        except (OSError, http.client.HTTPException) as exc:
+                            raise _Retry(f"the transfer broke off after {offset + got} bytes ({_why(exc)})") from None
+                        if not n:
+                            raise _Retry(f"the mirror closed the connection after {offset + got} bytes")
+                        data = view[:n]
+                        hashing[i] = hasher.submit(h.update, data)
+                        _write_all(fd, data)
+                        got += n
+                        if got - flushed >= _WRITEBACK_EVERY:
+                            _start_writeback(fd, offset + flushed, got - flushed)
+                            flushed = got
+                        job.done = offset + got
+                        now = time.monotonic()
+                        if now - told >= _PROGRESS_EVERY_S:
+                            told = now
+                            loop.call_soon_threadsafe(job.notify)
+                        i = (i + 1) % len(views)
+                finally:
+                    # Never leave the hash thread reading a buffer that is going away (or that the
+                    # next transfer fills).
+                    for pending in hashing:
+                        if pending is not None:
+                            pending.result()
+        finally:
+            _give_ring(views, chunk)  # (the hash thread has ended: no buffer of the ring is in use)
         loop.call_soon_threadsafe(job.notify)
         return got
 
@@ -569,6 +610,39 @@ def _hash_prefix(fd: int, have: int, h: Any) -> int:
     if done < have:
         os.ftruncate(fd, done)
     return done
+
+
+def _take_ring(chunk: int, length: int) -> list[memoryview]:
+    """Buffers for a transfer of ``length`` bytes in reads of ``chunk``: a kept ring of the size,
+    else new ones (a blob smaller than the ring gets only what it needs)."""
+    with _rings_lock:
+        for ring in _rings:
+            if len(ring[0]) == chunk:
+                _rings.remove(ring)
+                return ring
+    size = min(chunk, max(length, 1))
+    return [memoryview(bytearray(size)) for _ in range(_BUFFERS if length > size else 1)]
+
+
+def _give_ring(ring: list[memoryview], chunk: int) -> None:
+    """Keep a full-sized ring for the next transfer (up to :data:`_KEEP_RINGS`); others are freed."""
+    if len(ring) != _BUFFERS or len(ring[0]) != chunk:
+        return
+    with _rings_lock:
+        if len(_rings) < _KEEP_RINGS:
+            _rings.append(ring)
+
+
+def _discard(fd: int, partial: Path) -> None:
+    """Empty and remove a partial file (best effort: the caller is reporting a failure already)."""
+    try:
+        os.ftruncate(fd, 0)
+    except OSError:
+        pass
+    try:
+        os.unlink(partial)
+    except FileNotFoundError:
+        pass
 
 
 def _why(exc: BaseException) -> str:
