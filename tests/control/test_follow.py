@@ -15,6 +15,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +38,12 @@ ROUTER_TOKEN = secret("router-token-9c1e")
 
 
 async def _http(port: int, method: str, path: str, body: Any = None, timeout: float = 10.0) -> tuple[int, bytes]:
+    status, _, payload = await _http3(port, method, path, body, timeout)
+    return status, payload
+
+
+async def _http3(port: int, method: str, path: str, body: Any = None, timeout: float = 10.0
+                 ) -> tuple[int, bytes, bytes]:
     data = b"" if body is None else orjson.dumps(body)
     r, w = await asyncio.open_connection("127.0.0.1", port)
     try:
@@ -55,7 +62,7 @@ async def _http(port: int, method: str, path: str, body: Any = None, timeout: fl
                 break
             out, rest = out + rest[:size], rest[size + 2:]
         payload = out
-    return int(head.split(b" ", 2)[1]), payload
+    return int(head.split(b" ", 2)[1]), head.lower(), payload
 
 
 async def _chat(rt: GatewayRuntime) -> int:
@@ -174,6 +181,30 @@ async def test_router_follows_survives_and_catches_up(tmp_path: Path) -> None:
         await wait_for(lambda: len(_tiny(rt)) == 2, 60, "two replicas in the router")
         assert [await _chat(rt) for _ in range(6)] == [200] * 6
         assert follower.state.connects == 2
+
+        # -- 2 -> 1 with requests in flight through the router: the control plane waits for them --
+        assert rt.registry is not None and rt.listen_addr is not None
+        done: list[tuple[str, float]] = []
+
+        async def long_request() -> int:
+            status, head, _ = await _http3(rt.listen_addr[1], "POST", "/v1/chat/completions",  # type: ignore[index]
+                                           {"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
+                                            "max_tokens": 1200}, timeout=30)  # (~2.5 s at the stand-in's speed)
+            replica = head.split(b"x-llmgw-replica: ", 1)[1].split(b"\r\n", 1)[0].decode()
+            done.append((replica, time.monotonic()))
+            return status
+
+        ids = {ep.id for ep in _tiny(rt)}
+        reqs = [asyncio.create_task(long_request()) for _ in range(4)]
+        await wait_for(lambda: all(ep.inflight > 0 for ep in _tiny(rt)), 10, "requests in flight on both")
+        status, body = await _http(cp_admin, "POST", "/admin/v1/deployments/tiny/scale", {"replicas": 1})
+        assert status == 200, body
+        left = await wait_for(lambda: ids - set(rt.registry.endpoints), 30, "the drained replica out")  # type: ignore[union-attr]
+        left_at = time.monotonic()
+        assert await asyncio.gather(*reqs) == [200] * 4
+        gone = left.pop()
+        assert any(r == gone for r, _ in done), done
+        assert all(t <= left_at for r, t in done if r == gone), "the replica left before its requests finished"
     finally:
         await rt.stop()
         await agent.term()

@@ -54,6 +54,9 @@ LEADER_METADATA = "llmgw-leader"
 """A standby's refusal names the leader's gRPC address in this trailing metadata (as for agents)."""
 REPORT_VALID_S = 3.0
 """A router's draining report holds a drain this long (it reports about twice a second while it matters)."""
+REPORT_WINDOW_S = 1.5
+"""While routers follow, a replica that just began draining counts as busy this long: time for the routers
+to see it drain and report what they have in flight to it (they report at once)."""
 MAX_NAME = 253
 SETTLE_POLL_S = 0.1
 
@@ -140,7 +143,8 @@ class FollowHub:
         then would take every replica out of the routers. Until it is, routers keep the table they had."""
         self._settle_timer: asyncio.TimerHandle | None = None
         self._table: dict[str, EndpointConfig] = {}
-        self._draining: set[str] = set()
+        self._draining: dict[str, float] = {}
+        """Draining replica id -> since when (monotonic)."""
         self._held: frozenset[str] = frozenset()
         self._due = False
         self._reports: dict[str, tuple[float, dict[str, int]]] = {}
@@ -154,12 +158,12 @@ class FollowHub:
         elif ep.id in self._table:
             raise ValueError(f"an endpoint {ep.id!r} exists")
         self._table[ep.id] = ep
-        self._draining.discard(ep.id)
+        self._draining.pop(ep.id, None)
         self._changed()
 
     def remove(self, endpoint_id: str) -> None:
         known = self._table.pop(endpoint_id, None)
-        self._draining.discard(endpoint_id)
+        self._draining.pop(endpoint_id, None)
         if known is not None:
             self._changed()
         if self.inner is not None:
@@ -173,7 +177,10 @@ class FollowHub:
         elif endpoint_id not in self._table:
             raise KeyError(endpoint_id)
         if endpoint_id in self._table and (endpoint_id in self._draining) != draining:
-            (self._draining.add if draining else self._draining.discard)(endpoint_id)
+            if draining:
+                self._draining[endpoint_id] = self.clock()
+            else:
+                del self._draining[endpoint_id]
             self._changed()
 
     def inflight(self, endpoint_id: str) -> int | None:
@@ -183,6 +190,9 @@ class FollowHub:
         if own is None:
             return None
         now = self.clock()
+        since = self._draining.get(endpoint_id)
+        if since is not None and self.stats.followers > 0 and now - since < REPORT_WINDOW_S:
+            own = max(own, 1)  # (the routers have not had time to report yet)
         for name, (at, counts) in list(self._reports.items()):
             if now - at > REPORT_VALID_S:
                 del self._reports[name]

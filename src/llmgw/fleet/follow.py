@@ -242,7 +242,7 @@ class Follower:
         # (main loop only)
         self._eps: dict[str, tuple[EndpointConfig, bool]] = {}
         """The table's replicas in the router: id -> (endpoint, draining)."""
-        self._report_timer: asyncio.TimerHandle | None = None
+        self._report_timer: asyncio.Handle | None = None
         self._reported: dict[str, int] | None = None
         # (follow thread only)
         self._stop: asyncio.Event | None = None
@@ -433,6 +433,7 @@ class Follower:
                 skipped += 1
                 log.error("replica table %d: %s; left out", table.version, exc)
         router = self.router
+        newly_draining = False
         for rid in [r for r in self._eps if r not in new or new[r][0] != self._eps[r][0]]:
             del self._eps[rid]
             with contextlib.suppress(KeyError):
@@ -450,6 +451,7 @@ class Follower:
                     router.set_draining(rid, True)
             elif had[1] != draining:
                 router.set_draining(rid, draining)
+                newly_draining |= draining
             self._eps[rid] = (ep, draining)
         router.hold(frozenset(table.held_models))
         first = s.version is None
@@ -462,7 +464,13 @@ class Follower:
             log.info("first replica table: version %d, %d replicas", table.version, len(self._eps))
         if self.first_table is not None:
             self.first_table.set()
-        self._schedule_report()
+        if newly_draining:  # report at once: the control plane waits for it before it stops the replica
+            if self._report_timer is not None:
+                self._report_timer.cancel()
+            assert self._loop is not None
+            self._report_timer = self._loop.call_soon(self._report_tick)
+        else:
+            self._schedule_report()
 
     def _schedule_report(self) -> None:
         if self._report_timer is None and (any(d for _, d in self._eps.values()) or self._reported):
