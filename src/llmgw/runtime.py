@@ -29,6 +29,7 @@ imports go downward only (``tests/test_import_graph.py``).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import signal
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -124,6 +125,10 @@ def control_plane(parts: Parts) -> Component:
     from .control.service import ControlPlane
 
     return ControlPlane(parts.config, admin=parts.admin, router=RouterPort(parts))
+
+
+def _without_token(f: Any) -> Any:
+    return dataclasses.replace(f, token=None) if f is not None else None
 
 
 def follower(parts: Parts) -> Component:
@@ -329,6 +334,8 @@ class GatewayRuntime:
         not_applied = [k for k in ("listen", "admin") if getattr(config, k) != getattr(self.config, k)]
         if config.admission.header.lower() != self.config.admission.header.lower():
             not_applied.append("admission.header")  # read by the client listener's connections
+        if _without_token(config.follow) != _without_token(self.config.follow):
+            not_applied.append("follow")  # (its token is read on every call: a new one is presented next time)
         self.config = config
         return {"added": added, "removed": removed, "changed": changed, "restart_needed_for": not_applied}
 

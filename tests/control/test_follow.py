@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -294,5 +295,40 @@ async def test_a_standby_sends_the_router_to_the_leader(tmp_path: Path) -> None:
             assert follower.state.target == f"127.0.0.1:{p_leader}" and follower.state.source == lead.follow_hub.source
             await wait_for(lambda: rt.registry is not None and "r1" in rt.registry.endpoints, 5, "the leader's table")
             assert standby.components[0].follow_hub.stats.refused.get("standby", 0) >= 1
+            # a reload applies a new token (presented on the next call); new addresses need a restart
+            same = {"listen": "127.0.0.1:0", "admin": "127.0.0.1:0"}
+            got = rt.reload(load({**same, "follow": {"control": f"127.0.0.1:{p_standby}", "token": "rotated"}}))
+            assert got["restart_needed_for"] == [] and follower._metadata()[0][1] == "Bearer rotated"
+            got = rt.reload(load({**same, "follow": {"control": f"127.0.0.1:{p_leader}", "token": "rotated"}}))
+            assert got["restart_needed_for"] == ["follow"]
         finally:
             await rt.stop()
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command to make certificates")
+async def test_router_follows_over_mutual_tls(tmp_path: Path) -> None:
+    from cp_helpers import control_runtime
+    from test_security import _make_pki
+
+    pki = _make_pki(tmp_path)
+    port = free_port()
+    async with control_runtime(port, router_token=ROUTER_TOKEN, tls_cert=str(pki["server.pem"]),
+                               tls_key=str(pki["server.key"]), tls_client_ca=str(pki["ca.pem"])) as cp_rt:
+        cp_rt.components[0].follow_hub.add(_ep("r1"))
+        rcfg = load({"listen": "127.0.0.1:0", "admin": "127.0.0.1:0",
+                     "follow": {"control": f"localhost:{port}", "token": ROUTER_TOKEN, "tls_ca": str(pki["ca.pem"]),
+                                "tls_cert": str(pki["client.pem"]), "tls_key": str(pki["client.key"])}})
+        rt = GatewayRuntime(rcfg, components=components_for(rcfg))
+        await rt.start()
+        try:
+            await wait_for(lambda: rt.registry is not None and "r1" in rt.registry.endpoints, 10, "the table over mTLS")
+        finally:
+            await rt.stop()
+        # plaintext to the TLS listener gets nothing
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+            call = router_pb2_grpc.RouterServiceStub(ch).WatchReplicas(
+                rpb.WatchReplicasRequest(router_name="plain", protocol=rpb.ProtocolVersion(major=1)),
+                metadata=[("authorization", f"Bearer {ROUTER_TOKEN}")], timeout=3)
+            with pytest.raises(grpc.aio.AioRpcError) as ei:
+                await call.read()
+        assert ei.value.code() == grpc.StatusCode.UNAVAILABLE

@@ -15,6 +15,10 @@ service on the control plane's gRPC listener, on its thread (:mod:`.thread`).
   still has in flight to the draining replicas, and :meth:`FollowHub.inflight` adds
   the fresh reports to the process's own count.
 
+HA (i21-ha): a standby must refuse routers as it refuses agents; set
+:attr:`RouterService.standby` to the agent service's standby check and call
+:meth:`RouterService.end_streams` (on the control loop) where leadership is lost.
+
 SECURITY: the table carries every replica's API key. Routers present a router token
 (``control.router_token``: SHA-256 digests, compared in constant time, as the join
 tokens are); a refusal is logged with the router's name and address, never the token.
