@@ -63,6 +63,7 @@ BACKOFF_MAX_S = 5.0
 """The longest wait between rounds of attempts (a control plane back is followed within about this)."""
 REPORT_EVERY_S = 0.5
 CALL_TIMEOUT_S = 5.0
+MAX_TABLE_BYTES = 64 * 1024 * 1024
 _REFUSED = (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.FAILED_PRECONDITION,
             grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNIMPLEMENTED)
 
@@ -240,8 +241,8 @@ class Follower:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._collector: FollowCollector | None = None
         # (main loop only)
-        self._eps: dict[str, tuple[EndpointConfig, bool]] = {}
-        """The table's replicas in the router: id -> (endpoint, draining)."""
+        self._eps: dict[str, tuple[EndpointConfig, bool, bytes]] = {}
+        """The table's replicas in the router: id -> (endpoint, draining, wire form: :meth:`_parse`)."""
         self._report_timer: asyncio.Handle | None = None
         self._reported: dict[str, int] | None = None
         # (follow thread only)
@@ -288,7 +289,7 @@ class Follower:
 
     def models(self) -> frozenset[str]:
         """The models the table's replicas serve (draining ones left out): ``/ready`` asks for each."""
-        return frozenset(ep.model for ep, draining in self._eps.values() if not draining)
+        return frozenset(ep.model for ep, draining, _ in self._eps.values() if not draining)
 
     def status(self) -> dict[str, Any]:
         s = self.state
@@ -376,7 +377,8 @@ class Follower:
 
     async def _watch(self, target: str) -> bool:
         """Follow ``target`` until its stream ends; whether a table came (raises the stream's error)."""
-        opts = [*CLIENT_OPTIONS]
+        # a table is ~250 bytes a replica: 10,000 replicas pass gRPC's default 4 MiB for a received message
+        opts = [*CLIENT_OPTIONS, ("grpc.max_receive_message_length", MAX_TABLE_BYTES)]
         if self._creds is not None:
             self._channel = ch = grpc.aio.secure_channel(target, self._creds, options=opts)
         else:
@@ -400,7 +402,8 @@ class Follower:
                 self.state.connects += 1
                 self.state.last_error = None
                 log.info("following the control plane at %s (replica table %d)", target, msg.table.version)
-            loop.call_soon_threadsafe(self._apply, msg.table)
+            # PERF: parsed here, off the data path's loop (1,000 replicas take ~10 ms); applied there
+            loop.call_soon_threadsafe(self._apply, msg.table, *self._parse(msg.table))
 
     def _metadata(self) -> tuple[tuple[str, str], ...]:
         f = self.config().follow or self.follow  # (a reload may change the token: the next call presents it)
@@ -421,24 +424,34 @@ class Follower:
 
     # -- the table (main loop) --
 
-    def _apply(self, table: rpb.ReplicaTable) -> None:
-        """Make the router's followed replicas the table's (replicas join, leave, drain; models held)."""
-        s = self.state
-        new: dict[str, tuple[EndpointConfig, bool]] = {}
+    @staticmethod
+    def _parse(table: rpb.ReplicaTable) -> tuple[dict[str, tuple[EndpointConfig, bool, bytes]], int]:
+        """The table's replicas as endpoints (id -> (endpoint, draining, its wire form but the draining flag))
+        and how many were left out. PERF: a replica is compared by its bytes (1 us) rather than its
+        endpoint (10 us): an unchanged table of 1,000 costs the loop 1 ms, not 10."""
+        new: dict[str, tuple[EndpointConfig, bool, bytes]] = {}
         skipped = 0
         for m in table.replicas:
             try:
-                new[m.id] = (endpoint_from_proto(m), m.draining)
+                draining = m.draining
+                m.draining = False
+                new[m.id] = (endpoint_from_proto(m), draining, m.SerializeToString())
             except ValueError as exc:
                 skipped += 1
                 log.error("replica table %d: %s; left out", table.version, exc)
+        return new, skipped
+
+    def _apply(self, table: rpb.ReplicaTable, new: dict[str, tuple[EndpointConfig, bool, bytes]], skipped: int
+               ) -> None:
+        """Make the router's followed replicas the table's (replicas join, leave, drain; models held)."""
+        s = self.state
         router = self.router
         newly_draining = False
-        for rid in [r for r in self._eps if r not in new or new[r][0] != self._eps[r][0]]:
+        for rid in [r for r in self._eps if r not in new or new[r][2] != self._eps[r][2]]:
             del self._eps[rid]
             with contextlib.suppress(KeyError):
                 router.remove(rid)
-        for rid, (ep, draining) in new.items():
+        for rid, (ep, draining, wire) in new.items():
             had = self._eps.get(rid)
             if had is None:
                 try:
@@ -452,7 +465,7 @@ class Follower:
             elif had[1] != draining:
                 router.set_draining(rid, draining)
                 newly_draining |= draining
-            self._eps[rid] = (ep, draining)
+            self._eps[rid] = (ep, draining, wire)
         router.hold(frozenset(table.held_models))
         first = s.version is None
         s.version, s.source, s.built_at = table.version, table.source, table.built_at_unix_seconds
@@ -473,14 +486,14 @@ class Follower:
             self._schedule_report()
 
     def _schedule_report(self) -> None:
-        if self._report_timer is None and (any(d for _, d in self._eps.values()) or self._reported):
+        if self._report_timer is None and (any(d for _, d, _ in self._eps.values()) or self._reported):
             assert self._loop is not None
             self._report_timer = self._loop.call_later(REPORT_EVERY_S, self._report_tick)
 
     def _report_tick(self) -> None:
         self._report_timer = None
         counts: dict[str, int] = {}
-        for rid, (_, draining) in self._eps.items():
+        for rid, (_, draining, _) in self._eps.items():
             if draining:
                 n = self.router.inflight(rid)
                 if n:
@@ -490,7 +503,7 @@ class Follower:
             if thread is not None:
                 thread.call(self._spawn_report, counts)
         self._reported = counts or None
-        if counts or any(d for _, d in self._eps.values()):
+        if counts or any(d for _, d, _ in self._eps.values()):
             self._schedule_report()
 
     def _spawn_report(self, counts: dict[str, int]) -> None:
