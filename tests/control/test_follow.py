@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import secrets
 import shutil
 import signal
 import subprocess
@@ -187,16 +188,17 @@ async def test_router_follows_survives_and_catches_up(tmp_path: Path) -> None:
         assert rt.registry is not None and rt.listen_addr is not None
         done: list[tuple[str, float]] = []
 
-        async def long_request() -> int:
+        async def long_request(i: int) -> int:  # (distinct prompts: no prefix affinity puts them on one replica)
+            prompt = f"{i} {secrets.token_hex(8)} tell me a long story"
             status, head, _ = await _http3(rt.listen_addr[1], "POST", "/v1/chat/completions",  # type: ignore[index]
-                                           {"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
+                                           {"model": "tiny", "messages": [{"role": "user", "content": prompt}],
                                             "max_tokens": 1200}, timeout=30)  # (~2.5 s at the stand-in's speed)
             replica = head.split(b"x-llmgw-replica: ", 1)[1].split(b"\r\n", 1)[0].decode()
             done.append((replica, time.monotonic()))
             return status
 
         ids = {ep.id for ep in _tiny(rt)}
-        reqs = [asyncio.create_task(long_request()) for _ in range(4)]
+        reqs = [asyncio.create_task(long_request(i)) for i in range(4)]
         await wait_for(lambda: all(ep.inflight > 0 for ep in _tiny(rt)), 10, "requests in flight on both")
         status, body = await _http(cp_admin, "POST", "/admin/v1/deployments/tiny/scale", {"replicas": 1})
         assert status == 200, body
