@@ -353,5 +353,10 @@ async def test_docs_list_every_family() -> None:
         _, text = await scrape(rt)
     # the text format names counters with their _total, as the docs do
     exported = set(re.findall(r"^# TYPE (llmgw_[a-z0-9_]+) ", text, re.M))
+    from llmgw.fleet.follow import FollowCollector, FollowState
+
+    # a router with follow: exports the follower's families (and no control plane's)
+    follower = {m.name + ("_total" if m.type == "counter" else "") for m in FollowCollector(FollowState()).collect()}
+    exported |= follower
     assert exported - documented == set(), "undocumented families"
     assert documented - exported == set(), "documented but not exported"

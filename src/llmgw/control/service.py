@@ -31,6 +31,7 @@ import grpc
 
 from .. import __version__
 from .._proto.agent.v1 import agent_pb2_grpc
+from .._proto.router.v1 import router_pb2_grpc
 from ..agent.wire import (
     PROTOCOL,
     SERVER_OPTIONS,
@@ -45,6 +46,8 @@ from ..errors import ConfigError, HTTPError
 from ..log import control_logger as log
 from ..mirror.serve import BlobServer
 from .credentials import NodeCredentials
+from .follow import FollowCollector, FollowHub, RouterService
+from .follow import attach as attach_follow
 from .nodes import NodeMap, NodeState
 from .thread import ControlThread, MainHop
 
@@ -696,7 +699,11 @@ class ControlPlane:
     ) -> None:
         self.config = config
         self.admin = admin
-        self.router = router
+        # Routers following this control plane (control/follow.py) see what the process's own router sees.
+        self.follow_hub = FollowHub(router)
+        self._router_tokens = _Tokens()
+        self.router_service = RouterService(self.follow_hub, self._router_token_ok)
+        self.router: Router | None = self.follow_hub
         self.resolver = resolver
         self.deployments: DeploymentController | None = None
         """The replicas' desired state (``ReplicaController``): the agent service asks it what each node runs."""
@@ -715,8 +722,13 @@ class ControlPlane:
         self.address: tuple[str, int] | None = None
         self.tls = False
         self._collector: Any = None
+        self._follow_collector: FollowCollector | None = None
         self._last: ControlConfig | None = None
         self._state: Any = None  # StateFile when control.state_file is set
+
+    def _router_token_ok(self, given: str) -> bool | None:
+        tokens = self._control().router_tokens
+        return self._router_tokens.check(tokens, given) if tokens else None
 
     def _control(self) -> ControlConfig:
         c = self.config().control
@@ -769,7 +781,14 @@ class ControlPlane:
         thread = ControlThread()
         thread.start()
         assert thread.loop is not None
-        self.service.hop = MainHop(asyncio.get_running_loop(), thread.loop)
+        self.service.hop = hop = MainHop(asyncio.get_running_loop(), thread.loop)
+        self.router_service.to_main = hop.submit
+        attach_follow(thread, self.follow_hub, self.router_service)
+        deployments, loop = self.deployments, asyncio.get_running_loop()
+        settle_by = loop.time() + c.heartbeat_grace  # (a node that does not report by then is not coming soon)
+        self.follow_hub.settled = lambda: loop.time() >= settle_by or all(
+            r.status is not None for r in deployments.replicas.values())
+        self.follow_hub.start()
         try:
             server, bound = await thread.run(self._serve(addr, creds))
         except BaseException:
@@ -784,6 +803,8 @@ class ControlPlane:
 
             self._collector = ClusterCollector(self.nodes, self.stats, deployments=self.deployments)
             self.admin.register_text_collector(self._collector)
+            self._follow_collector = FollowCollector(self.follow_hub.stats)
+            self.admin.register_collector(self._follow_collector)
             self.admin.attach_nodes(self)
             self.admin.attach_deployments(self.deployments)
             self.admin.attach_mirror(self.mirror_server)
@@ -797,6 +818,7 @@ class ControlPlane:
         """On the control loop: the gRPC server, bound and started."""
         server = grpc.aio.server(options=list(SERVER_OPTIONS))
         agent_pb2_grpc.add_AgentServiceServicer_to_server(self.service, server)
+        router_pb2_grpc.add_RouterServiceServicer_to_server(self.router_service, server)
         try:
             bound = server.add_secure_port(addr, creds) if creds is not None else server.add_insecure_port(addr)
         except RuntimeError as exc:
@@ -814,6 +836,9 @@ class ControlPlane:
             if self._collector is not None:
                 self.admin.unregister_collector(self._collector)
                 self._collector = None
+            if self._follow_collector is not None:
+                self.admin.unregister_collector(self._follow_collector)
+                self._follow_collector = None
         server, thread = self.server, self.thread
         self.server = self.thread = None
         if server is not None and thread is not None:
@@ -822,6 +847,7 @@ class ControlPlane:
             finally:
                 thread.stop()
                 self.service.hop = None
+        self.follow_hub.close()
         self.mirror_server.close()
         await self.service.close()
         if self.deployments is not None:
