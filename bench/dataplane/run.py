@@ -21,6 +21,8 @@ and the table shows the median of ``--rounds`` (3) with min-max.
     .venv/bin/python bench/dataplane/run.py out.json --proxies nginx,llmgw --rounds 5
     .venv/bin/python bench/dataplane/run.py out.json --profile /tmp/prof   # + py-spy of llmgw
     .venv/bin/python bench/dataplane/run.py out.json --proxies nginx,llmgw --cluster 1000  # + a fleet of agents
+    .venv/bin/python bench/dataplane/run.py out.json --proxies nginx,llmgw --cluster 1000 --follow-cluster
+        # + a router following a control plane (in a process of its own) with that fleet
 
 Every process it starts is stopped on exit (also on Ctrl-C).
 """
@@ -364,7 +366,7 @@ class Llmgw(Proxy):
     name = "llmgw"
 
     def __init__(self, port: int, admin: int, cmd: str, name: str = "llmgw", cluster: tuple[int, int, int] | None = None,
-                 fleet_core: int = 1, scrape_every: float = 15.0) -> None:
+                 fleet_core: int = 1, scrape_every: float = 15.0, follow: tuple[int, int] | None = None) -> None:
         super().__init__(port)
         self.admin = admin
         self.cmd = cmd
@@ -374,6 +376,23 @@ class Llmgw(Proxy):
         self.fleet_core = fleet_core
         self.scrape_every = scrape_every
         self.fleet: subprocess.Popen | None = None  # type: ignore[type-arg]
+        self.follow = follow
+        """(client port, admin port) of a control plane in a process of its own, on the fleet's core, with
+        the agents (``cluster``); this llmgw follows it (``follow:``) instead of running it."""
+
+    def start_control_plane(self, d: Path) -> None:
+        assert self.cluster is not None and self.follow is not None
+        conf = d / f"{self.name}-cp.yaml"
+        conf.write_text(
+            f"listen: 127.0.0.1:{self.follow[0]}\n"
+            f"admin: 127.0.0.1:{self.follow[1]}\n"
+            f"control:\n  listen: 127.0.0.1:{self.cluster[0]}\n  join_token_env: BENCH_JOIN\n"
+            "  router_token_env: BENCH_ROUTER\n"
+        )
+        env = {**os.environ, "BENCH_JOIN": "bench-join-token", "BENCH_ROUTER": "bench-router-token"}
+        proc = start(["taskset", "-c", str(self.fleet_core), self.cmd, "serve", "-c", str(conf)],
+                     d / f"{self.name}-cp.out", env)
+        wait_port(self.follow[0], proc, f"{self.name}'s control plane")
 
     def start(self, d: Path, core: int, up: tuple[int, int]) -> None:
         conf = d / f"{self.name}.yaml"
@@ -385,7 +404,11 @@ class Llmgw(Proxy):
             f'  - {{id: up1, url: "http://127.0.0.1:{up[1]}", model: m, engine: vllm}}\n'
         )
         env = None
-        if self.cluster is not None:
+        if self.cluster is not None and self.follow is not None:
+            self.start_control_plane(d)
+            text += f"follow:\n  control: [127.0.0.1:{self.cluster[0]}]\n  token_env: BENCH_ROUTER\n"
+            env = {**os.environ, "BENCH_ROUTER": "bench-router-token"}
+        elif self.cluster is not None:
             text += f"control:\n  listen: 127.0.0.1:{self.cluster[0]}\n  join_token_env: BENCH_JOIN\n"
             env = {**os.environ, "BENCH_JOIN": "bench-join-token"}
         conf.write_text(text)
@@ -396,8 +419,9 @@ class Llmgw(Proxy):
             cmd = ["taskset", "-c", str(self.fleet_core), sys.executable, str(HERE.parent / "cluster_scale.py"),
                    "--fleet-only", f"127.0.0.1:{self.cluster[0]}", "--agents", str(self.cluster[1]),
                    "--gpus", str(self.cluster[2])]
-            if self.scrape_every > 0:
-                cmd += ["--admin", str(self.admin), "--scrape-every", str(self.scrape_every)]
+            if self.scrape_every > 0:  # (the cluster families are on the control plane's /metrics)
+                cmd += ["--admin", str(self.follow[1] if self.follow else self.admin), "--scrape-every",
+                        str(self.scrape_every)]
             self.fleet = start(cmd, d / f"{self.name}-fleet.out")
             time.sleep(max(5.0, self.cluster[1] / 200))  # every agent registered and heartbeating
 
@@ -519,6 +543,9 @@ def main() -> None:
     ap.add_argument("--cluster", type=int, metavar="AGENTS",
                     help="also run proxy 'cluster': llmgw with a control plane and AGENTS simulated agents of 8 GPUs "
                          "heartbeating every 5 s, scraped every 15 s (the data path's ratio with and without a fleet)")
+    ap.add_argument("--follow-cluster", action="store_true",
+                    help="with --cluster, also run proxy 'follower': llmgw following (follow:) a control plane in a "
+                         "process of its own on the load core, with the same agents and scrapes")
     ap.add_argument("--cluster-scrape-every", type=float, default=15.0, metavar="S",
                     help="--cluster: seconds between the fleet's scrapes of /metrics (0: none)")
     args = ap.parse_args()
@@ -536,11 +563,17 @@ def main() -> None:
         all_proxies["cluster"] = Llmgw(base + 84, base + 94, args.llmgw, name="cluster",
                                        cluster=(base + 95, args.cluster, 8), fleet_core=args.load_core,
                                        scrape_every=args.cluster_scrape_every)
+    if args.cluster and args.follow_cluster:
+        all_proxies["follower"] = Llmgw(base + 85, base + 96, args.llmgw, name="follower",
+                                        cluster=(base + 97, args.cluster, 8), fleet_core=args.load_core,
+                                        scrape_every=args.cluster_scrape_every, follow=(base + 98, base + 99))
     names = [n.strip() for n in args.proxies.split(",") if n.strip()]
     if args.baseline and "baseline" not in names:
         names.append("baseline")
     if args.cluster and "cluster" not in names:
         names.append("cluster")
+    if args.cluster and args.follow_cluster and "follower" not in names:
+        names.append("follower")
     proxies = [all_proxies[n] for n in names]
     ports = [*up, *(p.port for p in proxies)] + [p.admin for p in proxies if isinstance(p, Llmgw)]
     busy = [p for p in ports if not port_free(p)]
