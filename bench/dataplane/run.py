@@ -21,6 +21,7 @@ and the table shows the median of ``--rounds`` (3) with min-max.
     .venv/bin/python bench/dataplane/run.py out.json --proxies nginx,llmgw --rounds 5
     .venv/bin/python bench/dataplane/run.py out.json --profile /tmp/prof   # + py-spy of llmgw
     .venv/bin/python bench/dataplane/run.py out.json --proxies nginx,llmgw --cluster 1000  # + a fleet of agents
+    .venv/bin/python bench/dataplane/run.py out.json --proxies nginx,llmgw --prefix  # + llmgw routing by prefix
 
 Every process it starts is stopped on exit (also on Ctrl-C).
 """
@@ -344,11 +345,13 @@ class Llmgw(Proxy):
     name = "llmgw"
 
     def __init__(self, port: int, admin: int, cmd: str, name: str = "llmgw", cluster: tuple[int, int, int] | None = None,
-                 fleet_core: int = 1) -> None:
+                 fleet_core: int = 1, strategy: str | None = None) -> None:
         super().__init__(port)
         self.admin = admin
         self.cmd = cmd
         self.name = name
+        self.strategy = strategy
+        """routing.strategy (None: llmgw's default, score)."""
         self.cluster = cluster
         """(control port, agents, GPUs each): also run the control plane, with that many agents heartbeating."""
         self.fleet_core = fleet_core
@@ -363,6 +366,8 @@ class Llmgw(Proxy):
             f'  - {{id: up0, url: "http://127.0.0.1:{up[0]}", model: m, engine: vllm}}\n'
             f'  - {{id: up1, url: "http://127.0.0.1:{up[1]}", model: m, engine: vllm}}\n'
         )
+        if self.strategy:
+            text += f"routing: {{strategy: {self.strategy}}}\n"
         env = None
         if self.cluster is not None:
             text += f"control:\n  listen: 127.0.0.1:{self.cluster[0]}\n  join_token_env: BENCH_JOIN\n"
@@ -490,6 +495,9 @@ def main() -> None:
     ap.add_argument("--cluster", type=int, metavar="AGENTS",
                     help="also run proxy 'cluster': llmgw with a control plane and AGENTS simulated agents of 8 GPUs "
                          "heartbeating every 5 s, scraped every 15 s (the data path's ratio with and without a fleet)")
+    ap.add_argument("--prefix", action="store_true",
+                    help="also run proxy 'prefix': llmgw with routing.strategy prefix (hashing the prompt, the index "
+                         "lookups), its ratio to nginx beside llmgw's (score) in the same rounds")
     args = ap.parse_args()
 
     base = args.port_base
@@ -504,7 +512,11 @@ def main() -> None:
     if args.cluster:
         all_proxies["cluster"] = Llmgw(base + 84, base + 94, args.llmgw, name="cluster",
                                        cluster=(base + 95, args.cluster, 8), fleet_core=args.load_core)
+    if args.prefix:
+        all_proxies["prefix"] = Llmgw(base + 85, base + 96, args.llmgw, name="prefix", strategy="prefix")
     names = [n.strip() for n in args.proxies.split(",") if n.strip()]
+    if args.prefix and "prefix" not in names:
+        names.append("prefix")
     if args.baseline and "baseline" not in names:
         names.append("baseline")
     if args.cluster and "cluster" not in names:
