@@ -81,6 +81,14 @@ or ``--json``::
     .venv/bin/python bench/routing_sim.py --seed 1
     .venv/bin/python bench/routing_sim.py --seed 1 --workload multiturn --strategies score,prefix,oracle
     .venv/bin/python bench/routing_sim.py --seed 1 --requests 5000 --json
+    .venv/bin/python bench/routing_sim.py --seed 1 --workload multiturn --strategies prefix,oracle --explain
+
+``--explain`` breaks each run's tail (the requests at or above its p99 TTFT) down by
+cause: ``queue`` (waited in a replica's queue longer than its prefill took), ``miss``
+(mostly prefill, and some replica had a block or more of its prompt cached when it
+arrived) or ``cold`` (nothing better cached anywhere); by the picker's reason, first
+turns and turns whose conversation moved; and over all requests, the share of TTFT
+spent queueing and of prompt tokens cached elsewhere than where they were sent.
 """
 
 from __future__ import annotations

@@ -768,19 +768,26 @@ class Picker:
 
         With the ``prefix`` strategy, ``b`` is the replica ``score`` picks and a replica
         is *allowed* when it has a free slot (``load() + 1 <= capacity``) or its
-        utilisation ``load() / capacity`` exceeds ``b``'s by at most ``load_bound``.
-        In this order:
+        utilisation ``load() / capacity`` exceeds ``b``'s by at most ``load_bound``. A
+        cached replica is *worth it* when it is allowed and, if ``b`` has a free slot,
+        it has one too or its queue wait (positions ahead / slots, in latencies, as
+        ``score`` counts it) is shorter than the prefill its cache saves:
+        ``PREFILL_WEIGHT`` latencies for a request of the pool's mean chain length
+        (an EWMA), pro rata to the blocks it has. In this order:
 
-        1. the session's replica, if the session table has one, it is usable and
-           allowed (``session``); if it is not allowed: ``b`` (``load_fallback``), and
-           the session stays on ``b`` from now on;
+        1. the session's replica, if the session table has one, it is usable and worth
+           it (``session``); if not: ``b`` (``load_fallback``), and the session stays on
+           ``b`` from now on;
         2. the replica that served the longest prefix of the chain (the first blocks
            found in the index, in order, up to the first miss; among the last 4
-           replicas along it, the deepest allowed one: ``prefix_hit``; none allowed:
-           ``b``, ``load_fallback``); for a later turn of a conversation, provided
-           the match goes past its anchor's whole blocks (a match within them covers
-           only a system prompt that many conversations share, and says nothing of
-           this one, whose earlier turns the anchor's replica has);
+           replicas along it, the deepest one worth it: ``prefix_hit``). None worth it:
+           rendezvous hashing of the deepest matched block over the replicas allowed
+           (with a free slot, while ``b`` has one), so that every router spills a
+           prefix to the same few replicas (``load_fallback``). A match no deeper than
+           the anchor's whole blocks is no hit for a later turn of a conversation (it
+           covers only a system prompt that many conversations share), nor for a first
+           turn when it is at most ``SHORT_SHARED`` blocks (such a first turn goes where
+           its anchor hashes, as its later turns will at routers that never saw it);
         3. otherwise: rendezvous hashing of the session (else the anchor, else the
            first block) over the allowed replicas' tags, so that routers that share
            nothing agree (``blind``); no key at all: ``b`` (``blind``).
