@@ -81,6 +81,14 @@ or ``--json``::
     .venv/bin/python bench/routing_sim.py --seed 1
     .venv/bin/python bench/routing_sim.py --seed 1 --workload multiturn --strategies score,prefix,oracle
     .venv/bin/python bench/routing_sim.py --seed 1 --requests 5000 --json
+    .venv/bin/python bench/routing_sim.py --seed 1 --workload multiturn --strategies prefix,oracle --explain
+
+``--explain`` breaks each run's tail (the requests at or above its p99 TTFT) down by
+cause: ``queue`` (waited in a replica's queue longer than its prefill took), ``miss``
+(mostly prefill, and some replica had a block or more of its prompt cached when it
+arrived) or ``cold`` (nothing better cached anywhere); by the picker's reason, first
+turns and turns whose conversation moved; and over all requests, the share of TTFT
+spent queueing and of prompt tokens cached elsewhere than where they were sent.
 """
 
 from __future__ import annotations
@@ -140,6 +148,13 @@ class Request:
     think: float = 0.0  # ... this long after
     cached: int = 0  # prompt tokens found in the replica's cache
     prefill: float = 0.0  # seconds of prefill it needed there
+    turn: int = 0  # multiturn: its turn in the conversation (0: the first)
+    # --explain: the picker's reason (REASONS index; -1: other strategies), the most
+    # prompt tokens any replica had cached when it arrived, and the replica the
+    # conversation's previous turn ran on (-1: none)
+    reason: int = -1
+    best_cached: int = 0
+    prev_replica: int = -1
 
 
 @dataclass(slots=True)
@@ -302,6 +317,7 @@ def workload_of(
             r = Request(rid, t0 if prev is None else math.nan, sum(x for _, x in segs), o, router)
             rid += 1
             r.think = thinks[k]
+            r.turn = k
             r.session = ((c + 1) * 0x9E3779B97F4A7C15 & _M64) if session_ids else 0
             _finish_request(r, segs, _seg(4, c, 2 * k + 1), systems[sysj] + users[0], k > 0)
             segs = [*segs, (_seg(4, c, 2 * k + 1), o)]
@@ -363,8 +379,10 @@ class Sim:
         fleet: list[tuple[float, int]],
         oracle: bool = False,
         load_bound: float = 0.25,
+        explain: bool = False,
     ) -> None:
         self.mod = mod
+        self.explain = explain
         self.fleet = fleet
         self.oracle = oracle
         self.reqs = []
@@ -374,7 +392,7 @@ class Sim:
             while r is not None:
                 c = Request(
                     r.id, r.arrival, r.prompt, r.output, r.router % routers, blocks=r.blocks, after=r.after,
-                    chain=r.chain, session=r.session, think=r.think,
+                    chain=r.chain, session=r.session, think=r.think, turn=r.turn,
                 )
                 if prev is not None:
                     prev.next_turn = c
@@ -440,10 +458,17 @@ class Sim:
         if self.oracle:  # perfect information: a fresh, exact scrape before every pick
             for st, (w, r, kv) in zip(states, self.snapshot(), strict=True):
                 st.on_scrape(now, w, r, kv)
+        if self.explain:
+            req.best_cached = max(self.cached_tokens(rep, req) for rep in self.replicas)
         if self.oracle_pick:
             i = self.earliest_first_token(now, req)
         else:
-            i = self.pickers[req.router].pick_prefix(states, now, self.stale_after, req.chain, req.session)
+            picker = self.pickers[req.router]
+            before = picker.decisions() if self.explain else ()
+            i = picker.pick_prefix(states, now, self.stale_after, req.chain, req.session)
+            if self.explain:
+                after = picker.decisions()
+                req.reason = next((k for k in range(len(after)) if after[k] != before[k]), -1)
         if i < 0:
             r: Request | None = req
             while r is not None:  # (a conversation's later turns never come)
@@ -506,6 +531,7 @@ class Sim:
         nxt = req.next_turn
         if nxt is not None:
             nxt.router = self.turn_rng.randrange(self.routers)
+            nxt.prev_replica = req.replica
             self.at(now + req.think, EV_ARRIVE, nxt)
         if rep.queue:
             self.start(now, rep, rep.queue.popleft())
@@ -575,6 +601,85 @@ def summarize(sim: Sim, warmup: float, slo: float) -> dict[str, Any]:
     }
 
 
+def explain(sim: Sim, warmup: float, reasons: tuple[str, ...]) -> dict[str, Any]:
+    """What makes the tail: the requests at or above the p99 TTFT, by cause.
+
+    ``queue``: it waited in the replica's queue longer than its prefill took; ``miss``:
+    mostly prefill, and some replica had at least a block more of its prompt cached
+    when it arrived; ``cold``: mostly prefill, with nothing better cached anywhere.
+    Also by the picker's reason, first turns, and turns whose conversation moved to
+    another replica (``moved``); ``wait``/``prefill`` are mean seconds."""
+    measured = [r for r in sim.reqs if r.arrival >= warmup and r.first == r.first]
+    if not measured:
+        return {}
+    p99 = percentile(sorted(r.first - r.arrival for r in measured), 0.99)
+    tail = [r for r in measured if r.first - r.arrival >= p99]
+
+    def cause(r: Request) -> str:
+        if r.start - r.arrival > r.prefill:
+            return "queue"
+        return "miss" if r.best_cached - r.cached >= BLOCK_TOKENS else "cold"
+
+    def labels(r: Request) -> list[str]:
+        out = [cause(r)]
+        if r.turn == 0:
+            out.append("first turn")
+        if r.prev_replica >= 0 and r.prev_replica != r.replica:
+            out.append("moved")
+        if r.reason >= 0:
+            out.append(f"reason {reasons[r.reason]}")
+        return out
+
+    out: dict[str, Any] = {"p99": p99, "tail": len(tail)}
+    groups: dict[str, list[Request]] = {}
+    for r in tail:
+        for name in labels(r):
+            groups.setdefault(name, []).append(r)
+    order = ["queue", "miss", "cold", "first turn", "moved", *(f"reason {n}" for n in reasons)]
+    for name in order:
+        part = groups.get(name)
+        if part:
+            out[name] = {
+                "n": len(part),
+                "wait": sum(r.start - r.arrival for r in part) / len(part),
+                "prefill": sum(r.prefill for r in part) / len(part),
+                "prompt": sum(r.prompt for r in part) / len(part),
+                "cached": sum(r.cached for r in part) / len(part),
+                "best_cached": sum(r.best_cached for r in part) / len(part),
+            }
+    # over all requests: what share of the TTFT is queueing, and how much prefill a
+    # better-placed request would have saved
+    total = sum(r.first - r.arrival for r in measured)
+    queued = sum(r.start - r.arrival for r in measured)
+    out["all"] = {
+        "queue_share": queued / total if total else math.nan,
+        "queued_pct": 100.0 * sum(1 for r in measured if r.start > r.arrival) / len(measured),
+        "missed_tokens_pct": 100.0 * sum(max(0, r.best_cached - r.cached) for r in measured)
+        / max(1, sum(r.prompt for r in measured)),
+        "moved_pct": 100.0 * sum(1 for r in measured if r.prev_replica >= 0 and r.prev_replica != r.replica)
+        / max(1, sum(1 for r in measured if r.prev_replica >= 0)),
+    }
+    return out
+
+
+def print_explain(name: str, routers: int, x: dict[str, Any]) -> None:
+    if not x:
+        return
+    a = x["all"]
+    print(
+        f"{name} x{routers}: p99 {x['p99']:.3f}s, {x['tail']} requests at or above it; over all requests: "
+        f"{100 * a['queue_share']:.0f}% of TTFT is queueing, {a['queued_pct']:.1f}% queued, "
+        f"{a['missed_tokens_pct']:.1f}% of prompt tokens cached elsewhere but not where sent, "
+        f"{a['moved_pct']:.1f}% of later turns moved"
+    )
+    for k, v in x.items():
+        if isinstance(v, dict) and k != "all":
+            print(
+                f"    {k:<22}{v['n']:>5}  wait {v['wait']:.3f}s  prefill {v['prefill']:.3f}s  "
+                f"prompt {v['prompt']:>6.0f}  cached {v['cached']:>6.0f}  best cached {v['best_cached']:>6.0f}"
+            )
+
+
 def load_impl(name: str) -> ModuleType:
     if name == "py":
         return importlib.import_module("llmgw._fast.score_py")
@@ -611,6 +716,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=float, default=10.0, help="seconds of arrivals left out of the figures")
     ap.add_argument("--slo", type=float, default=2.0, help="TTFT target for goodput (s)")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument(
+        "--explain", action="store_true", help="break the TTFT tail down by cause (queue, cache miss, cold) per run"
+    )
     args = ap.parse_args(argv)
 
     mod = load_impl(args.impl)
@@ -624,16 +732,19 @@ def main(argv: list[str] | None = None) -> int:
         args.shared_prompts,
     )
     results = []
+    explained: list[tuple[str, int, dict[str, Any]]] = []
     t0 = time.perf_counter()
     for strategy, oracle in runs:
         for routers in router_counts:
             sim = Sim(
                 mod, strategy, routers, base, args.seed, args.scrape_interval, args.stale_after, fleet, oracle,
-                args.load_bound,
+                args.load_bound, args.explain,
             )
             sim.run()
             name = strategy + ("*" if oracle else "")
             results.append({"strategy": name, "routers": routers, **summarize(sim, args.warmup, args.slo)})
+            if args.explain:
+                explained.append((name, routers, explain(sim, args.warmup, tuple(mod.REASONS))))
     wall = time.perf_counter() - t0
     meta = {
         "seed": args.seed,
@@ -649,7 +760,10 @@ def main(argv: list[str] | None = None) -> int:
         "wall_s": wall,
     }
     if args.json:
-        json.dump({"meta": meta, "results": results}, sys.stdout, indent=2)
+        doc: dict[str, Any] = {"meta": meta, "results": results}
+        if args.explain:
+            doc["explain"] = [{"strategy": n, "routers": k, **x} for n, k, x in explained]
+        json.dump(doc, sys.stdout, indent=2)
         print()
         return 0
     print(
@@ -678,6 +792,8 @@ def main(argv: list[str] | None = None) -> int:
         print(
             "score*: score with an exact scrape before every pick (no staleness, sees every router's requests)"
         )
+    for name, routers, x in explained:
+        print_explain(name, routers, x)
     return 0
 
 

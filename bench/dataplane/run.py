@@ -23,6 +23,7 @@ and the table shows the median of ``--rounds`` (3) with min-max.
     .venv/bin/python bench/dataplane/run.py out.json --proxies nginx,llmgw --cluster 1000  # + a fleet of agents
     .venv/bin/python bench/dataplane/run.py out.json --proxies nginx,llmgw --cluster 1000 --follow-cluster
         # + a router following a control plane (in a process of its own) with that fleet
+    .venv/bin/python bench/dataplane/run.py out.json --proxies nginx,llmgw --prefix  # + llmgw routing by prefix
 
 Every process it starts is stopped on exit (also on Ctrl-C).
 """
@@ -366,11 +367,14 @@ class Llmgw(Proxy):
     name = "llmgw"
 
     def __init__(self, port: int, admin: int, cmd: str, name: str = "llmgw", cluster: tuple[int, int, int] | None = None,
-                 fleet_core: int = 1, scrape_every: float = 15.0, follow: tuple[int, int] | None = None) -> None:
+                 fleet_core: int = 1, scrape_every: float = 15.0, follow: tuple[int, int] | None = None,
+                 strategy: str | None = None) -> None:
         super().__init__(port)
         self.admin = admin
         self.cmd = cmd
         self.name = name
+        self.strategy = strategy
+        """routing.strategy (None: llmgw's default, score)."""
         self.cluster = cluster
         """(control port, agents, GPUs each): also run the control plane, with that many agents heartbeating."""
         self.fleet_core = fleet_core
@@ -403,6 +407,8 @@ class Llmgw(Proxy):
             f'  - {{id: up0, url: "http://127.0.0.1:{up[0]}", model: m, engine: vllm}}\n'
             f'  - {{id: up1, url: "http://127.0.0.1:{up[1]}", model: m, engine: vllm}}\n'
         )
+        if self.strategy:
+            text += f"routing: {{strategy: {self.strategy}}}\n"
         env = None
         if self.cluster is not None and self.follow is not None:
             self.start_control_plane(d)
@@ -548,6 +554,9 @@ def main() -> None:
                          "process of its own on the load core, with the same agents and scrapes")
     ap.add_argument("--cluster-scrape-every", type=float, default=15.0, metavar="S",
                     help="--cluster: seconds between the fleet's scrapes of /metrics (0: none)")
+    ap.add_argument("--prefix", action="store_true",
+                    help="also run proxy 'prefix': llmgw with routing.strategy prefix (hashing the prompt, the index "
+                         "lookups), its ratio to nginx beside llmgw's (score) in the same rounds")
     args = ap.parse_args()
 
     base = args.port_base
@@ -567,7 +576,11 @@ def main() -> None:
         all_proxies["follower"] = Llmgw(base + 85, base + 96, args.llmgw, name="follower",
                                         cluster=(base + 97, args.cluster, 8), fleet_core=args.load_core,
                                         scrape_every=args.cluster_scrape_every, follow=(base + 98, base + 99))
+    if args.prefix:
+        all_proxies["prefix"] = Llmgw(base + 86, base + 90, args.llmgw, name="prefix", strategy="prefix")
     names = [n.strip() for n in args.proxies.split(",") if n.strip()]
+    if args.prefix and "prefix" not in names:
+        names.append("prefix")
     if args.baseline and "baseline" not in names:
         names.append("baseline")
     if args.cluster and "cluster" not in names:

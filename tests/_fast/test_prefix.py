@@ -185,20 +185,77 @@ def test_longest_cached_prefix_wins(score: ModuleType) -> None:
 
 
 def test_bounded_load_falls_back_to_score(score: ModuleType) -> None:
+    """With every replica full, a cached one may queue up to load_bound more than the best."""
     states = fleet(score, 3, slots=4.0)
     p = score.Picker("prefix", seed=2, load_bound=0.5)
     chain = pack([7, 8, 9])
     home = p.pick_prefix(states, 0.0, STALE, chain, 0)
-    # full, but within the bound of the best (4/4 vs 2/4 + 0.5): stays
+    # all full; home 5/4 with this request against 4/4 + 0.5: stays
     load(states[home], 4)
-    load(states[(home + 1) % 3], 2)
-    load(states[(home + 2) % 3], 2)
+    load(states[(home + 1) % 3], 4)
+    load(states[(home + 2) % 3], 4)
     assert p.pick_prefix(states, 0.1, STALE, chain, 0) == home
     assert p.decisions()[0] == 1
-    # 6/4 against 2/4 + 0.5: too loaded; score's pick, counted load_fallback
-    load(states[home], 2)
+    # 7/4 against 4/4 + 0.5: too loaded, spilled elsewhere, counted load_fallback
+    load(states[home], 3)
     i = p.pick_prefix(states, 0.2, STALE, chain, 0)
     assert i != home and p.decisions()[2] == 1
+
+
+def test_no_queue_for_a_short_prefix_while_a_slot_is_free(score: ModuleType) -> None:
+    """While score's pick has a free slot, a cached replica that would queue the request is
+    taken only if the wait is shorter than the prefill its cache saves: a long prefix (many
+    blocks against the pool's mean) is worth a short queue, a short one is not."""
+    states = fleet(score, 3, slots=4.0)
+    for x in states:
+        x.latency = 1.0
+    p = score.Picker("prefix", seed=12, load_bound=0.5)
+    short = pack([21, 22])
+    home = p.pick_prefix(states, 0.0, STALE, short, 0)
+    load(states[home], 4)  # full: this request would wait 1/4 of a latency there
+    load(states[(home + 1) % 3], 2)  # (2/4: home's 4/4 is within load_bound of it)
+    load(states[(home + 2) % 3], 2)
+    # saved: PREFILL_WEIGHT x 2 blocks / 2 blocks on average = 0.2 < 0.25: not worth it
+    assert p.pick_prefix(states, 0.1, STALE, short, 0) != home
+    assert p.decisions()[2] == 1
+    # a prefix longer than the pool's mean (32 blocks against ~21) saves ~0.3 latencies: worth it
+    q = score.Picker("prefix", seed=12, load_bound=0.5)
+    long = pack(list(range(100, 132)))
+    for x in states:
+        x.draining = x is not states[home]
+    assert q.pick_prefix(states, 0.0, STALE, long, 0) == home
+    for x in states:
+        x.draining = False
+    for k in range(30):  # the pool's mean chain: mostly 2-block requests (~21 blocks on average)
+        q.pick_prefix(states, 0.0, STALE, pack([5000 + k, 6000 + k]), 0)
+    assert q.pick_prefix(states, 0.1, STALE, long, 0) == home
+    assert q.decisions()[0] == 1
+
+
+def test_spill_follows_the_prefix_rendezvous(score: ModuleType) -> None:
+    """A prefix whose replica is too loaded spills to the same replica at every router (the
+    rendezvous order of its deepest cached block), so its copies stay few."""
+    tags = [score.default_tag(200 + i) for i in range(6)]
+    spills = set()
+    for seed, order in ((13, tags), (14, list(reversed(tags)))):
+        states = fleet(score, 6, slots=4.0)
+        for x, t in zip(states, order, strict=True):
+            x.tag = t
+        p = score.Picker("prefix", seed=seed, load_bound=0.25)
+        chain = pack([31, 32, 33])
+        home = next(i for i, x in enumerate(states) if x.tag == tags[0])
+        for i, x in enumerate(states):
+            x.draining = i != home
+        assert p.pick_prefix(states, 0.0, STALE, chain, 0) == home
+        for x in states:
+            x.draining = False
+        load(states[home], 8)
+        i = p.pick_prefix(states, 0.1, STALE, chain, 0)
+        assert i != home and p.decisions()[2] == 1
+        spills.add(states[i].tag)
+        # and the next request for that prefix follows it there
+        assert p.pick_prefix(states, 0.2, STALE, chain, 0) == i
+    assert len(spills) == 1
 
 
 def test_free_slot_always_allowed(score: ModuleType) -> None:
@@ -283,10 +340,18 @@ def test_a_shared_system_prompt_does_not_decide(score: ModuleType) -> None:
     # a match past the anchor is a hit
     assert pb.pick_prefix(b, 0.2, STALE, pack([*system, 43, 44, 45, 46], 4242, 3), 0) == ib
     assert pb.decisions()[0] == 1
-    # a first turn (nothing after its anchor) takes the system prompt's replica
-    home = pb.pick_prefix(b, 0.3, STALE, pack([*system, 7999], 7000, 3), 0)
-    first = pb.pick_prefix(b, 0.4, STALE, pack([*system, 8000], 8888, 3, later=False), 0)
-    assert first == home and pb.decisions()[0] == 2
+    # a first turn (nothing after its anchor) whose only match is a short system prompt
+    # goes where its anchor hashes, as a router that never saw that prompt sends it
+    c = fleet(score, 6)
+    pc = score.Picker("prefix", seed=15)
+    first = pb.pick_prefix(b, 0.3, STALE, pack([*system, 8000], 8888, 3, later=False), 0)
+    assert pb.decisions()[0] == 1
+    assert b[first].tag == c[pc.pick_prefix(c, 0.3, STALE, pack([*system, 8000], 8888, 3, later=False), 0)].tag
+    # ... but a long one (more than SHORT_SHARED blocks) takes the system prompt's replica
+    long_system = list(range(900, 900 + score.SHORT_SHARED + 1))
+    home = pb.pick_prefix(b, 0.4, STALE, pack([*long_system, 7999], 7000, len(long_system)), 0)
+    again = pb.pick_prefix(b, 0.5, STALE, pack([*long_system, 8001], 8889, len(long_system), later=False), 0)
+    assert again == home and pb.decisions()[0] == 2
 
 
 def test_index_is_bounded_and_ages_out(score: ModuleType) -> None:

@@ -122,6 +122,7 @@ cdef class Picker:
     cdef Table _index                     # prefix: chain hash -> replica (slots NULL otherwise)
     cdef Table _sessions                  # prefix: session hash -> replica
     cdef long long _counts[4]             # prefix: picks per R_* (metrics, read at scrape time)
+    cdef double _mean_blocks              # prefix: EWMA of the chain's blocks per request (0: none yet)
 
     cdef uint64_t _next(self) noexcept
     cdef int _reserve(self, Py_ssize_t n) except -1

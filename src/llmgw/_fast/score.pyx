@@ -32,6 +32,9 @@ SESSION_ENTRIES = 4096
 LOAD_BOUND = 0.25
 SLOWER = 3.0
 BLIND_SHARE = 0.2
+PREFILL_WEIGHT = 0.2
+MEAN_BLOCKS_WEIGHT = 1.0 / 64
+SHORT_SHARED = 12
 ENTRY_TTL = 600.0
 BREAKER_CLOSED = BS_CLOSED
 BREAKER_OPEN = BS_OPEN
@@ -49,6 +52,9 @@ cdef double C_RETRY_AFTER_MAX = 60.0
 cdef double C_RETRY_AFTER_DEFAULT = 5.0
 cdef double C_SLOWER = 3.0
 cdef double C_BLIND_SHARE = 0.2
+cdef double C_PREFILL_WEIGHT = 0.2
+cdef double C_MEAN_BLOCKS_WEIGHT = 1.0 / 64
+cdef long long C_SHORT_SHARED = 12
 
 cdef tuple _STATE_NAMES = ("closed", "open", "half_open")
 cdef object os_urandom = os.urandom
@@ -444,6 +450,7 @@ cdef class Picker:
         self._settings = (index_entries, session_entries, load_bound, entry_ttl)
         self._bound = load_bound
         self._counts[0] = self._counts[1] = self._counts[2] = self._counts[3] = 0
+        self._mean_blocks = 0.0
         _table_free(&self._index)
         _table_free(&self._sessions)
         if self._strategy == S_PREFIX:
@@ -544,19 +551,21 @@ cdef class Picker:
     cdef Py_ssize_t _prefix(self, list states, double now, double stale_after, const unsigned char* chain,
                             Py_ssize_t nblocks, uint64_t session) except -2:
         cdef Py_ssize_t b, i, k, n = PyList_GET_SIZE(states), pick = -1, slot, nhits = 0, matched = 0
-        cdef double prior = 1.0, c, limit, blind_limit, tb, tmax
+        cdef double prior = 1.0, c, limit, blind_limit, tb, tmax, mb, per_block
         cdef int reason = R_BLIND
-        cdef uint64_t h, t, key, w, best_w, tag, anchor = 0
-        cdef long long shallow = -1
-        cdef bint new_session = False
+        cdef uint64_t h, t, key, w, best_w, tag, anchor = 0, last = 0
+        cdef long long shallow = -1, anchor_blocks = 0
+        cdef bint new_session = False, b_free
         cdef uint64_t hits[4]
+        cdef Py_ssize_t depths[4]
         cdef EndpointState st
         # (nblocks counts words: the anchor and its whole blocks, then the links)
         if nblocks >= 3:
             memcpy(&anchor, chain, 8)
             memcpy(&h, chain + 8, 8)
+            anchor_blocks = <long long>(h & ~(1ULL << 63))
             if anchor and h >> 63:  # a later turn (see the twin)
-                shallow = <long long>(h & ~(1ULL << 63))
+                shallow = anchor_blocks
             chain += 16
             nblocks -= 2
         else:
@@ -571,13 +580,18 @@ cdef class Picker:
         limit = _util(_state_at(states, b), prior) + self._bound
         tb = _state_at(states, b).latency
         tmax = C_SLOWER * tb if tb > 0.0 else INFINITY
+        b_free = _has_slot(_state_at(states, b), prior)
+        if nblocks:
+            mb = self._mean_blocks
+            self._mean_blocks = mb + (nblocks - mb) * C_MEAN_BLOCKS_WEIGHT if mb > 0.0 else <double>nblocks
+        per_block = C_PREFILL_WEIGHT / self._mean_blocks if self._mean_blocks > 0.0 else 0.0
         if session:
             slot = _table_find(&self._sessions, session, now)
             new_session = slot < 0  # (its hash places it, as in every router)
             if slot >= 0:
                 i = _find_tag(states, self._sessions.slots[slot].tag, now)
                 if i >= 0:
-                    if _allowed(_state_at(states, i), prior, limit, tmax):
+                    if i == b or _worth(_state_at(states, i), prior, limit, tmax, b_free, nblocks * per_block):
                         pick = i
                         reason = R_SESSION
                     else:
@@ -590,26 +604,48 @@ cdef class Picker:
                 if slot < 0:
                     break
                 matched += 1
+                last = h
                 t = self._index.slots[slot].tag
-                if nhits == 0 or hits[nhits - 1] != t:
+                if nhits and hits[nhits - 1] == t:
+                    depths[nhits - 1] = matched
+                else:
                     if nhits == 4:
                         hits[0] = hits[1]
                         hits[1] = hits[2]
                         hits[2] = hits[3]
+                        depths[0] = depths[1]
+                        depths[1] = depths[2]
+                        depths[2] = depths[3]
                         nhits = 3
                     hits[nhits] = t
+                    depths[nhits] = matched
                     nhits += 1
-            if matched <= shallow:
-                nhits = 0  # (only the shared start is known: the conversation's anchor decides)
+            if matched <= shallow or (
+                shallow < 0 and anchor and matched <= anchor_blocks and matched <= C_SHORT_SHARED
+            ):
+                nhits = 0  # (only a shared start is known: the conversation's anchor decides)
             for k in range(nhits - 1, -1, -1):
                 i = _find_tag(states, hits[k], now)
-                if i >= 0 and _allowed(_state_at(states, i), prior, limit, tmax):
+                if i >= 0 and (i == b or _worth(_state_at(states, i), prior, limit, tmax, b_free,
+                                                depths[k] * per_block)):
                     pick = i
                     reason = R_PREFIX
                     break
             if pick < 0 and nhits:
-                pick = b
+                # spill along the deepest matched block's rendezvous order (see the twin)
                 reason = R_LOAD
+                best_w = 0
+                for i in range(n):
+                    st = _state_at(states, i)
+                    if st._usable(now) and _allowed(st, prior, limit, tmax) and (
+                        not b_free or _has_slot(st, prior)
+                    ):
+                        w = _mix(last ^ st.tag)
+                        if pick < 0 or w > best_w:
+                            best_w = w
+                            pick = i
+                if pick < 0:
+                    pick = b
         if pick < 0:
             blind_limit = limit - self._bound * (1.0 - C_BLIND_SHARE)
             key = session
@@ -774,6 +810,30 @@ cdef inline bint _allowed(EndpointState st, double prior, double limit, double t
         c = prior
     load = st._load()
     return load + 1.0 <= c or load / c <= limit
+
+
+cdef inline bint _has_slot(EndpointState st, double prior) noexcept:
+    cdef double c = st._capacity()
+    if not (st.slots > 0.0 or st.seen_full) and prior > c:
+        c = prior
+    return st._load() + 1.0 <= c
+
+
+cdef bint _worth(EndpointState st, double prior, double limit, double tmax, bint b_free, double saved) noexcept:
+    # (see the twin)
+    cdef double c, load, w, r, slots_now
+    if not _allowed(st, prior, limit, tmax):
+        return False
+    c = st._capacity()
+    if not (st.slots > 0.0 or st.seen_full) and prior > c:
+        c = prior
+    load = st._load()
+    if not b_free or load + 1.0 <= c:
+        return True
+    w = st.waiting
+    r = st.running
+    slots_now = r if w > 0.0 and r > 0.0 else c
+    return (load + 1.0 - slots_now) / slots_now < saved
 
 
 cdef Py_ssize_t _find_tag(list states, uint64_t tag, double now) noexcept:

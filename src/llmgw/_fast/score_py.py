@@ -166,6 +166,16 @@ SLOWER = 3.0
 # load_bound of the best's utilisation (or with a free slot): an unseen prompt is
 # placed nearly as score would, yet consistently across routers.
 BLIND_SHARE = 0.2
+# While score's pick has a free slot, a cached replica that would queue the request is
+# taken only if the wait (queue positions / slots, in latencies, as score counts it) is
+# shorter than the prefill its cache saves: PREFILL_WEIGHT latencies for a request of the
+# pool's mean chain length (an EWMA over requests, MEAN_BLOCKS_WEIGHT), pro rata.
+PREFILL_WEIGHT = 0.2
+MEAN_BLOCKS_WEIGHT = 1.0 / 64
+# A first turn whose only match is a shared start (a system prompt) of at most this many
+# blocks goes where its anchor hashes, as its later turns will at routers that never saw
+# it: recomputing a short system prompt costs less than a conversation that moves.
+SHORT_SHARED = 12
 
 BREAKER_CLOSED = 0
 BREAKER_OPEN = 1
@@ -655,7 +665,7 @@ class Picker:
         ValueError: unknown strategy, or a setting out of range.
     """
 
-    __slots__ = ("_bound", "_counts", "_index", "_rng", "_rr", "_sessions", "_settings", "_strategy")
+    __slots__ = ("_bound", "_counts", "_index", "_mean_blocks", "_rng", "_rr", "_sessions", "_settings", "_strategy")
 
     def __init__(
         self,
@@ -686,6 +696,7 @@ class Picker:
         self._settings = (index_entries, session_entries, load_bound, entry_ttl)
         self._bound = load_bound
         self._counts = [0, 0, 0, 0]
+        self._mean_blocks = 0.0  # prefix: EWMA of the chain's blocks per request
         if self._strategy == _S_PREFIX:
             self._index: _Table | None = _Table(index_entries, entry_ttl)
             self._sessions: _Table | None = _Table(session_entries, entry_ttl)
@@ -757,19 +768,26 @@ class Picker:
 
         With the ``prefix`` strategy, ``b`` is the replica ``score`` picks and a replica
         is *allowed* when it has a free slot (``load() + 1 <= capacity``) or its
-        utilisation ``load() / capacity`` exceeds ``b``'s by at most ``load_bound``.
-        In this order:
+        utilisation ``load() / capacity`` exceeds ``b``'s by at most ``load_bound``. A
+        cached replica is *worth it* when it is allowed and, if ``b`` has a free slot,
+        it has one too or its queue wait (positions ahead / slots, in latencies, as
+        ``score`` counts it) is shorter than the prefill its cache saves:
+        ``PREFILL_WEIGHT`` latencies for a request of the pool's mean chain length
+        (an EWMA), pro rata to the blocks it has. In this order:
 
-        1. the session's replica, if the session table has one, it is usable and
-           allowed (``session``); if it is not allowed: ``b`` (``load_fallback``), and
-           the session stays on ``b`` from now on;
+        1. the session's replica, if the session table has one, it is usable and worth
+           it (``session``); if not: ``b`` (``load_fallback``), and the session stays on
+           ``b`` from now on;
         2. the replica that served the longest prefix of the chain (the first blocks
            found in the index, in order, up to the first miss; among the last 4
-           replicas along it, the deepest allowed one: ``prefix_hit``; none allowed:
-           ``b``, ``load_fallback``); for a later turn of a conversation, provided
-           the match goes past its anchor's whole blocks (a match within them covers
-           only a system prompt that many conversations share, and says nothing of
-           this one, whose earlier turns the anchor's replica has);
+           replicas along it, the deepest one worth it: ``prefix_hit``). None worth it:
+           rendezvous hashing of the deepest matched block over the replicas allowed
+           (with a free slot, while ``b`` has one), so that every router spills a
+           prefix to the same few replicas (``load_fallback``). A match no deeper than
+           the anchor's whole blocks is no hit for a later turn of a conversation (it
+           covers only a system prompt that many conversations share), nor for a first
+           turn when it is at most ``SHORT_SHARED`` blocks (such a first turn goes where
+           its anchor hashes, as its later turns will at routers that never saw it);
         3. otherwise: rendezvous hashing of the session (else the anchor, else the
            first block) over the allowed replicas' tags, so that routers that share
            nothing agree (``blind``); no key at all: ``b`` (``blind``).
@@ -808,6 +826,21 @@ class Picker:
         limit = _util(states[b], prior) + self._bound
         tb = states[b].latency
         tmax = SLOWER * tb if tb > 0.0 else math.inf  # (slower replicas than this are no home)
+        b_free = _has_slot(states[b], prior)
+        words = len(chain) >> 3
+        key: tuple[int, ...] = struct.unpack(f"={words}Q", chain) if words >= 3 else (0, 0)
+        anchor = key[0]
+        anchor_blocks = key[1] & ~(1 << 63)
+        # a later turn: a match no deeper than its anchor's whole blocks covers only what
+        # conversations share (a system prompt); a first turn has nothing more to match
+        shallow = anchor_blocks if anchor and key[1] >> 63 else -1
+        blocks = key[2:]
+        nb = len(blocks)
+        if nb:
+            mb = self._mean_blocks
+            self._mean_blocks = mb + (nb - mb) * MEAN_BLOCKS_WEIGHT if mb > 0.0 else float(nb)
+        # the prefill a cache of d blocks saves, in latencies: PREFILL_WEIGHT x d / mean blocks
+        per_block = PREFILL_WEIGHT / self._mean_blocks if self._mean_blocks > 0.0 else 0.0
         pick = -1
         reason = _R_BLIND
         new_session = False  # a session no table knows: its hash places it, as in every router
@@ -817,43 +850,56 @@ class Picker:
             if slot >= 0:
                 i = _find_tag(states, sessions.tags[slot], now)
                 if i >= 0:
-                    if _allowed(states[i], prior, limit, tmax):
+                    if _worth(states[i], prior, limit, tmax, b_free, nb * per_block) or i == b:
                         pick = i
                         reason = _R_SESSION
                     else:
                         pick = b
                         reason = _R_LOAD
-        words = len(chain) >> 3
-        key: tuple[int, ...] = struct.unpack(f"={words}Q", chain) if words >= 3 else (0, 0)
-        anchor = key[0]
-        # a later turn: a match no deeper than its anchor's whole blocks covers only what
-        # conversations share (a system prompt); a first turn has nothing more to match
-        shallow = key[1] & ~(1 << 63) if anchor and key[1] >> 63 else -1
-        blocks = key[2:]
         if pick < 0 and blocks and not new_session:
-            hits: list[int] = []  # the tags along the cached prefix, deepest last
+            hits: list[int] = []  # the last _HITS_KEPT tags met along the cached prefix, deepest last
+            depths: list[int] = []  # ... and how deep each was met
             matched = 0
+            last = 0  # the deepest matched block
             for h in blocks:
                 slot = index.find(h, now)
                 if slot < 0:
                     break
                 matched += 1
+                last = h
                 t = index.tags[slot]
-                if not hits or hits[-1] != t:
+                if hits and hits[-1] == t:
+                    depths[-1] = matched
+                else:
                     if len(hits) == _HITS_KEPT:
                         del hits[0]
+                        del depths[0]
                     hits.append(t)
-            if matched <= shallow:
-                hits = []  # (only the shared start is known: the conversation's anchor decides)
+                    depths.append(matched)
+            if matched <= shallow or (
+                shallow < 0 and anchor and matched <= anchor_blocks and matched <= SHORT_SHARED
+            ):
+                hits = []  # (only a shared start is known: the conversation's anchor decides)
             for k in range(len(hits) - 1, -1, -1):
                 i = _find_tag(states, hits[k], now)
-                if i >= 0 and _allowed(states[i], prior, limit, tmax):
+                if i >= 0 and (i == b or _worth(states[i], prior, limit, tmax, b_free, depths[k] * per_block)):
                     pick = i
                     reason = _R_PREFIX
                     break
             if pick < 0 and hits:
-                pick = b
+                # none may take it: spill along the deepest matched block's rendezvous
+                # order, so that every router spills a prefix to the same few replicas,
+                # which then hold it (consistent hashing with bounded loads)
                 reason = _R_LOAD
+                best_w = -1
+                for i, st in enumerate(states):
+                    if st.usable(now) and _allowed(st, prior, limit, tmax) and (not b_free or _has_slot(st, prior)):
+                        w = _mix(last ^ st.tag)
+                        if w > best_w:
+                            best_w = w
+                            pick = i
+                if pick < 0:
+                    pick = b
         if pick < 0:
             blind_limit = limit - self._bound * (1.0 - BLIND_SHARE)
             h = session or anchor or (blocks[0] if blocks else 0)
@@ -991,6 +1037,31 @@ def _allowed(st: EndpointState, prior: float, limit: float, tmax: float) -> bool
         c = prior
     load = st.load()
     return load + 1.0 <= c or load / c <= limit
+
+
+def _has_slot(st: EndpointState, prior: float) -> bool:
+    c = st.capacity()
+    if not (st.slots > 0.0 or st.seen_full) and prior > c:
+        c = prior
+    return st.load() + 1.0 <= c
+
+
+def _worth(st: EndpointState, prior: float, limit: float, tmax: float, b_free: bool, saved: float) -> bool:
+    """Whether a replica with ``saved`` latencies of prefill cached may take the request:
+    :func:`_allowed`, and, while score's pick has a free slot, a free slot here too or a
+    queue wait (positions ahead / slots, in latencies, as score counts it) below ``saved``."""
+    if not _allowed(st, prior, limit, tmax):
+        return False
+    c = st.capacity()
+    if not (st.slots > 0.0 or st.seen_full) and prior > c:
+        c = prior
+    load = st.load()
+    if not b_free or load + 1.0 <= c:
+        return True
+    w = st.waiting
+    r = st.running
+    slots_now = r if w > 0.0 and r > 0.0 else c
+    return (load + 1.0 - slots_now) / slots_now < saved
 
 
 def _find_tag(states: Sequence[EndpointState], tag: int, now: float) -> int:

@@ -471,7 +471,7 @@ def routing_families(registry: Registry) -> Iterator[Metric]:
     decisions = CounterMetricFamily(
         "llmgw_routing_decisions",
         "Picks of the prefix strategy by reason: prefix_hit (the replica with the longest cached prefix), "
-        "session (the conversation's replica), load_fallback (the cached replica was too loaded: score's pick), "
+        "session (the conversation's replica), load_fallback (the cached replica was too loaded: spilled elsewhere), "
         "blind (nothing known: consistent hashing, or score without a key).",
         labels=["model", "reason"],
     )

@@ -221,7 +221,9 @@ class PrefixConfig:
     """An index or session entry not used for this long is forgotten."""
     load_bound: Annotated[float, _num(0.0, 100.0)] = 0.25
     """A cached replica is preferred while it has a free slot or its utilisation (load / slots)
-    exceeds the least-loaded choice's by at most this much; past it the request goes where score sends it."""
+    exceeds the least-loaded choice's by at most this much (and, while that choice has a free slot,
+    only if the wait is shorter than the prefill the cache saves); past it the request spills along
+    the prefix's rendezvous order."""
     session_header: Annotated[str, _HEADER_NAME] = "x-session-id"
     """The request header naming a conversation (else the body's prompt_cache_key, safety_identifier, user)."""
 
