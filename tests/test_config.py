@@ -418,7 +418,7 @@ def test_agent_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
         "agent.yaml",
     )
     a = load_agent_file(p)
-    assert a.control == ("cp0", 7070) and a.token == "agent-secret-9f" and a.name == "node-1" and a.gpu_source == "nvidia-smi"
+    assert a.control == (("cp0", 7070),) and a.token == "agent-secret-9f" and a.name == "node-1" and a.gpu_source == "nvidia-smi"
     assert a.engines["vllm"].python == "/opt/vllm/bin/python" and a.engines["llamacpp"].binary.endswith("llama-server")  # type: ignore[union-attr]
     assert "agent-secret-9f" not in repr(a)
     p.write_text("token_env: NOPE_AGENT\ngpu_source: rocm\nengines:\n  tgi: {}\n  vllm: {pyhton: x}\n")

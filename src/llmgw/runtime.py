@@ -95,7 +95,7 @@ def control_plane(parts: Parts) -> Component:
     its collector on the admin ``/metrics``, its nodes on the management API."""
     from .control.service import ControlPlane
 
-    return ControlPlane(parts.config, admin=parts.admin)
+    return ControlPlane(parts.config, admin=parts.admin, admin_addr=parts.fleet.admin_addr)
 
 
 def components_for(config: Config) -> list[ComponentFactory]:

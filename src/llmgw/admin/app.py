@@ -8,7 +8,8 @@ route                              token   what
 =================================  ======  ==========================================
 ``GET /health``                    no      the process is up
 ``GET /ready``                     no      config loaded, listeners bound, every model
-                                           has a usable replica (503 + which not)
+                                           has a usable replica (503 + which not); a
+                                           control-plane standby: 503 ``standby``
 ``GET /metrics``                   no      Prometheus text or OpenMetrics (``Accept``)
 ``/admin/v1/...``                  yes     the management API (:mod:`.manage`)
 ``GET /debug/pprof/profile``       yes     CPU profile for ``seconds`` (speedscope,
@@ -199,6 +200,7 @@ class AdminApp:
         self.api = ManagementAPI(
             registry=registry, fleet=fleet, config=config, observer=self.observer, admission=admission
         )
+        self.role: Callable[[], dict[str, Any] | None] | None = None
         self.profiler = Profiler()
         self._token_src: str | None = None
         self._token_digest: bytes | None = None
@@ -220,6 +222,11 @@ class AdminApp:
         """Stop the loop-lag timer (the runtime's ``stop`` may call this; it also stops on its own)."""
         if self.lag is not None:
             self.lag.stop()
+
+    def attach_role(self, role: Callable[[], dict[str, Any] | None] | None) -> None:
+        """A control-plane standby's ``/ready``: ``role()`` is ``None`` on the leader, else the 503 body
+        (``reason: standby`` and the leader); ``None``: no election (docs/ha.md)."""
+        self.role = role
 
     def attach_nodes(self, nodes: NodeControl | None) -> None:
         """Serve ``/admin/v1/nodes`` from this control plane (``None``: no control plane, the routes answer 404)."""
@@ -298,8 +305,7 @@ class AdminApp:
             return None
         if path.startswith(b"/admin/v1"):
             self._authorize(req)
-            self.api.handle(req, w)
-            return None
+            return self.api.handle(req, w)
         if path.startswith(b"/debug/pprof"):
             self._authorize(req)
             if method not in (b"GET", b"HEAD"):
@@ -313,6 +319,11 @@ class AdminApp:
     def _ready(self, w: ResponseWriter) -> None:
         if self.listeners.client_closing():
             w.send_json(503, {"ready": False, "reason": "shutting down"})
+            return
+        role = self.role
+        standby = role() if role is not None else None
+        if standby is not None:
+            w.send_json(503, standby)
             return
         ready, body = self.fleet.readiness()
         w.send_json(200 if ready else 503, body)

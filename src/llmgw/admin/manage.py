@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 from urllib.parse import unquote
 
@@ -286,16 +286,18 @@ class ManagementAPI:
             )
         return ep
 
-    def handle(self, req: Request, w: ResponseWriter) -> None:
+    def handle(self, req: Request, w: ResponseWriter) -> Awaitable[None] | None:
         path = req.path.rstrip(b"/")
         method = req.method
         parts = path[len(PREFIX):].split(b"/") if path.startswith(PREFIX) else []
         if parts[:1] == [b"endpoints"]:
             if len(parts) == 1:
                 if method in (b"GET", b"HEAD"):
-                    return self.list_endpoints(w)
+                    self.list_endpoints(w)
+                    return None
                 if method == b"POST":
-                    return self.add_endpoint(req, w)
+                    self.add_endpoint(req, w)
+                    return None
                 raise method_not_allowed(method, path, "GET or POST")
             endpoint_id = unquote(parts[1].decode("latin-1"))
             if len(parts) == 2:
@@ -303,12 +305,14 @@ class ManagementAPI:
                     w.send_json(200, endpoint_view(self._endpoint(endpoint_id)))
                     return None
                 if method == b"DELETE":
-                    return self.remove_endpoint(endpoint_id, w)
+                    self.remove_endpoint(endpoint_id, w)
+                    return None
                 raise method_not_allowed(method, path, "GET or DELETE")
             if len(parts) == 3 and parts[2] in (b"drain", b"undrain"):
                 if method != b"POST":
                     raise method_not_allowed(method, path, "POST")
-                return self.set_draining(endpoint_id, parts[2] == b"drain", w)
+                self.set_draining(endpoint_id, parts[2] == b"drain", w)
+                return None
         elif parts == [b"reload"]:
             if method != b"POST":
                 raise method_not_allowed(method, path, "POST")
@@ -327,12 +331,20 @@ class ManagementAPI:
 
     # -- nodes (the control plane) --
 
-    def handle_nodes(self, parts: list[bytes], method: bytes, path: bytes, w: ResponseWriter) -> None:
+    def handle_nodes(self, parts: list[bytes], method: bytes, path: bytes, w: ResponseWriter) -> Awaitable[None] | None:
         nodes = self.nodes
         if nodes is None:
             raise NotFoundError(
                 "this llmgw runs no control plane (add a control: section to the config); no nodes here",
                 code="no_control_plane",
+            )
+        standby = nodes.not_leader()
+        if standby is not None:
+            # a standby has no nodes (agents report to the leader) and changes nothing: it names the leader
+            leader = nodes.leader_admin()
+            raise HTTPError(
+                standby, status=503, type="service_unavailable_error", code="not_leader", retry_after=1,
+                headers=((b"llmgw-leader", leader.encode()),) if leader else None,
             )
         if parts == [b"gpus"]:
             if method not in (b"GET", b"HEAD"):
@@ -359,12 +371,15 @@ class ManagementAPI:
         if len(parts) == 3 and parts[2] in (b"cordon", b"uncordon"):
             if method != b"POST":
                 raise method_not_allowed(method, path, "POST")
-            view = nodes.set_cordoned(name, parts[2] == b"cordon")
-            if view is None:
-                raise missing
-            w.send_json(200, view)
-            return None
+            return self._set_cordoned(nodes, name, parts[2] == b"cordon", missing, w)
         raise NotFoundError(f"no admin route {path.decode('latin-1')[:200]}; routes: {', '.join(ROUTES)}")
+
+    @staticmethod
+    async def _set_cordoned(nodes: NodeControl, name: str, cordoned: bool, missing: HTTPError, w: ResponseWriter) -> None:
+        view = await nodes.set_cordoned(name, cordoned)
+        if view is None:
+            raise missing
+        w.send_json(200, view)
 
     def reload(self, trigger: str) -> dict[str, Any]:
         """Re-read the config file (:func:`reload_answer`)."""

@@ -8,7 +8,7 @@ switching a check off.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
+from collections.abc import Awaitable, Collection, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -64,8 +64,15 @@ class NodeControl(Protocol):
     def node(self, name: str) -> dict[str, Any] | None:
         """One node with its GPUs; ``None`` when there is no such node."""
 
-    def set_cordoned(self, name: str, cordoned: bool) -> dict[str, Any] | None:
-        """Cordon or uncordon; the node with ``changed``; ``None`` when there is no such node."""
+    def set_cordoned(self, name: str, cordoned: bool) -> Awaitable[dict[str, Any] | None]:
+        """Cordon or uncordon; the node with ``changed``; ``None`` when there is no such node.
+        (Awaited: with a database the change is written, fenced, before it is made.)"""
+
+    def not_leader(self) -> str | None:
+        """``None`` where this control plane acts; on a standby, the message naming the leader."""
+
+    def leader_admin(self) -> str | None:
+        """The leader's admin URL when another process leads (``llmgw-leader`` header), else ``None``."""
 
 
 class Listener(Protocol):

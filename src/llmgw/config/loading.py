@@ -189,6 +189,7 @@ def _auth(problems: _Problems, validated: Any, raw: Any, bands: tuple[str, ...] 
 
 def _control(problems: _Problems, c: Any, raw: Any) -> ControlConfig | None:
     _either(problems, raw, ("control",), "join_token", "join_token_env")
+    _either(problems, raw, ("control",), "database", "database_env")
     if c is _FAILED or c is None:
         return None
     grace = c.heartbeat_grace if c.heartbeat_grace is not None else 3 * c.heartbeat_interval
@@ -204,7 +205,8 @@ def _control(problems: _Problems, c: Any, raw: Any) -> ControlConfig | None:
     tokens = tuple(e.value for e in c.join_token_env) if c.join_token_env else (c.join_token or ())
     return ControlConfig(
         listen=c.listen, join_tokens=tokens, heartbeat_interval=c.heartbeat_interval, heartbeat_grace=grace,
-        database=c.database, state_file=c.state_file, tls_cert=c.tls_cert, tls_key=c.tls_key, tls_client_ca=c.tls_client_ca,
+        database=c.database_env.value if c.database_env else c.database, lease=c.lease, advertise=c.advertise,
+        state_file=c.state_file, tls_cert=c.tls_cert, tls_key=c.tls_key, tls_client_ca=c.tls_client_ca,
         allow_insecure=c.allow_insecure,
     )
 

@@ -15,10 +15,14 @@ for a client certificate). Plaintext is refused off loopback unless
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import hmac
 import ipaddress
-from collections.abc import Callable
+import json
+import socket
+import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -26,7 +30,7 @@ import grpc
 
 from .. import __version__
 from .._proto.agent.v1 import agent_pb2_grpc
-from ..agent.wire import PROTOCOL, SERVER_OPTIONS, TOKEN_METADATA, compatible, pb
+from ..agent.wire import PROTOCOL, SERVER_OPTIONS, TOKEN_METADATA, compatible, node_id_for, pb
 from ..errors import ConfigError, HTTPError
 from ..log import control_logger as log
 from .nodes import NodeMap
@@ -35,9 +39,15 @@ if TYPE_CHECKING:
     from ..admin.app import AdminApp
     from ..config import Config, ControlConfig
 
-__all__ = ["ControlPlane", "ControlStats"]
+__all__ = ["LEADER_METADATA", "LEASE_METADATA", "ControlPlane", "ControlStats"]
 
 MAX_NAME = 253
+LEADER_METADATA = "llmgw-leader"
+"""Trailing metadata of a standby's refusal (UNAVAILABLE): the leader's gRPC address, when known."""
+LEASE_METADATA = "llmgw-lease-ms"
+"""Initial metadata of a leader's RegisterResponse (with a database): its lease, milliseconds. The
+agent then expects an answer on its heartbeat stream at least every third of it (a paused
+leader's silence is noticed though its TCP connection stays up) and times its calls out sooner."""
 
 
 @dataclass
@@ -131,6 +141,44 @@ class AgentService(agent_pb2_grpc.AgentServiceServicer):
         self.control = control
         self.stats = stats
         self._tokens = _Tokens()
+        self.standby: Callable[[], str | None] | None = None
+        """With a database: ``None`` while this process leads, else the leader's gRPC address ('' unknown)."""
+        self.on_register: Callable[[str, str, Any, str], Awaitable[None]] | None = None
+        """Awaited before a registration is taken (the leader records the node, fenced)."""
+        self.on_deregister: Callable[[str], Awaitable[None]] | None = None
+        self.lease_ms: int | None = None
+        """With a database: the lease (answers on a heartbeat stream come at least every third of it)."""
+        self.streams: set[asyncio.Task[Any]] = set()
+        """The heartbeat streams' handler tasks (cancelled when this process stops leading)."""
+
+    async def _leader_only(self, context: Any, method: str) -> None:
+        """Refuse the call on a standby (UNAVAILABLE; the leader's address in the trailing metadata)."""
+        standby = self.standby
+        if standby is None:
+            return
+        leader = standby()
+        if leader is None:
+            return
+        if leader:
+            context.set_trailing_metadata(((LEADER_METADATA, leader),))
+        await self._abort(
+            context, method, grpc.StatusCode.UNAVAILABLE,
+            f"this control plane is a standby; the leader is at {leader}" if leader
+            else "this control plane is a standby and no leader is known yet: try another control plane",
+        )
+
+    async def _refuse_write(self, context: Any, method: str, exc: Exception) -> None:
+        from .db import DatabaseError
+        from .leader import NotLeader
+
+        if isinstance(exc, NotLeader):
+            li = exc.leader
+            if li is not None and li.grpc_address:
+                context.set_trailing_metadata(((LEADER_METADATA, li.grpc_address),))
+            await self._abort(context, method, grpc.StatusCode.UNAVAILABLE, f"not the leader any more: {exc}")
+        assert isinstance(exc, DatabaseError)
+        log.error("%s: the database failed: %s", method, exc)
+        await self._abort(context, method, grpc.StatusCode.UNAVAILABLE, "the control plane's database failed; retry")
 
     async def _abort(self, context: Any, method: str, code: grpc.StatusCode, message: str) -> None:
         self.stats.error(method, code)
@@ -182,7 +230,16 @@ class AgentService(agent_pb2_grpc.AgentServiceServicer):
                 context, "Register", grpc.StatusCode.INVALID_ARGUMENT,
                 f"node_name must be 1-{MAX_NAME} printable characters without spaces, got {name[:60]!r}",
             )
+        await self._leader_only(context, "Register")
         discovery = request.discovery
+        if self.on_register is not None:
+            from .db import DatabaseError
+            from .leader import NotLeader
+
+            try:
+                await self.on_register(name, node_id_for(name), discovery, request.agent_version)
+            except (NotLeader, DatabaseError) as exc:
+                await self._refuse_write(context, "Register", exc)
         st, created = self.nodes.register(
             name, peer=peer, agent_version=request.agent_version, protocol=theirs, discovery=discovery
         )
@@ -195,6 +252,8 @@ class AgentService(agent_pb2_grpc.AgentServiceServicer):
             discovery.source or "none",
         )
         c = self.control()
+        if self.lease_ms is not None:
+            await context.send_initial_metadata(((LEASE_METADATA, str(self.lease_ms)),))
         return pb.RegisterResponse(
             node_id=st.node_id,
             control_plane_version=__version__,
@@ -205,6 +264,7 @@ class AgentService(agent_pb2_grpc.AgentServiceServicer):
 
     async def Heartbeat(self, request: pb.HeartbeatRequest, context: Any) -> pb.HeartbeatResponse:
         await self._authenticate(context, "Heartbeat", request.node_name)
+        await self._leader_only(context, "Heartbeat")
         st = self.nodes.heartbeat(
             request.node_id, request.sequence, request.discovery, peer=context.peer()
         )
@@ -234,20 +294,31 @@ class AgentService(agent_pb2_grpc.AgentServiceServicer):
         if msg is grpc.aio.EOF:
             return
         given = await self._authenticate(context, method, msg.heartbeat.node_name)
+        await self._leader_only(context, method)
         peer = context.peer()
         stats = self.stats
         stats.streams_open += 1
+        task = asyncio.current_task()
+        if task is not None:
+            self.streams.add(task)
         try:
             await self._stream_beats(context, method, msg, given, peer)
         finally:
             stats.streams_open -= 1
+            self.streams.discard(task)
 
     async def _stream_beats(self, context: Any, method: str, msg: Any, given: str, peer: str) -> None:
         nodes, stats = self.nodes, self.stats
         said: tuple[float, bool] | None = None  # the answer last written: the next one only when it changes
+        # with a database, also at least every third of the lease: the agent takes silence for a lost leader
+        every = self.lease_ms / 3000 if self.lease_ms is not None else None
+        said_at = 0.0
+        standby = self.standby
         while msg is not grpc.aio.EOF:
             hb = msg.heartbeat
             await self._check(context, method, hb.node_name, given)  # a reload may have removed the token
+            if standby is not None and standby() is not None:
+                await self._leader_only(context, method)
             st = nodes.heartbeat(hb.node_id, hb.sequence, hb.discovery, peer=peer)
             if st is None:
                 await self._abort(
@@ -257,14 +328,26 @@ class AgentService(agent_pb2_grpc.AgentServiceServicer):
                 raise AssertionError("unreachable")
             stats.heartbeats += 1
             answer = (self.control().heartbeat_interval, st.cordoned)
-            if answer != said:
+            if answer != said or (every is not None and time.monotonic() - said_at >= every):
                 await context.write(pb.StreamHeartbeatsResponse(heartbeat=pb.HeartbeatResponse(
                     heartbeat_interval_seconds=answer[0], cordoned=answer[1])))
                 said = answer
+                if every is not None:
+                    said_at = time.monotonic()
             msg = await context.read()
 
     async def Deregister(self, request: pb.DeregisterRequest, context: Any) -> pb.DeregisterResponse:
         await self._authenticate(context, "Deregister", request.node_name)
+        await self._leader_only(context, "Deregister")
+        known = self.nodes.by_id(request.node_id)
+        if known is not None and self.on_deregister is not None:
+            from .db import DatabaseError
+            from .leader import NotLeader
+
+            try:
+                await self.on_deregister(known.name)
+            except (NotLeader, DatabaseError) as exc:
+                await self._refuse_write(context, "Deregister", exc)
         st = self.nodes.deregister(request.node_id)
         if st is not None:
             self.stats.deregistrations += 1
@@ -284,9 +367,12 @@ class ControlPlane:
 
     name = "control plane"
 
-    def __init__(self, config: Callable[[], Config], admin: AdminApp | None = None) -> None:
+    def __init__(
+        self, config: Callable[[], Config], admin: AdminApp | None = None, admin_addr: tuple[str, int] | None = None
+    ) -> None:
         self.config = config
         self.admin = admin
+        self.admin_addr = admin_addr
         self.stats = ControlStats()
         self.nodes = NodeMap(lambda: self._control().heartbeat_grace)
         self.service = AgentService(self.nodes, self._control, self.stats)
@@ -294,8 +380,17 @@ class ControlPlane:
         self.address: tuple[str, int] | None = None
         self.tls = False
         self._collector: Any = None
+        self._leader_collector: Any = None
         self._last: ControlConfig | None = None
         self._state: Any = None  # StateFile when control.state_file is set
+        # with control.database (docs/ha.md)
+        self.db: Any = None
+        self.leadership: Any = None  # leader.Leadership
+        self._cordons: Any = None  # db.CordonStore
+        self._node_store: Any = None  # db.NodeStore
+        self._node_records: dict[str, tuple[str, str | None, str | None, str]] = {}
+        self._ready_epoch: int | None = None
+        """The epoch whose state is loaded: this process acts as leader only when it is the current one."""
 
     def _control(self) -> ControlConfig:
         c = self.config().control
@@ -320,7 +415,11 @@ class ControlPlane:
             )
         creds = server_credentials(c)
         self.tls = creds is not None
-        if c.state_file is not None:
+        if c.database is not None:
+            from .db import open_database
+
+            self.db = open_database(c.database)  # (raises ConfigError on a bad URL before anything binds)
+        elif c.state_file is not None:
             from .state import StateFile
 
             self._state = StateFile(c.state_file)
@@ -340,12 +439,19 @@ class ControlPlane:
         await server.start()
         self.server = server
         self.address = (host, bound)
+        if self.db is not None:
+            await self._start_database(c, bound)
         if self.admin is not None:
             from .collector import ClusterCollector
+            from .ha import LeaderCollector
 
             self._collector = ClusterCollector(self.nodes, self.stats)
             self.admin.register_text_collector(self._collector)
+            self._leader_collector = LeaderCollector(self)
+            self.admin.register_collector(self._leader_collector)
             self.admin.attach_nodes(self)
+            if self.leadership is not None:
+                self.admin.attach_role(self.role)
         log.info(
             "control plane listening on %s://%s:%d (heartbeat every %gs, grace %gs%s)",
             "grpcs" if self.tls else "grpc", host, bound, c.heartbeat_interval, c.heartbeat_grace,
@@ -355,12 +461,135 @@ class ControlPlane:
     async def stop(self) -> None:
         if self.admin is not None:
             self.admin.attach_nodes(None)
-            if self._collector is not None:
-                self.admin.unregister_collector(self._collector)
-                self._collector = None
+            self.admin.attach_role(None)
+            for attr in ("_collector", "_leader_collector"):
+                col = getattr(self, attr)
+                if col is not None:
+                    self.admin.unregister_collector(col)
+                    setattr(self, attr, None)
+        if self.leadership is not None:
+            await self.leadership.stop(release=True)
         if self.server is not None:
             await self.server.stop(1.0)
             self.server = None
+        if self.db is not None:
+            await self.db.close()
+            self.db = None
+
+    # -- with a database: the election and the fenced state (docs/ha.md) --
+
+    @staticmethod
+    def _advertised(advertise: str | None, bound_host: str, port: int) -> str:
+        """``HOST:PORT`` others reach a listener at: ``control.advertise``, else its own host (FQDN for a wildcard)."""
+        host = advertise or bound_host
+        if host in ("0.0.0.0", "::", "", "[::]"):
+            host = socket.getfqdn()
+        return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
+
+    async def _start_database(self, c: ControlConfig, grpc_port: int) -> None:
+        from .db import CordonStore, DatabaseError, NodeStore, redact
+        from .leader import Leadership
+
+        db = self.db
+        try:
+            await db.open()
+            await db.migrate()
+        except DatabaseError as exc:
+            raise OSError(f"control.database: {exc}") from None
+        self._cordons = CordonStore(db)
+        self._node_store = NodeStore(db)
+        me = self._advertised(c.advertise, c.listen[0], grpc_port)
+        admin = None
+        if self.admin_addr is not None:
+            admin = "http://" + self._advertised(c.advertise, self.admin_addr[0], self.admin_addr[1])
+        self.leadership = Leadership(
+            db, holder=f"{socket.gethostname()}/{me}", lease=c.lease, grpc_address=me, admin_address=admin,
+            on_elected=self._elected, on_deposed=self._deposed,
+        )
+        self.service.standby = self._standby
+        self.service.on_register = self._record_node
+        self.service.on_deregister = self._forget_node
+        self.service.lease_ms = int(c.lease * 1000)
+        self.leadership.start()
+        log.info("control-plane state in %s; campaigning for the lease (%gs) as %s", redact(db.url), c.lease, me)
+
+    async def _elected(self, epoch: int) -> None:
+        assert self._cordons is not None and self._node_store is not None
+        cordons = await self._cordons.load()
+        records = await self._node_store.load()
+        if self.leadership is None or self.leadership.epoch != epoch:
+            return
+        self.nodes.clear()
+        self.nodes.restore_cordons(cordons)
+        self._node_records = records
+        self._ready_epoch = epoch
+        log.info("leading with %d cordon(s) and %d known node(s) from the database", len(cordons), len(records))
+
+    def _deposed(self) -> None:
+        self._ready_epoch = None
+        for task in list(self.service.streams):
+            task.cancel()  # the agents' streams end: they go to the new leader
+        self.nodes.clear()
+
+    def leading(self) -> bool:
+        """Whether this process acts as the control plane now (always, without a database)."""
+        lead = self.leadership
+        return lead is None or (lead.acting() and self._ready_epoch == lead.epoch)
+
+    def _standby(self) -> str | None:
+        if self.leading():
+            return None
+        li = self.leadership.other_leader() if self.leadership is not None else None
+        return (li.grpc_address or "") if li is not None else ""
+
+    def role(self) -> dict[str, Any] | None:
+        """``None`` on the leader; a standby's ``/ready`` body (503) naming the leader."""
+        if self.leading():
+            return None
+        lead = self.leadership
+        li = lead.other_leader() if lead is not None else None
+        body: dict[str, Any] = {"ready": False, "reason": "standby", "role": "standby"}
+        if li is not None:
+            body["leader"] = {"grpc": li.grpc_address, "admin": li.admin_address, "epoch": li.epoch}
+        return body
+
+    def not_leader(self) -> str | None:
+        """The management API's answer on a standby (``None`` on the leader): who leads."""
+        if self.leading():
+            return None
+        lead = self.leadership
+        li = lead.other_leader() if lead is not None else None
+        if li is None:
+            return "this control plane is a standby and no leader is known yet: retry in a few seconds"
+        return f"this control plane is a standby; the leader is at {li.admin_address or li.grpc_address} (epoch {li.epoch})"
+
+    def leader_admin(self) -> str | None:
+        lead = self.leadership
+        li = lead.other_leader() if lead is not None else None
+        return li.admin_address if li is not None else None
+
+    @staticmethod
+    def _node_record(discovery: Any, agent_version: str, node_id: str) -> tuple[str, str | None, str | None, str]:
+        gpus = json.dumps([g.uuid for g in discovery.gpus])
+        return (node_id, discovery.facts.hostname or None, agent_version or None, gpus)
+
+    async def _record_node(self, name: str, node_id: str, discovery: Any, agent_version: str) -> None:
+        """Register's write: the node's identity, only when it changed (never per heartbeat)."""
+        lead, store = self.leadership, self._node_store
+        assert lead is not None and store is not None
+        rec = self._node_record(discovery, agent_version, node_id)
+        if self._node_records.get(name) == rec and self.leading():
+            return
+        async with lead.transaction() as (tx, epoch):
+            await store.put(tx, name, rec, epoch)
+        self._node_records[name] = rec
+
+    async def _forget_node(self, name: str) -> None:
+        lead, store = self.leadership, self._node_store
+        assert lead is not None and store is not None
+        async with lead.transaction() as (tx, _epoch):
+            await store.delete(tx, name)
+        self._node_records.pop(name, None)
 
     # -- the nodes API (admin.ports.NodeControl) --
 
@@ -380,10 +609,22 @@ class ControlPlane:
         st = self.nodes.get(name)
         return node_view(self.nodes, st, gpus=True) if st is not None else None
 
-    def set_cordoned(self, name: str, cordoned: bool) -> dict[str, Any] | None:
-        """Cordon/uncordon; the node's view with ``changed``, ``None`` when there is no such node."""
+    async def set_cordoned(self, name: str, cordoned: bool) -> dict[str, Any] | None:
+        """Cordon/uncordon; the node's view with ``changed``, ``None`` when there is no such node.
+
+        With a database the change is written first, fenced by the leader's epoch: a deposed
+        leader changes nothing (503 ``not_leader``).
+
+        Raises:
+            HTTPError: 503 (not the leader any more, the database or the state file failed).
+        """
         from .views import node_view
 
+        st = self.nodes.get(name)
+        if st is None:
+            return None
+        if self.leadership is not None and st.cordoned != cordoned:
+            await self._write_cordon(name, cordoned)
         try:
             st, changed = self.nodes.set_cordoned(name, cordoned)
         except KeyError:
@@ -405,3 +646,28 @@ class ControlPlane:
         view = node_view(self.nodes, st, gpus=False)
         view["changed"] = changed
         return view
+
+    async def _write_cordon(self, name: str, cordoned: bool) -> None:
+        from .db import DatabaseError
+        from .leader import NotLeader
+
+        lead, store = self.leadership, self._cordons
+        assert lead is not None and store is not None
+        try:
+            async with lead.transaction() as (tx, epoch):
+                await store.set(tx, name, cordoned, epoch)
+        except NotLeader as exc:
+            li = exc.leader
+            raise HTTPError(
+                f"{exc}; nothing was changed" + (f": the leader is at {li.admin_address}" if li and li.admin_address
+                                                 else ""),
+                status=503, type="service_unavailable_error", code="not_leader",
+                headers=((b"llmgw-leader", li.admin_address.encode()),) if li and li.admin_address else None,
+            ) from None
+        except (DatabaseError, asyncio.TimeoutError) as exc:
+            log.error("could not write the cordon of %s to the database: %s", name, exc)
+            raise HTTPError(
+                f"the control plane's database failed ({type(exc).__name__}); node {name} was left "
+                f"{'uncordoned' if cordoned else 'cordoned'}: retry", status=503,
+                type="service_unavailable_error", code="database_unavailable",
+            ) from None
