@@ -381,6 +381,10 @@ def test_reserved_control_plane_sections(monkeypatch: pytest.MonkeyPatch) -> Non
     assert load({"control": {"listen": ":1", "heartbeat_interval": "2s"}}).control.heartbeat_grace == 6.0  # type: ignore[union-attr]
     assert load({"control": {"listen": ":1", "join_token": ["a", "b"]}}).control.join_tokens == ("a", "b")  # type: ignore[union-attr]
     assert load({}).control is None and load({}).deployments == () and load({}).follow is None
+    c = load({"control": {"listen": ":1", "database": "postgresql://u:pw-secret-1@db/x", "lease": "5s",
+                          "advertise": "cp0.example"}}).control
+    assert c is not None and (c.database, c.lease, c.advertise) == ("postgresql://u:pw-secret-1@db/x", 5.0, "cp0.example")
+    assert "pw-secret-1" not in repr(c) and load({"control": {"listen": ":1"}}).control.lease == 15.0  # type: ignore[union-attr]
 
 
 @pytest.mark.parametrize(
@@ -399,6 +403,9 @@ def test_reserved_control_plane_sections(monkeypatch: pytest.MonkeyPatch) -> Non
         ({"deployments": [{"name": "a", "model": "m"}, {"name": "a", "model": "n"}]}, "deployments[1].name", "duplicate name"),
         ({"deployments": [{"name": "a", "model": "m", "replica": 2}]}, "deployments[0].replica", "did you mean 'replicas'"),
         ({"follow": {"control": []}}, "follow.control", "HOST:PORT"),
+        ({"control": {"listen": ":1", "database": "sqlite:///x", "database_env": "B"}}, "control.database_env",
+         "not both"),
+        ({"control": {"listen": ":1", "lease": "100ms"}}, "control.lease", "at least 300ms"),
     ],
 )
 def test_reserved_sections_are_validated(data: object, key: str, fragment: str) -> None:

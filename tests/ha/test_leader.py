@@ -124,3 +124,13 @@ async def test_sqlite_for_one_machine(tmp_path: Path) -> None:
         open_database("sqlite://nohost")
     with pytest.raises(ConfigError, match="postgresql://"):
         open_database("mysql://x")
+
+
+def test_a_database_password_is_never_shown() -> None:
+    from llmgw.control.db import redact
+
+    assert redact("postgresql://llmgw:pw-9f@db:5432/llmgw") == "postgresql://llmgw:***@db:5432/llmgw"
+    assert redact("postgresql://llmgw@db/llmgw") == "postgresql://llmgw@db/llmgw"
+    with pytest.raises(ConfigError) as ei:
+        open_database("mysql://u:pw-9f@db/x")
+    assert "pw-9f" not in str(ei.value)

@@ -224,7 +224,13 @@ class Leadership:
         self._arm()
         log.info("this control plane leads now (epoch %d, lease %gs)", won, self.lease)
         if self.on_elected is not None:
-            await self.on_elected(won)
+            try:
+                await self.on_elected(won)
+            except Exception:
+                # never hold the lease without acting: step down (the next campaign, finding the
+                # lease still this process's, takes it again in a new epoch and retries)
+                self._step_down("loading its state failed")
+                raise
 
     async def _lock_row(self, tx: Tx) -> tuple[Any, ...] | None:
         return await tx.fetchrow(self.db.sql(
