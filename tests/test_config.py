@@ -406,6 +406,8 @@ def test_reserved_control_plane_sections(monkeypatch: pytest.MonkeyPatch) -> Non
         ({"control": {"listen": ":1", "database": "sqlite:///x", "database_env": "B"}}, "control.database_env",
          "not both"),
         ({"control": {"listen": ":1", "lease": "100ms"}}, "control.lease", "at least 300ms"),
+        ({"control": {"listen": ":1", "database": "sqlite:///x", "state_file": "s.json"}}, "control.state_file",
+         "not used with control.database"),
     ],
 )
 def test_reserved_sections_are_validated(data: object, key: str, fragment: str) -> None:

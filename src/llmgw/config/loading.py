@@ -202,6 +202,9 @@ def _control(problems: _Problems, c: Any, raw: Any) -> ControlConfig | None:
         problems.add(("control", missing), "is required with " + ("tls_cert" if missing == "tls_key" else "tls_key"))
     if c.tls_client_ca is not None and c.tls_cert is None:
         problems.add(("control", "tls_client_ca"), "needs tls_cert and tls_key (mutual TLS is TLS first)")
+    if c.state_file is not None and (c.database is not None or c.database_env is not None):
+        problems.add(("control", "state_file"), "is not used with control.database (cordons are kept in the database): "
+                     "remove one")
     tokens = tuple(e.value for e in c.join_token_env) if c.join_token_env else (c.join_token or ())
     return ControlConfig(
         listen=c.listen, join_tokens=tokens, heartbeat_interval=c.heartbeat_interval, heartbeat_grace=grace,

@@ -154,8 +154,13 @@ class Database:
     async def close(self) -> None:
         raise NotImplementedError
 
-    def transaction(self, timeout: float | None = None) -> contextlib.AbstractAsyncContextManager[Tx]:
+    def transaction(
+        self, timeout: float | None = None, *, lease: bool = False
+    ) -> contextlib.AbstractAsyncContextManager[Tx]:
         """A transaction: committed when the block ends, rolled back when it raises.
+
+        ``lease``: the election's own (PostgreSQL: a connection of its own, so a burst of
+        registrations queued for the others never delays a renew past its deadline).
 
         Raises:
             DatabaseError: connecting or a statement failed (also ``asyncio.TimeoutError`` past ``timeout``).
@@ -223,6 +228,12 @@ class _PgTx(Tx):
         return [tuple(r) for r in rows]
 
 
+async def _no_reset(conn: Any) -> None:
+    """PERF: asyncpg resets a connection on each return to the pool (advisory unlock all, CLOSE ALL,
+    UNLISTEN *, RESET ALL: a round trip and a transaction each time). llmgw keeps no session state (every
+    statement is inside a transaction that ends before the release), so there is nothing to reset."""
+
+
 class PostgresDatabase(Database):
     """asyncpg pool (a few connections: the lease, agent registrations, the API)."""
 
@@ -233,6 +244,7 @@ class PostgresDatabase(Database):
         self.max_size = max_size
         self.connect_timeout = connect_timeout
         self.pool: Any = None
+        self.lease_pool: Any = None
 
     def sql(self, text: str) -> str:
         return text.replace("{now}", "extract(epoch from clock_timestamp())::double precision").replace(
@@ -246,30 +258,38 @@ class PostgresDatabase(Database):
             # start does not stop the process (it keeps campaigning) and one back later is used.
             self.pool = await asyncpg.create_pool(
                 self.url, min_size=0, max_size=self.max_size, timeout=self.connect_timeout,
-                command_timeout=30, max_inactive_connection_lifetime=60,
+                command_timeout=30, max_inactive_connection_lifetime=60, reset=_no_reset,
+            )
+            self.lease_pool = await asyncpg.create_pool(
+                self.url, min_size=0, max_size=1, timeout=self.connect_timeout, command_timeout=30,
+                max_inactive_connection_lifetime=0, reset=_no_reset,  # (renewed every lease/3: it stays open)
             )
         except (OSError, asyncpg.PostgresError, asyncio.TimeoutError, ValueError) as exc:
             raise DatabaseError(f"cannot open {redact(self.url)}: {type(exc).__name__}: {exc}") from exc
 
     async def close(self) -> None:
-        pool, self.pool = self.pool, None
-        if pool is not None:
-            try:
-                await asyncio.wait_for(pool.close(), 5.0)
-            except (asyncio.TimeoutError, OSError):
-                pool.terminate()
+        for pool in (self.pool, self.lease_pool):
+            if pool is not None:
+                try:
+                    await asyncio.wait_for(pool.close(), 5.0)
+                except (asyncio.TimeoutError, OSError):
+                    pool.terminate()
+        self.pool = self.lease_pool = None
 
     @contextlib.asynccontextmanager
-    async def transaction(self, timeout: float | None = None) -> AsyncIterator[Tx]:
+    async def transaction(self, timeout: float | None = None, *, lease: bool = False) -> AsyncIterator[Tx]:
         import asyncpg
 
-        if self.pool is None:
+        pool = self.lease_pool if lease else self.pool
+        if pool is None:
             raise DatabaseError("the database is not open")
         try:
-            async with self.pool.acquire(timeout=timeout or self.connect_timeout) as conn, conn.transaction():
+            async with pool.acquire(timeout=timeout or self.connect_timeout) as conn, conn.transaction():
                 yield _PgTx(conn, timeout)
         except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
             raise DatabaseError(f"{redact(self.url)}: {type(exc).__name__}: {exc}") from exc
+        except asyncio.TimeoutError as exc:
+            raise DatabaseError(f"{redact(self.url)}: no answer within {timeout or self.connect_timeout:g}s") from exc
 
 
 # -- SQLite --
@@ -340,7 +360,7 @@ class SqliteDatabase(Database):
             pool.shutdown(wait=True)
 
     @contextlib.asynccontextmanager
-    async def transaction(self, timeout: float | None = None) -> AsyncIterator[Tx]:
+    async def transaction(self, timeout: float | None = None, *, lease: bool = False) -> AsyncIterator[Tx]:
         if self._conn is None:
             raise DatabaseError("the database is not open")
         async with self._lock:

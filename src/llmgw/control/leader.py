@@ -3,10 +3,10 @@
 Several ``llmgw serve`` processes with the same ``control.database`` run one
 :class:`Leadership` each. The lease is one row (``llmgw_lease``, name ``control``):
 
-* **Acquire** (a standby, every ``lease/3`` with jitter, forever: it never gives up
-  after losing once): in one transaction, lock the row; when it has expired *by the
-  database's clock* (``expires_at <= now``), take it: holder = me, ``epoch + 1``,
-  ``expires_at = now + lease``.
+* **Acquire** (a standby, every ``lease/3`` with jitter and just after the holder's
+  lease runs out; forever: it never gives up after losing once): in one transaction,
+  lock the row; when it has expired *by the database's clock* (``expires_at <=
+  now``), take it: holder = me, ``epoch + 1``, ``expires_at = now + lease``.
 * **Renew** (the leader, every ``lease/3``): ``UPDATE … SET expires_at = now + lease
   WHERE holder = me AND epoch = mine AND expires_at > now``. One row changed: still
   the leader; none: someone else took over (step down at once).
@@ -122,6 +122,8 @@ class Leadership:
         self._stop = asyncio.Event()
         self._wake = asyncio.Event()
         self._last_error: str | None = None
+        self._until_expiry: tuple[float, float] | None = None
+        """(seconds the holder's lease had left by the database's clock, when that was read on ours)."""
 
     # -- state --
 
@@ -158,7 +160,7 @@ class Leadership:
         self._step_down("stopping")
         if release and epoch is not None:
             try:
-                async with self.db.transaction(timeout=max(1.0, self.renew_every)) as tx:
+                async with self.db.transaction(timeout=max(1.0, self.renew_every), lease=True) as tx:
                     await tx.execute(self.db.sql(
                         "UPDATE llmgw_lease SET expires_at = {now} - 1 WHERE name = $1 AND holder = $2 AND epoch = $3"),
                         self.name, self.holder, epoch)
@@ -189,6 +191,12 @@ class Leadership:
                     delay /= 3  # a failed renew: try again sooner, while the deadline still allows
             else:
                 delay = self.renew_every * self.rng.uniform(0.5, 1.0)
+                left = self._until_expiry
+                if left is not None:
+                    # campaign again just after the holder's lease runs out, not up to a period later:
+                    # a takeover within the lease of the leader's last renew (a duration, no clock sync)
+                    delay = min(delay, max(0.0, left[0] - (self.clock() - left[1])) + self.rng.uniform(0.01, 0.05))
+                    self._until_expiry = None
             self._wake.clear()
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), delay)
@@ -196,7 +204,7 @@ class Leadership:
     async def _campaign(self) -> None:
         sent = self.clock()
         won: int | None = None
-        async with self.db.transaction(timeout=self.renew_every) as tx:
+        async with self.db.transaction(timeout=self.renew_every, lease=True) as tx:
             row = await self._lock_row(tx)
             if row is None:
                 await tx.execute(
@@ -207,6 +215,7 @@ class Leadership:
             holder, epoch, expires_at, now, grpc_addr, admin_addr = row
             if expires_at > now and holder and holder != self.holder:
                 self.leader = LeaderInfo(holder, int(epoch), grpc_addr, admin_addr)
+                self._until_expiry = (float(expires_at) - float(now), self.clock())
                 return
             # (expired, or held by this very process: restarted on the same address, or deposed by
             # its own deadline; a new term either way, so what the old one might still write is fenced)
@@ -241,7 +250,7 @@ class Leadership:
         epoch = self.epoch
         assert epoch is not None
         sent = self.clock()
-        async with self.db.transaction(timeout=self.renew_every) as tx:
+        async with self.db.transaction(timeout=self.renew_every, lease=True) as tx:
             n = await tx.execute(self.db.sql(
                 "UPDATE llmgw_lease SET expires_at = {now} + $4, renewed_at = {now} "
                 "WHERE name = $1 AND holder = $2 AND epoch = $3 AND expires_at > {now}"),

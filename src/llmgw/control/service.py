@@ -419,6 +419,10 @@ class ControlPlane:
             from .db import open_database
 
             self.db = open_database(c.database)  # (raises ConfigError on a bad URL before anything binds)
+            # a standby from the first call on: until it has won the lease (and loaded its state)
+            # this process refuses agents, so none registers with it before the election
+            self.service.standby = self._standby
+            self.service.lease_ms = int(c.lease * 1000)
         elif c.state_file is not None:
             from .state import StateFile
 
@@ -506,10 +510,8 @@ class ControlPlane:
             db, holder=f"{socket.gethostname()}/{me}", lease=c.lease, grpc_address=me, admin_address=admin,
             on_elected=self._elected, on_deposed=self._deposed,
         )
-        self.service.standby = self._standby
         self.service.on_register = self._record_node
         self.service.on_deregister = self._forget_node
-        self.service.lease_ms = int(c.lease * 1000)
         self.leadership.start()
         log.info("control-plane state in %s; campaigning for the lease (%gs) as %s", redact(db.url), c.lease, me)
 
@@ -533,8 +535,10 @@ class ControlPlane:
 
     def leading(self) -> bool:
         """Whether this process acts as the control plane now (always, without a database)."""
+        if self.db is None and self.leadership is None:
+            return True
         lead = self.leadership
-        return lead is None or (lead.acting() and self._ready_epoch == lead.epoch)
+        return lead is not None and lead.acting() and self._ready_epoch == lead.epoch
 
     def _standby(self) -> str | None:
         if self.leading():
