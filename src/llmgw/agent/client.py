@@ -415,7 +415,7 @@ class AgentClient:
         registered = False
         retry = False  # the last call failed: try again after the backoff, not after another interval
         last_error: str | None = None
-        failed = 0  # calls failed since the last success: the backoff starts after a round of every address
+        tried: set[str] = set()  # addresses that failed since the last success or sleep: a round
         try:
             while not stop.is_set():
                 try:
@@ -428,7 +428,7 @@ class AgentClient:
                         retry = False
                         await self.heartbeat()
                     delay = self.backoff_initial
-                    failed = 0
+                    tried.clear()
                     if last_error is not None:
                         log.info("control plane at %s reachable again", self.target)
                         last_error = None
@@ -450,16 +450,20 @@ class AgentClient:
                         last_error = msg
                     await self._disconnect()
                     retry = True
-                    failed += 1
-                    if hint and hint != self.target:
-                        self._move(hint)
+                    tried.add(self.target)
+                    # within a round, at once: the leader a refusal names, else the next address not
+                    # tried yet; the backoff only once every address (and every hint) failed
+                    i = self.targets.index(self.target) if self.target in self.targets else -1
+                    untried = [t for t in self.targets[i + 1:] + self.targets[:i + 1] if t not in tried]
+                    nxt = hint if hint and hint not in tried else (untried[0] if untried else None)
+                    if nxt is not None:
+                        self._move(nxt)
                         registered = False
-                    elif len(self.targets) > 1:
-                        i = self.targets.index(self.target) if self.target in self.targets else -1
+                        continue
+                    tried.clear()
+                    if len(self.targets) > 1 or self.target not in self.targets:  # (a hint's address: back to the list)
                         self._move(self.targets[(i + 1) % len(self.targets)])
                         registered = False
-                    if failed < len(self.targets) + 1 and (hint or len(self.targets) > 1):
-                        continue  # the next address at once: the backoff is for a whole round that failed
                     # full jitter, capped at one interval (2 s with several control planes: a new leader
                     # is found within seconds): back within about an interval of its return
                     cap = min(self.interval, 2.0) if len(self.targets) > 1 or self.lease is not None else self.interval
