@@ -61,8 +61,10 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+def cpu_seconds(pid: int, tid: int | None = None) -> float:
+    """utime+stime of process ``pid`` (all its threads), or of its thread ``tid`` alone."""
+    path = f"/proc/{pid}/stat" if tid is None else f"/proc/{pid}/task/{tid}/stat"
+    fields = Path(path).read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
@@ -261,9 +263,13 @@ async def main_async(a: argparse.Namespace) -> dict[str, Any]:
             await asyncio.sleep(0.2)
         reg_s = time.monotonic() - t_reg
         await asyncio.sleep(a.interval * 1.5)  # steady heartbeats
-        c0, w0 = cpu_seconds(serve.pid), time.monotonic()
+        # the main thread runs the data path's loop (and the node map the heartbeats update);
+        # gRPC and its handlers run on the control thread and grpc's own threads
+        c0, m0, w0 = cpu_seconds(serve.pid), cpu_seconds(serve.pid, serve.pid), time.monotonic()
         await asyncio.sleep(a.window)
-        cpu_pct = 100 * (cpu_seconds(serve.pid) - c0) / (time.monotonic() - w0)
+        wall = time.monotonic() - w0
+        cpu_pct = 100 * (cpu_seconds(serve.pid) - c0) / wall
+        main_pct = 100 * (cpu_seconds(serve.pid, serve.pid) - m0) / wall
         beats = sum(c.heartbeats for c in clients)
         # scrapes, with /health pinged every 2 ms meanwhile
         base_p = Pinger("health", aport)
@@ -274,6 +280,9 @@ async def main_async(a: argparse.Namespace) -> dict[str, Any]:
         await asyncio.sleep(0.5)  # (the child processes start)
         times, samples = [], 0
         t_scrapes = time.monotonic()
+        # the gateway's own watch of its loop meanwhile: the loop thread's CPU between 1 ms ticks is
+        # how long it was held; the wall time adds its waits for a core (admin /debug/pprof/loop)
+        watch = asyncio.create_task(get(aport, f"/debug/pprof/loop?seconds={a.scrapes * 0.7:g}"))
         for _ in range(a.scrapes):
             dt, body = await scrape(aport, a.plain)
             times.append(dt)
@@ -281,6 +290,7 @@ async def main_async(a: argparse.Namespace) -> dict[str, Any]:
             samples = text.count(b"\n") - text.count(b"#")  # every # is a HELP, TYPE or EOF line here
             await asyncio.sleep(0.5)
         span_s = time.monotonic() - t_scrapes
+        watched = json.loads((await watch)[1].partition(b"\r\n\r\n")[2])
         busy = proxied.stop()
         pings = health.stop()
         # as long again, the same proxied load without scrapes
@@ -292,12 +302,16 @@ async def main_async(a: argparse.Namespace) -> dict[str, Any]:
         return {
             "agents": a.agents, "gpus_per_agent": a.gpus, "interval_s": a.interval, "register_all_s": round(reg_s, 2),
             "control_plane_cpu_pct_of_a_core": round(cpu_pct, 2), "heartbeats_total": beats,
+            "main_thread_cpu_pct_of_a_core": round(main_pct, 2),
             "scrape_samples": samples,
             "scrape_ms": {"median": round(1000 * statistics.median(times), 1), "max": round(1000 * max(times), 1),
                           "min": round(1000 * min(times), 1)},
             "health_ms_during_scrapes": {"median": round(1000 * statistics.median(pings), 2),
                                          "max": round(1000 * max(pings), 2), "baseline_median": round(1000 * med, 2)},
             "max_loop_hold_ms_estimate": round(1000 * (max(pings) - med), 2),
+            "loop_hold_during_scrapes": {"cpu_max_ms": watched["cpu"]["max_ms"], "cpu_over_10ms":
+                                         watched["cpu"]["over_ms"]["10"], "wall_max_ms": watched["wall"]["max_ms"],
+                                         "ticks": watched["ticks"]},
             "proxied_ms_during_scrapes": {"n": len(busy), "p50": round(1000 * pct(busy, 0.5), 2),
                                           "p99": round(1000 * pct(busy, 0.99), 2), "max": round(1000 * max(busy), 2)},
             "proxied_ms_without_scrapes": {"n": len(quiet), "p50": round(1000 * pct(quiet, 0.5), 2),

@@ -248,6 +248,16 @@ def cpu_seconds(pid: int) -> float:
     return sum(cpu_split(pid))
 
 
+def main_thread_cpu(pid: int) -> float:
+    """utime+stime of ``pid``'s main thread alone, seconds: llmgw's data path (its loop) runs there,
+    the control plane's gRPC on threads of its own."""
+    try:
+        fields = Path(f"/proc/{pid}/task/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / CLK_TCK
+
+
 def rss_mib(pid: int) -> float:
     kib = 0
     for p in tree(pid):
@@ -393,12 +403,14 @@ def steal_ticks(core: int) -> int:
 
 
 def measure_load(p: Proxy, args: argparse.Namespace, script: str) -> dict:
+    m0 = main_thread_cpu(p.pid)
     u0, s0 = cpu_split(p.pid)
     st0 = steal_ticks(args.proxy_core)
     t0 = time.monotonic()
     r = wrk(args.load_core, p.url, script, args.connections, args.duration)
     elapsed = time.monotonic() - t0
     u1, s1 = cpu_split(p.pid)
+    main = main_thread_cpu(p.pid) - m0
     steal = (steal_ticks(args.proxy_core) - st0) / os.sysconf("SC_CLK_TCK") / elapsed
     cpu = (u1 - u0) + (s1 - s0)
     n = r["requests"]
@@ -411,6 +423,7 @@ def measure_load(p: Proxy, args: argparse.Namespace, script: str) -> dict:
         "us_per": round(cpu / n * 1e6, 2) if n else None,
         "user_us_per": round((u1 - u0) / n * 1e6, 2) if n else None,
         "sys_us_per": round((s1 - s0) / n * 1e6, 2) if n else None,
+        "main_thread_us_per": round(main / n * 1e6, 2) if n and isinstance(p, Llmgw) else None,
         "errors": r["errors"],
         "error_detail": {k: r[k] for k in ("socket_errors", "non2xx", "bad_body")},
         "rss_mib": round(rss_mib(p.pid), 1),
@@ -557,6 +570,8 @@ def main() -> None:
                 "added_p50_us": med([x["added_p50_us"] for x in rs]),
                 "added_p50_us_all": [x["added_p50_us"] for x in rs],
                 "rss_mib_max": max(x["rss_mib"] for x in rs),
+                "main_thread_us_per_request": med([x["nonstream"]["main_thread_us_per"] for x in rs
+                                                   if x["nonstream"].get("main_thread_us_per") is not None]),
                 "errors": sum(x["nonstream"]["errors"] + x.get("stream", {}).get("errors", 0) + x["lat_errors"] for x in rs),
             }
         # Rounds in which the load could not drive nginx to its core's limit, or the
@@ -606,6 +621,10 @@ def main() -> None:
                   f"{s.get('round_ratio_stream') or 0:6.2f} "
                   f"{s['added_p50_us']:8.1f} {s['rss_mib_max']:7.1f} {s['errors']:6d}")
         print("x nginx: median CPU over nginx's median; /round: median of each round's ratio to nginx in that round")
+        threads = {n: s["main_thread_us_per_request"] for n, s in summary.items() if s.get("main_thread_us_per_request")}
+        if threads:  # the data path's own thread, without the control plane's threads beside it
+            print("main thread (the data path's loop) us/request: " + ", ".join(
+                f"{n} {v:.1f}" + (f" (x nginx {v / ref['us_per_request']:.2f})" if ref else "") for n, v in threads.items()))
         if contended:
             print(f"contended rounds (nginx util < {CONTENDED_UTIL} on requests, or steal > {CONTENDED_STEAL} "
                   f"of the proxy core: the machine was busy elsewhere): {contended}")

@@ -179,3 +179,25 @@ def test_task_text_takes_a_frame_without_a_line_number() -> None:
     text = format_tasks([{"name": "t", "state": "pending", "coro": "c()", "awaiting": [],
                           "stack": [{"file": __file__, "line": None, "function": "c"}]}])
     assert 'line None, in c' in text
+
+
+async def test_loop_holds_tell_the_loops_cpu_from_waiting_for_a_core(rt: Any) -> None:
+    status, _, body = await get(rt, "/debug/pprof/loop?seconds=0.3")
+    assert status == 200
+    quiet = orjson.loads(body)
+    assert quiet["ticks"] > 20 and quiet["cpu"]["max_ms"] < 25, quiet
+
+    async def burn_once() -> None:
+        await asyncio.sleep(0.1)
+        end = time.thread_time() + 0.04  # one callback holding the loop for 40 ms of its CPU
+        while time.thread_time() < end:
+            sum(i * i for i in range(200))
+
+    burner = asyncio.create_task(burn_once())
+    status, _, body = await get(rt, "/debug/pprof/loop?seconds=0.4")
+    await burner
+    held = orjson.loads(body)
+    assert status == 200 and held["cpu"]["max_ms"] >= 35 and held["cpu"]["over_ms"]["20"] >= 1, held
+    assert held["wall"]["max_ms"] >= 35  # the wall time saw it too
+    status, _, body = await get(rt, "/debug/pprof/loop?seconds=-1")
+    assert status == 400 and orjson.loads(body)["error"]["param"] == "seconds"

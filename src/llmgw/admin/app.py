@@ -17,6 +17,8 @@ route                              token   what
 ``GET /debug/pprof/tasks``         yes     every asyncio task and its await chain
 ``GET /debug/pprof/threads``       yes     every thread's stack
 ``GET /debug/pprof/heap``          yes     tracemalloc: top allocation sites
+``GET /debug/pprof/loop``          yes     how long the event loop is held, for
+                                           ``seconds`` (CPU and wall, JSON)
 =================================  ======  ==========================================
 
 "token": when ``admin_token`` is configured those routes need
@@ -61,6 +63,7 @@ from .profiling import (
     format_heap,
     format_tasks,
     heap_report,
+    loop_holds,
     task_dump,
     thread_dump,
 )
@@ -395,6 +398,8 @@ class AdminApp:
                 w.send(200, format_tasks(tasks).encode(), _TEXT)
         elif name == b"threads":
             w.send(200, thread_dump().encode(), _TEXT)
+        elif name == b"loop":
+            return self._loop_holds(q, w)
         elif name == b"heap":
             report = heap_report(
                 int(_number(q, "top", 25, 1, 1000)),
@@ -409,6 +414,9 @@ class AdminApp:
         else:
             raise NotFoundError(f"no profile {name.decode('latin-1')[:100]!r}; see /debug/pprof/")
         return None
+
+    async def _loop_holds(self, q: dict[str, str], w: ResponseWriter) -> None:
+        w.send_json(200, await loop_holds(_number(q, "seconds", 10.0, 0.01, MAX_SECONDS)))
 
     async def _profile(self, q: dict[str, str], w: ResponseWriter) -> None:
         seconds = _number(q, "seconds", 10.0, 0.01, MAX_SECONDS)
@@ -454,4 +462,7 @@ _PPROF_INDEX = b"""llmgw profiles (the admin token is needed when one is configu
 /debug/pprof/threads                        every thread's stack
 /debug/pprof/heap?top=25                    tracemalloc: starts tracing on the first call, then the top
                                             allocation sites; &diff=1 growth since the last call; &stop=1
+/debug/pprof/loop?seconds=10                how long the event loop ran without reaching its timers:
+                                            its thread's CPU (the loop's doing) and wall time (with the
+                                            waits for a core), worst, p99 and counts over 1-50 ms
 """

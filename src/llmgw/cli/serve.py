@@ -7,6 +7,7 @@ import dataclasses
 import gc
 import signal
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -78,8 +79,14 @@ def _demo_control(cfg: Config) -> Config:
     return dataclasses.replace(cfg, control=control)
 
 
-async def _start_demo_agent(runtime: Any, cfg: Config) -> tuple[asyncio.Event, asyncio.Task[None], int] | None:
-    """One in-process agent on simulated GPUs, registered with the demo's control plane."""
+async def _start_demo_agent(
+    runtime: Any, cfg: Config
+) -> tuple[Callable[[], None], asyncio.Future[None], int] | None:
+    """One in-process agent on simulated GPUs, registered with the demo's control plane.
+
+    It runs on the control plane's thread (gRPC stays off the data path's loop):
+    ``(stop, done, control port)``, ``stop()`` callable from the main loop.
+    """
     from ..agent.client import AgentClient
     from ..control.service import ControlPlane
     from .agent import open_gpu_source
@@ -90,9 +97,12 @@ async def _start_demo_agent(runtime: Any, cfg: Config) -> tuple[asyncio.Event, a
     # (llmgw.agent.discovery's simulated source: every display says it is simulated)
     source = open_gpu_source("simulated")
     client = AgentClient(f"127.0.0.1:{cp.address[1]}", "demo-node", cfg.control.join_tokens[0], source)
-    stop = asyncio.Event()
-    task = asyncio.create_task(client.run(stop, reason=lambda: "demo stopped"), name="llmgw demo agent")
-    return stop, task, cp.address[1]
+    stop = asyncio.Event()  # bound to the control loop by its first wait there
+    thread = cp.thread
+    if thread is None:
+        return None
+    done = thread.run(client.run(stop, reason=lambda: "demo stopped"))
+    return (lambda: thread.call(stop.set)), done, cp.address[1]
 
 
 async def _serve(cfg: Config, demo: bool) -> int:
@@ -116,7 +126,7 @@ async def _serve(cfg: Config, demo: bool) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, on_signal)
     engines: list[Any] = []
-    agent: tuple[asyncio.Event, asyncio.Task[None], int] | None = None
+    agent: tuple[Callable[[], None], asyncio.Future[None], int] | None = None
     try:
         if demo:
             engines, endpoints, models = await _start_demo_fleet(seed=1)
@@ -184,7 +194,7 @@ async def _serve(cfg: Config, demo: bool) -> int:
             "Ctrl-C again to stop now)"
         )
         if agent is not None:
-            agent[0].set()
+            agent[0]()
             try:
                 await asyncio.wait_for(agent[1], 5.0)
             except Exception as exc:  # the demo agent must not hold up the shutdown

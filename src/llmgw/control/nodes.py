@@ -151,14 +151,23 @@ class NodeMap:
         st.generation += 1
         return st, False
 
-    def heartbeat(self, node_id: str, sequence: int, discovery: Reading, peer: str | None = None) -> NodeState | None:
-        """Record a heartbeat; ``None`` when the node is not registered (register again)."""
+    def heartbeat(
+        self, node_id: str, sequence: int, discovery: Reading, peer: str | None = None,
+        at: tuple[float, float] | None = None,
+    ) -> NodeState | None:
+        """Record a heartbeat; ``None`` when the node is not registered (register again).
+
+        ``at``: ``(wall, monotonic)`` when it arrived, on this map's clocks, when it is
+        recorded later than that (the control thread hands heartbeats over in batches).
+        """
         st = self.by_id(node_id)
         if st is None:
             return None
         st.set_reading(discovery)
-        st.last_heartbeat = self.clock()
-        st.last_seen = self.monotonic()
+        if at is None:
+            st.last_heartbeat, st.last_seen = self.clock(), self.monotonic()
+        else:
+            st.last_heartbeat, st.last_seen = at
         st.heartbeats += 1
         st.sequence = sequence
         if peer is not None:

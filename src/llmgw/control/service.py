@@ -1,7 +1,9 @@
 """The control plane's gRPC service and the :class:`ControlPlane` component ``llmgw serve`` plugs in.
 
 ``AgentService`` (``proto/llmgw/agent/v1/agent.proto``) on ``control.listen``,
-on the process's event loop (``grpc.aio``). Every call carries the join token as
+served by ``grpc.aio`` on the control plane's own thread and loop
+(:mod:`.thread`): the handlers read and write the wire there, and hand what
+changes state (the node map, the counters the scrape reads) to the main loop. Every call carries the join token as
 ``authorization: Bearer <token>`` metadata; tokens are kept as SHA-256 digests and
 compared in constant time. A refusal is logged with the node name and the peer
 address, never the token.
@@ -33,7 +35,8 @@ from .._proto.agent.v1 import agent_pb2_grpc
 from ..agent.wire import PROTOCOL, SERVER_OPTIONS, TOKEN_METADATA, compatible, node_id_for, pb
 from ..errors import ConfigError, HTTPError
 from ..log import control_logger as log
-from .nodes import NodeMap
+from .nodes import NodeMap, NodeState
+from .thread import ControlThread, MainHop
 
 if TYPE_CHECKING:
     from ..admin.app import AdminApp
@@ -52,7 +55,12 @@ leader's silence is noticed though its TCP connection stays up) and times its ca
 
 @dataclass
 class ControlStats:
-    """The control plane's own counters (exported by the cluster collector)."""
+    """The control plane's own counters (exported by the cluster collector).
+
+    Each counter has one writer: registrations, deregistrations and heartbeats are
+    counted on the main loop (with the node map), refusals, RPC errors and open
+    streams on the control thread; the scrape only reads them.
+    """
 
     registrations: int = 0
     reregistrations: int = 0
@@ -133,23 +141,80 @@ class _Tokens:
         return ok
 
 
-class AgentService(agent_pb2_grpc.AgentServiceServicer):
-    """The three RPCs over a :class:`NodeMap`."""
+class _Stream:
+    """One agent's heartbeat stream: answers the main loop decides, written on the control loop."""
 
-    def __init__(self, nodes: NodeMap, control: Callable[[], ControlConfig], stats: ControlStats) -> None:
+    __slots__ = ("context", "loop", "queue", "said", "said_at", "stats")
+
+    def __init__(self, context: Any, loop: asyncio.AbstractEventLoop, stats: ControlStats) -> None:
+        self.context = context
+        self.loop = loop
+        self.stats = stats
+        self.queue: asyncio.Queue[Any] = asyncio.Queue()
+        self.said: tuple[float, bool] | None = None
+        """The answer last sent (main loop only): the next one only when it differs."""
+        self.said_at = 0.0
+        """When it was sent (monotonic; with a database answers also come every third of the lease)."""
+
+    def push(self, item: Any) -> None:
+        """Queue a response (or an ``(code, message)`` ending) for the agent; from any thread."""
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:  # the control loop is closed: the stream is gone
+            pass
+
+    async def write_loop(self) -> None:
+        while True:
+            item = await self.queue.get()
+            if isinstance(item, tuple):
+                code, message = item
+                self.stats.error("StreamHeartbeats", code)
+                await self.context.abort(code, message)  # the handler's pending read ends with it
+                return
+            await self.context.write(item)
+
+
+class AgentService(agent_pb2_grpc.AgentServiceServicer):
+    """The four RPCs over a :class:`NodeMap`.
+
+    The handlers run on the control loop; ``hop`` takes their state changes to the
+    main loop (``None``: both are one loop, as in a bare test).
+    """
+
+    def __init__(
+        self, nodes: NodeMap, control: Callable[[], ControlConfig], stats: ControlStats, hop: MainHop | None = None
+    ) -> None:
         self.nodes = nodes
         self.control = control
         self.stats = stats
+        self.hop = hop
         self._tokens = _Tokens()
         self.standby: Callable[[], str | None] | None = None
-        """With a database: ``None`` while this process leads, else the leader's gRPC address ('' unknown)."""
+        """With a database: ``None`` while this process leads, else the leader's gRPC address ('' unknown).
+        (Called on the control loop: it reads a few attributes the main loop sets.)"""
         self.on_register: Callable[[str, str, Any, str], Awaitable[None]] | None = None
-        """Awaited before a registration is taken (the leader records the node, fenced)."""
+        """Awaited on the main loop before a registration is taken (the leader records the node, fenced)."""
         self.on_deregister: Callable[[str], Awaitable[None]] | None = None
         self.lease_ms: int | None = None
         """With a database: the lease (answers on a heartbeat stream come at least every third of it)."""
         self.streams: set[asyncio.Task[Any]] = set()
-        """The heartbeat streams' handler tasks (cancelled when this process stops leading)."""
+        """The heartbeat streams' handler tasks (control loop; cancelled when this process stops leading)."""
+
+    async def _on_main(self, fn: Callable[..., Any], *args: Any) -> Any:
+        hop = self.hop
+        return fn(*args) if hop is None else await hop.run(fn, *args)
+
+    async def _on_main_async(self, fn: Callable[..., Awaitable[Any]], *args: Any) -> Any:
+        """Await ``fn(*args)`` on the main loop (the database's pool lives there)."""
+        hop = self.hop
+        if hop is None:
+            return await fn(*args)
+        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(fn(*args), hop.loop))  # type: ignore[arg-type]
+
+    def cancel_streams(self) -> None:
+        """End every heartbeat stream (on the control loop): the agents go to the new leader."""
+        for task in list(self.streams):
+            task.cancel()
 
     async def _leader_only(self, context: Any, method: str) -> None:
         """Refuse the call on a standby (UNAVAILABLE; the leader's address in the trailing metadata)."""
@@ -237,15 +302,10 @@ class AgentService(agent_pb2_grpc.AgentServiceServicer):
             from .leader import NotLeader
 
             try:
-                await self.on_register(name, node_id_for(name), discovery, request.agent_version)
+                await self._on_main_async(self.on_register, name, node_id_for(name), discovery, request.agent_version)
             except (NotLeader, DatabaseError) as exc:
                 await self._refuse_write(context, "Register", exc)
-        st, created = self.nodes.register(
-            name, peer=peer, agent_version=request.agent_version, protocol=theirs, discovery=discovery
-        )
-        self.stats.registrations += 1
-        if not created:
-            self.stats.reregistrations += 1
+        st, created = await self._on_main(self._register, name, peer, request.agent_version, theirs, discovery)
         log.info(
             "node %s %sregistered from %s (agent %s, protocol %d.%d, %d GPU(s), source %s)",
             name, "" if created else "re-", peer, request.agent_version or "?", *theirs, len(discovery.gpus),
@@ -262,20 +322,36 @@ class AgentService(agent_pb2_grpc.AgentServiceServicer):
             heartbeat_grace_seconds=c.heartbeat_grace,
         )
 
+    def _register(
+        self, name: str, peer: str, agent_version: str, protocol: tuple[int, int], discovery: Any
+    ) -> tuple[NodeState, bool]:
+        st, created = self.nodes.register(
+            name, peer=peer, agent_version=agent_version, protocol=protocol, discovery=discovery
+        )
+        self.stats.registrations += 1
+        if not created:
+            self.stats.reregistrations += 1
+        return st, created
+
+    def _beat(self, hb: Any, peer: str, at: tuple[float, float] | None = None) -> tuple[float, bool] | None:
+        """A heartbeat, on the main loop: the answer it gets, ``None`` for a node not registered here."""
+        st = self.nodes.heartbeat(hb.node_id, hb.sequence, hb.discovery, peer=peer, at=at)
+        if st is None:
+            return None
+        self.stats.heartbeats += 1
+        return (self.control().heartbeat_interval, st.cordoned)
+
     async def Heartbeat(self, request: pb.HeartbeatRequest, context: Any) -> pb.HeartbeatResponse:
         await self._authenticate(context, "Heartbeat", request.node_name)
         await self._leader_only(context, "Heartbeat")
-        st = self.nodes.heartbeat(
-            request.node_id, request.sequence, request.discovery, peer=context.peer()
-        )
-        if st is None:
+        answer = await self._on_main(self._beat, request, context.peer())
+        if answer is None:
             await self._abort(
                 context, "Heartbeat", grpc.StatusCode.NOT_FOUND,
                 f"node {request.node_name!r} is not registered here (the control plane restarted?): register again",
             )
             raise AssertionError("unreachable")
-        self.stats.heartbeats += 1
-        return pb.HeartbeatResponse(heartbeat_interval_seconds=self.control().heartbeat_interval, cordoned=st.cordoned)
+        return pb.HeartbeatResponse(heartbeat_interval_seconds=answer[0], cordoned=answer[1])
 
     async def StreamHeartbeats(self, request_iterator: Any, context: Any) -> None:  # type: ignore[override]
         """Heartbeats on one stream: each message recorded and answered as :meth:`Heartbeat` would.
@@ -305,54 +381,67 @@ class AgentService(agent_pb2_grpc.AgentServiceServicer):
             await self._stream_beats(context, method, msg, given, peer)
         finally:
             stats.streams_open -= 1
-            self.streams.discard(task)
+            if task is not None:
+                self.streams.discard(task)
 
     async def _stream_beats(self, context: Any, method: str, msg: Any, given: str, peer: str) -> None:
-        nodes, stats = self.nodes, self.stats
-        said: tuple[float, bool] | None = None  # the answer last written: the next one only when it changes
+        stream = _Stream(context, asyncio.get_running_loop(), self.stats)
+        writer = asyncio.create_task(stream.write_loop(), name="llmgw heartbeat answers")
+        hop, nodes = self.hop, self.nodes
+        standby = self.standby
+        try:
+            while msg is not grpc.aio.EOF:
+                hb = msg.heartbeat
+                await self._check(context, method, hb.node_name, given)  # a reload may have removed the token
+                if standby is not None and standby() is not None:
+                    await self._leader_only(context, method)
+                if hop is None:
+                    self._stream_beat(stream, hb, peer, None)
+                else:  # recorded with the time it arrived; answered (when the answer changes) from there
+                    hop.submit(self._stream_beat, stream, hb, peer, (nodes.clock(), nodes.monotonic()))
+                msg = await context.read()
+        finally:
+            writer.cancel()
+
+    def _stream_beat(self, stream: _Stream, hb: Any, peer: str, at: tuple[float, float] | None) -> None:
+        """A streamed heartbeat, on the main loop: recorded, and answered when the answer changed."""
+        answer = self._beat(hb, peer, at)
+        if answer is None:
+            stream.push((grpc.StatusCode.NOT_FOUND,
+                         f"node {hb.node_name!r} is not registered here (the control plane restarted?): register again"))
+            return
         # with a database, also at least every third of the lease: the agent takes silence for a lost leader
         every = self.lease_ms / 3000 if self.lease_ms is not None else None
-        said_at = 0.0
-        standby = self.standby
-        while msg is not grpc.aio.EOF:
-            hb = msg.heartbeat
-            await self._check(context, method, hb.node_name, given)  # a reload may have removed the token
-            if standby is not None and standby() is not None:
-                await self._leader_only(context, method)
-            st = nodes.heartbeat(hb.node_id, hb.sequence, hb.discovery, peer=peer)
-            if st is None:
-                await self._abort(
-                    context, method, grpc.StatusCode.NOT_FOUND,
-                    f"node {hb.node_name!r} is not registered here (the control plane restarted?): register again",
-                )
-                raise AssertionError("unreachable")
-            stats.heartbeats += 1
-            answer = (self.control().heartbeat_interval, st.cordoned)
-            if answer != said or (every is not None and time.monotonic() - said_at >= every):
-                await context.write(pb.StreamHeartbeatsResponse(heartbeat=pb.HeartbeatResponse(
-                    heartbeat_interval_seconds=answer[0], cordoned=answer[1])))
-                said = answer
-                if every is not None:
-                    said_at = time.monotonic()
-            msg = await context.read()
+        if answer != stream.said or (every is not None and time.monotonic() - stream.said_at >= every):
+            stream.said = answer
+            if every is not None:
+                stream.said_at = time.monotonic()
+            stream.push(pb.StreamHeartbeatsResponse(heartbeat=pb.HeartbeatResponse(
+                heartbeat_interval_seconds=answer[0], cordoned=answer[1])))
 
     async def Deregister(self, request: pb.DeregisterRequest, context: Any) -> pb.DeregisterResponse:
         await self._authenticate(context, "Deregister", request.node_name)
         await self._leader_only(context, "Deregister")
-        known = self.nodes.by_id(request.node_id)
-        if known is not None and self.on_deregister is not None:
+        if self.on_deregister is not None:
             from .db import DatabaseError
             from .leader import NotLeader
 
-            try:
-                await self.on_deregister(known.name)
-            except (NotLeader, DatabaseError) as exc:
-                await self._refuse_write(context, "Deregister", exc)
-        st = self.nodes.deregister(request.node_id)
-        if st is not None:
-            self.stats.deregistrations += 1
-            log.info("node %s deregistered (%s)", st.name, request.reason or "no reason given")
-        return pb.DeregisterResponse(removed=st is not None)
+            known = self.nodes.by_id(request.node_id)  # (a read of a dict from this thread: no change is made)
+            if known is not None:
+                try:
+                    await self._on_main_async(self.on_deregister, known.name)
+                except (NotLeader, DatabaseError) as exc:
+                    await self._refuse_write(context, "Deregister", exc)
+        removed = await self._on_main(self._deregister, request.node_id, request.reason)
+        return pb.DeregisterResponse(removed=removed)
+
+    def _deregister(self, node_id: str, reason: str) -> bool:
+        st = self.nodes.deregister(node_id)
+        if st is None:
+            return False
+        self.stats.deregistrations += 1
+        log.info("node %s deregistered (%s)", st.name, reason or "no reason given")
+        return True
 
 
 class ControlPlane:
@@ -377,13 +466,15 @@ class ControlPlane:
         self.nodes = NodeMap(lambda: self._control().heartbeat_grace)
         self.service = AgentService(self.nodes, self._control, self.stats)
         self.server: grpc.aio.Server | None = None
+        self.thread: ControlThread | None = None
+        """The thread gRPC runs on (:mod:`.thread`), while the control plane runs."""
         self.address: tuple[str, int] | None = None
         self.tls = False
         self._collector: Any = None
         self._leader_collector: Any = None
         self._last: ControlConfig | None = None
         self._state: Any = None  # StateFile when control.state_file is set
-        # with control.database (docs/ha.md)
+        # with control.database (docs/ha.md); all of it on the main loop
         self.db: Any = None
         self.leadership: Any = None  # leader.Leadership
         self._cordons: Any = None  # db.CordonStore
@@ -430,17 +521,19 @@ class ControlPlane:
             self.nodes.restore_cordons(self._state.load())
         else:
             log.info("cordons are kept in memory only (set control.state_file to keep them across restarts)")
-        server = grpc.aio.server(options=list(SERVER_OPTIONS))
-        agent_pb2_grpc.add_AgentServiceServicer_to_server(self.service, server)
         host, port = c.listen
         addr = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        thread = ControlThread()
+        thread.start()
+        assert thread.loop is not None
+        self.service.hop = MainHop(asyncio.get_running_loop(), thread.loop)
         try:
-            bound = server.add_secure_port(addr, creds) if creds is not None else server.add_insecure_port(addr)
-        except RuntimeError as exc:
-            raise OSError(f"control.listen: cannot bind {addr} ({exc})") from None
-        if not bound:
-            raise OSError(f"control.listen: cannot bind {addr}")
-        await server.start()
+            server, bound = await thread.run(self._serve(addr, creds))
+        except BaseException:
+            thread.stop()
+            self.service.hop = None
+            raise
+        self.thread = thread
         self.server = server
         self.address = (host, bound)
         if self.db is not None:
@@ -462,6 +555,19 @@ class ControlPlane:
             ", mutual TLS" if c.tls_client_ca else "",
         )
 
+    async def _serve(self, addr: str, creds: grpc.ServerCredentials | None) -> tuple[grpc.aio.Server, int]:
+        """On the control loop: the gRPC server, bound and started."""
+        server = grpc.aio.server(options=list(SERVER_OPTIONS))
+        agent_pb2_grpc.add_AgentServiceServicer_to_server(self.service, server)
+        try:
+            bound = server.add_secure_port(addr, creds) if creds is not None else server.add_insecure_port(addr)
+        except RuntimeError as exc:
+            raise OSError(f"control.listen: cannot bind {addr} ({exc})") from None
+        if not bound:
+            raise OSError(f"control.listen: cannot bind {addr}")
+        await server.start()
+        return server, bound
+
     async def stop(self) -> None:
         if self.admin is not None:
             self.admin.attach_nodes(None)
@@ -473,13 +579,17 @@ class ControlPlane:
                     setattr(self, attr, None)
         if self.leadership is not None:
             await self.leadership.stop(release=True)
-        if self.server is not None:
-            await self.server.stop(1.0)
-            self.server = None
+        server, thread = self.server, self.thread
+        self.server = self.thread = None
+        if server is not None and thread is not None:
+            try:
+                await thread.run(server.stop(1.0))
+            finally:
+                thread.stop()
+                self.service.hop = None
         if self.db is not None:
             await self.db.close()
             self.db = None
-
     # -- with a database: the election and the fenced state (docs/ha.md) --
 
     @staticmethod
@@ -529,8 +639,11 @@ class ControlPlane:
 
     def _deposed(self) -> None:
         self._ready_epoch = None
-        for task in list(self.service.streams):
-            task.cancel()  # the agents' streams end: they go to the new leader
+        # the agents' streams end (on the control loop, where they run): they go to the new leader
+        if self.thread is not None:
+            self.thread.call(self.service.cancel_streams)
+        else:
+            self.service.cancel_streams()
         self.nodes.clear()
 
     def leading(self) -> bool:
@@ -595,6 +708,7 @@ class ControlPlane:
             await store.delete(tx, name)
         self._node_records.pop(name, None)
 
+
     # -- the nodes API (admin.ports.NodeControl) --
 
     def list_nodes(self) -> list[dict[str, Any]]:
@@ -650,7 +764,6 @@ class ControlPlane:
         view = node_view(self.nodes, st, gpus=False)
         view["changed"] = changed
         return view
-
     async def _write_cordon(self, name: str, cordoned: bool) -> None:
         from .db import DatabaseError
         from .leader import NotLeader

@@ -1,0 +1,104 @@
+"""The control plane's own thread (llmgw.control.thread): gRPC off the data path's loop, state on it."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+from collections.abc import AsyncIterator
+
+import pytest
+from cp_helpers import TOKEN, control_plane, control_runtime, free_port, wait_for
+from scenario import discovery_of, h100s
+
+from llmgw.agent.client import AgentClient
+from llmgw.agent.model import Discovery
+from llmgw.control import thread as ct
+
+pytestmark = pytest.mark.timeout(60)
+
+
+class Source:
+    def __init__(self, host: str) -> None:
+        self.d = discovery_of({"hostname": host, "gpus": h100s(1, host[-1])})
+
+    def read(self) -> Discovery:
+        return self.d
+
+    def close(self) -> None:
+        pass
+
+
+@contextlib.asynccontextmanager
+async def running(client: AgentClient) -> AsyncIterator[None]:
+    stop = asyncio.Event()
+    task = asyncio.create_task(client.run(stop))
+    try:
+        yield
+    finally:
+        stop.set()
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(task, 10)
+
+
+async def test_hand_overs_run_on_the_main_loop_in_order_and_batched(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(ct, "HOP_BATCH", 4)
+    main = asyncio.get_running_loop()
+    control = ct.ControlThread("test-control")
+    control.start()
+    try:
+        hop = ct.MainHop(main, control.loop)
+        seen: list[tuple[int, bool]] = []
+        drains: list[int] = []
+        real_drain = hop._drain
+
+        def counting_drain() -> None:
+            drains.append(len(hop._items))
+            real_drain()
+
+        hop._drain = counting_drain  # type: ignore[method-assign]
+
+        async def on_control() -> int:
+            for i in range(10):  # no answer wanted: taken over together, after HOP_DELAY
+                hop.submit(lambda i=i: seen.append((i, threading.current_thread() is threading.main_thread())))
+            return await hop.run(lambda: len(seen))  # an answer: the main loop is woken at once
+
+        n = await control.run(on_control())
+        # the call came after the ten in the queue, so they ran first, on the main thread, in order
+        assert n == 10 and seen == [(i, True) for i in range(10)]
+        # 11 items, at most 4 per callback: 3 callbacks, one wake-up from the control thread
+        assert drains == [11, 7, 3]
+
+        async def failing() -> None:
+            await hop.run(lambda: 1 / 0)
+
+        with pytest.raises(ZeroDivisionError):
+            await control.run(failing())
+    finally:
+        control.stop()
+    assert control._thread is None
+
+
+async def test_grpc_runs_on_the_control_thread_and_heartbeats_keep_their_arrival_time() -> None:
+    port = free_port()
+    async with control_runtime(port) as rt:
+        cp = control_plane(rt)
+        assert cp.thread is not None and cp.thread.loop is not asyncio.get_running_loop()
+        handler_threads: list[str] = []
+        real = cp.service._stream_beats
+
+        async def spy(*args: object) -> None:
+            handler_threads.append(threading.current_thread().name)
+            await real(*args)  # type: ignore[arg-type]
+
+        cp.service._stream_beats = spy  # type: ignore[method-assign]
+        a = AgentClient(f"127.0.0.1:{port}", "node-x", TOKEN, Source("host-x"), rng=None)
+        async with running(a):
+            await wait_for(lambda: (n := cp.nodes.get("node-x")) is not None and n.heartbeats >= 2,
+                           what="two beats recorded")
+            st = cp.nodes.get("node-x")
+            assert st is not None
+            # stamped when the control thread read it, not when the main loop recorded it
+            assert st.last_seen <= cp.nodes.monotonic()
+        assert handler_threads == ["llmgw-control"]
+    assert cp.thread is None
