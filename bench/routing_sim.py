@@ -16,14 +16,46 @@ The fleet (``FLEETS``, ``--fleet``)
     wait in the replica's queue plus the prefill. The KV-cache gauge is the tokens
     reserved by running requests over ``slots * KV_TOKENS_PER_SLOT``.
 
-The workload
-    Bursty arrivals: a two-state Markov-modulated Poisson process (calm periods of
-    mean 20 s at 0.9x the mean rate, bursts of mean 5 s at 1.4x: above the fleet's
+Prefix caches
+    Each replica keeps an LRU of token blocks (``BLOCK_TOKENS`` = 64 tokens each, as
+    vLLM's prefix caching and SGLang's radix cache keep blocks) holding what its KV
+    capacity holds: ``slots * KV_TOKENS_PER_SLOT`` tokens. A request's prefill costs
+    only the tokens after the longest cached prefix of its prompt (at most all but
+    one token); its prompt's blocks are cached when it starts, and those of its
+    prompt plus its answer (the next turn's prefix) when it ends. A block is named
+    by the hash of its content and of every block before it, so equal names mean
+    equal prefixes. The cache is apart from the running requests' KV (the KV gauge).
+
+The workloads (``--workload``)
+    Arrivals are bursty: a two-state Markov-modulated Poisson process (calm periods
+    of mean 20 s at 0.9x the mean rate, bursts of mean 5 s at 1.4x: above the fleet's
     capacity at 85 % load, so queues build and must be steered around). The mean
     rate is ``--load`` (default 0.85) times the fleet's capacity (sum of slots x
-    speed / mean service time). Prompt lengths: 70 % short chat turns (lognormal,
-    median ~250 tokens), 30 % long RAG-style prompts (median ~2,500 tokens); output
-    lengths lognormal (median ~150 tokens, up to 1,500).
+    speed / mean service time, without any cache).
+
+    ``chat`` (default; the figures of docs/routing.md §7): prompts with no reuse,
+    70 % short chat turns (lognormal, median ~250 tokens), 30 % long RAG-style
+    prompts (median ~2,500 tokens); output lengths lognormal (median ~150 tokens,
+    up to 1,500).
+    ``multiturn``: conversations of 3-10 turns (uniform). Each starts with one of
+    ``SYSTEM_PROMPTS`` = 8 system prompts (200-800 tokens) and a user message
+    (lognormal, median 60 tokens); each next turn's prompt is the previous prompt,
+    its answer (lognormal, median 150 tokens, up to 600) and a new user message,
+    sent a think time (exponential, mean ``THINK_S`` = 3 s) after the answer ended.
+    Session starts follow the arrival process; with ``--session-ids`` each request
+    also carries its conversation's session key (``prompt_cache_key``).
+    ``shared-prefix``: single requests, each one of ``--shared-prompts`` (32) system
+    prompts of 1-4 k tokens (picked uniformly) before a short question (median 50
+    tokens); answers median 100 tokens. 32 such prompts (80 k tokens) are more than
+    one replica's cache holds (32 k tokens on 8 slots) and less than the fleet's: with
+    only a handful (``--shared-prompts 6``), every replica keeps them all and where a
+    request goes hardly matters.
+    ``unique``: no reuse, all prompts long (lognormal, median 1,500 tokens, 1-4 k
+    mostly): where misplaced affinity would cost the most.
+
+    The routers see what the gateway sees: the prompt's block chain (at most
+    ``ROUTER_BLOCKS`` = 64 blocks; 64 tokens ~ the gateway's 256-byte blocks) and
+    the session key, given to ``Picker.pick_prefix`` as the gateway gives them.
 
 The routers
     Each request arrives at one router chosen at random. A router sees only its own
@@ -34,10 +66,20 @@ The routers
     adds ``score*``: the same picker given an exact scrape before every pick, which
     shows what staleness costs.
 
-Output: TTFT p50/p99 and goodput (requests per second with TTFT within ``--slo``)
-per strategy and router count, as a table or ``--json``::
+The strategies (``--strategies``)
+    ``round_robin``, ``least_inflight``, ``score`` and ``prefix`` are llmgw's own
+    picker. ``oracle`` knows every replica's cache and queue exactly and sends each
+    request where its first token comes soonest (its queue replayed with the
+    requests ahead, then its uncached prefill): the bound to compare against.
+
+Output: TTFT p50/p99, goodput (requests per second with TTFT within ``--slo``),
+the cache hit ratio (prompt tokens served from a cache over all prompt tokens) and
+the load imbalance (the largest replica's share of requests over its share of the
+fleet's capacity; 1.0 is proportional), per strategy and router count, as a table
+or ``--json``::
 
     .venv/bin/python bench/routing_sim.py --seed 1
+    .venv/bin/python bench/routing_sim.py --seed 1 --workload multiturn --strategies score,prefix,oracle
     .venv/bin/python bench/routing_sim.py --seed 1 --requests 5000 --json
 """
 
@@ -49,9 +91,10 @@ import importlib
 import json
 import math
 import random
+import struct
 import sys
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
@@ -60,6 +103,13 @@ PREFILL_S = 0.0001  # s per prompt token at speed 1 (10k tokens/s)
 PREFILL_INTERFERENCE = 0.03  # prefill slows by 3 % per request already running
 DECODE_S = 0.010  # s per output token at speed 1 (100 tokens/s per request)
 KV_TOKENS_PER_SLOT = 4000
+BLOCK_TOKENS = 64  # tokens per cached block (and per router block: ~256 bytes of JSON)
+ROUTER_BLOCKS = 64  # the gateway's routing.prefix.max_blocks
+SYSTEM_PROMPTS = 8  # multiturn: shared system prompts, 200-800 tokens
+SHARED_PROMPTS = 32  # shared-prefix: system prompts, 1-4 k tokens (--shared-prompts)
+THINK_S = 3.0  # multiturn: mean think time between an answer and the next turn
+WORKLOADS = ("chat", "multiturn", "shared-prefix", "unique")
+_M64 = (1 << 64) - 1
 
 # (speed, slots) per replica
 FLEETS: dict[str, list[tuple[float, int]]] = {
@@ -82,6 +132,14 @@ class Request:
     start: float = math.nan
     first: float = math.nan
     done: float = math.nan
+    blocks: list[int] = field(default_factory=list)  # the prompt's block names (full blocks)
+    after: list[int] = field(default_factory=list)  # ... of prompt + answer (cached at the end)
+    chain: bytes = b""  # what the router sees (Picker.pick_prefix)
+    session: int = 0
+    next_turn: Request | None = None  # multiturn: sent THINK_S-ish after this one ends
+    think: float = 0.0  # ... this long after
+    cached: int = 0  # prompt tokens found in the replica's cache
+    prefill: float = 0.0  # seconds of prefill it needed there
 
 
 @dataclass(slots=True)
@@ -91,6 +149,169 @@ class Replica:
     running: int = 0
     kv_used: int = 0
     queue: deque[Request] = field(default_factory=deque)
+    cache: OrderedDict[int, None] = field(default_factory=OrderedDict)  # block name -> (LRU order)
+    cache_blocks: int = 0  # capacity in blocks
+    ends: list[float] = field(default_factory=list)  # running requests' end times (oracle)
+
+
+def _names(segments: list[tuple[int, int]], anchor: int = -1, later: bool = False) -> tuple[list[int], list[int]]:
+    """Block names of a token sequence given as (segment id, tokens): its full blocks, and
+    the router's key as the gateway makes it (``jsonscan.json_route``): the anchor (the
+    name of the first ``anchor`` tokens, where the first user message ends; 0: none),
+    its whole blocks (bit 63: ``later``, more messages follow), then the names of the
+    full blocks and of the last partial one."""
+    full: list[int] = []
+    h = 0x243F6A8885A308D3
+    pieces: list[tuple[int, int, int]] = []
+    fill = 0
+    pos = 0
+    a = 0
+    for seg, n in segments:
+        off = 0
+        while off < n:
+            take = min(n - off, BLOCK_TOKENS - fill)
+            if pos < anchor < pos + take:  # the anchor ends inside this piece
+                a = (hash((h, (*pieces, (seg, off, off + anchor - pos)))) & _M64) or 1
+            pieces.append((seg, off, off + take))
+            off += take
+            fill += take
+            pos += take
+            if fill == BLOCK_TOKENS:
+                h = (hash((h, tuple(pieces))) & _M64) or 1
+                full.append(h)
+                pieces = []
+                fill = 0
+            if pos == anchor:
+                a = h if fill == 0 else (hash((h, tuple(pieces))) & _M64) or 1
+    chain = full[:ROUTER_BLOCKS]
+    if pieces and len(chain) < ROUTER_BLOCKS:
+        chain = [*chain, (hash((h, tuple(pieces))) & _M64) or 1]
+    if anchor > ROUTER_BLOCKS * BLOCK_TOKENS:
+        a = 0
+    return full, [a, (anchor // BLOCK_TOKENS | (1 << 63 if later else 0)) if a else 0, *chain]
+
+
+def _seg(kind: int, a: int, b: int = 0) -> int:
+    return (kind << 48) | (a << 16) | b
+
+
+def _arrivals(rng: random.Random, rate: float) -> Any:
+    """Arrival times of the bursty process at mean ``rate``."""
+    calm, burst = 0.9 * rate, 1.4 * rate  # time shares 0.8 / 0.2: mean = rate
+    t = 0.0
+    bursting = False
+    switch = rng.expovariate(1 / 20.0)
+    while True:
+        gap = rng.expovariate(burst if bursting else calm)
+        if t + gap < switch:
+            t += gap
+            yield t
+            continue
+        t = switch  # memoryless: redraw in the new state
+        bursting = not bursting
+        switch = t + rng.expovariate(1 / (5.0 if bursting else 20.0))
+
+
+def _capacity(fleet: list[tuple[float, int]], sizes: list[tuple[int, int]]) -> float:
+    mean_service = sum(p * PREFILL_S + o * DECODE_S for p, o in sizes) / len(sizes)
+    return sum(slots * speed for speed, slots in fleet) / mean_service
+
+
+def _finish_request(
+    r: Request, segs: list[tuple[int, int]], out_seg: int, anchor: int = -1, later: bool = False
+) -> None:
+    r.blocks, chain = _names(segs, anchor, later)
+    r.after, _ = _names([*segs, (out_seg, r.output)])
+    r.chain = struct.pack(f"={len(chain)}Q", *chain)
+
+
+def workload_of(
+    kind: str,
+    seed: int,
+    n: int,
+    load: float,
+    routers: int,
+    fleet: list[tuple[float, int]],
+    session_ids: bool,
+    shared_prompts: int = SHARED_PROMPTS,
+) -> tuple[list[Request], float]:
+    """The requests of a workload (multiturn: each conversation's first turn, the rest
+    linked by ``next_turn``), and the mean request rate."""
+    if kind == "chat":
+        reqs, rate = workload(seed, n, load, routers, fleet)
+        for r in reqs:
+            _finish_request(r, [(_seg(1, r.id), r.prompt)], _seg(2, r.id))
+        return reqs, rate
+    rng = random.Random(seed)
+    if kind == "unique" or kind == "shared-prefix":
+        sizes = []
+        shared = [rng.randint(1000, 4000) for _ in range(shared_prompts)]
+        picks = []
+        for _ in range(n):
+            if kind == "unique":
+                prompt = max(200, min(int(rng.lognormvariate(math.log(1500), 0.5)), 8000))
+                output = max(1, min(int(rng.lognormvariate(math.log(150), 0.8)), 1500))
+                picks.append(-1)
+            else:
+                j = rng.randrange(shared_prompts)
+                prompt = shared[j] + max(8, min(int(rng.lognormvariate(math.log(50), 0.6)), 400))
+                output = max(1, min(int(rng.lognormvariate(math.log(100), 0.8)), 1000))
+                picks.append(j)
+            sizes.append((prompt, output))
+        rate = load * _capacity(fleet, sizes)
+        times = _arrivals(rng, rate)
+        reqs = []
+        for i, ((prompt, output), j) in enumerate(zip(sizes, picks, strict=True)):
+            r = Request(i, next(times), prompt, output, rng.randrange(routers))
+            if j < 0:
+                segs = [(_seg(1, i), prompt)]
+            else:
+                segs = [(_seg(3, j), shared[j]), (_seg(1, i), prompt - shared[j])]
+            # (a system message, then the question: its anchor ends the prompt)
+            _finish_request(r, segs, _seg(2, i), prompt if j >= 0 else -1)
+            reqs.append(r)
+        return reqs, rate
+    if kind != "multiturn":
+        raise ValueError(f"unknown workload {kind!r}")
+    systems = [rng.randint(200, 800) for _ in range(SYSTEM_PROMPTS)]
+    convs = []
+    total = 0
+    while total < n:
+        turns = min(rng.randint(3, 10), n - total)
+        users = [max(8, min(int(rng.lognormvariate(math.log(60), 0.7)), 600)) for _ in range(turns)]
+        outs = [max(1, min(int(rng.lognormvariate(math.log(150), 0.7)), 600)) for _ in range(turns)]
+        convs.append((rng.randrange(SYSTEM_PROMPTS), users, outs, [rng.expovariate(1 / THINK_S) for _ in range(turns)]))
+        total += turns
+    sizes = []
+    for sysj, users, outs, _ in convs:
+        ctx = systems[sysj]
+        for u, o in zip(users, outs, strict=True):
+            sizes.append((ctx + u, o))
+            ctx += u + o
+    rate = load * _capacity(fleet, sizes)
+    times = _arrivals(rng, rate * len(convs) / total)  # conversations start at rate / turns
+    firsts = []
+    rid = 0
+    for c, (sysj, users, outs, thinks) in enumerate(convs):
+        segs: list[tuple[int, int]] = [(_seg(3, sysj), systems[sysj])]
+        prev: Request | None = None
+        router = rng.randrange(routers)
+        t0 = next(times)
+        for k, (u, o) in enumerate(zip(users, outs, strict=True)):
+            segs = [*segs, (_seg(4, c, 2 * k), u)]
+            r = Request(rid, t0 if prev is None else math.nan, sum(x for _, x in segs), o, router)
+            rid += 1
+            r.think = thinks[k]
+            r.session = ((c + 1) * 0x9E3779B97F4A7C15 & _M64) if session_ids else 0
+            _finish_request(r, segs, _seg(4, c, 2 * k + 1), systems[sysj] + users[0], k > 0)
+            segs = [*segs, (_seg(4, c, 2 * k + 1), o)]
+            if prev is None:
+                firsts.append(r)
+            else:
+                prev.next_turn = r
+            prev = r
+        # (each turn may come to any router: the client does not stick to one)
+    return firsts, rate
 
 
 def workload(
@@ -141,15 +362,35 @@ class Sim:
         stale_after: float,
         fleet: list[tuple[float, int]],
         oracle: bool = False,
+        load_bound: float = 0.25,
     ) -> None:
         self.mod = mod
         self.fleet = fleet
         self.oracle = oracle
-        self.reqs = [Request(r.id, r.arrival, r.prompt, r.output, r.router % routers) for r in reqs]
-        self.replicas = [Replica(speed, slots) for speed, slots in fleet]
+        self.reqs = []
+        for first in reqs:
+            prev = None
+            r: Request | None = first
+            while r is not None:
+                c = Request(
+                    r.id, r.arrival, r.prompt, r.output, r.router % routers, blocks=r.blocks, after=r.after,
+                    chain=r.chain, session=r.session, think=r.think,
+                )
+                if prev is not None:
+                    prev.next_turn = c
+                prev = c
+                self.reqs.append(c)
+                r = r.next_turn
+        self.reqs.sort(key=lambda r: r.id)
+        self.replicas = [Replica(speed, slots, cache_blocks=slots * KV_TOKENS_PER_SLOT // BLOCK_TOKENS) for speed, slots in fleet]
         self.routers = routers
         self.states = [[mod.EndpointState(i) for i in range(len(fleet))] for _ in range(routers)]
-        self.pickers = [mod.Picker(strategy, seed=seed * 1000 + r) for r in range(routers)]
+        self.oracle_pick = strategy == "oracle"
+        self.pickers = [
+            mod.Picker("score" if self.oracle_pick else strategy, seed=seed * 1000 + r, load_bound=load_bound)
+            for r in range(routers)
+        ]
+        self.turn_rng = random.Random(seed + 29)  # which router a conversation's next turn reaches
         self.rng = random.Random(seed + 17)
         self.scrape_interval = scrape_interval
         self.stale_after = stale_after
@@ -164,7 +405,8 @@ class Sim:
 
     def run(self) -> None:
         for r in self.reqs:
-            self.at(r.arrival, EV_ARRIVE, r)
+            if r.arrival == r.arrival:  # (later turns arrive when the one before has ended)
+                self.at(r.arrival, EV_ARRIVE, r)
         for router in range(self.routers):
             self.at(self.rng.uniform(0.0, self.scrape_interval), EV_SNAP, router)
         while self.events and self.pending:
@@ -193,14 +435,21 @@ class Sim:
         ]
 
     def arrive(self, now: float, req: Request) -> None:
+        req.arrival = now
         states = self.states[req.router]
         if self.oracle:  # perfect information: a fresh, exact scrape before every pick
             for st, (w, r, kv) in zip(states, self.snapshot(), strict=True):
                 st.on_scrape(now, w, r, kv)
-        i = self.pickers[req.router].pick(states, now, self.stale_after)
+        if self.oracle_pick:
+            i = self.earliest_first_token(now, req)
+        else:
+            i = self.pickers[req.router].pick_prefix(states, now, self.stale_after, req.chain, req.session)
         if i < 0:
-            self.unrouted += 1
-            self.pending -= 1
+            r: Request | None = req
+            while r is not None:  # (a conversation's later turns never come)
+                self.unrouted += 1
+                self.pending -= 1
+                r = r.next_turn
             return
         states[i].on_dispatch(now)
         req.replica = i
@@ -210,12 +459,38 @@ class Sim:
         else:
             rep.queue.append(req)
 
+    @staticmethod
+    def cached_tokens(rep: Replica, req: Request) -> int:
+        """Prompt tokens of ``req`` in ``rep``'s cache: its longest cached prefix, at most all but one."""
+        n = 0
+        cache = rep.cache
+        for b in req.blocks:
+            if b not in cache:
+                break
+            n += 1
+        return min(n * BLOCK_TOKENS, req.prompt - 1)
+
+    @staticmethod
+    def remember(rep: Replica, blocks: list[int]) -> None:
+        cache = rep.cache
+        for b in blocks:
+            if b in cache:
+                cache.move_to_end(b)
+            else:
+                cache[b] = None
+        while len(cache) > rep.cache_blocks:
+            cache.popitem(last=False)
+
     def start(self, now: float, rep: Replica, req: Request) -> None:
-        prefill = req.prompt * PREFILL_S * (1.0 + PREFILL_INTERFERENCE * rep.running) / rep.speed
+        req.cached = self.cached_tokens(rep, req)
+        prefill = (req.prompt - req.cached) * PREFILL_S * (1.0 + PREFILL_INTERFERENCE * rep.running) / rep.speed
         decode = req.output * DECODE_S / rep.speed
+        self.remember(rep, req.blocks)
         rep.running += 1
         rep.kv_used += req.prompt + req.output
         req.start = now
+        req.prefill = prefill
+        rep.ends.append(now + prefill + decode)
         self.at(now + prefill, EV_FIRST, req)
         self.at(now + prefill + decode, EV_DONE, req)
 
@@ -223,11 +498,42 @@ class Sim:
         rep = self.replicas[req.replica]
         rep.running -= 1
         rep.kv_used -= req.prompt + req.output
+        rep.ends.remove(now)  # (the end time it was given, exactly)
         req.done = now
         self.pending -= 1
+        self.remember(rep, req.after)
         self.states[req.router][req.replica].on_complete(now)
+        nxt = req.next_turn
+        if nxt is not None:
+            nxt.router = self.turn_rng.randrange(self.routers)
+            self.at(now + req.think, EV_ARRIVE, nxt)
         if rep.queue:
             self.start(now, rep, rep.queue.popleft())
+
+    def earliest_first_token(self, now: float, req: Request) -> int:
+        """The oracle: the replica where ``req``'s first token would come soonest, its
+        queue replayed (the requests ahead take the slots as they free up) and its
+        prefill counted without what that replica has cached."""
+        best, best_t = -1, math.inf
+        for i, rep in enumerate(self.replicas):
+            free = sorted(rep.ends) if rep.running >= rep.slots else [now]
+            if rep.queue:
+                heap = [*rep.ends, *([now] * (rep.slots - rep.running))]
+                heapq.heapify(heap)
+                for q in rep.queue:
+                    t = heapq.heappop(heap)
+                    heapq.heappush(
+                        heap, t + ((q.prompt - self.cached_tokens(rep, q)) * PREFILL_S + q.output * DECODE_S) / rep.speed
+                    )
+                free = [heapq.heappop(heap)]
+            begin = max(now, free[0])
+            running = min(rep.slots - 1, rep.running)
+            t = begin + (req.prompt - self.cached_tokens(rep, req)) * PREFILL_S * (
+                1.0 + PREFILL_INTERFERENCE * running
+            ) / rep.speed
+            if t < best_t:
+                best, best_t = i, t
+        return best
 
 
 def percentile(sorted_values: list[float], q: float) -> float:
@@ -241,7 +547,14 @@ def summarize(sim: Sim, warmup: float, slo: float) -> dict[str, Any]:
     fleet = sim.fleet
     measured = [r for r in sim.reqs if r.arrival >= warmup]
     ttft = sorted(r.first - r.arrival for r in measured if r.first == r.first)
-    span = measured[-1].arrival - measured[0].arrival if len(measured) > 1 else math.nan
+    span = max(r.arrival for r in measured) - min(r.arrival for r in measured) if len(measured) > 1 else math.nan
+    prompt_tokens = sum(r.prompt for r in measured if r.replica >= 0)
+    cap = [speed * slots for speed, slots in fleet]
+    served = [0] * len(fleet)
+    for r in measured:
+        if r.replica >= 0:
+            served[r.replica] += 1
+    total = max(1, sum(served))
     good = sum(1 for t in ttft if t <= slo)
     slow = min(range(len(fleet)), key=lambda i: fleet[i][0])
     return {
@@ -257,6 +570,8 @@ def summarize(sim: Sim, warmup: float, slo: float) -> dict[str, Any]:
             else math.nan
         ),
         "unrouted": sim.unrouted,
+        "hit_ratio": sum(r.cached for r in measured if r.replica >= 0) / prompt_tokens if prompt_tokens else math.nan,
+        "imbalance": max(served[i] / total / (cap[i] / sum(cap)) for i in range(len(fleet))),
     }
 
 
@@ -277,7 +592,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--requests", type=int, default=20000)
     ap.add_argument("--load", type=float, default=0.85, help="offered load, fraction of fleet capacity")
     ap.add_argument("--routers", default="1,4", help="router counts to compare, comma-separated")
-    ap.add_argument("--strategies", default="round_robin,least_inflight,score")
+    ap.add_argument("--strategies", default="round_robin,least_inflight,score,prefix,oracle")
+    ap.add_argument("--workload", choices=WORKLOADS, default="chat")
+    ap.add_argument(
+        "--session-ids", action="store_true", help="multiturn: each request carries its conversation's session key"
+    )
     ap.add_argument("--impl", choices=("auto", "c", "py"), default="auto")
     ap.add_argument("--fleet", choices=sorted(FLEETS), default="mixed")
     ap.add_argument(
@@ -285,6 +604,8 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="add `score*`: score fed exact numbers before every pick (the staleness cost)",
     )
+    ap.add_argument("--shared-prompts", type=int, default=SHARED_PROMPTS, help="shared-prefix: system prompts")
+    ap.add_argument("--load-bound", type=float, default=0.25, help="prefix: routing.prefix.load_bound")
     ap.add_argument("--scrape-interval", type=float, default=0.1)
     ap.add_argument("--stale-after", type=float, default=1.0)
     ap.add_argument("--warmup", type=float, default=10.0, help="seconds of arrivals left out of the figures")
@@ -298,13 +619,17 @@ def main(argv: list[str] | None = None) -> int:
     runs = [(s, False) for s in args.strategies.split(",")]
     if args.oracle:
         runs.append(("score", True))
-    base, rate = workload(args.seed, args.requests, args.load, max(router_counts), fleet)
+    base, rate = workload_of(
+        args.workload, args.seed, args.requests, args.load, max(router_counts), fleet, args.session_ids,
+        args.shared_prompts,
+    )
     results = []
     t0 = time.perf_counter()
     for strategy, oracle in runs:
         for routers in router_counts:
             sim = Sim(
-                mod, strategy, routers, base, args.seed, args.scrape_interval, args.stale_after, fleet, oracle
+                mod, strategy, routers, base, args.seed, args.scrape_interval, args.stale_after, fleet, oracle,
+                args.load_bound,
             )
             sim.run()
             name = strategy + ("*" if oracle else "")
@@ -315,7 +640,9 @@ def main(argv: list[str] | None = None) -> int:
         "requests": args.requests,
         "load": args.load,
         "rate_rps": rate,
-        "simulated_s": base[-1].arrival,
+        "simulated_s": max(r.arrival for r in base),
+        "workload": args.workload,
+        "session_ids": args.session_ids,
         "impl": mod.__name__,
         "fleet": args.fleet,
         "slo_s": args.slo,
@@ -327,9 +654,12 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     print(
         f"{args.requests} requests, {rate:.1f} req/s mean ({args.load:.0%} of capacity, bursty), "
-        f"{meta['simulated_s']:.0f} s simulated, {args.fleet} fleet, seed {args.seed}, {mod.__name__}, {wall:.1f} s wall"
+        f"{args.workload} workload, {args.fleet} fleet, seed {args.seed}, {mod.__name__}, {wall:.1f} s wall"
     )
-    head = f"{'strategy':<15}{'routers':>8}{'TTFT p50':>10}{'TTFT p99':>10}{'goodput':>12}{'good %':>8}{'to slow':>9}"
+    head = (
+        f"{'strategy':<15}{'routers':>8}{'TTFT p50':>10}{'TTFT p99':>10}{'goodput':>12}{'good %':>8}{'to slow':>9}"
+        f"{'hit %':>7}{'imbal':>7}"
+    )
     print(head)
     print("-" * len(head))
     for r in results:
@@ -338,8 +668,12 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"{r['strategy']:<15}{r['routers']:>8}{r['ttft_p50']:>9.3f}s{r['ttft_p99']:>9.2f}s"
             f"{r['goodput_rps']:>8.1f} r/s{r['goodput_pct']:>7.1f}%{slow_col}"
+            f"{100 * r['hit_ratio']:>6.1f}%{r['imbalance']:>7.2f}"
         )
-    print(f"goodput: requests/s with TTFT <= {args.slo:g} s; 'to slow': share sent to the 4x slower replica")
+    print(
+        f"goodput: requests/s with TTFT <= {args.slo:g} s; 'to slow': share sent to the 4x slower replica; "
+        "hit %: prompt tokens found cached; imbal: the busiest replica's share over its share of capacity"
+    )
     if args.oracle:
         print(
             "score*: score with an exact scrape before every pick (no staleness, sees every router's requests)"

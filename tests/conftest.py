@@ -54,6 +54,13 @@ upstream = _twin_fixture("upstream")
 
 
 @pytest.fixture(autouse=True)
+def _state_home(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The control plane's default store (``$XDG_STATE_HOME/llmgw/``) in a fresh directory per test,
+    never the user's own (a subprocess inherits it)."""
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path_factory.mktemp("state")))
+
+
+@pytest.fixture(autouse=True)
 def _no_live_objects_left(request: pytest.FixtureRequest) -> Iterator[None]:
     """In the compiled debug build, a test leaves no connection, writer, call or
     upstream connection of its own alive (uvloop's test base checks its handles
@@ -192,3 +199,24 @@ def canary_leaks() -> Iterator[list[str]]:
     show the watch works); cleared after it, so it does not fail for them."""
     yield _leaks
     _leaks.clear()
+
+
+@pytest.fixture(autouse=True)
+def _access_log_propagation_restored() -> Iterator[None]:
+    """A test that runs llmgw's CLI in-process (CliRunner) calls ``llmgw.log.setup``, which puts a
+    handler on the root logger (writing to whatever ``sys.stderr`` is when a record comes: in a
+    later test, the output a CliRunner captures), sets levels, and stops ``llmgw.access``
+    propagating to the root logger, all for the rest of the session. Each test gets the logging
+    set-up back as it found it."""
+    root, llmgw_log, access = logging.getLogger(), logging.getLogger("llmgw"), logging.getLogger("llmgw.access")
+    before = (root.handlers[:], root.level, llmgw_log.handlers[:], llmgw_log.level, access.handlers[:], access.level,
+              access.propagate)
+    yield
+    for logger, handlers in ((root, before[0]), (llmgw_log, before[2]), (access, before[4])):
+        for h in logger.handlers[:]:
+            if h not in handlers:
+                logger.removeHandler(h)
+    root.setLevel(before[1])
+    llmgw_log.setLevel(before[3])
+    access.setLevel(before[5])
+    access.propagate = before[6]

@@ -83,6 +83,10 @@ def test_config_is_immutable() -> None:
         ({"access_log": "yes"}, "access_log", "true or false"),
         ({"routing": {"strategy": "random"}}, "routing.strategy", "choose one of score"),
         ({"endpoints": [EP], "models": {"m": {"strategy": "x"}}}, "models.m.strategy", "unknown strategy"),
+        ({"routing": {"prefix": {"block_bytes": 8}}}, "routing.prefix.block_bytes", "at least 64"),
+        ({"routing": {"prefix": {"load_bound": -1}}}, "routing.prefix.load_bound", "at least 0"),
+        ({"routing": {"prefix": {"session_header": "bad header"}}}, "routing.prefix.session_header", "header"),
+        ({"routing": {"prefix": {"blocks": 3}}}, "routing.prefix.blocks", "unknown key"),
         ({"admission": {"default_band": "vip"}}, "admission.default_band", "not one of the bands"),
         ({"admission": {"bands": []}}, "admission.bands", "distinct band names"),
         ({"admission": {"bands": ["a", "a"]}}, "admission.bands", "distinct band names"),
@@ -336,6 +340,15 @@ def test_config_can_be_replaced() -> None:
     assert moved.listen == ("0.0.0.0", 1) and moved.endpoints == cfg.endpoints
 
 
+def test_routing_prefix_section() -> None:
+    cfg = load({"endpoints": [EP], "routing": {"strategy": "prefix", "prefix": {"block_bytes": 1000, "max_blocks": 1024,
+                                                                                "entry_ttl": "2m"}}})
+    p = cfg.routing.prefix
+    assert cfg.routing.strategy == "prefix" and p.entry_ttl == 120.0
+    assert p.block == 1000 and p.blocks == 65  # (a multiple of 8; block x blocks at most 64 KiB)
+    assert load({"endpoints": [EP]}).routing.prefix.session_header == "x-session-id"
+
+
 def test_strategies_come_from_the_routing_kernel() -> None:
     from llmgw import config, routing
     from llmgw._fast import score_py
@@ -359,7 +372,7 @@ def test_reserved_control_plane_sections(monkeypatch: pytest.MonkeyPatch) -> Non
     monkeypatch.setenv("FOLLOW", "follow-secret-1")
     cfg = load(
         {
-            "control": {"listen": "0.0.0.0:7070", "join_token_env": "JOIN", "database": "/var/lib/llmgw/cp.db"},
+            "control": {"listen": "0.0.0.0:7070", "join_token_env": "JOIN", "database": "sqlite:////var/lib/llmgw/cp.db"},
             "deployments": [
                 {"name": "llama", "model": "llama-3-8b", "engine": "vllm", "replicas": 2, "gpus": 1,
                  "gpu_memory": "40GiB", "args": ["--max-model-len", "8192"], "env": {"HF_TOKEN": "hf-secret-1"}},
@@ -402,18 +415,42 @@ def test_reserved_control_plane_sections(monkeypatch: pytest.MonkeyPatch) -> Non
         ({"deployments": [{"name": "a", "model": "m", "env": {"1X": "y"}}]}, "deployments[0].env", "environment variable name"),
         ({"deployments": [{"name": "a", "model": "m"}, {"name": "a", "model": "n"}]}, "deployments[1].name", "duplicate name"),
         ({"deployments": [{"name": "a", "model": "m", "replica": 2}]}, "deployments[0].replica", "did you mean 'replicas'"),
+        ({"deployments": [{"name": "a", "model": "m", "node_labels": {"bad key": "x"}}]}, "deployments[0].node_labels",
+         "is not a label name"),
+        ({"deployments": [{"name": "a", "model": "m", "node_labels": ["zone=eu"]}]}, "deployments[0].node_labels",
+         "mapping of label names"),
+        ({"deployments": [{"name": "a", "model": "m", "slots": 0}]}, "deployments[0].slots", "at least 1"),
+        ({"deployments": [{"name": "a", "model": "m", "share_gpus": "often"}]}, "deployments[0].share_gpus", ""),
         ({"follow": {"control": []}}, "follow.control", "HOST:PORT"),
         ({"control": {"listen": ":1", "database": "sqlite:///x", "database_env": "B"}}, "control.database_env",
          "not both"),
         ({"control": {"listen": ":1", "lease": "100ms"}}, "control.lease", "at least 300ms"),
         ({"control": {"listen": ":1", "database": "sqlite:///x", "state_file": "s.json"}}, "control.state_file",
          "not used with control.database"),
+        ({"control": {"listen": ":1", "database": "/var/lib/llmgw/cp.db"}}, "control.database",
+         "sqlite:////ABSOLUTE/PATH"),
+        ({"control": {"listen": ":1", "database": "sqlite:cp.db"}}, "control.database", "sqlite:///RELATIVE/PATH"),
+        ({"control": {"listen": ":1", "database": "mysql://db/x"}}, "control.database", "postgresql://"),
     ],
 )
 def test_reserved_sections_are_validated(data: object, key: str, fragment: str) -> None:
     with pytest.raises(ConfigError) as ei:
         load(data)
     assert any(p.key == key and fragment in p.message for p in ei.value.problems), str(ei.value)
+
+
+def test_deployment_defaults_and_selectors() -> None:
+    cfg = load({"deployments": [
+        {"name": "v", "model": "m"},
+        {"name": "l", "model": "tiny:1b", "engine": "llamacpp", "slots": 4, "context": 8192, "memory": "2GiB"},
+        {"name": "g", "model": "m", "engine": "llamacpp", "gpus": 1, "gpu_model": "H100", "share_gpus": True,
+         "gpu_memory": "8GiB", "node_labels": {"zone": "eu-1", "llmgw.io/pool": "a"}, "served_name": "chat"},
+    ]})
+    v, lc, g = cfg.deployments
+    assert (v.gpu_count, v.model_name, v.engine) == (1, "v", "vllm")  # vLLM: one GPU; clients ask for the name
+    assert (lc.gpu_count, lc.slots, lc.context, lc.memory) == (0, 4, 8192, 2 * 2**30)  # llama.cpp: CPU
+    assert (g.gpu_count, g.gpu_model, g.share_gpus, g.model_name) == (1, "H100", True, "chat")
+    assert g.node_labels == {"zone": "eu-1", "llmgw.io/pool": "a"}
 
 
 def test_agent_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -13,6 +13,7 @@ space only (kernel time is not seen), plus the top functions.
     .venv/bin/python bench/dataplane/callgrind.py --requests 4000
     .venv/bin/python bench/dataplane/callgrind.py --stream --requests 300
     .venv/bin/python bench/dataplane/callgrind.py --metrics off    # the data path's observer off
+    .venv/bin/python bench/dataplane/callgrind.py --strategy prefix  # routing.strategy (default: llmgw's, score)
 
 Needs valgrind (``callgrind_control``, ``callgrind_annotate``) and nginx with the
 echo module, as ``run.py`` does.
@@ -128,6 +129,8 @@ def main() -> None:
     ap.add_argument("--scrape-interval", type=float, default=None,
                     help="llmgw's scrape.interval in seconds (default: llmgw's, 1 s); the first scrapes "
                     "are spread over one interval and routing waits for them")
+    ap.add_argument("--strategy", default=None,
+                    help="routing.strategy (default: llmgw's, score); prefix also hashes the body's prompt")
     ap.add_argument("--engine", default="vllm",
                     help="the endpoints' engine; external: never scraped, so the poller's scrapes, which "
                     "come with wall time and not with requests, stay out of the figure (bench/guard.py)")
@@ -149,6 +152,7 @@ def main() -> None:
     (d / "llmgw.yaml").write_text(
         f"listen: 127.0.0.1:{port}\nadmin: 127.0.0.1:{admin}\n"
         + (f"scrape: {{interval: {args.scrape_interval:g}}}\n" if args.scrape_interval else "")
+        + (f"routing: {{strategy: {args.strategy}}}\n" if args.strategy else "")
         + "endpoints:\n"
         f'  - {{id: up0, url: "http://127.0.0.1:{up[0]}", model: m, engine: {args.engine}}}\n'
         f'  - {{id: up1, url: "http://127.0.0.1:{up[1]}", model: m, engine: {args.engine}}}\n'

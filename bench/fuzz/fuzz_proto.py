@@ -143,7 +143,12 @@ def _fill(msg: Any, src: _Source, depth: int) -> None:
         if b & 3 == 0:
             continue  # left out
         repeated = fd.is_repeated
-        if fd.message_type is not None:
+        if fd.message_type is not None and fd.message_type.GetOptions().map_entry:
+            k_fd, v_fd = fd.message_type.fields_by_name["key"], fd.message_type.fields_by_name["value"]
+            m = getattr(msg, fd.name)
+            for _ in range((b >> 2) % 4):  # (a map: entries by key, e.g. RegisterRequest.labels)
+                m[_scalar(k_fd, src)] = _scalar(v_fd, src)
+        elif fd.message_type is not None:
             if depth >= 3:
                 continue
             if repeated:

@@ -46,7 +46,10 @@ from .gateway.proxy import Gateway
 from .http.server import HTTPServer, ServerLimits
 from .log import server_logger as log
 
-__all__ = ["ADMIN_LIMITS", "Component", "ComponentFactory", "GatewayRuntime", "Parts", "components_for", "control_plane"]
+__all__ = [
+    "ADMIN_LIMITS", "Component", "ComponentFactory", "GatewayRuntime", "Parts", "RouterPort", "components_for",
+    "control_plane",
+]
 
 # The admin listener takes small JSON bodies only (an endpoint to add).
 ADMIN_LIMITS = ServerLimits(max_body=1024 * 1024)
@@ -90,12 +93,37 @@ class Component(Protocol):
 ComponentFactory = Callable[[Parts], Component]
 
 
+class RouterPort:
+    """The router as the control plane's deployments change it (:class:`llmgw.control.deployments.Router`):
+    replicas join and leave through the runtime's own operations, so the poller follows."""
+
+    def __init__(self, parts: Parts) -> None:
+        self.parts = parts
+
+    def add(self, ep: EndpointConfig) -> None:
+        self.parts.fleet.add_endpoint(ep)
+
+    def remove(self, endpoint_id: str) -> None:
+        self.parts.fleet.remove_endpoint(endpoint_id)
+
+    def set_draining(self, endpoint_id: str, draining: bool) -> None:
+        self.parts.fleet.set_draining(endpoint_id, draining)
+
+    def inflight(self, endpoint_id: str) -> int | None:
+        ep = self.parts.registry.endpoints.get(endpoint_id)
+        return None if ep is None else int(ep.inflight)
+
+    def hold(self, models: frozenset[str]) -> None:
+        self.parts.gateway.held_models = models
+
+
 def control_plane(parts: Parts) -> Component:
     """The control plane (:class:`llmgw.control.service.ControlPlane`) as a component:
-    its collector on the admin ``/metrics``, its nodes on the management API."""
+    its collector on the admin ``/metrics``, its nodes and deployments on the management API,
+    its deployments' replicas in the router."""
     from .control.service import ControlPlane
 
-    return ControlPlane(parts.config, admin=parts.admin, admin_addr=parts.fleet.admin_addr)
+    return ControlPlane(parts.config, admin=parts.admin, admin_addr=parts.fleet.admin_addr, router=RouterPort(parts))
 
 
 def components_for(config: Config) -> list[ComponentFactory]:
@@ -197,7 +225,7 @@ class GatewayRuntime:
         """
         registry, _, poller = self._require()
         registry.add(ep)
-        poller.sync()
+        poller.sync(spread=False)  # scraped at once: no request goes to it before its first scrape
         log.info("endpoint %s added (%s, model %s)", ep.id, ep.url, ", ".join(ep.models))
 
     def remove_endpoint(self, endpoint_id: str) -> None:

@@ -297,7 +297,7 @@ def test_unknown_strategy(score: ModuleType) -> None:
     with pytest.raises(ValueError, match="round_robin"):
         score.Picker("random")
     assert score.Picker("least_inflight").strategy == "least_inflight"
-    assert score.STRATEGIES == ("score", "least_inflight", "round_robin")
+    assert score.STRATEGIES == ("score", "least_inflight", "round_robin", "prefix")
 
 
 def test_empty_and_unusable_pools(score: ModuleType) -> None:

@@ -14,10 +14,11 @@ from cp_helpers import TOKEN, api, control_runtime, free_port, wait_for
 pytestmark = pytest.mark.timeout(60)
 
 
-def _agent(*args: str, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
+def _agent(*args: str, env: dict[str, str] | None = None, state: Path | None = None) -> subprocess.Popen[str]:
+    extra = ("--state-dir", str(state)) if state is not None else ()
     return subprocess.Popen(
-        [sys.executable, "-m", "llmgw", "agent", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        env={**os.environ, "JOIN": TOKEN, **(env or {})},
+        [sys.executable, "-m", "llmgw", "agent", *args, *extra], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True, env={**os.environ, "JOIN": TOKEN, **(env or {})},
     )
 
 
@@ -26,11 +27,11 @@ async def _node(rt, name: str) -> dict | None:  # type: ignore[no-untyped-def]
     return next((n for n in body["nodes"] if n["name"] == name and n["state"] == "up"), None)
 
 
-async def test_agent_simulated_registers_then_sigterm_deregisters_exit_0() -> None:
+async def test_agent_simulated_registers_then_sigterm_deregisters_exit_0(tmp_path: Path) -> None:
     port = free_port()
     async with control_runtime(port) as rt:
         p = _agent("--control", f"127.0.0.1:{port}", "--token-env", "JOIN", "--name", "cli-node",
-                   "--gpu-source", "simulated")
+                   "--gpu-source", "simulated", state=tmp_path)
         try:
             node = await wait_for(lambda: _node(rt, "cli-node"), what="cli-node up")
             assert node["gpu_source"] == "simulated" and node["gpu_count"] >= 1
@@ -44,12 +45,16 @@ async def test_agent_simulated_registers_then_sigterm_deregisters_exit_0() -> No
 async def test_agent_reads_its_config_file(tmp_path: Path) -> None:
     port = free_port()
     cfg = tmp_path / "agent.yaml"
-    cfg.write_text(f"control: 127.0.0.1:{port}\ntoken_env: JOIN\nname: file-node\ngpu_source: none\n")
+    cfg.write_text(f"control: 127.0.0.1:{port}\ntoken_env: JOIN\nname: file-node\ngpu_source: none\n"
+                   f"state_dir: {tmp_path / 'state'}\nlabels: {{zone: eu-1, tier: gold}}\nadvertise: 127.0.0.1\n")
     async with control_runtime(port) as rt:
-        p = _agent("--config", str(cfg))
+        p = _agent("--config", str(cfg), "--label", "tier=silver")
         try:
             node = await wait_for(lambda: _node(rt, "file-node"), what="file-node up")
             assert node["gpu_source"] == "none"
+            assert node["labels"] == {"zone": "eu-1", "tier": "silver"}  # the flag over the file
+            assert node["address"] == "127.0.0.1" and node["protocol"] == "1.2"
+            assert (tmp_path / "state" / "replicas").is_dir()
         finally:
             p.send_signal(signal.SIGTERM)
             _, err = p.communicate(timeout=15)
@@ -66,13 +71,13 @@ def test_agent_refuses_what_it_cannot_do() -> None:
     assert TOKEN not in err
 
 
-async def test_agent_auto_discovery_reports_a_known_source() -> None:
+async def test_agent_auto_discovery_reports_a_known_source(tmp_path: Path) -> None:
     """Needs GPU discovery (llmgw.agent.discovery, the other half of this issue)."""
     from llmgw.agent.model import SOURCES
 
     port = free_port()
     async with control_runtime(port) as rt:
-        p = _agent("--control", f"127.0.0.1:{port}", "--token-env", "JOIN", "--name", "auto-node")
+        p = _agent("--control", f"127.0.0.1:{port}", "--token-env", "JOIN", "--name", "auto-node", state=tmp_path)
         try:
             node = await wait_for(lambda: _node(rt, "auto-node"), timeout=20, what="auto-node up")
             assert node["gpu_source"] in SOURCES

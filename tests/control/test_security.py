@@ -166,6 +166,7 @@ async def test_agent_config_file_carries_mutual_tls(pki: dict[str, Path], tmp_pa
     cfg.write_text(
         f"control: 127.0.0.1:{port}\ntoken_env: JOIN\nname: mtls-file-node\ngpu_source: none\n"
         f"tls_ca: {pki['ca.pem']}\ntls_cert: {pki['client.pem']}\ntls_key: {pki['client.key']}\n"
+        f"state_dir: {tmp_path / 'state'}\n"
     )
     async with control_runtime(port, tls_cert=str(pki["server.pem"]), tls_key=str(pki["server.key"]),
                                tls_client_ca=str(pki["ca.pem"])) as rt:

@@ -120,7 +120,7 @@ async def test_sqlite_for_one_machine(tmp_path: Path) -> None:
         await db.close()
     rows = sqlite3.connect(path).execute("SELECT node, epoch FROM llmgw_cordons").fetchall()
     assert rows == [("n1", 1)]
-    with pytest.raises(ConfigError, match="sqlite:///PATH"):
+    with pytest.raises(ConfigError, match="sqlite:///RELATIVE/PATH"):
         open_database("sqlite://nohost")
     with pytest.raises(ConfigError, match="postgresql://"):
         open_database("mysql://x")

@@ -19,6 +19,32 @@ Duplicate keys are allowed and the last one wins, as in every JSON parser.
 This twin validates with orjson itself (the reference) and scans for the span
 only when asked (:func:`model_span`, used for rewriting the name).
 
+**The prompt's blocks, for the prefix strategy.** :func:`json_route` is
+:func:`json_model` plus, read in the same pass, what cache-aware routing needs:
+
+* the *stream*: the raw JSON text of the top-level ``messages`` array (every
+  message in order, with its role, content and other fields, as the client wrote
+  them); without a ``messages`` array, the raw text of the top-level ``prompt``
+  value; at most ``block * max_blocks`` bytes of it;
+* its *chain*: the stream cut into ``block``-byte blocks (the last one may be
+  short), block ``i`` hashed over the hash of block ``i - 1``, so the hash of block
+  ``i`` stands for the whole prefix up to its end (see :func:`_block`);
+* its *anchor*: the hash, chained the same way, of the stream up to the end of
+  the first message whose role is not ``system`` or ``developer`` (the
+  conversation's first user turn, which every later turn repeats: what identifies
+  a conversation whose system prompt others share), and how many whole blocks lie
+  before that end, with bit 63 set when more messages follow it (a later turn);
+  0 and 0 without one (a ``prompt``, or no such message within the bytes hashed);
+* the *key* returned: ``[anchor, anchor blocks, link 0, link 1, ...]`` packed as
+  native-order unsigned 64-bit integers, 8 bytes each (``b""``: nothing to hash),
+  which ``score.Picker.pick_prefix`` reads;
+* the *session*: the hash (:func:`key_hash`) of the first string among the
+  top-level ``prompt_cache_key``, ``safety_identifier`` and ``user`` members, or 0.
+
+Raw text, not decoded values: a client sends the same conversation the same way
+from one turn to the next, and the scan copies bytes rather than decoding them.
+Where a key repeats, its last value counts, as for ``model``.
+
 **The answer side: events and usage.** An engine's answer is relayed as it comes
 and never parsed: :func:`sse_cut` finds where the last whole server-sent event of
 a read ends (the relay sends whole events only), and :func:`usage_counts` reads
@@ -30,10 +56,22 @@ rather than raise on text that is not what they look for.
 from __future__ import annotations
 
 import re
+import struct
 
 import orjson
 
-__all__ = ["MAX_DEPTH", "JSONScanError", "json_model", "model_span", "sse_cut", "usage_counts"]
+__all__ = [
+    "MAX_DEPTH",
+    "ROUTE_MAX_BYTES",
+    "JSONScanError",
+    "header_hash",
+    "json_model",
+    "json_route",
+    "key_hash",
+    "model_span",
+    "sse_cut",
+    "usage_counts",
+]
 
 MAX_DEPTH = 1024
 
@@ -123,6 +161,169 @@ def model_span(body: bytes) -> tuple[int, int]:
         elif open_at >= 0 and len(stack) == 1:
             start, end, open_at = open_at, m.end(), -1
     return (start, end)
+
+
+# -- the prompt's blocks and the session key --------------------------------------
+
+ROUTE_MAX_BYTES = 65536
+_M64 = (1 << 64) - 1
+_CHAIN_SEED = 0x243F6A8885A308D3
+_KEY_SEED = 0x13198A2E03707344
+_SESSION_KEYS = ("prompt_cache_key", "safety_identifier", "user")
+
+
+_K1 = 0xA0761D6478BD642F
+_K2 = 0xE7037ED1A0B428DB
+
+
+def _mum(a: int, b: int) -> int:
+    r = a * b
+    return (r ^ (r >> 64)) & _M64
+
+
+def _block(h: int, data: bytes) -> int:
+    """One link of the chain: ``data`` (a block) hashed over ``h`` (the previous link).
+
+    After ``h ^= len * 0x9E3779B97F4A7C15``, each 16 bytes (the last zero-padded) as two
+    little-endian words ``a, b`` go ``h = mum(a ^ h ^ K1, b ^ K2)``, where ``mum`` folds
+    the 128-bit product into 64 bits (low ^ high, as wyhash); then SplitMix64's
+    finalizer; 0 becomes 1 (0 marks an empty table slot). Fast, not
+    collision-resistant against an adversary: it only steers where a request goes.
+    """
+    n = len(data)
+    h = (h ^ (n * 0x9E3779B97F4A7C15)) & _M64
+    for i in range(0, n, 16):
+        a = int.from_bytes(data[i : i + 8], "little")
+        b = int.from_bytes(data[i + 8 : i + 16], "little")
+        h = _mum(a ^ h ^ _K1, b ^ _K2)
+    h = ((h ^ (h >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+    h = ((h ^ (h >> 27)) * 0x94D049BB133111EB) & _M64
+    h ^= h >> 31
+    return h or 1
+
+
+def chain_hashes(stream: bytes, block: int) -> list[int]:
+    """The chain of ``stream`` cut in ``block``-byte blocks (the spec of the packed chain)."""
+    out = []
+    h = _CHAIN_SEED
+    for k in range(0, len(stream), block):
+        h = _block(h, stream[k : k + block])
+        out.append(h)
+    return out
+
+
+def key_hash(data: bytes) -> int:
+    """The session hash of ``data`` (a session header's value, or a body key's raw text); never 0."""
+    if type(data) is not bytes:
+        raise TypeError(f"data must be bytes, not {type(data).__name__}")
+    return _block(_KEY_SEED, data)
+
+
+def json_route(body: bytes, block: int, max_blocks: int) -> tuple[bool, str | None, bytes, int]:
+    """``(is_object, model, chain, session)`` of a JSON request body (see the module docstring).
+
+    Raises:
+        JSONScanError: the body is not valid JSON.
+        ValueError: ``block`` is not a positive multiple of 8, or ``block * max_blocks``
+            exceeds :data:`ROUTE_MAX_BYTES`.
+    """
+    if block < 8 or block % 8 or max_blocks < 1 or block * max_blocks > ROUTE_MAX_BYTES:
+        raise ValueError("block must be a positive multiple of 8 and block * max_blocks at most 65536")
+    data = _load(body)
+    if not isinstance(data, dict):
+        return (False, None, b"", 0)
+    model = data.get("model")
+    spans, ends = _top_spans(body)
+    cap = block * max_blocks
+    stream = b""
+    anchor = -1
+    later = False
+    if isinstance(data.get("messages"), list):
+        a, b = spans["messages"]
+        stream = body[a:b][:cap]
+        for j, (m, end) in enumerate(zip(data["messages"], ends, strict=True)):
+            if not (isinstance(m, dict) and m.get("role") in ("system", "developer")):
+                anchor = end - a if end - a <= cap else -1
+                later = j < len(ends) - 1
+                break
+    elif "prompt" in data:
+        a, b = spans["prompt"]
+        stream = body[a:b][:cap]
+    chain = chain_hashes(stream, block)
+    key: list[int] = []
+    if chain:
+        ah = 0
+        if anchor >= 0:
+            whole = anchor // block
+            prev = chain[whole - 1] if whole else _CHAIN_SEED
+            ah = _block(prev, stream[whole * block : anchor]) if anchor % block else prev
+        key = [ah, (anchor // block | (1 << 63 if later else 0)) if ah else 0, *chain]
+    session = 0
+    for name in _SESSION_KEYS:
+        if isinstance(data.get(name), str):
+            a, b = spans[name]
+            session = _block(_KEY_SEED, body[a + 1 : b - 1])
+            break
+    return (True, model if isinstance(model, str) else None, struct.pack(f"={len(key)}Q", *key), session)
+
+
+def _top_spans(body: bytes) -> tuple[dict[str, tuple[int, int]], list[int]]:
+    """Spans of the last value of each top-level key, and where each element of the
+    last top-level ``messages`` array ends (a valid body that is an object)."""
+    spans: dict[str, tuple[int, int]] = {}
+    ends: list[int] = []
+    stack: list[int] = []
+    expect_key = False
+    key: str | None = None  # the top-level key whose value is next
+    open_key: str | None = None  # ... whose value is being read
+    open_at = -1
+
+    def ended(end: int) -> None:
+        nonlocal open_key
+        if len(stack) == 1 and open_key is not None:
+            spans[open_key] = (open_at, end)
+            open_key = None
+        elif len(stack) == 2 and open_key == "messages" and stack[1] == 0x5B:
+            ends.append(end)
+
+    for m in _TOKEN.finditer(body):
+        tok = m.group()
+        c = tok[0]
+        if c == 0x3A:  # :
+            continue
+        if c == 0x2C:  # ,
+            expect_key = stack[-1] == 0x7B
+            continue
+        if c == 0x7D or c == 0x5D:  # } ]
+            stack.pop()
+            ended(m.end())
+            continue
+        if expect_key:
+            expect_key = False
+            key = orjson.loads(tok) if len(stack) == 1 else None
+            continue
+        if len(stack) == 1 and key is not None:  # a top-level value begins
+            open_key, open_at, key = key, m.start(), None
+            if open_key == "messages":
+                ends = []
+        if c == 0x7B or c == 0x5B:  # { [
+            stack.append(c)
+            expect_key = c == 0x7B
+        else:
+            ended(m.end())
+    return spans, ends
+
+
+def header_hash(lines: bytes, name: bytes) -> int:
+    """The session hash (:func:`key_hash`) of header ``name``'s value in ``lines``, the
+    ``Name: value\r\n`` lines a request forwards (``Request.forward``); ``name`` is
+    lower-case; the first such line counts; 0: absent or empty."""
+    for line in lines.split(b"\n"):
+        head, sep, value = line.partition(b":")
+        if sep and head.lower() == name:
+            value = value.strip(b" \t\r")
+            return key_hash(value) if value else 0
+    return 0
 
 
 # -- the answer side ------------------------------------------------------------

@@ -20,7 +20,8 @@ from llmgw._fast.debug cimport LLMGW_DEBUG
 
 from llmgw._fast.counters cimport TrafficCounters
 from llmgw._fast.httpproto cimport Request, Response, id_line, monotonic, upstream_head
-from llmgw._fast.jsonscan cimport json_model, model_span, sse_cut, usage_counts
+from libc.stdint cimport uint64_t
+from llmgw._fast.jsonscan cimport header_hash, json_model, json_route, model_span, sse_cut, usage_counts
 from llmgw._fast.replica cimport Endpoint, ModelPool
 from llmgw._fast.score cimport EndpointState
 from llmgw._fast.server cimport App, ResponseWriter
@@ -67,6 +68,8 @@ cdef class Call(Exchange):
     cdef UpstreamConnection conn      # the connection carrying the attempt
     cdef object connect_task          # the task opening a connection, or None
     cdef readonly int tries
+    cdef bytes chain                  # the prefix strategy's key: the prompt's block hashes, or None
+    cdef uint64_t session             # ... and its session hash (0: none)
     cdef bint probe                   # this attempt is a half-open breaker's probe
     cdef bint retrying                # counted in the retry budget
     cdef bint reused                  # the attempt runs on a connection taken from the pool
@@ -164,7 +167,12 @@ cdef class Gateway(App):
     cdef bint auth
     cdef bint access_log
     cdef bint expose_replica          # x-llmgw-replica on answers (server.expose_replica)
+    cdef bint routed                  # some model routes by prefix: bodies are scanned with json_route
+    cdef Py_ssize_t route_block       # routing.prefix: block bytes, blocks hashed
+    cdef Py_ssize_t route_blocks
+    cdef bytes session_header         # routing.prefix.session_header, lower-case
     cdef object _normalize_error      # (status, body, engine) -> bytes: llmgw.engines.errors
+    cdef public object held_models    # models answering 503 (not 404) without a replica (deployments)
 
     cdef watch(self, Call call)
     cdef unwatch(self, Call call)
@@ -193,6 +201,6 @@ cdef class Gateway(App):
     cdef bytes _request_id(self, Request req)
     @cython.locals(call=Call, started=double)
     cdef _proxy(self, Request req, ResponseWriter w, key)
-    @cython.locals(pool=ModelPool, call=Call)
+    @cython.locals(pool=ModelPool, call=Call, session=uint64_t, sid=uint64_t)
     cdef Call _prepare(self, Request req, ResponseWriter w, bytes rid_line, key, double started)
     cdef log_access(self, Call call, double now)

@@ -118,6 +118,8 @@ if not cython.compiled:
     monotonic = _hp.monotonic
     upstream_head = _hp.upstream_head
     json_model = _js.json_model
+    json_route = _js.json_route
+    header_hash = _js.header_hash
     model_span = _js.model_span
     sse_cut = _js.sse_cut
     usage_counts = _js.usage_counts
@@ -312,6 +314,7 @@ class Call(Exchange):
         "band",
         "band_name",
         "body",
+        "chain",
         "client_model",
         "closed",
         "conn",
@@ -335,6 +338,7 @@ class Call(Exchange):
         "rid_line",
         "sent_at",
         "sent_bytes",
+        "session",
         "started",
         "streaming",
         "tenant",
@@ -377,6 +381,8 @@ class Call(Exchange):
         self.conn: UpstreamConnection | None = None
         self.connect_task: asyncio.Task[None] | None = None
         self.tries = 0
+        self.chain: bytes | None = None  # the prefix strategy's key (Gateway._prepare), or None
+        self.session = 0
         self.probe = False
         self.retrying = False
         self.reused = False
@@ -474,7 +480,10 @@ class Call(Exchange):
         """Choose a replica and send the request (now if a pooled connection is idle)."""
         gw = self.gw
         now = monotonic()
-        ep = self.pool.pick(now, gw.stale_after, self.tried or ())
+        if self.chain is None:
+            ep = self.pool.pick(now, gw.stale_after, self.tried or ())
+        else:
+            ep = self.pool.pick_keyed(now, gw.stale_after, self.tried or (), self.chain, self.session)
         if ep is None:
             err = self.error
             if err is None:
@@ -1109,6 +1118,9 @@ class Gateway(App):
         self._admitting = False
         self._watched: set[Call] = set()
         self._sweep_handle: asyncio.TimerHandle | None = None
+        self.held_models: Container[str] = frozenset()
+        """Models that answer 503 ``model_unavailable`` rather than 404 while they have no replica
+        (the control plane's deployments: ``llmgw.control.deployments``)."""
         self.reconfigure(config)
 
     def reconfigure(self, config: Config) -> None:
@@ -1145,6 +1157,11 @@ class Gateway(App):
         self._secrets = config_secrets(config)
         self.access_log = config.access_log.enabled
         self.expose_replica = config.server.expose_replica
+        r = config.routing
+        self.routed = r.strategy == "prefix" or any(m.strategy == "prefix" for m in config.models.values())
+        self.route_block = r.prefix.block
+        self.route_blocks = r.prefix.blocks
+        self.session_header = r.prefix.session_header.strip().lower().encode("ascii")
 
     def set_observer(self, observer: _counters.Observer, count_tokens: bool | None = None) -> None:
         """Report the data path's work to ``observer`` (metrics).
@@ -1487,8 +1504,13 @@ class Gateway(App):
         body = req.body
         # PERF: validated in one pass without building the document; only the
         # top-level "model" is read (see llmgw._fast.jsonscan_py).
+        chain = None
+        session = 0
         try:
-            is_object, model = json_model(body)
+            if self.routed:  # some model routes by prefix: its key is read in the same pass
+                is_object, model, chain, session = json_route(body, self.route_block, self.route_blocks)
+            else:
+                is_object, model = json_model(body)
         except JSONScanError as exc:
             raise BadRequestError(
                 f"We could not parse the JSON body of your request ({exc}). Send a JSON object.",
@@ -1501,6 +1523,13 @@ class Gateway(App):
         real = self.aliases.get(model, model)
         pool = self.pools.get(real)
         if pool is None or not pool.endpoints:
+            if real in self.held_models:
+                # (the cold path: a deployed model with no replica now, scaled to 0 or still starting)
+                raise ModelUnavailableError(
+                    f"the model `{model[:200]}` is unavailable: its deployment has no ready replica "
+                    "(scaled to 0, or its replicas are starting)",
+                    param="model", retry_after=_RETRY_AFTER_DEFAULT,
+                )
             raise ModelNotFoundError(
                 f"The model `{model[:200]}` does not exist or you do not have access to it.", param="model"
             )
@@ -1511,6 +1540,13 @@ class Gateway(App):
             body = body[:start] + orjson.dumps(rewrite) + body[end:]
         call = Call.__new__(Call)
         call._init(self, req, w, pool, model, body, rid_line, started)
+        if chain is not None and pool.keyed:
+            # (the header, if the client sent one, names the conversation before the body does)
+            sid = header_hash(req.forward, self.session_header) if req.forward else 0
+            if sid:
+                session = sid
+            call.chain = chain
+            call.session = session
         band = self.default_band
         if key is not None:
             band = self.key_bands.get(key, band)

@@ -9,6 +9,8 @@
 cimport cython
 
 from llmgw._fast.httpproto cimport monotonic
+from llmgw._fast.jsonscan cimport key_hash
+from libc.stdint cimport uint64_t
 from llmgw._fast.score cimport Breaker, EndpointState, Picker, pool_saturation
 from llmgw._fast.upstream cimport UpstreamPool
 
@@ -65,12 +67,14 @@ cdef class ModelPool:
     cdef readonly list endpoints
     cdef readonly object name
     cdef public Picker picker             # swapped by the registry when the strategy changes
+    cdef public bint keyed                # the picker is `prefix`: the gateway calls pick_keyed
     cdef readonly object queue            # its AdmissionQueue
     cdef readonly list states             # [ep.state for ep in endpoints], for the picker
 
     cpdef add(self, Endpoint ep)
     cpdef remove(self, Endpoint ep)
     cpdef Endpoint pick(self, double now, double stale_after, exclude=*)
+    cpdef Endpoint pick_keyed(self, double now, double stale_after, exclude, bytes chain, uint64_t session)
     cpdef double saturation(self, double now, double stale_after, double max_waiting, double max_kv)
     @cython.locals(ep=Endpoint, wait=double, w=double)
     cpdef unavailable(self, double now)

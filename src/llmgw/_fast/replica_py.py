@@ -43,10 +43,12 @@ if TYPE_CHECKING:
     from ..config import Config, EndpointConfig
     from . import admit_py as _admit
     from . import httpproto_py as _hp
+    from . import jsonscan_py as _js
     from . import score_py as _score
     from . import upstream_py as _up
 else:
     _hp = select("httpproto")
+    _js = select("jsonscan")
     _score = select("score")
     _admit = select("admit")
     _up = select("upstream")
@@ -59,6 +61,7 @@ if not cython.compiled:
     Picker = _score.Picker
     pool_saturation = _score.pool_saturation
     monotonic = _hp.monotonic
+    key_hash = _js.key_hash
     UpstreamPool = _up.UpstreamPool
 
 __all__ = ["UNUSABLE_REASONS", "Endpoint", "ModelPool"]
@@ -346,16 +349,19 @@ class Endpoint:
 class ModelPool:
     """One model's replicas, their states as one list, its picker and admission queue."""
 
-    __slots__ = ("endpoints", "name", "picker", "queue", "states")
+    __slots__ = ("endpoints", "keyed", "name", "picker", "queue", "states")
 
     def __init__(self, name: str, strategy: str, bands: int, queue_size: int) -> None:
         self.name = name
         self.endpoints: list[Endpoint] = []
         self.states: list[Any] = []
         self.picker = Picker(strategy)
+        self.keyed = strategy == "prefix"  # the gateway hands pick_keyed the request's key
         self.queue = AdmissionQueue(bands, queue_size)
 
     def add(self, ep: Endpoint) -> None:
+        # (the prefix strategy knows a replica by a hash of its id: the same in every router)
+        ep.state.tag = key_hash(ep.id.encode())
         self.endpoints.append(ep)
         self.states = [e.state for e in self.endpoints]
 
@@ -373,6 +379,18 @@ class ModelPool:
         # A retry: the same choice among the replicas not tried yet.
         eps = [e for e in self.endpoints if e not in excluded]
         i = self.picker.pick([e.state for e in eps], now, stale_after)
+        return eps[i] if i >= 0 else None
+
+    def pick_keyed(
+        self, now: float, stale_after: float, exclude: Iterable[Endpoint], chain: bytes, session: int
+    ) -> Endpoint | None:
+        """:meth:`pick` with the request's routing key (``Picker.pick_prefix``)."""
+        excluded = tuple(exclude)
+        if not excluded:
+            i = self.picker.pick_prefix(self.states, now, stale_after, chain, session)
+            return self.endpoints[i] if i >= 0 else None
+        eps = [e for e in self.endpoints if e not in excluded]
+        i = self.picker.pick_prefix([e.state for e in eps], now, stale_after, chain, session)
         return eps[i] if i >= 0 else None
 
     def saturation(self, now: float, stale_after: float, max_waiting: float, max_kv: float) -> float:

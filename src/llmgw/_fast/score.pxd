@@ -21,6 +21,28 @@ cdef enum:
     S_SCORE = 0
     S_LEAST_INFLIGHT = 1
     S_ROUND_ROBIN = 2
+    S_PREFIX = 3
+
+cdef enum:
+    # The prefix strategy's decisions: indexes into REASONS and Picker._counts.
+    R_PREFIX = 0
+    R_SESSION = 1
+    R_LOAD = 2
+    R_BLIND = 3
+
+# The prefix strategy's tables: chain hash (or session hash) -> the replica's tag and
+# when it was last used there; 4-way set-associative, LRU within a bucket, aged out
+# after ttl seconds. 24 bytes a slot.
+cdef struct Slot:
+    uint64_t key                          # 0: empty
+    uint64_t tag                          # EndpointState.tag of the replica
+    double used                           # monotonic s
+
+cdef struct Table:
+    Slot* slots
+    Py_ssize_t n                          # slots (buckets x 4)
+    uint64_t mask                         # buckets - 1
+    double ttl
 
 
 cdef class Breaker:
@@ -57,6 +79,8 @@ cdef class EndpointState:
     cdef public double max_running        # most `running` a scrape showed
     cdef public bint seen_full            # a scrape showed a queue: max_running is the capacity
     cdef public bint draining
+    cdef public uint64_t tag              # the replica's identity for the prefix strategy (a hash
+                                          #   of its id, the same in every router; never 0)
     cdef public bint down                 # the poller found it down (unreachable, or scrapes failing
                                           #   past stale_after): not usable until a scrape reaches it
     cdef Breaker _breaker                 # never None (the property setter checks)
@@ -93,6 +117,11 @@ cdef class Picker:
     cdef double* _buf                     # score: 5 x _size doubles: load (then cost),
                                           #   capacity (< 0: lower bound), running when
                                           #   full (0: not full), KV factor, latency
+    cdef object _settings                 # (index_entries, session_entries, load_bound, entry_ttl)
+    cdef double _bound                    # prefix: load_bound
+    cdef Table _index                     # prefix: chain hash -> replica (slots NULL otherwise)
+    cdef Table _sessions                  # prefix: session hash -> replica
+    cdef long long _counts[4]             # prefix: picks per R_* (metrics, read at scrape time)
 
     cdef uint64_t _next(self) noexcept
     cdef int _reserve(self, Py_ssize_t n) except -1
@@ -100,7 +129,12 @@ cdef class Picker:
     cdef Py_ssize_t _round_robin(self, list states, double now) except -2
     cdef Py_ssize_t _score(self, list states, double now, double stale_after) except -2
 
+    cdef Py_ssize_t _prefix(self, list states, double now, double stale_after, const unsigned char* chain,
+                            Py_ssize_t nblocks, uint64_t session) except -2
+
     cpdef Py_ssize_t pick(self, list states, double now, double stale_after) except -2
+    cpdef Py_ssize_t pick_prefix(self, list states, double now, double stale_after, bytes chain,
+                                 uint64_t session) except -2
 
 
 cdef class RetryBudget:

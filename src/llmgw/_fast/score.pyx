@@ -12,6 +12,8 @@ from cpython.mem cimport PyMem_Free, PyMem_Malloc
 from cpython.ref cimport PyObject
 from libc.math cimport INFINITY, NAN, exp, expm1, isnan
 from libc.stdint cimport uint64_t
+from libc.string cimport memcpy
+from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_GET_SIZE
 
 import os
 
@@ -23,7 +25,14 @@ KV_WEIGHT = 3.0
 RETRY_AFTER_MIN = 1.0
 RETRY_AFTER_MAX = 60.0
 RETRY_AFTER_DEFAULT = 5.0
-STRATEGIES = ("score", "least_inflight", "round_robin")
+STRATEGIES = ("score", "least_inflight", "round_robin", "prefix")
+REASONS = ("prefix_hit", "session", "load_fallback", "blind")
+INDEX_ENTRIES = 16384
+SESSION_ENTRIES = 4096
+LOAD_BOUND = 0.25
+SLOWER = 3.0
+BLIND_SHARE = 0.2
+ENTRY_TTL = 600.0
 BREAKER_CLOSED = BS_CLOSED
 BREAKER_OPEN = BS_OPEN
 BREAKER_HALF_OPEN = BS_HALF_OPEN
@@ -38,6 +47,8 @@ cdef double C_KV_WEIGHT = 3.0
 cdef double C_RETRY_AFTER_MIN = 1.0
 cdef double C_RETRY_AFTER_MAX = 60.0
 cdef double C_RETRY_AFTER_DEFAULT = 5.0
+cdef double C_SLOWER = 3.0
+cdef double C_BLIND_SHARE = 0.2
 
 cdef tuple _STATE_NAMES = ("closed", "open", "half_open")
 cdef object os_urandom = os.urandom
@@ -52,6 +63,7 @@ __all__ = [
     "KV_WEIGHT",
     "NEAR_TIE",
     "PREFILL_SHARE",
+    "REASONS",
     "RETRY_AFTER_DEFAULT",
     "RETRY_AFTER_MAX",
     "RETRY_AFTER_MIN",
@@ -60,9 +72,26 @@ __all__ = [
     "EndpointState",
     "Picker",
     "RetryBudget",
+    "default_tag",
     "pool_saturation",
     "retry_after",
 ]
+
+
+cdef inline uint64_t _mix(uint64_t z) noexcept:
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL
+    return z ^ (z >> 31)
+
+
+cdef inline uint64_t _default_tag(uint64_t index) noexcept:
+    cdef uint64_t t = _mix((index + 1) * 0x9E3779B97F4A7C15ULL)
+    return t if t else 1
+
+
+def default_tag(index):
+    """The tag of a replica that was given none (see the twin)."""
+    return _default_tag(<uint64_t>int(index))
 
 
 cdef inline double _nan_if_none(object value) except? -1.0:
@@ -180,6 +209,7 @@ cdef class EndpointState:
 
     def __init__(self, index=0, breaker=None):
         self.index = int(index)
+        self.tag = _default_tag(<uint64_t>self.index)
         self.inflight = 0
         self.waiting = NAN
         self.running = NAN
@@ -391,23 +421,61 @@ cdef class Picker:
         self._size = 0
         self._idx = NULL
         self._buf = NULL
+        self._index.slots = NULL
+        self._sessions.slots = NULL
 
-    def __init__(self, strategy="score", seed=None):
+    def __init__(self, strategy="score", seed=None, index_entries=INDEX_ENTRIES,
+                 session_entries=SESSION_ENTRIES, load_bound=LOAD_BOUND, entry_ttl=ENTRY_TTL):
         if strategy not in STRATEGIES:
             raise ValueError(f"unknown routing strategy {strategy!r}; expected one of {', '.join(STRATEGIES)}")
+        index_entries = int(index_entries)
+        session_entries = int(session_entries)
+        load_bound = float(load_bound)
+        entry_ttl = float(entry_ttl)
+        if not (4 <= index_entries <= 1 << 24 and 4 <= session_entries <= 1 << 24):
+            raise ValueError("index_entries and session_entries must be in 4..16777216")
+        if not (load_bound >= 0.0 and entry_ttl > 0.0):
+            raise ValueError("load_bound must be >= 0 and entry_ttl > 0")
         self._strategy = STRATEGIES.index(strategy)
         if seed is None:
             seed = int.from_bytes(os_urandom(8), "little")
         self._rng = <uint64_t>(int(seed) & _M64)
         self._rr = 0
+        self._settings = (index_entries, session_entries, load_bound, entry_ttl)
+        self._bound = load_bound
+        self._counts[0] = self._counts[1] = self._counts[2] = self._counts[3] = 0
+        _table_free(&self._index)
+        _table_free(&self._sessions)
+        if self._strategy == S_PREFIX:
+            _table_init(&self._index, index_entries, entry_ttl)
+            _table_init(&self._sessions, session_entries, entry_ttl)
 
     def __dealloc__(self):
         PyMem_Free(self._idx)
         PyMem_Free(self._buf)
+        _table_free(&self._index)
+        _table_free(&self._sessions)
 
     @property
     def strategy(self):
         return STRATEGIES[self._strategy]
+
+    @property
+    def settings(self):
+        """``(index_entries, session_entries, load_bound, entry_ttl)`` as given."""
+        return self._settings
+
+    def decisions(self):
+        """How many picks the ``prefix`` strategy made for each of REASONS."""
+        return (self._counts[0], self._counts[1], self._counts[2], self._counts[3])
+
+    def index_size(self, double now):
+        """``(prefix entries, session entries)`` live now (0, 0 for other strategies)."""
+        return (_table_live(&self._index, now), _table_live(&self._sessions, now))
+
+    def index_capacity(self):
+        """``(prefix slots, session slots)`` allocated (24 bytes each)."""
+        return (self._index.n, self._sessions.n)
 
     cdef inline uint64_t _next(self) noexcept:
         # SplitMix64, as in the twin.
@@ -446,11 +514,128 @@ cdef class Picker:
             i = self._score(states, now, stale_after)
         elif self._strategy == S_LEAST_INFLIGHT:
             i = self._least_inflight(states, now)
+        elif self._strategy == S_ROUND_ROBIN:
+            i = self._round_robin(states, now)
+        else:
+            i = self._prefix(states, now, stale_after, NULL, 0, 0)
+        if i >= 0:
+            (<EndpointState>PyList_GET_ITEM(states, i))._breaker._allow(now)
+        return i
+
+    cpdef Py_ssize_t pick_prefix(self, list states, double now, double stale_after, bytes chain,
+                                 uint64_t session) except -2:
+        """pick() with the request's routing key (see the twin)."""
+        cdef Py_ssize_t i
+        if states is None or chain is None:
+            raise TypeError("states must be a list and chain bytes, not None")
+        if self._strategy == S_PREFIX:
+            i = self._prefix(states, now, stale_after, <const unsigned char*>PyBytes_AS_STRING(chain),
+                             PyBytes_GET_SIZE(chain) >> 3, session)  # (words: anchor, its blocks, links)
+        elif self._strategy == S_SCORE:
+            i = self._score(states, now, stale_after)
+        elif self._strategy == S_LEAST_INFLIGHT:
+            i = self._least_inflight(states, now)
         else:
             i = self._round_robin(states, now)
         if i >= 0:
             (<EndpointState>PyList_GET_ITEM(states, i))._breaker._allow(now)
         return i
+
+    cdef Py_ssize_t _prefix(self, list states, double now, double stale_after, const unsigned char* chain,
+                            Py_ssize_t nblocks, uint64_t session) except -2:
+        cdef Py_ssize_t b, i, k, n = PyList_GET_SIZE(states), pick = -1, slot, nhits = 0, matched = 0
+        cdef double prior = 1.0, c, limit, blind_limit, tb, tmax
+        cdef int reason = R_BLIND
+        cdef uint64_t h, t, key, w, best_w, tag, anchor = 0
+        cdef long long shallow = -1
+        cdef bint new_session = False
+        cdef uint64_t hits[4]
+        cdef EndpointState st
+        # (nblocks counts words: the anchor and its whole blocks, then the links)
+        if nblocks >= 3:
+            memcpy(&anchor, chain, 8)
+            memcpy(&h, chain + 8, 8)
+            if anchor and h >> 63:  # a later turn (see the twin)
+                shallow = <long long>(h & ~(1ULL << 63))
+            chain += 16
+            nblocks -= 2
+        else:
+            nblocks = 0
+        b = self._score(states, now, stale_after)
+        if b < 0:
+            return -1
+        for i in range(n):
+            c = _state_at(states, i)._capacity()
+            if c > prior:
+                prior = c
+        limit = _util(_state_at(states, b), prior) + self._bound
+        tb = _state_at(states, b).latency
+        tmax = C_SLOWER * tb if tb > 0.0 else INFINITY
+        if session:
+            slot = _table_find(&self._sessions, session, now)
+            new_session = slot < 0  # (its hash places it, as in every router)
+            if slot >= 0:
+                i = _find_tag(states, self._sessions.slots[slot].tag, now)
+                if i >= 0:
+                    if _allowed(_state_at(states, i), prior, limit, tmax):
+                        pick = i
+                        reason = R_SESSION
+                    else:
+                        pick = b
+                        reason = R_LOAD
+        if pick < 0 and nblocks and not new_session:
+            for k in range(nblocks):
+                memcpy(&h, chain + 8 * k, 8)
+                slot = _table_find(&self._index, h, now)
+                if slot < 0:
+                    break
+                matched += 1
+                t = self._index.slots[slot].tag
+                if nhits == 0 or hits[nhits - 1] != t:
+                    if nhits == 4:
+                        hits[0] = hits[1]
+                        hits[1] = hits[2]
+                        hits[2] = hits[3]
+                        nhits = 3
+                    hits[nhits] = t
+                    nhits += 1
+            if matched <= shallow:
+                nhits = 0  # (only the shared start is known: the conversation's anchor decides)
+            for k in range(nhits - 1, -1, -1):
+                i = _find_tag(states, hits[k], now)
+                if i >= 0 and _allowed(_state_at(states, i), prior, limit, tmax):
+                    pick = i
+                    reason = R_PREFIX
+                    break
+            if pick < 0 and nhits:
+                pick = b
+                reason = R_LOAD
+        if pick < 0:
+            blind_limit = limit - self._bound * (1.0 - C_BLIND_SHARE)
+            key = session
+            if not key:
+                key = anchor
+            if not key and nblocks:
+                memcpy(&key, chain, 8)
+            if key:
+                best_w = 0
+                for i in range(n):
+                    st = _state_at(states, i)
+                    if st._usable(now) and _allowed(st, prior, blind_limit, tmax):
+                        w = _mix(key ^ st.tag)
+                        if pick < 0 or w > best_w:
+                            best_w = w
+                            pick = i
+            if pick < 0:
+                pick = b
+        tag = _state_at(states, pick).tag
+        if session:
+            _table_put(&self._sessions, session, tag, now)
+        for k in range(nblocks):
+            memcpy(&h, chain + 8 * k, 8)
+            _table_put(&self._index, h, tag, now)
+        self._counts[reason] += 1
+        return pick
 
     cdef Py_ssize_t _least_inflight(self, list states, double now) except -2:
         cdef Py_ssize_t i, n = PyList_GET_SIZE(states)
@@ -571,6 +756,88 @@ cdef class Picker:
 
     def __repr__(self):
         return f"<Picker {self.strategy}>"
+
+
+cdef inline double _util(EndpointState st, double prior) noexcept:
+    cdef double c = st._capacity()
+    if not (st.slots > 0.0 or st.seen_full) and prior > c:
+        c = prior
+    return st._load() / c
+
+
+cdef inline bint _allowed(EndpointState st, double prior, double limit, double tmax) noexcept:
+    cdef double c = st._capacity()
+    cdef double load
+    if st.latency > tmax:
+        return False
+    if not (st.slots > 0.0 or st.seen_full) and prior > c:
+        c = prior
+    load = st._load()
+    return load + 1.0 <= c or load / c <= limit
+
+
+cdef Py_ssize_t _find_tag(list states, uint64_t tag, double now) noexcept:
+    cdef Py_ssize_t i, n = PyList_GET_SIZE(states)
+    cdef EndpointState st
+    for i in range(n):
+        st = <EndpointState>PyList_GET_ITEM(states, i)
+        if st.tag == tag:
+            return i if st._usable(now) else -1
+    return -1
+
+
+# -- the prefix strategy's tables (see score_py._Table) ----------------------------
+
+cdef int _table_init(Table* t, Py_ssize_t size, double ttl) except -1:
+    cdef Py_ssize_t nb = 1, i
+    while nb * 4 < size:
+        nb *= 2
+    t.slots = <Slot*>PyMem_Malloc(nb * 4 * sizeof(Slot))
+    if t.slots == NULL:
+        raise MemoryError()
+    t.n = nb * 4
+    t.mask = <uint64_t>(nb - 1)
+    t.ttl = ttl
+    for i in range(t.n):
+        t.slots[i].key = 0
+        t.slots[i].tag = 0
+        t.slots[i].used = 0.0
+    return 0
+
+
+cdef void _table_free(Table* t) noexcept:
+    PyMem_Free(t.slots)
+    t.slots = NULL
+    t.n = 0
+
+
+cdef inline Py_ssize_t _table_find(Table* t, uint64_t key, double now) noexcept:
+    cdef Py_ssize_t base = <Py_ssize_t>(key & t.mask) * 4, s
+    for s in range(base, base + 4):
+        if t.slots[s].key == key:
+            return s if now - t.slots[s].used <= t.ttl else -1
+    return -1
+
+
+cdef inline void _table_put(Table* t, uint64_t key, uint64_t tag, double now) noexcept:
+    cdef Py_ssize_t base = <Py_ssize_t>(key & t.mask) * 4, s, victim = base
+    for s in range(base, base + 4):
+        if t.slots[s].key == key or t.slots[s].key == 0:
+            victim = s
+            break
+        if t.slots[s].used < t.slots[victim].used:
+            victim = s
+    t.slots[victim].key = key
+    t.slots[victim].tag = tag
+    t.slots[victim].used = now
+
+
+cdef Py_ssize_t _table_live(Table* t, double now) noexcept:
+    cdef Py_ssize_t i, live = 0
+    for i in range(t.n):
+        if t.slots[i].key and now - t.slots[i].used <= t.ttl:
+            live += 1
+    return live
 
 
 cpdef double pool_saturation(list states, double now, double stale_after, double max_waiting,

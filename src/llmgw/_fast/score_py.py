@@ -97,6 +97,7 @@ from __future__ import annotations
 
 import math
 import os
+import struct
 from collections.abc import Sequence
 
 __all__ = [
@@ -108,6 +109,7 @@ __all__ = [
     "KV_WEIGHT",
     "NEAR_TIE",
     "PREFILL_SHARE",
+    "REASONS",
     "RETRY_AFTER_DEFAULT",
     "RETRY_AFTER_MAX",
     "RETRY_AFTER_MIN",
@@ -138,10 +140,32 @@ RETRY_AFTER_MIN = 1.0
 RETRY_AFTER_MAX = 60.0
 RETRY_AFTER_DEFAULT = 5.0
 
-STRATEGIES = ("score", "least_inflight", "round_robin")
+STRATEGIES = ("score", "least_inflight", "round_robin", "prefix")
 _S_SCORE = 0
 _S_LEAST_INFLIGHT = 1
 _S_ROUND_ROBIN = 2
+_S_PREFIX = 3
+
+# The prefix strategy's decisions (Picker.decisions(), in this order).
+REASONS = ("prefix_hit", "session", "load_fallback", "blind")
+_R_PREFIX = 0
+_R_SESSION = 1
+_R_LOAD = 2
+_R_BLIND = 3
+# Its defaults (routing.prefix in the config).
+INDEX_ENTRIES = 16384
+SESSION_ENTRIES = 4096
+LOAD_BOUND = 0.25
+ENTRY_TTL = 600.0
+_WAYS = 4  # a table is buckets of 4 slots; a key lives in bucket (key mod buckets)
+_HITS_KEPT = 4  # replicas along a cached prefix tried, deepest first
+# A replica whose latency is more than SLOWER x the best's is no home for a prefix or
+# a session (its cache saves less than its speed costs).
+SLOWER = 3.0
+# Where nothing is known, rendezvous hashing keeps to replicas within this share of
+# load_bound of the best's utilisation (or with a free slot): an unseen prompt is
+# placed nearly as score would, yet consistently across routers.
+BLIND_SHARE = 0.2
 
 BREAKER_CLOSED = 0
 BREAKER_OPEN = 1
@@ -150,6 +174,63 @@ _STATE_NAMES = ("closed", "open", "half_open")
 
 _NAN = math.nan
 _M64 = (1 << 64) - 1
+
+
+def _mix(z: int) -> int:
+    # SplitMix64's finalizer
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _M64
+    return z ^ (z >> 31)
+
+
+def default_tag(index: int) -> int:
+    """The tag of a replica that was given none: a hash of its index (the pool gives each
+    replica a hash of its id, the same in every router)."""
+    return _mix((index + 1) * 0x9E3779B97F4A7C15 & _M64) or 1
+
+
+class _Table:
+    """A bounded map of 64-bit key -> (replica tag, last used): ``size`` slots (a
+    multiple of 4), 4-way set-associative; a put into a full bucket evicts its least
+    recently used slot; an entry unused for ``ttl`` seconds is gone."""
+
+    __slots__ = ("keys", "mask", "tags", "ttl", "used")
+
+    def __init__(self, size: int, ttl: float) -> None:
+        nb = 1
+        while nb * _WAYS < size:
+            nb *= 2
+        self.mask = nb - 1
+        self.keys = [0] * (nb * _WAYS)
+        self.tags = [0] * (nb * _WAYS)
+        self.used = [0.0] * (nb * _WAYS)
+        self.ttl = ttl
+
+    def find(self, key: int, now: float) -> int:
+        base = (key & self.mask) * _WAYS
+        for s in range(base, base + _WAYS):
+            if self.keys[s] == key:
+                return s if now - self.used[s] <= self.ttl else -1
+        return -1
+
+    def put(self, key: int, tag: int, now: float) -> None:
+        base = (key & self.mask) * _WAYS
+        keys = self.keys
+        used = self.used
+        victim = base
+        for s in range(base, base + _WAYS):
+            if keys[s] == key or keys[s] == 0:
+                victim = s
+                break
+            if used[s] < used[victim]:
+                victim = s
+        keys[victim] = key
+        self.tags[victim] = tag
+        used[victim] = now
+
+    def live(self, now: float) -> int:
+        ttl = self.ttl
+        return sum(1 for k, u in zip(self.keys, self.used, strict=True) if k and now - u <= ttl)
 
 
 def _nan_if_none(value: float | None) -> float:
@@ -349,11 +430,13 @@ class EndpointState:
         "scraped_at",
         "seen_full",
         "slots",
+        "tag",
         "waiting",
     )
 
     def __init__(self, index: int = 0, breaker: Breaker | None = None) -> None:
         self.index = int(index)
+        self.tag = default_tag(self.index)
         self.inflight = 0
         self.waiting = _NAN
         self.running = _NAN
@@ -561,30 +644,79 @@ class Picker:
     """Chooses a replica for each request.
 
     Args:
-        strategy: ``"score"``, ``"least_inflight"`` or ``"round_robin"``.
+        strategy: ``"score"``, ``"least_inflight"``, ``"round_robin"`` or ``"prefix"``.
         seed: seeds the tie-break generator (a 64-bit SplitMix); ``None`` draws one
             from the OS. The same seed gives the same picks in both twins.
+        index_entries, session_entries, load_bound, entry_ttl: the ``prefix``
+            strategy's table sizes, bound and ageing (see :meth:`pick_prefix`); the
+            other strategies keep no tables.
 
     Raises:
-        ValueError: unknown strategy.
+        ValueError: unknown strategy, or a setting out of range.
     """
 
-    __slots__ = ("_rng", "_rr", "_strategy")
+    __slots__ = ("_bound", "_counts", "_index", "_rng", "_rr", "_sessions", "_settings", "_strategy")
 
-    def __init__(self, strategy: str = "score", seed: int | None = None) -> None:
+    def __init__(
+        self,
+        strategy: str = "score",
+        seed: int | None = None,
+        index_entries: int = INDEX_ENTRIES,
+        session_entries: int = SESSION_ENTRIES,
+        load_bound: float = LOAD_BOUND,
+        entry_ttl: float = ENTRY_TTL,
+    ) -> None:
         if strategy not in STRATEGIES:
             raise ValueError(
                 f"unknown routing strategy {strategy!r}; expected one of {', '.join(STRATEGIES)}"
             )
+        index_entries = int(index_entries)
+        session_entries = int(session_entries)
+        load_bound = float(load_bound)
+        entry_ttl = float(entry_ttl)
+        if not (4 <= index_entries <= 1 << 24 and 4 <= session_entries <= 1 << 24):
+            raise ValueError("index_entries and session_entries must be in 4..16777216")
+        if not (load_bound >= 0.0 and entry_ttl > 0.0):
+            raise ValueError("load_bound must be >= 0 and entry_ttl > 0")
         self._strategy = STRATEGIES.index(strategy)
         if seed is None:
             seed = int.from_bytes(os.urandom(8), "little")
         self._rng = int(seed) & _M64
         self._rr = 0
+        self._settings = (index_entries, session_entries, load_bound, entry_ttl)
+        self._bound = load_bound
+        self._counts = [0, 0, 0, 0]
+        if self._strategy == _S_PREFIX:
+            self._index: _Table | None = _Table(index_entries, entry_ttl)
+            self._sessions: _Table | None = _Table(session_entries, entry_ttl)
+        else:
+            self._index = self._sessions = None
 
     @property
     def strategy(self) -> str:
         return STRATEGIES[self._strategy]
+
+    @property
+    def settings(self) -> tuple[int, int, float, float]:
+        """``(index_entries, session_entries, load_bound, entry_ttl)`` as given."""
+        return self._settings
+
+    def decisions(self) -> tuple[int, int, int, int]:
+        """How many picks the ``prefix`` strategy made for each of :data:`REASONS`."""
+        c = self._counts
+        return (c[0], c[1], c[2], c[3])
+
+    def index_size(self, now: float) -> tuple[int, int]:
+        """``(prefix entries, session entries)`` live now (0, 0 for other strategies)."""
+        if self._index is None or self._sessions is None:
+            return (0, 0)
+        return (self._index.live(now), self._sessions.live(now))
+
+    def index_capacity(self) -> tuple[int, int]:
+        """``(prefix slots, session slots)`` allocated (24 bytes each)."""
+        if self._index is None or self._sessions is None:
+            return (0, 0)
+        return (len(self._index.keys), len(self._sessions.keys))
 
     def _next(self) -> int:
         # SplitMix64 (Steele, Lea, Flood 2014): tiny, fast in C, exact in Python.
@@ -600,10 +732,55 @@ class Picker:
     def pick(self, states: Sequence[EndpointState], now: float, stale_after: float) -> int:
         """The index in ``states`` of the replica to send the next request to, or -1.
 
-        The compiled twin requires ``states`` to be a ``list``.
+        The compiled twin requires ``states`` to be a ``list``. ``prefix`` without a
+        key (see :meth:`pick_prefix`) picks as ``score`` and counts ``blind``.
         """
         strategy = self._strategy
         if strategy == _S_SCORE:
+            i = self._score(states, now, stale_after)
+        elif strategy == _S_LEAST_INFLIGHT:
+            i = self._least_inflight(states, now)
+        elif strategy == _S_ROUND_ROBIN:
+            i = self._round_robin(states, now)
+        else:
+            i = self._prefix(states, now, stale_after, b"", 0)
+        if i >= 0:
+            states[i]._breaker.allow(now)
+        return i
+
+    def pick_prefix(
+        self, states: Sequence[EndpointState], now: float, stale_after: float, chain: bytes, session: int
+    ) -> int:
+        """:meth:`pick` with the request's routing key: ``chain`` (``jsonscan.json_route``'s
+        key: the anchor, its whole blocks and the prompt's block links, as 64-bit words;
+        ``b""``: none) and ``session`` (a session hash; 0: none).
+
+        With the ``prefix`` strategy, ``b`` is the replica ``score`` picks and a replica
+        is *allowed* when it has a free slot (``load() + 1 <= capacity``) or its
+        utilisation ``load() / capacity`` exceeds ``b``'s by at most ``load_bound``.
+        In this order:
+
+        1. the session's replica, if the session table has one, it is usable and
+           allowed (``session``); if it is not allowed: ``b`` (``load_fallback``), and
+           the session stays on ``b`` from now on;
+        2. the replica that served the longest prefix of the chain (the first blocks
+           found in the index, in order, up to the first miss; among the last 4
+           replicas along it, the deepest allowed one: ``prefix_hit``; none allowed:
+           ``b``, ``load_fallback``); for a later turn of a conversation, provided
+           the match goes past its anchor's whole blocks (a match within them covers
+           only a system prompt that many conversations share, and says nothing of
+           this one, whose earlier turns the anchor's replica has);
+        3. otherwise: rendezvous hashing of the session (else the anchor, else the
+           first block) over the allowed replicas' tags, so that routers that share
+           nothing agree (``blind``); no key at all: ``b`` (``blind``).
+
+        The chosen replica is then recorded for the session and for every block of
+        the chain. Other strategies ignore the key.
+        """
+        strategy = self._strategy
+        if strategy == _S_PREFIX:
+            i = self._prefix(states, now, stale_after, chain, session)
+        elif strategy == _S_SCORE:
             i = self._score(states, now, stale_after)
         elif strategy == _S_LEAST_INFLIGHT:
             i = self._least_inflight(states, now)
@@ -612,6 +789,91 @@ class Picker:
         if i >= 0:
             states[i]._breaker.allow(now)
         return i
+
+    def _prefix(
+        self, states: Sequence[EndpointState], now: float, stale_after: float, chain: bytes, session: int
+    ) -> int:
+        b = self._score(states, now, stale_after)
+        if b < 0:
+            return -1
+        index = self._index
+        sessions = self._sessions
+        assert index is not None and sessions is not None
+        # the pool's largest capacity (as score: a replica never seen full may be bigger)
+        prior = 1.0
+        for st in states:
+            c = st.capacity()
+            if c > prior:
+                prior = c
+        limit = _util(states[b], prior) + self._bound
+        tb = states[b].latency
+        tmax = SLOWER * tb if tb > 0.0 else math.inf  # (slower replicas than this are no home)
+        pick = -1
+        reason = _R_BLIND
+        new_session = False  # a session no table knows: its hash places it, as in every router
+        if session:
+            slot = sessions.find(session, now)
+            new_session = slot < 0
+            if slot >= 0:
+                i = _find_tag(states, sessions.tags[slot], now)
+                if i >= 0:
+                    if _allowed(states[i], prior, limit, tmax):
+                        pick = i
+                        reason = _R_SESSION
+                    else:
+                        pick = b
+                        reason = _R_LOAD
+        words = len(chain) >> 3
+        key: tuple[int, ...] = struct.unpack(f"={words}Q", chain) if words >= 3 else (0, 0)
+        anchor = key[0]
+        # a later turn: a match no deeper than its anchor's whole blocks covers only what
+        # conversations share (a system prompt); a first turn has nothing more to match
+        shallow = key[1] & ~(1 << 63) if anchor and key[1] >> 63 else -1
+        blocks = key[2:]
+        if pick < 0 and blocks and not new_session:
+            hits: list[int] = []  # the tags along the cached prefix, deepest last
+            matched = 0
+            for h in blocks:
+                slot = index.find(h, now)
+                if slot < 0:
+                    break
+                matched += 1
+                t = index.tags[slot]
+                if not hits or hits[-1] != t:
+                    if len(hits) == _HITS_KEPT:
+                        del hits[0]
+                    hits.append(t)
+            if matched <= shallow:
+                hits = []  # (only the shared start is known: the conversation's anchor decides)
+            for k in range(len(hits) - 1, -1, -1):
+                i = _find_tag(states, hits[k], now)
+                if i >= 0 and _allowed(states[i], prior, limit, tmax):
+                    pick = i
+                    reason = _R_PREFIX
+                    break
+            if pick < 0 and hits:
+                pick = b
+                reason = _R_LOAD
+        if pick < 0:
+            blind_limit = limit - self._bound * (1.0 - BLIND_SHARE)
+            h = session or anchor or (blocks[0] if blocks else 0)
+            if h:
+                best_w = -1
+                for i, st in enumerate(states):
+                    if st.usable(now) and _allowed(st, prior, blind_limit, tmax):
+                        w = _mix(h ^ st.tag)
+                        if w > best_w:
+                            best_w = w
+                            pick = i
+            if pick < 0:
+                pick = b
+        tag = states[pick].tag
+        if session:
+            sessions.put(session, tag, now)
+        for h in blocks:
+            index.put(h, tag, now)
+        self._counts[reason] += 1
+        return pick
 
     def _least_inflight(self, states: Sequence[EndpointState], now: float) -> int:
         best = -1
@@ -710,6 +972,32 @@ class Picker:
 
     def __repr__(self) -> str:
         return f"<Picker {self.strategy}>"
+
+
+def _util(st: EndpointState, prior: float) -> float:
+    c = st.capacity()
+    if not (st.slots > 0.0 or st.seen_full) and prior > c:
+        c = prior
+    return st.load() / c
+
+
+def _allowed(st: EndpointState, prior: float, limit: float, tmax: float) -> bool:
+    """Not much slower than the best (latency at most ``tmax``), and a free slot or
+    utilisation within ``limit`` (the best's plus the bound)."""
+    if st.latency > tmax:
+        return False
+    c = st.capacity()
+    if not (st.slots > 0.0 or st.seen_full) and prior > c:
+        c = prior
+    load = st.load()
+    return load + 1.0 <= c or load / c <= limit
+
+
+def _find_tag(states: Sequence[EndpointState], tag: int, now: float) -> int:
+    for i, st in enumerate(states):
+        if st.tag == tag:
+            return i if st.usable(now) else -1
+    return -1
 
 
 def pool_saturation(

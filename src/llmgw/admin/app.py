@@ -12,17 +12,21 @@ route                              token   what
                                            control-plane standby: 503 ``standby``
 ``GET /metrics``                   no      Prometheus text or OpenMetrics (``Accept``)
 ``/admin/v1/...``                  yes     the management API (:mod:`.manage`)
+``/admin/v1/mirror/...``           yes     the mirror and Ollama imports (:mod:`.mirror_api`)
 ``GET /debug/pprof/profile``       yes     CPU profile for ``seconds`` (speedscope,
                                            collapsed or pstats)
 ``GET /debug/pprof/tasks``         yes     every asyncio task and its await chain
 ``GET /debug/pprof/threads``       yes     every thread's stack
 ``GET /debug/pprof/heap``          yes     tracemalloc: top allocation sites
+``GET /mirror/v1/blobs/sha256:…``  node    a mirror blob for a node agent (with a
+                                           control plane: :mod:`llmgw.mirror.serve`)
 ``GET /debug/pprof/loop``          yes     how long the event loop is held, for
                                            ``seconds`` (CPU and wall, JSON)
 =================================  ======  ==========================================
 
 "token": when ``admin_token`` is configured those routes need
 ``Authorization: Bearer <admin_token>``; probes and scrapers stay open.
+"node": a node's mirror credential (issued at registration), never the admin token.
 
 The app is given what it works on (the registry, the process's operations, the
 running configuration, the listeners: :mod:`.ports`) by the composition root,
@@ -54,6 +58,7 @@ from ..http.server import ResponseWriter
 from ..log import admin_logger as log
 from .manage import ManagementAPI, conflict, method_not_allowed
 from .metrics import FleetCollector, Known, LoopLagMonitor, PrometheusObserver, RuntimeCollector
+from .mirror_api import MirrorAPI
 from .profiling import (
     DEFAULT_HZ,
     MAX_HZ,
@@ -71,7 +76,7 @@ from .profiling import (
 if TYPE_CHECKING:
     from ..config import Config
     from ..fleet.registry import Registry
-    from .ports import FleetControl, Listeners, NodeControl
+    from .ports import DeploymentControl, FleetControl, Listeners, MirrorBlobs, NodeControl
 
 __all__ = ["AdminApp", "FleetCollector", "PrometheusObserver", "TextCollector"]
 
@@ -204,7 +209,9 @@ class AdminApp:
             registry=registry, fleet=fleet, config=config, observer=self.observer, admission=admission
         )
         self.role: Callable[[], dict[str, Any] | None] | None = None
+        self.mirror_api = MirrorAPI(config)  # /admin/v1/mirror/...: the mirror, the Ollama store, import jobs
         self.profiler = Profiler()
+        self.mirror: MirrorBlobs | None = None
         self._token_src: str | None = None
         self._token_digest: bytes | None = None
         cfg = config()
@@ -225,6 +232,7 @@ class AdminApp:
         """Stop the loop-lag timer (the runtime's ``stop`` may call this; it also stops on its own)."""
         if self.lag is not None:
             self.lag.stop()
+        self.mirror_api.close()
 
     def attach_role(self, role: Callable[[], dict[str, Any] | None] | None) -> None:
         """A control-plane standby's ``/ready``: ``role()`` is ``None`` on the leader, else the 503 body
@@ -234,6 +242,14 @@ class AdminApp:
     def attach_nodes(self, nodes: NodeControl | None) -> None:
         """Serve ``/admin/v1/nodes`` from this control plane (``None``: no control plane, the routes answer 404)."""
         self.api.nodes = nodes
+
+    def attach_deployments(self, deployments: DeploymentControl | None) -> None:
+        """Serve ``/admin/v1/deployments`` from this controller (``None``: the routes answer 404)."""
+        self.api.deployments = deployments
+
+    def attach_mirror(self, mirror: MirrorBlobs | None) -> None:
+        """Serve ``/mirror/v1/...`` (blobs for node agents) from ``mirror`` (``None``: the routes answer 404)."""
+        self.mirror = mirror
 
     def register_collector(self, collector: Collector) -> None:
         """Add a collector to the admin ``/metrics`` (the control plane and other parts use this)."""
@@ -308,12 +324,26 @@ class AdminApp:
             return None
         if path.startswith(b"/admin/v1"):
             self._authorize(req)
+            if path.startswith(b"/admin/v1/replicas/"):
+                return self.api.handle_replicas(req, w)
+            if path.startswith(b"/admin/v1/nodes/") and path.rstrip(b"/").endswith(b"/engine-check"):
+                return self.api.handle_engine_check(req, w)
+            if path.startswith(b"/admin/v1/mirror"):
+                return self.mirror_api.handle(req, w)
             return self.api.handle(req, w)
         if path.startswith(b"/debug/pprof"):
             self._authorize(req)
             if method not in (b"GET", b"HEAD"):
                 raise method_not_allowed(method, path, "GET")
             return self._pprof(req, w, path)
+        if path.startswith(b"/mirror/v1/"):
+            # (its own credentials, per node: not the admin token)
+            mirror = self.mirror
+            if mirror is None:
+                raise NotFoundError(
+                    "this llmgw serves no mirror blobs: they are served by a control plane (a control: section)"
+                )
+            return mirror.handle(req, w)
         raise NotFoundError(
             f"no admin route {path.decode('latin-1')[:200]}; try /health, /ready, /metrics, /admin/v1/endpoints "
             "or /debug/pprof/"

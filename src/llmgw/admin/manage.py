@@ -21,9 +21,17 @@ Routes::
     POST   /admin/v1/nodes/{name}/cordon    no new replicas go there
     POST   /admin/v1/nodes/{name}/uncordon
     GET    /admin/v1/gpus                   every GPU of every node
+    GET    /admin/v1/replicas/{id}/logs     the end of a replica's log, from its node (?lines=N, default 100)
+    POST   /admin/v1/nodes/{name}/engine-check  run ``ctl engine-check`` on the node (body: engine, model, static, timeout)
+    GET    /admin/v1/deployments            every deployment: desired/ready replicas, where, why not
+    POST   /admin/v1/deployments            create one (body: a config ``deployments[]`` entry)
+    GET    /admin/v1/deployments/{name}     one deployment
+    POST   /admin/v1/deployments/{name}/scale  body ``{"replicas": N}``
+    DELETE /admin/v1/deployments/{name}     undeploy (its replicas drain, then stop)
 
-The node routes need a control plane in the process (``control:``); without one
-they answer 404 saying so.
+The node and deployment routes need a control plane in the process (``control:``);
+without one they answer 404 saying so. ``?show_secrets=1`` on the deployment reads
+adds each replica's API key and the engine environment's values.
 """
 
 from __future__ import annotations
@@ -47,7 +55,7 @@ if TYPE_CHECKING:
     from ..config import Config
     from ..fleet.registry import Endpoint, Registry
     from .metrics import PrometheusObserver
-    from .ports import FleetControl, NodeControl
+    from .ports import DeploymentControl, FleetControl, NodeControl
 
 __all__ = ["ManagementAPI", "endpoint_state", "endpoint_view", "reload_answer"]
 
@@ -66,7 +74,15 @@ ROUTES = (
     "POST /admin/v1/nodes/{name}/cordon",
     "POST /admin/v1/nodes/{name}/uncordon",
     "GET /admin/v1/gpus",
+    "GET /admin/v1/replicas/{id}/logs",
+    "POST /admin/v1/nodes/{name}/engine-check",
+    "GET /admin/v1/deployments",
+    "POST /admin/v1/deployments",
+    "GET /admin/v1/deployments/{name}",
+    "POST /admin/v1/deployments/{name}/scale",
+    "DELETE /admin/v1/deployments/{name}",
 )
+MAX_LOG_LINES = 10_000
 
 
 def conflict(message: str, code: str = "conflict") -> HTTPError:
@@ -164,6 +180,8 @@ def endpoint_view(ep: Endpoint, now: float | None = None) -> dict[str, Any]:
         "models": list(ep.models),
         "engine": cfg.engine,
         "pool": cfg.pool,
+        "deployment": cfg.deployment,
+        "node": cfg.node,
         "state": endpoint_state(ep),
         "draining": ep.draining,
         "inflight": ep.inflight,
@@ -193,6 +211,36 @@ def endpoint_view(ep: Endpoint, now: float | None = None) -> dict[str, Any]:
             "problem": ep.scrape_problem,
         },
     }
+
+
+def _lines(req: Request) -> int:
+    """``?lines=N`` (1 to :data:`MAX_LOG_LINES`, default 100)."""
+    target = req.target
+    q = target.find(b"?")
+    raw: bytes | None = None
+    if q >= 0:
+        for part in target[q + 1:].split(b"&"):
+            k, _, v = part.partition(b"=")
+            if k == b"lines":
+                raw = v
+    if raw is None:
+        return 100
+    if not raw.isdigit() or not 1 <= int(raw) <= MAX_LOG_LINES:
+        raise BadRequestError(
+            f"lines must be a whole number from 1 to {MAX_LOG_LINES}, got {raw[:20].decode('latin-1')!r}",
+            param="lines", code="invalid_lines",
+        )
+    return int(raw)
+def _truthy(req: Request, name: str) -> bool:
+    target = req.target
+    q = target.find(b"?")
+    if q < 0:
+        return False
+    for part in target[q + 1:].split(b"&"):
+        k, _, v = part.partition(b"=")
+        if k.decode("latin-1") == name:
+            return v.lower() in (b"", b"1", b"true", b"yes")
+    return False
 
 
 def _json_body(req: Request) -> Any:
@@ -277,6 +325,8 @@ class ManagementAPI:
         self.admission = admission
         self.nodes: NodeControl | None = None
         """The control plane's nodes (attached by the control plane when it starts)."""
+        self.deployments: DeploymentControl | None = None
+        """The control plane's deployments (attached likewise)."""
 
     def _endpoint(self, endpoint_id: str) -> Endpoint:
         ep: Endpoint | None = self.registry.endpoints.get(endpoint_id)
@@ -320,6 +370,9 @@ class ManagementAPI:
             return None
         elif parts[:1] in ([b"nodes"], [b"gpus"]):
             return self.handle_nodes(parts, method, path, w)
+        elif parts[:1] == [b"deployments"]:
+            self.handle_deployments(req, parts, method, path, w)
+            return None
         elif parts == [b"queues"]:
             if method not in (b"GET", b"HEAD"):
                 raise method_not_allowed(method, path, "GET")
@@ -380,6 +433,137 @@ class ManagementAPI:
         if view is None:
             raise missing
         w.send_json(200, view)
+    def handle_replicas(self, req: Request, w: ResponseWriter) -> Awaitable[None]:
+        """``/admin/v1/replicas/...`` (answered asynchronously: the node is asked)."""
+        path = req.path.rstrip(b"/")
+        parts = path[len(PREFIX):].split(b"/")
+        if len(parts) != 3 or parts[0] != b"replicas" or parts[2] != b"logs" or not parts[1]:
+            raise NotFoundError(f"no admin route {path.decode('latin-1')[:200]}; routes: {', '.join(ROUTES)}")
+        if req.method not in (b"GET", b"HEAD"):
+            raise method_not_allowed(req.method, path, "GET")
+        replica_id = unquote(parts[1].decode("latin-1"))
+        lines = _lines(req)
+        nodes = self.nodes
+        if nodes is None:
+            raise NotFoundError(
+                "this llmgw runs no control plane (add a control: section to the config); no replicas here",
+                code="no_control_plane",
+            )
+        return self._replica_logs(nodes, replica_id, lines, w)
+
+    def handle_engine_check(self, req: Request, w: ResponseWriter) -> Awaitable[None]:
+        """``POST /admin/v1/nodes/{name}/engine-check`` (answered once the node's agent has run the checks)."""
+        path = req.path.rstrip(b"/")
+        parts = path[len(PREFIX):].split(b"/")
+        if len(parts) != 3 or not parts[1]:
+            raise NotFoundError(f"no admin route {path.decode('latin-1')[:200]}; routes: {', '.join(ROUTES)}")
+        if req.method != b"POST":
+            raise method_not_allowed(req.method, path, "POST")
+        nodes = self.nodes
+        if nodes is None:
+            raise NotFoundError(
+                "this llmgw runs no control plane (add a control: section to the config); no nodes here",
+                code="no_control_plane",
+            )
+        body = _json_body(req) if req.body else {}
+        if not isinstance(body, dict):
+            raise BadRequestError("the body must be a JSON object", code="invalid_body")
+        engine = body.get("engine")
+        if engine not in ("vllm", "llamacpp", "trtllm", "sglang"):
+            raise BadRequestError("engine must be one of vllm, llamacpp, trtllm, sglang", param="engine",
+                                  code="invalid_engine")
+        model = body.get("model")
+        if model is not None and (not isinstance(model, str) or not model or len(model) > 1024):
+            raise BadRequestError("model must be a path or a model id (a non-empty string)", param="model",
+                                  code="invalid_model")
+        static = body.get("static", False)
+        if not isinstance(static, bool):
+            raise BadRequestError("static must be true or false", param="static", code="invalid_static")
+        timeout = body.get("timeout", 600)
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 1 <= timeout <= 86_400:
+            raise BadRequestError("timeout must be seconds from 1 to 86400", param="timeout", code="invalid_timeout")
+        return self._engine_check(nodes, unquote(parts[1].decode("latin-1")), engine, model, static, float(timeout), w)
+
+    async def _engine_check(self, nodes: NodeControl, node: str, engine: str, model: str | None, static: bool,
+                            timeout: float, w: ResponseWriter) -> None:
+        try:
+            checks = await nodes.engine_check(node, engine, model=model, static_only=static, timeout=timeout)
+        except Exception as exc:
+            status = getattr(exc, "status", None)
+            if status is None:
+                raise
+            raise HTTPError(
+                str(exc), status=status, type="invalid_request_error" if status < 500 else "server_error",
+                code=getattr(exc, "code", None), param="name" if status == 404 else None,
+            ) from None
+        w.send_json(200, {"node": node, "engine": engine, "ok": not any(c.get("status") == "fail" for c in checks),
+                          "checks": checks})
+
+    async def _replica_logs(self, nodes: NodeControl, replica_id: str, lines: int, w: ResponseWriter) -> None:
+        try:
+            text = await nodes.replica_logs(replica_id, lines)
+        except Exception as exc:
+            status = getattr(exc, "status", None)
+            if status is None:
+                raise
+            raise HTTPError(
+                str(exc), status=status, type="invalid_request_error" if status < 500 else "server_error",
+                code=getattr(exc, "code", None), param="id" if status == 404 else None,
+            ) from None
+        w.send_json(200, {"replica": replica_id, "node": nodes.node_of_replica(replica_id), "lines": lines,
+                          "text": text})
+
+    # -- deployments (the control plane) --
+
+    def handle_deployments(self, req: Request, parts: list[bytes], method: bytes, path: bytes, w: ResponseWriter) -> None:
+        ctl = self.deployments
+        if ctl is None:
+            raise NotFoundError(
+                "this llmgw runs no control plane (add a control: section to the config); no deployments here",
+                code="no_control_plane",
+            )
+        show = _truthy(req, "show_secrets")
+        try:
+            if len(parts) == 1:
+                if method in (b"GET", b"HEAD"):
+                    w.send_json(200, {"deployments": ctl.list_views(show_secrets=show)})
+                    return None
+                if method == b"POST":
+                    from ..control.deployments import parse_deployment
+
+                    w.send_json(201, ctl.create(parse_deployment(_json_body(req))))
+                    return None
+                raise method_not_allowed(method, path, "GET or POST")
+            name = unquote(parts[1].decode("latin-1"))
+            if len(parts) == 2:
+                if method in (b"GET", b"HEAD"):
+                    w.send_json(200, ctl.view(name, show_secrets=show))
+                    return None
+                if method == b"DELETE":
+                    w.send_json(200, ctl.delete(name))
+                    return None
+                raise method_not_allowed(method, path, "GET or DELETE")
+            if len(parts) == 3 and parts[2] == b"scale":
+                if method != b"POST":
+                    raise method_not_allowed(method, path, "POST")
+                body = _json_body(req)
+                n = body.get("replicas") if isinstance(body, dict) else None
+                if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= 1024:
+                    raise BadRequestError(
+                        'the body must be {"replicas": N} with N a whole number from 0 to 1024',
+                        param="replicas", code="invalid_replicas",
+                    )
+                w.send_json(200, ctl.scale(name, n))
+                return None
+        except ValueError as exc:
+            status = getattr(exc, "status", None)
+            if status is None:
+                raise
+            raise HTTPError(
+                str(exc), status=status, type="invalid_request_error", code=getattr(exc, "code", None),
+                param=getattr(exc, "param", None),
+            ) from None
+        raise NotFoundError(f"no admin route {path.decode('latin-1')[:200]}; routes: {', '.join(ROUTES)}")
 
     def reload(self, trigger: str) -> dict[str, Any]:
         """Re-read the config file (:func:`reload_answer`)."""

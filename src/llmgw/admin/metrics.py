@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import math
 import sys
+import time
 from bisect import bisect_left
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -39,6 +40,7 @@ from prometheus_client.registry import Collector
 from .. import __version__
 from ..gateway.observe import Hist, TrafficCounters
 from ..log import admin_logger as log
+from ..routing import REASONS
 
 if TYPE_CHECKING:
     from ..fleet.registry import Endpoint, Registry
@@ -460,6 +462,41 @@ class FleetCollector(Collector):
         for model, x in pool_saturations(self.registry, self.admission).items():
             sat.add_metric([model], x)
         yield sat
+        yield from routing_families(self.registry)
+
+
+def routing_families(registry: Registry) -> Iterator[Metric]:
+    """The prefix strategy's decisions and index sizes, per model that uses it (read at
+    scrape time from the pickers' C counters: the data path counts nothing else)."""
+    decisions = CounterMetricFamily(
+        "llmgw_routing_decisions",
+        "Picks of the prefix strategy by reason: prefix_hit (the replica with the longest cached prefix), "
+        "session (the conversation's replica), load_fallback (the cached replica was too loaded: score's pick), "
+        "blind (nothing known: consistent hashing, or score without a key).",
+        labels=["model", "reason"],
+    )
+    entries = GaugeMetricFamily(
+        "llmgw_routing_index_entries",
+        "Live entries of the prefix strategy's tables (prefix: block chain -> replica; session), per model.",
+        labels=["model", "table"],
+    )
+    slots = GaugeMetricFamily(
+        "llmgw_routing_index_slots", "Slots allocated for those tables (24 bytes each), per model.",
+        labels=["model", "table"],
+    )
+    now = time.monotonic()
+    for model, pool in list(registry.pools.items()):
+        if not pool.keyed or not pool.endpoints:
+            continue
+        picker = pool.picker
+        for reason, n in zip(REASONS, picker.decisions(), strict=True):
+            decisions.add_metric([model, reason], n)
+        live = picker.index_size(now)
+        cap = picker.index_capacity()
+        for k, table in enumerate(("prefix", "session")):
+            entries.add_metric([model, table], live[k])
+            slots.add_metric([model, table], cap[k])
+    yield from (decisions, entries, slots)
 
 
 class LoopLagMonitor:

@@ -14,8 +14,10 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from ..config import Config, EndpointConfig
+    from ..http.parser import Request
+    from ..http.server import ResponseWriter
 
-__all__ = ["FleetControl", "Listener", "Listeners", "NodeControl"]
+__all__ = ["DeploymentControl", "FleetControl", "Listener", "Listeners", "MirrorBlobs", "NodeControl"]
 
 
 class FleetControl(Protocol):
@@ -74,6 +76,50 @@ class NodeControl(Protocol):
     def leader_admin(self) -> str | None:
         """The leader's admin URL when another process leads (``llmgw-leader`` header), else ``None``."""
 
+    def node_of_replica(self, replica_id: str) -> str | None:
+        """The node whose latest heartbeat reported the replica; ``None``: none did."""
+
+    async def engine_check(self, node: str, engine: str, *, model: str | None = None, static_only: bool = False,
+                           timeout: float = 600.0) -> list[dict[str, Any]]:
+        """``llmgw ctl engine-check ENGINE`` run by ``node``'s agent; the checks. Raises like :meth:`replica_logs`."""
+
+    async def replica_logs(self, replica_id: str, lines: int = 100) -> str:
+        """The last ``lines`` lines of the replica's log, from its node.
+
+        Raises :class:`llmgw.control.service.ReplicaLogsError` (``status``, ``code``) when they cannot be had.
+        """
+
+
+class DeploymentControl(Protocol):
+    """The control plane's deployments (:class:`llmgw.control.deployments.DeploymentController`).
+
+    Each change raises :class:`llmgw.control.deployments.DeploymentError` (a ``ValueError`` with
+    ``status``, ``code`` and ``param``) when refused.
+    """
+
+    def list_views(self, *, show_secrets: bool = False) -> list[dict[str, Any]]:
+        """Every deployment: desired and ready replicas, where each runs, why one is missing."""
+
+    def view(self, name: str, *, show_secrets: bool = False) -> dict[str, Any]:
+        """One deployment (``DeploymentError`` 404 when there is none)."""
+
+    def create(self, cfg: Any) -> dict[str, Any]:
+        """Add a deployment (a :class:`~llmgw.config.DeploymentConfig`); its view."""
+
+    def scale(self, name: str, replicas: int) -> dict[str, Any]:
+        """Set its replica count; its view."""
+
+    def delete(self, name: str) -> dict[str, Any]:
+        """Undeploy it: its replicas drain, then stop."""
+
+
+class MirrorBlobs(Protocol):
+    """The mirror's blobs for node agents (:class:`llmgw.mirror.serve.BlobServer`; the control plane
+    attaches it with :meth:`llmgw.admin.app.AdminApp.attach_mirror`)."""
+
+    def handle(self, req: Request, w: ResponseWriter) -> Awaitable[None] | None:
+        """Answer a request under ``/mirror/v1/`` (it checks the node's credential itself)."""
+
 
 class Listener(Protocol):
     """What the admin app reads off a listener (an :class:`llmgw.http.server.HTTPServer`)."""
@@ -89,6 +135,10 @@ class Listener(Protocol):
     @property
     def rejected(self) -> int:
         """Connections refused (at the limit or while closing)."""
+
+    @property
+    def sockets(self) -> list[Any]:
+        """The bound sockets (where it listens)."""
 
 
 @dataclass

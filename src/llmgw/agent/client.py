@@ -15,6 +15,12 @@ in a worker thread, so a slow NVML call never stalls the loop.
   FAILED_PRECONDITION: incompatible protocol; INVALID_ARGUMENT) end the run with
   :class:`AgentRefused`, the control plane's message in it.
 * ``stop`` set (SIGTERM): deregister (bounded), close the channel and the source.
+* Replicas (protocol 1.2, with a :class:`~llmgw.launch.spec.Supervisor`): every
+  beat carries the replica statuses and the generation of the desired set last
+  applied; a desired set in an answer is handed to the supervisor (the latest
+  wins; one ``apply`` at a time), and a status change (:meth:`AgentClient.poke`)
+  sends a beat at once rather than an interval later. Log requests are answered
+  with a ReplicaLogs call.
 * Several control planes (HA, docs/ha.md): the agent is given all their addresses
   and follows the leader. A standby refuses with UNAVAILABLE and the leader's address
   in the ``llmgw-leader`` trailing metadata: the agent goes there at once and
@@ -31,9 +37,9 @@ from __future__ import annotations
 import asyncio
 import random
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import grpc
 
@@ -48,12 +54,21 @@ from .wire import (
     compatible,
     discovery_to_proto,
     pb,
+    spec_from_proto,
+    status_to_proto,
     streams_heartbeats,
 )
+
+if TYPE_CHECKING:
+    from ..launch.spec import ReplicaSpec, Supervisor
 
 __all__ = ["AgentClient", "AgentRefused", "GPUSource", "TLSFiles", "channel_credentials", "leader_hint"]
 
 CALL_TIMEOUT = 10.0
+MIN_BEAT_GAP = 0.05
+"""Early beats (a status changed) come at most this often, seconds."""
+MAX_LOG_BYTES = 1 << 20
+"""A log tail sent to the control plane keeps at most this many bytes (its end)."""
 LEADER_METADATA = "llmgw-leader"  # (llmgw.control.service names them; the agent does not import the control plane)
 LEASE_METADATA = "llmgw-lease-ms"
 
@@ -136,6 +151,10 @@ class AgentClient:
         backoff_initial: float = 0.1,
         rng: random.Random | None = None,
         on_registered: Callable[[pb.RegisterResponse], None] | None = None,
+        supervisor: Supervisor | None = None,
+        labels: Mapping[str, str] | None = None,
+        advertise: str | None = None,
+        engine_checker: Callable[[pb.EngineCheckRequest], Awaitable[Sequence[Mapping[str, Any]]]] | None = None,
     ) -> None:
         self.targets = [target] if isinstance(target, str) else list(target)
         if not self.targets:
@@ -172,6 +191,20 @@ class AgentClient:
         self._channel: grpc.aio.Channel | None = None
         self._stub: Any = None
         self._metadata = ((TOKEN_METADATA, f"Bearer {token}"),)
+        self.supervisor = supervisor
+        """Runs this node's replicas; ``None``: the agent only reports its GPUs."""
+        self.engine_checker = engine_checker
+        """Runs ``llmgw ctl engine-check`` here when the control plane asks (``--node``); the checks as
+        ``Check.as_dict`` gives them. ``None``: such requests are answered with an error."""
+        self.labels = dict(labels or {})
+        self.advertise = advertise
+        self.applied = 0
+        """The generation of the desired set last applied (0: none yet)."""
+        self._applied_any = False
+        self._wanted: tuple[int, tuple[ReplicaSpec, ...]] | None = None
+        self._applier: asyncio.Task[None] | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._last_beat = 0.0
 
     # -- plumbing --
 
@@ -221,6 +254,14 @@ class AgentClient:
                 w.cancel()
         return stop.is_set()
 
+    async def _sleep_plain(self, stop: asyncio.Event, seconds: float) -> bool:
+        """Sleep ``seconds`` (not woken early by a poke); True when ``stop`` is set."""
+        try:
+            await asyncio.wait_for(stop.wait(), seconds)
+        except asyncio.TimeoutError:
+            pass
+        return stop.is_set()
+
     def _jittered(self) -> float:
         return self.interval * self.rng.uniform(0.9, 1.1)
 
@@ -232,8 +273,10 @@ class AgentClient:
         req = pb.RegisterRequest(
             node_name=self.name, agent_version=__version__,
             protocol=pb.ProtocolVersion(major=self.protocol[0], minor=self.protocol[1]),
-            discovery=discovery_to_proto(discovery),
+            discovery=discovery_to_proto(discovery), labels=self.labels,
         )
+        if self.advertise is not None:
+            req.advertise_address = self.advertise
         call = self._connect().Register(req, metadata=self._metadata, timeout=self.call_timeout)
         resp: pb.RegisterResponse = await call
         self._learn_lease(await call.initial_metadata())
@@ -285,10 +328,15 @@ class AgentClient:
         assert self.node_id is not None
         discovery = await self._read()
         self.sequence += 1
+        self._wake.clear()  # (before the statuses are read: a change after this beats again)
         req = pb.HeartbeatRequest(
             node_id=self.node_id, node_name=self.name, sequence=self.sequence, discovery=discovery_to_proto(discovery)
         )
-        self._wake.clear()
+        sup = self.supervisor
+        if sup is not None:
+            req.applied_generation = self.applied
+            req.replicas.extend(status_to_proto(s) for s in sup.statuses())
+        self._last_beat = time.monotonic()
         resp: pb.HeartbeatResponse | None = None
         if self.streaming:
             try:
@@ -367,6 +415,87 @@ class AgentClient:
         if resp.heartbeat_interval_seconds > 0:
             self.interval = resp.heartbeat_interval_seconds
         self.cordoned = resp.cordoned
+        for ec in resp.engine_checks:
+            self._spawn(self._send_check(ec))
+        if self.supervisor is None:
+            return
+        if resp.HasField("desired"):
+            d = resp.desired
+            gen = d.generation
+            fresh = gen != self.applied or not self._applied_any  # (a first set of generation 0 too)
+            if fresh and (self._wanted is None or self._wanted[0] != gen):
+                self._wanted = (gen, tuple(spec_from_proto(m) for m in d.replicas))
+                if self._applier is None or self._applier.done():
+                    self._applier = asyncio.get_running_loop().create_task(self._apply())
+        for lr in resp.log_requests:
+            self._spawn(self._send_log(lr))
+
+    def poke(self) -> None:
+        """Beat soon (a replica's status changed): at once, or :data:`MIN_BEAT_GAP` after the last beat."""
+        self._wake.set()
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _apply(self) -> None:
+        """Hand the desired set to the supervisor, the latest one when several came while one was applied."""
+        sup = self.supervisor
+        assert sup is not None
+        while self._wanted is not None:
+            gen, specs = self._wanted
+            try:
+                await sup.apply(specs)
+            except Exception:  # the supervisor reports per-replica failures in its statuses; this is its own bug
+                log.exception("applying desired generation %d (%d replica(s)) failed", gen, len(specs))
+            log.info("applied desired generation %d: %d replica(s)", gen, len(specs))
+            self.applied, self._applied_any = gen, True
+            if self._wanted is not None and self._wanted[0] == gen:
+                self._wanted = None  # (else a newer one came while this one was applied: apply it too)
+            self.poke()  # tell the control plane now
+
+    async def _send_check(self, ec: pb.EngineCheckRequest) -> None:
+        if self.node_id is None:
+            return
+        req = pb.EngineCheckResultRequest(node_id=self.node_id, node_name=self.name, request_id=ec.request_id)
+        if self.engine_checker is None:
+            req.error = "this agent runs no engine checks"
+        else:
+            log.info("running the %s engine check the control plane asked for", ec.engine)
+            try:
+                for c in await self.engine_checker(ec):
+                    req.checks.add(name=str(c.get("check", "")), status=str(c.get("status", "")),
+                                   detail=str(c.get("detail", "")), fix=str(c.get("fix") or ""))
+            except Exception as exc:  # (a check reports failures as checks; this is the checker itself failing)
+                log.exception("the %s engine check failed to run", ec.engine)
+                req.error = f"the {ec.engine} engine check could not run: {type(exc).__name__}: {exc}"[:2000]
+        try:
+            await self._connect().EngineCheckResult(req, metadata=self._metadata, timeout=CALL_TIMEOUT)
+        except grpc.aio.AioRpcError as exc:
+            log.warning("could not send the %s engine check (%s: %s)", ec.engine, exc.code().name, exc.details())
+
+    async def _send_log(self, lr: pb.LogRequest) -> None:
+        sup = self.supervisor
+        if sup is None or self.node_id is None:
+            return
+        req = pb.ReplicaLogsRequest(node_id=self.node_id, node_name=self.name, request_id=lr.request_id)
+        try:
+            text = await asyncio.to_thread(sup.log_tail, lr.replica_id, max(1, lr.lines))
+        except KeyError:
+            req.error = f"no replica {lr.replica_id!r} on node {self.name}"
+        except OSError as exc:
+            req.error = f"cannot read replica {lr.replica_id}'s log: {exc.strerror or exc}"
+        else:
+            data = text.encode("utf-8", "replace")
+            if len(data) > MAX_LOG_BYTES:
+                text = data[-MAX_LOG_BYTES:].decode("utf-8", "ignore")
+                text = text[text.find("\n") + 1:]
+            req.text = text
+        try:
+            await self._connect().ReplicaLogs(req, metadata=self._metadata, timeout=CALL_TIMEOUT)
+        except grpc.aio.AioRpcError as exc:
+            log.warning("could not send replica %s's log (%s: %s)", lr.replica_id, exc.code().name, exc.details())
 
     async def _read_answers(self, call: Any) -> None:
         try:
@@ -422,8 +551,14 @@ class AgentClient:
                     if not registered:
                         await self.register()
                         registered = True
+                        # a node running replicas beats at once: its stream is open for pushes from now on,
+                        # and the control plane hears of the replicas it adopted without waiting an interval
+                        retry = self.supervisor is not None
                     else:
                         if not retry and await self._sleep(stop, self._jittered()):
+                            break
+                        gap = MIN_BEAT_GAP - (time.monotonic() - self._last_beat)
+                        if gap > 0 and await self._sleep_plain(stop, gap):
                             break
                         retry = False
                         await self.heartbeat()
@@ -473,6 +608,8 @@ class AgentClient:
             if registered:
                 await self.deregister(reason())
         finally:
+            for t in [*self._tasks, *([self._applier] if self._applier is not None else [])]:
+                t.cancel()
             await self._disconnect()
             try:
                 self.source.close()

@@ -14,6 +14,7 @@ import dataclasses
 from typing import Any
 
 from .._proto.agent.v1 import agent_pb2 as pb
+from ..launch.spec import ModelBlob, ReplicaSpec, ReplicaStatus
 from .model import GPU, Discovery, InfinibandPort, NodeFacts
 
 __all__ = [
@@ -26,14 +27,21 @@ __all__ = [
     "discovery_to_proto",
     "node_id_for",
     "pb",
+    "runs_replicas",
+    "spec_from_proto",
+    "spec_to_proto",
+    "status_from_proto",
+    "status_to_proto",
     "streams_heartbeats",
 ]
 
 # The wire protocol: a different major is refused at registration (FAILED_PRECONDITION)
 # on both sides; a different minor works (unknown fields are ignored). 1.1 added
 # StreamHeartbeats: an agent uses it when both sides speak 1.1 or later, Heartbeat calls
-# otherwise.
-PROTOCOL: tuple[int, int] = (1, 1)
+# otherwise. 1.2 added replicas: the desired set in heartbeat answers, replica statuses in
+# heartbeats, node labels and the advertise address in Register, the mirror credential in
+# its answer, and log tails (LogRequest, ReplicaLogs). An older agent runs no replicas.
+PROTOCOL: tuple[int, int] = (1, 2)
 
 # The join token travels as call metadata: ``authorization: Bearer <token>``.
 TOKEN_METADATA = "authorization"
@@ -65,6 +73,11 @@ SERVER_OPTIONS: tuple[tuple[str, int], ...] = (
 def streams_heartbeats(protocol: tuple[int, int]) -> bool:
     """Whether a peer speaking ``protocol`` (same major) knows StreamHeartbeats."""
     return protocol >= (1, 1)
+
+
+def runs_replicas(protocol: tuple[int, int]) -> bool:
+    """Whether an agent speaking ``protocol`` (same major) runs replicas (a desired set can be sent to it)."""
+    return protocol >= (1, 2)
 
 
 def compatible(major: int) -> bool:
@@ -169,4 +182,63 @@ def discovery_from_proto(m: pb.Discovery) -> Discovery:
         gpus=tuple(_gpu_from_proto(g) for g in m.gpus),
         source=m.source or "none",
         errors=tuple(m.errors),
+    )
+
+
+# -- replicas (llmgw.launch.spec) --
+
+def spec_to_proto(s: ReplicaSpec) -> pb.ReplicaSpec:
+    """A :class:`ReplicaSpec` as its message (the api_key and env travel: the wire is the one place they may)."""
+    m = pb.ReplicaSpec(
+        id=s.id, deployment=s.deployment, engine=s.engine, model=s.model, served_name=s.served_name,
+        gpus=s.gpus, args=s.args, env=dict(s.env), api_key=s.api_key,
+    )
+    m.blobs.extend(pb.ModelBlob(digest=b.digest, size=b.size, role=b.role) for b in s.blobs)
+    if s.gpu_memory_fraction is not None:
+        m.gpu_memory_fraction = s.gpu_memory_fraction
+    if s.slots is not None:
+        m.slots = s.slots
+    if s.context is not None:
+        m.context = s.context
+    return m
+
+
+def spec_from_proto(m: pb.ReplicaSpec) -> ReplicaSpec:
+    """A received :class:`pb.ReplicaSpec` as the dataclass (unset optionals are ``None``)."""
+    return ReplicaSpec(
+        id=m.id, deployment=m.deployment, engine=m.engine, model=m.model, served_name=m.served_name,
+        blobs=tuple(ModelBlob(digest=b.digest, size=b.size, role=b.role or "model") for b in m.blobs),
+        gpus=tuple(m.gpus),
+        gpu_memory_fraction=m.gpu_memory_fraction if m.HasField("gpu_memory_fraction") else None,
+        slots=m.slots if m.HasField("slots") else None,
+        context=m.context if m.HasField("context") else None,
+        args=tuple(m.args), env=dict(m.env), api_key=m.api_key,
+    )
+
+
+def status_to_proto(s: ReplicaStatus) -> pb.ReplicaStatus:
+    """A :class:`ReplicaStatus` as its message (``None`` stays unset; a value the field cannot hold is left out)."""
+    m = pb.ReplicaStatus(id=s.id, state=s.state, message=s.message, restarts=max(0, s.restarts))
+    for name, value in (("port", s.port), ("pid", s.pid), ("exit_code", s.exit_code), ("log_path", s.log_path),
+                        ("fetched_bytes", s.fetched), ("fetch_total_bytes", s.fetch_total)):
+        if value is not None:
+            try:
+                setattr(m, name, value)
+            except (TypeError, ValueError):  # out of the field's range: left absent, never sent as another value
+                pass
+    return m
+
+
+def status_from_proto(m: pb.ReplicaStatus) -> ReplicaStatus:
+    """A received :class:`pb.ReplicaStatus` as the dataclass."""
+    has = m.HasField
+    return ReplicaStatus(
+        id=m.id, state=m.state, message=m.message,
+        port=m.port if has("port") else None,
+        pid=m.pid if has("pid") else None,
+        restarts=m.restarts if has("restarts") else 0,
+        exit_code=m.exit_code if has("exit_code") else None,
+        log_path=m.log_path if has("log_path") else None,
+        fetched=m.fetched_bytes if has("fetched_bytes") else None,
+        fetch_total=m.fetch_total_bytes if has("fetch_total_bytes") else None,
     )

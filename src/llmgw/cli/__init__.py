@@ -26,6 +26,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "mirror": ("llmgw.cli.mirror", "mirror", "Keep model files in a verified, content-addressed mirror."),
     "ctl": ("llmgw.cli.ctl", "ctl", "Drive a running gateway: endpoints, nodes and GPUs, drain, cordon, reload."),
     "agent": ("llmgw.cli.agent", "agent", "Run the node agent: report this node's GPUs to a control plane."),
+    "console": ("llmgw.cli.console", "console", "A live terminal console for the fleet (over the admin API)."),
 }
 
 

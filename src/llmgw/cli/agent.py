@@ -6,7 +6,10 @@
 
 Flags override the ``--config`` file. Plaintext needs a loopback control plane or
 ``--insecure``; ``--tls-ca``/``--tls-cert``/``--tls-key`` (or ``--tls``) turn TLS on.
-SIGTERM or Ctrl-C deregisters and exits 0.
+The agent runs the replicas the control plane places on the node
+(:mod:`llmgw.launch.supervisor`), keeping their records, logs and models under
+``--state-dir``; at start it adopts the engines a previous agent left running.
+SIGTERM or Ctrl-C deregisters, stops the node's replicas and exits 0.
 """
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ import os
 import signal
 import socket
 import sys
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import click
@@ -24,7 +29,7 @@ import click
 from .. import __version__
 from ._common import Fail, hostports, run_loop
 
-__all__ = ["agent", "open_gpu_source", "run_agent"]
+__all__ = ["NodeOptions", "agent", "open_gpu_source", "run_agent"]
 
 GPU_SOURCE_CHOICES = ("auto", "nvml", "nvidia-smi", "none", "simulated")
 
@@ -36,6 +41,29 @@ def _is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
+
+
+@dataclass(frozen=True)
+class NodeOptions:
+    """How the agent runs this node's replicas (the agent config's ``state_dir``, ``engines``, ``labels``,
+    ``advertise``)."""
+
+    state_dir: str
+    engines: Mapping[str, Any] = field(default_factory=dict)
+    labels: Mapping[str, str] = field(default_factory=dict)
+    advertise: str | None = None
+    gpu_source: str = "auto"
+    """Where engine checks read GPUs (the agent's own ``gpu_source``)."""
+
+    @property
+    def bind(self) -> str:
+        """Where the engines listen: the advertised address when it is an IP, else every interface."""
+        if self.advertise is not None:
+            try:
+                return str(ipaddress.ip_address(self.advertise))
+            except ValueError:
+                pass
+        return "0.0.0.0"
 
 
 def open_gpu_source(kind: str) -> Any:
@@ -58,8 +86,13 @@ async def run_agent(
     *,
     credentials: Any = None,
     protocol: tuple[int, int] | None = None,
+    node: NodeOptions | None = None,
+    supervisor: Any = None,
 ) -> int:
-    """Run the agent until SIGTERM/SIGINT (then deregister); the exit status.
+    """Run the agent until SIGTERM/SIGINT (then deregister and stop the replicas); the exit status.
+
+    ``node``: run replicas with a :class:`~llmgw.launch.supervisor.ReplicaSupervisor` made from it
+    (``supervisor``: that one instead); neither: only report the node.
 
     Raises:
         Fail: the control plane refused the agent (wrong token, incompatible version).
@@ -80,12 +113,70 @@ async def run_agent(
     controls: tuple[tuple[str, int], ...] = (control,) if isinstance(control[0], str) else control
     targets = [_target(hp) for hp in controls]
     target = ",".join(targets)
-    client = AgentClient(targets, name, token, source, credentials=credentials, protocol=protocol or PROTOCOL)
+    holder: list[AgentClient] = []
+
+    def changed() -> None:
+        if holder:
+            holder[0].poke()
+
+    fetchers: list[Any] = []
+
+    def registered(resp: Any) -> None:
+        """A registration's mirror access: the fetcher the supervisor brings mirror models with."""
+        if node is None or supervisor is None or not resp.HasField("mirror_url"):
+            return
+        from ..mirror.fetch import MirrorFetcher
+
+        try:
+            if fetchers:  # (each registration brings its own credential)
+                fetchers[0].set_access(resp.mirror_url, resp.mirror_credential)
+                return
+            fetcher = MirrorFetcher(resp.mirror_url, resp.mirror_credential, os.path.join(node.state_dir, "mirror"))
+        except (ValueError, OSError) as exc:
+            from ..log import agent_logger
+
+            agent_logger.error("cannot fetch models from the control plane's mirror at %s: %s", resp.mirror_url, exc)
+            return
+        fetchers.append(fetcher)
+        supervisor.fetcher = fetcher
+
+    if supervisor is None and node is not None:
+        from ..launch.supervisor import ReplicaSupervisor
+
+        supervisor = ReplicaSupervisor(node.state_dir, host=node.bind, engines=node.engines, on_change=changed)
+    async def check(req: Any) -> list[dict[str, Any]]:
+        """``llmgw ctl engine-check ENGINE --node`` here: the agent config's engines, the node's GPUs."""
+        from ..launch.check import engine_check
+
+        assert node is not None
+        kw: dict[str, Any] = {"timeout": req.timeout_seconds} if req.HasField("timeout_seconds") else {}
+        checks = await engine_check(req.engine, engines=node.engines, model=req.model if req.HasField("model") else None,
+                                    live=not req.static_only, gpu_source=node.gpu_source, **kw)
+        return [c.as_dict() for c in checks]
+
+    client = AgentClient(
+        targets, name, token, source, credentials=credentials, protocol=protocol or PROTOCOL, supervisor=supervisor,
+        labels=node.labels if node is not None else None, advertise=node.advertise if node is not None else None,
+        on_registered=registered, engine_checker=check if node is not None else None,
+    )
+    holder.append(client)
+    stopped = False
     try:
+        if supervisor is not None:
+            await supervisor.adopt()
         await client.run(stop, reason=lambda: why["reason"])
+        stopped = True
     except AgentRefused as exc:
         raise Fail(f"the control plane at {target} refused this agent ({exc.code.name}): {exc}") from None
     finally:
+        if supervisor is not None:
+            if not stopped:
+                from ..log import agent_logger
+
+                agent_logger.warning("the node's replicas are left running: the next agent started here adopts them")
+            await supervisor.close(stop=stopped)
+        for f in fetchers:
+            await f.close()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(sig)
     return 0
@@ -104,18 +195,28 @@ async def run_agent(
 @click.option("--tls-cert", metavar="FILE", help="PEM client certificate (mutual TLS).")
 @click.option("--tls-key", metavar="FILE", help="PEM key of --tls-cert.")
 @click.option("--insecure", is_flag=True, help="Allow plaintext to a non-loopback control plane.")
+@click.option("--state-dir", metavar="DIR",
+              help="Where replicas' records, logs and models are kept (default $XDG_STATE_HOME/llmgw-agent, "
+                   "/var/lib/llmgw-agent as root, else ~/.local/state/llmgw-agent).")
+@click.option("--label", "label_flags", metavar="KEY=VALUE", multiple=True,
+              help="A node label (repeatable; added to the config file's labels:).")
+@click.option("--advertise", metavar="HOST", help="Where this node's replicas are reached (default: the address "
+                                                   "the control plane sees).")
 def agent(
     control: tuple[tuple[str, int], ...] | None, token_env: str | None, name: str | None, gpu_source: str | None,
     config_path: str | None, use_tls: bool, tls_ca: str | None, tls_cert: str | None, tls_key: str | None,
-    insecure: bool,
+    insecure: bool, state_dir: str | None, label_flags: tuple[str, ...], advertise: str | None,
 ) -> None:
-    """Run the node agent: report this node's GPUs to a control plane.
+    """Run the node agent: report this node's GPUs to a control plane and run the replicas it places here.
 
     It registers (same name: same node), heartbeats on the interval the control
-    plane sets, reconnects with backoff when it is away, and deregisters on
-    SIGTERM. It listens on nothing.
+    plane sets, reconnects with backoff when it is away, starts and stops engines
+    as the control plane's desired set says, and on SIGTERM deregisters and
+    stops them. The agent itself listens on nothing.
     """
     token: str | None = None
+    engines: Mapping[str, Any] = {}
+    labels: dict[str, str] = {}
     if config_path is not None:
         from ..config.agent import load_agent_file
         from ..errors import ConfigError
@@ -133,6 +234,22 @@ def agent(
             tls_cert, tls_key = file_cfg.tls_cert, file_cfg.tls_key
         tls_ca = tls_ca or file_cfg.tls_ca
         insecure = insecure or file_cfg.insecure
+        state_dir = state_dir or file_cfg.state_dir
+        engines = file_cfg.engines
+        labels.update(file_cfg.labels)
+        advertise = advertise or file_cfg.advertise
+    from ..config.agent import _host, _labels, default_state_dir
+
+    for item in label_flags:
+        key, eq, value = item.partition("=")
+        if not eq:
+            raise click.UsageError(f"--label {item!r}: expected KEY=VALUE")
+        labels[key] = value
+    try:
+        labels = dict(_labels(labels))
+        advertise = _host(advertise) if advertise is not None else None
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from None
     if control is None:
         raise click.UsageError("--control HOST:PORT is required (or control: in --config FILE)")
     if token_env is not None:
@@ -157,5 +274,8 @@ def agent(
             f"{off} is not a loopback address: the join token would travel in the clear; "
             "use TLS (--tls-ca FILE, or --tls) or pass --insecure on a network you trust"
         )
+    node = NodeOptions(state_dir or default_state_dir(), engines=engines, labels=labels, advertise=advertise,
+                       gpu_source=gpu_source or "auto")
     source = open_gpu_source(gpu_source or "auto")
-    sys.exit(run_loop(run_agent(control, name or socket.gethostname(), token, source, credentials=credentials)))
+    sys.exit(run_loop(run_agent(control, name or socket.gethostname(), token, source, credentials=credentials,
+                                node=node)))

@@ -8,6 +8,12 @@
     llmgw ctl nodes                     the control plane's nodes: state, heartbeat age, GPUs
     llmgw ctl gpus                      every GPU of every node: memory, utilisation, power, health
     llmgw ctl cordon NODE / uncordon NODE   no new replicas to a node / again
+    llmgw ctl logs REPLICA [--lines N]  the end of a replica's log file, from its node
+    llmgw ctl deploy chat --model tiny:1b --engine llamacpp --replicas 2
+    llmgw ctl deployments               desired and ready replicas, where each runs, why one is not placed
+    llmgw ctl scale chat 3              (a config deployment's scale holds until its entry changes)
+    llmgw ctl undeploy chat             its replicas drain, then stop
+    llmgw ctl engine-check llamacpp     can this node run the engine as llmgw launches it?
 
 ``--admin URL`` (``$LLMGW_ADMIN``, default ``http://127.0.0.1:9090``) and
 ``--token`` (``$LLMGW_ADMIN_TOKEN``) pick the gateway; ``--json`` prints the API's
@@ -196,6 +202,8 @@ def ctl(ctx: click.Context, admin: str | None, token: str | None, as_json: bool 
       llmgw ctl queues                admission queues per priority band
       llmgw ctl nodes / gpus          the control plane's nodes and their GPUs
       llmgw ctl cordon NODE           no new replicas to a node (uncordon NODE: again)
+      llmgw ctl deploy NAME --model M run a model on the cluster (scale NAME N, undeploy NAME)
+      llmgw ctl deployments           desired/ready replicas, where they run, why one is not placed
     """
     ctx.obj = Target(admin or DEFAULT_ADMIN, token or None, bool(as_json))
 
@@ -216,12 +224,15 @@ def endpoints(ctx: click.Context, admin: str | None, token: str | None, as_json:
     from rich.table import Table
 
     eps = data.get("endpoints", [])
+    # (the DEPLOYMENT column only where the control plane runs replicas; their POOL is their node)
+    deployed = any(ep.get("deployment") for ep in eps)
     table = Table(box=None, pad_edge=False, header_style="bold")
     for col, justify in (
-        ("ID", "left"), ("MODEL", "left"), ("ENGINE", "left"), ("POOL", "left"), ("STATE", "left"),
+        ("ID", "left"), ("MODEL", "left"), ("ENGINE", "left"), ("POOL", "left"),
+        *((("DEPLOYMENT", "left"),) if deployed else ()), ("STATE", "left"),
         ("INFLIGHT", "right"), ("WAITING", "right"), ("RUNNING", "right"), ("KV", "right"), ("DRAIN RATE", "right"),
     ):
-        table.add_column(col, justify=justify, no_wrap=True)  # type: ignore[arg-type]
+        table.add_column(col, justify=justify, no_wrap=True)
     for ep in eps:
         state = ep.get("state", "?")
         table.add_row(
@@ -229,6 +240,7 @@ def endpoints(ctx: click.Context, admin: str | None, token: str | None, as_json:
             ",".join(ep.get("models", [])),
             str(ep.get("engine") or ABSENT),
             str(ep.get("pool") or ABSENT),
+            *((str(ep.get("deployment") or ABSENT),) if deployed else ()),
             f"[{_STATE_STYLE.get(state, 'white')}]{state}[/]",
             _fmt(ep.get("inflight")),
             _fmt(ep.get("waiting")),
@@ -456,6 +468,288 @@ def cordon(ctx: click.Context, node: str, admin: str | None, token: str | None, 
 def uncordon(ctx: click.Context, node: str, admin: str | None, token: str | None, as_json: bool | None) -> None:
     """Uncordon NODE: replicas may be placed there again."""
     _cordon(ctx, node, False, _target(ctx, admin, token, as_json))
+
+
+@ctl.command()
+@click.argument("replica", metavar="REPLICA")
+@click.option("-n", "--lines", type=click.IntRange(1, 10_000), default=100, show_default=True,
+              help="How many lines from the end.")
+@_options(group=False)
+@click.pass_context
+def logs(
+    ctx: click.Context, replica: str, lines: int, admin: str | None, token: str | None, as_json: bool | None
+) -> None:
+    """Print the end of REPLICA's log file (the engine's output), asked of the node that runs it."""
+    t = _target(ctx, admin, token, as_json)
+    data = t.call("GET", f"/admin/v1/replicas/{quote(replica, safe='')}/logs?lines={lines}")
+    if t.as_json:
+        _print_json(data)
+        return
+    text = data.get("text") if isinstance(data, dict) else None
+    if isinstance(text, str):
+        click.echo(text, nl=not text.endswith("\n") and bool(text))
+# -- deployments --
+
+_DEPLOY_STATE_STYLE = {"ready": "green", "starting": "yellow", "fetching": "yellow", "pending": "yellow",
+                       "draining": "magenta", "failed": "red", "stopped": "red"}
+
+
+def _kv_pairs(values: tuple[str, ...], what: str) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for v in values:
+        k, sep, val = v.partition("=")
+        if not sep or not k:
+            raise CtlError(f"{what} {v!r}: write KEY=VALUE")
+        out[k] = val
+    return out
+
+
+@ctl.command()
+@click.argument("name")
+@click.option("--model", required=True, help="A mirror reference (tiny:1b), a file path on the nodes, or an id the "
+              "engine downloads itself.")
+@click.option("--engine", default=None, help="vllm (default), llamacpp, trtllm or sglang.")
+@click.option("--replicas", type=click.IntRange(0, 1024), default=None, help="How many (default 1).")
+@click.option("--gpus", type=click.IntRange(0, 64), default=None, help="GPUs per replica (default 1; 0 for llamacpp).")
+@click.option("--gpu-memory", metavar="SIZE", default=None, help="GPU memory each replica needs per GPU (40GiB).")
+@click.option("--gpu-model", default=None, help="Only GPUs whose name contains this (H100).")
+@click.option("--label", "labels", multiple=True, metavar="KEY=VALUE", help="Only nodes with this label (repeat).")
+@click.option("--share-gpus", is_flag=True, default=False, help="Replicas may share a GPU (needs its memory known).")
+@click.option("--slots", type=click.IntRange(1, 4096), default=None, help="Parallel sequences (llama.cpp -np).")
+@click.option("--context", type=click.IntRange(1), default=None, help="Context length in tokens (llama.cpp -c).")
+@click.option("--memory", metavar="SIZE", default=None, help="Node memory a CPU replica needs.")
+@click.option("--cpu-cores", type=float, default=None, help="CPU cores a CPU replica claims.")
+@click.option("--served-name", default=None, help="The model name clients use (default NAME).")
+@click.option("--arg", "args", multiple=True, metavar="ARG", help="An extra engine argument (repeat).")
+@click.option("--env", "envs", multiple=True, metavar="KEY=VALUE", help="An engine environment variable (repeat).")
+@_options(group=False)
+@click.pass_context
+def deploy(ctx: click.Context, name: str, model: str, engine: str | None, replicas: int | None, gpus: int | None,
+           gpu_memory: str | None, gpu_model: str | None, labels: tuple[str, ...], share_gpus: bool,
+           slots: int | None, context: int | None, memory: str | None, cpu_cores: float | None,
+           served_name: str | None, args: tuple[str, ...], envs: tuple[str, ...], admin: str | None,
+           token: str | None, as_json: bool | None) -> None:
+    """Run NAME on the cluster: the control plane places its replicas and keeps them running.
+
+    The deployment lives in the control plane's store (deployments in the config file are
+    managed there instead).
+    """
+    t = _target(ctx, admin, token, as_json)
+    body: dict[str, Any] = {"name": name, "model": model}
+    for key, v in (("engine", engine), ("replicas", replicas), ("gpus", gpus), ("gpu_memory", gpu_memory),
+                   ("gpu_model", gpu_model), ("slots", slots), ("context", context), ("memory", memory),
+                   ("cpu_cores", cpu_cores), ("served_name", served_name)):
+        if v is not None:
+            body[key] = v
+    if labels:
+        body["node_labels"] = _kv_pairs(labels, "--label")
+    if share_gpus:
+        body["share_gpus"] = True
+    if args:
+        body["args"] = list(args)
+    if envs:
+        body["env"] = _kv_pairs(envs, "--env")
+    data = t.call("POST", "/admin/v1/deployments", body)
+    if t.as_json:
+        _print_json(data)
+        return
+    _say_deployment(data, "deployed")
+
+
+def _say_deployment(d: dict[str, Any], verb: str) -> None:
+    click.echo(f"{d.get('name')}: {verb}: {d.get('placed', 0)} of {d.get('desired')} replica(s) placed"
+               + (f" on {', '.join(d['nodes'])}" if d.get("nodes") else ""))
+    if d.get("message"):
+        from ._common import echo_err
+
+        echo_err(f"{d.get('name')}: {d['message']}", level="warning")
+
+
+@ctl.command()
+@click.argument("name")
+@click.argument("replicas", type=click.IntRange(0, 1024))
+@_options(group=False)
+@click.pass_context
+def scale(ctx: click.Context, name: str, replicas: int, admin: str | None, token: str | None,
+          as_json: bool | None) -> None:
+    """Set deployment NAME to REPLICAS replicas (0: none; requests then get 503 model_unavailable).
+
+    Scaling down drains the replicas it removes first: their requests in flight finish. On a
+    deployment from the config file the scale holds until that entry changes in the file.
+    """
+    t = _target(ctx, admin, token, as_json)
+    data = t.call("POST", f"/admin/v1/deployments/{quote(name, safe='')}/scale", {"replicas": replicas})
+    if t.as_json:
+        _print_json(data)
+        return
+    _say_deployment(data, f"scaled to {replicas}")
+
+
+@ctl.command()
+@click.argument("name")
+@_options(group=False)
+@click.pass_context
+def undeploy(ctx: click.Context, name: str, admin: str | None, token: str | None, as_json: bool | None) -> None:
+    """Remove deployment NAME: its replicas drain (requests in flight finish), then stop."""
+    t = _target(ctx, admin, token, as_json)
+    data = t.call("DELETE", f"/admin/v1/deployments/{quote(name, safe='')}")
+    if t.as_json:
+        _print_json(data)
+        return
+    n = len(data.get("draining") or [])
+    click.echo(f"{name}: undeployed" + (f"; {n} replica(s) draining, then stopping" if n else ""))
+
+
+@ctl.command()
+@click.option("--show-secrets", is_flag=True, default=False, help="Show each replica's API key.")
+@_options(group=False)
+@click.pass_context
+def deployments(ctx: click.Context, show_secrets: bool, admin: str | None, token: str | None,
+                as_json: bool | None) -> None:
+    """List the deployments: desired and ready replicas, where each runs, why one is not placed.
+
+    Values nobody reported (a replica's port before it started) show as –.
+    """
+    t = _target(ctx, admin, token, as_json)
+    data = t.call("GET", "/admin/v1/deployments" + ("?show_secrets=1" if show_secrets else ""))
+    if t.as_json:
+        _print_json(data)
+        return
+    from rich.markup import escape
+    from rich.table import Table
+
+    rows = data.get("deployments", [])
+    console = _console()
+    if not rows:
+        console.print("no deployments (add deployments: to the config file, or run llmgw ctl deploy)")
+        return
+    table = Table(box=None, pad_edge=False, header_style="bold")
+    for col, justify in (("DEPLOYMENT", "left"), ("MODEL", "left"), ("ENGINE", "left"), ("READY", "right"),
+                         ("DESIRED", "right"), ("SOURCE", "left"), ("NODES", "left"), ("WHY NOT", "left")):
+        table.add_column(col, justify=justify, no_wrap=col != "WHY NOT")  # type: ignore[arg-type]
+    for d in rows:
+        desired = _fmt(d.get("desired")) + ("*" if d.get("scaled") else "")
+        table.add_row(
+            str(d.get("name")), str(d.get("model")), str(d.get("engine")), _fmt(d.get("ready")), desired,
+            str(d.get("source")), ", ".join(d.get("nodes") or []) or ABSENT,
+            escape(str(d.get("message"))) if d.get("message") else ABSENT,
+        )
+    console.print(table)
+    reps = [r for d in rows for r in d.get("replicas", [])]
+    if reps:
+        rt = Table(box=None, pad_edge=False, header_style="bold")
+        cols = ["REPLICA", "DEPLOYMENT", "NODE", "STATE", "ADDRESS", "GPUS", "RESTARTS", "ROUTED"]
+        if show_secrets:
+            cols.append("API KEY")
+        for col in cols:
+            rt.add_column(col, justify="right" if col == "RESTARTS" else "left", no_wrap=True)
+        for r in reps:
+            state = str(r.get("state"))
+            addr = f"{r['address']}:{r['port']}" if r.get("address") and r.get("port") else ABSENT
+            row = [str(r.get("id")), str(r.get("deployment")), str(r.get("node")),
+                   f"[{_DEPLOY_STATE_STYLE.get(state, 'white')}]{state}[/]", addr,
+                   str(len(r.get("gpus") or [])) if r.get("gpus") else "cpu", _fmt(r.get("restarts")),
+                   "yes" if r.get("in_router") else "no"]
+            if show_secrets:
+                row.append(str(r.get("api_key") or ABSENT))
+            rt.add_row(*row)
+        console.print()
+        console.print(rt)
+    if any(d.get("scaled") for d in rows):
+        console.print("* scaled with llmgw ctl scale: holds until the deployment's entry in the config file changes")
+
+
+# -- engine-check (issue 18): runs here, on this node; the logic is llmgw.launch.check --
+
+
+def _engine_check_on(ctx: click.Context, node: str, engine: str, model: str | None, static_only: bool, timeout: float,
+                     as_json: bool | None, *local: str | None) -> None:
+    """``--node``: the node's agent runs the checks with its own config; the control plane relays them."""
+    if any(v is not None for v in local):
+        raise click.UsageError("--agent-config, --binary and --python describe this machine; with --node the "
+                               "node's agent uses its own config file")
+    from ..launch.check import Check, render
+
+    t = _target(ctx, None, None, as_json)
+    t.timeout = (0.0 if static_only else timeout) + 240.0  # (the control plane's own bound is shorter)
+    body: dict[str, Any] = {"engine": engine, "static": static_only, "timeout": timeout}
+    if model is not None:
+        body["model"] = model
+    data = t.call("POST", f"/admin/v1/nodes/{quote(node, safe='')}/engine-check", body)
+    if t.as_json:
+        _print_json(data)
+    else:
+        checks = [Check(str(c.get("check", "")), str(c.get("status", "")), str(c.get("detail", "")),
+                        str(c.get("fix") or "")) for c in data.get("checks") or []]
+        click.echo(f"on node {node}:")
+        click.echo(render(checks))
+    if not data.get("ok", False):
+        ctx.exit(1)
+
+
+@ctl.command("engine-check")
+@click.argument("engine", type=click.Choice(["vllm", "llamacpp", "trtllm", "sglang"]))
+@click.option("--model", metavar="PATH-OR-ID",
+              help="The model for the live checks (llamacpp: default, a tiny GGUF llmgw writes).")
+@click.option("--static", "static_only", is_flag=True, help="Only the static checks (no engine is started).")
+@click.option("--agent-config", type=click.Path(dir_okay=False), metavar="FILE",
+              help="The node agent's config file: its engines: section says where the engine is.")
+@click.option("--binary", metavar="PATH", help="The engine's executable (overrides engines.<engine>.binary).")
+@click.option("--python", metavar="PATH", help="The engine's interpreter (overrides engines.<engine>.python).")
+@click.option("--gpu-source", type=click.Choice(["auto", "nvml", "nvidia-smi", "none", "simulated"]),
+              default="auto", show_default=True, help="Where GPUs are read from.")
+@click.option("--timeout", type=click.FloatRange(1, 86_400), default=600.0, show_default=True,
+              help="Seconds the engine may take to become ready.")
+@click.option("--node", metavar="NODE", help="Run the check on that node, through the control plane.")
+@click.option("--json", "as_json", is_flag=True, default=None, help="Print the checks as JSON.")
+@click.pass_context
+def engine_check(ctx: click.Context, engine: str, model: str | None, static_only: bool, agent_config: str | None,
+                 binary: str | None, python: str | None, gpu_source: str, timeout: float, node: str | None,
+                 as_json: bool | None) -> None:
+    """Check that this node can run ENGINE as llmgw launches it.
+
+    Static checks (found, version, the flags llmgw passes in its --help, GPU
+    driver), then live ones when a model is at hand: start, ready, the metrics
+    llmgw reads, 401 without the key, clean stop. One line per check, with the
+    fix when it fails; exit status 1 when any check fails.
+
+    \b
+    Example:
+      llmgw ctl engine-check llamacpp
+      llmgw ctl engine-check vllm --model facebook/opt-125m --agent-config agent.yaml
+    """
+    import asyncio
+    import logging
+
+    from ..config.agent import AgentEngineConfig, load_agent_file
+    from ..errors import ConfigError
+    from ..launch.check import engine_check as run_checks
+    from ..launch.check import render
+
+    if node is not None:
+        return _engine_check_on(ctx, node, engine, model, static_only, timeout, as_json, agent_config, binary, python)
+    engines: dict[str, AgentEngineConfig] = {}
+    if agent_config is not None:
+        try:
+            engines = dict(load_agent_file(agent_config).engines)
+        except ConfigError as exc:
+            raise CtlError(str(exc)) from None
+    if binary is not None or python is not None:
+        base = engines.get(engine) or AgentEngineConfig()
+        engines[engine] = AgentEngineConfig(binary=binary if binary is not None else base.binary,
+                                            python=python if python is not None else base.python)
+    # (the supervisor's info lines would repeat what the checks say)
+    logging.getLogger("llmgw.agent.launch").setLevel(logging.WARNING)
+    checks = asyncio.run(run_checks(engine, engines=engines, model=model, live=not static_only,
+                                    gpu_source=gpu_source, timeout=timeout))
+    json_out = as_json if as_json is not None else (ctx.obj.as_json if isinstance(ctx.obj, Target) else False)
+    if json_out:
+        _print_json({"engine": engine, "ok": not any(c.failed for c in checks),
+                     "checks": [c.as_dict() for c in checks]})
+    else:
+        click.echo(render(checks))
+    if any(c.failed for c in checks):
+        ctx.exit(1)
 
 
 def main() -> None:  # pragma: no cover - `python -m llmgw.cli.ctl`

@@ -68,13 +68,15 @@ async def _start_demo_fleet(seed: int) -> tuple[list[Any], list[EndpointConfig],
 
 
 def _demo_control(cfg: Config) -> Config:
-    """The demo's control plane: a free loopback port, a random join token, a 2 s heartbeat."""
+    """The demo's control plane: a free loopback port, a random join token, a 2 s heartbeat,
+    deployments kept in memory (the demo leaves nothing behind)."""
     import secrets
 
     from ..config import ControlConfig
 
     control = ControlConfig(
-        listen=("127.0.0.1", 0), join_tokens=(secrets.token_urlsafe(24),), heartbeat_interval=2.0, heartbeat_grace=6.0
+        listen=("127.0.0.1", 0), join_tokens=(secrets.token_urlsafe(24),), heartbeat_interval=2.0, heartbeat_grace=6.0,
+        database="sqlite::memory:",
     )
     return dataclasses.replace(cfg, control=control)
 

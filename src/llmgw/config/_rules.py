@@ -426,4 +426,26 @@ _STRINGS = _list_of(_TEXT, "expected a list of strings", non_empty=False)
 _ENV_MAP = _Rule(
     _env_map, {"type": "object", "propertyNames": {"pattern": _ENV.pattern}, "additionalProperties": _TEXT.schema}
 )
+_LABEL = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/-]{0,62}$")
+
+
+def _label_map(v: Any) -> Mapping[str, str]:
+    message = "expected a mapping of label names to values, e.g. {zone: eu-1}"
+    if not isinstance(v, Mapping):
+        raise _Bad(message)
+    out: dict[str, str] = {}
+    for name, value in v.items():
+        if not isinstance(name, str) or not _LABEL.match(name):
+            raise _Bad(f"{name!r} is not a label name (letters, digits, '.', '_', '/', '-'; at most 63)")
+        text = _text(value)
+        if len(text) > 63 or any(c.isspace() for c in text):
+            raise _Bad(f"{name}: a label value has at most 63 characters and no spaces")
+        out[name] = text
+    return out
+
+
+_LABEL_MAP = _Rule(
+    _label_map,
+    {"type": "object", "propertyNames": {"pattern": _LABEL.pattern}, "additionalProperties": {"type": "string"}},
+)
 _ADDRESSES = _list_of(_HOSTPORT, "expected HOST:PORT or a non-empty list of them", one_or_many=True)

@@ -2,13 +2,17 @@
 
 ``llmgw agent --config FILE`` reads it (flags override it). It is read like
 ``llmgw.yaml`` (every problem in one pass, each on its YAML line), by the same
-rules and problem collection. ``engines:`` is validated now and used by the
-launchers (the replica issue).
+rules and problem collection. ``engines:`` says where each engine is,
+``state_dir:`` where the agent keeps its replicas' records, logs and models
+(:func:`default_state_dir`), ``labels:`` what deployments' node selectors match,
+``advertise:`` where the node's replicas are reached.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Annotated, Any
@@ -23,15 +27,67 @@ from ._rules import (
     _RUNNABLE_ENGINE,
     _TEXT,
     RUNNABLE_ENGINES,
+    _Bad,
     _choice,
     _env,
     _EnvValue,
+    _Rule,
+    _text,
 )
 from ._yaml import _read_yaml
 from .model import _SECTION, _default, _In
 
 GPU_SOURCES = ("auto", "nvml", "nvidia-smi", "none", "simulated")
 _GPU_SOURCE = _choice("gpu source", GPU_SOURCES)
+
+_LABEL_KEY = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9._/-]{0,251}[A-Za-z0-9])?$")
+_LABEL_VALUE = re.compile(r"^[^\x00-\x1f\x7f]{0,253}$")
+_HOST = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9.-]{0,251}[A-Za-z0-9])?$")
+
+
+def _labels(v: Any) -> Mapping[str, str]:
+    if not isinstance(v, Mapping):
+        raise _Bad("expected a mapping of label names to values, e.g. {zone: eu-1, gpu: h100}")
+    if len(v) > 64:
+        raise _Bad("at most 64 labels")
+    out: dict[str, str] = {}
+    for k, value in v.items():
+        if not isinstance(k, str) or not _LABEL_KEY.match(k):
+            raise _Bad(f"label {k!r}: use letters, digits, '.', '_', '/' or '-' (at most 253), "
+                       "starting and ending with a letter or digit")
+        text = _text(value)
+        if not _LABEL_VALUE.match(text):
+            raise _Bad(f"label {k}: the value must be at most 253 characters without control characters")
+        out[k] = text
+    return out
+
+
+def _host(v: Any) -> str:
+    s = _text(v).strip()
+    try:
+        return str(ipaddress.ip_address(s[1:-1] if s.startswith("[") and s.endswith("]") else s))
+    except ValueError:
+        pass
+    if not _HOST.match(s) or s.replace(".", "").isdigit():
+        raise _Bad(f"{s!r} is not a host name or IP address (no port: the agent picks each replica's)")
+    return s
+
+
+_LABELS = _Rule(_labels, {"type": "object", "additionalProperties": {"type": "string", "maxLength": 253},
+                          "maxProperties": 64})
+_ADVERTISE = _Rule(_host, {"type": "string", "examples": ["10.0.0.5", "gpu-node-3.example.net"]})
+
+
+def default_state_dir() -> str:
+    """Where the agent keeps its replicas' state, logs and models when ``state_dir:`` is not set:
+    ``$XDG_STATE_HOME/llmgw-agent`` when that is set, else ``/var/lib/llmgw-agent`` as root, else
+    ``~/.local/state/llmgw-agent``."""
+    xdg = os.environ.get("XDG_STATE_HOME")
+    if xdg:
+        return os.path.join(xdg, "llmgw-agent")
+    if hasattr(os, "geteuid") and os.geteuid() == 0:
+        return "/var/lib/llmgw-agent"
+    return os.path.join(os.path.expanduser("~"), ".local", "state", "llmgw-agent")
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,6 +117,9 @@ class AgentConfig:
     tls_key: str | None = None
     insecure: bool = False
     engines: Mapping[str, AgentEngineConfig] = field(default_factory=dict)
+    state_dir: str | None = None  # None: default_state_dir()
+    labels: Mapping[str, str] = field(default_factory=dict)
+    advertise: str | None = None  # None: the address the control plane sees the agent at
     source: str | None = None
 
 
@@ -91,6 +150,16 @@ class _AgentIn(_In):
         default_factory=dict, json_schema_extra={"propertyNames": {"enum": list(RUNNABLE_ENGINES)}}
     )
     """Per engine, how to start it."""
+    state_dir: Annotated[str, _TEXT] | None = _default(AgentConfig, "state_dir")
+    """Where the agent keeps its replicas' records, their log files and the models fetched from the control
+    plane's mirror (default $XDG_STATE_HOME/llmgw-agent when set, else /var/lib/llmgw-agent as root, else
+    ~/.local/state/llmgw-agent). A restarted agent
+    finds the replicas still running there and adopts them."""
+    labels: Annotated[Mapping[str, str], _LABELS] = Field(default_factory=dict)
+    """This node's labels, e.g. {zone: eu-1}: deployments' node_labels select nodes by them."""
+    advertise: Annotated[str, _ADVERTISE] | None = _default(AgentConfig, "advertise")
+    """The host name or IP where this node's replicas are reached (the engines listen there); default: the
+    address the control plane sees the agent at, with the engines listening on every interface."""
 
 
 def load_agent(data: Any, source: str | None = None) -> AgentConfig:
@@ -124,6 +193,9 @@ def _build_agent(data: Any, problems: _Problems) -> AgentConfig:
         tls_key=v["tls_key"],
         insecure=v["insecure"],
         engines=v["engines"],
+        state_dir=v["state_dir"],
+        labels=v["labels"] or {},
+        advertise=v["advertise"],
         source=problems.source,
     )
 

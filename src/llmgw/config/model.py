@@ -29,6 +29,7 @@ from ._rules import (
     _HEADER_NAME,
     _HOSTPORT,
     _IDENT,
+    _LABEL_MAP,
     _METRIC_NAMES,
     _METRICS_PATH,
     _MODEL_NAME,
@@ -86,6 +87,9 @@ class EndpointConfig:
     host: str = "127.0.0.1"
     port: int = 80
     base_path: str = ""
+    # set on a replica the control plane runs (llmgw.control.deployments); None for endpoints: entries
+    deployment: str | None = None
+    node: str | None = None
 
     @property
     def model(self) -> str:
@@ -198,11 +202,50 @@ class ScrapeConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class PrefixConfig:
+    """The ``prefix`` strategy's knobs (``routing.prefix:``); docs/routing.md explains them.
+
+    ``block_bytes`` is rounded down to a multiple of 8, and ``max_blocks`` lowered so
+    that ``block_bytes * max_blocks`` is at most 64 KiB.
+    """
+
+    block_bytes: Annotated[int, _int(64, 4096)] = 256
+    """The prompt's leading content is hashed in blocks of this many bytes (about 64 tokens)."""
+    max_blocks: Annotated[int, _int(1, 1024)] = 64
+    """Blocks hashed per request at most: the longest prefix routing can tell apart."""
+    index_entries: Annotated[int, _int(64, 1 << 24)] = 16384
+    """Slots of each model's prefix index (24 bytes each: 384 KiB by default), per router."""
+    session_entries: Annotated[int, _int(64, 1 << 24)] = 4096
+    """Slots of each model's session table (24 bytes each), per router."""
+    entry_ttl: Annotated[float, _duration(1.0)] = 600.0
+    """An index or session entry not used for this long is forgotten."""
+    load_bound: Annotated[float, _num(0.0, 100.0)] = 0.25
+    """A cached replica is preferred while it has a free slot or its utilisation (load / slots)
+    exceeds the least-loaded choice's by at most this much; past it the request goes where score sends it."""
+    session_header: Annotated[str, _HEADER_NAME] = "x-session-id"
+    """The request header naming a conversation (else the body's prompt_cache_key, safety_identifier, user)."""
+
+    __pydantic_config__ = _SECTION
+
+    @property
+    def block(self) -> int:
+        """``block_bytes`` as used: a multiple of 8."""
+        return self.block_bytes // 8 * 8
+
+    @property
+    def blocks(self) -> int:
+        """``max_blocks`` as used: ``block * blocks`` is at most 64 KiB."""
+        return min(self.max_blocks, 65536 // self.block)
+
+
+@dataclass(frozen=True, slots=True)
 class RoutingConfig:
     """How a replica is chosen (``routing:`` section)."""
 
     strategy: Annotated[str, _STRATEGY] = "score"
-    """score, least_inflight or round_robin."""
+    """score, least_inflight, round_robin or prefix."""
+    prefix: PrefixConfig = field(default_factory=PrefixConfig)
+    """The prefix strategy's knobs."""
 
     __pydantic_config__ = _SECTION
 
@@ -309,28 +352,54 @@ class ControlConfig:
 
 @dataclass(frozen=True, slots=True)
 class DeploymentConfig:
-    """One model deployment the control plane would run (``deployments[]``). Reserved: not used yet."""
+    """One model deployment the control plane runs (``deployments[]``; docs/deployments.md)."""
 
     name: Annotated[str, _IDENT]
     """Unique name of the deployment."""
     model: Annotated[str, _MODEL_NAME]
-    """The model to run (a mirror name or a path the engine understands)."""
+    """The model: a mirror reference (tiny:1b), a file path on the nodes, or an id the engine downloads itself."""
     engine: Annotated[str, _RUNNABLE_ENGINE] = "vllm"
     """The engine that runs it."""
     replicas: Annotated[int, _int(0, 1024)] = 1
     """How many replicas to run."""
-    gpus: Annotated[int, _int(0, 64)] = 1
-    """GPUs per replica (0: CPU)."""
+    gpus: Annotated[int, _int(0, 64)] | None = None
+    """GPUs per replica (0: CPU); default 1, or 0 for llamacpp."""
     gpu_memory: Annotated[int, _size()] | None = None
-    """GPU memory per replica (a size), when the engine should be held to less than a whole GPU."""
+    """GPU memory each replica needs on each of its GPUs (a size); default: from the mirror's GGUF facts."""
     args: Annotated[tuple[str, ...], _STRINGS] = ()
     """Extra command-line arguments for the engine."""
     env: Annotated[Mapping[str, str], _ENV_MAP] = field(default_factory=dict, repr=False)
     """Extra environment variables for the engine."""
     served_name: Annotated[str, _MODEL_NAME] | None = None
-    """The model name clients use (default: model)."""
+    """The model name clients use (default: the deployment's name)."""
+    gpu_model: Annotated[str, _TEXT] | None = None
+    """Only GPUs whose name contains this (case-insensitive): H100, A100-SXM4-80GB."""
+    node_labels: Annotated[Mapping[str, str], _LABEL_MAP] = field(default_factory=dict)
+    """Only nodes with every one of these labels (the agent's labels:)."""
+    share_gpus: Annotated[bool, _FLAG] = False
+    """true: replicas may share a GPU (each holds gpu_memory of it); default one replica per GPU."""
+    slots: Annotated[int, _int(1, 4096)] | None = None
+    """Parallel sequences per replica (llama.cpp -np)."""
+    context: Annotated[int, _int(1, 10_000_000)] | None = None
+    """Context length in tokens (llama.cpp -c: shared by the slots)."""
+    memory: Annotated[int, _size()] | None = None
+    """Node memory a CPU replica needs (default: from the mirror's GGUF facts)."""
+    cpu_cores: Annotated[float, _num(0.0, 4096.0)] | None = None
+    """CPU cores a CPU replica claims (default: none claimed)."""
 
     __pydantic_config__ = _SECTION
+
+    @property
+    def gpu_count(self) -> int:
+        """GPUs per replica, the engine's default applied."""
+        if self.gpus is not None:
+            return self.gpus
+        return 0 if self.engine == "llamacpp" else 1
+
+    @property
+    def model_name(self) -> str:
+        """The name clients use."""
+        return self.served_name or self.name
 
 
 @dataclass(frozen=True, slots=True)
@@ -362,7 +431,6 @@ class Config:
     mirror_root: str | None = None
     admin_token: str | None = field(default=None, repr=False)
     source: str | None = None
-    # reserved for the control plane: validated, nothing reads them yet
     control: ControlConfig | None = None
     deployments: tuple[DeploymentConfig, ...] = ()
     follow: FollowConfig | None = None
@@ -508,12 +576,13 @@ class _ControlIn(_In):
     heartbeat_grace: Annotated[float, _duration(0.1)] | None = None
     """A node silent this long is lost (default: three heartbeat intervals)."""
     database: Annotated[str, _SECRET] | None = Field(default=None, repr=False)
-    """Where the control plane keeps its state: postgresql://USER@HOST:PORT/DB (several llmgw serve processes share
-    it and elect a leader; docs/ha.md) or sqlite:///PATH (one machine); default: none (control.state_file)."""
+    """Where the control plane keeps all its state: postgresql://USER@HOST:PORT/DB (several llmgw serve processes share
+    it and elect a leader; docs/ha.md), sqlite:///RELATIVE/PATH, sqlite:////ABSOLUTE/PATH or sqlite::memory:; default:
+    an SQLite file (deployments.sqlite3 beside state_file, else ~/.local/state/llmgw/control.sqlite3)."""
     database_env: Annotated[_EnvValue, _env("database")] | None = None
     """The environment variable holding control.database (it may carry a password)."""
     lease: Annotated[float, _duration(0.3)] = _default(ControlConfig, "lease")
-    """With a database: the leader's lease; a standby takes over this long after the leader stops renewing."""
+    """The leader's lease; a standby takes over this long after the leader stops renewing."""
     advertise: Annotated[str, _TEXT] | None = _default(ControlConfig, "advertise")
     """The host name or address other processes and agents reach this one at (standbys name the leader by it);
     default: the listen host, or this machine's FQDN when that is a wildcard."""
@@ -567,5 +636,5 @@ class _ConfigIn(_In):
     mirror: _MirrorIn = Field(default_factory=_MirrorIn)
     control: _ControlIn | None = None
     deployments: tuple[DeploymentConfig, ...] = ()
-    """Reserved for the control plane: the deployments it would run."""
+    """The deployments the control plane runs (needs control:)."""
     follow: _FollowIn | None = None

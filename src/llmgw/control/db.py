@@ -39,10 +39,10 @@ from collections.abc import AsyncIterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import urlsplit
 
 from ..errors import ConfigError
 from ..log import control_logger as log
+from .dburl import MEMORY, parse_database_url, redact
 
 __all__ = [
     "MIGRATIONS",
@@ -107,15 +107,6 @@ MIGRATIONS: tuple[Migration, ...] = (
 )
 
 _PLACEHOLDER = re.compile(r"\$(\d+)")
-
-
-def redact(url: str) -> str:
-    """The URL without its password (for logs and errors)."""
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    netloc = parts.netloc.rsplit("@", 1)
-    return url.replace(parts.netloc, f"{parts.username or ''}:***@{netloc[-1]}", 1)
 
 
 class Tx:
@@ -306,6 +297,26 @@ class _SqliteTx(Tx):
         return await self.db._call(lambda c: [tuple(r) for r in c.execute(_PLACEHOLDER.sub(r"?\1", sql), args)])
 
 
+def _lock_one_process(path: str) -> Any:
+    """Hold ``PATH.lock`` exclusively while open: one process per SQLite file (it takes the lease at once).
+
+    Raises:
+        OSError: another process holds it (the message says what to do).
+    """
+    import fcntl
+
+    f = open(path + ".lock", "a+")  # noqa: SIM115 (held open while the database is)
+    try:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.close()
+        raise OSError(
+            f"another llmgw serve uses {path} (an SQLite database serves one process; several control planes "
+            "share a postgresql:// database)"
+        ) from None
+    return f
+
+
 class SqliteDatabase(Database):
     """One connection, used from one worker thread (sqlite3 calls block); transactions one at a time."""
 
@@ -317,6 +328,7 @@ class SqliteDatabase(Database):
         self._conn: sqlite3.Connection | None = None
         self._pool: ThreadPoolExecutor | None = None
         self._lock = asyncio.Lock()
+        self._lock_file: Any = None
 
     def sql(self, text: str) -> str:
         return text.replace("{now}", "((julianday('now') - 2440587.5) * 86400.0)").replace(
@@ -331,16 +343,22 @@ class SqliteDatabase(Database):
             raise DatabaseError(f"{self.path}: {exc}") from exc
 
     async def open(self) -> None:
-        d = os.path.dirname(os.path.abspath(self.path))
-        try:
-            os.makedirs(d, exist_ok=True)
-        except OSError as exc:
-            raise DatabaseError(f"cannot create {d}: {exc.strerror or exc}") from exc
+        memory = self.path == MEMORY
+        if not memory:
+            d = os.path.dirname(os.path.abspath(self.path))
+            try:
+                os.makedirs(d, exist_ok=True)
+                if not os.path.exists(self.path):  # SECURITY: the replicas' API keys are inside
+                    os.close(os.open(self.path, os.O_CREAT | os.O_WRONLY, 0o600))
+                self._lock_file = _lock_one_process(self.path)
+            except OSError as exc:
+                raise DatabaseError(f"cannot open {self.path}: {exc.strerror or exc}") from exc
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="llmgw-sqlite")
 
         def connect() -> sqlite3.Connection:
             c = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False, timeout=10.0)
-            c.execute("PRAGMA journal_mode=WAL")
+            if not memory:
+                c.execute("PRAGMA journal_mode=WAL")
             c.execute("PRAGMA synchronous=NORMAL")
             return c
 
@@ -349,7 +367,13 @@ class SqliteDatabase(Database):
         except sqlite3.Error as exc:
             self._pool.shutdown(wait=False)
             self._pool = None
+            self._unlock()
             raise DatabaseError(f"cannot open {self.path}: {exc}") from exc
+
+    def _unlock(self) -> None:
+        f, self._lock_file = self._lock_file, None
+        if f is not None:
+            f.close()
 
     async def close(self) -> None:
         conn, self._conn = self._conn, None
@@ -358,6 +382,7 @@ class SqliteDatabase(Database):
             if conn is not None:
                 await asyncio.get_running_loop().run_in_executor(pool, conn.close)
             pool.shutdown(wait=True)
+        self._unlock()
 
     @contextlib.asynccontextmanager
     async def transaction(self, timeout: float | None = None, *, lease: bool = False) -> AsyncIterator[Tx]:
@@ -375,25 +400,16 @@ class SqliteDatabase(Database):
 
 
 def open_database(url: str) -> Database:
-    """The :class:`Database` for ``control.database`` (not opened yet).
+    """The :class:`Database` for ``control.database`` (not opened yet; forms in :mod:`.dburl`).
 
     Raises:
-        ConfigError: not a ``postgresql://`` or ``sqlite:///`` URL.
+        ConfigError: a URL in none of the forms.
     """
-    scheme = url.split(":", 1)[0].lower()
-    if scheme in ("postgresql", "postgres"):
+    parsed = parse_database_url(url)
+    if parsed.dialect == "postgresql":
         return PostgresDatabase(url)
-    if scheme == "sqlite":
-        if not url.lower().startswith("sqlite:///") or len(url) <= len("sqlite:///"):
-            raise ConfigError(
-                "control.database", "an SQLite URL is sqlite:///PATH (relative) or sqlite:////ABSOLUTE/PATH"
-            )
-        rest = url[len("sqlite:///"):]
-        return SqliteDatabase(url, os.path.expanduser(rest))
-    raise ConfigError(
-        "control.database",
-        f"expected postgresql://USER@HOST:PORT/DB or sqlite:///PATH, got {redact(url)[:80]!r}",
-    )
+    assert parsed.path is not None
+    return SqliteDatabase(url, parsed.path)
 
 
 # -- stores --

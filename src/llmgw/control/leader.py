@@ -108,6 +108,10 @@ class Leadership:
         self.clock = clock
         self.rng = rng or random.Random()
         self.renew_every = lease / 3
+        self.exclusive = not db.shared
+        """SQLite: this process alone opens the database (module docstring of :mod:`.db`)."""
+        self._live = "" if self.exclusive else " AND expires_at > {now}"
+        """The fence's expiry condition (none on an exclusive database: its lease cannot pass to another)."""
         self.renew_deadline = lease * 2 / 3
         self.epoch: int | None = None
         """The epoch of the term this process leads (``None``: not leading)."""
@@ -128,8 +132,12 @@ class Leadership:
     # -- state --
 
     def acting(self) -> bool:
-        """Whether this process leads now: it has a term and its renew deadline has not passed."""
-        return self.epoch is not None and self.clock() < self.deadline
+        """Whether this process leads now: it has a term and its renew deadline has not passed.
+
+        On a database no other process can open (SQLite, under its file lock) there is no
+        deadline: nobody can take over, so a process paused or held up acts on when it resumes.
+        """
+        return self.epoch is not None and (self.exclusive or self.clock() < self.deadline)
 
     @property
     def last_epoch(self) -> int | None:
@@ -145,8 +153,14 @@ class Leadership:
 
     # -- the loop --
 
-    def start(self) -> None:
-        self._task = asyncio.create_task(self._run(), name="llmgw-leader-election")
+    def start(self, *, attempted: bool = False) -> None:
+        """Campaign (or renew) in a loop from now on (``attempted``: :meth:`first` just made an attempt)."""
+        self._task = asyncio.create_task(self._run(not attempted), name="llmgw-leader-election")
+
+    async def first(self) -> None:
+        """The first attempt, awaited, then :meth:`start`: alone, this process leads when it returns."""
+        await self._attempt()
+        self.start(attempted=True)
 
     async def stop(self, release: bool = True) -> None:
         """Stop campaigning; with ``release``, hand the lease back (successors need not wait it out)."""
@@ -168,23 +182,29 @@ class Leadership:
             except (DatabaseError, asyncio.TimeoutError, OSError) as exc:
                 log.warning("could not release the control-plane lease (%s); a successor waits it out", exc)
 
-    async def _run(self) -> None:
+    async def _attempt(self) -> None:
+        """One renew (leading) or campaign (not), its failure logged once: it never gives up."""
+        try:
+            if self.epoch is not None:
+                await self._renew()
+            else:
+                await self._campaign()
+            if self._last_error is not None:
+                log.info("the control-plane database answers again")
+                self._last_error = None
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # the database away, a timeout: keep campaigning, never give up
+            msg = f"{type(exc).__name__}: {exc}"
+            if msg != self._last_error:
+                log.warning("leader election: %s (retrying every %.1fs)", msg, self.renew_every)
+                self._last_error = msg
+
+    async def _run(self, now: bool = True) -> None:
         while not self._stop.is_set():
-            try:
-                if self.epoch is not None:
-                    await self._renew()
-                else:
-                    await self._campaign()
-                if self._last_error is not None:
-                    log.info("the control-plane database answers again")
-                    self._last_error = None
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:  # the database away, a timeout: keep campaigning, never give up
-                msg = f"{type(exc).__name__}: {exc}"
-                if msg != self._last_error:
-                    log.warning("leader election: %s (retrying every %.1fs)", msg, self.renew_every)
-                    self._last_error = msg
+            if now:
+                await self._attempt()
+            now = True
             if self.epoch is not None:
                 delay = self.renew_every
                 if self._last_error is not None:
@@ -213,7 +233,9 @@ class Leadership:
                 row = await self._lock_row(tx)
                 assert row is not None
             holder, epoch, expires_at, now, grpc_addr, admin_addr = row
-            if expires_at > now and holder and holder != self.holder:
+            # (SQLite is one process's, under a file lock: whatever holder the file names is a previous
+            # run of this one, so it takes the lease at once rather than waiting a crash's lease out)
+            if expires_at > now and holder and holder != self.holder and self.db.shared:
                 self.leader = LeaderInfo(holder, int(epoch), grpc_addr, admin_addr)
                 self._until_expiry = (float(expires_at) - float(now), self.clock())
                 return
@@ -253,7 +275,7 @@ class Leadership:
         async with self.db.transaction(timeout=self.renew_every, lease=True) as tx:
             n = await tx.execute(self.db.sql(
                 "UPDATE llmgw_lease SET expires_at = {now} + $4, renewed_at = {now} "
-                "WHERE name = $1 AND holder = $2 AND epoch = $3 AND expires_at > {now}"),
+                "WHERE name = $1 AND holder = $2 AND epoch = $3" + self._live),
                 self.name, self.holder, epoch, self.lease)
             if n != 1:
                 row = await self._lock_row(tx)
@@ -271,6 +293,9 @@ class Leadership:
     def _arm(self) -> None:
         if self._watchdog is not None:
             self._watchdog.cancel()
+            self._watchdog = None
+        if self.exclusive:
+            return
         loop = asyncio.get_running_loop()
         # (time.monotonic and the loop's clock are the same clock in asyncio; a test clock is not)
         self._watchdog = loop.call_later(max(0.0, self.deadline - self.clock()), self._check_deadline)
@@ -318,8 +343,8 @@ class Leadership:
             raise NotLeader("this control plane is not the leader", self.other_leader())
         async with self.db.transaction(timeout=max(1.0, self.renew_every)) as tx:
             ok = await tx.fetchval(self.db.sql(
-                "SELECT 1 FROM llmgw_lease WHERE name = $1 AND holder = $2 AND epoch = $3 AND expires_at > {now} "
-                "{for_share}"), self.name, self.holder, epoch)
+                "SELECT 1 FROM llmgw_lease WHERE name = $1 AND holder = $2 AND epoch = $3" + self._live +
+                " {for_share}"), self.name, self.holder, epoch)
             if ok is None:
                 raise NotLeader(f"fenced: epoch {epoch} no longer holds the lease", self.other_leader())
             yield tx, epoch

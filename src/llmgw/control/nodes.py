@@ -15,19 +15,35 @@ node.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from ..agent.model import Discovery
 from ..agent.wire import discovery_from_proto, discovery_to_proto, node_id_for, pb
 
+if TYPE_CHECKING:
+    from ..launch.spec import ReplicaStatus
+
 Reading = Discovery | pb.Discovery
 """A node's reading: the model, or the message as it arrived (kept as it is until read)."""
 
-__all__ = ["NodeMap", "NodeState"]
+__all__ = ["NodeMap", "NodeState", "peer_host"]
 
 UP = "up"
 UNHEALTHY = "unhealthy"
+
+
+def peer_host(peer: str) -> str:
+    """The host of a gRPC peer string: ``ipv4:10.0.0.5:41234`` -> ``10.0.0.5``, ``ipv6:[::1]:5`` -> ``::1``."""
+    kind, _, rest = peer.partition(":")
+    if not rest:
+        return peer
+    if kind == "ipv6":
+        return rest[1:rest.index("]")] if rest.startswith("[") and "]" in rest else rest.rpartition(":")[0]
+    if kind == "ipv4":
+        return rest.rpartition(":")[0]
+    return rest  # unix:... and the like: as it is
 
 
 @dataclass
@@ -56,6 +72,12 @@ class NodeState:
     cordoned: bool = False
     generation: int = 0
     """Bumped on every change (a cache of what was rendered from it can compare)."""
+    labels: Mapping[str, str] = field(default_factory=dict)
+    """The node's labels (agent config ``labels:``), as its latest registration said."""
+    advertise: str | None = None
+    """Where its replicas are reached, as the agent said (``advertise:``); ``None``: :attr:`peer`'s host."""
+    replicas: tuple[ReplicaStatus, ...] = ()
+    """The replica statuses its latest heartbeat carried (agents of protocol 1.2 or later)."""
     _model: Discovery | None = field(default=None, repr=False)
     _wire: pb.Discovery | None = field(default=None, repr=False)
 
@@ -84,6 +106,11 @@ class NodeState:
         if w is None:
             w = self._wire = discovery_to_proto(self.reading)  # type: ignore[arg-type]
         return w
+
+    @property
+    def address(self) -> str:
+        """Where the node's replicas are reached: the advertised address, else the host gRPC saw the agent at."""
+        return self.advertise or peer_host(self.peer)
 
     def age(self, now: float) -> float:
         """Seconds since it was last heard from (``now``: monotonic)."""
@@ -128,7 +155,8 @@ class NodeMap:
         return self._nodes.get(name) if name is not None else None
 
     def register(
-        self, name: str, *, peer: str, agent_version: str, protocol: tuple[int, int], discovery: Reading
+        self, name: str, *, peer: str, agent_version: str, protocol: tuple[int, int], discovery: Reading,
+        labels: Mapping[str, str] | None = None, advertise: str | None = None,
     ) -> tuple[NodeState, bool]:
         """Add the node, or take it back (same name: same node, same id); ``(state, created)``."""
         wall, mono = self.clock(), self.monotonic()
@@ -137,12 +165,13 @@ class NodeMap:
             st = NodeState(
                 node_id=node_id_for(name), name=name, peer=peer, agent_version=agent_version, protocol=protocol,
                 reading=discovery, registered_at=wall, last_heartbeat=wall, last_seen=mono,
-                cordoned=name in self.cordoned,
+                cordoned=name in self.cordoned, labels=dict(labels or {}), advertise=advertise,
             )
             self._nodes[name] = st
             self._by_id[st.node_id] = name
             return st, True
         st.peer, st.agent_version, st.protocol = peer, agent_version, protocol
+        st.labels, st.advertise = dict(labels or {}), advertise
         st.set_reading(discovery)
         st.registered_at = st.last_heartbeat = wall
         st.last_seen = mono

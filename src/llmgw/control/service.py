@@ -21,6 +21,7 @@ import asyncio
 import hashlib
 import hmac
 import ipaddress
+import itertools
 import json
 import socket
 import time
@@ -32,25 +33,69 @@ import grpc
 
 from .. import __version__
 from .._proto.agent.v1 import agent_pb2_grpc
-from ..agent.wire import PROTOCOL, SERVER_OPTIONS, TOKEN_METADATA, compatible, node_id_for, pb
+from ..agent.wire import (
+    PROTOCOL,
+    SERVER_OPTIONS,
+    TOKEN_METADATA,
+    compatible,
+    node_id_for,
+    pb,
+    runs_replicas,
+    spec_to_proto,
+    status_from_proto,
+)
 from ..errors import ConfigError, HTTPError
 from ..log import control_logger as log
+from ..mirror.serve import BlobServer
+from .credentials import NodeCredentials
 from .nodes import NodeMap, NodeState
 from .thread import ControlThread, MainHop
 
 if TYPE_CHECKING:
     from ..admin.app import AdminApp
     from ..config import Config, ControlConfig
+    from ..launch.spec import ReplicaController
+    from .deployments import DeploymentController, Router
+    from .resolve import Resolver
 
-__all__ = ["LEADER_METADATA", "LEASE_METADATA", "ControlPlane", "ControlStats"]
+__all__ = ["LEADER_METADATA", "LEASE_METADATA", "ControlPlane", "ControlStats", "ReplicaLogsError"]
 
 MAX_NAME = 253
+MAX_LABELS = 64
+MAX_LABEL = 253
+MAX_LOG_LINES = 10_000
 LEADER_METADATA = "llmgw-leader"
 """Trailing metadata of a standby's refusal (UNAVAILABLE): the leader's gRPC address, when known."""
 LEASE_METADATA = "llmgw-lease-ms"
 """Initial metadata of a leader's RegisterResponse (with a database): its lease, milliseconds. The
 agent then expects an answer on its heartbeat stream at least every third of it (a paused
 leader's silence is noticed though its TCP connection stays up) and times its calls out sooner."""
+LOG_TIMEOUT = 10.0
+"""How long ``ctl logs`` waits for the node's answer, seconds (a stream agent answers at once;
+one on Heartbeat calls at its next beat)."""
+
+
+CHECK_ALLOWANCE = 180.0
+"""Seconds an engine check may take beyond its readiness timeout (the static checks: a --help each)."""
+
+
+def _put_asks(resp: pb.HeartbeatResponse, asks: list[pb.LogRequest | pb.EngineCheckRequest]) -> None:
+    for a in asks:
+        if isinstance(a, pb.LogRequest):
+            resp.log_requests.append(a)
+        else:
+            resp.engine_checks.append(a)
+
+
+class ReplicaLogsError(Exception):
+    """What a node was asked and cannot be had (a log tail, an engine check): ``status`` (404 unknown
+    replica or node, 409 an agent too old, 504 no answer, 502 the node's error) and ``code``."""
+
+    def __init__(self, message: str, status: int, code: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.code = code
+
 
 
 @dataclass
@@ -144,17 +189,26 @@ class _Tokens:
 class _Stream:
     """One agent's heartbeat stream: answers the main loop decides, written on the control loop."""
 
-    __slots__ = ("context", "loop", "queue", "said", "said_at", "stats")
+    __slots__ = ("acked", "closed", "context", "loop", "node", "queue", "replicas", "said", "said_at", "sent", "stats")
 
     def __init__(self, context: Any, loop: asyncio.AbstractEventLoop, stats: ControlStats) -> None:
         self.context = context
         self.loop = loop
         self.stats = stats
         self.queue: asyncio.Queue[Any] = asyncio.Queue()
+        # (the rest: main loop only)
         self.said: tuple[float, bool] | None = None
-        """The answer last sent (main loop only): the next one only when it differs."""
+        """The answer last sent: the next one only when it differs."""
         self.said_at = 0.0
         """When it was sent (monotonic; with a database answers also come every third of the lease)."""
+        self.node: str | None = None
+        self.replicas = False
+        """The agent runs replicas (its beats carry applied_generation)."""
+        self.acked: int | None = None
+        """The generation the agent last said it applied."""
+        self.sent: int | None = None
+        """The generation last sent on this stream (not again until the agent acknowledges another)."""
+        self.closed = False
 
     def push(self, item: Any) -> None:
         """Queue a response (or an ``(code, message)`` ending) for the agent; from any thread."""
@@ -182,7 +236,8 @@ class AgentService(agent_pb2_grpc.AgentServiceServicer):
     """
 
     def __init__(
-        self, nodes: NodeMap, control: Callable[[], ControlConfig], stats: ControlStats, hop: MainHop | None = None
+        self, nodes: NodeMap, control: Callable[[], ControlConfig], stats: ControlStats, hop: MainHop | None = None,
+        controller: ReplicaController | None = None,
     ) -> None:
         self.nodes = nodes
         self.control = control
@@ -199,6 +254,233 @@ class AgentService(agent_pb2_grpc.AgentServiceServicer):
         """With a database: the lease (answers on a heartbeat stream come at least every third of it)."""
         self.streams: set[asyncio.Task[Any]] = set()
         """The heartbeat streams' handler tasks (control loop; cancelled when this process stops leading)."""
+        # (the rest: main loop only)
+        self.controller: ReplicaController | None = None
+        self._links: dict[str, _Stream] = {}
+        """Node name -> its open heartbeat stream (the latest one)."""
+        self._ask_ids = itertools.count(1)
+        self._asks: dict[str, list[pb.LogRequest | pb.EngineCheckRequest]] = {}
+        """Node name -> what it is asked (log tails, engine checks) and has not been written yet."""
+        self._waits: dict[int, tuple[str, asyncio.Future[Any]]] = {}
+        """Request id -> (the node asked, the answer's future)."""
+        self.credentials: NodeCredentials | None = None  # the nodes' mirror credentials (ControlPlane sets it)
+        self.mirror_access: Callable[[str], tuple[str, str] | None] | None = None
+        """Node name -> ``(mirror base URL, the node's credential)`` sent in Register's answer; ``None``
+        (or a ``None`` answer): the agents are given no mirror access."""
+        if controller is not None:
+            self.attach(controller)
+
+    # -- the replica controller (main loop) --
+
+    def attach(self, controller: ReplicaController | None) -> None:
+        """Use ``controller`` for desired sets and statuses (``None``: none; no replicas are sent)."""
+        self.controller = controller
+        if controller is not None:
+            controller.subscribe(self._changed)
+
+    def _changed(self, node: str) -> None:
+        """``node``'s desired set changed: pushed on its stream at once (agents on calls get it on their next beat)."""
+        link = self._links.get(node)
+        if link is not None and link.replicas and self.controller is not None:
+            self._answer_stream(link, None)
+
+    def _desired(self, node: str, applied: int | None, sent: int | None) -> tuple[int, pb.DesiredReplicas] | None:
+        """The desired set to send ``node`` when its generation is neither what it applied nor already sent."""
+        ctl = self.controller
+        if ctl is None:
+            return None
+        try:
+            gen, specs = ctl.desired(node)
+        except Exception:
+            log.exception("the replica controller failed to give node %s's desired set", node)
+            return None
+        if gen == sent or (gen == applied and applied != 0):  # (0: the agent applied nothing yet: send even a 0)
+            return None
+        msg = pb.DesiredReplicas(generation=gen)
+        msg.replicas.extend(spec_to_proto(s) for s in specs)
+        return gen, msg
+
+    def _report(self, st: NodeState, hb: pb.HeartbeatRequest) -> None:
+        """A beat's replica statuses: kept on the node and handed to the controller."""
+        statuses = tuple(status_from_proto(m) for m in hb.replicas) if hb.replicas else ()
+        st.replicas = statuses
+        ctl = self.controller
+        if ctl is not None:
+            try:
+                ctl.report(st.name, st.address, statuses)
+            except Exception:
+                log.exception("the replica controller failed on node %s's report", st.name)
+
+    def _gone(self, node: str) -> None:
+        link = self._links.pop(node, None)
+        if link is not None:
+            link.closed = True
+        self._asks.pop(node, None)
+        for rid, (n, fut) in list(self._waits.items()):
+            if n == node and not fut.done():
+                fut.set_exception(ReplicaLogsError(f"node {node} left the cluster", 502, "node_gone"))
+                self._waits.pop(rid, None)
+        if self.controller is not None:
+            try:
+                self.controller.node_gone(node)
+            except Exception:
+                log.exception("the replica controller failed on node %s leaving", node)
+
+    def _answer_stream(self, link: _Stream, st: NodeState | None) -> None:
+        """Push the stream's answer when one is due: a new interval or cordon, a desired set, requests."""
+        if link.closed or link.node is None:
+            return
+        if st is None:
+            st = self.nodes.get(link.node)
+            if st is None:
+                return
+        answer = (self.control().heartbeat_interval, st.cordoned)
+        desired = self._desired(link.node, link.acked, link.sent) if link.replicas else None
+        asks = self._asks.pop(link.node, None)
+        # with a database, also at least every third of the lease: the agent takes silence for a lost leader
+        every = self.lease_ms / 3000 if self.lease_ms is not None else None
+        now = time.monotonic() if every is not None else 0.0
+        if answer == link.said and desired is None and not asks and (every is None or now - link.said_at < every):
+            return
+        resp = pb.HeartbeatResponse(heartbeat_interval_seconds=answer[0], cordoned=answer[1])
+        if desired is not None:
+            resp.desired.CopyFrom(desired[1])
+            link.sent = desired[0]
+        if asks:
+            _put_asks(resp, asks)
+        link.said = answer
+        link.said_at = now
+        link.push(pb.StreamHeartbeatsResponse(heartbeat=resp))
+
+    def _unlink(self, link: _Stream) -> None:
+        link.closed = True
+        if link.node is not None and self._links.get(link.node) is link:
+            del self._links[link.node]
+
+    async def close(self) -> None:
+        """Nothing to cancel (pushes go through each stream's queue); kept for the component's stop."""
+
+
+    # -- log tails (ctl logs) --
+
+    def node_of_replica(self, replica_id: str) -> str | None:
+        """The node whose latest heartbeat reported ``replica_id``."""
+        for st in self.nodes:
+            for r in st.replicas:
+                if r.id == replica_id:
+                    return st.name
+        return None
+
+    async def replica_logs(self, replica_id: str, lines: int = 100, timeout: float = LOG_TIMEOUT) -> str:
+        """The last ``lines`` lines of a replica's log, asked of the node that runs it.
+
+        Raises:
+            ReplicaLogsError: no node reports that replica (404), the node did not answer in time (504),
+                or it could not read the log (502).
+        """
+        node = self.node_of_replica(replica_id)
+        st = self.nodes.get(node) if node is not None else None
+        if node is None or st is None:
+            raise ReplicaLogsError(
+                f"no node reports a replica {replica_id!r}; llmgw ctl deployments lists them", 404, "replica_not_found"
+            )
+        rid = next(self._ask_ids)
+        req = pb.LogRequest(request_id=rid, replica_id=replica_id, lines=max(1, min(lines, MAX_LOG_LINES)))
+        text: str = await self._ask(
+            node, rid, req, timeout,
+            f"node {node} did not answer for replica {replica_id}'s log within {timeout:g}s (is its agent up?)",
+        )
+        return text
+
+    async def _ask(self, node: str, rid: int, req: pb.LogRequest | pb.EngineCheckRequest, timeout: float,
+                   late: str) -> Any:
+        """Ask ``node`` (in its next stream answer, written at once, or call answer); its answer, bounded."""
+        fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self._waits[rid] = (node, fut)
+        self._asks.setdefault(node, []).append(req)
+        link = self._links.get(node)
+        if link is not None:
+            self._answer_stream(link, None)
+        try:
+            return await asyncio.wait_for(fut, timeout)
+        except asyncio.TimeoutError:
+            raise ReplicaLogsError(late, 504, "node_timeout") from None
+        finally:
+            self._waits.pop(rid, None)
+            q = self._asks.get(node)
+            if q is not None:
+                if req in q:
+                    q.remove(req)
+                if not q:
+                    self._asks.pop(node, None)
+
+    # -- engine checks on a node (ctl engine-check --node) --
+
+    async def engine_check(self, node: str, engine: str, *, model: str | None = None, static_only: bool = False,
+                           timeout: float = 600.0) -> list[dict[str, Any]]:
+        """Run ``llmgw ctl engine-check ENGINE`` on ``node``'s agent; the checks as ``Check.as_dict`` gives them.
+
+        Raises:
+            ReplicaLogsError: no such node (404), an agent that cannot run checks (409), no answer
+                within ``timeout`` plus the static checks' allowance (504), or the agent could not run them (502).
+        """
+        st = self.nodes.get(node)
+        if st is None:
+            raise ReplicaLogsError(f"no node {node!r}; llmgw ctl nodes lists them", 404, "node_not_found")
+        if not runs_replicas(st.protocol):
+            raise ReplicaLogsError(
+                f"node {node}'s agent speaks protocol {st.protocol[0]}.{st.protocol[1]}: it cannot run engine checks "
+                "(1.2 or later can); upgrade it, or run llmgw ctl engine-check on the node itself", 409, "agent_too_old",
+            )
+        rid = next(self._ask_ids)
+        req = pb.EngineCheckRequest(request_id=rid, engine=engine, static_only=static_only, timeout_seconds=timeout)
+        if model is not None:
+            req.model = model
+        wait = (0.0 if static_only else timeout) + CHECK_ALLOWANCE
+        checks: list[dict[str, Any]] = await self._ask(
+            node, rid, req, wait, f"node {node} did not answer the {engine} engine check within {wait:g}s",
+        )
+        return checks
+
+    async def EngineCheckResult(
+        self, request: pb.EngineCheckResultRequest, context: Any
+    ) -> pb.EngineCheckResultResponse:
+        await self._authenticate(context, "EngineCheckResult", request.node_name)
+        if request.HasField("error"):
+            result: Any = ReplicaLogsError(f"node {request.node_name}: {request.error}", 502, "check_failed")
+        else:
+            result = [{"check": c.name, "status": c.status, "detail": c.detail, "fix": c.fix or None}
+                      for c in request.checks]
+        accepted = await self._on_main(self._resolve, request.node_id, request.request_id, result)
+        if accepted is None:
+            await self._abort(context, "EngineCheckResult", grpc.StatusCode.NOT_FOUND,
+                              f"node {request.node_name!r} is not registered here: register again")
+        return pb.EngineCheckResultResponse(accepted=bool(accepted))
+
+    def _resolve(self, node_id: str, request_id: int, result: Any) -> bool | None:
+        """On the main loop: resolve what this node was asked and is still awaited (``None``: no such node)."""
+        st = self.nodes.by_id(node_id)
+        if st is None:
+            return None
+        wait = self._waits.get(request_id)
+        if wait is None or wait[0] != st.name or wait[1].done():  # a node answers only what it was asked
+            return False
+        if isinstance(result, Exception):
+            wait[1].set_exception(result)
+        else:
+            wait[1].set_result(result)
+        return True
+
+    async def ReplicaLogs(self, request: pb.ReplicaLogsRequest, context: Any) -> pb.ReplicaLogsResponse:
+        await self._authenticate(context, "ReplicaLogs", request.node_name)
+        result: Any = request.text
+        if request.HasField("error"):
+            result = ReplicaLogsError(f"node {request.node_name}: {request.error}", 502, "log_unavailable")
+        accepted = await self._on_main(self._resolve, request.node_id, request.request_id, result)
+        if accepted is None:
+            await self._abort(context, "ReplicaLogs", grpc.StatusCode.NOT_FOUND,
+                              f"node {request.node_name!r} is not registered here: register again")
+        return pb.ReplicaLogsResponse(accepted=bool(accepted))
 
     async def _on_main(self, fn: Callable[..., Any], *args: Any) -> Any:
         hop = self.hop
@@ -295,6 +577,18 @@ class AgentService(agent_pb2_grpc.AgentServiceServicer):
                 context, "Register", grpc.StatusCode.INVALID_ARGUMENT,
                 f"node_name must be 1-{MAX_NAME} printable characters without spaces, got {name[:60]!r}",
             )
+        labels = dict(request.labels)
+        bad = [k for k, v in labels.items() if not k or len(k) > MAX_LABEL or len(v) > MAX_LABEL
+               or not (k + v).isprintable()]
+        advertise = request.advertise_address if request.HasField("advertise_address") else None
+        if len(labels) > MAX_LABELS or bad or (advertise is not None and (
+                not advertise or len(advertise) > MAX_NAME or any(c.isspace() for c in advertise))):
+            self.stats.refuse("invalid_request")
+            await self._abort(
+                context, "Register", grpc.StatusCode.INVALID_ARGUMENT,
+                f"labels: at most {MAX_LABELS}, keys and values of 1-{MAX_LABEL} printable characters"
+                f"{f' (bad: {bad[0][:60]!r})' if bad else ''}; advertise_address: a host name or IP without spaces",
+            )
         await self._leader_only(context, "Register")
         discovery = request.discovery
         if self.on_register is not None:
@@ -305,7 +599,9 @@ class AgentService(agent_pb2_grpc.AgentServiceServicer):
                 await self._on_main_async(self.on_register, name, node_id_for(name), discovery, request.agent_version)
             except (NotLeader, DatabaseError) as exc:
                 await self._refuse_write(context, "Register", exc)
-        st, created = await self._on_main(self._register, name, peer, request.agent_version, theirs, discovery)
+        st, created, access = await self._on_main(
+            self._register, name, peer, request.agent_version, theirs, discovery, labels, advertise
+        )
         log.info(
             "node %s %sregistered from %s (agent %s, protocol %d.%d, %d GPU(s), source %s)",
             name, "" if created else "re-", peer, request.agent_version or "?", *theirs, len(discovery.gpus),
@@ -314,44 +610,67 @@ class AgentService(agent_pb2_grpc.AgentServiceServicer):
         c = self.control()
         if self.lease_ms is not None:
             await context.send_initial_metadata(((LEASE_METADATA, str(self.lease_ms)),))
-        return pb.RegisterResponse(
+        resp = pb.RegisterResponse(
             node_id=st.node_id,
             control_plane_version=__version__,
             protocol=pb.ProtocolVersion(major=PROTOCOL[0], minor=PROTOCOL[1]),
             heartbeat_interval_seconds=c.heartbeat_interval,
             heartbeat_grace_seconds=c.heartbeat_grace,
         )
+        if access is not None:
+            resp.mirror_url, resp.mirror_credential = access  # SECURITY: the credential is never logged
+        return resp
 
     def _register(
-        self, name: str, peer: str, agent_version: str, protocol: tuple[int, int], discovery: Any
-    ) -> tuple[NodeState, bool]:
+        self, name: str, peer: str, agent_version: str, protocol: tuple[int, int], discovery: Any,
+        labels: dict[str, str] | None = None, advertise: str | None = None,
+    ) -> tuple[NodeState, bool, tuple[str, str] | None]:
         st, created = self.nodes.register(
-            name, peer=peer, agent_version=agent_version, protocol=protocol, discovery=discovery
+            name, peer=peer, agent_version=agent_version, protocol=protocol, discovery=discovery, labels=labels,
+            advertise=advertise,
         )
         self.stats.registrations += 1
         if not created:
             self.stats.reregistrations += 1
-        return st, created
+        access = self.mirror_access(name) if self.mirror_access is not None and runs_replicas(protocol) else None
+        return st, created, access
 
-    def _beat(self, hb: Any, peer: str, at: tuple[float, float] | None = None) -> tuple[float, bool] | None:
-        """A heartbeat, on the main loop: the answer it gets, ``None`` for a node not registered here."""
+    def _beat(self, hb: Any, peer: str, at: tuple[float, float] | None = None) -> NodeState | None:
+        """A heartbeat, on the main loop: the node (its statuses reported), ``None`` when not registered here."""
         st = self.nodes.heartbeat(hb.node_id, hb.sequence, hb.discovery, peer=peer, at=at)
         if st is None:
             return None
         self.stats.heartbeats += 1
-        return (self.control().heartbeat_interval, st.cordoned)
+        if hb.HasField("applied_generation") and runs_replicas(st.protocol):
+            self._report(st, hb)
+        return st
+
+    def _unary_beat(self, hb: Any, peer: str) -> pb.HeartbeatResponse | None:
+        """A Heartbeat call, on the main loop: its answer (the desired set when due, requests); ``None``: unknown."""
+        st = self._beat(hb, peer)
+        if st is None:
+            return None
+        resp = pb.HeartbeatResponse(heartbeat_interval_seconds=self.control().heartbeat_interval, cordoned=st.cordoned)
+        if hb.HasField("applied_generation") and runs_replicas(st.protocol):
+            desired = self._desired(st.name, hb.applied_generation, None)
+            if desired is not None:
+                resp.desired.CopyFrom(desired[1])
+        asks = self._asks.pop(st.name, None)
+        if asks:
+            _put_asks(resp, asks)
+        return resp
 
     async def Heartbeat(self, request: pb.HeartbeatRequest, context: Any) -> pb.HeartbeatResponse:
         await self._authenticate(context, "Heartbeat", request.node_name)
         await self._leader_only(context, "Heartbeat")
-        answer = await self._on_main(self._beat, request, context.peer())
-        if answer is None:
+        resp: pb.HeartbeatResponse | None = await self._on_main(self._unary_beat, request, context.peer())
+        if resp is None:
             await self._abort(
                 context, "Heartbeat", grpc.StatusCode.NOT_FOUND,
                 f"node {request.node_name!r} is not registered here (the control plane restarted?): register again",
             )
             raise AssertionError("unreachable")
-        return pb.HeartbeatResponse(heartbeat_interval_seconds=answer[0], cordoned=answer[1])
+        return resp
 
     async def StreamHeartbeats(self, request_iterator: Any, context: Any) -> None:  # type: ignore[override]
         """Heartbeats on one stream: each message recorded and answered as :meth:`Heartbeat` would.
@@ -402,22 +721,28 @@ class AgentService(agent_pb2_grpc.AgentServiceServicer):
                 msg = await context.read()
         finally:
             writer.cancel()
+            if hop is None:
+                self._unlink(stream)
+            else:
+                hop.submit(self._unlink, stream)
 
     def _stream_beat(self, stream: _Stream, hb: Any, peer: str, at: tuple[float, float] | None) -> None:
         """A streamed heartbeat, on the main loop: recorded, and answered when the answer changed."""
-        answer = self._beat(hb, peer, at)
-        if answer is None:
+        st = self._beat(hb, peer, at)
+        if st is None:
             stream.push((grpc.StatusCode.NOT_FOUND,
                          f"node {hb.node_name!r} is not registered here (the control plane restarted?): register again"))
             return
-        # with a database, also at least every third of the lease: the agent takes silence for a lost leader
-        every = self.lease_ms / 3000 if self.lease_ms is not None else None
-        if answer != stream.said or (every is not None and time.monotonic() - stream.said_at >= every):
-            stream.said = answer
-            if every is not None:
-                stream.said_at = time.monotonic()
-            stream.push(pb.StreamHeartbeatsResponse(heartbeat=pb.HeartbeatResponse(
-                heartbeat_interval_seconds=answer[0], cordoned=answer[1])))
+        if stream.node != st.name:
+            if stream.node is not None and self._links.get(stream.node) is stream:
+                del self._links[stream.node]
+            stream.node = st.name
+        if not stream.closed:
+            self._links[st.name] = stream
+        if hb.HasField("applied_generation") and runs_replicas(st.protocol):
+            stream.replicas = True
+            stream.acked = hb.applied_generation
+        self._answer_stream(stream, st)
 
     async def Deregister(self, request: pb.DeregisterRequest, context: Any) -> pb.DeregisterResponse:
         await self._authenticate(context, "Deregister", request.node_name)
@@ -440,31 +765,49 @@ class AgentService(agent_pb2_grpc.AgentServiceServicer):
         if st is None:
             return False
         self.stats.deregistrations += 1
+        if self.credentials is not None:
+            self.credentials.revoke(st.name)
         log.info("node %s deregistered (%s)", st.name, reason or "no reason given")
+        self._gone(st.name)
         return True
 
 
 class ControlPlane:
-    """The control plane as a runtime component: gRPC listener, node map, cluster collector, nodes API.
+    """The control plane as a runtime component: gRPC listener, node map, cluster collector, nodes API,
+    and the deployments (:attr:`deployments`, a :class:`~.deployments.DeploymentController`, made at start).
 
     Args:
         config: the running configuration (called per use: a reload changes tokens
             and intervals); its ``control`` section must be set.
         admin: the admin app: the cluster collector goes on its ``/metrics`` and the
-            node routes on its management API. ``None``: neither (a bare control plane).
+            node and deployment routes on its management API. ``None``: neither (a bare control plane).
+        router: the router deployment replicas join when ready (``None``: they are placed and
+            launched but nobody routes to them here).
+        resolver: a model string -> the mirror's model (default: the mirror at ``mirror.root``).
     """
 
     name = "control plane"
 
     def __init__(
-        self, config: Callable[[], Config], admin: AdminApp | None = None, admin_addr: tuple[str, int] | None = None
+        self, config: Callable[[], Config], admin: AdminApp | None = None, admin_addr: tuple[str, int] | None = None,
+        router: Router | None = None, resolver: Resolver | None = None,
     ) -> None:
         self.config = config
         self.admin = admin
         self.admin_addr = admin_addr
+        self.router = router
+        self.resolver = resolver
+        self.deployments: DeploymentController | None = None
+        """The replicas' desired state (``ReplicaController``): the agent service asks it what each node runs."""
         self.stats = ControlStats()
         self.nodes = NodeMap(lambda: self._control().heartbeat_grace)
         self.service = AgentService(self.nodes, self._control, self.stats)
+        # Mirror blobs for the agents (admin listener, /mirror/v1/blobs/...), each node with its own
+        # credential; a node may fetch what the replicas placed on it need (mirror_server.allowed).
+        self.credentials = NodeCredentials()
+        self.service.credentials = self.credentials
+        self.service.mirror_access = self.mirror_access
+        self.mirror_server = BlobServer(self._mirror_root, self.credentials)
         self.server: grpc.aio.Server | None = None
         self.thread: ControlThread | None = None
         """The thread gRPC runs on (:mod:`.thread`), while the control plane runs."""
@@ -473,7 +816,8 @@ class ControlPlane:
         self._collector: Any = None
         self._leader_collector: Any = None
         self._last: ControlConfig | None = None
-        self._state: Any = None  # StateFile when control.state_file is set
+        self._import_cordon_names: tuple[str, set[str]] | None = None
+        """``control.state_file`` whose cordons go into the database just created (the upgrade from it)."""
         # with control.database (docs/ha.md); all of it on the main loop
         self.db: Any = None
         self.leadership: Any = None  # leader.Leadership
@@ -506,21 +850,54 @@ class ControlPlane:
             )
         creds = server_credentials(c)
         self.tls = creds is not None
-        if c.database is not None:
-            from .db import open_database
+        from .db import DatabaseError, open_database
+        from .dburl import default_database, redact
 
-            self.db = open_database(c.database)  # (raises ConfigError on a bad URL before anything binds)
-            # a standby from the first call on: until it has won the lease (and loaded its state)
-            # this process refuses agents, so none registers with it before the election
-            self.service.standby = self._standby
-            self.service.lease_ms = int(c.lease * 1000)
-        elif c.state_file is not None:
+        url = c.database if c.database is not None else default_database(c.state_file).url
+        self.db = db = open_database(url)  # (raises ConfigError on a bad URL before anything binds)
+        try:
+            await db.open()
+            migrated = await db.migrate()
+        except DatabaseError as exc:
+            await db.close()
+            self.db = None
+            raise OSError(f"control.database: {exc}") from None
+        log.info("control-plane state in %s", redact(db.url))
+        if c.state_file is not None:
             from .state import StateFile
 
-            self._state = StateFile(c.state_file)
-            self.nodes.restore_cordons(self._state.load())
-        else:
-            log.info("cordons are kept in memory only (set control.state_file to keep them across restarts)")
+            try:  # (read on every start: a file that cannot be read stops it with its name, as it always did)
+                names = StateFile(c.state_file).load()
+            except ConfigError:
+                await db.close()
+                self.db = None
+                raise
+            if 2 in migrated:  # (2: the cordons' table, new in this database: the upgrade from the file)
+                self._import_cordon_names = (c.state_file, names)
+        # a standby from the first call on: until it has won the lease (and loaded its state)
+        # this process refuses agents, so none registers with it before the election
+        self.service.standby = self._standby
+        if db.shared:
+            self.service.lease_ms = int(c.lease * 1000)
+        # (on the main loop, beside the node map it places on: the agent service reaches it there)
+        # TODO(i21-ha): the deployments move into the database's own tables (step 2)
+        from pathlib import Path
+
+        from .deployments import DeploymentController
+        from .resolve import mirror_resolver
+        from .store import SQLiteStore
+
+        store = SQLiteStore(Path(getattr(db, "path", None) or default_database(c.state_file).path or ""))
+        log.info("deployments are kept in %s", store.path)
+        self.deployments = DeploymentController(
+            nodes=self.nodes, store=store, router=self.router, config=self.config,
+            resolver=self.resolver or mirror_resolver(self.config().mirror_root),
+        )
+        await self.deployments.start()
+        self.service.attach(self.deployments)  # desired sets pushed to the agents, their statuses back
+        from ..mirror.serve import placed_blobs
+
+        self.mirror_server.allowed = placed_blobs(self.deployments)  # a node fetches what its replicas need
         host, port = c.listen
         addr = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
         thread = ControlThread()
@@ -532,23 +909,28 @@ class ControlPlane:
         except BaseException:
             thread.stop()
             self.service.hop = None
+            await self.deployments.stop()
+            self.deployments = None
+            await db.close()
+            self.db = None
             raise
         self.thread = thread
         self.server = server
         self.address = (host, bound)
-        if self.db is not None:
-            await self._start_database(c, bound)
+        await self._start_database(c, bound)
         if self.admin is not None:
             from .collector import ClusterCollector
             from .ha import LeaderCollector
 
-            self._collector = ClusterCollector(self.nodes, self.stats)
+            self._collector = ClusterCollector(self.nodes, self.stats, deployments=self.deployments)
             self.admin.register_text_collector(self._collector)
             self._leader_collector = LeaderCollector(self)
             self.admin.register_collector(self._leader_collector)
             self.admin.attach_nodes(self)
             if self.leadership is not None:
                 self.admin.attach_role(self.role)
+            self.admin.attach_deployments(self.deployments)
+            self.admin.attach_mirror(self.mirror_server)
         log.info(
             "control plane listening on %s://%s:%d (heartbeat every %gs, grace %gs%s)",
             "grpcs" if self.tls else "grpc", host, bound, c.heartbeat_interval, c.heartbeat_grace,
@@ -572,6 +954,8 @@ class ControlPlane:
         if self.admin is not None:
             self.admin.attach_nodes(None)
             self.admin.attach_role(None)
+            self.admin.attach_deployments(None)
+            self.admin.attach_mirror(None)
             for attr in ("_collector", "_leader_collector"):
                 col = getattr(self, attr)
                 if col is not None:
@@ -587,9 +971,16 @@ class ControlPlane:
             finally:
                 thread.stop()
                 self.service.hop = None
+        self.mirror_server.close()
+        await self.service.close()
+        if self.deployments is not None:
+            self.service.attach(None)
+            await self.deployments.stop()
+            self.deployments = None
         if self.db is not None:
             await self.db.close()
             self.db = None
+
     # -- with a database: the election and the fenced state (docs/ha.md) --
 
     @staticmethod
@@ -601,15 +992,10 @@ class ControlPlane:
         return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
 
     async def _start_database(self, c: ControlConfig, grpc_port: int) -> None:
-        from .db import CordonStore, DatabaseError, NodeStore, redact
+        from .db import CordonStore, NodeStore
         from .leader import Leadership
 
         db = self.db
-        try:
-            await db.open()
-            await db.migrate()
-        except DatabaseError as exc:
-            raise OSError(f"control.database: {exc}") from None
         self._cordons = CordonStore(db)
         self._node_store = NodeStore(db)
         me = self._advertised(c.advertise, c.listen[0], grpc_port)
@@ -622,11 +1008,16 @@ class ControlPlane:
         )
         self.service.on_register = self._record_node
         self.service.on_deregister = self._forget_node
-        self.leadership.start()
-        log.info("control-plane state in %s; campaigning for the lease (%gs) as %s", redact(db.url), c.lease, me)
+        # the first campaign before start() returns: alone (SQLite, or the first of several), this
+        # process leads before any agent calls; a standby knows whom to name
+        await self.leadership.first()
+        log.info("campaigning for the control-plane lease (%gs) as %s%s", c.lease, me,
+                 "" if db.shared else " (SQLite: one process, it leads)")
 
     async def _elected(self, epoch: int) -> None:
         assert self._cordons is not None and self._node_store is not None
+        if self._import_cordon_names is not None:
+            await self._import_cordons(*self._import_cordon_names)
         cordons = await self._cordons.load()
         records = await self._node_store.load()
         if self.leadership is None or self.leadership.epoch != epoch:
@@ -636,6 +1027,16 @@ class ControlPlane:
         self._node_records = records
         self._ready_epoch = epoch
         log.info("leading with %d cordon(s) and %d known node(s) from the database", len(cordons), len(records))
+
+    async def _import_cordons(self, path: str, names: set[str]) -> None:
+        """The upgrade from ``control.state_file``: its cordons go into the database created now (once)."""
+        lead, store = self.leadership, self._cordons
+        assert lead is not None and store is not None
+        async with lead.transaction() as (tx, epoch):
+            for name in sorted(names):
+                await store.set(tx, name, True, epoch)
+        self._import_cordon_names = None
+        log.info("imported %d cordon(s) from %s into the database (the file is not used any more)", len(names), path)
 
     def _deposed(self) -> None:
         self._ready_epoch = None
@@ -708,8 +1109,52 @@ class ControlPlane:
             await store.delete(tx, name)
         self._node_records.pop(name, None)
 
+    def _mirror_root(self) -> str:
+        from ..mirror.store import default_root
+
+        return self.config().mirror_root or str(default_root())
+
+    def mirror_url(self) -> str | None:
+        """Where agents fetch blobs: the admin listener, ``http://HOST:PORT`` (``None`` without one).
+
+        A wildcard admin address (``0.0.0.0``, ``::``) is named by the ``control.listen`` host
+        when that is a specific one (the address agents already reach), else by this host's name.
+        """
+        listener = self.admin.listeners.admin if self.admin is not None else None
+        if listener is None or not listener.sockets:
+            return None
+        port = listener.sockets[0].getsockname()[1]
+        host = self.config().admin[0]
+        if host in ("", "0.0.0.0", "::"):
+            listen = self._control().listen[0]
+            host = listen if listen not in ("", "0.0.0.0", "::") else socket.getfqdn()
+        return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+    def mirror_access(self, node: str) -> tuple[str, str] | None:
+        """``(mirror URL, a new credential for node)`` for its RegisterResponse; ``None``: no mirror served.
+
+        Issuing revokes the credential the node had: each registration gets its own.
+        SECURITY: the caller sends it to that node alone and never logs it.
+        """
+        url = self.mirror_url()
+        if url is None:
+            return None
+        return url, self.credentials.issue(node)
 
     # -- the nodes API (admin.ports.NodeControl) --
+
+    async def replica_logs(self, replica_id: str, lines: int = 100) -> str:
+        """The end of a replica's log, from its node (:meth:`AgentService.replica_logs`)."""
+        return await self.service.replica_logs(replica_id, lines)
+
+    async def engine_check(self, node: str, engine: str, *, model: str | None = None, static_only: bool = False,
+                           timeout: float = 600.0) -> list[dict[str, Any]]:
+        """``llmgw ctl engine-check --node`` (:meth:`AgentService.engine_check`)."""
+        return await self.service.engine_check(node, engine, model=model, static_only=static_only, timeout=timeout)
+
+    def node_of_replica(self, replica_id: str) -> str | None:
+        return self.service.node_of_replica(replica_id)
+
 
     def list_nodes(self) -> list[dict[str, Any]]:
         from .views import node_view
@@ -741,24 +1186,12 @@ class ControlPlane:
         st = self.nodes.get(name)
         if st is None:
             return None
-        if self.leadership is not None and st.cordoned != cordoned:
+        if st.cordoned != cordoned:
             await self._write_cordon(name, cordoned)
         try:
             st, changed = self.nodes.set_cordoned(name, cordoned)
         except KeyError:
             return None
-        if changed and self._state is not None:
-            try:
-                self._state.save(self.nodes.cordoned)
-            except OSError as exc:
-                self.nodes.set_cordoned(name, not cordoned)
-                log.error("could not save %s: %s; node %s left %s", self._state.path, exc, name,
-                          "uncordoned" if cordoned else "cordoned")
-                raise HTTPError(
-                    f"could not save control.state_file {self._state.path} ({exc.strerror or exc}); the node was "
-                    f"left {'uncordoned' if cordoned else 'cordoned'}: fix the file's directory or permissions",
-                    code="state_not_saved",
-                ) from None
         if changed:
             log.info("node %s %s", name, "cordoned" if cordoned else "uncordoned")
         view = node_view(self.nodes, st, gpus=False)

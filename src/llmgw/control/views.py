@@ -36,10 +36,12 @@ def node_view(nodes: NodeMap, st: NodeState, *, gpus: bool) -> dict[str, Any]:
         "id": st.node_id,
         "state": nodes.state(st, now),
         "cordoned": st.cordoned,
+        "labels": dict(st.labels),
         "hostname": f.hostname,
         "agent_version": st.agent_version or None,
         "protocol": f"{st.protocol[0]}.{st.protocol[1]}",
         "peer": st.peer,
+        "address": st.address,
         "registered_at": round(st.registered_at, 3),
         "last_heartbeat": round(st.last_heartbeat, 3),
         "heartbeat_age_s": round(st.age(now), 3),
@@ -49,9 +51,11 @@ def node_view(nodes: NodeMap, st: NodeState, *, gpus: bool) -> dict[str, Any]:
         "gpu_count": len(d.gpus),
         "errors": list(d.errors),
         "facts": facts,
+        "replica_count": len(st.replicas),
     }
     if gpus:
         view["gpus"] = [gpu_view(g) for g in d.gpus]
+        view["replicas"] = [dataclasses.asdict(r) for r in st.replicas]
     return view
 
 

@@ -171,8 +171,14 @@ class Poller:
         self._rng = random.Random()
         self._loop = asyncio.get_running_loop()
 
-    def sync(self) -> None:
-        """Start tasks for new replicas and stop those of removed ones."""
+    def sync(self, *, spread: bool = True) -> None:
+        """Start tasks for new replicas and stop those of removed ones.
+
+        ``spread``: the new replicas' first scrapes are spread over one interval (a start or a
+        reload adding many); ``False``: scraped at once (one replica added at run time: until its
+        first scrape no request goes to it, and a deployment's replica should serve as soon as it
+        is ready).
+        """
         current = {eid for eid, ep in self.registry.endpoints.items() if ep.engine.scraped}
         for eid in list(self._tasks):
             if eid not in current:
@@ -180,7 +186,7 @@ class Poller:
         for eid in current:
             if eid not in self._tasks:
                 ep = self.registry.endpoints[eid]
-                self._tasks[eid] = self._loop.create_task(self._run(ep), name=f"llmgw-scrape-{eid}")
+                self._tasks[eid] = self._loop.create_task(self._run(ep, spread), name=f"llmgw-scrape-{eid}")
 
     @property
     def task_count(self) -> int:
@@ -198,14 +204,14 @@ class Poller:
             if pending:
                 log.warning("%d scrape task(s) did not stop within 2s", len(pending))
 
-    async def _run(self, ep: Endpoint) -> None:
+    async def _run(self, ep: Endpoint, spread: bool = True) -> None:
         interval = self.cfg.interval
         mapping = mapping_for(ep.cfg.engine, dict(ep.cfg.metric_names) or None)
         model = None
         if len(ep.models) == 1:
             model = self._rewrites.get(ep.models[0], ep.models[0])
-        # Spread the first scrapes over one interval.
-        await asyncio.sleep(self._rng.random() * interval)
+        if spread:  # spread the first scrapes over one interval
+            await asyncio.sleep(self._rng.random() * interval)
         while not self._closed:
             started = time.monotonic()
             await self._scrape(ep, mapping, model)

@@ -47,12 +47,22 @@ class Registry:
         self.config = config
         for name, pool in self.pools.items():
             strategy = self._strategy(name)
-            if pool.picker.strategy != strategy:
-                pool.picker = Picker(strategy)
+            if pool.picker.strategy != strategy or pool.picker.settings != self._settings():
+                self._set_picker(pool, strategy)
 
     def _strategy(self, model: str) -> str:
         m = self.config.models.get(model)
         return (m.strategy if m is not None and m.strategy else None) or self.config.routing.strategy
+
+    def _settings(self) -> tuple[int, int, float, float]:
+        p = self.config.routing.prefix
+        return (p.index_entries, p.session_entries, p.load_bound, p.entry_ttl)
+
+    def _set_picker(self, pool: ModelPool, strategy: str) -> None:
+        # (a new picker starts with an empty index: a reload that changes the strategy
+        # or the prefix knobs forgets where prefixes went)
+        pool.picker = Picker(strategy, None, *self._settings())
+        pool.keyed = strategy == "prefix"
 
     def add(self, cfg: EndpointConfig) -> Endpoint:
         """Add a replica (``ValueError`` if its id exists)."""
@@ -64,7 +74,10 @@ class Registry:
         for m in cfg.models:
             pool = self.pools.get(m)
             if pool is None:
-                pool = self.pools[m] = ModelPool(m, self._strategy(m), len(adm.bands), adm.queue_size)
+                strategy = self._strategy(m)
+                pool = self.pools[m] = ModelPool(m, strategy, len(adm.bands), adm.queue_size)
+                if strategy == "prefix":
+                    self._set_picker(pool, strategy)
             pool.add(ep)
         return ep
 

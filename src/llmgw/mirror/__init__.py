@@ -5,6 +5,9 @@
 * :mod:`.importer`: importing GGUF files (``llmgw mirror import``).
 * :mod:`.ollama`: importing from a local Ollama store (``llmgw mirror import-ollama``).
 * :mod:`.gguf`: a bounded GGUF header reader.
+* :mod:`.serve`: the control plane serving blobs to node agents (admin listener, per-node credentials).
+* :mod:`.fetch`: the agent's client for that (resumable, verified, atomic into the node's store).
+* :mod:`.resolve`: a mirror reference to its blobs and the facts placement needs (sizes, KV cache).
 
 Usage guide and guarantees: ``docs/mirror.md``.
 """

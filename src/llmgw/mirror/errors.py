@@ -14,6 +14,7 @@ __all__ = [
     "CatalogueError",
     "CorruptBlobError",
     "DigestMismatchError",
+    "FetchError",
     "GGUFFormatError",
     "InvalidNameError",
     "MirrorBusyError",
@@ -83,6 +84,10 @@ class ModelExistsError(MirrorError):
 
 class CorruptBlobError(MirrorError):
     """A stored blob no longer matches its digest (found by ``verify``)."""
+
+
+class FetchError(MirrorError):
+    """A blob could not be fetched from the control plane's mirror (refused, unreachable, corrupt every time)."""
 
 
 class OllamaError(MirrorError):

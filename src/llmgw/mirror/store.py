@@ -5,6 +5,8 @@ Layout under the mirror root::
     catalogue.sqlite3                    the catalogue (plus -wal and -shm files)
     blobs/sha256/<2 hex>/<64 hex>        each blob, named by the SHA-256 of its bytes, read-only
     tmp/<pid>-<random>.partial           copies in progress (never visible as blobs)
+    tmp/fetch-<64 hex>.partial           a blob being fetched from a control plane's mirror
+                                         (llmgw.mirror.fetch: kept across interruptions to resume)
     lock                                 flock: imports share it, gc takes it alone
 
 How a blob gets in (:meth:`MirrorStore.add_blob`), so that an interruption at any
@@ -87,6 +89,7 @@ _O_DIRECTORY = getattr(os, "O_DIRECTORY", 0)
 _DIGEST = re.compile(r"sha256:[0-9a-f]{64}")
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 _TEMP = re.compile(r"\d+-[0-9a-f]{16}\.partial")
+_FETCH_TEMP = re.compile(r"fetch-[0-9a-f]{64}\.partial")
 
 
 def is_digest(value: str) -> bool:
@@ -460,14 +463,18 @@ class MirrorStore:
         finally:
             os.close(fd)
 
-    def _sweep_temp(self, *, dry_run: bool) -> list[tuple[Path, int]]:
+    def _sweep_temp(self, *, dry_run: bool, fetches: bool = False) -> list[tuple[Path, int]]:
+        """Remove the temporary files of interrupted imports; with ``fetches``, partial fetches too.
+
+        (An import sweeps only its own kind: a partial fetch is kept to be resumed; ``gc`` removes both.)
+        """
         found = []
         try:
             names = os.listdir(self.tmp_dir)
         except FileNotFoundError:
             return []
         for name in names:
-            if not _TEMP.fullmatch(name):
+            if not (_TEMP.fullmatch(name) or (fetches and _FETCH_TEMP.fullmatch(name))):
                 continue  # not ours: never delete what we did not create
             path = self.tmp_dir / name
             try:
@@ -565,6 +572,52 @@ class MirrorStore:
         finally:
             _unlink_quiet(tmp_path)
         return BlobResult(digest, size, self.blob_path(digest), reused=reused)
+
+    # -- blobs fetched from elsewhere (llmgw.mirror.fetch) ---------------------
+
+    def has_blob(self, digest: str, size: int, progress: Progress | None = None) -> bool:
+        """Return whether the store holds blob ``digest`` of ``size`` bytes, intact (it is re-hashed)."""
+        return self._existing_is_good(self.blob_path(digest), digest, size, progress or NullProgress(), digest)
+
+    def fetch_partial_path(self, digest: str) -> Path:
+        """Where a fetch of blob ``digest`` keeps its bytes until they are verified (one name per
+        blob, so an interrupted fetch resumes from what it had)."""
+        if not is_digest(digest):
+            raise ValueError(f"not a sha256 digest: {digest!r}")
+        return self.tmp_dir / f"fetch-{digest[7:]}.partial"
+
+    def open_fetch_partial(self, digest: str) -> tuple[Path, int]:
+        """Open (creating it if needed) the partial file of a fetch of ``digest``, for reading and
+        appending; the caller holds an ``flock`` on it while writing."""
+        path = self.fetch_partial_path(digest)
+        # SECURITY: O_NOFOLLOW: never write through a link planted under that name.
+        flags = os.O_RDWR | os.O_CREAT | _O_NOFOLLOW | _O_CLOEXEC
+        fd = os.open(path, flags, 0o600)
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise SourceError(f"{path} is not a regular file; remove it")
+        except BaseException:
+            os.close(fd)
+            raise
+        return path, fd
+
+    def place_fetched(self, partial: Path, fd: int, digest: str, size: int) -> Path:
+        """Make a fetched file whose bytes were verified to hash to ``digest`` the blob ``digest``.
+
+        It is made read-only and fsync'd, then hard-linked into place as an import's
+        copy is (see the module docstring); the partial file is removed.
+        Call it inside :meth:`importing`.
+
+        Returns:
+            The blob's path.
+        """
+        os.fchmod(fd, 0o444)
+        os.fsync(fd)
+        try:
+            self._place(partial, digest, size, NullProgress(), digest)
+        finally:
+            _unlink_quiet(partial)
+        return self.blob_path(digest)
 
     def _create_temp(self) -> tuple[Path, int]:
         # SECURITY: O_EXCL|O_NOFOLLOW: never open an existing file or follow a link
@@ -806,7 +859,7 @@ class MirrorStore:
         if dry_run:
             used = self.catalogue.referenced_digests()
             report.blobs = [b for b in self._blobs_on_disk() if b[0] not in used]
-            report.temp_files = self._sweep_temp(dry_run=True)
+            report.temp_files = self._sweep_temp(dry_run=True, fetches=True)
             return report
         with self._exclusive():
             used = self.catalogue.referenced_digests()
@@ -819,6 +872,6 @@ class MirrorStore:
                     os.rmdir(parent)  # only succeeds when empty
                 except OSError:
                     pass
-            report.temp_files = self._sweep_temp(dry_run=False)
+            report.temp_files = self._sweep_temp(dry_run=False, fetches=True)
             self.catalogue.forget_unused_blobs()
         return report

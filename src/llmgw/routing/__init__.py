@@ -13,6 +13,7 @@ from .._accel import select
 if TYPE_CHECKING:
     from .._fast.admit_py import AdmissionQueue
     from .._fast.score_py import (
+        REASONS,
         STRATEGIES,
         Breaker,
         EndpointState,
@@ -25,6 +26,7 @@ else:
     _score = select("score")
     _admit = select("admit")
     STRATEGIES = _score.STRATEGIES
+    REASONS = _score.REASONS
     Breaker = _score.Breaker
     EndpointState = _score.EndpointState
     Picker = _score.Picker
@@ -34,6 +36,7 @@ else:
     AdmissionQueue = _admit.AdmissionQueue
 
 __all__ = [
+    "REASONS",
     "STRATEGIES",
     "AdmissionQueue",
     "Breaker",

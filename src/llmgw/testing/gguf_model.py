@@ -65,7 +65,15 @@ def _vocab() -> tuple[list[str], list[int]]:
     return tokens, types
 
 
-def write_tiny_llama(path: str | os.PathLike[str], *, ctx: int = 2048, seed: int = 0) -> Path:
+def write_tiny_llama(
+    path: str | os.PathLike[str],
+    *,
+    ctx: int = 2048,
+    seed: int = 0,
+    n_embd: int | None = None,
+    n_layer: int | None = None,
+    n_ff: int | None = None,
+) -> Path:
     """Write a tiny random-weight llama GGUF that ``llama-server`` loads.
 
     Two layers, 64 wide, a ~350-token character vocabulary with byte fallback and
@@ -77,6 +85,9 @@ def write_tiny_llama(path: str | os.PathLike[str], *, ctx: int = 2048, seed: int
         path: where to write the file (replaced if it exists).
         ctx: the model's training context (``llama.context_length``).
         seed: the random seed; the same seed writes the same bytes.
+        n_embd, n_layer, n_ff: a wider or deeper model than :class:`TinyLlamaSpec`'s
+            (a multiple of its 4 heads wide), so that prefill takes measurable time
+            on a CPU (``bench/prefix_real.py``: 512 wide, 8 layers, about 50 MB).
 
     Returns:
         ``path`` as a :class:`~pathlib.Path`.
@@ -94,7 +105,13 @@ def write_tiny_llama(path: str | os.PathLike[str], *, ctx: int = 2048, seed: int
             " (or pip install gguf numpy)"
         ) from exc
 
-    s = TinyLlamaSpec
+    s: Any = type("Spec", (TinyLlamaSpec,), {})
+    if n_embd is not None:
+        s.n_embd = n_embd
+    if n_layer is not None:
+        s.n_layer = n_layer
+    if n_ff is not None:
+        s.n_ff = n_ff
     out = Path(path)
     rng = np.random.default_rng(seed)
     tokens, types = _vocab()

@@ -71,14 +71,40 @@ class RegisterRequest(_message.Message):
 
     DESCRIPTOR: _descriptor.Descriptor
 
+    @_typing.final
+    class LabelsEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     NODE_NAME_FIELD_NUMBER: _builtins.int
     AGENT_VERSION_FIELD_NUMBER: _builtins.int
     PROTOCOL_FIELD_NUMBER: _builtins.int
     DISCOVERY_FIELD_NUMBER: _builtins.int
+    LABELS_FIELD_NUMBER: _builtins.int
+    ADVERTISE_ADDRESS_FIELD_NUMBER: _builtins.int
     node_name: _builtins.str
     """The node's name in the cluster (default: its host name); the key."""
     agent_version: _builtins.str
     """The llmgw version of the agent, e.g. "0.9.0"."""
+    advertise_address: _builtins.str
+    """Where the node's replicas are reached (agent config `advertise:`, a host
+    name or IP); absent: the address the control plane sees the agent at.
+    """
     @_builtins.property
     def protocol(self) -> Global___ProtocolVersion:
         """The wire protocol the agent speaks."""
@@ -87,6 +113,12 @@ class RegisterRequest(_message.Message):
     def discovery(self) -> Global___Discovery:
         """The first reading of the node and its GPUs."""
 
+    @_builtins.property
+    def labels(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
+        """The node's labels (agent config `labels:`), matched by deployments'
+        node selectors (protocol 1.2).
+        """
+
     def __init__(
         self,
         *,
@@ -94,12 +126,16 @@ class RegisterRequest(_message.Message):
         agent_version: _builtins.str = ...,
         protocol: Global___ProtocolVersion | None = ...,
         discovery: Global___Discovery | None = ...,
+        labels: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        advertise_address: _builtins.str | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["discovery", b"discovery", "protocol", b"protocol"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_advertise_address", b"_advertise_address", "advertise_address", b"advertise_address", "discovery", b"discovery", "protocol", b"protocol"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_version", b"agent_version", "discovery", b"discovery", "node_name", b"node_name", "protocol", b"protocol"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_advertise_address", b"_advertise_address", "advertise_address", b"advertise_address", "agent_version", b"agent_version", "discovery", b"discovery", "labels", b"labels", "node_name", b"node_name", "protocol", b"protocol"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__advertise_address: _TypeAlias = _typing.Literal["advertise_address"]  # noqa: Y015
+    _WhichOneofArgType__advertise_address: _TypeAlias = _typing.Literal["_advertise_address", b"_advertise_address"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__advertise_address) -> _WhichOneofReturnType__advertise_address | None: ...
 
 Global___RegisterRequest: _TypeAlias = RegisterRequest  # noqa: Y015
 
@@ -114,6 +150,8 @@ class RegisterResponse(_message.Message):
     PROTOCOL_FIELD_NUMBER: _builtins.int
     HEARTBEAT_INTERVAL_SECONDS_FIELD_NUMBER: _builtins.int
     HEARTBEAT_GRACE_SECONDS_FIELD_NUMBER: _builtins.int
+    MIRROR_CREDENTIAL_FIELD_NUMBER: _builtins.int
+    MIRROR_URL_FIELD_NUMBER: _builtins.int
     node_id: _builtins.str
     """The node's id: stable for a node name, also across control plane restarts."""
     control_plane_version: _builtins.str
@@ -122,6 +160,16 @@ class RegisterResponse(_message.Message):
     """How often to send Heartbeat, in seconds (jitter it by a few percent)."""
     heartbeat_grace_seconds: _builtins.float
     """After this long without a heartbeat the node counts as unhealthy, in seconds."""
+    mirror_credential: _builtins.str
+    """The credential this node fetches mirror blobs with (`authorization:
+    Bearer <credential>` on the mirror's HTTP API): issued per node at
+    registration, never the join token. Absent: the control plane serves no
+    mirror to agents.
+    """
+    mirror_url: _builtins.str
+    """The mirror's base URL, e.g. "https://cp0:8081/mirror/v1" (absent with
+    mirror_credential).
+    """
     @_builtins.property
     def protocol(self) -> Global___ProtocolVersion:
         """The wire protocol the control plane speaks."""
@@ -134,12 +182,21 @@ class RegisterResponse(_message.Message):
         protocol: Global___ProtocolVersion | None = ...,
         heartbeat_interval_seconds: _builtins.float = ...,
         heartbeat_grace_seconds: _builtins.float = ...,
+        mirror_credential: _builtins.str | None = ...,
+        mirror_url: _builtins.str | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["protocol", b"protocol"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_mirror_credential", b"_mirror_credential", "_mirror_url", b"_mirror_url", "mirror_credential", b"mirror_credential", "mirror_url", b"mirror_url", "protocol", b"protocol"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["control_plane_version", b"control_plane_version", "heartbeat_grace_seconds", b"heartbeat_grace_seconds", "heartbeat_interval_seconds", b"heartbeat_interval_seconds", "node_id", b"node_id", "protocol", b"protocol"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_mirror_credential", b"_mirror_credential", "_mirror_url", b"_mirror_url", "control_plane_version", b"control_plane_version", "heartbeat_grace_seconds", b"heartbeat_grace_seconds", "heartbeat_interval_seconds", b"heartbeat_interval_seconds", "mirror_credential", b"mirror_credential", "mirror_url", b"mirror_url", "node_id", b"node_id", "protocol", b"protocol"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__mirror_credential: _TypeAlias = _typing.Literal["mirror_credential"]  # noqa: Y015
+    _WhichOneofArgType__mirror_credential: _TypeAlias = _typing.Literal["_mirror_credential", b"_mirror_credential"]  # noqa: Y015
+    _WhichOneofReturnType__mirror_url: _TypeAlias = _typing.Literal["mirror_url"]  # noqa: Y015
+    _WhichOneofArgType__mirror_url: _TypeAlias = _typing.Literal["_mirror_url", b"_mirror_url"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__mirror_credential) -> _WhichOneofReturnType__mirror_credential | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__mirror_url) -> _WhichOneofReturnType__mirror_url | None: ...
 
 Global___RegisterResponse: _TypeAlias = RegisterResponse  # noqa: Y015
 
@@ -153,15 +210,29 @@ class HeartbeatRequest(_message.Message):
     NODE_NAME_FIELD_NUMBER: _builtins.int
     SEQUENCE_FIELD_NUMBER: _builtins.int
     DISCOVERY_FIELD_NUMBER: _builtins.int
+    APPLIED_GENERATION_FIELD_NUMBER: _builtins.int
+    REPLICAS_FIELD_NUMBER: _builtins.int
     node_id: _builtins.str
     """The id Register answered."""
     node_name: _builtins.str
     """The node's name (for the control plane's logs)."""
     sequence: _builtins.int
     """Counts up from 1 per registration; lets the control plane spot lost beats."""
+    applied_generation: _builtins.int
+    """The generation of the desired replica set the agent has applied (0:
+    none yet: it is sent the set whatever its generation). Set by every agent
+    that runs replicas (protocol 1.2); absent from older agents, which are
+    sent no replicas.
+    """
     @_builtins.property
     def discovery(self) -> Global___Discovery:
         """The latest reading of the node and its GPUs."""
+
+    @_builtins.property
+    def replicas(self) -> _containers.RepeatedCompositeFieldContainer[Global___ReplicaStatus]:
+        """Every replica the agent knows, in every state (also failed and recently
+        stopped ones).
+        """
 
     def __init__(
         self,
@@ -170,12 +241,16 @@ class HeartbeatRequest(_message.Message):
         node_name: _builtins.str = ...,
         sequence: _builtins.int = ...,
         discovery: Global___Discovery | None = ...,
+        applied_generation: _builtins.int | None = ...,
+        replicas: _abc.Iterable[Global___ReplicaStatus] | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["discovery", b"discovery"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_applied_generation", b"_applied_generation", "applied_generation", b"applied_generation", "discovery", b"discovery"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["discovery", b"discovery", "node_id", b"node_id", "node_name", b"node_name", "sequence", b"sequence"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_applied_generation", b"_applied_generation", "applied_generation", b"applied_generation", "discovery", b"discovery", "node_id", b"node_id", "node_name", b"node_name", "replicas", b"replicas", "sequence", b"sequence"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__applied_generation: _TypeAlias = _typing.Literal["applied_generation"]  # noqa: Y015
+    _WhichOneofArgType__applied_generation: _TypeAlias = _typing.Literal["_applied_generation", b"_applied_generation"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__applied_generation) -> _WhichOneofReturnType__applied_generation | None: ...
 
 Global___HeartbeatRequest: _TypeAlias = HeartbeatRequest  # noqa: Y015
 
@@ -231,23 +306,396 @@ class HeartbeatResponse(_message.Message):
 
     HEARTBEAT_INTERVAL_SECONDS_FIELD_NUMBER: _builtins.int
     CORDONED_FIELD_NUMBER: _builtins.int
+    DESIRED_FIELD_NUMBER: _builtins.int
+    LOG_REQUESTS_FIELD_NUMBER: _builtins.int
+    ENGINE_CHECKS_FIELD_NUMBER: _builtins.int
     heartbeat_interval_seconds: _builtins.float
     """The interval to use from now on, in seconds (it may change on a reload)."""
     cordoned: _builtins.bool
     """Whether an operator cordoned the node (no new replicas go there)."""
+    @_builtins.property
+    def desired(self) -> Global___DesiredReplicas:
+        """The node's whole desired replica set: sent when its generation differs
+        from the agent's applied_generation (on a stream, as soon as it changes;
+        once per generation). Absent: keep running what you run.
+        """
+
+    @_builtins.property
+    def log_requests(self) -> _containers.RepeatedCompositeFieldContainer[Global___LogRequest]:
+        """Log tails the control plane asks for (`llmgw ctl logs`): answer each with
+        a ReplicaLogs call.
+        """
+
+    @_builtins.property
+    def engine_checks(self) -> _containers.RepeatedCompositeFieldContainer[Global___EngineCheckRequest]:
+        """Engine checks the control plane asks for (`llmgw ctl engine-check
+        --node`): answer each with an EngineCheckResult call.
+        """
+
     def __init__(
         self,
         *,
         heartbeat_interval_seconds: _builtins.float = ...,
         cordoned: _builtins.bool = ...,
+        desired: Global___DesiredReplicas | None = ...,
+        log_requests: _abc.Iterable[Global___LogRequest] | None = ...,
+        engine_checks: _abc.Iterable[Global___EngineCheckRequest] | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["desired", b"desired"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cordoned", b"cordoned", "heartbeat_interval_seconds", b"heartbeat_interval_seconds"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cordoned", b"cordoned", "desired", b"desired", "engine_checks", b"engine_checks", "heartbeat_interval_seconds", b"heartbeat_interval_seconds", "log_requests", b"log_requests"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___HeartbeatResponse: _TypeAlias = HeartbeatResponse  # noqa: Y015
+
+@_typing.final
+class DesiredReplicas(_message.Message):
+    """What a node should run: all of it, not a change (applying the same set twice
+    changes nothing).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    GENERATION_FIELD_NUMBER: _builtins.int
+    REPLICAS_FIELD_NUMBER: _builtins.int
+    generation: _builtins.int
+    """Rises whenever the node's set changes; the agent reports the one it applied."""
+    @_builtins.property
+    def replicas(self) -> _containers.RepeatedCompositeFieldContainer[Global___ReplicaSpec]:
+        """Every replica the node should run; empty: stop them all."""
+
+    def __init__(
+        self,
+        *,
+        generation: _builtins.int = ...,
+        replicas: _abc.Iterable[Global___ReplicaSpec] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["generation", b"generation", "replicas", b"replicas"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DesiredReplicas: _TypeAlias = DesiredReplicas  # noqa: Y015
+
+@_typing.final
+class ModelBlob(_message.Message):
+    """One content-addressed file of a mirror model a replica needs."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    DIGEST_FIELD_NUMBER: _builtins.int
+    SIZE_FIELD_NUMBER: _builtins.int
+    ROLE_FIELD_NUMBER: _builtins.int
+    digest: _builtins.str
+    """"sha256:<64 hex>"."""
+    size: _builtins.int
+    """Bytes."""
+    role: _builtins.str
+    """"model" (the GGUF the engine loads) or "projector" (a vision model's mmproj)."""
+    def __init__(
+        self,
+        *,
+        digest: _builtins.str = ...,
+        size: _builtins.int = ...,
+        role: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["digest", b"digest", "role", b"role", "size", b"size"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ModelBlob: _TypeAlias = ModelBlob  # noqa: Y015
+
+@_typing.final
+class ReplicaSpec(_message.Message):
+    """One replica a node should run (llmgw.launch.spec.ReplicaSpec)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class EnvEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    ID_FIELD_NUMBER: _builtins.int
+    DEPLOYMENT_FIELD_NUMBER: _builtins.int
+    ENGINE_FIELD_NUMBER: _builtins.int
+    MODEL_FIELD_NUMBER: _builtins.int
+    SERVED_NAME_FIELD_NUMBER: _builtins.int
+    BLOBS_FIELD_NUMBER: _builtins.int
+    GPUS_FIELD_NUMBER: _builtins.int
+    GPU_MEMORY_FRACTION_FIELD_NUMBER: _builtins.int
+    SLOTS_FIELD_NUMBER: _builtins.int
+    CONTEXT_FIELD_NUMBER: _builtins.int
+    ARGS_FIELD_NUMBER: _builtins.int
+    ENV_FIELD_NUMBER: _builtins.int
+    API_KEY_FIELD_NUMBER: _builtins.int
+    id: _builtins.str
+    """Unique in the cluster, stable for the replica's life."""
+    deployment: _builtins.str
+    """The deployment it belongs to."""
+    engine: _builtins.str
+    """"vllm", "llamacpp", "trtllm" or "sglang"."""
+    model: _builtins.str
+    """A mirror reference (blobs set), a file path on the node, or an id the engine fetches."""
+    served_name: _builtins.str
+    """The model name clients use."""
+    gpu_memory_fraction: _builtins.float
+    """The share of each GPU's memory the claim holds, 0-1; absent: the engine's default."""
+    slots: _builtins.int
+    """Parallel sequences; absent: the engine's default."""
+    context: _builtins.int
+    """Context length, tokens; absent: the engine's default."""
+    api_key: _builtins.str
+    """The per-replica API key the engine demands (a secret: never logged)."""
+    @_builtins.property
+    def blobs(self) -> _containers.RepeatedCompositeFieldContainer[Global___ModelBlob]:
+        """Set for a mirror reference: fetched into the node's mirror store first."""
+
+    @_builtins.property
+    def gpus(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """GPU UUIDs ("GPU-..." or "MIG-..."), passed as CUDA_VISIBLE_DEVICES; empty: CPU."""
+
+    @_builtins.property
+    def args(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Extra engine arguments, appended after llmgw's own."""
+
+    @_builtins.property
+    def env(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
+        """Extra environment variables."""
+
+    def __init__(
+        self,
+        *,
+        id: _builtins.str = ...,
+        deployment: _builtins.str = ...,
+        engine: _builtins.str = ...,
+        model: _builtins.str = ...,
+        served_name: _builtins.str = ...,
+        blobs: _abc.Iterable[Global___ModelBlob] | None = ...,
+        gpus: _abc.Iterable[_builtins.str] | None = ...,
+        gpu_memory_fraction: _builtins.float | None = ...,
+        slots: _builtins.int | None = ...,
+        context: _builtins.int | None = ...,
+        args: _abc.Iterable[_builtins.str] | None = ...,
+        env: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        api_key: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_context", b"_context", "_gpu_memory_fraction", b"_gpu_memory_fraction", "_slots", b"_slots", "context", b"context", "gpu_memory_fraction", b"gpu_memory_fraction", "slots", b"slots"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_context", b"_context", "_gpu_memory_fraction", b"_gpu_memory_fraction", "_slots", b"_slots", "api_key", b"api_key", "args", b"args", "blobs", b"blobs", "context", b"context", "deployment", b"deployment", "engine", b"engine", "env", b"env", "gpu_memory_fraction", b"gpu_memory_fraction", "gpus", b"gpus", "id", b"id", "model", b"model", "served_name", b"served_name", "slots", b"slots"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__context: _TypeAlias = _typing.Literal["context"]  # noqa: Y015
+    _WhichOneofArgType__context: _TypeAlias = _typing.Literal["_context", b"_context"]  # noqa: Y015
+    _WhichOneofReturnType__gpu_memory_fraction: _TypeAlias = _typing.Literal["gpu_memory_fraction"]  # noqa: Y015
+    _WhichOneofArgType__gpu_memory_fraction: _TypeAlias = _typing.Literal["_gpu_memory_fraction", b"_gpu_memory_fraction"]  # noqa: Y015
+    _WhichOneofReturnType__slots: _TypeAlias = _typing.Literal["slots"]  # noqa: Y015
+    _WhichOneofArgType__slots: _TypeAlias = _typing.Literal["_slots", b"_slots"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__context) -> _WhichOneofReturnType__context | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__gpu_memory_fraction) -> _WhichOneofReturnType__gpu_memory_fraction | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__slots) -> _WhichOneofReturnType__slots | None: ...
+
+Global___ReplicaSpec: _TypeAlias = ReplicaSpec  # noqa: Y015
+
+@_typing.final
+class ReplicaStatus(_message.Message):
+    """What the agent knows about one replica (llmgw.launch.spec.ReplicaStatus)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ID_FIELD_NUMBER: _builtins.int
+    STATE_FIELD_NUMBER: _builtins.int
+    PORT_FIELD_NUMBER: _builtins.int
+    PID_FIELD_NUMBER: _builtins.int
+    RESTARTS_FIELD_NUMBER: _builtins.int
+    EXIT_CODE_FIELD_NUMBER: _builtins.int
+    MESSAGE_FIELD_NUMBER: _builtins.int
+    LOG_PATH_FIELD_NUMBER: _builtins.int
+    FETCHED_BYTES_FIELD_NUMBER: _builtins.int
+    FETCH_TOTAL_BYTES_FIELD_NUMBER: _builtins.int
+    id: _builtins.str
+    """The replica's id."""
+    state: _builtins.str
+    """"fetching", "starting", "ready", "draining", "stopped" or "failed" (a
+    newer agent may send another word).
+    """
+    port: _builtins.int
+    """The port the engine listens on; absent until launched."""
+    pid: _builtins.int
+    """The engine's process id."""
+    restarts: _builtins.int
+    """Crashes restarted so far."""
+    exit_code: _builtins.int
+    """The last exit status (negative: killed by that signal)."""
+    message: _builtins.str
+    """Why it failed or is waiting, in a line."""
+    log_path: _builtins.str
+    """The replica's log file on the node."""
+    fetched_bytes: _builtins.int
+    """Bytes of the model fetched so far, while fetching."""
+    fetch_total_bytes: _builtins.int
+    """Bytes of the model to fetch in all, while fetching."""
+    def __init__(
+        self,
+        *,
+        id: _builtins.str = ...,
+        state: _builtins.str = ...,
+        port: _builtins.int | None = ...,
+        pid: _builtins.int | None = ...,
+        restarts: _builtins.int | None = ...,
+        exit_code: _builtins.int | None = ...,
+        message: _builtins.str = ...,
+        log_path: _builtins.str | None = ...,
+        fetched_bytes: _builtins.int | None = ...,
+        fetch_total_bytes: _builtins.int | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_exit_code", b"_exit_code", "_fetch_total_bytes", b"_fetch_total_bytes", "_fetched_bytes", b"_fetched_bytes", "_log_path", b"_log_path", "_pid", b"_pid", "_port", b"_port", "_restarts", b"_restarts", "exit_code", b"exit_code", "fetch_total_bytes", b"fetch_total_bytes", "fetched_bytes", b"fetched_bytes", "log_path", b"log_path", "pid", b"pid", "port", b"port", "restarts", b"restarts"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_exit_code", b"_exit_code", "_fetch_total_bytes", b"_fetch_total_bytes", "_fetched_bytes", b"_fetched_bytes", "_log_path", b"_log_path", "_pid", b"_pid", "_port", b"_port", "_restarts", b"_restarts", "exit_code", b"exit_code", "fetch_total_bytes", b"fetch_total_bytes", "fetched_bytes", b"fetched_bytes", "id", b"id", "log_path", b"log_path", "message", b"message", "pid", b"pid", "port", b"port", "restarts", b"restarts", "state", b"state"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__exit_code: _TypeAlias = _typing.Literal["exit_code"]  # noqa: Y015
+    _WhichOneofArgType__exit_code: _TypeAlias = _typing.Literal["_exit_code", b"_exit_code"]  # noqa: Y015
+    _WhichOneofReturnType__fetch_total_bytes: _TypeAlias = _typing.Literal["fetch_total_bytes"]  # noqa: Y015
+    _WhichOneofArgType__fetch_total_bytes: _TypeAlias = _typing.Literal["_fetch_total_bytes", b"_fetch_total_bytes"]  # noqa: Y015
+    _WhichOneofReturnType__fetched_bytes: _TypeAlias = _typing.Literal["fetched_bytes"]  # noqa: Y015
+    _WhichOneofArgType__fetched_bytes: _TypeAlias = _typing.Literal["_fetched_bytes", b"_fetched_bytes"]  # noqa: Y015
+    _WhichOneofReturnType__log_path: _TypeAlias = _typing.Literal["log_path"]  # noqa: Y015
+    _WhichOneofArgType__log_path: _TypeAlias = _typing.Literal["_log_path", b"_log_path"]  # noqa: Y015
+    _WhichOneofReturnType__pid: _TypeAlias = _typing.Literal["pid"]  # noqa: Y015
+    _WhichOneofArgType__pid: _TypeAlias = _typing.Literal["_pid", b"_pid"]  # noqa: Y015
+    _WhichOneofReturnType__port: _TypeAlias = _typing.Literal["port"]  # noqa: Y015
+    _WhichOneofArgType__port: _TypeAlias = _typing.Literal["_port", b"_port"]  # noqa: Y015
+    _WhichOneofReturnType__restarts: _TypeAlias = _typing.Literal["restarts"]  # noqa: Y015
+    _WhichOneofArgType__restarts: _TypeAlias = _typing.Literal["_restarts", b"_restarts"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__exit_code) -> _WhichOneofReturnType__exit_code | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__fetch_total_bytes) -> _WhichOneofReturnType__fetch_total_bytes | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__fetched_bytes) -> _WhichOneofReturnType__fetched_bytes | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__log_path) -> _WhichOneofReturnType__log_path | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__pid) -> _WhichOneofReturnType__pid | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__port) -> _WhichOneofReturnType__port | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__restarts) -> _WhichOneofReturnType__restarts | None: ...
+
+Global___ReplicaStatus: _TypeAlias = ReplicaStatus  # noqa: Y015
+
+@_typing.final
+class LogRequest(_message.Message):
+    """The control plane asks for the end of one replica's log."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    REPLICA_ID_FIELD_NUMBER: _builtins.int
+    LINES_FIELD_NUMBER: _builtins.int
+    request_id: _builtins.int
+    """Echoed in the answer (ReplicaLogsRequest.request_id)."""
+    replica_id: _builtins.str
+    """The replica."""
+    lines: _builtins.int
+    """How many lines, at most."""
+    def __init__(
+        self,
+        *,
+        request_id: _builtins.int = ...,
+        replica_id: _builtins.str = ...,
+        lines: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["lines", b"lines", "replica_id", b"replica_id", "request_id", b"request_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LogRequest: _TypeAlias = LogRequest  # noqa: Y015
+
+@_typing.final
+class ReplicaLogsRequest(_message.Message):
+    """ReplicaLogs: one LogRequest's answer."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NODE_ID_FIELD_NUMBER: _builtins.int
+    NODE_NAME_FIELD_NUMBER: _builtins.int
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    TEXT_FIELD_NUMBER: _builtins.int
+    ERROR_FIELD_NUMBER: _builtins.int
+    node_id: _builtins.str
+    """The id Register answered."""
+    node_name: _builtins.str
+    """The node's name (for the control plane's logs)."""
+    request_id: _builtins.int
+    """The LogRequest answered."""
+    text: _builtins.str
+    """The lines (at most the agent's cap, 1 MiB; the end kept)."""
+    error: _builtins.str
+    """Set when there is no such replica or its log cannot be read: why."""
+    def __init__(
+        self,
+        *,
+        node_id: _builtins.str = ...,
+        node_name: _builtins.str = ...,
+        request_id: _builtins.int = ...,
+        text: _builtins.str = ...,
+        error: _builtins.str | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_error", b"_error", "error", b"error"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_error", b"_error", "error", b"error", "node_id", b"node_id", "node_name", b"node_name", "request_id", b"request_id", "text", b"text"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__error: _TypeAlias = _typing.Literal["error"]  # noqa: Y015
+    _WhichOneofArgType__error: _TypeAlias = _typing.Literal["_error", b"_error"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__error) -> _WhichOneofReturnType__error | None: ...
+
+Global___ReplicaLogsRequest: _TypeAlias = ReplicaLogsRequest  # noqa: Y015
+
+@_typing.final
+class ReplicaLogsResponse(_message.Message):
+    """ReplicaLogs' answer."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ACCEPTED_FIELD_NUMBER: _builtins.int
+    accepted: _builtins.bool
+    """Whether the control plane still waited for this answer."""
+    def __init__(
+        self,
+        *,
+        accepted: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["accepted", b"accepted"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReplicaLogsResponse: _TypeAlias = ReplicaLogsResponse  # noqa: Y015
 
 @_typing.final
 class DeregisterRequest(_message.Message):
@@ -779,3 +1227,148 @@ class Gpu(_message.Message):
     def WhichOneof(self, oneof_group: _WhichOneofArgType__utilization_memory_ratio) -> _WhichOneofReturnType__utilization_memory_ratio | None: ...
 
 Global___Gpu: _TypeAlias = Gpu  # noqa: Y015
+
+@_typing.final
+class EngineCheckRequest(_message.Message):
+    """The control plane asks the node to check an engine as llmgw launches it."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    ENGINE_FIELD_NUMBER: _builtins.int
+    MODEL_FIELD_NUMBER: _builtins.int
+    STATIC_ONLY_FIELD_NUMBER: _builtins.int
+    TIMEOUT_SECONDS_FIELD_NUMBER: _builtins.int
+    request_id: _builtins.int
+    """Echoed in the answer (EngineCheckResultRequest.request_id)."""
+    engine: _builtins.str
+    """"vllm", "llamacpp", "trtllm" or "sglang"."""
+    model: _builtins.str
+    """The model for the live checks (a path on the node or an id the engine
+    fetches); absent: llama.cpp gets a tiny GGUF, the others skip them.
+    """
+    static_only: _builtins.bool
+    """Only the static checks (no engine is started)."""
+    timeout_seconds: _builtins.float
+    """Seconds the engine may take to become ready; absent: the agent's default."""
+    def __init__(
+        self,
+        *,
+        request_id: _builtins.int = ...,
+        engine: _builtins.str = ...,
+        model: _builtins.str | None = ...,
+        static_only: _builtins.bool = ...,
+        timeout_seconds: _builtins.float | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_model", b"_model", "_timeout_seconds", b"_timeout_seconds", "model", b"model", "timeout_seconds", b"timeout_seconds"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_model", b"_model", "_timeout_seconds", b"_timeout_seconds", "engine", b"engine", "model", b"model", "request_id", b"request_id", "static_only", b"static_only", "timeout_seconds", b"timeout_seconds"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__model: _TypeAlias = _typing.Literal["model"]  # noqa: Y015
+    _WhichOneofArgType__model: _TypeAlias = _typing.Literal["_model", b"_model"]  # noqa: Y015
+    _WhichOneofReturnType__timeout_seconds: _TypeAlias = _typing.Literal["timeout_seconds"]  # noqa: Y015
+    _WhichOneofArgType__timeout_seconds: _TypeAlias = _typing.Literal["_timeout_seconds", b"_timeout_seconds"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__model) -> _WhichOneofReturnType__model | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__timeout_seconds) -> _WhichOneofReturnType__timeout_seconds | None: ...
+
+Global___EngineCheckRequest: _TypeAlias = EngineCheckRequest  # noqa: Y015
+
+@_typing.final
+class EngineCheck(_message.Message):
+    """One check's outcome (llmgw.launch.check.Check)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    STATUS_FIELD_NUMBER: _builtins.int
+    DETAIL_FIELD_NUMBER: _builtins.int
+    FIX_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    """What was checked, e.g. "binary", "flags", "ready"."""
+    status: _builtins.str
+    """"pass", "fail" or "info"."""
+    detail: _builtins.str
+    """What was found."""
+    fix: _builtins.str
+    """How to fix a failed check (empty otherwise)."""
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        status: _builtins.str = ...,
+        detail: _builtins.str = ...,
+        fix: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["detail", b"detail", "fix", b"fix", "name", b"name", "status", b"status"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___EngineCheck: _TypeAlias = EngineCheck  # noqa: Y015
+
+@_typing.final
+class EngineCheckResultRequest(_message.Message):
+    """EngineCheckResult: one EngineCheckRequest's answer."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NODE_ID_FIELD_NUMBER: _builtins.int
+    NODE_NAME_FIELD_NUMBER: _builtins.int
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    CHECKS_FIELD_NUMBER: _builtins.int
+    ERROR_FIELD_NUMBER: _builtins.int
+    node_id: _builtins.str
+    """The id Register answered."""
+    node_name: _builtins.str
+    """The node's name (for the control plane's logs)."""
+    request_id: _builtins.int
+    """The EngineCheckRequest answered."""
+    error: _builtins.str
+    """Set when the checks could not run at all: why."""
+    @_builtins.property
+    def checks(self) -> _containers.RepeatedCompositeFieldContainer[Global___EngineCheck]:
+        """Every check, in the order run."""
+
+    def __init__(
+        self,
+        *,
+        node_id: _builtins.str = ...,
+        node_name: _builtins.str = ...,
+        request_id: _builtins.int = ...,
+        checks: _abc.Iterable[Global___EngineCheck] | None = ...,
+        error: _builtins.str | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_error", b"_error", "error", b"error"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_error", b"_error", "checks", b"checks", "error", b"error", "node_id", b"node_id", "node_name", b"node_name", "request_id", b"request_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__error: _TypeAlias = _typing.Literal["error"]  # noqa: Y015
+    _WhichOneofArgType__error: _TypeAlias = _typing.Literal["_error", b"_error"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__error) -> _WhichOneofReturnType__error | None: ...
+
+Global___EngineCheckResultRequest: _TypeAlias = EngineCheckResultRequest  # noqa: Y015
+
+@_typing.final
+class EngineCheckResultResponse(_message.Message):
+    """EngineCheckResult's answer."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ACCEPTED_FIELD_NUMBER: _builtins.int
+    accepted: _builtins.bool
+    """Whether the control plane still waited for this answer."""
+    def __init__(
+        self,
+        *,
+        accepted: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["accepted", b"accepted"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___EngineCheckResultResponse: _TypeAlias = EngineCheckResultResponse  # noqa: Y015

@@ -58,6 +58,16 @@ class AgentServiceStub:
                 request_serializer=llmgw_dot_agent_dot_v1_dot_agent__pb2.DeregisterRequest.SerializeToString,
                 response_deserializer=llmgw_dot_agent_dot_v1_dot_agent__pb2.DeregisterResponse.FromString,
                 _registered_method=True)
+        self.ReplicaLogs = channel.unary_unary(
+                '/llmgw.agent.v1.AgentService/ReplicaLogs',
+                request_serializer=llmgw_dot_agent_dot_v1_dot_agent__pb2.ReplicaLogsRequest.SerializeToString,
+                response_deserializer=llmgw_dot_agent_dot_v1_dot_agent__pb2.ReplicaLogsResponse.FromString,
+                _registered_method=True)
+        self.EngineCheckResult = channel.unary_unary(
+                '/llmgw.agent.v1.AgentService/EngineCheckResult',
+                request_serializer=llmgw_dot_agent_dot_v1_dot_agent__pb2.EngineCheckResultRequest.SerializeToString,
+                response_deserializer=llmgw_dot_agent_dot_v1_dot_agent__pb2.EngineCheckResultResponse.FromString,
+                _registered_method=True)
 
 
 class AgentServiceServicer:
@@ -105,6 +115,23 @@ class AgentServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReplicaLogs(self, request, context):
+        """The answer to a LogRequest a heartbeat answer carried (protocol 1.2):
+        the last lines of one replica's log file. NOT_FOUND: the node is not
+        registered; an answer nobody waits for any more is dropped.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def EngineCheckResult(self, request, context):
+        """The answer to an EngineCheckRequest a heartbeat answer carried (protocol
+        1.2): the checks `llmgw ctl engine-check ENGINE --node NODE` asked for.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AgentServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -127,6 +154,16 @@ def add_AgentServiceServicer_to_server(servicer, server):
                     servicer.Deregister,
                     request_deserializer=llmgw_dot_agent_dot_v1_dot_agent__pb2.DeregisterRequest.FromString,
                     response_serializer=llmgw_dot_agent_dot_v1_dot_agent__pb2.DeregisterResponse.SerializeToString,
+            ),
+            'ReplicaLogs': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReplicaLogs,
+                    request_deserializer=llmgw_dot_agent_dot_v1_dot_agent__pb2.ReplicaLogsRequest.FromString,
+                    response_serializer=llmgw_dot_agent_dot_v1_dot_agent__pb2.ReplicaLogsResponse.SerializeToString,
+            ),
+            'EngineCheckResult': grpc.unary_unary_rpc_method_handler(
+                    servicer.EngineCheckResult,
+                    request_deserializer=llmgw_dot_agent_dot_v1_dot_agent__pb2.EngineCheckResultRequest.FromString,
+                    response_serializer=llmgw_dot_agent_dot_v1_dot_agent__pb2.EngineCheckResultResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -240,6 +277,60 @@ class AgentService:
             '/llmgw.agent.v1.AgentService/Deregister',
             llmgw_dot_agent_dot_v1_dot_agent__pb2.DeregisterRequest.SerializeToString,
             llmgw_dot_agent_dot_v1_dot_agent__pb2.DeregisterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReplicaLogs(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/llmgw.agent.v1.AgentService/ReplicaLogs',
+            llmgw_dot_agent_dot_v1_dot_agent__pb2.ReplicaLogsRequest.SerializeToString,
+            llmgw_dot_agent_dot_v1_dot_agent__pb2.ReplicaLogsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def EngineCheckResult(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/llmgw.agent.v1.AgentService/EngineCheckResult',
+            llmgw_dot_agent_dot_v1_dot_agent__pb2.EngineCheckResultRequest.SerializeToString,
+            llmgw_dot_agent_dot_v1_dot_agent__pb2.EngineCheckResultResponse.FromString,
             options,
             channel_credentials,
             insecure,

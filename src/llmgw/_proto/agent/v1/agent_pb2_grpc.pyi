@@ -77,6 +77,15 @@ class AgentServiceStub:
     """
     Deregister: _grpc.UnaryUnaryMultiCallable[_agent_pb2.DeregisterRequest, _agent_pb2.DeregisterResponse]
     """Leave the cluster (the agent stops): the node is removed at once."""
+    ReplicaLogs: _grpc.UnaryUnaryMultiCallable[_agent_pb2.ReplicaLogsRequest, _agent_pb2.ReplicaLogsResponse]
+    """The answer to a LogRequest a heartbeat answer carried (protocol 1.2):
+    the last lines of one replica's log file. NOT_FOUND: the node is not
+    registered; an answer nobody waits for any more is dropped.
+    """
+    EngineCheckResult: _grpc.UnaryUnaryMultiCallable[_agent_pb2.EngineCheckResultRequest, _agent_pb2.EngineCheckResultResponse]
+    """The answer to an EngineCheckRequest a heartbeat answer carried (protocol
+    1.2): the checks `llmgw ctl engine-check ENGINE --node NODE` asked for.
+    """
 
 @_typing.type_check_only
 class AgentServiceAsyncStub(AgentServiceStub):
@@ -108,6 +117,15 @@ class AgentServiceAsyncStub(AgentServiceStub):
     """
     Deregister: _aio.UnaryUnaryMultiCallable[_agent_pb2.DeregisterRequest, _agent_pb2.DeregisterResponse]  # type: ignore[assignment]
     """Leave the cluster (the agent stops): the node is removed at once."""
+    ReplicaLogs: _aio.UnaryUnaryMultiCallable[_agent_pb2.ReplicaLogsRequest, _agent_pb2.ReplicaLogsResponse]  # type: ignore[assignment]
+    """The answer to a LogRequest a heartbeat answer carried (protocol 1.2):
+    the last lines of one replica's log file. NOT_FOUND: the node is not
+    registered; an answer nobody waits for any more is dropped.
+    """
+    EngineCheckResult: _aio.UnaryUnaryMultiCallable[_agent_pb2.EngineCheckResultRequest, _agent_pb2.EngineCheckResultResponse]  # type: ignore[assignment]
+    """The answer to an EngineCheckRequest a heartbeat answer carried (protocol
+    1.2): the checks `llmgw ctl engine-check ENGINE --node NODE` asked for.
+    """
 
 class AgentServiceServicer(metaclass=_abc_1.ABCMeta):
     """What a node agent calls on the control plane. Every call carries the join
@@ -160,5 +178,26 @@ class AgentServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_agent_pb2.DeregisterResponse, _abc.Awaitable[_agent_pb2.DeregisterResponse]]:
         """Leave the cluster (the agent stops): the node is removed at once."""
+
+    @_abc_1.abstractmethod
+    def ReplicaLogs(
+        self,
+        request: _agent_pb2.ReplicaLogsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_agent_pb2.ReplicaLogsResponse, _abc.Awaitable[_agent_pb2.ReplicaLogsResponse]]:
+        """The answer to a LogRequest a heartbeat answer carried (protocol 1.2):
+        the last lines of one replica's log file. NOT_FOUND: the node is not
+        registered; an answer nobody waits for any more is dropped.
+        """
+
+    @_abc_1.abstractmethod
+    def EngineCheckResult(
+        self,
+        request: _agent_pb2.EngineCheckResultRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_agent_pb2.EngineCheckResultResponse, _abc.Awaitable[_agent_pb2.EngineCheckResultResponse]]:
+        """The answer to an EngineCheckRequest a heartbeat answer carried (protocol
+        1.2): the checks `llmgw ctl engine-check ENGINE --node NODE` asked for.
+        """
 
 def add_AgentServiceServicer_to_server(servicer: AgentServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -1,0 +1,548 @@
+"""The console's views as plain data: which API paths each reads, its columns, its rows.
+
+No Textual here: a view turns the admin API's JSON into rows of text plus sort
+keys, so what the screen shows can be checked (and timed) without a terminal.
+Absent numbers are ``–``, never 0; every state is a word (a colour only repeats it);
+bars carry their number beside them.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from rich.text import Text
+
+__all__ = [
+    "ABSENT",
+    "VIEWS",
+    "BarCell",
+    "Cell",
+    "Column",
+    "Row",
+    "View",
+    "apply_filter",
+    "bar",
+    "column_widths",
+    "sort_rows",
+]
+
+ABSENT = "–"  # an en dash, as llmgw ctl shows absent values
+
+_GOOD = "green"
+_WARN = "yellow"
+_BAD = "red"
+_STATE_STYLE = {
+    "ok": _GOOD, "up": _GOOD, "closed": _GOOD, "ready": _GOOD, "running": _GOOD,
+    "draining": _WARN, "stale": _WARN, "half-open": _WARN, "half_open": _WARN, "degraded": _WARN,
+    "cordoned": _WARN, "pending": _WARN, "starting": _WARN,
+    "unreachable": _BAD, "open": _BAD, "auth_failed": _BAD, "unhealthy": _BAD, "failed": _BAD, "fatal": _BAD,
+    "lost": _BAD,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Column:
+    key: str
+    label: str
+    right: bool = False
+
+
+class Cell:
+    """A styled cell kept as plain text plus a style: a rich ``Text`` is made only for the lines on
+    screen (8,000 GPUs × a dozen cells as ``Text`` objects would cost more than the poll itself)."""
+
+    __slots__ = ("plain", "style")
+
+    def __init__(self, plain: str, style: str = "") -> None:
+        self.plain = plain
+        self.style = style
+
+    def text(self) -> Text:
+        return Text(self.plain, style=self.style)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Cell) and self.plain == other.plain and self.style == other.style
+
+    def __repr__(self) -> str:
+        return f"Cell({self.plain!r}, {self.style!r})"
+
+
+class BarCell(Cell):
+    """``█████░░░ 62%``: ``full`` filled of ``width``, then the number."""
+
+    __slots__ = ("full", "width")
+
+    def __init__(self, plain: str, style: str, full: int, width: int) -> None:
+        super().__init__(plain, style)
+        self.full = full
+        self.width = width
+
+    def text(self) -> Text:
+        t = Text()
+        t.append(self.plain[: self.full], style=self.style)
+        t.append(self.plain[self.full : self.width], style="dim")
+        t.append(self.plain[self.width :])
+        return t
+
+
+CellType = str | Cell
+
+
+@dataclass(slots=True)
+class Row:
+    """One line: its key (stable across refreshes), the cells, a sort value per column, the record."""
+
+    key: str
+    cells: tuple[CellType, ...]
+    sort: tuple[Any, ...]
+    record: dict[str, Any] = field(default_factory=dict)
+    text: str = ""  # what the filter matches (every cell, lower case, one a line)
+
+
+# -- formatting --
+
+
+def num(v: Any) -> float | None:
+    if v is None or isinstance(v, bool):
+        return None
+    try:
+        x = float(v)
+    except (TypeError, ValueError):
+        return None
+    return x if math.isfinite(x) or x == math.inf else None
+
+
+def fmt_int(v: Any) -> str:
+    x = num(v)
+    return ABSENT if x is None else str(int(x))
+
+
+def fmt_pct(v: Any) -> str:
+    x = num(v)
+    if x is None:
+        return ABSENT
+    if x == math.inf:
+        return "∞"
+    return f"{x * 100:.0f}%"
+
+
+def fmt_float(v: Any, digits: int = 2, unit: str = "") -> str:
+    x = num(v)
+    return ABSENT if x is None else f"{x:.{digits}f}{unit}"
+
+
+def fmt_age(v: Any, show: bool = True) -> str:
+    x = num(v)
+    if x is None:
+        return ABSENT
+    if not show:
+        return "·"  # (snapshot tests: ages would differ run to run)
+    if x < 60:
+        return f"{x:.1f}s"
+    if x < 3600:
+        return f"{x / 60:.0f}m"
+    return f"{x / 3600:.1f}h"
+
+
+def fmt_bytes(v: Any) -> str:
+    x = num(v)
+    if x is None:
+        return ABSENT
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if x < 1000 or unit == "TB":
+            return f"{x:.0f} {unit}" if unit == "B" else f"{x:.1f} {unit}"
+        x /= 1000
+    return ABSENT  # pragma: no cover
+
+
+def fmt_gib(v: Any) -> str:
+    x = num(v)
+    return ABSENT if x is None else f"{x / 1024**3:.1f}"
+
+
+def word(state: Any) -> Cell:
+    s = str(state) if state is not None else ABSENT
+    return Cell(s, _STATE_STYLE.get(s, ""))
+
+
+def bar(ratio: float | None, width: int = 8, label: str | None = None) -> CellType:
+    """``█████░░░ 62%``: the bar and its number (never a colour alone); ``–`` when absent."""
+    if ratio is None:
+        return ABSENT
+    r = max(0.0, min(1.0, ratio))
+    full = round(r * width)
+    style = _BAD if r >= 0.9 else _WARN if r >= 0.7 else _GOOD
+    return BarCell("█" * full + "░" * (width - full) + " " + (label if label is not None else f"{r * 100:3.0f}%"),
+                   style, full, width)
+
+
+def short_digest(d: Any) -> str:
+    return ABSENT if not d else str(d).removeprefix("sha256:")[:12]
+
+
+def _sortval(v: Any) -> Any:
+    return v
+
+
+# -- rows --
+
+
+def _row(key: str, cells: Sequence[CellType], sort: Sequence[Any], record: dict[str, Any]) -> Row:
+    # one cell a line: ^ and $ (re.MULTILINE) anchor at a cell's start and end
+    text = "\n".join(c if isinstance(c, str) else c.plain for c in cells).lower()
+    return Row(key, tuple(cells), tuple(sort), record, text)
+
+
+def column_widths(columns: Sequence[Column], rows: Sequence[Row], cap: int = 48) -> list[int]:
+    """Each column's width: its label (and a sort arrow) or its longest cell, at most ``cap``.
+
+    PERF: ``len()`` of the plain text: the console's cells are one terminal cell per character
+    (ASCII, block elements, –, °, ×).
+    """
+    widths = [len(c.label) + 1 for c in columns]
+    for i in range(len(columns)):
+        longest = max((len(c) if isinstance(c, str) else len(c.plain) for c in (r.cells[i] for r in rows)), default=0)
+        widths[i] = min(max(widths[i], longest), cap)
+    return widths
+
+
+def sort_rows(rows: list[Row], column: int, reverse: bool) -> list[Row]:
+    """Sorted by column ``column``; absent values (``None``) last either way; ties by key."""
+    present = [r for r in rows if r.sort[column] is not None]
+    absent = [r for r in rows if r.sort[column] is None]
+
+    def k(r: Row) -> Any:
+        v = r.sort[column]
+        return (0, v, r.key) if isinstance(v, (int, float)) else (1, str(v).lower(), r.key)
+
+    try:
+        present.sort(key=k, reverse=reverse)
+    except TypeError:
+        present.sort(key=lambda r: str(r.sort[column]), reverse=reverse)
+    absent.sort(key=lambda r: r.key)
+    return present + absent
+
+
+def compile_filter(text: str) -> Callable[[str], bool] | None:
+    """``/text``: a case-insensitive regular expression (or the plain text when it is not one);
+    ``!text`` keeps the rows that do *not* match. ``None``: no filter."""
+    s = text.strip()
+    if not s or s == "!":
+        return None
+    invert = s.startswith("!")
+    if invert:
+        s = s[1:]
+    try:
+        rx = re.compile(s, re.IGNORECASE | re.MULTILINE)
+        match: Callable[[str], bool] = lambda t: rx.search(t) is not None  # noqa: E731
+    except re.error:
+        needle = s.lower()
+        match = lambda t: needle in t  # noqa: E731
+    return (lambda t: not match(t)) if invert else match
+
+
+def apply_filter(rows: list[Row], text: str) -> list[Row]:
+    pred = compile_filter(text)
+    return rows if pred is None else [r for r in rows if pred(r.text)]
+
+
+# -- the views --
+
+
+class View:
+    """A table over one or more admin API answers."""
+
+    name = ""
+    title = ""
+    paths: tuple[str, ...] = ()
+    columns: tuple[Column, ...] = ()
+    default_sort = 0
+    hint = ""  # the view's own keys, for the status line
+
+    def rows(self, data: dict[str, Any], show_ages: bool = True) -> list[Row]:
+        raise NotImplementedError
+
+    def summary(self, data: dict[str, Any]) -> str:
+        return ""
+
+    def empty(self, data: dict[str, Any]) -> str:
+        return f"no {self.name}"
+
+
+class EndpointsView(View):
+    name = "endpoints"
+    title = "Endpoints"
+    paths = ("/admin/v1/endpoints",)
+    columns = (
+        Column("id", "ID"), Column("state", "STATE"), Column("inflight", "INFL", True),
+        Column("waiting", "WAIT", True), Column("running", "RUN", True), Column("kv", "KV", True),
+        Column("drain", "DRAIN/s", True), Column("breaker", "BREAKER"), Column("stale", "STALE"),
+        Column("age", "SCRAPED", True), Column("model", "MODEL"), Column("pool", "POOL"),
+        Column("engine", "ENGINE"),
+    )
+    hint = "d drain  u undrain  r reload"
+
+    def rows(self, data: dict[str, Any], show_ages: bool = True) -> list[Row]:
+        out = []
+        for ep in (data.get("/admin/v1/endpoints") or {}).get("endpoints", []):
+            age = num(ep.get("last_scrape_age_s"))
+            models = ",".join(ep.get("models") or []) or ABSENT
+            stale = ep.get("stale")
+            cells = (
+                str(ep.get("id")), word(ep.get("state")), fmt_int(ep.get("inflight")), fmt_int(ep.get("waiting")),
+                fmt_int(ep.get("running")), fmt_pct(ep.get("kv_cache_usage")), fmt_float(ep.get("drain_rate")),
+                word(ep.get("breaker")), ABSENT if stale is None else ("yes" if stale else "no"),
+                fmt_age(age, show_ages), models, str(ep.get("pool") or ABSENT), str(ep.get("engine") or ABSENT),
+            )
+            sort = (
+                str(ep.get("id")), ep.get("state"), num(ep.get("inflight")), num(ep.get("waiting")),
+                num(ep.get("running")), num(ep.get("kv_cache_usage")), num(ep.get("drain_rate")),
+                ep.get("breaker"), None if stale is None else int(bool(stale)), age, models, ep.get("pool"),
+                ep.get("engine"),
+            )
+            out.append(_row(str(ep.get("id")), cells, sort, ep))
+        return out
+
+    def summary(self, data: dict[str, Any]) -> str:
+        eps = (data.get("/admin/v1/endpoints") or {}).get("endpoints", [])
+        states: dict[str, int] = {}
+        for ep in eps:
+            states[str(ep.get("state"))] = states.get(str(ep.get("state")), 0) + 1
+        return ", ".join(f"{n} {s}" for s, n in sorted(states.items()))
+
+    def empty(self, data: dict[str, Any]) -> str:
+        return "no endpoints (add them to the config file and press r to reload)"
+
+
+class ModelsView(View):
+    name = "models"
+    title = "Models"
+    paths = ("/admin/v1/endpoints", "/admin/v1/queues")
+    columns = (
+        Column("model", "MODEL"), Column("pools", "POOLS"), Column("replicas", "USABLE", True),
+        Column("saturation", "SATURATION"), Column("queued", "QUEUED", True), Column("bands", "QUEUED BY BAND"),
+    )
+
+    def rows(self, data: dict[str, Any], show_ages: bool = True) -> list[Row]:
+        eps = (data.get("/admin/v1/endpoints") or {}).get("endpoints", [])
+        q = data.get("/admin/v1/queues") or {}
+        sat = q.get("pool_saturation") or {}
+        per: dict[str, dict[str, Any]] = {}
+        for ep in eps:
+            for m in ep.get("models") or []:
+                d = per.setdefault(m, {"pools": set(), "usable": 0, "total": 0})
+                if ep.get("pool"):
+                    d["pools"].add(str(ep["pool"]))
+                d["total"] += 1
+                d["usable"] += 1 if ep.get("usable") or (ep.get("usable") is None and ep.get("state") == "ok") else 0
+        bands = q.get("bands") or []
+        admission = bool(q.get("admission"))
+        out = []
+        for m in sorted(per):
+            d = per[m]
+            depths = [(str(b.get("band")), int((b.get("models") or {}).get(m, 0))) for b in bands]
+            queued: int | None = sum(n for _, n in depths) if admission else None
+            s = num(sat.get(m))
+            cells = (
+                m, ",".join(sorted(d["pools"])) or ABSENT, f"{d['usable']}/{d['total']}",
+                bar(s if s is None or s != math.inf else 1.0, 8, fmt_pct(s)),
+                ABSENT if queued is None else str(queued),
+                " ".join(f"{b}:{n}" for b, n in depths) if admission else ABSENT,
+            )
+            sort = (m, ",".join(sorted(d["pools"])), d["usable"], s, queued, queued)
+            out.append(_row(m, cells, sort, {"model": m, **d, "pools": sorted(d["pools"])}))
+        return out
+
+    def summary(self, data: dict[str, Any]) -> str:
+        q = data.get("/admin/v1/queues") or {}
+        if not q.get("admission"):
+            return "admission control is off: requests go straight to replicas"
+        shed = []
+        for b in q.get("bands") or []:
+            d = b.get("decisions") or {}
+            shed.append(f"{b.get('band')} {int(d.get('rejected', 0))}")
+        return "shed so far (per band): " + (", ".join(shed) if shed else "none")
+
+    def empty(self, data: dict[str, Any]) -> str:
+        return "no models (no endpoints are configured)"
+
+
+class NodesView(View):
+    name = "nodes"
+    title = "Nodes"
+    paths = ("/admin/v1/nodes", "/admin/v1/gpus")
+    columns = (
+        Column("name", "NODE"), Column("state", "STATE"), Column("cordon", "CORDON"),
+        Column("heartbeat", "HEARTBEAT", True), Column("gpus", "GPUS", True), Column("util", "GPU UTIL"),
+        Column("mem", "GPU MEMORY"), Column("errors", "ERRORS", True), Column("host", "HOST"),
+        Column("agent", "AGENT"),
+    )
+    hint = "c cordon/uncordon  enter GPUs"
+
+    def rows(self, data: dict[str, Any], show_ages: bool = True) -> list[Row]:
+        nodes = (data.get("/admin/v1/nodes") or {}).get("nodes", [])
+        gpus = (data.get("/admin/v1/gpus") or {}).get("gpus", [])
+        agg: dict[str, list[dict[str, Any]]] = {}
+        for g in gpus:
+            agg.setdefault(str(g.get("node")), []).append(g)
+        out = []
+        for n in nodes:
+            name = str(n.get("name"))
+            up = n.get("state") == "up"
+            gs = agg.get(name, [])
+            utils = [u for g in gs if (u := num(g.get("utilization_gpu_ratio"))) is not None] if up else []
+            used = [num(g.get("memory_used_bytes")) for g in gs] if up else []
+            total = [num(g.get("memory_total_bytes")) for g in gs]
+            util = sum(utils) / len(utils) if utils else None
+            mem_ok = up and gs and all(u is not None for u in used) and all(t for t in total)
+            mem = sum(u or 0 for u in used) / sum(t or 0 for t in total) if mem_ok else None
+            errors = len(n.get("errors") or []) + sum(len(g.get("errors") or []) for g in gs)
+            age = num(n.get("heartbeat_age_s"))
+            cells = (
+                name, word(n.get("state")), Cell("cordoned", _WARN) if n.get("cordoned") else "no",
+                fmt_age(age, show_ages), str(n.get("gpu_count", len(gs))), bar(util), bar(mem),
+                str(errors), str(n.get("hostname") or ABSENT), str(n.get("agent_version") or ABSENT),
+            )
+            sort = (name, n.get("state"), int(bool(n.get("cordoned"))), age, num(n.get("gpu_count")), util, mem,
+                    errors, n.get("hostname"), n.get("agent_version"))
+            out.append(_row(name, cells, sort, n))
+        return out
+
+    def empty(self, data: dict[str, Any]) -> str:
+        return "no nodes registered (start llmgw agent on a node)"
+
+
+class GPUsView(View):
+    name = "gpus"
+    title = "GPUs"
+    paths = ("/admin/v1/gpus",)
+    columns = (
+        Column("node", "NODE"), Column("idx", "IDX", True), Column("util", "UTIL"), Column("mem", "MEMORY"),
+        Column("temp", "TEMP", True), Column("power", "POWER", True), Column("ecc", "ECC", True),
+        Column("xid", "XID"), Column("health", "HEALTH"), Column("name", "MODEL"), Column("uuid", "UUID"),
+    )
+    hint = "enter details"
+
+    def rows(self, data: dict[str, Any], show_ages: bool = True) -> list[Row]:
+        out = []
+        for g in (data.get("/admin/v1/gpus") or {}).get("gpus", []):
+            current = g.get("node_state") == "up"
+
+            def cur(k: str, g: dict[str, Any] = g, current: bool = current) -> Any:
+                return g.get(k) if current else None
+
+            util = num(cur("utilization_gpu_ratio"))
+            used, total = num(cur("memory_used_bytes")), num(g.get("memory_total_bytes"))
+            mem = used / total if used is not None and total else None
+            mem_label = f"{fmt_gib(used)}/{fmt_gib(total)}G" if mem is not None else ABSENT
+            ecc_c, ecc_u = cur("ecc_corrected_volatile"), cur("ecc_uncorrected_volatile")
+            ecc = ABSENT if ecc_c is None and ecc_u is None else f"{fmt_int(ecc_c)}/{fmt_int(ecc_u)}"
+            xids = cur("xid_errors") or {}
+            xid = ",".join(f"{k}×{v}" for k, v in sorted(xids.items())) if xids else ("none" if current else ABSENT)
+            health = word(g.get("health")) if current else Cell(f"node {g.get('node_state')}", _BAD)
+            key = f"{g.get('node')}/{g.get('uuid')}"
+            cells = (
+                str(g.get("node")), fmt_int(g.get("index")), bar(util, 6), bar(mem, 6, mem_label),
+                fmt_float(cur("temperature_celsius"), 0, "°C"), fmt_float(cur("power_watts"), 0, " W"), ecc, xid,
+                health, str(g.get("name") or ABSENT), str(g.get("uuid")),
+            )
+            sort = (str(g.get("node")), num(g.get("index")), util, mem, num(cur("temperature_celsius")),
+                    num(cur("power_watts")), num(ecc_u), sum(xids.values()) if xids else None,
+                    g.get("health") if current else "~" + str(g.get("node_state")), g.get("name"), g.get("uuid"))
+            out.append(_row(key, cells, sort, g))
+        return out
+
+    def empty(self, data: dict[str, Any]) -> str:
+        return "no GPUs reported (no nodes, or nodes without GPUs)"
+
+
+class DeploymentsView(View):
+    name = "deployments"
+    title = "Deployments"
+    paths = ("/admin/v1/deployments",)
+    columns = (
+        Column("name", "DEPLOYMENT"), Column("model", "MODEL"), Column("engine", "ENGINE"),
+        Column("ready", "READY", True), Column("desired", "DESIRED", True), Column("where", "WHERE"),
+        Column("why", "NOT PLACED BECAUSE"),
+    )
+    hint = "s scale  enter replicas"
+
+    def rows(self, data: dict[str, Any], show_ages: bool = True) -> list[Row]:
+        # The shape of /admin/v1/deployments (control/deployments.py): name, model, engine, desired,
+        # ready, nodes, message (why a replica is not placed), replicas [{id, node, state, message}].
+        doc = data.get("/admin/v1/deployments") or {}
+        out = []
+        for d in doc.get("deployments", []):
+            name = str(d.get("name"))
+            got = d.get("replicas")
+            reps: list[dict[str, Any]] = [r for r in got if isinstance(r, dict)] if isinstance(got, list) else []
+            desired = d.get("desired")
+            ready = d.get("ready")
+            nodes = d.get("nodes")
+            where = sorted(map(str, nodes)) if isinstance(nodes, list) else sorted(
+                {str(r.get("node")) for r in reps if r.get("node")})
+            why = d.get("message") or next((r.get("message") for r in reps if r.get("message")), None)
+            cells = (name, str(d.get("model") or ABSENT), str(d.get("engine") or ABSENT),
+                     Cell(fmt_int(ready), _GOOD if ready is not None and ready == desired else _WARN),
+                     fmt_int(desired), ",".join(where) or ABSENT, str(why) if why else ABSENT)
+            sort = (name, d.get("model"), d.get("engine"), num(ready), num(desired), ",".join(where), why)
+            out.append(_row(name, cells, sort, d))
+        return out
+
+    def empty(self, data: dict[str, Any]) -> str:
+        return "no deployments (add them to the config's deployments: section)"
+
+
+class MirrorView(View):
+    name = "mirror"
+    title = "Mirror"
+    paths = ("/admin/v1/mirror/models",)
+    columns = (
+        Column("ref", "MODEL"), Column("size", "SIZE", True), Column("arch", "ARCH"), Column("quant", "QUANT"),
+        Column("params", "PARAMS", True), Column("digest", "DIGEST"), Column("projector", "PROJECTOR"),
+        Column("source", "SOURCE"),
+    )
+    hint = "I import from Ollama"
+
+    def rows(self, data: dict[str, Any], show_ages: bool = True) -> list[Row]:
+        doc = data.get("/admin/v1/mirror/models") or {}
+        out = []
+        for m in doc.get("models", []):
+            ref = str(m.get("ref"))
+            params = num(m.get("parameter_count"))
+            cells = (
+                ref, fmt_bytes(m.get("size")), str(m.get("architecture") or ABSENT),
+                str(m.get("quantization") or ABSENT), _params(params), short_digest(m.get("digest")),
+                short_digest(m.get("projector")) if m.get("projector") else "none",
+                str(m.get("source_kind") or ABSENT),
+            )
+            sort = (ref, num(m.get("size")), m.get("architecture"), m.get("quantization"), params, m.get("digest"),
+                    m.get("projector") or "", m.get("source_kind"))
+            out.append(_row(ref, cells, sort, m))
+        return out
+
+    def summary(self, data: dict[str, Any]) -> str:
+        doc = data.get("/admin/v1/mirror/models") or {}
+        return f"mirror at {doc['root']}" if doc.get("root") else ""
+
+    def empty(self, data: dict[str, Any]) -> str:
+        return "the mirror is empty: press I to import a model from Ollama"
+
+
+def _params(n: float | None) -> str:
+    if n is None:
+        return ABSENT
+    for div, unit in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if n >= div:
+            return f"{n / div:.1f}{unit}"
+    return str(int(n))
+
+
+VIEWS: dict[str, View] = {
+    v.name: v for v in (EndpointsView(), ModelsView(), NodesView(), GPUsView(), DeploymentsView(), MirrorView())
+}
+"""By command name, in the order ``:`` completes them."""

@@ -1,0 +1,850 @@
+"""Deployments: desired state, placement of their replicas, and the router following them.
+
+:class:`DeploymentController` implements :class:`llmgw.launch.spec.ReplicaController`.
+It is level-triggered (STYLE §13): :meth:`~DeploymentController.sync` compares
+what is wanted (each deployment's replica count) with what is placed and takes
+the next steps; running it twice does nothing more. It runs on a short tick and
+at once after every change (an API call, a report, a reload).
+
+* **Desired state** lives in a :class:`~.store.DesiredStore` (SQLite): the
+  deployments, and the replicas placed for them with their GPUs, claims and API
+  keys, so a control-plane restart hands every node the same set (no engine
+  restarts) and loses no deployment. Entries of ``deployments:`` in the config
+  file are applied at start and on every reload (an entry removed from the file is
+  undeployed); ``ctl scale`` of one holds until that entry changes in the file.
+  Deployments made through the API live in the store alone.
+* **Placement**: :func:`.placement.place` per missing replica, over the node map
+  and the claims of every placed replica. A deployment that cannot be placed
+  keeps the reason (shown by ``ctl deployments``) and is retried on every pass.
+* **Per node**: :meth:`~DeploymentController.desired` is the node's whole set with
+  a generation that rises on every change (it starts at the wall clock in
+  milliseconds, so it rises across a control-plane restart too).
+* **The router follows** (:class:`Router`): a replica reported ``ready`` joins the
+  router as an endpoint (its id is the replica's; pool = its node); one that stops
+  being ready (restarting, failed, vanished from its node's report) leaves it. A
+  scale-down first drains the chosen replicas (no new requests), waits until
+  their requests in flight are done (or ``drain_grace``), and only then drops
+  them from the node's set, so the agent stops them. A model whose deployment has
+  no ready replica answers 503 ``model_unavailable``, not 404.
+* **Failures**: a replica reported ``failed`` (the agent gave up after its
+  restarts) is dropped and placed again after a backoff that doubles per failure
+  (5 s to 5 min); the deployment shows the last failure's message.
+
+SECURITY: each replica's API key comes from :func:`secrets.token_urlsafe`; it is
+kept in the store (a ``0600`` file), sent to the agent and to the router, and
+shown only by :meth:`~DeploymentController.view` with ``secrets=True``; never logged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import secrets
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
+
+from ..config import DeploymentConfig, EndpointConfig, load
+from ..engines import get as get_engine
+from ..errors import ConfigError
+from ..launch.spec import FAILED, READY, ReplicaSpec, ReplicaStatus
+from ..log import control_logger as log
+from .placement import Choice, Claim, GpuInfo, Need, NodeInfo, Unplaceable, place
+from .resolve import MirrorModel, Resolver, memory_need
+from .store import DesiredStore, StoredDeployment, StoredReplica
+
+if TYPE_CHECKING:
+    from ..config import Config
+    from .nodes import NodeMap
+
+__all__ = ["DeploymentController", "DeploymentError", "Router", "deployment_entry", "parse_deployment"]
+
+CONFIG = "config"
+API = "api"
+BACKOFF_MIN_S = 5.0
+BACKOFF_MAX_S = 300.0
+PASS_BUDGET_S = 0.02
+"""A pass of the loop places replicas for at most this long (one at least), then yields to the event
+loop and goes on at once in the next (a large cluster's placement never holds the data path up)."""
+CALL_BUDGET_S = 0.25
+"""The same for the pass an operator's call makes (``ctl deploy``, ``scale``): its answer shows what was placed."""
+RESOLVE_AGAIN_S = 10.0
+"""A model the mirror lacked is looked up again after this long (before placing another replica)."""
+NODE_LOST_S = 120.0
+"""A node absent from the node map this long loses its replicas (they are placed elsewhere)."""
+
+
+class DeploymentError(ValueError):
+    """A request the controller refuses: ``status`` and ``code`` for the API."""
+
+    def __init__(self, message: str, *, status: int = 400, code: str = "invalid_deployment", param: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.status = status
+        self.code = code
+        self.param = param
+
+
+class Router(Protocol):
+    """What the controller changes in the router (the composition root adapts the runtime to it)."""
+
+    def add(self, ep: EndpointConfig) -> None:
+        """Add an endpoint (``ValueError``: the id exists)."""
+
+    def remove(self, endpoint_id: str) -> None:
+        """Remove it (``KeyError``: no such id); requests in flight finish."""
+
+    def set_draining(self, endpoint_id: str, draining: bool) -> None: ...
+
+    def inflight(self, endpoint_id: str) -> int | None:
+        """Requests in flight to it; ``None``: no such endpoint."""
+
+    def hold(self, models: frozenset[str]) -> None:
+        """Models that answer 503 ``model_unavailable`` (not 404) while they have no replica."""
+
+
+# -- deployments as config entries --
+
+
+def deployment_entry(d: DeploymentConfig) -> dict[str, Any]:
+    """``d`` as a config ``deployments[]`` entry (JSON): what the store keeps, what the API takes."""
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(d):
+        v = getattr(d, f.name)
+        if v is None:
+            continue
+        if isinstance(v, tuple):
+            v = list(v)
+        elif isinstance(v, Mapping):
+            v = dict(v)
+        out[f.name] = v
+    return out
+
+
+def _entry_key(d: DeploymentConfig) -> str:
+    return json.dumps(deployment_entry(d), sort_keys=True)
+
+
+def parse_deployment(body: Any) -> DeploymentConfig:
+    """Validate a config ``deployments[]`` entry given over the API.
+
+    Raises:
+        DeploymentError: naming the offending key.
+    """
+    if not isinstance(body, dict):
+        raise DeploymentError("the body must be a JSON object like a config deployments[] entry")
+    try:
+        cfg = load({"deployments": [body]})
+    except ConfigError as exc:
+        key = exc.key.removeprefix("deployments[0].").removeprefix("deployments[0]")
+        raise DeploymentError(f"{key + ': ' if key else ''}{exc.message}", param=key or None) from None
+    return cfg.deployments[0]
+
+
+# -- what the controller keeps --
+
+
+@dataclass
+class Replica:
+    """One placed replica: its claim (stored) and what its node last reported (not stored)."""
+
+    id: str
+    deployment: str
+    node: str
+    gpus: tuple[str, ...]
+    gpu_memory: int
+    exclusive: bool
+    memory: int
+    cpu_cores: float
+    fraction: float | None
+    api_key: str = field(repr=False)
+    created_at: float
+    status: ReplicaStatus | None = None
+    address: str | None = None
+    endpoint: str | None = None
+    """Its endpoint id in the router while it is there (the replica's id)."""
+    draining_since: float | None = None
+    """Monotonic time the scale-down chose it; it leaves the node's set once drained."""
+    spec: ReplicaSpec | None = field(default=None, repr=False)
+    """What its node is told to run, made once (an equal spec means no restart)."""
+
+    @property
+    def state(self) -> str:
+        if self.draining_since is not None:
+            return "draining"
+        return self.status.state if self.status is not None else "pending"
+
+    def claim(self) -> Claim:
+        return Claim(self.id, self.deployment, self.node, self.gpus, self.gpu_memory, self.exclusive, self.memory,
+                     self.cpu_cores, loaded=self.state == READY)
+
+    def stored(self) -> StoredReplica:
+        return StoredReplica(self.id, self.deployment, self.node, {
+            "gpus": list(self.gpus), "gpu_memory": self.gpu_memory, "exclusive": self.exclusive, "memory": self.memory,
+            "cpu_cores": self.cpu_cores, "fraction": self.fraction, "api_key": self.api_key,
+        }, self.created_at)
+
+    @classmethod
+    def from_stored(cls, r: StoredReplica) -> Replica:
+        s = r.spec
+        return cls(r.id, r.deployment, r.node, tuple(s.get("gpus", ())), int(s.get("gpu_memory", 0)),
+                   bool(s.get("exclusive", True)), int(s.get("memory", 0)), float(s.get("cpu_cores", 0.0)),
+                   s.get("fraction"), str(s.get("api_key", "")), r.created_at)
+
+
+@dataclass
+class Deployment:
+    cfg: DeploymentConfig
+    source: str
+    override: int | None = None
+    override_of: str | None = None
+    message: str | None = None
+    """Why a replica is missing (unplaceable, the last failure), ``None`` when all are placed."""
+    failures: int = 0
+    retry_at: float = 0.0
+    model: MirrorModel | None = None
+    resolved: bool = False
+    resolved_at: float = 0.0
+
+    @property
+    def desired(self) -> int:
+        return self.override if self.override is not None else self.cfg.replicas
+
+    def stored(self) -> StoredDeployment:
+        return StoredDeployment(self.cfg.name, self.source, deployment_entry(self.cfg), self.override, self.override_of)
+
+
+class DeploymentController:
+    """Deployments, their replicas, and the router following them (module docstring).
+
+    Args:
+        nodes: the node map (read at placement).
+        store: where desired state is kept.
+        router: the router to follow (``None``: a control plane without a gateway in its process).
+        config: the running configuration (its ``deployments`` are applied when it changes).
+        resolver: a model string -> the mirror's model (``None``: not a mirror reference).
+        drain_grace: seconds a replica scaled away may keep requests in flight before it is stopped anyway.
+        tick: seconds between passes when nothing wakes the loop.
+        clock: the monotonic clock.
+    """
+
+    def __init__(
+        self,
+        *,
+        nodes: NodeMap,
+        store: DesiredStore,
+        router: Router | None,
+        config: Callable[[], Config],
+        resolver: Resolver,
+        drain_grace: float = 30.0,
+        tick: float = 0.5,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.nodes = nodes
+        self.store = store
+        self.router = router
+        self.config = config
+        self.resolver = resolver
+        self.drain_grace = drain_grace
+        self.tick = tick
+        self.clock = clock
+        self.deployments: dict[str, Deployment] = {}
+        self.replicas: dict[str, Replica] = {}
+        self._gen: dict[str, int] = {}
+        self._specs: dict[str, tuple[ReplicaSpec, ...]] = {}
+        self._subscribers: list[Callable[[str], None]] = []
+        self._applied: tuple[DeploymentConfig, ...] | None = None
+        self._missing_since: dict[str, float] = {}
+        self._held: frozenset[str] | None = None
+        self._pass_nodes: list[NodeInfo] | None = None
+        self._claims: list[Claim] | None = None
+        """Every replica's claim, for placement; rebuilt after a replica comes, goes or turns ready."""
+        self._node_cache: dict[str, tuple[tuple[Any, ...], NodeInfo]] = {}
+        self._pass_end = 0.0
+        self._placed_in_pass = 0
+        self._by_node: dict[str, dict[str, Replica]] = {}
+        self._by_deployment: dict[str, dict[str, Replica]] = {}
+        self._wake: asyncio.Event | None = None
+        self._task: asyncio.Task[None] | None = None
+        for sd in store.deployments():
+            try:
+                cfg = parse_deployment(dict(sd.spec))
+            except DeploymentError as exc:
+                log.error("deployment %s in %s is not valid any more (%s); skipping it", sd.name, _where(store), exc)
+                continue
+            self.deployments[sd.name] = Deployment(cfg, sd.source, sd.replicas_override, sd.override_of)
+        for sr in store.replicas():
+            if sr.deployment in self.deployments:
+                self._add(Replica.from_stored(sr))
+            else:
+                store.delete_replica(sr.id)
+        self.apply_config()
+
+    # -- running --
+
+    async def start(self) -> None:
+        """Start the reconcile loop (on the running event loop)."""
+        self._wake = asyncio.Event()
+        self._task = asyncio.create_task(self._run(), name="llmgw deployments")
+
+    async def stop(self) -> None:
+        """Stop the loop; the store is closed. Replicas keep running on their nodes."""
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+            self._task = None
+        self.store.close()
+
+    def wake(self) -> None:
+        """Run a pass soon (after the current callback)."""
+        if self._wake is not None:
+            self._wake.set()
+
+    async def _run(self) -> None:
+        assert self._wake is not None
+        while True:
+            try:
+                self.sync()
+            except Exception:
+                log.exception("the deployments pass failed; retrying on the next tick")
+            await asyncio.sleep(0)  # (a pass that asked for another at once still lets the loop run first)
+            try:
+                await asyncio.wait_for(self._wake.wait(), self.tick)
+            except TimeoutError:
+                pass
+            self._wake.clear()
+
+    # -- desired state --
+
+    def apply_config(self) -> None:
+        """Make the store's config deployments what the running configuration says (when it changed)."""
+        entries = self.config().deployments
+        if entries is self._applied:
+            return
+        self._applied = entries
+        wanted = {d.name: d for d in entries}
+        for name, dep in list(self.deployments.items()):
+            if dep.source == CONFIG and name not in wanted:
+                log.info("deployment %s left the config file: undeploying it", name)
+                self._delete(name)
+        for name, cfg in wanted.items():
+            old = self.deployments.get(name)
+            if old is not None and old.source == CONFIG and old.cfg == cfg:
+                dep = old
+                if dep.override is not None and dep.override_of != _entry_key(cfg):
+                    dep.override = dep.override_of = None
+                    self.store.put_deployment(dep.stored())
+                continue
+            if old is not None and old.source == API:
+                log.warning("deployment %s is in the config file now: the file's entry replaces the one made with "
+                            "ctl deploy", name)
+            override, override_of = (None, None)
+            if old is not None and old.source == CONFIG:
+                override, override_of = old.override, old.override_of
+            if override is not None and override_of != _entry_key(cfg):
+                override = override_of = None  # the entry changed in the file: its scale ends
+            new = Deployment(cfg, CONFIG, override, override_of)
+            self._replace(old, new)
+        self.wake()
+
+    def _replace(self, old: Deployment | None, new: Deployment) -> None:
+        if old is not None and _placement_changed(old.cfg, new.cfg):
+            # the replicas would differ (engine, model, GPUs, args, served name...): replace them all (the
+            # old ones drain while the pass places new ones where the claims allow)
+            for r in self._of(new.cfg.name):
+                self._start_drain(r)
+        elif old is not None:  # only the count changed: the same replicas, the same history
+            new.message, new.failures, new.retry_at = old.message, old.failures, old.retry_at
+            new.model, new.resolved = old.model, old.resolved
+        self.deployments[new.cfg.name] = new
+        self.store.put_deployment(new.stored())
+
+    def create(self, cfg: DeploymentConfig) -> dict[str, Any]:
+        """``ctl deploy``: a new deployment in the store.
+
+        Raises:
+            DeploymentError: 409 when the name exists.
+        """
+        if cfg.name in self.deployments:
+            dep = self.deployments[cfg.name]
+            where = "the config file" if dep.source == CONFIG else "ctl deploy"
+            raise DeploymentError(
+                f"deployment {cfg.name!r} exists (from {where}); scale it, undeploy it first, or choose another name",
+                status=409, code="deployment_exists", param="name",
+            )
+        dep = Deployment(cfg, API)
+        self.deployments[cfg.name] = dep
+        self.store.put_deployment(dep.stored())
+        log.info("deployment %s created: %d replica(s) of %s on %s", cfg.name, cfg.replicas, cfg.model, cfg.engine)
+        self.sync(CALL_BUDGET_S)
+        return self.view(cfg.name)
+
+    def scale(self, name: str, replicas: int) -> dict[str, Any]:
+        """``ctl scale``: the replica count (a config deployment's holds until its entry changes in the file).
+
+        Raises:
+            DeploymentError: 404 no such deployment.
+        """
+        dep = self._get(name)
+        if dep.source == CONFIG:
+            dep.override = None if replicas == dep.cfg.replicas else replicas
+            dep.override_of = _entry_key(dep.cfg) if dep.override is not None else None
+        else:
+            dep.cfg = dataclasses.replace(dep.cfg, replicas=replicas)
+        self.store.put_deployment(dep.stored())
+        log.info("deployment %s scaled to %d", name, replicas)
+        self.sync(CALL_BUDGET_S)
+        return self.view(name)
+
+    def delete(self, name: str) -> dict[str, Any]:
+        """``ctl undeploy``: its replicas drain, then stop.
+
+        Raises:
+            DeploymentError: 404 no such deployment; 409 for one from the config file.
+        """
+        dep = self._get(name)
+        if dep.source == CONFIG:
+            raise DeploymentError(
+                f"deployment {name!r} is in the config file: remove it there and reload (or scale it to 0)",
+                status=409, code="deployment_in_config",
+            )
+        draining = self._delete(name)
+        self.sync(CALL_BUDGET_S)
+        return {"deleted": name, "draining": draining}
+
+    def _delete(self, name: str) -> list[str]:
+        self.deployments.pop(name, None)
+        self.store.delete_deployment(name)
+        out = []
+        for r in self._of(name):
+            self._start_drain(r)
+            out.append(r.id)
+        return out
+
+    def _get(self, name: str) -> Deployment:
+        dep = self.deployments.get(name)
+        if dep is None:
+            raise DeploymentError(
+                f"no deployment {name!r}; GET /admin/v1/deployments lists them", status=404,
+                code="deployment_not_found", param="name",
+            )
+        return dep
+
+    def _of(self, name: str) -> list[Replica]:
+        return list(self._by_deployment.get(name, {}).values())
+
+    def _on(self, node: str) -> list[Replica]:
+        return list(self._by_node.get(node, {}).values())
+
+    def _add(self, r: Replica) -> None:
+        self._claims = None
+        self.replicas[r.id] = r
+        self._by_node.setdefault(r.node, {})[r.id] = r
+        self._by_deployment.setdefault(r.deployment, {})[r.id] = r
+
+    def _forget(self, r: Replica) -> None:
+        self._claims = None
+        self.replicas.pop(r.id, None)
+        for index, key in ((self._by_node, r.node), (self._by_deployment, r.deployment)):
+            group = index.get(key)
+            if group is not None:
+                group.pop(r.id, None)
+                if not group:
+                    del index[key]
+
+    # -- the pass --
+
+    def sync(self, budget: float = PASS_BUDGET_S) -> None:
+        """One reconcile pass: config, lost nodes, placement, scale-down, drains, held models.
+
+        Placement stops after ``budget`` seconds (one replica is always placed when one is missing
+        and fits); the next pass then follows at once.
+        """
+        now = self.clock()
+        self._pass_end = time.perf_counter() + budget
+        self._placed_in_pass = 0
+        with self.store.batch():
+            self.apply_config()
+            self._forget_lost_nodes(now)
+            self._pass_nodes = None
+            for dep in list(self.deployments.values()):
+                self._converge(dep, now)
+            self._pass_nodes = None
+            for r in [r for r in self.replicas.values() if r.draining_since is not None]:
+                self._drain_step(r, now)
+        self._hold()
+
+    def _converge(self, dep: Deployment, now: float) -> None:
+        live = [r for r in self._of(dep.cfg.name) if r.draining_since is None]
+        want = dep.desired
+        if len(live) < want:
+            if now < dep.retry_at:
+                return
+            for _ in range(want - len(live)):
+                if self._placed_in_pass and time.perf_counter() > self._pass_end:
+                    self.wake()  # (more to place: the next pass goes on after the loop had its turn)
+                    return
+                got = self._place_one(dep)
+                if isinstance(got, Unplaceable):
+                    if dep.message != got.reason:
+                        log.warning("deployment %s: %d of %d replicas placed: %s", dep.cfg.name,
+                                    len(self._live(dep)), want, got.reason)
+                    dep.message = got.reason
+                    return
+            dep.message = None if dep.failures == 0 else dep.message
+        elif len(live) > want:
+            per_node: dict[str, int] = {}
+            for r in live:
+                per_node[r.node] = per_node.get(r.node, 0) + 1
+            # not ready first, then where the deployment is most crowded, newest first
+            live.sort(key=lambda r: (r.state == READY, -per_node[r.node], -r.created_at))
+            for r in live[: len(live) - want]:
+                self._start_drain(r)
+            if want == 0 or dep.failures == 0:
+                dep.message = None
+
+    def _live(self, dep: Deployment) -> list[Replica]:
+        return [r for r in self._of(dep.cfg.name) if r.draining_since is None]
+
+    def _need(self, dep: Deployment) -> Need:
+        cfg = dep.cfg
+        now = self.clock()
+        if not dep.resolved or (dep.model is None and now - dep.resolved_at >= RESOLVE_AGAIN_S):
+            # (a model not in the mirror is looked up again now and then: it may be imported later)
+            try:
+                dep.model = self.resolver(cfg.model)
+            except Exception:
+                log.exception("resolving %s in the mirror failed; treating it as a name the engine knows", cfg.model)
+                dep.model = None
+            dep.resolved, dep.resolved_at = True, now
+        estimate = memory_need(dep.model, cfg.context) if dep.model is not None else None
+        gpus = cfg.gpu_count
+        if gpus > 0:
+            per_gpu = cfg.gpu_memory
+            if per_gpu is None and estimate is not None:
+                per_gpu = -(-estimate // gpus)  # (split evenly over its GPUs, rounded up)
+            return Need(cfg.name, gpus, per_gpu, cfg.share_gpus, cfg.gpu_model, cfg.node_labels)
+        return Need(cfg.name, 0, None, False, None, cfg.node_labels, cfg.memory or estimate, cfg.cpu_cores)
+
+    def node_infos(self) -> list[NodeInfo]:
+        """The node map as placement reads it (a node's entry is rebuilt only when it changed)."""
+        nodes = self.nodes
+        now = nodes.monotonic()
+        out = []
+        cache = self._node_cache
+        seen = set()
+        for st in nodes:
+            up = nodes.is_up(st, now)
+            key = (st.node_id, st.generation, up, st.cordoned, tuple(st.labels.items()))
+            seen.add(st.name)
+            hit = cache.get(st.name)
+            if hit is not None and hit[0] == key:
+                out.append(hit[1])
+                continue
+            d = st.discovery
+            gpus = tuple(
+                GpuInfo(g.uuid, g.index, g.name, g.memory_total_bytes, g.memory_used_bytes,
+                        g.health in ("ok", "degraded", "unknown", ""), bool(g.mig_mode))
+                for g in d.gpus
+            )
+            f = d.facts
+            info = NodeInfo(st.name, up, st.cordoned, dict(st.labels), gpus, f.cpu_cores, f.memory_total_bytes,
+                            f.memory_available_bytes)
+            cache[st.name] = (key, info)
+            out.append(info)
+        for name in [n for n in cache if n not in seen]:
+            del cache[name]
+        return out
+
+    def _place_one(self, dep: Deployment) -> Replica | Unplaceable:
+        need = self._need(dep)
+        if self._pass_nodes is None:  # (once per pass: reading a node's GPUs converts its last heartbeat)
+            self._pass_nodes = self.node_infos()
+        if self._claims is None:
+            self._claims = [r.claim() for r in self.replicas.values()]
+        got = place(need, self._pass_nodes, self._claims)
+        if isinstance(got, Unplaceable):
+            return got
+        assert isinstance(got, Choice)
+        rid = self._new_id(dep.cfg.name)
+        frac = None
+        if dep.cfg.share_gpus and got.fractions:
+            frac = round(min(got.fractions), 4)
+        r = Replica(
+            rid, dep.cfg.name, got.node, got.gpus, need.gpu_memory or 0, not need.share, need.memory or 0,
+            need.cpu_cores or 0.0, frac, secrets.token_urlsafe(32), time.time(),
+        )
+        self.store.put_replica(r.stored())
+        self._add(r)
+        self._placed_in_pass += 1
+        log.info("replica %s of %s placed on %s%s", rid, dep.cfg.name, got.node,
+                 f" (GPUs {', '.join(got.gpus)})" if got.gpus else " (CPU)")
+        self._invalidate(got.node)
+        return r
+
+    def _new_id(self, name: str) -> str:
+        while True:
+            rid = f"{name[:100]}-{secrets.token_hex(3)}"
+            if rid not in self.replicas:
+                return rid
+
+    def _start_drain(self, r: Replica) -> None:
+        if r.draining_since is not None:
+            return
+        r.draining_since = self.clock()
+        if r.endpoint is not None and self.router is not None:
+            try:
+                self.router.set_draining(r.endpoint, True)
+            except KeyError:
+                r.endpoint = None
+        log.info("replica %s of %s on %s draining", r.id, r.deployment, r.node)
+
+    def _drain_step(self, r: Replica, now: float) -> None:
+        assert r.draining_since is not None
+        if r.endpoint is not None and self.router is not None:
+            busy = self.router.inflight(r.endpoint)
+            if busy and now - r.draining_since < self.drain_grace:
+                return
+        self._drop(r, "drained" if r.endpoint is not None else "stopped")
+
+    def _drop(self, r: Replica, why: str) -> None:
+        """Out of the router and out of its node's set (the agent stops it)."""
+        self._leave_router(r)
+        self._forget(r)
+        self.store.delete_replica(r.id)
+        self._invalidate(r.node)
+        log.info("replica %s of %s on %s %s: out of the node's set", r.id, r.deployment, r.node, why)
+
+    def _forget_lost_nodes(self, now: float) -> None:
+        present = {st.name for st in self.nodes}
+        for node in list(self._by_node):
+            if node in present:
+                self._missing_since.pop(node, None)
+                continue
+            since = self._missing_since.setdefault(node, now)
+            if now - since >= NODE_LOST_S:
+                log.warning("node %s has been gone %.0fs: its replicas are placed again elsewhere", node, now - since)
+                self.node_gone(node)
+
+    # -- the router --
+
+    def _hold(self) -> None:
+        if self.router is None:
+            return
+        held = frozenset(d.cfg.model_name for d in self.deployments.values())
+        if held != self._held:
+            self._held = held
+            self.router.hold(held)
+
+    def _endpoint_config(self, r: Replica, port: int) -> EndpointConfig:
+        dep = self.deployments.get(r.deployment)
+        assert dep is not None and r.address is not None
+        engine = dep.cfg.engine
+        host = r.address
+        shown = f"[{host}]" if ":" in host else host
+        return EndpointConfig(
+            id=r.id, url=f"http://{shown}:{port}", models=(dep.cfg.model_name,), engine=engine, pool=r.node,
+            api_key=r.api_key, metrics_path=get_engine(engine).metrics_path, slots=dep.cfg.slots,
+            scheme="http", host=host, port=port, deployment=r.deployment, node=r.node,
+        )
+
+    def _join_router(self, r: Replica) -> None:
+        if self.router is None or r.status is None or r.status.port is None or r.address is None:
+            return
+        if r.deployment not in self.deployments:
+            return
+        ep = self._endpoint_config(r, r.status.port)
+        try:
+            self.router.add(ep)
+        except ValueError:
+            log.error("replica %s is ready but an endpoint with its id exists; it stays out of the router", r.id)
+            return
+        r.endpoint = r.id
+        log.info("replica %s of %s ready on %s: in the router at %s", r.id, r.deployment, r.node, ep.url)
+        dep = self.deployments[r.deployment]
+        if dep.failures:  # it works again: the backoff and the failure's message end
+            dep.failures, dep.retry_at, dep.message = 0, 0.0, None
+
+    def _leave_router(self, r: Replica) -> None:
+        if r.endpoint is None or self.router is None:
+            r.endpoint = None
+            return
+        try:
+            self.router.remove(r.endpoint)
+        except KeyError:
+            pass
+        r.endpoint = None
+
+    # -- ReplicaController --
+
+    def desired(self, node: str) -> tuple[int, tuple[ReplicaSpec, ...]]:
+        """``(generation, specs)`` for ``node``: every replica placed there and not yet drained."""
+        gen = self._gen.get(node)
+        if gen is None:
+            gen = self._gen[node] = int(time.time() * 1000)
+        specs = self._specs.get(node)
+        if specs is None:
+            specs = self._specs[node] = tuple(
+                self._spec(r) for r in sorted(self._on(node), key=lambda r: r.id)
+            )
+        return gen, specs
+
+    def _spec(self, r: Replica) -> ReplicaSpec:
+        if r.spec is not None:
+            return r.spec
+        dep = self.deployments[r.deployment]
+        if not dep.resolved:
+            self._need(dep)
+        cfg = dep.cfg
+        m = dep.model
+        r.spec = ReplicaSpec(
+            id=r.id, deployment=r.deployment, engine=cfg.engine, model=m.ref if m is not None else cfg.model,
+            served_name=cfg.model_name, blobs=m.blobs if m is not None else (), gpus=r.gpus,
+            gpu_memory_fraction=r.fraction, slots=cfg.slots, context=cfg.context, args=cfg.args, env=cfg.env,
+            api_key=r.api_key,
+        )
+        return r.spec
+
+    def _invalidate(self, node: str) -> None:
+        self._specs.pop(node, None)
+        old = self._gen.get(node, 0)
+        self._gen[node] = max(old + 1, int(time.time() * 1000))
+        for cb in list(self._subscribers):
+            try:
+                cb(node)
+            except Exception:
+                log.exception("a desired-set subscriber failed for node %s", node)
+
+    def subscribe(self, changed: Callable[[str], None]) -> None:
+        self._subscribers.append(changed)
+
+    def report(self, node: str, address: str, statuses: Sequence[ReplicaStatus]) -> None:
+        """The statuses a heartbeat from ``node`` carried: the router follows what is ready."""
+        seen: set[str] = set()
+        changed = False
+        for s in statuses:
+            r = self.replicas.get(s.id)
+            if r is None or r.node != node:
+                continue  # not ours (any more): the agent stops it, as its set lacks it
+            seen.add(s.id)
+            before = r.status
+            if (before is not None and before.state == READY) != (s.state == READY):
+                self._claims = None  # (a ready replica's memory is in its node's reading: Claim.loaded)
+            r.status, r.address = s, address
+            if r.draining_since is not None:
+                continue
+            if s.state == READY:
+                if r.endpoint is not None and before is not None and before.port != s.port:
+                    self._leave_router(r)  # restarted on another port
+                if r.endpoint is None:
+                    self._join_router(r)
+                    changed = True
+            elif s.state == FAILED:
+                self._failed(r, s)
+                changed = True
+            elif r.endpoint is not None:  # (restarting, or the agent stopping it: not ready)
+                log.info("replica %s of %s on %s is %s: out of the router until ready", r.id, r.deployment, node,
+                         s.state)
+                self._leave_router(r)
+        for r in [r for r in self._on(node) if r.id not in seen]:
+            if r.status is not None:  # reported before, not now: it vanished from its node
+                log.warning("replica %s of %s vanished from node %s's report", r.id, r.deployment, node)
+                r.status = None
+                self._leave_router(r)
+                if r.draining_since is not None:
+                    self._drop(r, "gone")
+                changed = True
+        if changed:
+            self.wake()
+
+    def _failed(self, r: Replica, s: ReplicaStatus) -> None:
+        dep = self.deployments.get(r.deployment)
+        if dep is not None:
+            dep.failures += 1
+            delay = min(BACKOFF_MAX_S, BACKOFF_MIN_S * 2 ** (dep.failures - 1))
+            dep.retry_at = self.clock() + delay
+            code = f" (exit {s.exit_code})" if s.exit_code is not None else ""
+            dep.message = f"replica {r.id} failed on {r.node}{code}: {s.message or 'no message'}; placing again in {delay:g}s"
+            log.warning("deployment %s: %s", r.deployment, dep.message)
+        self._drop(r, "failed")
+
+    def node_gone(self, node: str) -> None:
+        """``node`` deregistered or was removed: its replicas are gone (placed again elsewhere)."""
+        for r in self._on(node):
+            self._leave_router(r)
+            self._forget(r)
+            self.store.delete_replica(r.id)
+        self._specs.pop(node, None)
+        self._missing_since.pop(node, None)
+        self.wake()
+
+    # -- views --
+
+    def node_blobs(self, node: str) -> frozenset[str]:
+        """Digests of the mirror blobs the replicas placed on ``node`` need: what it may fetch (i18-fetch's
+        authorizer)."""
+        out: set[str] = set()
+        for r in self._on(node):
+            out.update(b.digest for b in self._spec(r).blobs)
+        return frozenset(out)
+
+    def claims(self) -> list[Claim]:
+        return [r.claim() for r in self.replicas.values()]
+
+    def allocated(self) -> dict[tuple[str, str], int]:
+        """(node, GPU UUID) -> bytes the replicas placed there hold (``llmgw_gpu_memory_allocated_bytes``)."""
+        out: dict[tuple[str, str], int] = {}
+        for r in self.replicas.values():
+            for u in r.gpus:
+                out[(r.node, u)] = out.get((r.node, u), 0) + r.gpu_memory
+        return out
+
+    def replica_view(self, r: Replica, *, show_secrets: bool = False) -> dict[str, Any]:
+        s = r.status
+        out: dict[str, Any] = {
+            "id": r.id, "deployment": r.deployment, "node": r.node, "state": r.state, "gpus": list(r.gpus),
+            "gpu_memory": r.gpu_memory or None, "memory": r.memory or None, "address": r.address,
+            "port": s.port if s is not None else None, "in_router": r.endpoint is not None,
+            "restarts": s.restarts if s is not None else None, "exit_code": s.exit_code if s is not None else None,
+            "message": (s.message or None) if s is not None else None,
+            "fetched": s.fetched if s is not None else None, "fetch_total": s.fetch_total if s is not None else None,
+        }
+        if show_secrets:
+            out["api_key"] = r.api_key
+        return out
+
+    def view(self, name: str, *, show_secrets: bool = False) -> dict[str, Any]:
+        """One deployment as the API shows it: spec, desired and ready replicas, where each runs, why one is missing."""
+        dep = self._get(name)
+        cfg = dep.cfg
+        reps = sorted(self._of(name), key=lambda r: r.created_at)
+        spec = deployment_entry(cfg)
+        if not show_secrets:
+            spec["env"] = sorted(cfg.env)  # (names only: values may be tokens)
+        spec["gpus"] = cfg.gpu_count
+        return {
+            "name": name, "source": dep.source, "model": cfg.model, "served_name": cfg.model_name,
+            "engine": cfg.engine, "desired": dep.desired, "configured": cfg.replicas,
+            "scaled": dep.override is not None, "ready": sum(1 for r in reps if r.state == READY),
+            "placed": sum(1 for r in reps if r.draining_since is None),
+            "nodes": sorted({r.node for r in reps if r.draining_since is None}),
+            "message": dep.message, "mirror": dep.model.ref if dep.model is not None else None,
+            "spec": spec, "replicas": [self.replica_view(r, show_secrets=show_secrets) for r in reps],
+        }
+
+    def list_views(self, *, show_secrets: bool = False) -> list[dict[str, Any]]:
+        return [self.view(n, show_secrets=show_secrets) for n in sorted(self.deployments)]
+
+
+def _placement_changed(a: DeploymentConfig, b: DeploymentConfig) -> bool:
+    """Whether running replicas of ``a`` are not replicas of ``b`` (only the count may differ)."""
+    return dataclasses.replace(a, replicas=0) != dataclasses.replace(b, replicas=0)
+
+
+def _where(store: DesiredStore) -> str:
+    return str(getattr(store, "path", "the store"))

@@ -1,0 +1,331 @@
+"""Where a replica goes: filter the nodes, then score what is left (GPUStack's split).
+
+Pure functions over plain data (no I/O, no clock): :func:`place` takes the nodes
+(:class:`NodeInfo`), the claims already made (:class:`Claim`) and what one replica
+needs (:class:`Need`), and returns a :class:`Choice` or an :class:`Unplaceable`
+that says exactly why, e.g. ``needs 2 GPUs with 40.0 GiB free each; the largest
+free set is 1 on gpu-node-3``.
+
+Filter (a node is out when any fails):
+
+* up (heard from within the heartbeat grace) and not cordoned;
+* every label the deployment asks for, with that value;
+* a GPU replica: ``gpus`` GPUs of the asked model (a case-insensitive substring of
+  the GPU's name: ``H100`` matches ``NVIDIA H100 80GB HBM3``), healthy, each with
+  the memory the replica needs free. A GPU held by a replica that does not share
+  takes nobody else; without ``share`` a replica takes only GPUs nobody holds. A
+  physical GPU in MIG mode is skipped (its MIG devices are listed on their own);
+* a CPU replica: the node memory it needs free and, when it states cores, that
+  many cores not yet claimed.
+
+Free memory is the total less every claim on it and less what something else
+uses: the memory the node reported in use beyond the claims of replicas that are
+ready (a ready replica's memory is in that reading; one still loading may not be
+yet, so its claim counts whole). A GPU whose total was not reported can take only
+a replica that states no memory need (absent is not zero).
+
+Score (the lowest wins): fewest replicas of the same deployment already on the node
+(spreading is a preference, not a rule: several replicas share a node when it is
+the only one that fits), then the most GPUs left that nobody holds, then the most
+memory left free, then the name (so the choice is deterministic). On the chosen
+node the GPUs with the most free memory are taken, lowest index first on a tie.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+__all__ = ["Choice", "Claim", "GpuInfo", "Need", "NodeInfo", "Unplaceable", "fmt_bytes", "place"]
+
+GIB = 1024**3
+
+
+def fmt_bytes(n: int | float) -> str:
+    """``40.0 GiB``, ``512 MiB``: sizes in explanations."""
+    if n >= GIB:
+        return f"{n / GIB:.1f} GiB"
+    return f"{n / 1024**2:.0f} MiB"
+
+
+@dataclass(frozen=True, slots=True)
+class GpuInfo:
+    """One GPU as placement sees it (from the node's last heartbeat)."""
+
+    uuid: str
+    index: int | None = None
+    name: str | None = None
+    memory_total: int | None = None
+    memory_used: int | None = None
+    healthy: bool = True
+    mig_parent: bool = False
+    """A physical GPU in MIG mode: its MIG devices are placed on instead."""
+
+
+@dataclass(frozen=True, slots=True)
+class NodeInfo:
+    """One node as placement sees it."""
+
+    name: str
+    up: bool = True
+    cordoned: bool = False
+    labels: Mapping[str, str] = field(default_factory=dict)
+    gpus: tuple[GpuInfo, ...] = ()
+    cpu_cores: int | None = None
+    memory_total: int | None = None
+    memory_available: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Claim:
+    """What one placed replica holds."""
+
+    replica: str
+    deployment: str
+    node: str
+    gpus: tuple[str, ...] = ()
+    """GPU UUIDs."""
+    gpu_memory: int = 0
+    """Bytes held on each of its GPUs."""
+    exclusive: bool = True
+    """Its GPUs take no other replica (the deployment does not share GPUs)."""
+    memory: int = 0
+    """Node memory held (CPU replicas)."""
+    cpu_cores: float = 0.0
+    loaded: bool = False
+    """The replica is ready: its memory shows in the node's reading of memory in use."""
+
+
+@dataclass(frozen=True, slots=True)
+class Need:
+    """What one replica of a deployment needs."""
+
+    deployment: str
+    gpus: int = 0
+    gpu_memory: int | None = None
+    """Bytes per GPU; ``None``: not known (a whole free GPU, not shared)."""
+    share: bool = False
+    """May share a GPU with other sharing replicas."""
+    gpu_model: str | None = None
+    labels: Mapping[str, str] = field(default_factory=dict)
+    memory: int | None = None
+    """Node memory a CPU replica needs."""
+    cpu_cores: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Choice:
+    """Where the replica goes."""
+
+    node: str
+    gpus: tuple[str, ...] = ()
+    fractions: tuple[float, ...] = ()
+    """Per chosen GPU: the claim's share of its total memory (``gpu_memory / total``), where both are known."""
+
+
+@dataclass(frozen=True, slots=True)
+class Unplaceable:
+    """Why no node fits; ``reason`` is one line an operator can act on."""
+
+    reason: str
+
+
+def _free(total: int | None, claimed: int, loaded: int, used: int | None) -> int | None:
+    if total is None:
+        return None
+    others = max(0, (used or 0) - loaded)
+    return max(0, total - claimed - others)
+
+
+@dataclass(slots=True)
+class _GpuUse:
+    claimed: int = 0
+    loaded: int = 0
+    holders: int = 0
+    exclusive: bool = False
+
+
+def _gpu_uses(claims: Iterable[Claim]) -> dict[tuple[str, str], _GpuUse]:
+    out: dict[tuple[str, str], _GpuUse] = {}
+    for c in claims:
+        for u in c.gpus:
+            use = out.setdefault((c.node, u), _GpuUse())
+            use.claimed += c.gpu_memory
+            if c.loaded:
+                use.loaded += c.gpu_memory
+            use.holders += 1
+            use.exclusive = use.exclusive or c.exclusive
+    return out
+
+
+def _label_miss(node: NodeInfo, want: Mapping[str, str]) -> str | None:
+    for k, v in want.items():
+        got = node.labels.get(k)
+        if got != v:
+            return f"lacks label {k}={v}" if got is None else f"has label {k}={got}, not {v}"
+    return None
+
+
+def _gpu_need_text(need: Need) -> str:
+    n = need.gpus
+    what = f"{n} GPU{'s' if n != 1 else ''}"
+    if need.gpu_model:
+        what += f" ({need.gpu_model})"
+    if need.gpu_memory is not None:
+        what += f" with {fmt_bytes(need.gpu_memory)} free" + (" each" if n > 1 else "")
+    elif not need.share:
+        what += " nobody else holds"
+    return what
+
+
+def _fits_gpus(
+    node: NodeInfo, need: Need, uses: Mapping[tuple[str, str], _GpuUse]
+) -> tuple[list[tuple[int, GpuInfo]], dict[str, int], int]:
+    """The node's GPUs that could take the replica, as ``(free bytes, gpu)``; why others could not
+    (reason -> GPUs); and how many of its GPUs nobody holds."""
+    fit: list[tuple[int, GpuInfo]] = []
+    why: dict[str, int] = {}
+    unheld = 0
+    model = need.gpu_model.lower() if need.gpu_model else None
+    name = node.name
+    for g in node.gpus:
+        if g.mig_parent:
+            continue
+        use = uses.get((name, g.uuid))
+        if use is None:
+            unheld += 1
+        if model is not None and model not in (g.name or "").lower():
+            why["another model"] = why.get("another model", 0) + 1
+            continue
+        if not g.healthy:
+            why["unhealthy"] = why.get("unhealthy", 0) + 1
+            continue
+        if use is not None and (use.exclusive or not need.share):
+            why["held by another replica"] = why.get("held by another replica", 0) + 1
+            continue
+        free = _free(g.memory_total, use.claimed if use else 0, use.loaded if use else 0, g.memory_used)
+        if need.gpu_memory is not None:
+            if free is None:
+                why["memory not reported"] = why.get("memory not reported", 0) + 1
+                continue
+            if free < need.gpu_memory:
+                why["too little free memory"] = why.get("too little free memory", 0) + 1
+                continue
+        fit.append((free if free is not None else 0, g))
+    return fit, why, unheld
+
+
+def _why_text(why: Mapping[str, int]) -> str:
+    return ", ".join(f"{n} {w}" for w, n in why.items())
+
+
+def _order_key(item: tuple[int, GpuInfo]) -> tuple[int, int, str]:
+    free, g = item
+    return (-free, g.index if g.index is not None else 1 << 30, g.uuid)
+
+
+def place(need: Need, nodes: Sequence[NodeInfo], claims: Sequence[Claim]) -> Choice | Unplaceable:
+    """Choose a node (and its GPUs) for one replica of ``need.deployment``.
+
+    Args:
+        need: what the replica needs.
+        nodes: every registered node.
+        claims: what placed replicas hold (including the deployment's own).
+
+    Returns:
+        A :class:`Choice`, or an :class:`Unplaceable` with the reason.
+    """
+    if not nodes:
+        return Unplaceable("no nodes are registered (start llmgw agent on a node)")
+    if need.gpus > 0 and need.share and need.gpu_memory is None:
+        return Unplaceable("shares GPUs but its GPU memory is not known: set gpu_memory")
+    uses = _gpu_uses(claims)
+    same: dict[str, int] = {}
+    mem_claimed: dict[str, int] = {}
+    mem_loaded: dict[str, int] = {}
+    cores_claimed: dict[str, float] = {}
+    for c in claims:
+        if c.deployment == need.deployment:
+            same[c.node] = same.get(c.node, 0) + 1
+        mem_claimed[c.node] = mem_claimed.get(c.node, 0) + c.memory
+        if c.loaded:
+            mem_loaded[c.node] = mem_loaded.get(c.node, 0) + c.memory
+        cores_claimed[c.node] = cores_claimed.get(c.node, 0.0) + c.cpu_cores
+    excluded: list[str] = []
+    best_partial: tuple[int, str, dict[str, int]] | None = None  # (usable GPUs, node, why the rest are not)
+    best: tuple[tuple[int, int, int, str], NodeInfo, list[tuple[int, GpuInfo]]] | None = None
+    for node in nodes:
+        if not node.up:
+            excluded.append(f"{node.name} is down")
+            continue
+        if node.cordoned:
+            excluded.append(f"{node.name} is cordoned")
+            continue
+        miss = _label_miss(node, need.labels)
+        if miss is not None:
+            excluded.append(f"{node.name} {miss}")
+            continue
+        if need.gpus > 0:
+            fit, why, unheld = _fits_gpus(node, need, uses)
+            if len(fit) < need.gpus:
+                if best_partial is None or len(fit) > best_partial[0]:
+                    best_partial = (len(fit), node.name, why)
+                continue
+            # (scored without sorting its GPUs: only the winner's are sorted. The GPUs nobody holds
+            # have the most free memory, so the replica takes those first.)
+            fit_unheld = sum(1 for _, g in fit if (node.name, g.uuid) not in uses)
+            left = sum(f for f, _ in fit) - need.gpus * (need.gpu_memory or 0)
+            key = (same.get(node.name, 0), -(unheld - min(need.gpus, fit_unheld)), -left, node.name)
+            if best is None or key < best[0]:
+                best = (key, node, fit)
+            continue
+        # a CPU replica
+        free = _free(node.memory_total, mem_claimed.get(node.name, 0), mem_loaded.get(node.name, 0),
+                     None if node.memory_available is None or node.memory_total is None
+                     else node.memory_total - node.memory_available)
+        if need.memory:
+            if free is None:
+                excluded.append(f"{node.name} did not report its memory")
+                continue
+            if free < need.memory:
+                excluded.append(f"{node.name} has {fmt_bytes(free)} of memory free")
+                continue
+        if need.cpu_cores:
+            if node.cpu_cores is None:
+                excluded.append(f"{node.name} did not report its CPU cores")
+                continue
+            spare = node.cpu_cores - cores_claimed.get(node.name, 0.0)
+            if spare < need.cpu_cores:
+                excluded.append(f"{node.name} has {spare:g} CPU cores unclaimed")
+                continue
+        left_mem = (free or 0) - (need.memory or 0)
+        key = (same.get(node.name, 0), 0, -left_mem, node.name)
+        if best is None or key < best[0]:
+            best = (key, node, [])
+    if best is not None:
+        _, node, fit = best
+        if need.gpus == 0:
+            return Choice(node.name)
+        fit.sort(key=_order_key)
+        chosen = fit[: need.gpus]
+        fractions: tuple[float, ...] = ()
+        if need.gpu_memory is not None and all(g.memory_total for _, g in chosen):
+            fractions = tuple(need.gpu_memory / g.memory_total for _, g in chosen if g.memory_total)
+        return Choice(node.name, tuple(g.uuid for _, g in chosen), fractions)
+    if need.gpus > 0:
+        head = f"needs {_gpu_need_text(need)}"
+        if best_partial is not None:
+            n, where, why_ = best_partial
+            others = _why_text(why_)
+            tail = f"the largest free set is {n} on {where}" + (f" (others: {others})" if others else "")
+        else:
+            tail = "no node is eligible"
+    else:
+        head = "needs " + (f"{fmt_bytes(need.memory)} of node memory" if need.memory else "a node")
+        if need.cpu_cores:
+            head += f" and {need.cpu_cores:g} CPU cores"
+        tail = "no node is eligible"
+    parts = [head, tail]
+    if excluded:
+        parts.append("; ".join(excluded))
+    return Unplaceable("; ".join(parts))

@@ -1,0 +1,111 @@
+"""What every engine launcher builds: a :class:`LaunchPlan` (argv, environment, readiness).
+
+One module per engine (:mod:`.llamacpp`, :mod:`.vllm`, :mod:`.sglang`,
+:mod:`.trtllm`) turns a :class:`~llmgw.launch.spec.ReplicaSpec` into a plan;
+the supervisor runs it. Facts about each engine's server (metrics path, whether
+``/metrics`` is behind the key) come from :mod:`llmgw.engines`.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+from ..config.agent import AgentEngineConfig
+from .spec import LocalModel, ReplicaSpec
+
+__all__ = ["LaunchError", "LaunchPlan", "Launcher", "find_binary", "find_python"]
+
+
+class LaunchError(Exception):
+    """The replica cannot be launched as asked (missing binary, a model the engine cannot take); the message says why."""
+
+
+@dataclass(frozen=True, slots=True)
+class LaunchPlan:
+    """How to run one replica's engine and how to tell it is ready."""
+
+    argv: tuple[str, ...]
+    env: Mapping[str, str] = field(default_factory=dict, repr=False)
+    """Added to the agent's environment (the API key may be in it: never log it)."""
+    secrets: tuple[str, ...] = field(default=(), repr=False)
+    """Values to blank out wherever the plan is shown (the key when it is on argv)."""
+    health_path: str = "/health"
+    """200 here means ready (llama-server answers 503 while loading)."""
+    metrics_path: str = "/metrics"
+    metrics_need_key: bool = False
+
+    def shown(self) -> str:
+        """The command line with secrets replaced by ``***`` (for logs and messages)."""
+        out = []
+        for a in self.argv:
+            for s in self.secrets:
+                if s:
+                    a = a.replace(s, "***")
+            out.append(a)
+        return " ".join(out)
+
+
+class Launcher(Protocol):
+    """A per-engine launcher module's entry point."""
+
+    def __call__(
+        self,
+        spec: ReplicaSpec,
+        model: LocalModel | None,
+        *,
+        host: str,
+        port: int,
+        engine: AgentEngineConfig | None,
+        work_dir: Path,
+    ) -> LaunchPlan:
+        """The plan for ``spec`` listening on ``host:port``.
+
+        ``model`` is the fetched mirror model (None: ``spec.model`` is a path or an id
+        the engine resolves itself). ``work_dir`` is the replica's own directory for
+        files the launch needs (a config file).
+
+        Raises:
+            LaunchError: the binary is missing or the spec cannot be run by this engine.
+        """
+        ...
+
+
+def find_binary(engine: AgentEngineConfig | None, default: str, what: str, *, beside_python: bool = False) -> str:
+    """``engines.<name>.binary`` from the agent config, else (``beside_python``) ``default`` in the
+    directory of ``engines.<name>.python`` (a virtualenv's bin), else ``default`` found on PATH."""
+    configured = engine.binary if engine is not None else None
+    if beside_python and configured is None and engine is not None and engine.python:
+        beside = Path(engine.python).absolute().parent / default
+        if beside.is_file():
+            return str(beside)
+    name = configured or default
+    found = shutil.which(name)
+    if found is None:
+        where = f"engines.{what}.binary = {configured!r}" if configured else f"{default!r} on PATH"
+        raise LaunchError(
+            f"{what}: {where} is not an executable; install it or set engines.{what}.binary in the agent's config"
+        )
+    return os.path.abspath(found)  # (engines run in their own work directory)
+
+
+def find_python(engine: AgentEngineConfig | None, what: str) -> str:
+    """``engines.<name>.python`` from the agent config, else ``python3`` on PATH."""
+    configured = engine.python if engine is not None else None
+    name = configured or "python3"
+    found = shutil.which(name)
+    if found is None:
+        where = f"engines.{what}.python = {configured!r}" if configured else "'python3' on PATH"
+        raise LaunchError(
+            f"{what}: {where} is not an executable; set engines.{what}.python to the interpreter that has {what}"
+        )
+    return os.path.abspath(found)
+
+
+def model_path(spec: ReplicaSpec, model: LocalModel | None) -> str:
+    """The model argument: the fetched file, else ``spec.model`` as given."""
+    return model.path if model is not None else spec.model

@@ -1,0 +1,92 @@
+"""``/admin/v1/mirror/...``: the mirror, the local Ollama store and import jobs, over HTTP."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "mirror"))
+from mirror_helpers import OllamaStore, catalogue_models, minimal_gguf
+
+from llmgw.config import load
+from llmgw.runtime import GatewayRuntime
+
+pytestmark = pytest.mark.timeout(60)
+
+
+async def call(port: int, method: str, path: str, body: Any = None) -> tuple[int, Any]:
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    data = orjson.dumps(body) if body is not None else b""
+    writer.write(f"{method} {path} HTTP/1.1\r\nhost: x\r\nconnection: close\r\ncontent-length: {len(data)}\r\n"
+                 "content-type: application/json\r\n\r\n".encode() + data)
+    raw = await asyncio.wait_for(reader.read(), 10)
+    writer.close()
+    head, _, payload = raw.partition(b"\r\n\r\n")
+    return int(head.split(b" ", 2)[1]), orjson.loads(payload)
+
+
+async def test_mirror_routes_and_an_import_job(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    ollama = OllamaStore(tmp_path / "ollama")
+    ollama.add_model("tiny", gguf=minimal_gguf())
+    monkeypatch.setenv("OLLAMA_MODELS", str(ollama.root))
+    mirror = tmp_path / "mirror"
+    rt = GatewayRuntime(load({"listen": "127.0.0.1:0", "admin": "127.0.0.1:0", "mirror": {"root": str(mirror)}}))
+    await rt.start()
+    try:
+        assert rt.admin_addr is not None
+        port = rt.admin_addr[1]
+        status, doc = await call(port, "GET", "/admin/v1/mirror/models")
+        assert status == 200 and doc == {"root": str(mirror), "models": []}
+        assert not mirror.exists()  # a GET does not create the mirror
+        status, doc = await call(port, "GET", "/admin/v1/mirror/ollama")
+        assert status == 200 and str(ollama.root) in doc["stores"]
+        tiny = next(m for m in doc["models"] if m["name"] == "tiny:latest")
+        assert tiny["format"] == "gguf" and tiny["problem"] is None and tiny["size"] > 0
+
+        # refusals: a bad name at once (400), unknown fields, no body, an unknown job
+        status, doc = await call(port, "POST", "/admin/v1/mirror/imports", {"ollama": "../../etc"})
+        assert status == 400 and doc["error"]["code"] == "invalid_name"
+        assert "not a valid Ollama model name" in doc["error"]["message"]
+        status, doc = await call(port, "POST", "/admin/v1/mirror/imports", {"ollama": "tiny", "name": "a//b"})
+        assert status == 400 and doc["error"]["param"] == "name"
+        status, doc = await call(port, "POST", "/admin/v1/mirror/imports", {"ollama": "tiny", "path": "/etc"})
+        assert status == 400 and doc["error"]["param"] == "path"
+        status, doc = await call(port, "POST", "/admin/v1/mirror/imports")
+        assert status == 400 and doc["error"]["code"] == "invalid_json"
+        status, doc = await call(port, "GET", "/admin/v1/mirror/imports/nope")
+        assert status == 404 and doc["error"]["code"] == "import_not_found"
+        status, doc = await call(port, "DELETE", "/admin/v1/mirror/models")
+        assert status == 405
+
+        # a job: 202 at once, then done (off the loop); a missing model fails with its reason
+        status, job = await call(port, "POST", "/admin/v1/mirror/imports", {"ollama": "tiny"})
+        assert status == 202 and job["state"] in ("queued", "running") and job["ollama"] == "tiny"
+        for _ in range(200):
+            status, job = await call(port, "GET", f"/admin/v1/mirror/imports/{job['id']}")
+            if job["state"] in ("done", "failed"):
+                break
+            await asyncio.sleep(0.02)
+        assert job["state"] == "done", job
+        assert job["model"]["ref"] == "tiny:latest" and job["progress"] == 1.0
+        assert catalogue_models(mirror) == ["tiny:latest"]
+        status, doc = await call(port, "GET", "/admin/v1/mirror/models")
+        assert [m["ref"] for m in doc["models"]] == ["tiny:latest"]
+        assert doc["models"][0]["architecture"] == "llama" and doc["models"][0]["digest"].startswith("sha256:")
+
+        status, job = await call(port, "POST", "/admin/v1/mirror/imports", {"ollama": "absent:1b"})
+        for _ in range(200):
+            status, job = await call(port, "GET", f"/admin/v1/mirror/imports/{job['id']}")
+            if job["state"] in ("done", "failed"):
+                break
+            await asyncio.sleep(0.02)
+        assert job["state"] == "failed" and job["error"]["code"] == "ollama_model_not_found"
+        assert "ollama pull absent:1b" in job["error"]["message"]
+        status, doc = await call(port, "GET", "/admin/v1/mirror/imports")
+        assert [j["ollama"] for j in doc["imports"]] == ["absent:1b", "tiny"]
+    finally:
+        await rt.stop()

@@ -1,0 +1,51 @@
+"""The Deployments view against a recorded admin API in the shape of ``/admin/v1/deployments``
+(desired and ready replicas, where each runs, why one is not placed): Enter shows the replicas'
+log tails, ``s`` scales (asking for the count, then confirming), and a gateway without the API
+says so instead of showing an empty table."""
+
+from __future__ import annotations
+
+import pytest
+from console_helpers import wait_for
+
+from llmgw.console.app import AskScreen, ConfirmScreen, ConsoleApp, TextScreen
+from llmgw.console.client import AdminClient
+from llmgw.console.replay import ReplayAPI, fleet, serve_in_thread
+
+pytestmark = pytest.mark.timeout(60)
+
+
+async def test_deployments_scale_and_log_tails() -> None:
+    api = ReplayAPI(fleet(endpoints=2, nodes=2, gpus_per_node=1))
+    with serve_in_thread(api) as port:
+        app = ConsoleApp(AdminClient(f"http://127.0.0.1:{port}"), refresh=3600, start="deployments")
+        async with app.run_test(size=(120, 30)) as pilot:
+            await app.wait_for_update()
+            assert [r.key for r in app.rendered_rows] == ["chat", "vision"]
+            chat = app.rendered_rows[0]
+            assert "no node has 12.0 gb" in chat.text and "node-000,node-001" in chat.text
+            await pilot.press("enter")
+            await wait_for(lambda: isinstance(app.screen, TextScreen), what="the log tails")
+            text = str(app.screen.body)  # type: ignore[attr-defined]
+            assert "chat-a1 on node-000: ready" in text and "all slots are idle" in text
+            assert "chat-b2" in text and "no log:" in text  # (its node has none: said, not hidden)
+            await pilot.press("escape")
+            await pilot.press("s")
+            assert isinstance(app.screen, AskScreen)
+            await pilot.press("backspace", "5", "enter")
+            assert isinstance(app.screen, ConfirmScreen)
+            await pilot.press("y")
+            await wait_for(lambda: "/admin/v1/deployments/chat/scale" in api.posts, what="the scale call")
+            await pilot.press("s", "backspace", "x", "enter")
+            assert any("not a replica count" in t for t in app.told)
+
+
+async def test_a_gateway_without_the_deployments_api() -> None:
+    routes = fleet(endpoints=2, nodes=1, gpus_per_node=1)
+    del routes["/admin/v1/deployments"]
+    with serve_in_thread(ReplayAPI(routes)) as port:
+        app = ConsoleApp(AdminClient(f"http://127.0.0.1:{port}"), refresh=3600, start="deployments")
+        async with app.run_test(size=(80, 24)):
+            await app.wait_for_update()
+            assert app.rendered_rows == []
+            assert "the control plane has no deployments API" in app.message_text

@@ -1,0 +1,245 @@
+"""Desired state on disk: deployments (from the file and from ``ctl deploy``) and their placed replicas
+survive a real ``llmgw serve`` restart; a ``ctl scale`` of a config deployment holds until its entry
+changes; a mirror reference brings its blobs and its memory need from the mirror's GGUF facts."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from click.testing import CliRunner, Result
+from cp_helpers import TOKEN, free_port, wait_for
+from test_deployments import register
+
+from llmgw.agent.model import Discovery, NodeFacts
+from llmgw.cli.ctl import ctl
+from llmgw.config import load
+from llmgw.control.deployments import DeploymentController, parse_deployment
+from llmgw.control.nodes import NodeMap
+from llmgw.control.resolve import mirror_resolver
+from llmgw.control.store import SQLiteStore, database_path
+from llmgw.errors import ConfigError
+
+pytestmark = pytest.mark.timeout(120)
+
+GIB = 1024**3
+
+
+def test_database_paths(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "xdg"))
+    assert database_path(None, None) == tmp_path / "xdg" / "llmgw" / "control.sqlite3"
+    assert database_path(None, str(tmp_path / "s" / "control.json")) == tmp_path / "s" / "deployments.sqlite3"
+    assert database_path("sqlite:///var/lib/llmgw/cp.db", None) == Path("/var/lib/llmgw/cp.db")
+    assert database_path("sqlite:////var/lib/llmgw/cp.db", None) == Path("/var/lib/llmgw/cp.db")
+    with pytest.raises(ConfigError, match="write sqlite:///ABSOLUTE/PATH"):
+        database_path("sqlite://host/cp.db", None)
+    assert database_path("sqlite:cp.db", None) == Path("cp.db")
+    assert database_path("/srv/cp.db", "x/y.json") == Path("/srv/cp.db")
+    with pytest.raises(ConfigError, match="postgresql:// databases are not supported yet"):
+        database_path("postgresql://db/llmgw", None)
+    with pytest.raises(ConfigError, match="names no file"):
+        database_path("sqlite:", None)
+    # a file from a newer llmgw is refused with its name
+    path = tmp_path / "new.sqlite3"
+    SQLiteStore(path).close()
+    import sqlite3
+
+    with sqlite3.connect(path) as db:
+        db.execute("UPDATE meta SET value='99' WHERE key='schema_version'")
+    with pytest.raises(ConfigError, match="schema version 99"):
+        SQLiteStore(path)
+    assert oct(os.stat(path).st_mode & 0o777) == "0o600"  # (it holds the replicas' API keys)
+
+
+async def test_a_mirror_reference_brings_blobs_and_its_memory_need(tmp_path: Path) -> None:
+    from llmgw.mirror.importer import import_file
+    from llmgw.mirror.store import MirrorStore
+    from llmgw.testing.gguf_model import write_tiny_llama
+
+    root = tmp_path / "mirror"
+    with MirrorStore(root) as store:
+        import_file(store, write_tiny_llama(tmp_path / "tiny.gguf", ctx=2048), name="tiny:1b")
+    size = (tmp_path / "tiny.gguf").stat().st_size
+    kv = 2 * 2 * 1024 * 16 * 4 * 2  # K and V, 2 layers, 1024 tokens, head dim 16, 4 KV heads, f16
+    nodes = NodeMap(lambda: 60.0)
+    small = size + kv - 1  # one byte short of file + KV cache
+    nodes.register("cpu-1", peer="ipv4:127.0.0.1:1", agent_version="t", protocol=(1, 1), discovery=Discovery(
+        NodeFacts("h", cpu_cores=4, memory_total_bytes=small, memory_available_bytes=small)))
+    cfg = load({"deployments": [{"name": "tiny", "model": "tiny:1b", "engine": "llamacpp", "context": 1024,
+                                 "replicas": 2}]})
+    ctl_ = DeploymentController(nodes=nodes, store=SQLiteStore(tmp_path / "cp.sqlite3"), router=None,
+                                config=lambda: cfg, resolver=mirror_resolver(root))
+    try:
+        ctl_.sync(10.0)
+        d = ctl_.view("tiny")
+        assert d["placed"] == 0 and d["mirror"] == "tiny:1b"
+        assert d["message"].startswith(f"needs {(size + kv) / 1024**2:.0f} MiB of node memory; no node is eligible; "
+                                       "cpu-1 has"), d["message"]
+        big = 2 * (size + kv)  # room for both: CPU replicas share a node
+        nodes.register("cpu-1", peer="ipv4:127.0.0.1:1", agent_version="t", protocol=(1, 1), discovery=Discovery(
+            NodeFacts("h", cpu_cores=4, memory_total_bytes=big, memory_available_bytes=big)))
+        ctl_.sync(10.0)
+        _, specs = ctl_.desired("cpu-1")
+        assert len(specs) == 2 and ctl_.view("tiny")["message"] is None
+        s = specs[0]
+        assert (s.model, s.engine, s.gpus, s.context) == ("tiny:1b", "llamacpp", (), 1024)
+        assert [(b.role, b.size) for b in s.blobs] == [("model", size)] and s.blobs[0].digest.startswith("sha256:")
+        assert specs[0].api_key != specs[1].api_key
+        assert ctl_.node_blobs("cpu-1") == {s.blobs[0].digest} and ctl_.node_blobs("elsewhere") == frozenset()
+        # a path and a name the mirror lacks go to the engine as they are
+        assert mirror_resolver(root)("/models/x.gguf") is None and mirror_resolver(root)("meta-llama/Llama-3") is None
+    finally:
+        await ctl_.stop()
+
+
+def test_a_changed_entry_ends_a_scale_and_replaces_replicas(tmp_path: Path) -> None:
+    entry: dict[str, Any] = {"name": "c", "model": "m", "engine": "llamacpp", "replicas": 1}
+    cfg = [load({"deployments": [entry]})]
+    nodes = NodeMap(lambda: 60.0)
+    nodes.register("n", peer="p", agent_version="t", protocol=(1, 1), discovery=Discovery(NodeFacts("h")))
+    ctl_ = DeploymentController(nodes=nodes, store=SQLiteStore(tmp_path / "cp.sqlite3"), router=None,
+                                config=lambda: cfg[0], resolver=lambda m: None)
+    ctl_.sync(10.0)
+    first = ctl_.desired("n")[1][0].id
+    ctl_.scale("c", 3)
+    assert ctl_.view("c")["desired"] == 3 and ctl_.view("c")["scaled"]
+    cfg[0] = load({"deployments": [entry]})  # reloaded, the entry unchanged: the scale holds
+    ctl_.sync(10.0)
+    assert ctl_.view("c")["desired"] == 3 and len(ctl_.desired("n")[1]) == 3
+    cfg[0] = load({"deployments": [{**entry, "replicas": 2}]})  # changed in the file: the file wins
+    ctl_.sync(10.0)
+    d = ctl_.view("c")
+    assert d["desired"] == 2 and not d["scaled"] and d["placed"] == 2
+    assert first in {s.id for s in ctl_.desired("n")[1]}
+    cfg[0] = load({"deployments": [{**entry, "replicas": 2, "args": ["--flash-attn"]}]})  # new replicas
+    ctl_.sync(10.0)
+    ids = {s.id for s in ctl_.desired("n")[1]}
+    assert first not in ids and len(ids) == 2 and all(s.args == ("--flash-attn",) for s in ctl_.desired("n")[1])
+    with pytest.raises(ValueError, match="in the config file"):
+        ctl_.delete("c")
+    with pytest.raises(ValueError, match="exists"):
+        ctl_.create(parse_deployment({"name": "c", "model": "x"}))
+    cfg[0] = load({})  # removed from the file: undeployed
+    ctl_.sync(10.0)
+    assert ctl_.list_views() == [] and ctl_.desired("n")[1] == ()
+
+
+# -- a real llmgw serve --
+
+
+def _free() -> int:
+    return free_port()
+
+
+class Serve:
+    def __init__(self, path: Path, admin: int) -> None:
+        self.path, self.admin = path, admin
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self, log: Path) -> Serve:
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "LLMGW_MIRROR": str(self.path.parent / "mirror")}
+        with open(log, "ab") as err:
+            self.proc = subprocess.Popen([sys.executable, "-m", "llmgw", "serve", "-c", str(self.path)], env=env,
+                                         stdout=subprocess.DEVNULL, stderr=err)
+        return self
+
+    def stop(self) -> int:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(30)
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+
+
+async def _ctl(admin: int, *args: str) -> Result:
+    return await asyncio.to_thread(CliRunner().invoke, ctl, ["--admin", f"http://127.0.0.1:{admin}", *args],
+                                   catch_exceptions=False)
+
+
+async def _up(admin: int, proc: Serve, log: Path) -> None:
+    deadline = time.monotonic() + 40
+    while time.monotonic() < deadline:
+        assert proc.proc is not None and proc.proc.poll() is None, log.read_text()
+        res = await _ctl(admin, "deployments", "--json")
+        if res.exit_code == 0:
+            return
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"serve did not come up: {log.read_text()}")
+
+
+async def test_deployments_survive_a_restart_of_llmgw_serve(tmp_path: Path) -> None:
+    cp, admin = _free(), _free()
+    doc: dict[str, Any] = {
+        "listen": f"127.0.0.1:{_free()}", "admin": f"127.0.0.1:{admin}",
+        "control": {"listen": f"127.0.0.1:{cp}", "join_token": TOKEN, "heartbeat_interval": "10s",
+                    "heartbeat_grace": "60s", "database": f"sqlite:///{tmp_path}/state/cp.sqlite3"},
+        "deployments": [{"name": "from-file", "model": "m1", "engine": "llamacpp", "replicas": 1}],
+    }
+    path = tmp_path / "llmgw.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    log = tmp_path / "serve.log"
+    serve = Serve(path, admin).start(log)
+    try:
+        await _up(admin, serve, log)
+        await register(cp, "cpu-node", {"hostname": "h", "facts": {"cpu_cores": 8}})
+        res = await _ctl(admin, "deploy", "made", "--model", "m2", "--engine", "llamacpp", "--replicas", "2")
+        assert res.exit_code == 0 and "2 of 2 replica(s) placed on cpu-node" in res.output, res.output
+        res = await _ctl(admin, "scale", "from-file", "3")
+        assert res.exit_code == 0, res.output
+
+        async def placed() -> dict[str, Any] | None:
+            res = await _ctl(admin, "deployments", "--json", "--show-secrets")
+            data = {d["name"]: d for d in json.loads(res.stdout)["deployments"]}
+            return data if data.get("from-file", {}).get("placed") == 3 else None
+
+        before = await wait_for(placed, what="placed")
+        assert serve.stop() == 0
+        serve = Serve(path, admin).start(log)
+        await _up(admin, serve, log)
+        res = await _ctl(admin, "deployments", "--json", "--show-secrets")
+        after = {d["name"]: d for d in json.loads(res.stdout)["deployments"]}
+        assert set(after) == {"from-file", "made"}
+        assert (after["from-file"]["desired"], after["from-file"]["scaled"], after["from-file"]["source"]) == (3, True,
+                                                                                                              "config")
+        assert (after["made"]["desired"], after["made"]["source"]) == (2, "api")
+        for name in after:  # the same replicas, keys and all: the node is handed the same set again
+            assert [(r["id"], r["node"], r["api_key"]) for r in after[name]["replicas"]] == [
+                (r["id"], r["node"], r["api_key"]) for r in before[name]["replicas"]]
+        # the file's entry changes: the scale ends; the entry leaves the file: undeployed
+        doc["deployments"][0]["replicas"] = 2
+        path.write_text(yaml.safe_dump(doc))
+        assert (await _ctl(admin, "reload")).exit_code == 0
+
+        async def file_wins() -> bool:
+            res = await _ctl(admin, "deployments", "--json")
+            d = {x["name"]: x for x in json.loads(res.stdout)["deployments"]}
+            return d["from-file"]["desired"] == 2 and not d["from-file"]["scaled"]
+
+        await wait_for(file_wins, what="the file's entry applied")
+        doc["deployments"] = []
+        path.write_text(yaml.safe_dump(doc))
+        assert (await _ctl(admin, "reload")).exit_code == 0
+
+        async def gone() -> bool:
+            res = await _ctl(admin, "deployments", "--json")
+            return [x["name"] for x in json.loads(res.stdout)["deployments"]] == ["made"]
+
+        await wait_for(gone, what="from-file undeployed")
+        assert serve.stop() == 0
+    finally:
+        serve.kill()
+    text = log.read_text()
+    keys = [r["api_key"] for d in before.values() for r in d["replicas"]]
+    assert keys and not any(k in text for k in keys), "a replica's API key reached the log"

@@ -1,0 +1,293 @@
+"""Deployments on a running gateway with its control plane: the admin API, ``llmgw ctl``, placement
+on real registrations, and the router following replica reports (a simulated engine is the replica;
+the agent's side is driven by calling ``report()`` in-process as the agent service would)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import grpc
+import orjson
+import pytest
+from click.testing import CliRunner, Result
+from cp_helpers import TOKEN, control_plane, control_runtime, free_port, metrics, pick, wait_for
+from scenario import discovery_of, h100s
+
+from llmgw._proto.agent.v1 import agent_pb2_grpc
+from llmgw.agent.wire import PROTOCOL, discovery_to_proto, pb
+from llmgw.cli.ctl import ctl
+from llmgw.config import load
+from llmgw.control.deployments import DeploymentController
+from llmgw.engines.sim import SimConfig, SimEngine
+from llmgw.launch.spec import ReplicaSpec, ReplicaStatus
+from llmgw.runtime import GatewayRuntime
+
+pytestmark = pytest.mark.timeout(90)
+
+GIB = 1024**3
+
+
+async def invoke(*args: str) -> Result:
+    return await asyncio.to_thread(CliRunner().invoke, ctl, list(args), catch_exceptions=False)
+
+
+async def register(port: int, name: str, spec: dict[str, Any]) -> None:
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+        stub = agent_pb2_grpc.AgentServiceStub(ch)
+        req = pb.RegisterRequest(node_name=name, agent_version="test", protocol=pb.ProtocolVersion(major=PROTOCOL[0]),
+                                 discovery=discovery_to_proto(discovery_of(spec)))
+        await stub.Register(req, metadata=[("authorization", f"Bearer {TOKEN}")], timeout=5)
+
+
+async def admin(rt: GatewayRuntime, method: str, path: str, body: Any = None) -> tuple[int, Any]:
+    assert rt.admin_addr is not None
+    data = b"" if body is None else orjson.dumps(body)
+    r, w = await asyncio.open_connection("127.0.0.1", rt.admin_addr[1])
+    try:
+        w.write(f"{method} {path} HTTP/1.1\r\nhost: x\r\nconnection: close\r\ncontent-length: {len(data)}\r\n"
+                "content-type: application/json\r\n\r\n".encode() + data)
+        raw = await asyncio.wait_for(r.read(), 10)
+    finally:
+        w.close()
+    head, _, payload = raw.partition(b"\r\n\r\n")
+    return int(head.split(b" ", 2)[1]), orjson.loads(payload)
+
+
+async def chat(rt: GatewayRuntime, model: str, max_tokens: int = 2) -> tuple[int, Any]:
+    assert rt.listen_addr is not None
+    data = orjson.dumps({"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": max_tokens})
+    r, w = await asyncio.open_connection("127.0.0.1", rt.listen_addr[1])
+    try:
+        w.write(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\nconnection: close\r\ncontent-type: application/json"
+                b"\r\ncontent-length: %d\r\n\r\n%s" % (len(data), data))
+        raw = await asyncio.wait_for(r.read(), 30)
+    finally:
+        w.close()
+    head, _, payload = raw.partition(b"\r\n\r\n")
+    return int(head.split(b" ", 2)[1]), orjson.loads(payload)
+
+
+def controller(rt: GatewayRuntime) -> DeploymentController:
+    ctl_ = control_plane(rt).deployments
+    assert ctl_ is not None
+    return ctl_
+
+
+class Replicas:
+    """Simulated engines standing in for the replicas a node was asked to run, reported as an agent would."""
+
+    def __init__(self, ctl_: DeploymentController, node: str, tokens_per_second: float = 1e6) -> None:
+        self.ctl, self.node, self.tps = ctl_, node, tokens_per_second
+        self.engines: dict[str, SimEngine] = {}
+
+    async def follow(self, state: str = "ready") -> tuple[ReplicaSpec, ...]:
+        """Run exactly the node's desired set (start what is new, stop what left) and report it."""
+        _, specs = self.ctl.desired(self.node)
+        want = {s.id: s for s in specs}
+        for rid in [r for r in self.engines if r not in want]:
+            await self.engines.pop(rid).stop()
+        for s in specs:
+            if s.id not in self.engines:
+                eng = SimEngine(SimConfig(model=s.served_name, engine=s.engine, api_key=s.api_key, ttft_ms=0,
+                                          tokens_per_second=self.tps))
+                await eng.start("127.0.0.1", 0)
+                self.engines[s.id] = eng
+        self.report(state)
+        return specs
+
+    def report(self, state: str = "ready", **override: str) -> None:
+        statuses = [ReplicaStatus(rid, override.get(rid, state), port=e.address[1] if e.address else None, pid=1)
+                    for rid, e in self.engines.items()]
+        self.ctl.report(self.node, "127.0.0.1", statuses)
+
+    async def close(self) -> None:
+        for e in self.engines.values():
+            await e.stop()
+
+
+async def test_the_router_follows_ready_replicas_scale_down_drains_and_zero_answers_503(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.DEBUG)
+    port = free_port()
+    async with control_runtime(port, heartbeat_interval="10s", heartbeat_grace="60s",
+                               database=f"sqlite:///{tmp_path}/cp.sqlite3") as rt:
+        await register(port, "node-1", {"hostname": "h1", "gpus": h100s(2)})
+        ctl_ = controller(rt)
+        ctl_.drain_grace = 20.0
+        changed: list[str] = []
+        ctl_.subscribe(changed.append)
+        gen0, none = ctl_.desired("node-1")
+        assert none == ()
+        status, d = await admin(rt, "POST", "/admin/v1/deployments",
+                                {"name": "chat", "model": "sim-weights", "gpu_memory": "10GiB", "slots": 4})
+        assert status == 201, d
+        assert (d["desired"], d["placed"], d["ready"], d["nodes"], d["message"]) == (1, 1, 0, ["node-1"], None)
+        gen1, specs = ctl_.desired("node-1")
+        assert gen1 > gen0 and changed == ["node-1"] and len(specs) == 1
+        s = specs[0]
+        assert (s.deployment, s.engine, s.model, s.served_name, s.slots) == ("chat", "vllm", "sim-weights", "chat", 4)
+        assert len(s.gpus) == 1 and s.gpus[0].startswith("GPU-") and len(s.api_key) >= 40
+        assert ctl_.desired("node-1") == (gen1, specs)  # asked again: the same set, the same generation
+        # not ready yet: the model answers 503 model_unavailable (it is deployed), not 404
+        status, body = await chat(rt, "chat")
+        assert status == 503 and body["error"]["code"] == "model_unavailable", body
+        reps = Replicas(ctl_, "node-1", tokens_per_second=20.0)
+        try:
+            await reps.follow("starting")
+            assert rt.registry is not None and s.id not in rt.registry.endpoints
+            reps.report("ready")
+            assert s.id in rt.registry.endpoints
+            status, body = await chat(rt, "chat")
+            assert status == 200, body
+            status, eps = await admin(rt, "GET", "/admin/v1/endpoints")
+            ep = next(e for e in eps["endpoints"] if e["id"] == s.id)
+            assert (ep["deployment"], ep["node"], ep["pool"], ep["models"]) == ("chat", "node-1", "node-1", ["chat"])
+            assert s.api_key not in json.dumps(eps)
+            res = await invoke("--admin", f"http://127.0.0.1:{rt.admin_addr[1]}", "endpoints")  # type: ignore[index]
+            assert res.exit_code == 0 and "DEPLOYMENT" in res.output.splitlines()[0]
+            assert "chat" in next(line for line in res.output.splitlines() if line.startswith(s.id))
+            # the claim shows on /metrics
+            samples = await metrics(rt)
+            assert pick(samples, "llmgw_gpu_memory_allocated_bytes", node="node-1", gpu_uuid=s.gpus[0]) == [10 * GIB]
+            assert sorted(pick(samples, "llmgw_gpu_memory_allocated_bytes", node="node-1")) == [0.0, 10 * GIB]
+            assert pick(samples, "llmgw_deployment_replicas_ready", deployment="chat") == [1.0]
+
+            # 1 -> 2: the second replica takes the other GPU (one replica per GPU)
+            status, d = await admin(rt, "POST", "/admin/v1/deployments/chat/scale", {"replicas": 2})
+            assert status == 200 and d["placed"] == 2, d
+            specs2 = await reps.follow("ready")
+            assert len(specs2) == 2 and {x.gpus for x in specs2} == {(g["uuid"],) for g in h100s(2)}
+            assert all(x.id in rt.registry.endpoints for x in specs2)
+            newest = next(x for x in specs2 if x.id != s.id)
+
+            # 2 -> 1 with requests in flight on both: the newest drains first, finishing its requests
+            eps_ = rt.registry.endpoints
+            await wait_for(lambda: all(eps_[x.id].scrape_ok > 0 for x in specs2), what="both scraped")
+            slow = [asyncio.ensure_future(chat(rt, "chat", max_tokens=30)) for _ in range(6)]
+            await wait_for(lambda: rt.registry.endpoints[newest.id].inflight > 0  # type: ignore[union-attr]
+                           and rt.registry.endpoints[s.id].inflight > 0, what="requests on both")  # type: ignore[union-attr]
+            status, d = await admin(rt, "POST", "/admin/v1/deployments/chat/scale", {"replicas": 1})
+            assert status == 200
+            assert rt.registry.endpoints[newest.id].draining
+            assert len(ctl_.desired("node-1")[1]) == 2  # still running: its requests are not done
+            assert [r["state"] for r in d["replicas"] if r["id"] == newest.id] == ["draining"]
+            assert all(st == 200 for st, _ in await asyncio.gather(*slow))
+            await wait_for(lambda: len(ctl_.desired("node-1")[1]) == 1, what="drained replica leaves the set")
+            assert newest.id not in rt.registry.endpoints
+            await reps.follow("ready")
+            assert list(reps.engines) == [s.id]
+
+            # a replica the node stops reporting leaves the router; reported ready again, it is back
+            ctl_.report("node-1", "127.0.0.1", [])
+            assert s.id not in rt.registry.endpoints
+            reps.report("ready")
+            assert s.id in rt.registry.endpoints
+
+            # failed: out of the router and of the set, the deployment says why
+            ctl_.report("node-1", "127.0.0.1", [ReplicaStatus(s.id, "failed", exit_code=1,
+                                                              message="llama-server: error: unknown argument")])
+            assert s.id not in rt.registry.endpoints and ctl_.desired("node-1")[1] == ()
+            _, d = await admin(rt, "GET", "/admin/v1/deployments/chat")
+            assert "failed on node-1 (exit 1): llama-server: error: unknown argument" in d["message"]
+            assert d["placed"] == 0  # (placed again after a backoff)
+            ctl_.deployments["chat"].retry_at = 0.0
+            ctl_.sync(10.0)
+            await reps.follow("ready")
+            assert len(reps.engines) == 1 and (await chat(rt, "chat"))[0] == 200
+
+            # to 0: drained and gone; requests get 503 model_unavailable
+            status, d = await admin(rt, "POST", "/admin/v1/deployments/chat/scale", {"replicas": 0})
+            assert status == 200
+            await wait_for(lambda: ctl_.desired("node-1")[1] == (), what="scaled to 0")
+            assert not [e for e in rt.registry.endpoints if e.startswith("chat-")]
+            status, body = await chat(rt, "chat")
+            assert status == 503 and body["error"]["code"] == "model_unavailable", body
+            # undeployed: the model is gone (404)
+            assert (await admin(rt, "DELETE", "/admin/v1/deployments/chat"))[0] == 200
+            status, body = await chat(rt, "chat")
+            assert status == 404, body
+            keys = {x.api_key for x in specs2}
+        finally:
+            await reps.close()
+    text = caplog.text
+    assert not any(k in text for k in keys), "a replica's API key reached the log"
+
+
+async def test_unplaceable_deployments_explain_and_ctl_commands(tmp_path: Path) -> None:
+    port = free_port()
+    async with control_runtime(port, heartbeat_interval="10s", heartbeat_grace="60s",
+                               database=f"sqlite:///{tmp_path}/cp.sqlite3") as rt:
+        url = f"http://127.0.0.1:{rt.admin_addr[1]}"  # type: ignore[index]
+        await register(port, "gpu-node-3", {"hostname": "h3", "gpus": h100s(2, "c")})
+        res = await invoke("--admin", url, "deployments")
+        assert res.exit_code == 0 and "no deployments" in res.output
+        res = await invoke("--admin", url, "deploy", "big", "--model", "llama-70b", "--gpus", "4", "--gpu-memory",
+                           "40GiB", "--env", "HF_TOKEN=hf-secret-xyz")
+        assert res.exit_code == 0, res.output
+        assert "big: deployed: 0 of 1 replica(s) placed" in res.output
+        assert "needs 4 GPUs with 40.0 GiB free each; the largest free set is 2 on gpu-node-3" in res.output
+        res = await invoke("--admin", url, "deploy", "cpu", "--model", "/models/tiny.gguf", "--engine", "llamacpp",
+                           "--replicas", "2", "--label", "pool=cpu")
+        assert res.exit_code == 0, res.output
+        assert "needs a node; no node is eligible; gpu-node-3 lacks label pool=cpu" in res.output
+        st = control_plane(rt).nodes.get("gpu-node-3")
+        st.labels["pool"] = "cpu"  # (as the agent's labels: would say at registration)
+        controller(rt).sync(10.0)
+        assert [r.deployment for r in controller(rt).replicas.values()] == ["cpu", "cpu"]  # one CPU node: both there
+        st.labels.clear()
+        res = await invoke("--admin", url, "deploy", "big", "--model", "x")
+        assert res.exit_code == 1 and "deployment 'big' exists" in res.output
+        res = await invoke("--admin", url, "deploy", "bad", "--model", "x", "--engine", "nope")
+        assert res.exit_code == 1 and "engine: unknown engine 'nope'" in res.output
+        res = await invoke("--admin", url, "deployments")
+        assert res.exit_code == 0, res.output
+        lines = res.output.splitlines()
+        assert lines[0].split()[:5] == ["DEPLOYMENT", "MODEL", "ENGINE", "READY", "DESIRED"]
+        big = next(line for line in lines if line.startswith("big "))
+        assert big.split()[1:7] == ["llama-70b", "vllm", "0", "1", "api", "–"], big
+        assert "the largest free set is 2 on gpu-node-3" in res.output
+        res = await invoke("--admin", url, "deployments", "--json")
+        data = {d["name"]: d for d in json.loads(res.stdout)["deployments"]}
+        assert data["cpu"]["spec"]["gpus"] == 0 and data["cpu"]["desired"] == 2  # llama.cpp: CPU by default
+        assert data["big"]["spec"]["env"] == ["HF_TOKEN"] and "hf-secret-xyz" not in res.stdout
+        # the same placed: 2 GPUs of 40 GiB; secrets only when asked
+        res = await invoke("--admin", url, "deploy", "fits", "--model", "llama-8b", "--gpus", "2",
+                           "--gpu-memory", "40GiB", "--gpu-model", "H100")
+        assert "fits: deployed: 1 of 1 replica(s) placed on gpu-node-3" in res.output, res.output
+        res = await invoke("--admin", url, "deployments")
+        assert "API KEY" not in res.output
+        row = next(line for line in res.output.splitlines() if line.startswith("fits-"))
+        assert row.split()[1:5] == ["fits", "gpu-node-3", "pending", "–"], row  # no port reported yet: –
+        key = next(x for x in controller(rt).desired("gpu-node-3")[1] if x.deployment == "fits").api_key
+        assert key not in res.output
+        res = await invoke("--admin", url, "deployments", "--show-secrets")
+        assert "API KEY" in res.output and key in res.output
+        res = await invoke("--admin", url, "scale", "big", "0")
+        assert res.exit_code == 0 and "big: scaled to 0: 0 of 0 replica(s) placed" in res.output
+        res = await invoke("--admin", url, "scale", "nope", "1")
+        assert res.exit_code == 1 and "no deployment 'nope'" in res.output
+        res = await invoke("--admin", url, "undeploy", "fits")
+        assert res.exit_code == 0 and "fits: undeployed; 1 replica(s) draining" in res.output
+        # (never reported ready: nothing to drain, it leaves the node's set at once)
+        assert [x.deployment for x in controller(rt).desired("gpu-node-3")[1]] == ["cpu", "cpu"]
+        status, body = await admin(rt, "POST", "/admin/v1/deployments/big/scale", {"replicas": -1})
+        assert status == 400 and body["error"]["code"] == "invalid_replicas"
+        status, body = await admin(rt, "POST", "/admin/v1/deployments", {"name": "x", "model": "m", "gpu": 1})
+        assert status == 400 and body["error"]["param"] == "gpu" and "did you mean 'gpus'" in body["error"]["message"]
+        status, body = await admin(rt, "PUT", "/admin/v1/deployments/big")
+        assert status == 405
+
+
+async def test_no_control_plane_no_deployments() -> None:
+    rt = GatewayRuntime(load({"listen": "127.0.0.1:0", "admin": "127.0.0.1:0"}))
+    await rt.start()
+    try:
+        status, body = await admin(rt, "GET", "/admin/v1/deployments")
+        assert status == 404 and body["error"]["code"] == "no_control_plane"
+    finally:
+        await rt.stop()

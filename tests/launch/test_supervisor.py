@@ -1,0 +1,92 @@
+"""The supervisor without an engine to run: what it says, what it keeps, what it cleans."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import subprocess
+from pathlib import Path
+
+import orjson
+
+from canary import secret
+from launch.helpers import Watched
+from llmgw.config.agent import AgentEngineConfig
+from llmgw.launch.spec import FAILED, STARTING, STOPPED, ModelBlob, ReplicaSpec
+from llmgw.launch.supervisor import fingerprint, process_start_time
+
+KEY = secret("replica")
+
+
+def spec_for(model: Path, **kw: object) -> ReplicaSpec:
+    fields: dict[str, object] = dict(id="chat-1", deployment="chat", engine="llamacpp", model=str(model),
+                                     served_name="tiny", api_key=KEY)
+    fields.update(kw)
+    return ReplicaSpec(**fields)  # type: ignore[arg-type]
+
+
+async def test_a_spec_the_supervisor_cannot_run_fails_saying_why(tmp_path: Path) -> None:
+    w = Watched(tmp_path / "state", engines={"llamacpp": AgentEngineConfig(binary=str(tmp_path / "nope"))})
+    try:
+        await w.sup.apply([spec_for(tmp_path / "m.gguf"),
+                           spec_for(tmp_path / "m.gguf", id="mirror-1", blobs=(ModelBlob("sha256:" + "0" * 64, 1),))])
+        st = await w.wait_state("chat-1", FAILED)
+        assert "engines.llamacpp.binary" in st.message
+        st = await w.wait_state("mirror-1", FAILED)
+        assert "mirror" in st.message
+        assert STARTING not in (s.state for s in w.sup.statuses())
+    finally:
+        await w.sup.close()
+
+
+async def test_bad_specs_fail_alone(tmp_path: Path) -> None:
+    w = Watched(tmp_path / "state")
+    try:
+        await w.sup.apply([spec_for(tmp_path / "m", id="../evil"), spec_for(tmp_path / "m", id="k", api_key=""),
+                           spec_for(tmp_path / "m", id="e", engine="ollama")])
+        assert "not a name" in (await w.wait_state("../evil", FAILED)).message
+        assert "no API key" in (await w.wait_state("k", FAILED)).message
+        assert "no launcher for engine 'ollama'" in (await w.wait_state("e", FAILED)).message
+        assert not list((tmp_path / "state").glob("*evil*"))
+        await w.sup.apply([])
+        assert {s.state for s in w.sup.statuses()} == {STOPPED}
+        try:
+            w.sup.log_tail("nobody")
+        except KeyError:
+            pass
+        else:
+            raise AssertionError("log_tail of an unknown replica must raise KeyError")
+    finally:
+        await w.sup.close()
+
+
+def test_the_fingerprint_covers_the_whole_spec(tmp_path: Path) -> None:
+    s = spec_for(tmp_path / "m", env={"A": "1"})
+    assert fingerprint(s) == fingerprint(dataclasses.replace(s))
+    for change in ({"api_key": "other"}, {"env": {"A": "2"}}, {"gpus": ("GPU-1",)}, {"args": ("-x",)},
+                   {"slots": 2}, {"served_name": "n"}):
+        assert fingerprint(dataclasses.replace(s, **change)) != fingerprint(s), change  # type: ignore[arg-type]
+
+
+async def test_records_of_other_processes_are_not_adopted(tmp_path: Path) -> None:
+    """A record whose pid now belongs to another process (start time differs) is dropped; that process lives."""
+    state = tmp_path / "state"
+    (state / "replicas").mkdir(parents=True)
+    other = subprocess.Popen(["sleep", "30"])
+    try:
+        start = process_start_time(other.pid)
+        assert start is not None
+        (state / "replicas" / "r-1.json").write_text(orjson.dumps(
+            {"version": 1, "id": "r-1", "pid": other.pid, "start_time": start - 1, "port": 1,
+             "fingerprint": "x"}).decode())
+        (state / "replicas" / "r-2.json").write_text("{not json")
+        w = Watched(state)
+        await w.sup.adopt()
+        assert w.sup.statuses() == []
+        assert list((state / "replicas").iterdir()) == []
+        assert other.poll() is None
+        await w.sup.close()
+    finally:
+        other.kill()
+        other.wait()
+    assert os.path.isdir(state / "logs")

@@ -1,0 +1,502 @@
+"""Models from the control plane's mirror: the blob route on the admin listener, the agent's
+MirrorFetcher, and resolving a mirror reference for placement.
+
+Everything runs for real: a gateway runtime with its control plane serving its mirror on
+the admin listener, the fetcher on real sockets into a second store, and, to cut a
+transfer half-way, a TCP proxy in between that reports what it forwarded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import logging
+import os
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+from mirror_helpers import write_gguf, write_projector
+
+from llmgw.config import load
+from llmgw.control.credentials import CREDENTIAL_PREFIX, NodeCredentials
+from llmgw.launch.spec import ModelBlob, ReplicaSpec
+from llmgw.mirror import MirrorStore, import_file
+from llmgw.mirror.errors import FetchError, ModelNotFoundError
+from llmgw.mirror.fetch import MirrorFetcher
+from llmgw.mirror.resolve import find, kv_cache_bytes, memory_needed, resolve
+from llmgw.mirror.serve import RangeNotSatisfiableError, parse_range
+from llmgw.runtime import GatewayRuntime, components_for
+
+JOIN = "join-token-for-mirror-tests"
+
+
+@dataclass
+class Mirror:
+    """A running control plane serving ``store`` (its mirror), with a credential for node ``node-a``."""
+
+    rt: GatewayRuntime
+    store: MirrorStore
+    blobs: tuple[ModelBlob, ...]
+    credential: str
+    allowed: set[tuple[str, str]] = field(default_factory=set)
+
+    @property
+    def url(self) -> str:
+        assert self.rt.admin_addr is not None
+        return f"http://127.0.0.1:{self.rt.admin_addr[1]}"
+
+    @property
+    def cp(self) -> Any:
+        return self.rt.components[0]
+
+    def spec(self, rid: str = "chat-1") -> ReplicaSpec:
+        return ReplicaSpec(id=rid, deployment="chat", engine="llamacpp", model="tiny:1b", served_name="tiny",
+                           blobs=self.blobs)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextlib.asynccontextmanager
+async def mirror_runtime(tmp_path: Path, *, big: int = 0) -> AsyncIterator[Mirror]:
+    src = tmp_path / "src"
+    src.mkdir(exist_ok=True)
+    model = write_gguf(src / "tiny.gguf", big_tensor_elements=big)
+    proj = write_projector(src / "mmproj.gguf")
+    store = MirrorStore(tmp_path / "cp-mirror")
+    import_file(store, model, name="tiny:1b", projectors=[proj])
+    blobs, _ = resolve(store, "tiny:1b")
+    cfg = load({
+        "listen": "127.0.0.1:0", "admin": "127.0.0.1:0", "mirror": {"root": str(store.root)},
+        "control": {"listen": f"127.0.0.1:{_free_port()}", "join_token": JOIN},
+    })
+    rt = GatewayRuntime(cfg, components=components_for(cfg))
+    await rt.start()
+    try:
+        cp = rt.components[0]
+        m = Mirror(rt, store, blobs, cp.credentials.issue("node-a"))
+        cp.mirror_server.allowed = lambda node, digest: (node, digest) in m.allowed
+        m.allowed.update(("node-a", b.digest) for b in blobs)
+        yield m
+    finally:
+        await rt.stop()
+        store.close()
+
+
+async def raw_get(url: str, path: str, headers: dict[str, str], method: str = "GET") -> tuple[int, dict[str, str], bytes]:
+    host, port = url.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    try:
+        head = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
+        writer.write(f"{method} {path} HTTP/1.1\r\nhost: x\r\nconnection: close\r\n{head}\r\n".encode())
+        raw = await asyncio.wait_for(reader.read(), 10)
+    finally:
+        writer.close()
+    top, _, body = raw.partition(b"\r\n\r\n")
+    lines = top.decode("latin-1").split("\r\n")
+    hdrs = dict((k.lower(), v.strip()) for k, _, v in (line.partition(":") for line in lines[1:]))
+    return int(lines[0].split()[1]), hdrs, body
+
+
+def sha(path: str | Path) -> str:
+    return "sha256:" + hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+class CuttingProxy:
+    """A TCP proxy to ``target``: the first connection is cut after ``cut_after`` bytes of the
+    answer; every connection's request bytes are kept in :attr:`requests`."""
+
+    def __init__(self, target: tuple[str, int], cut_after: int, *, stall: bool = False) -> None:
+        self.target = target
+        self.cut_after = cut_after
+        self.stall = stall  # after cut_after bytes, hold the connection open instead of closing it
+        self.requests: list[bytes] = []
+        self.server: asyncio.Server | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    async def start(self) -> str:
+        self.server = await asyncio.start_server(self._conn, "127.0.0.1", 0)
+        return f"http://127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
+
+    async def close(self) -> None:
+        assert self.server is not None
+        self.server.close()
+        for t in list(self._tasks):
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.server.wait_closed()
+
+    async def _conn(self, cr: asyncio.StreamReader, cw: asyncio.StreamWriter) -> None:
+        index = len(self.requests)
+        self.requests.append(b"")
+        limit = self.cut_after if index == 0 else None
+        ur, uw = await asyncio.open_connection(*self.target)
+
+        async def up() -> None:
+            while data := await cr.read(65536):
+                self.requests[index] += data
+                uw.write(data)
+                await uw.drain()
+
+        async def down() -> bool:
+            sent = 0
+            while data := await ur.read(65536):
+                if limit is not None and sent + len(data) >= limit:
+                    cw.write(data[: limit - sent])
+                    await cw.drain()
+                    return self.stall
+                sent += len(data)
+                cw.write(data)
+                await cw.drain()
+            return False
+
+        t_up = asyncio.ensure_future(up())
+        self._tasks.add(t_up)
+        try:
+            if await down():
+                await t_up  # stalled: hold the connection until the client closes its side
+        finally:
+            t_up.cancel()
+            self._tasks.discard(t_up)
+            for w in (cw, uw):
+                w.close()
+
+
+def node_files(root: Path) -> tuple[list[str], list[str]]:
+    blobs = sorted(p.name for p in (root / "blobs" / "sha256").rglob("*") if p.is_file())
+    tmp = sorted(p.name for p in (root / "tmp").iterdir()) if (root / "tmp").exists() else []
+    return blobs, tmp
+
+
+# -- fetching ------------------------------------------------------------------------------
+
+
+async def test_fetch_verifies_shares_one_download_and_reuses(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.DEBUG)
+    async with mirror_runtime(tmp_path) as m:
+        node_root = tmp_path / "node-mirror"
+        fetcher = MirrorFetcher(m.url, m.credential, node_root, backoff=0.01)
+        try:
+            seen: list[list[tuple[int, int]]] = [[], []]
+            one, two = await asyncio.gather(
+                fetcher.ensure(m.spec("chat-1"), lambda d, t: seen[0].append((d, t))),
+                fetcher.ensure(m.spec("chat-2"), lambda d, t: seen[1].append((d, t))),
+            )
+            assert one == two
+            # one download per blob for both replicas
+            assert fetcher.downloads == 2
+            assert m.cp.mirror_server.served["requests"] == 2
+            total = sum(b.size for b in m.blobs)
+            for calls in seen:
+                assert calls[-1] == (total, total)
+                assert [d for d, _ in calls] == sorted(d for d, _ in calls)
+            model, projector = m.blobs
+            assert (model.role, projector.role) == ("model", "projector")
+            assert sha(one.path) == model.digest and os.path.getsize(one.path) == model.size
+            assert one.projector is not None and sha(one.projector) == projector.digest
+            assert Path(one.path).is_relative_to(node_root)
+            blobs, tmp = node_files(node_root)
+            assert len(blobs) == 2 and tmp == []
+            # the node's catalogue records it, so its gc keeps the blobs
+            with MirrorStore(node_root) as node:
+                assert [f.digest for f in node.get_model("tiny", "1b").files] == [model.digest, projector.digest]
+            # again: nothing fetched
+            again = await fetcher.ensure(m.spec("chat-3"), lambda d, t: None)
+            assert again == one and fetcher.downloads == 2
+        finally:
+            await fetcher.close()
+        # a new fetcher (an agent restart) verifies what the store has and fetches nothing
+        fetcher = MirrorFetcher(m.url, "wrong-credential-now", node_root)
+        try:
+            assert await fetcher.ensure(m.spec(), lambda d, t: None) == one
+            assert fetcher.downloads == 0
+        finally:
+            await fetcher.close()
+    assert m.credential.startswith(CREDENTIAL_PREFIX)
+    assert not any(m.credential in r.getMessage() for r in caplog.records)
+
+
+async def test_interrupted_transfer_resumes_with_a_range(tmp_path: Path) -> None:
+    async with mirror_runtime(tmp_path, big=600_000) as m:  # a model blob of ~2.4 MB
+        model = m.blobs[0]
+        assert model.size > 2_000_000
+        assert m.rt.admin_addr is not None
+        proxy = CuttingProxy(("127.0.0.1", m.rt.admin_addr[1]), cut_after=1_000_000)
+        url = await proxy.start()
+        node_root = tmp_path / "node-mirror"
+        fetcher = MirrorFetcher(url, m.credential, node_root, backoff=0.01, chunk=64 * 1024)
+        try:
+            spec = ReplicaSpec(id="r", deployment="d", engine="llamacpp", model="tiny:1b", served_name="t",
+                               blobs=(model,))
+            local = await fetcher.ensure(spec, lambda d, t: None)
+        finally:
+            await fetcher.close()
+            await proxy.close()
+        assert sha(local.path) == model.digest
+        assert len(proxy.requests) == 2
+        first, second = proxy.requests
+        assert b"range:" not in first.lower()
+        ranges = [line for line in second.split(b"\r\n") if line.lower().startswith(b"range:")]
+        assert len(ranges) == 1
+        start = int(ranges[0].split(b"=")[1].rstrip(b"-"))
+        assert 0 < start < 1_000_000  # it resumed from what the cut transfer had written
+        assert m.cp.mirror_server.served["requests"] == 2
+        assert node_files(node_root)[1] == []
+
+
+async def test_a_stopped_replica_stops_its_fetch_and_the_next_resumes(tmp_path: Path) -> None:
+    async with mirror_runtime(tmp_path, big=600_000) as m:
+        model = m.blobs[0]
+        assert m.rt.admin_addr is not None
+        proxy = CuttingProxy(("127.0.0.1", m.rt.admin_addr[1]), cut_after=1_000_000, stall=True)
+        url = await proxy.start()
+        fetcher = MirrorFetcher(url, m.credential, tmp_path / "node-mirror", backoff=0.01, chunk=64 * 1024)
+        spec = ReplicaSpec(id="r", deployment="d", engine="llamacpp", model="tiny:1b", served_name="t",
+                           blobs=(model,))
+        try:
+            started = asyncio.Event()
+            first = asyncio.ensure_future(fetcher.ensure(spec, lambda d, t: started.set() if d > 0 else None))
+            await asyncio.wait_for(started.wait(), 10)
+            first.cancel()  # the supervisor stops the replica while it fetches
+            with pytest.raises(asyncio.CancelledError):
+                await first
+            local = await asyncio.wait_for(fetcher.ensure(spec, lambda d, t: None), 20)
+        finally:
+            await fetcher.close()
+            await proxy.close()
+        assert sha(local.path) == model.digest
+        assert len(proxy.requests) == 2 and b"range: bytes=" in proxy.requests[1].lower()
+
+
+async def test_corrupt_transfer_is_refused_and_nothing_kept(tmp_path: Path) -> None:
+    async with mirror_runtime(tmp_path) as m:
+        model = m.blobs[0]
+        on_disk = m.store.blob_path(model.digest)
+        os.chmod(on_disk, 0o644)
+        with open(on_disk, "r+b") as f:  # the mirror's copy rots: same size, other bytes
+            f.seek(model.size // 2)
+            byte = f.read(1)
+            f.seek(model.size // 2)
+            f.write(bytes([byte[0] ^ 0xFF]))
+        node_root = tmp_path / "node-mirror"
+        fetcher = MirrorFetcher(m.url, m.credential, node_root, attempts=2, backoff=0.01)
+        try:
+            with pytest.raises(FetchError, match=r"in 2 attempts.*corrupt and was discarded"):
+                await fetcher.ensure(m.spec(), lambda d, t: None)
+            assert fetcher.downloads >= 2
+        finally:
+            await fetcher.close()
+        blobs, tmp = node_files(node_root)
+        assert model.digest[7:] not in blobs
+        assert tmp == []
+
+
+# -- the route ------------------------------------------------------------------------------
+
+
+async def test_blob_route_auth_ranges_and_errors(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.DEBUG)
+    async with mirror_runtime(tmp_path) as m:
+        model = m.blobs[0]
+        path = f"/mirror/v1/blobs/{model.digest}"
+        auth = {"authorization": f"Bearer {m.credential}"}
+        data = m.store.blob_path(model.digest).read_bytes()
+
+        def err(body: bytes) -> str:
+            e = orjson.loads(body)["error"]
+            assert set(e) == {"message", "type", "param", "code"}
+            return str(e["code"])
+
+        status, h, body = await raw_get(m.url, path, {})
+        assert (status, err(body)) == (401, "missing_node_credential")
+        status, h, body = await raw_get(m.url, path, {"authorization": "Bearer llmgw-node-guess"})
+        assert (status, err(body)) == (401, "invalid_node_credential")
+        # the admin token is not a node credential (and none is configured here: still refused)
+        other = m.cp.credentials.issue("node-b")
+        status, h, body = await raw_get(m.url, path, {"authorization": f"Bearer {other}"})
+        assert (status, err(body)) == (403, "blob_not_allowed")
+        assert "node-b" in orjson.loads(body)["error"]["message"]
+        status, h, body = await raw_get(m.url, f"/mirror/v1/blobs/sha256:{'0' * 64}", auth)
+        assert (status, err(body)) == (403, "blob_not_allowed")  # decided before existence: no probing
+        m.allowed.add(("node-a", f"sha256:{'0' * 64}"))
+        status, h, body = await raw_get(m.url, f"/mirror/v1/blobs/sha256:{'0' * 64}", auth)
+        assert (status, err(body)) == (404, "blob_not_found")
+        status, h, body = await raw_get(m.url, "/mirror/v1/blobs/md5:abc", auth)
+        assert (status, err(body)) == (404, "blob_not_found")
+
+        status, h, body = await raw_get(m.url, path, auth)
+        assert status == 200 and body == data
+        assert h["etag"] == f'"{model.digest}"' and h["x-llmgw-digest"] == model.digest
+        assert h["accept-ranges"] == "bytes" and int(h["content-length"]) == model.size
+        status, h, body = await raw_get(m.url, path, auth, method="HEAD")
+        assert status == 200 and body == b"" and int(h["content-length"]) == model.size
+        status, h, body = await raw_get(m.url, path, {**auth, "range": "bytes=100-199"})
+        assert status == 206 and body == data[100:200]
+        assert h["content-range"] == f"bytes 100-199/{model.size}"
+        status, h, body = await raw_get(m.url, path, {**auth, "range": "bytes=-10"})
+        assert status == 206 and body == data[-10:]
+        m.cp.mirror_server.use_sendfile = False  # the path TLS connections take: read, then write
+        m.cp.mirror_server.chunk = 4096
+        status, h, body = await raw_get(m.url, path, auth)
+        assert status == 200 and body == data
+        status, h, body = await raw_get(m.url, path, {**auth, "range": "bytes=5000-"})
+        assert status == 206 and body == data[5000:]
+        m.cp.mirror_server.use_sendfile = True
+        for bad in (f"bytes={model.size}-", "bytes=5-2", "bytes=0-1,5-6", "items=0-1", "bytes=-0"):
+            status, h, body = await raw_get(m.url, path, {**auth, "range": bad})
+            assert (status, err(body)) == (416, "range_not_satisfiable"), bad
+            assert h["content-range"] == f"bytes */{model.size}"
+
+        # a fetcher with a wrong credential fails at once, not after retries
+        fetcher = MirrorFetcher(m.url, "llmgw-node-wrong", tmp_path / "n1", attempts=5, backoff=30)
+        try:
+            with pytest.raises(FetchError, match="401 unknown or revoked node credential"):
+                await asyncio.wait_for(fetcher.ensure(m.spec(), lambda d, t: None), 10)
+        finally:
+            await fetcher.close()
+        # revoked (the node deregistered): refused
+        m.cp.credentials.revoke("node-a")
+        status, h, body = await raw_get(m.url, path, auth)
+        assert (status, err(body)) == (401, "invalid_node_credential")
+    for secret in (m.credential, other):
+        assert not any(secret in r.getMessage() for r in caplog.records)
+
+
+async def test_registration_access_deregistration_revokes_and_placement_authorizes(tmp_path: Path) -> None:
+    import grpc
+
+    from llmgw._proto.agent.v1 import agent_pb2_grpc
+    from llmgw.agent.wire import PROTOCOL, pb
+    from llmgw.mirror.serve import placed_blobs
+
+    async with mirror_runtime(tmp_path) as m:
+        cp = m.cp
+        # what Register's answer carries (i18-wire: AgentService.mirror_access)
+        assert cp.service.mirror_access is not None
+        access = cp.service.mirror_access("node-c")
+        assert access is not None
+        url, credential = access
+        assert url == m.url and cp.credentials.node_for(credential) == "node-c"
+
+        # the authorizer from the controller's desired sets: only blobs of replicas placed there
+        class Placed:
+            def desired(self, node: str) -> tuple[int, tuple[ReplicaSpec, ...]]:
+                return (1, (m.spec(),)) if node == "node-c" else (0, ())
+
+        cp.mirror_server.allowed = placed_blobs(Placed())  # type: ignore[arg-type]
+        path = f"/mirror/v1/blobs/{m.blobs[1].digest}"
+        status, _, body = await raw_get(url, path, {"authorization": f"Bearer {credential}"})
+        assert status == 200 and "sha256:" + hashlib.sha256(body).hexdigest() == m.blobs[1].digest
+        status, _, _ = await raw_get(url, path, {"authorization": f"Bearer {m.credential}"})
+        assert status == 403  # node-a has nothing placed
+
+        # a node that registers and deregisters over gRPC loses its credential
+        assert cp.address is not None
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{cp.address[1]}") as ch:
+            stub = agent_pb2_grpc.AgentServiceStub(ch)
+            meta = [("authorization", f"Bearer {JOIN}")]
+            reg = await stub.Register(pb.RegisterRequest(node_name="node-c", protocol=pb.ProtocolVersion(
+                major=PROTOCOL[0], minor=PROTOCOL[1])), metadata=meta, timeout=5)
+            await stub.Deregister(pb.DeregisterRequest(node_name="node-c", node_id=reg.node_id), metadata=meta,
+                                  timeout=5)
+        assert "node-c" not in cp.credentials
+        status, _, _ = await raw_get(url, path, {"authorization": f"Bearer {credential}"})
+        assert status == 401
+
+
+async def test_no_control_plane_no_mirror_route(tmp_path: Path) -> None:
+    rt = GatewayRuntime(load({"listen": "127.0.0.1:0", "admin": "127.0.0.1:0"}))
+    await rt.start()
+    try:
+        assert rt.admin_addr is not None
+        status, _, body = await raw_get(f"http://127.0.0.1:{rt.admin_addr[1]}", f"/mirror/v1/blobs/sha256:{'a' * 64}", {})
+        assert status == 404 and b"control plane" in body
+    finally:
+        await rt.stop()
+
+
+# -- pieces on their own ----------------------------------------------------------------------
+
+
+def test_parse_range() -> None:
+    assert parse_range(None, 10) is None
+    assert parse_range(b"bytes=0-", 10) == (0, 10)
+    assert parse_range(b"bytes=3-5", 10) == (3, 6)
+    assert parse_range(b"bytes=3-50", 10) == (3, 10)
+    assert parse_range(b"bytes=-4", 10) == (6, 10)
+    assert parse_range(b"bytes=-40", 10) == (0, 10)
+    for bad in (b"bytes=10-", b"bytes=4-3", b"bytes=-", b"bytes=1-2,4-5", b"lines=1-2", b"bytes=-0", b"bytes=x-"):
+        with pytest.raises(RangeNotSatisfiableError):
+            parse_range(bad, 10)
+    with pytest.raises(RangeNotSatisfiableError):
+        parse_range(b"bytes=0-", 0)
+
+
+def test_credentials_issue_check_revoke() -> None:
+    creds = NodeCredentials()
+    a = creds.issue("node-a")
+    b = creds.issue("node-b")
+    assert a != b and a.startswith(CREDENTIAL_PREFIX) and len(a) > 40
+    assert creds.node_for(a) == "node-a" and creds.node_for(b.encode()) == "node-b"
+    assert creds.node_for(a + "x") is None and creds.node_for("") is None and creds.node_for(None) is None
+    a2 = creds.issue("node-a")  # a new registration replaces the old credential
+    assert creds.node_for(a) is None and creds.node_for(a2) == "node-a"
+    assert creds.revoke("node-a") and not creds.revoke("node-a")
+    assert creds.node_for(a2) is None and "node-a" not in creds and len(creds) == 1
+    assert a2 not in repr(creds) and b not in repr(creds)
+
+
+def test_resolve_gives_blobs_and_placement_facts(tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    src.mkdir()
+    model = write_gguf(src / "m.gguf", context_length=4096, block_count=3,
+                       extra={"llama.attention.head_count_kv": 2})
+    with MirrorStore(tmp_path / "mirror") as store:
+        import_file(store, model, name="tiny:1b", projectors=[write_projector(src / "p.gguf")])
+        blobs, facts = resolve(store, "tiny:1b")
+        assert [b.role for b in blobs] == ["model", "projector"]
+        assert blobs[0].digest == sha(model) and blobs[0].size == model.stat().st_size
+        assert facts.ref == "tiny:1b" and facts.model_size == blobs[0].size
+        assert facts.projector_size == blobs[1].size and facts.size == blobs[0].size + blobs[1].size
+        assert (facts.context_length, facts.block_count, facts.head_count, facts.head_count_kv) == (4096, 3, 4, 2)
+        assert (facts.embedding_length, facts.key_length, facts.value_length) == (32, 8, 8)
+        # 3 layers x 2 KV heads x (8 + 8) x 2 bytes (f16) = 192 bytes a token
+        assert facts.kv_bytes_per_token() == 192
+        assert kv_cache_bytes(facts, 1000, slots=4) == 192 * 4000
+        assert kv_cache_bytes(facts) == 192 * 4096
+        assert memory_needed(facts, 1000) == facts.model_size + facts.projector_size + 192_000
+        with pytest.raises(ModelNotFoundError, match="no model nope:latest in the mirror; see the names"):
+            resolve(store, "nope")
+    # by root, from another thread's point of view (a fresh connection)
+    assert resolve(tmp_path / "mirror", "tiny:1b")[0] == blobs
+    found = find(tmp_path / "mirror", "tiny:1b")
+    assert found is not None and found[0] == blobs
+    for other in ("nope", "/models/x.gguf", "meta-llama/Llama-3.1-8B-Instruct"):
+        assert find(tmp_path / "mirror", other) is None
+    assert find(tmp_path / "no-mirror-here", "tiny:1b") is None
+
+
+async def test_fetcher_refuses_a_bad_url(tmp_path: Path) -> None:
+    for bad in ("ftp://x", "localhost:9", "http://"):
+        with pytest.raises(ValueError, match="http://HOST:PORT"):
+            MirrorFetcher(bad, "c", tmp_path / "m")
+    fetcher = MirrorFetcher("http://127.0.0.1:9/prefix/", "c", tmp_path / "m")
+    try:
+        with pytest.raises(ValueError, match="http://HOST:PORT"):
+            fetcher.set_access("nope", "d")
+        fetcher.set_access("https://mirror.example:8443", "d")
+        assert (fetcher.base_url, fetcher.credential) == ("https://mirror.example:8443", "d")
+    finally:
+        await fetcher.close()
+
+
