@@ -371,8 +371,7 @@ class ManagementAPI:
         elif parts[:1] in ([b"nodes"], [b"gpus"]):
             return self.handle_nodes(parts, method, path, w)
         elif parts[:1] == [b"deployments"]:
-            self.handle_deployments(req, parts, method, path, w)
-            return None
+            return self.handle_deployments(req, parts, method, path, w)
         elif parts == [b"queues"]:
             if method not in (b"GET", b"HEAD"):
                 raise method_not_allowed(method, path, "GET")
@@ -391,14 +390,7 @@ class ManagementAPI:
                 "this llmgw runs no control plane (add a control: section to the config); no nodes here",
                 code="no_control_plane",
             )
-        standby = nodes.not_leader()
-        if standby is not None:
-            # a standby has no nodes (agents report to the leader) and changes nothing: it names the leader
-            leader = nodes.leader_admin()
-            raise HTTPError(
-                standby, status=503, type="service_unavailable_error", code="not_leader", retry_after=1,
-                headers=((b"llmgw-leader", leader.encode()),) if leader else None,
-            )
+        _refuse_on_standby(nodes)
         if parts == [b"gpus"]:
             if method not in (b"GET", b"HEAD"):
                 raise method_not_allowed(method, path, "GET")
@@ -449,6 +441,7 @@ class ManagementAPI:
                 "this llmgw runs no control plane (add a control: section to the config); no replicas here",
                 code="no_control_plane",
             )
+        _refuse_on_standby(nodes)
         return self._replica_logs(nodes, replica_id, lines, w)
 
     def handle_engine_check(self, req: Request, w: ResponseWriter) -> Awaitable[None]:
@@ -465,6 +458,7 @@ class ManagementAPI:
                 "this llmgw runs no control plane (add a control: section to the config); no nodes here",
                 code="no_control_plane",
             )
+        _refuse_on_standby(nodes)
         body = _json_body(req) if req.body else {}
         if not isinstance(body, dict):
             raise BadRequestError("the body must be a JSON object", code="invalid_body")
@@ -515,7 +509,12 @@ class ManagementAPI:
 
     # -- deployments (the control plane) --
 
-    def handle_deployments(self, req: Request, parts: list[bytes], method: bytes, path: bytes, w: ResponseWriter) -> None:
+    def handle_deployments(
+        self, req: Request, parts: list[bytes], method: bytes, path: bytes, w: ResponseWriter
+    ) -> Awaitable[None] | None:
+        """``/admin/v1/deployments...``; a change is answered once it is in the control plane's database."""
+        if self.nodes is not None:
+            _refuse_on_standby(self.nodes)  # (a standby holds no deployments: the leader does)
         ctl = self.deployments
         if ctl is None:
             raise NotFoundError(
@@ -531,8 +530,7 @@ class ManagementAPI:
                 if method == b"POST":
                     from ..control.deployments import parse_deployment
 
-                    w.send_json(201, ctl.create(parse_deployment(_json_body(req))))
-                    return None
+                    return _committed(ctl, w, 201, ctl.create(parse_deployment(_json_body(req))))
                 raise method_not_allowed(method, path, "GET or POST")
             name = unquote(parts[1].decode("latin-1"))
             if len(parts) == 2:
@@ -540,8 +538,7 @@ class ManagementAPI:
                     w.send_json(200, ctl.view(name, show_secrets=show))
                     return None
                 if method == b"DELETE":
-                    w.send_json(200, ctl.delete(name))
-                    return None
+                    return _committed(ctl, w, 200, ctl.delete(name))
                 raise method_not_allowed(method, path, "GET or DELETE")
             if len(parts) == 3 and parts[2] == b"scale":
                 if method != b"POST":
@@ -553,8 +550,7 @@ class ManagementAPI:
                         'the body must be {"replicas": N} with N a whole number from 0 to 1024',
                         param="replicas", code="invalid_replicas",
                     )
-                w.send_json(200, ctl.scale(name, n))
-                return None
+                return _committed(ctl, w, 200, ctl.scale(name, n))
         except ValueError as exc:
             status = getattr(exc, "status", None)
             if status is None:
@@ -636,3 +632,38 @@ class ManagementAPI:
             log.exception("reading the admission queues per model failed; leaving them out")
             return {}
         return out
+
+
+def _refuse_on_standby(nodes: NodeControl) -> None:
+    """503 ``not_leader`` on a control-plane standby (it has no nodes or deployments: the leader has), naming
+    the leader in ``llmgw-leader``."""
+    standby = nodes.not_leader()
+    if standby is None:
+        return
+    leader = nodes.leader_admin()
+    raise HTTPError(
+        standby, status=503, type="service_unavailable_error", code="not_leader", retry_after=1,
+        headers=((b"llmgw-leader", leader.encode()),) if leader else None,
+    )
+
+
+async def _committed(ctl: DeploymentControl, w: ResponseWriter, status: int, body: dict[str, Any]) -> None:
+    """Answer a deployment change once the database has it (a 503 when it could not be written)."""
+    try:
+        await ctl.committed()
+    except Exception as exc:
+        from ..control.db import DatabaseError
+        from ..control.leader import NotLeader
+
+        if isinstance(exc, NotLeader):
+            raise HTTPError(
+                f"{exc}; the change was not saved: retry with the leader", status=503, type="service_unavailable_error",
+                code="not_leader", retry_after=1,
+            ) from None
+        if isinstance(exc, DatabaseError):
+            raise HTTPError(
+                f"the control plane's database failed ({type(exc).__name__}); the change was not saved: retry",
+                status=503, type="service_unavailable_error", code="database_unavailable", retry_after=1,
+            ) from None
+        raise
+    w.send_json(status, body)

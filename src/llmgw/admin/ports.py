@@ -112,6 +112,9 @@ class DeploymentControl(Protocol):
     def delete(self, name: str) -> dict[str, Any]:
         """Undeploy it: its replicas drain, then stop."""
 
+    async def committed(self) -> None:
+        """Wait until the changes made so far are in the control plane's database (raises when they cannot be)."""
+
 
 class MirrorBlobs(Protocol):
     """The mirror's blobs for node agents (:class:`llmgw.mirror.serve.BlobServer`; the control plane

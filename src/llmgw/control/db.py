@@ -32,10 +32,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import re
 import sqlite3
-from collections.abc import AsyncIterator, Sequence
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -49,11 +51,19 @@ __all__ = [
     "CordonStore",
     "Database",
     "DatabaseError",
+    "DesiredStore",
+    "Fence",
+    "JoinTokenStore",
     "Migration",
     "NodeStore",
+    "StoredDeployment",
+    "StoredReplica",
     "Tx",
     "open_database",
     "redact",
+    "token_digests",
+    "tokens_differ",
+    "unfenced",
 ]
 
 ADVISORY_MIGRATE = 0x6C6C6D67_00000001
@@ -71,6 +81,26 @@ class Migration:
     version: int
     name: str
     statements: tuple[str, ...]
+    then: Callable[[Database, Tx], Awaitable[None]] | None = None
+    """Run after the statements, in the same transaction (an upgrade copying older data in)."""
+
+
+async def _from_sqlite_store(db: Database, tx: Tx) -> None:
+    """The upgrade from llmgw's earlier deployments store: the same file (the default path is the same)
+    held ``deployments`` and ``replicas`` tables; their rows come over once, with epoch 0."""
+    if db.dialect != "sqlite":
+        return
+    have = {r[0] for r in await tx.fetch("SELECT name FROM sqlite_master WHERE type = 'table'")}
+    if not {"deployments", "replicas"} <= have:
+        return
+    n = await tx.execute(
+        "INSERT INTO llmgw_deployments (name, source, spec, replicas_override, override_of, updated_at, epoch) "
+        "SELECT name, source, spec, replicas_override, override_of, updated_at, 0 FROM deployments")
+    m = await tx.execute(
+        "INSERT INTO llmgw_replicas (id, deployment, node, spec, created_at, epoch) "
+        "SELECT id, deployment, node, spec, created_at, 0 FROM replicas")
+    log.info("imported %d deployment(s) and %d replica(s) from the earlier deployments store in %s", n, m,
+             redact(db.url))
 
 
 MIGRATIONS: tuple[Migration, ...] = (
@@ -101,6 +131,33 @@ MIGRATIONS: tuple[Migration, ...] = (
             agent_version TEXT,
             gpus TEXT NOT NULL,
             registered_at DOUBLE PRECISION NOT NULL,
+            epoch BIGINT NOT NULL
+        )""",
+    )),
+    Migration(4, "deployments and their replicas", (
+        """CREATE TABLE llmgw_deployments (
+            name TEXT PRIMARY KEY,
+            source TEXT NOT NULL,
+            spec TEXT NOT NULL,
+            replicas_override INTEGER,
+            override_of TEXT,
+            updated_at DOUBLE PRECISION NOT NULL,
+            epoch BIGINT NOT NULL
+        )""",
+        """CREATE TABLE llmgw_replicas (
+            id TEXT PRIMARY KEY,
+            deployment TEXT NOT NULL,
+            node TEXT NOT NULL,
+            spec TEXT NOT NULL,
+            created_at DOUBLE PRECISION NOT NULL,
+            epoch BIGINT NOT NULL
+        )""",
+        "CREATE INDEX llmgw_replicas_deployment ON llmgw_replicas (deployment)",
+    ), then=_from_sqlite_store),
+    Migration(5, "join-token digests", (
+        """CREATE TABLE llmgw_join_tokens (
+            sha256 TEXT PRIMARY KEY,
+            added_at DOUBLE PRECISION NOT NULL,
             epoch BIGINT NOT NULL
         )""",
     )),
@@ -189,6 +246,8 @@ class Database:
                     continue
                 for stmt in m.statements:
                     await tx.execute(stmt)
+                if m.then is not None:
+                    await m.then(self, tx)
                 await tx.execute(
                     self.sql("INSERT INTO llmgw_schema (version, name, applied_at) VALUES ($1, $2, {now})"),
                     m.version, m.name,
@@ -348,8 +407,12 @@ class SqliteDatabase(Database):
             d = os.path.dirname(os.path.abspath(self.path))
             try:
                 os.makedirs(d, exist_ok=True)
-                if not os.path.exists(self.path):  # SECURITY: the replicas' API keys are inside
+                # SECURITY: the replicas' API keys are inside: 0600 (an older file made wider is narrowed)
+                if not os.path.exists(self.path):
                     os.close(os.open(self.path, os.O_CREAT | os.O_WRONLY, 0o600))
+                elif os.stat(self.path).st_mode & 0o077:
+                    os.chmod(self.path, 0o600)
+                    log.warning("%s was readable by others: made 0600 (it holds the replicas' API keys)", self.path)
                 self._lock_file = _lock_one_process(self.path)
             except OSError as exc:
                 raise DatabaseError(f"cannot open {self.path}: {exc.strerror or exc}") from exc
@@ -435,6 +498,48 @@ class CordonStore:
             await tx.execute("DELETE FROM llmgw_cordons WHERE node = $1", node)
 
 
+class JoinTokenStore:
+    """The join tokens' SHA-256 digests the leader accepts (``llmgw_join_tokens``; never a token itself).
+
+    Written by a leader when its configured tokens differ from the rows (at election), read by every
+    control plane at start: one whose tokens differ is told so before it ever leads, as an agent
+    joined with a token only the others accept would be refused after a takeover.
+    """
+
+    def __init__(self, db: Database) -> None:
+        self.db = db
+
+    async def load(self) -> set[str]:
+        async with self.db.transaction() as tx:
+            return {r[0] for r in await tx.fetch("SELECT sha256 FROM llmgw_join_tokens")}
+
+    async def replace(self, tx: Tx, digests: set[str], have: set[str], epoch: int) -> None:
+        """Make the rows ``digests`` (``have``: what they are now), within the caller's fenced transaction."""
+        for d in sorted(have - digests):
+            await tx.execute("DELETE FROM llmgw_join_tokens WHERE sha256 = $1", d)
+        for d in sorted(digests - have):
+            await tx.execute(self.db.sql(
+                "INSERT INTO llmgw_join_tokens (sha256, added_at, epoch) VALUES ($1, {now}, $2) "
+                "ON CONFLICT (sha256) DO NOTHING"), d, epoch)
+
+
+def token_digests(tokens: Sequence[str]) -> set[str]:
+    """SHA-256 hex digests of join tokens (what the database keeps)."""
+    import hashlib
+
+    return {hashlib.sha256(t.encode()).hexdigest() for t in tokens}
+
+
+def tokens_differ(stored: set[str], mine: set[str]) -> str | None:
+    """Why ``mine`` (this process's) differs from ``stored`` (the leader's), for a log line; ``None``: the same."""
+    if not stored or stored == mine:
+        return None
+    return (f"this control plane's join tokens differ from those the leader accepts ({len(mine)} configured, "
+            f"{len(stored)} in the database, {len(mine & stored)} in common): after a takeover, agents that "
+            "joined with a token only the other control planes have are refused; give every control plane the "
+            "same control.join_token_env")
+
+
 NodeRecord = tuple[str, str | None, str | None, str]
 """What a node row keeps: (node id, hostname, agent version, GPU UUIDs as JSON)."""
 
@@ -463,3 +568,202 @@ class NodeStore:
 
     async def delete(self, tx: Tx, name: str) -> None:
         await tx.execute("DELETE FROM llmgw_nodes WHERE name = $1", name)
+
+
+@dataclass(frozen=True, slots=True)
+class StoredDeployment:
+    name: str
+    source: str
+    """``config`` (from the file) or ``api`` (``ctl deploy``)."""
+    spec: Mapping[str, Any]
+    """The deployment as a config ``deployments[]`` entry (JSON)."""
+    replicas_override: int | None = None
+    override_of: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class StoredReplica:
+    id: str
+    deployment: str
+    node: str
+    spec: Mapping[str, Any]
+    """Its GPUs, claims and API key (JSON)."""
+    created_at: float = 0.0
+
+
+Fence = Callable[[], contextlib.AbstractAsyncContextManager[tuple[Tx, int]]]
+"""A leader's fenced transaction (:meth:`llmgw.control.leader.Leadership.transaction`): ``(tx, epoch)``."""
+
+
+def unfenced(db: Database) -> Fence:
+    """A fence for a database no election guards (a test, a tool): epoch 0."""
+
+    @contextlib.asynccontextmanager
+    async def fence() -> AsyncIterator[tuple[Tx, int]]:
+        async with db.transaction() as tx:
+            yield tx, 0
+
+    return fence
+
+
+class DesiredStore:
+    """Deployments and their placed replicas (``llmgw_deployments``, ``llmgw_replicas``), written behind.
+
+    The controller (:class:`~.deployments.DeploymentController`) is synchronous: it decides
+    on the event loop between two awaits. So its writes are queued here in order
+    (:meth:`put_deployment` …) and committed by one task, all that is queued in one
+    transaction, fenced by the leader's epoch (:data:`Fence`): a leader deposed meanwhile
+    writes nothing. What must not happen before its write is durable waits for it:
+
+    * a placed replica is told to its node only once its row is committed (``then``
+      of :meth:`put_replica`): a leader killed just after placing it never had an agent
+      launch it, and the next leader, loading the rows, hands every node the same set;
+    * the management API answers a change after :meth:`flushed` (a deployment whose
+      creation was answered exists after the leader's kill).
+
+    A write that fails (the database away, the lease lost) calls ``on_failed``: the control
+    plane then stops leading, and whoever leads next starts from what the database holds,
+    so memory never runs ahead of it for long. Reads (:meth:`load`) happen on election.
+    """
+
+    def __init__(self, db: Database, fence: Fence, on_failed: Callable[[BaseException], None] | None = None) -> None:
+        self.db = db
+        self.fence = fence
+        self.on_failed = on_failed
+        self._deployments: list[StoredDeployment] = []
+        self._replicas: list[StoredReplica] = []
+        self._pending: list[tuple[str, tuple[Any, ...], Callable[[], None] | None, bool]] = []
+        """(SQL, its arguments, what runs once it is committed, whether the epoch is its last argument)."""
+        self._queued = 0
+        """Writes queued since the start (the committed ones included)."""
+        self._committed = 0
+        self._waiters: list[tuple[int, asyncio.Future[None]]] = []
+        self._task: asyncio.Task[None] | None = None
+        self._failed: BaseException | None = None
+        self.writes = 0
+        """Statements committed (figures: the database's load)."""
+        self.transactions = 0
+
+    @property
+    def path(self) -> str:
+        return redact(self.db.url)
+
+    async def load(self) -> None:
+        """Read what the database holds (on election, before the controller is made from it)."""
+        async with self.db.transaction() as tx:
+            deps = await tx.fetch(
+                "SELECT name, source, spec, replicas_override, override_of FROM llmgw_deployments ORDER BY name")
+            reps = await tx.fetch(
+                "SELECT id, deployment, node, spec, created_at FROM llmgw_replicas ORDER BY created_at, id")
+        self._deployments = [StoredDeployment(n, s, json.loads(spec), None if o is None else int(o), of)
+                             for n, s, spec, o, of in deps]
+        self._replicas = [StoredReplica(i, d, n, json.loads(s), float(c)) for i, d, n, s, c in reps]
+
+    # -- what the controller calls (synchronous) --
+
+    def deployments(self) -> list[StoredDeployment]:
+        return list(self._deployments)
+
+    def replicas(self) -> list[StoredReplica]:
+        return list(self._replicas)
+
+    def put_deployment(self, d: StoredDeployment) -> None:
+        self._queue(self.db.sql(
+            "INSERT INTO llmgw_deployments (name, source, spec, replicas_override, override_of, updated_at, epoch) "
+            "VALUES ($1, $2, $3, $4, $5, {now}, $6) ON CONFLICT (name) DO UPDATE SET source = EXCLUDED.source, "
+            "spec = EXCLUDED.spec, replicas_override = EXCLUDED.replicas_override, "
+            "override_of = EXCLUDED.override_of, updated_at = EXCLUDED.updated_at, epoch = EXCLUDED.epoch"),
+            (d.name, d.source, json.dumps(d.spec, sort_keys=True), d.replicas_override, d.override_of))
+
+    def delete_deployment(self, name: str) -> None:
+        """The deployment and its replicas."""
+        self._queue("DELETE FROM llmgw_replicas WHERE deployment = $1", (name,), epoch=False)
+        self._queue("DELETE FROM llmgw_deployments WHERE name = $1", (name,), epoch=False)
+
+    def put_replica(self, r: StoredReplica, then: Callable[[], None] | None = None) -> None:
+        """Queue the replica's row; ``then`` runs once it is committed (the node may be told then)."""
+        self._queue(
+            "INSERT INTO llmgw_replicas (id, deployment, node, spec, created_at, epoch) VALUES ($1, $2, $3, $4, $5, $6) "
+            "ON CONFLICT (id) DO UPDATE SET deployment = EXCLUDED.deployment, node = EXCLUDED.node, "
+            "spec = EXCLUDED.spec, created_at = EXCLUDED.created_at, epoch = EXCLUDED.epoch",
+            (r.id, r.deployment, r.node, json.dumps(r.spec, sort_keys=True), r.created_at or time.time()), then)
+
+    def delete_replica(self, replica_id: str) -> None:
+        self._queue("DELETE FROM llmgw_replicas WHERE id = $1", (replica_id,), epoch=False)
+
+    @contextlib.contextmanager
+    def batch(self) -> Iterator[None]:
+        """(Writes queued in one callback are committed together anyway.)"""
+        yield
+
+    def close(self) -> None:
+        """Nothing to close (the control plane owns the database); queued writes still go."""
+
+    # -- the writer --
+
+    def _queue(self, sql: str, args: tuple[Any, ...], then: Callable[[], None] | None = None, *,
+               epoch: bool = True) -> None:
+        self._pending.append((sql, args, then, epoch))
+        self._queued += 1
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(self._write(), name="llmgw desired-state writes")
+
+    @property
+    def pending(self) -> int:
+        return self._queued - self._committed
+
+    async def flushed(self) -> None:
+        """Wait until every write queued so far is committed.
+
+        Raises:
+            NotLeader, DatabaseError: they could not be (this process stops leading).
+        """
+        if self._failed is not None:
+            raise self._failed
+        target = self._queued
+        if self._committed >= target:
+            return
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiters.append((target, fut))
+        await fut
+
+    async def _write(self) -> None:
+        await asyncio.sleep(0)  # (the rest of this callback's writes join the transaction)
+        while self._pending:
+            ops, self._pending = self._pending, []
+            try:
+                async with self.fence() as (tx, epoch):
+                    for sql, args, _, fenced in ops:
+                        await tx.execute(sql, *args, *((epoch,) if fenced else ()))
+            except Exception as exc:
+                self._fail(exc, len(ops))
+                return
+            self._committed += len(ops)
+            self.writes += len(ops)
+            self.transactions += 1
+            for _, _, then, _ in ops:
+                if then is not None:
+                    try:
+                        then()
+                    except Exception:
+                        log.exception("after a desired-state write")
+            done = [w for w in self._waiters if w[0] <= self._committed]
+            self._waiters = [w for w in self._waiters if w[0] > self._committed]
+            for _, fut in done:
+                if not fut.done():
+                    fut.set_result(None)
+        self._task = None
+
+    def _fail(self, exc: BaseException, lost: int) -> None:
+        # the queued writes are dropped with this term: the next leader starts from the database
+        self._failed = exc
+        self._committed += lost + len(self._pending)
+        self._pending = []
+        waiters, self._waiters = self._waiters, []
+        for _, fut in waiters:
+            if not fut.done():
+                fut.set_exception(exc)
+        self._task = None
+        log.error("a desired-state write failed (%s: %s); this control plane stops leading", type(exc).__name__, exc)
+        if self.on_failed is not None:
+            self.on_failed(exc)

@@ -327,11 +327,18 @@ class Leadership:
             except Exception:
                 log.exception("stepping down failed half-way")
 
+    def resign(self, why: str) -> None:
+        """Stop acting now (a fenced write failed); the next campaign, soon, decides who leads."""
+        self._step_down(why)
+        self._wake.set()
+
     # -- fenced writes --
 
     @contextlib.asynccontextmanager
-    async def transaction(self) -> AsyncIterator[tuple[Tx, int]]:
+    async def transaction(self, term: int | None = None) -> AsyncIterator[tuple[Tx, int]]:
         """A transaction for a leader's write, fenced by its epoch: ``(tx, epoch)``.
+
+        ``term``: only in that epoch (what one term queued is never written by the next).
 
         Raises:
             NotLeader: this process does not lead, its deadline passed, or the database
@@ -339,8 +346,9 @@ class Leadership:
             DatabaseError: the database failed (nothing was written).
         """
         epoch = self.epoch
-        if epoch is None or not self.acting():
-            raise NotLeader("this control plane is not the leader", self.other_leader())
+        if epoch is None or not self.acting() or (term is not None and term != epoch):
+            raise NotLeader("this control plane is not the leader" if term is None or epoch is None
+                            else f"epoch {term} is over", self.other_leader())
         async with self.db.transaction(timeout=max(1.0, self.renew_every)) as tx:
             ok = await tx.fetchval(self.db.sql(
                 "SELECT 1 FROM llmgw_lease WHERE name = $1 AND holder = $2 AND epoch = $3" + self._live +

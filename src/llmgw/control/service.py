@@ -18,6 +18,7 @@ for a client certificate). Plaintext is refused off loopback unless
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import hmac
 import ipaddress
@@ -772,6 +773,10 @@ class AgentService(agent_pb2_grpc.AgentServiceServicer):
         return True
 
 
+def _no_blobs(node: str, digest: str) -> bool:
+    return False
+
+
 class ControlPlane:
     """The control plane as a runtime component: gRPC listener, node map, cluster collector, nodes API,
     and the deployments (:attr:`deployments`, a :class:`~.deployments.DeploymentController`, made at start).
@@ -825,6 +830,9 @@ class ControlPlane:
         self._node_store: Any = None  # db.NodeStore
         self._node_records: dict[str, tuple[str, str | None, str | None, str]] = {}
         self._ready_epoch: int | None = None
+        self._in_router: frozenset[str] = frozenset()
+        """Endpoints the last term's controller left in the router (the next one takes them over)."""
+        self._stopping: list[asyncio.Future[None]] = []
         """The epoch whose state is loaded: this process acts as leader only when it is the current one."""
 
     def _control(self) -> ControlConfig:
@@ -863,6 +871,15 @@ class ControlPlane:
             self.db = None
             raise OSError(f"control.database: {exc}") from None
         log.info("control-plane state in %s", redact(db.url))
+        if db.shared:
+            from .db import JoinTokenStore, token_digests, tokens_differ
+
+            try:
+                why = tokens_differ(await JoinTokenStore(db).load(), token_digests(c.join_tokens))
+            except DatabaseError:
+                why = None  # (the election reports the database)
+            if why is not None:
+                log.warning("%s", why)
         if c.state_file is not None:
             from .state import StateFile
 
@@ -879,25 +896,6 @@ class ControlPlane:
         self.service.standby = self._standby
         if db.shared:
             self.service.lease_ms = int(c.lease * 1000)
-        # (on the main loop, beside the node map it places on: the agent service reaches it there)
-        # TODO(i21-ha): the deployments move into the database's own tables (step 2)
-        from pathlib import Path
-
-        from .deployments import DeploymentController
-        from .resolve import mirror_resolver
-        from .store import SQLiteStore
-
-        store = SQLiteStore(Path(getattr(db, "path", None) or default_database(c.state_file).path or ""))
-        log.info("deployments are kept in %s", store.path)
-        self.deployments = DeploymentController(
-            nodes=self.nodes, store=store, router=self.router, config=self.config,
-            resolver=self.resolver or mirror_resolver(self.config().mirror_root),
-        )
-        await self.deployments.start()
-        self.service.attach(self.deployments)  # desired sets pushed to the agents, their statuses back
-        from ..mirror.serve import placed_blobs
-
-        self.mirror_server.allowed = placed_blobs(self.deployments)  # a node fetches what its replicas need
         host, port = c.listen
         addr = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
         thread = ControlThread()
@@ -909,28 +907,24 @@ class ControlPlane:
         except BaseException:
             thread.stop()
             self.service.hop = None
-            await self.deployments.stop()
-            self.deployments = None
             await db.close()
             self.db = None
             raise
         self.thread = thread
         self.server = server
         self.address = (host, bound)
-        await self._start_database(c, bound)
         if self.admin is not None:
             from .collector import ClusterCollector
             from .ha import LeaderCollector
 
-            self._collector = ClusterCollector(self.nodes, self.stats, deployments=self.deployments)
+            self._collector = ClusterCollector(self.nodes, self.stats)  # (its deployments: the leader's, _lead)
             self.admin.register_text_collector(self._collector)
             self._leader_collector = LeaderCollector(self)
             self.admin.register_collector(self._leader_collector)
             self.admin.attach_nodes(self)
-            if self.leadership is not None:
-                self.admin.attach_role(self.role)
-            self.admin.attach_deployments(self.deployments)
+            self.admin.attach_role(self.role)
             self.admin.attach_mirror(self.mirror_server)
+        await self._start_database(c, bound)
         log.info(
             "control plane listening on %s://%s:%d (heartbeat every %gs, grace %gs%s)",
             "grpcs" if self.tls else "grpc", host, bound, c.heartbeat_interval, c.heartbeat_grace,
@@ -951,6 +945,12 @@ class ControlPlane:
         return server, bound
 
     async def stop(self) -> None:
+        ctl = self.deployments
+        if ctl is not None:  # what it decided last goes into the database before the lease is handed back
+            try:
+                await asyncio.wait_for(ctl.committed(), 5.0)
+            except Exception as exc:
+                log.warning("stopping with deployment changes not saved (%s: %s)", type(exc).__name__, exc)
         if self.admin is not None:
             self.admin.attach_nodes(None)
             self.admin.attach_role(None)
@@ -974,9 +974,11 @@ class ControlPlane:
         self.mirror_server.close()
         await self.service.close()
         if self.deployments is not None:
-            self.service.attach(None)
-            await self.deployments.stop()
-            self.deployments = None
+            ctl = self.deployments
+            self._attach_deployments(None)
+            await ctl.stop()
+        while self._stopping:
+            await self._stopping.pop()
         if self.db is not None:
             await self.db.close()
             self.db = None
@@ -1025,8 +1027,70 @@ class ControlPlane:
         self.nodes.clear()
         self.nodes.restore_cordons(cordons)
         self._node_records = records
+        await self._record_tokens()
+        await self._lead_deployments(epoch)
+        if self.leadership is None or self.leadership.epoch != epoch:
+            return
         self._ready_epoch = epoch
-        log.info("leading with %d cordon(s) and %d known node(s) from the database", len(cordons), len(records))
+        ctl = self.deployments
+        log.info("leading with %d cordon(s), %d known node(s), %d deployment(s) and %d replica(s) from the database",
+                 len(cordons), len(records), len(ctl.deployments) if ctl else 0, len(ctl.replicas) if ctl else 0)
+
+    async def _record_tokens(self) -> None:
+        """The join tokens' digests into the database when they differ from what it holds (a rare write)."""
+        from .db import JoinTokenStore, token_digests, tokens_differ
+
+        lead, db = self.leadership, self.db
+        assert lead is not None and db is not None
+        store = JoinTokenStore(db)
+        have, mine = await store.load(), token_digests(self._control().join_tokens)
+        if have == mine:
+            return
+        why = tokens_differ(have, mine)
+        if why is not None:
+            log.warning("%s; the database now holds this leader's", why)
+        async with lead.transaction() as (tx, epoch):
+            await store.replace(tx, mine, have, epoch)
+
+    async def _lead_deployments(self, epoch: int) -> None:
+        """A new term's controller, made from what the database holds (the last term's is gone)."""
+        from .db import DesiredStore
+        from .deployments import DeploymentController
+        from .resolve import mirror_resolver
+
+        lead = self.leadership
+        assert lead is not None and self.db is not None
+        store = DesiredStore(self.db, functools.partial(lead.transaction, epoch),
+                             on_failed=functools.partial(self._write_failed, epoch))
+        await store.load()
+        if lead.epoch != epoch:
+            return
+        # (on the main loop, beside the node map it places on: the agent service reaches it there)
+        ctl = DeploymentController(
+            nodes=self.nodes, store=store, router=self.router, config=self.config,
+            resolver=self.resolver or mirror_resolver(self.config().mirror_root), in_router=self._in_router,
+        )
+        self._in_router = frozenset()
+        await ctl.start()
+        self._attach_deployments(ctl)
+
+    def _attach_deployments(self, ctl: DeploymentController | None) -> None:
+        """Desired sets to the agents, statuses back, blobs to fetch, the API and the families: ``ctl``'s."""
+        from ..mirror.serve import placed_blobs
+
+        self.deployments = ctl
+        self.service.attach(ctl)
+        self.mirror_server.allowed = placed_blobs(ctl) if ctl is not None else _no_blobs  # what a node's replicas need
+        if self.admin is not None:
+            self.admin.attach_deployments(ctl)
+        if self._collector is not None:
+            self._collector.deployments = ctl
+
+    def _write_failed(self, epoch: int, exc: BaseException) -> None:
+        """A fenced write of ``epoch`` failed: stop leading (the next term starts from the database)."""
+        lead = self.leadership
+        if lead is not None and lead.epoch == epoch:
+            lead.resign(f"a write to the database failed ({type(exc).__name__})")
 
     async def _import_cordons(self, path: str, names: set[str]) -> None:
         """The upgrade from ``control.state_file``: its cordons go into the database created now (once)."""
@@ -1040,6 +1104,12 @@ class ControlPlane:
 
     def _deposed(self) -> None:
         self._ready_epoch = None
+        ctl = self.deployments
+        if ctl is not None:  # the term's controller ends; its replicas keep running (and serving) meanwhile
+            self._in_router = ctl.in_router()
+            self._attach_deployments(None)
+            self._stopping = [f for f in self._stopping if not f.done()]
+            self._stopping.append(asyncio.ensure_future(ctl.stop()))
         # the agents' streams end (on the control loop, where they run): they go to the new leader
         if self.thread is not None:
             self.thread.call(self.service.cancel_streams)
