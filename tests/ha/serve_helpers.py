@@ -24,11 +24,14 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-async def http(port: int, method: str, path: str, timeout: float = 5.0) -> tuple[int, dict[str, str], bytes]:
-    """One request to 127.0.0.1:``port`` (``connection: close``): status, headers, body."""
+async def http(port: int, method: str, path: str, timeout: float = 5.0, body: Any = None,
+               headers: str = "") -> tuple[int, dict[str, str], bytes]:
+    """One request to 127.0.0.1:``port`` (``connection: close``; ``body`` sent as JSON): status, headers, body."""
+    data = orjson.dumps(body) if body is not None else b""
     reader, writer = await asyncio.wait_for(asyncio.open_connection("127.0.0.1", port), timeout)
     try:
-        writer.write(f"{method} {path} HTTP/1.1\r\nhost: x\r\nconnection: close\r\ncontent-length: 0\r\n\r\n".encode())
+        writer.write(f"{method} {path} HTTP/1.1\r\nhost: x\r\nconnection: close\r\ncontent-type: application/json\r\n"
+                     f"content-length: {len(data)}\r\n{headers}\r\n".encode() + data)
         raw = await asyncio.wait_for(reader.read(), timeout)
     finally:
         writer.close()
@@ -58,15 +61,18 @@ class Serve:
     """One ``llmgw serve`` (control plane only) on free loopback ports, its log in ``log``."""
 
     def __init__(self, workdir: Path, name: str, dsn: str, token: str, *, lease: float = 2.0,
-                 interval: float = 0.2) -> None:
+                 interval: float = 0.2, env: dict[str, str] | None = None) -> None:
         self.name = name
         self.grpc = free_port()
         self.admin = free_port()
+        self.gateway = free_port()
+        """The gateway's port (the router the deployments' ready replicas join)."""
+        self.env = env or {}
         self.log = workdir / f"{name}.log"
         self.token = token
         self.cfg = workdir / f"{name}.yaml"
         self.cfg.write_text(
-            f"listen: 127.0.0.1:0\nadmin: 127.0.0.1:{self.admin}\n"
+            f"listen: 127.0.0.1:{self.gateway}\nadmin: 127.0.0.1:{self.admin}\n"
             f"control:\n  listen: 127.0.0.1:{self.grpc}\n  join_token_env: {TOKEN_ENV}\n"
             f"  heartbeat_interval: {interval}s\n  heartbeat_grace: {3 * interval}s\n"
             f"  database: {dsn}\n  lease: {lease}s\n"
@@ -78,7 +84,7 @@ class Serve:
         return f"127.0.0.1:{self.grpc}"
 
     def start(self) -> Serve:
-        env = {**os.environ, TOKEN_ENV: self.token}
+        env = {**os.environ, **self.env, TOKEN_ENV: self.token}
         with open(self.log, "ab") as err:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "llmgw", "serve", "--config", str(self.cfg)],
@@ -131,8 +137,8 @@ class Serve:
         text = await self.metrics()
         return gauge(text, "llmgw_control_leader_epoch") if text is not None else None
 
-    async def api(self, method: str, path: str) -> tuple[int, dict[str, str], Any]:
-        status, headers, body = await http(self.admin, method, path)
+    async def api(self, method: str, path: str, body: Any = None, timeout: float = 5.0) -> tuple[int, dict[str, str], Any]:
+        status, headers, body = await http(self.admin, method, path, timeout, body)
         return status, headers, orjson.loads(body) if body else None
 
 
