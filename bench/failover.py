@@ -16,6 +16,8 @@ Two measurements (docs/ha.md quotes them):
   reset and, over ``--window`` s, the database's transactions, rows written and write
   statements are read from ``pg_stat_database`` and ``pg_stat_statements``: heartbeats
   must not become writes (only registrations that change a node's identity do).
+  With ``--replicas`` (default: one per agent) a deployment of that many replicas is
+  placed first (its writes counted): the window then runs with deployments present.
   Then the leader is killed, and the re-registration of the whole fleet on the new
   leader is timed and its writes counted.
 
@@ -193,6 +195,23 @@ async def db_load(a: argparse.Namespace, pg: PostgresServer, work: Path) -> dict
         await asyncio.sleep(FLUSH)
         reg = await _stats(admin, "dbload")
         out["registration"] = {"seconds": round(time.monotonic() - t_start, 1), **reg}
+        if a.replicas:
+            # deployments present: a.replicas replicas placed (one GPU each) and kept in the database
+            await _reset(admin)
+            t_start = time.monotonic()
+            status, _, body = await leader.api("POST", "/admin/v1/deployments", {
+                "name": "fleet", "model": "bench/model", "engine": "vllm", "replicas": a.replicas,
+                "gpu_memory": "1GiB"}, timeout=120)
+            assert status == 201, body
+
+            async def placed() -> bool:
+                st, _, d = await leader.api("GET", "/admin/v1/deployments/fleet", timeout=30)
+                return st == 200 and d["placed"] == a.replicas
+
+            await wait_until(placed, 300, "every replica placed", step=0.5)
+            await asyncio.sleep(FLUSH)
+            dep = await _stats(admin, "dbload")
+            out["placement"] = {"replicas": a.replicas, "seconds": round(time.monotonic() - t_start - FLUSH, 1), **dep}
         await _reset(admin)
         t0 = time.monotonic()
         await asyncio.sleep(a.window)  # (longer than FLUSH: what the window did is in the statistics)
@@ -219,6 +238,9 @@ async def db_load(a: argparse.Namespace, pg: PostgresServer, work: Path) -> dict
         f = await _stats(admin, "dbload")
         out["failover_with_fleet"] = {"new_leader_s": round(t1 - t0, 2), "fleet_back_s": round(t2 - t1, 2),
                                       "rows_written": f["rows_written"], "by_statement": f["by_statement"]}
+        if a.replicas:
+            st, _, d = await other.api("GET", "/admin/v1/deployments/fleet", timeout=30)
+            out["failover_with_fleet"]["replicas_on_new_leader"] = d["placed"] if st == 200 else None
         text = await other.metrics()
         out["new_leader_epoch"] = gauge(text or "", "llmgw_control_leader_epoch")
     finally:
@@ -241,11 +263,14 @@ def main() -> None:
     ap.add_argument("--db-load", action="store_true")
     ap.add_argument("--fleet", type=int, default=1000, help="simulated agents (db-load)")
     ap.add_argument("--window", type=float, default=30.0)
+    ap.add_argument("--replicas", type=int, default=None,
+                    help="db-load: a deployment of this many replicas placed first (default: one per agent; 0: none)")
     ap.add_argument("--json", type=Path)
     ap.add_argument("--keep", type=Path, help="keep the processes' logs in this directory (and log at info)")
     a = ap.parse_args()
     a.lease = a.lease or (15.0 if a.db_load else 2.0)
     a.interval = a.interval or (5.0 if a.db_load else 0.2)
+    a.replicas = a.fleet if a.replicas is None else a.replicas
     os.environ.setdefault("LLMGW_LOG_LEVEL", "info" if a.keep else "warning")
     with tempfile.TemporaryDirectory(prefix="llmgw-failover-") as tmp, \
             PostgresServer(preload="pg_stat_statements" if a.db_load else "") as pg:
