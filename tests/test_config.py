@@ -252,7 +252,7 @@ def test_every_unset_env_variable_is_named(tmp_path: Path, monkeypatch: pytest.M
     assert f"{p}:7: auth.api_keys[0].key_env: environment variable TEAM_KEY is not set (export it, or use key:)" in text
     assert f"{p}:8: admin_token_env: environment variable ADMIN_TOK is not set (export it, or use admin_token:)" in text
     assert f"{p}:11: control.join_token_env: environment variables JOIN_A, JOIN_B are not set" in text
-    assert f"{p}:14: follow.token_env: environment variable FOLLOW_TOK is not set (export it)" in text
+    assert f"{p}:14: follow.token_env: environment variable FOLLOW_TOK is not set (export it, or use token:)" in text
     assert len(ei.value.problems) == 8
 
 
@@ -378,9 +378,9 @@ def test_reserved_control_plane_sections(monkeypatch: pytest.MonkeyPatch) -> Non
                  "gpu_memory": "40GiB", "args": ["--max-model-len", "8192"], "env": {"HF_TOKEN": "hf-secret-1"}},
                 {"name": "qwen", "model": "qwen2.5-0.5b", "engine": "llamacpp", "gpus": 0, "served_name": "qwen"},
             ],
-            "follow": {"control": "cp0:7070", "token_env": "FOLLOW"},
         }
     )
+    followed = load({"follow": {"control": "cp0:7070", "token_env": "FOLLOW", "tls_ca": "/etc/ca.pem"}}).follow
     assert cfg.control is not None
     assert cfg.control.listen == ("0.0.0.0", 7070) and cfg.control.join_tokens == ("join-secret-1",)
     assert cfg.control.heartbeat_interval == 5.0 and cfg.control.heartbeat_grace == 15.0
@@ -388,9 +388,10 @@ def test_reserved_control_plane_sections(monkeypatch: pytest.MonkeyPatch) -> Non
     assert (d.replicas, d.gpus, d.gpu_memory, d.args, d.env) == (2, 1, 40 * 2**30, ("--max-model-len", "8192"),
                                                                {"HF_TOKEN": "hf-secret-1"})
     assert cfg.deployments[1].served_name == "qwen" and cfg.deployments[1].replicas == 1
-    assert cfg.follow is not None and cfg.follow.control == (("cp0", 7070),) and cfg.follow.token == "follow-secret-1"
+    assert followed is not None and followed.control == (("cp0", 7070),) and followed.token == "follow-secret-1"
+    assert followed.tls and followed.tls_ca == "/etc/ca.pem"
     for secret in ("join-secret-1", "follow-secret-1", "hf-secret-1"):
-        assert secret not in repr(cfg)
+        assert secret not in repr(cfg) + repr(followed)
     assert load({"control": {"listen": ":1", "heartbeat_interval": "2s"}}).control.heartbeat_grace == 6.0  # type: ignore[union-attr]
     assert load({"control": {"listen": ":1", "join_token": ["a", "b"]}}).control.join_tokens == ("a", "b")  # type: ignore[union-attr]
     assert load({}).control is None and load({}).deployments == () and load({}).follow is None
@@ -431,6 +432,11 @@ def test_reserved_control_plane_sections(monkeypatch: pytest.MonkeyPatch) -> Non
          "sqlite:////ABSOLUTE/PATH"),
         ({"control": {"listen": ":1", "database": "sqlite:cp.db"}}, "control.database", "sqlite:///RELATIVE/PATH"),
         ({"control": {"listen": ":1", "database": "mysql://db/x"}}, "control.database", "postgresql://"),
+        ({"follow": {"control": "10.0.0.5:7070", "token": "t"}}, "follow.control", "not a loopback address"),
+        ({"follow": {"control": "127.0.0.1:7070", "token": "t", "tls_cert": "c.pem"}}, "follow.tls_key", "required"),
+        ({"follow": {"control": "127.0.0.1:7070", "token": "t", "token_env": "X"}}, "follow.token_env", "not both"),
+        ({"control": {"listen": ":1", "router_token": "a", "router_token_env": "B"}}, "control.router_token_env",
+         "not both"),
     ],
 )
 def test_reserved_sections_are_validated(data: object, key: str, fragment: str) -> None:

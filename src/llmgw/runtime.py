@@ -29,6 +29,7 @@ imports go downward only (``tests/test_import_graph.py``).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import signal
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -48,7 +49,7 @@ from .log import server_logger as log
 
 __all__ = [
     "ADMIN_LIMITS", "Component", "ComponentFactory", "GatewayRuntime", "Parts", "RouterPort", "components_for",
-    "control_plane",
+    "control_plane", "follower",
 ]
 
 # The admin listener takes small JSON bodies only (an endpoint to add).
@@ -126,9 +127,24 @@ def control_plane(parts: Parts) -> Component:
     return ControlPlane(parts.config, admin=parts.admin, admin_addr=parts.fleet.admin_addr, router=RouterPort(parts))
 
 
+def _without_token(f: Any) -> Any:
+    return dataclasses.replace(f, token=None) if f is not None else None
+
+
+def follower(parts: Parts) -> Component:
+    """A router following control planes (:class:`llmgw.fleet.follow.Follower`, ``follow:``): their
+    ready replicas in the router, its state on the admin ``/metrics`` and ``/ready``."""
+    from .fleet.follow import Follower
+
+    return Follower(parts.config, RouterPort(parts), admin=parts.admin)
+
+
 def components_for(config: Config) -> list[ComponentFactory]:
-    """The components a configuration asks for: the control plane when ``control:`` is set."""
-    return [control_plane] if config.control is not None else []
+    """The components a configuration asks for: the control plane when ``control:`` is set, the follower
+    when ``follow:`` is (the configuration refuses both)."""
+    if config.control is not None:
+        return [control_plane]
+    return [follower] if config.follow is not None else []
 
 
 class GatewayRuntime:
@@ -318,6 +334,8 @@ class GatewayRuntime:
         not_applied = [k for k in ("listen", "admin") if getattr(config, k) != getattr(self.config, k)]
         if config.admission.header.lower() != self.config.admission.header.lower():
             not_applied.append("admission.header")  # read by the client listener's connections
+        if _without_token(config.follow) != _without_token(self.config.follow):
+            not_applied.append("follow")  # (its token is read on every call: a new one is presented next time)
         self.config = config
         return {"added": added, "removed": removed, "changed": changed, "restart_needed_for": not_applied}
 
@@ -327,7 +345,9 @@ class GatewayRuntime:
         The body names each model without one in ``models_unavailable`` and, in
         ``unavailable``, why each of its replicas takes nothing (``unreachable``,
         ``stale``, ``breaker_open``, ``breaker_probing``, ``draining``; a model with no
-        replica at all maps to ``{}``).
+        replica at all maps to ``{}``). A router following control planes (``follow:``) asks
+        it of the models of its replica table too, and one without endpoints of its own is not
+        ready before its first table (reason ``no_replica_table``); its body has ``follow``.
         """
         reg = self.registry
         if reg is None or self.listen_addr is None:
@@ -335,13 +355,26 @@ class GatewayRuntime:
         now = time.monotonic()
         missing: list[str] = []
         why: dict[str, dict[str, str]] = {}
-        for m in self.config.model_names():
+        names = dict.fromkeys(self.config.model_names())
+        follow: dict[str, Any] | None = None
+        for c in self.components:
+            waiting = getattr(c, "readiness", None)
+            if waiting is None:
+                continue
+            follow = c.status()  # type: ignore[attr-defined]
+            not_yet = waiting()
+            if not_yet is not None and not self.config.endpoints:
+                return False, {"ready": False, **not_yet}
+            names.update(dict.fromkeys(sorted(c.models())))  # type: ignore[attr-defined]
+        for m in names:
             eps = reg.candidates(m)
             reasons = {ep.id: ep.unusable_reason(now) for ep in eps}
             if not any(r is None for r in reasons.values()):
                 missing.append(m)
                 why[m] = {i: r for i, r in reasons.items() if r is not None}
         body: dict[str, Any] = {"ready": not missing, "models_unavailable": missing, "unavailable": why}
+        if follow is not None:
+            body["follow"] = follow
         refused = sorted(ep.id for ep in reg.endpoints.values() if ep.auth_failed)
         if refused:
             body["replicas_auth_failed"] = refused  # (they refuse the gateway's key: the config needs fixing)

@@ -353,6 +353,11 @@ async def test_docs_list_every_family() -> None:
         _, text = await scrape(rt)
     # the text format names counters with their _total, as the docs do
     exported = set(re.findall(r"^# TYPE (llmgw_[a-z0-9_]+) ", text, re.M))
+    from llmgw.fleet.follow import FollowCollector, FollowState
+
+    # a router with follow: exports the follower's families (and no control plane's)
+    follower = {m.name + ("_total" if m.type == "counter" else "") for m in FollowCollector(FollowState()).collect()}
+    exported |= follower
     assert exported - documented == set(), "undocumented families"
     # (exported only with control.database: tests/ha/test_failover.py reads them)
     ha_only = {"llmgw_control_leader_epoch", "llmgw_control_leader_terms_total", "llmgw_control_leader_step_downs_total"}

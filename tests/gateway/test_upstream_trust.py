@@ -378,10 +378,13 @@ def test_config_secrets_cover_every_plain_secret() -> None:
         {
             "endpoints": [{"id": "a", "url": "http://127.0.0.1:1", "model": "m", "api_key": secret("ep")}],
             "admin_token": secret("admin"),
-            "control": {"listen": "127.0.0.1:1", "join_token": [secret("join1"), secret("join2")]},
+            "control": {"listen": "127.0.0.1:1", "join_token": [secret("join1"), secret("join2")],
+                        "router_token": secret("router")},
         }
     )
-    assert set(config_secrets(cfg)) == {secret(x).encode() for x in ("ep", "admin", "join1", "join2")}
+    assert set(config_secrets(cfg)) == {secret(x).encode() for x in ("ep", "admin", "join1", "join2", "router")}
+    followed = load({"follow": {"control": "127.0.0.1:1", "token": secret("follow")}})
+    assert config_secrets(followed) == (secret("follow").encode(),)
 
 
 def test_the_canary_watch_fails_a_leak(canary_leaks: list[str]) -> None:

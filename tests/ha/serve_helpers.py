@@ -61,7 +61,7 @@ class Serve:
     """One ``llmgw serve`` (control plane only) on free loopback ports, its log in ``log``."""
 
     def __init__(self, workdir: Path, name: str, dsn: str, token: str, *, lease: float = 2.0,
-                 interval: float = 0.2, env: dict[str, str] | None = None) -> None:
+                 interval: float = 0.2, env: dict[str, str] | None = None, router_token_env: str | None = None) -> None:
         self.name = name
         self.grpc = free_port()
         self.admin = free_port()
@@ -76,6 +76,7 @@ class Serve:
             f"control:\n  listen: 127.0.0.1:{self.grpc}\n  join_token_env: {TOKEN_ENV}\n"
             f"  heartbeat_interval: {interval}s\n  heartbeat_grace: {3 * interval}s\n"
             f"  database: {dsn}\n  lease: {lease}s\n"
+            + (f"  router_token_env: {router_token_env}\n" if router_token_env else "")
         )
         self.proc: subprocess.Popen[bytes] | None = None
 

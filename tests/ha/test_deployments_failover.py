@@ -1,6 +1,9 @@
 """Deployments across a failover: two real ``llmgw serve`` control planes on one real PostgreSQL, two
 real ``llmgw agent`` processes running a deployment's replicas on the vLLM stand-in engine.
 
+A router (``llmgw serve`` with ``follow:``, the other branch's) follows both control planes
+and carries a client's requests all along: none fails.
+
 A deployment created just before ``kill -9`` of the leader exists after it; a ``ctl scale`` in
 flight is either answered (then it holds) or not (then the new leader may or may not have it, never
 half of it); the standby leads within the lease, hands every node the same replicas again (each
@@ -25,13 +28,68 @@ from typing import Any
 import asyncpg
 import pytest
 from cp_helpers import TOKEN
-from serve_helpers import TOKEN_ENV, Serve, http, the_leader, wait_until
+from serve_helpers import TOKEN_ENV, Serve, free_port, http, the_leader, wait_until
 
 from llmgw.testing import standins
 
 pytestmark = [pytest.mark.timeout(150), pytest.mark.slow]
 
 LEASE = 2.0
+
+
+ROUTER_TOKEN_ENV = "LLMGW_ROUTER_TOKEN"
+ROUTER_TOKEN = "router-token-for-the-failover-test"
+
+
+class Router:
+    """``llmgw serve`` with ``follow:`` (no control plane): routes on the table the leader streams."""
+
+    def __init__(self, tmp: Path, controls: list[str], env: dict[str, str]) -> None:
+        self.port, self.admin = free_port(), free_port()
+        self.log = tmp / "router.log"
+        cfg = tmp / "router.yaml"
+        cfg.write_text(f"listen: 127.0.0.1:{self.port}\nadmin: 127.0.0.1:{self.admin}\n"
+                       f"follow:\n  control: [{', '.join(controls)}]\n  token_env: {ROUTER_TOKEN_ENV}\n")
+        with open(self.log, "ab") as err:
+            self.proc = subprocess.Popen([sys.executable, "-m", "llmgw", "serve", "--config", str(cfg)],
+                                         env={**os.environ, **env, ROUTER_TOKEN_ENV: ROUTER_TOKEN},
+                                         stdout=subprocess.DEVNULL, stderr=err)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+
+
+async def _ok(port: int, model: str) -> bool:
+    return await _chat(port, model) == 200
+
+
+class Load:
+    """A client sending requests through the router without pause (two at a time) until stopped."""
+
+    def __init__(self, port: int, model: str) -> None:
+        self.port, self.model = port, model
+        self.ok = 0
+        self.failed: list[int] = []
+        self._stop = asyncio.Event()
+        self._tasks = [asyncio.ensure_future(self._run()) for _ in range(2)]
+
+    async def _run(self) -> None:
+        while not self._stop.is_set():
+            status = await _chat(self.port, self.model)
+            if status == 200:
+                self.ok += 1
+            else:
+                self.failed.append(status)
+
+    async def stop(self) -> None:
+        self._stop.set()
+        await asyncio.wait_for(asyncio.gather(*self._tasks), 30)
 
 
 class Agent:
@@ -96,8 +154,11 @@ async def test_kill_the_leader_while_scaling_nothing_is_lost_and_no_replica_laun
     env = {"PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}",
            "PYTHONPATH": os.pathsep.join(p for p in (str(standins.PYTHONPATH), os.environ.get("PYTHONPATH", "")) if p),
            "LLMGW_MIRROR": str(tmp_path / "mirror")}
-    procs = [Serve(tmp_path, f"cp{i}", pg_dsn, TOKEN, lease=LEASE, env=env).start() for i in range(2)]
+    env[ROUTER_TOKEN_ENV] = ROUTER_TOKEN
+    procs = [Serve(tmp_path, f"cp{i}", pg_dsn, TOKEN, lease=LEASE, env=env, router_token_env=ROUTER_TOKEN_ENV).start()
+             for i in range(2)]
     agents: list[Agent] = []
+    router: Router | None = None
     try:
         leader = await the_leader(procs, 30)
         standby = next(p for p in procs if p is not leader)
@@ -115,6 +176,9 @@ async def test_kill_the_leader_while_scaling_nothing_is_lost_and_no_replica_laun
         before = await wait_until(lambda: _ready(leader, "chat", 2), 60, "chat's two replicas ready")
         ports = {r["id"]: r["port"] for r in before["replicas"]}
         assert await _chat(leader.gateway, "chat") == 200
+        router = Router(tmp_path, [standby.address, leader.address], env)
+        await wait_until(lambda: _ok(router.port, "chat"), 30, "the router routing chat")
+        load = Load(router.port, "chat")
         # a standby holds no deployments: it names the leader
         status, headers, err = await standby.api("POST", "/admin/v1/deployments/chat/scale", {"replicas": 1})
         assert status == 503 and err["error"]["code"] == "not_leader"
@@ -141,6 +205,10 @@ async def test_kill_the_leader_while_scaling_nothing_is_lost_and_no_replica_laun
         want = 3 if answered == 200 else chat["desired"]
         assert want in (2, 3)
         chat = await wait_until(lambda: _ready(standby, "chat", want), 60, f"chat at {want} on the new leader")
+        await load.stop()
+        assert load.failed == [] and load.ok > 0, (load.ok, load.failed)  # not one request failed through it
+        # the router follows the new leader: late (made just before the kill) is served through it too
+        await wait_until(lambda: _ok(router.port, "late"), 30, "the router serving late")
         # the replicas that ran before the kill run on, the same engines (same ports: no relaunch)
         now = {r["id"]: r["port"] for r in chat["replicas"]}
         assert {rid: now.get(rid) for rid in ports} == ports
@@ -168,6 +236,8 @@ async def test_kill_the_leader_while_scaling_nothing_is_lost_and_no_replica_laun
             await conn.close()
         assert "Traceback" not in standby.stderr(), standby.stderr()[-3000:]
     finally:
+        if router is not None:
+            router.stop()
         for a in agents:
             a.stop()
         for p in procs:

@@ -285,12 +285,13 @@ def _is_secret(tok: bytes, secrets: list[bytes], digests: Container[bytes]) -> b
 
 
 def config_secrets(config: Config) -> tuple[bytes, ...]:
-    """The secrets ``config`` holds in plain: replica keys, the admin token, join tokens."""
+    """The secrets ``config`` holds in plain: replica keys, the admin token, join and router tokens."""
     out = [ep.api_key for ep in config.endpoints if ep.api_key]
     if config.admin_token:
         out.append(config.admin_token)
     if config.control is not None:
         out.extend(config.control.join_tokens)
+        out.extend(config.control.router_tokens)
     if config.follow is not None and config.follow.token:
         out.append(config.follow.token)
     return tuple(s.encode() for s in out if s)

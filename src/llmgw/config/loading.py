@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import ipaddress
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -190,6 +191,7 @@ def _auth(problems: _Problems, validated: Any, raw: Any, bands: tuple[str, ...] 
 def _control(problems: _Problems, c: Any, raw: Any) -> ControlConfig | None:
     _either(problems, raw, ("control",), "join_token", "join_token_env")
     _either(problems, raw, ("control",), "database", "database_env")
+    _either(problems, raw, ("control",), "router_token", "router_token_env")
     if c is _FAILED or c is None:
         return None
     grace = c.heartbeat_grace if c.heartbeat_grace is not None else 3 * c.heartbeat_interval
@@ -213,11 +215,51 @@ def _control(problems: _Problems, c: Any, raw: Any) -> ControlConfig | None:
         if why is not None:
             problems.add(("control", "database_env" if c.database_env else "database"), why)
     tokens = tuple(e.value for e in c.join_token_env) if c.join_token_env else (c.join_token or ())
+    routers = tuple(e.value for e in c.router_token_env) if c.router_token_env else (c.router_token or ())
     return ControlConfig(
-        listen=c.listen, join_tokens=tokens, heartbeat_interval=c.heartbeat_interval, heartbeat_grace=grace,
-        database=database, lease=c.lease, advertise=c.advertise,
+        listen=c.listen, join_tokens=tokens, router_tokens=routers, heartbeat_interval=c.heartbeat_interval,
+        heartbeat_grace=grace, database=database, lease=c.lease, advertise=c.advertise,
         state_file=c.state_file, tls_cert=c.tls_cert, tls_key=c.tls_key, tls_client_ca=c.tls_client_ca,
         allow_insecure=c.allow_insecure,
+    )
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def _follow(problems: _Problems, f: Any, raw: Any, control: Any) -> FollowConfig | None:
+    _either(problems, raw, ("follow",), "token", "token_env")
+    if f is _FAILED or f is None:
+        return None
+    if control is not None:
+        problems.add(("follow",), "cannot be used together with control: a control plane routes to its own "
+                     "deployments' replicas; run the router that follows it as a separate llmgw serve")
+    token = f.token_env.value if f.token_env else f.token
+    if token is None:
+        problems.add(("follow",), "needs the router token: token_env: NAME (or token:), control.router_token "
+                     "of the control planes")
+    if (f.tls_cert is None) != (f.tls_key is None):
+        missing = "tls_key" if f.tls_key is None else "tls_cert"
+        problems.add(("follow", missing), "is required with " + ("tls_cert" if missing == "tls_key" else "tls_key"))
+    tls = f.tls or f.tls_ca is not None or f.tls_cert is not None
+    if not tls and not f.allow_plaintext:
+        away = [h for h, _ in f.control if not _is_loopback(h)]
+        if away:
+            problems.add(
+                ("follow", "control"),
+                f"{away[0]} is not a loopback address and follow has no TLS: the replica table (with every "
+                "replica's API key) and the router token would travel in the clear; set follow.tls_ca (or "
+                "follow.tls: true), or follow.allow_plaintext: true on a network you trust",
+            )
+    return FollowConfig(
+        control=f.control, token=token, tls=tls, tls_ca=f.tls_ca, tls_cert=f.tls_cert, tls_key=f.tls_key,
+        allow_plaintext=f.allow_plaintext, name=f.name,
     )
 
 
@@ -267,10 +309,7 @@ def _build(data: Any, problems: _Problems, *, serve: bool = False) -> Config:
         mirror_root = os.path.expanduser(v["mirror"].root)
     control = _control(problems, v["control"], raw("control"))
     deployments = _deployments(problems, v["deployments"], raw("deployments"))
-    follow = None
-    if v["follow"] is not _FAILED and v["follow"] is not None:
-        f = v["follow"]
-        follow = FollowConfig(control=f.control, token=f.token_env.value if f.token_env else None)
+    follow = _follow(problems, v["follow"], raw("follow"), raw("control"))
 
     cfg = Config(
         listen=ok("listen", DEFAULT_LISTEN),
@@ -311,7 +350,7 @@ def serve_problems(cfg: Config, line: int | None = None) -> list[ConfigProblem]:
     what one refuses the other refuses with the same words. A control plane
     (``control:``) is something to serve without endpoints: its nodes come first.
     """
-    if not cfg.endpoints and cfg.control is None:
+    if not cfg.endpoints and cfg.control is None and cfg.follow is None:
         return [
             ConfigProblem(
                 "endpoints", "no endpoints configured; add at least one (see docs/config.md)", cfg.source, line

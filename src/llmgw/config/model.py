@@ -338,6 +338,8 @@ class ControlConfig:
 
     listen: tuple[str, int]
     join_tokens: tuple[str, ...] = field(default=(), repr=False)
+    router_tokens: tuple[str, ...] = field(default=(), repr=False)
+    """Tokens a router following this control plane presents (``follow:``; docs/follow.md); none: no router may."""
     heartbeat_interval: float = 5.0
     heartbeat_grace: float = 15.0
     database: str | None = field(default=None, repr=False)
@@ -404,10 +406,21 @@ class DeploymentConfig:
 
 @dataclass(frozen=True, slots=True)
 class FollowConfig:
-    """Follow a control plane for the fleet (``follow:``). Reserved: validated, not used yet."""
+    """Follow control planes for the fleet's replicas (``follow:``; docs/follow.md).
+
+    The router receives the ready-replica table from whichever of ``control`` leads.
+    TLS: ``tls`` (the system's CAs) or ``tls_ca``; ``tls_cert``/``tls_key`` on top for
+    mutual TLS. Plaintext to an address off loopback needs ``allow_plaintext``.
+    """
 
     control: tuple[tuple[str, int], ...]
     token: str | None = field(default=None, repr=False)
+    tls: bool = False
+    tls_ca: str | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    allow_plaintext: bool = False
+    name: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -571,6 +584,11 @@ class _ControlIn(_In):
     """Token(s) a node agent must present to join (prefer join_token_env)."""
     join_token_env: Annotated[tuple[_EnvValue, ...], _envs("join_token")] | None = None
     """Environment variable(s) holding the join token(s)."""
+    router_token: Annotated[tuple[str, ...], _list_of(_SECRET, "expected a token or a list of tokens",
+                                                      one_or_many=True)] | None = Field(default=None, repr=False)
+    """Token(s) a router with follow: must present to receive the replica table (prefer router_token_env)."""
+    router_token_env: Annotated[tuple[_EnvValue, ...], _envs("router_token")] | None = None
+    """Environment variable(s) holding the router token(s)."""
     heartbeat_interval: Annotated[float, _duration(0.1)] = _default(ControlConfig, "heartbeat_interval")
     """How often a node agent reports."""
     heartbeat_grace: Annotated[float, _duration(0.1)] | None = None
@@ -599,12 +617,26 @@ class _ControlIn(_In):
 
 
 class _FollowIn(_In):
-    """Follow a control plane. Reserved: validated, not used yet."""
+    """Follow control planes: the router receives their ready-replica table (docs/follow.md; not with control:)."""
 
     control: Annotated[tuple[tuple[str, int], ...], _ADDRESSES]
-    """The control plane's address(es), HOST:PORT."""
-    token_env: Annotated[_EnvValue, _env(None)] | None = None
-    """The environment variable holding the token to present."""
+    """The control planes' gRPC address(es), HOST:PORT (every one of an HA group: the leader is followed)."""
+    token: Annotated[str, _SECRET] | None = Field(default=None, repr=False)
+    """The router token (control.router_token) to present (prefer token_env)."""
+    token_env: Annotated[_EnvValue, _env("token")] | None = None
+    """The environment variable holding the router token."""
+    tls: Annotated[bool, _FLAG] = _default(FollowConfig, "tls")
+    """true: TLS, trusting the system's CAs (implied by tls_ca)."""
+    tls_ca: Annotated[str, _TEXT] | None = _default(FollowConfig, "tls_ca")
+    """PEM CA bundle the control planes' certificates are checked against (turns TLS on)."""
+    tls_cert: Annotated[str, _TEXT] | None = _default(FollowConfig, "tls_cert")
+    """PEM client certificate for mutual TLS; with tls_key."""
+    tls_key: Annotated[str, _TEXT] | None = _default(FollowConfig, "tls_key")
+    """PEM private key of tls_cert."""
+    allow_plaintext: Annotated[bool, _FLAG] = _default(FollowConfig, "allow_plaintext")
+    """true: allow plaintext gRPC to a control plane off loopback (the table carries replica keys)."""
+    name: Annotated[str, _IDENT] | None = _default(FollowConfig, "name")
+    """This router's name in the control planes' logs and reports (default: the host name)."""
 
 
 class _ConfigIn(_In):

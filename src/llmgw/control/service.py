@@ -34,6 +34,7 @@ import grpc
 
 from .. import __version__
 from .._proto.agent.v1 import agent_pb2_grpc
+from .._proto.router.v1 import router_pb2_grpc
 from ..agent.wire import (
     PROTOCOL,
     SERVER_OPTIONS,
@@ -49,6 +50,8 @@ from ..errors import ConfigError, HTTPError
 from ..log import control_logger as log
 from ..mirror.serve import BlobServer
 from .credentials import NodeCredentials
+from .follow import FollowCollector, FollowHub, RouterService
+from .follow import attach as attach_follow
 from .nodes import NodeMap, NodeState
 from .thread import ControlThread, MainHop
 
@@ -777,6 +780,10 @@ def _no_blobs(node: str, digest: str) -> bool:
     return False
 
 
+def _never() -> bool:
+    return False
+
+
 class ControlPlane:
     """The control plane as a runtime component: gRPC listener, node map, cluster collector, nodes API,
     and the deployments (:attr:`deployments`, a :class:`~.deployments.DeploymentController`, made at start).
@@ -800,7 +807,11 @@ class ControlPlane:
         self.config = config
         self.admin = admin
         self.admin_addr = admin_addr
-        self.router = router
+        # Routers following this control plane (control/follow.py) see what the process's own router sees.
+        self.follow_hub = FollowHub(router)
+        self._router_tokens = _Tokens()
+        self.router_service = RouterService(self.follow_hub, self._router_token_ok)
+        self.router: Router | None = self.follow_hub
         self.resolver = resolver
         self.deployments: DeploymentController | None = None
         """The replicas' desired state (``ReplicaController``): the agent service asks it what each node runs."""
@@ -820,6 +831,7 @@ class ControlPlane:
         self.tls = False
         self._collector: Any = None
         self._leader_collector: Any = None
+        self._follow_collector: FollowCollector | None = None
         self._last: ControlConfig | None = None
         self._import_cordon_names: tuple[str, set[str]] | None = None
         """``control.state_file`` whose cordons go into the database just created (the upgrade from it)."""
@@ -834,6 +846,10 @@ class ControlPlane:
         """Endpoints the last term's controller left in the router (the next one takes them over)."""
         self._stopping: list[asyncio.Future[None]] = []
         """The epoch whose state is loaded: this process acts as leader only when it is the current one."""
+
+    def _router_token_ok(self, given: str) -> bool | None:
+        tokens = self._control().router_tokens
+        return self._router_tokens.check(tokens, given) if tokens else None
 
     def _control(self) -> ControlConfig:
         c = self.config().control
@@ -901,7 +917,12 @@ class ControlPlane:
         thread = ControlThread()
         thread.start()
         assert thread.loop is not None
-        self.service.hop = MainHop(asyncio.get_running_loop(), thread.loop)
+        self.service.hop = hop = MainHop(asyncio.get_running_loop(), thread.loop)
+        self.router_service.to_main = hop.submit
+        attach_follow(thread, self.follow_hub, self.router_service)
+        self.router_service.standby = self._standby  # (routers are refused by a standby, as agents are)
+        self.follow_hub.settled = _never  # (until a term's controller knows which replicas are ready: _lead_deployments)
+        self.follow_hub.start()
         try:
             server, bound = await thread.run(self._serve(addr, creds))
         except BaseException:
@@ -921,6 +942,8 @@ class ControlPlane:
             self.admin.register_text_collector(self._collector)
             self._leader_collector = LeaderCollector(self)
             self.admin.register_collector(self._leader_collector)
+            self._follow_collector = FollowCollector(self.follow_hub.stats)
+            self.admin.register_collector(self._follow_collector)
             self.admin.attach_nodes(self)
             self.admin.attach_role(self.role)
             self.admin.attach_mirror(self.mirror_server)
@@ -935,6 +958,7 @@ class ControlPlane:
         """On the control loop: the gRPC server, bound and started."""
         server = grpc.aio.server(options=list(SERVER_OPTIONS))
         agent_pb2_grpc.add_AgentServiceServicer_to_server(self.service, server)
+        router_pb2_grpc.add_RouterServiceServicer_to_server(self.router_service, server)
         try:
             bound = server.add_secure_port(addr, creds) if creds is not None else server.add_insecure_port(addr)
         except RuntimeError as exc:
@@ -956,7 +980,7 @@ class ControlPlane:
             self.admin.attach_role(None)
             self.admin.attach_deployments(None)
             self.admin.attach_mirror(None)
-            for attr in ("_collector", "_leader_collector"):
+            for attr in ("_collector", "_leader_collector", "_follow_collector"):
                 col = getattr(self, attr)
                 if col is not None:
                     self.admin.unregister_collector(col)
@@ -971,6 +995,7 @@ class ControlPlane:
             finally:
                 thread.stop()
                 self.service.hop = None
+        self.follow_hub.close()
         self.mirror_server.close()
         await self.service.close()
         if self.deployments is not None:
@@ -1073,6 +1098,10 @@ class ControlPlane:
         self._in_router = frozenset()
         await ctl.start()
         self._attach_deployments(ctl)
+        loop = asyncio.get_running_loop()
+        settle_by = loop.time() + self._control().heartbeat_grace  # (a node not reporting by then is not coming soon)
+        self.follow_hub.settled = lambda: loop.time() >= settle_by or all(
+            r.status is not None for r in ctl.replicas.values())
 
     def _attach_deployments(self, ctl: DeploymentController | None) -> None:
         """Desired sets to the agents, statuses back, blobs to fetch, the API and the families: ``ctl``'s."""
@@ -1111,10 +1140,13 @@ class ControlPlane:
             self._stopping = [f for f in self._stopping if not f.done()]
             self._stopping.append(asyncio.ensure_future(ctl.stop()))
         # the agents' streams end (on the control loop, where they run): they go to the new leader
+        self.follow_hub.settled = _never
         if self.thread is not None:
             self.thread.call(self.service.cancel_streams)
+            self.thread.call(self.router_service.end_streams)  # (routers go to the new leader too)
         else:
             self.service.cancel_streams()
+            self.router_service.end_streams()
         self.nodes.clear()
 
     def leading(self) -> bool:
