@@ -134,3 +134,38 @@ def test_a_database_password_is_never_shown() -> None:
     with pytest.raises(ConfigError) as ei:
         open_database("mysql://u:pw-9f@db/x")
     assert "pw-9f" not in str(ei.value)
+
+
+async def test_what_one_term_queued_is_never_written_by_the_next(pg_dsn: str) -> None:
+    """The desired-state writes are pinned to the term that queued them: a process deposed and elected
+    again (a new epoch) does not commit its old term's queue; the failure resigns only that term."""
+    import functools
+
+    from llmgw.control.db import DesiredStore, StoredReplica
+
+    db = open_database(pg_dsn)
+    await db.open()
+    try:
+        await db.migrate()
+        lead = Leadership(db, holder="a", lease=LEASE, grpc_address=None, admin_address=None)
+        lead.start()
+        await wait_for(lead.acting, what="a leads")
+        first = lead.epoch
+        assert first is not None
+        failed: list[BaseException] = []
+        old = DesiredStore(db, functools.partial(lead.transaction, first), on_failed=failed.append)
+        old.put_replica(StoredReplica("r-1", "d", "n", {"api_key": "k"}))
+        await old.flushed()  # (in its own term: written)
+        lead.resign("a test")
+        await wait_for(lambda: lead.acting() and lead.epoch != first, timeout=5 * LEASE, what="a new term")
+        told: list[str] = []
+        old.put_replica(StoredReplica("r-2", "d", "n", {"api_key": "k"}), then=lambda: told.append("r-2"))
+        with pytest.raises(NotLeader, match=f"epoch {first} is over"):
+            await old.flushed()
+        assert told == [] and len(failed) == 1 and lead.acting()  # (the new term goes on)
+        new = DesiredStore(db, functools.partial(lead.transaction, lead.epoch))
+        await new.load()
+        assert [(r.id, r.spec["api_key"]) for r in new.replicas()] == [("r-1", "k")]
+        await lead.stop()
+    finally:
+        await db.close()
