@@ -372,7 +372,7 @@ def test_reserved_control_plane_sections(monkeypatch: pytest.MonkeyPatch) -> Non
     monkeypatch.setenv("FOLLOW", "follow-secret-1")
     cfg = load(
         {
-            "control": {"listen": "0.0.0.0:7070", "join_token_env": "JOIN", "database": "/var/lib/llmgw/cp.db"},
+            "control": {"listen": "0.0.0.0:7070", "join_token_env": "JOIN", "database": "sqlite:////var/lib/llmgw/cp.db"},
             "deployments": [
                 {"name": "llama", "model": "llama-3-8b", "engine": "vllm", "replicas": 2, "gpus": 1,
                  "gpu_memory": "40GiB", "args": ["--max-model-len", "8192"], "env": {"HF_TOKEN": "hf-secret-1"}},
@@ -395,6 +395,10 @@ def test_reserved_control_plane_sections(monkeypatch: pytest.MonkeyPatch) -> Non
     assert load({"control": {"listen": ":1", "heartbeat_interval": "2s"}}).control.heartbeat_grace == 6.0  # type: ignore[union-attr]
     assert load({"control": {"listen": ":1", "join_token": ["a", "b"]}}).control.join_tokens == ("a", "b")  # type: ignore[union-attr]
     assert load({}).control is None and load({}).deployments == () and load({}).follow is None
+    c = load({"control": {"listen": ":1", "database": "postgresql://u:pw-secret-1@db/x", "lease": "5s",
+                          "advertise": "cp0.example"}}).control
+    assert c is not None and (c.database, c.lease, c.advertise) == ("postgresql://u:pw-secret-1@db/x", 5.0, "cp0.example")
+    assert "pw-secret-1" not in repr(c) and load({"control": {"listen": ":1"}}).control.lease == 15.0  # type: ignore[union-attr]
 
 
 @pytest.mark.parametrize(
@@ -419,6 +423,15 @@ def test_reserved_control_plane_sections(monkeypatch: pytest.MonkeyPatch) -> Non
         ({"deployments": [{"name": "a", "model": "m", "slots": 0}]}, "deployments[0].slots", "at least 1"),
         ({"deployments": [{"name": "a", "model": "m", "share_gpus": "often"}]}, "deployments[0].share_gpus", ""),
         ({"follow": {"control": []}}, "follow.control", "HOST:PORT"),
+        ({"control": {"listen": ":1", "database": "sqlite:///x", "database_env": "B"}}, "control.database_env",
+         "not both"),
+        ({"control": {"listen": ":1", "lease": "100ms"}}, "control.lease", "at least 300ms"),
+        ({"control": {"listen": ":1", "database": "sqlite:///x", "state_file": "s.json"}}, "control.state_file",
+         "not used with control.database"),
+        ({"control": {"listen": ":1", "database": "/var/lib/llmgw/cp.db"}}, "control.database",
+         "sqlite:////ABSOLUTE/PATH"),
+        ({"control": {"listen": ":1", "database": "sqlite:cp.db"}}, "control.database", "sqlite:///RELATIVE/PATH"),
+        ({"control": {"listen": ":1", "database": "mysql://db/x"}}, "control.database", "postgresql://"),
         ({"follow": {"control": "10.0.0.5:7070", "token": "t"}}, "follow.control", "not a loopback address"),
         ({"follow": {"control": "127.0.0.1:7070", "token": "t", "tls_cert": "c.pem"}}, "follow.tls_key", "required"),
         ({"follow": {"control": "127.0.0.1:7070", "token": "t", "token_env": "X"}}, "follow.token_env", "not both"),
@@ -457,7 +470,7 @@ def test_agent_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
         "agent.yaml",
     )
     a = load_agent_file(p)
-    assert a.control == ("cp0", 7070) and a.token == "agent-secret-9f" and a.name == "node-1" and a.gpu_source == "nvidia-smi"
+    assert a.control == (("cp0", 7070),) and a.token == "agent-secret-9f" and a.name == "node-1" and a.gpu_source == "nvidia-smi"
     assert a.engines["vllm"].python == "/opt/vllm/bin/python" and a.engines["llamacpp"].binary.endswith("llama-server")  # type: ignore[union-attr]
     assert "agent-secret-9f" not in repr(a)
     p.write_text("token_env: NOPE_AGENT\ngpu_source: rocm\nengines:\n  tgi: {}\n  vllm: {pyhton: x}\n")

@@ -125,7 +125,7 @@ def control_plane(parts: Parts) -> Component:
     its deployments' replicas in the router."""
     from .control.service import ControlPlane
 
-    return ControlPlane(parts.config, admin=parts.admin, router=RouterPort(parts))
+    return ControlPlane(parts.config, admin=parts.admin, admin_addr=parts.fleet.admin_addr, router=RouterPort(parts))
 
 
 def _without_token(f: Any) -> Any:

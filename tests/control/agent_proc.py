@@ -1,6 +1,6 @@
 """Run the real agent client (``llmgw.cli.agent.run_agent``) in its own process with a scenario source.
 
-    python tests/control/agent_proc.py --control 127.0.0.1:PORT --name NODE --scenario FILE
+    python tests/control/agent_proc.py --control 127.0.0.1:PORT[,127.0.0.1:PORT2…] --name NODE --scenario FILE
         [--tls-ca FILE] [--tls-cert FILE --tls-key FILE] [--protocol-major N]
 
 The join token is read from $LLMGW_JOIN_TOKEN. Exits like ``llmgw agent``: 0 after
@@ -35,7 +35,7 @@ def main() -> int:
     import os
 
     setup("info")
-    host, _, port = a.control.rpartition(":")
+    controls = tuple((h, int(p)) for h, _, p in (c.rpartition(":") for c in a.control.split(",")))
     creds = None
     if a.tls_ca or a.tls_cert:
         from llmgw.agent.client import TLSFiles, channel_credentials
@@ -44,7 +44,7 @@ def main() -> int:
     protocol = (a.protocol_major, 0) if a.protocol_major is not None else None
     try:
         return int(run_loop(run_agent(
-            (host, int(port)), a.name, os.environ["LLMGW_JOIN_TOKEN"], ScenarioSource(a.scenario),
+            controls if len(controls) > 1 else controls[0], a.name, os.environ["LLMGW_JOIN_TOKEN"], ScenarioSource(a.scenario),
             credentials=creds, protocol=protocol,
         )))
     except Fail as exc:

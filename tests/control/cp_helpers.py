@@ -126,13 +126,15 @@ async def wait_for(cond: Callable[[], Any], timeout: float = 10.0, what: str = "
 class AgentProc:
     """``agent_proc.py`` as a child process (stderr to ``log``)."""
 
-    def __init__(self, port: int, name: str, scenario: Path, log: Path, *extra: str, token: str = TOKEN) -> None:
+    def __init__(self, port: int | str, name: str, scenario: Path, log: Path, *extra: str, token: str = TOKEN) -> None:
+        """``port``: the control plane's on 127.0.0.1, or the whole ``--control`` value (``A:1,B:2``)."""
         self.port, self.name, self.scenario, self.log, self.extra, self.token = port, name, scenario, log, extra, token
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> AgentProc:
         env = {**os.environ, "LLMGW_JOIN_TOKEN": self.token}
-        cmd = [sys.executable, str(HERE / "agent_proc.py"), "--control", f"127.0.0.1:{self.port}",
+        control = self.port if isinstance(self.port, str) else f"127.0.0.1:{self.port}"
+        cmd = [sys.executable, str(HERE / "agent_proc.py"), "--control", control,
                "--name", self.name, "--scenario", str(self.scenario), *self.extra]
         with open(self.log, "ab") as err:
             self.proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=err)

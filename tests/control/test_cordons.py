@@ -1,10 +1,11 @@
-"""Cordons are an operator's decision: kept by node name across the agent's restart and, with
-``control.state_file``, across the control plane's; a file that cannot be saved changes nothing."""
+"""Cordons are an operator's decision: kept by node name across the agent's restart and, in the
+control plane's database (SQLite by default), across the control plane's."""
 
 from __future__ import annotations
 
 import json
 import signal
+import sqlite3
 from pathlib import Path
 
 import pytest
@@ -48,41 +49,40 @@ async def test_a_cordon_outlives_the_agents_restart(tmp_path: Path) -> None:
             a.stop()
 
 
-async def test_with_a_state_file_cordons_survive_the_control_planes_restart(tmp_path: Path) -> None:
+async def test_cordons_survive_the_control_planes_restart_in_its_database(tmp_path: Path) -> None:
+    """The default database (an SQLite file beside control.state_file) keeps cordons; an older
+    release's state file is imported into it once, when the database is created, and never written."""
     port, state = free_port(), tmp_path / "state" / "control.json"
+    state.parent.mkdir()
+    state.write_text(json.dumps({"version": 1, "cordoned": ["node-9"]}))
     a = _agent(tmp_path, port, "node-2")
     try:
         async with control_runtime(port, state_file=str(state)) as rt:
             await wait_for(lambda: _node(rt, "node-2"), what="node up")
             assert (await api(rt, "POST", "/admin/v1/nodes/node-2/cordon"))[0] == 200
-        assert json.loads(state.read_text()) == {"version": 1, "cordoned": ["node-2"]}
-        # no temporary file left (the deployments' store lives beside the state file by default)
-        assert sorted(p.name for p in state.parent.iterdir()) == ["control.json", "deployments.sqlite3"]
+        assert json.loads(state.read_text()) == {"version": 1, "cordoned": ["node-9"]}  # (not written)
+        db = state.parent / "deployments.sqlite3"
+        with sqlite3.connect(db) as conn:
+            assert sorted(r[0] for r in conn.execute("SELECT node FROM llmgw_cordons")) == ["node-2", "node-9"]
+        assert db.stat().st_mode & 0o077 == 0
+        state.write_text(json.dumps({"version": 1, "cordoned": ["node-8"]}))  # imported once only
         async with control_runtime(port, state_file=str(state)) as rt2:
             node = await wait_for(lambda: _node(rt2, "node-2"), timeout=15, what="agent re-registered")
             assert node["cordoned"] is True
             assert pick(await metrics(rt2), "llmgw_node_cordoned", node="node-2") == [1.0]
             assert (await api(rt2, "POST", "/admin/v1/nodes/node-2/uncordon"))[1]["cordoned"] is False
-        assert json.loads(state.read_text())["cordoned"] == []
+        with sqlite3.connect(db) as conn:
+            assert sorted(r[0] for r in conn.execute("SELECT node FROM llmgw_cordons")) == ["node-9"]
     finally:
         a.stop()
 
 
-async def test_a_state_file_that_cannot_be_saved_changes_nothing(tmp_path: Path) -> None:
-    port = free_port()
-    d = tmp_path / "state"
-    a = _agent(tmp_path, port, "node-3")
-    try:
-        async with control_runtime(port, state_file=str(d / "control.json"), database="sqlite::memory:") as rt:
-            await wait_for(lambda: _node(rt, "node-3"), what="node up")
-            d.write_text("a file where the state file's directory was\n")  # the disk went away under us
-            status, body = await api(rt, "POST", "/admin/v1/nodes/node-3/cordon")
-            assert status == 500 and body["error"]["code"] == "state_not_saved"
-            assert "left uncordoned" in body["error"]["message"]
-            node = await _node(rt, "node-3")
-            assert node is not None and node["cordoned"] is False
-    finally:
-        a.stop()
+async def test_a_second_control_plane_on_one_sqlite_file_is_refused(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path}/cp.sqlite3"
+    async with control_runtime(free_port(), database=url):
+        with pytest.raises(OSError, match=r"another llmgw serve uses .*postgresql://"):
+            async with control_runtime(free_port(), database=url):
+                pass
 
 
 @pytest.mark.parametrize("content", ["{not json", '{"version": 99, "cordoned": []}', '{"version": 1, "cordoned": [1]}'])

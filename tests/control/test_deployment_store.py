@@ -8,6 +8,7 @@ import asyncio
 import json
 import os
 import signal
+import sqlite3
 import subprocess
 import sys
 import time
@@ -23,10 +24,11 @@ from test_deployments import register
 from llmgw.agent.model import GPU, Discovery, NodeFacts
 from llmgw.cli.ctl import ctl
 from llmgw.config import load
+from llmgw.control.db import MIGRATIONS, DesiredStore, Migration, open_database, unfenced
+from llmgw.control.dburl import default_database, parse_database_url
 from llmgw.control.deployments import DeploymentController, parse_deployment
 from llmgw.control.nodes import NodeMap
 from llmgw.control.resolve import mirror_resolver
-from llmgw.control.store import SQLiteStore, database_path
 from llmgw.errors import ConfigError
 from llmgw.launch.spec import ReplicaStatus
 
@@ -35,30 +37,73 @@ pytestmark = pytest.mark.timeout(120)
 GIB = 1024**3
 
 
-def test_database_paths(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_database_urls(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """SQLAlchemy's forms; the default where the earlier deployments store was (an upgrade finds it)."""
     monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "xdg"))
-    assert database_path(None, None) == tmp_path / "xdg" / "llmgw" / "control.sqlite3"
-    assert database_path(None, str(tmp_path / "s" / "control.json")) == tmp_path / "s" / "deployments.sqlite3"
-    assert database_path("sqlite:///var/lib/llmgw/cp.db", None) == Path("/var/lib/llmgw/cp.db")
-    assert database_path("sqlite:////var/lib/llmgw/cp.db", None) == Path("/var/lib/llmgw/cp.db")
-    with pytest.raises(ConfigError, match="write sqlite:///ABSOLUTE/PATH"):
-        database_path("sqlite://host/cp.db", None)
-    assert database_path("sqlite:cp.db", None) == Path("cp.db")
-    assert database_path("/srv/cp.db", "x/y.json") == Path("/srv/cp.db")
-    with pytest.raises(ConfigError, match="postgresql:// databases are not supported yet"):
-        database_path("postgresql://db/llmgw", None)
-    with pytest.raises(ConfigError, match="names no file"):
-        database_path("sqlite:", None)
-    # a file from a newer llmgw is refused with its name
-    path = tmp_path / "new.sqlite3"
-    SQLiteStore(path).close()
-    import sqlite3
+    assert default_database(None).path == str(tmp_path / "xdg" / "llmgw" / "control.sqlite3")
+    assert default_database(str(tmp_path / "s" / "control.json")).path == str(tmp_path / "s" / "deployments.sqlite3")
+    assert parse_database_url("sqlite:///var/lib/llmgw/cp.db").path == "var/lib/llmgw/cp.db"  # (relative)
+    assert parse_database_url("sqlite:////var/lib/llmgw/cp.db").path == "/var/lib/llmgw/cp.db"
+    assert parse_database_url("sqlite::memory:").path == ":memory:"
+    assert parse_database_url("postgres://u:pw@db:5432/llmgw").dialect == "postgresql"
+    for bad in ("sqlite://host/cp.db", "sqlite:cp.db", "sqlite:", "sqlite:///"):
+        with pytest.raises(ConfigError, match="sqlite:////ABSOLUTE/PATH"):
+            parse_database_url(bad)
+    with pytest.raises(ConfigError, match="expected postgresql://") as e:
+        parse_database_url("mysql://u:pw-secret@db/x")
+    assert "pw-secret" not in str(e.value)
 
-    with sqlite3.connect(path) as db:
-        db.execute("UPDATE meta SET value='99' WHERE key='schema_version'")
-    with pytest.raises(ConfigError, match="schema version 99"):
-        SQLiteStore(path)
-    assert oct(os.stat(path).st_mode & 0o777) == "0o600"  # (it holds the replicas' API keys)
+
+async def test_the_store_keeps_what_the_controller_decides(tmp_path: Path) -> None:
+    """Replicas reach their node's set only once their row is committed; a restart loads the same set;
+    an older llmgw's deployments store in the same file is imported; a newer schema is refused."""
+    path = tmp_path / "cp.sqlite3"
+    with sqlite3.connect(path) as old:  # the earlier store's tables, as llmgw 0.x left them
+        old.executescript(
+            "CREATE TABLE deployments (name TEXT PRIMARY KEY, source TEXT NOT NULL, spec TEXT NOT NULL, "
+            "replicas_override INTEGER, override_of TEXT, updated_at REAL NOT NULL);"
+            "CREATE TABLE replicas (id TEXT PRIMARY KEY, deployment TEXT NOT NULL, node TEXT NOT NULL, "
+            "spec TEXT NOT NULL, created_at REAL NOT NULL);")
+        old.execute("INSERT INTO deployments VALUES ('old', 'api', ?, NULL, NULL, 1.0)",
+                    (json.dumps({"name": "old", "model": "m0", "engine": "llamacpp", "replicas": 1}),))
+        old.execute("INSERT INTO replicas VALUES ('old-abc123', 'old', 'n', ?, 2.0)",
+                    (json.dumps({"gpus": [], "api_key": "k-old"}),))
+    nodes = NodeMap(lambda: 60.0)
+    nodes.register("n", peer="p", agent_version="t", protocol=(1, 2), discovery=Discovery(NodeFacts("h", cpu_cores=8)))
+    db = open_database(f"sqlite:///{path}")
+    await db.open()
+    try:
+        assert 4 in await db.migrate()
+        store = DesiredStore(db, unfenced(db))
+        await store.load()
+        ctl_ = DeploymentController(nodes=nodes, store=store, router=None, config=lambda: load({}),
+                                    resolver=lambda m: None)
+        assert [s.id for s in ctl_.desired("n")[1]] == ["old-abc123"]
+        ctl_.create(parse_deployment({"name": "new", "model": "m1", "engine": "llamacpp", "replicas": 2}))
+        assert store.pending > 0 and len(ctl_.desired("n")[1]) == 1  # placed, not told yet
+        await ctl_.committed()
+        assert store.pending == 0
+        ids = sorted(s.id for s in ctl_.desired("n")[1])
+        assert len(ids) == 3
+        store2 = DesiredStore(db, unfenced(db))
+        await store2.load()
+        assert sorted(r.id for r in store2.replicas()) == ids and {d.name for d in store2.deployments()} == {"old", "new"}
+        assert oct(os.stat(path).st_mode & 0o777) == "0o600"  # (it holds the replicas' API keys)
+        future = (*MIGRATIONS, Migration(len(MIGRATIONS) + 1, "from the future", ("CREATE TABLE llmgw_f (x INT)",)))
+        await db.migrate(future)
+        with pytest.raises(ConfigError, match="upgrade llmgw"):
+            await db.migrate()
+    finally:
+        await db.close()
+
+
+async def _memory_store() -> tuple[Any, DesiredStore]:
+    db = open_database("sqlite::memory:")
+    await db.open()
+    await db.migrate()
+    store = DesiredStore(db, unfenced(db))
+    await store.load()
+    return db, store
 
 
 async def test_a_mirror_reference_brings_blobs_and_its_memory_need(tmp_path: Path) -> None:
@@ -78,8 +123,8 @@ async def test_a_mirror_reference_brings_blobs_and_its_memory_need(tmp_path: Pat
         NodeFacts("h", cpu_cores=4, memory_total_bytes=small, memory_available_bytes=small)))
     cfg = load({"deployments": [{"name": "tiny", "model": "tiny:1b", "engine": "llamacpp", "context": 1024,
                                  "replicas": 2}]})
-    ctl_ = DeploymentController(nodes=nodes, store=SQLiteStore(tmp_path / "cp.sqlite3"), router=None,
-                                config=lambda: cfg, resolver=mirror_resolver(root))
+    db, store = await _memory_store()
+    ctl_ = DeploymentController(nodes=nodes, store=store, router=None, config=lambda: cfg, resolver=mirror_resolver(root))
     try:
         ctl_.sync(10.0)
         d = ctl_.view("tiny")
@@ -90,6 +135,7 @@ async def test_a_mirror_reference_brings_blobs_and_its_memory_need(tmp_path: Pat
         nodes.register("cpu-1", peer="ipv4:127.0.0.1:1", agent_version="t", protocol=(1, 2), discovery=Discovery(
             NodeFacts("h", cpu_cores=4, memory_total_bytes=big, memory_available_bytes=big)))
         ctl_.sync(10.0)
+        await ctl_.committed()
         _, specs = ctl_.desired("cpu-1")
         assert len(specs) == 2 and ctl_.view("tiny")["message"] is None
         s = specs[0]
@@ -101,17 +147,23 @@ async def test_a_mirror_reference_brings_blobs_and_its_memory_need(tmp_path: Pat
         assert mirror_resolver(root)("/models/x.gguf") is None and mirror_resolver(root)("meta-llama/Llama-3") is None
     finally:
         await ctl_.stop()
+        await db.close()
 
 
-def _ready(ctl_: DeploymentController, node: str, ids: set[str]) -> None:
+async def _ready(ctl_: DeploymentController, node: str, ids: set[str]) -> None:
     """``node``'s heartbeat: these replicas ready, the rest of its set starting."""
     ctl_.report(node, "127.0.0.1", [ReplicaStatus(s.id, "ready" if s.id in ids else "starting", port=9000 + i)
                                     for i, s in enumerate(ctl_.desired(node)[1])])
+    await _sync(ctl_)
+
+
+async def _sync(ctl_: DeploymentController) -> None:
     ctl_.sync(10.0)
+    await ctl_.committed()  # (a placed replica joins its node's set once its row is in)
 
 
 @pytest.mark.parametrize("gpus", [4, 2], ids=["room-beside", "one-at-a-time"])
-def test_a_changed_entry_rolls_its_replicas_over_without_a_gap(tmp_path: Path, gpus: int) -> None:
+async def test_a_changed_entry_rolls_its_replicas_over_without_a_gap(gpus: int) -> None:
     # 2 replicas of 1 GPU each; the entry's args change. With 4 GPUs the new replicas start beside the
     # old ones; with 2 there is no room, so one old replica makes room at a time. Either way an old one
     # leaves only when a new one is ready in its place (never fewer ready than before, but for the
@@ -122,19 +174,27 @@ def test_a_changed_entry_rolls_its_replicas_over_without_a_gap(tmp_path: Path, g
     hw = tuple(GPU(f"GPU-{i}", i, "NVIDIA H100 80GB HBM3", memory_total_bytes=80 << 30, memory_used_bytes=0)
                for i in range(gpus))
     nodes.register("n", peer="p", agent_version="t", protocol=(1, 2), discovery=Discovery(NodeFacts("h"), hw))
-    ctl_ = DeploymentController(nodes=nodes, store=SQLiteStore(tmp_path / "cp.sqlite3"), router=None,
-                                config=lambda: cfg[0], resolver=lambda m: None)
-    ctl_.sync(10.0)
+    db, store = await _memory_store()
+    ctl_ = DeploymentController(nodes=nodes, store=store, router=None, config=lambda: cfg[0], resolver=lambda m: None)
+    try:
+        await _rolls_over(ctl_, cfg, entry, gpus)
+    finally:
+        await ctl_.stop()
+        await db.close()
+
+
+async def _rolls_over(ctl_: DeploymentController, cfg: list[Any], entry: dict[str, Any], gpus: int) -> None:
+    await _sync(ctl_)
     old = {s.id for s in ctl_.desired("n")[1]}
     assert len(old) == 2
-    _ready(ctl_, "n", old)
+    await _ready(ctl_, "n", old)
     assert ctl_.view("c")["ready"] == 2
 
     def ready_ids() -> set[str]:
         return {r["id"] for r in ctl_.view("c")["replicas"] if r["state"] == "ready"}
 
     cfg[0] = load({"deployments": [{**entry, "args": ["--enforce-eager"]}]})
-    ctl_.sync(10.0)
+    await _sync(ctl_)
     specs = {s.id: s for s in ctl_.desired("n")[1]}
     assert all(specs[i].args == () for i in old & set(specs))  # the old ones run on, unchanged
     new = set(specs) - old
@@ -145,46 +205,51 @@ def test_a_changed_entry_rolls_its_replicas_over_without_a_gap(tmp_path: Path, g
         assert d["message"] and "one at a time" in d["message"], d
         gone = old - set(specs)
         assert len(gone) == 1 and len(ready_ids() & old) == 1
-        ctl_.sync(10.0)
+        await _sync(ctl_)
         new = set(s.id for s in ctl_.desired("n")[1]) - old
         assert len(new) == 1
     assert all(s.args == ("--enforce-eager",) for s in ctl_.desired("n")[1] if s.id in new)
-    _ready(ctl_, "n", (old | new) - {min(new)} if gpus == 4 else old)  # the new ones still starting
+    await _ready(ctl_, "n", (old | new) - {min(new)} if gpus == 4 else old)  # the new ones still starting
     assert old & ready_ids() == old & {s.id for s in ctl_.desired("n")[1]}  # no old one left for nothing
     for _ in range(4):  # each new replica ready in turn: an old one leaves for it, a new one is placed
         ids = {s.id for s in ctl_.desired("n")[1]}
-        _ready(ctl_, "n", ids)
+        await _ready(ctl_, "n", ids)
         assert len(ready_ids()) >= (2 if gpus == 4 else 1)  # (one-at-a-time: the one making room)
-        ctl_.sync(10.0)
+        await _sync(ctl_)
     final = ctl_.desired("n")[1]
     assert len(final) == 2 and not ({s.id for s in final} & old)
     assert all(s.args == ("--enforce-eager",) for s in final)
-    _ready(ctl_, "n", {s.id for s in final})
+    await _ready(ctl_, "n", {s.id for s in final})
     d = ctl_.view("c")
     assert (d["ready"], d["placed"], d["outdated"], d["message"]) == (2, 2, 0, None), d
 
 
-def test_a_changed_entry_ends_a_scale_and_replaces_replicas(tmp_path: Path) -> None:
+async def test_a_changed_entry_ends_a_scale_and_replaces_replicas(tmp_path: Path) -> None:
     entry: dict[str, Any] = {"name": "c", "model": "m", "engine": "llamacpp", "replicas": 1}
     cfg = [load({"deployments": [entry]})]
     nodes = NodeMap(lambda: 60.0)
     nodes.register("n", peer="p", agent_version="t", protocol=(1, 2), discovery=Discovery(NodeFacts("h")))
-    ctl_ = DeploymentController(nodes=nodes, store=SQLiteStore(tmp_path / "cp.sqlite3"), router=None,
-                                config=lambda: cfg[0], resolver=lambda m: None)
+    db, store = await _memory_store()
+    ctl_ = DeploymentController(nodes=nodes, store=store, router=None, config=lambda: cfg[0], resolver=lambda m: None)
     ctl_.sync(10.0)
+    await ctl_.committed()
     first = ctl_.desired("n")[1][0].id
     ctl_.scale("c", 3)
+    await ctl_.committed()
     assert ctl_.view("c")["desired"] == 3 and ctl_.view("c")["scaled"]
     cfg[0] = load({"deployments": [entry]})  # reloaded, the entry unchanged: the scale holds
     ctl_.sync(10.0)
+    await ctl_.committed()
     assert ctl_.view("c")["desired"] == 3 and len(ctl_.desired("n")[1]) == 3
     cfg[0] = load({"deployments": [{**entry, "replicas": 2}]})  # changed in the file: the file wins
     ctl_.sync(10.0)
+    await ctl_.committed()
     d = ctl_.view("c")
     assert d["desired"] == 2 and not d["scaled"] and d["placed"] == 2
     assert first in {s.id for s in ctl_.desired("n")[1]}
     cfg[0] = load({"deployments": [{**entry, "replicas": 2, "args": ["--flash-attn"]}]})  # new replicas
     ctl_.sync(10.0)
+    await ctl_.committed()
     ids = {s.id for s in ctl_.desired("n")[1]}
     assert first not in ids and len(ids) == 2 and all(s.args == ("--flash-attn",) for s in ctl_.desired("n")[1])
     with pytest.raises(ValueError, match="in the config file"):
@@ -193,7 +258,9 @@ def test_a_changed_entry_ends_a_scale_and_replaces_replicas(tmp_path: Path) -> N
         ctl_.create(parse_deployment({"name": "c", "model": "x"}))
     cfg[0] = load({})  # removed from the file: undeployed
     ctl_.sync(10.0)
+    await ctl_.committed()
     assert ctl_.list_views() == [] and ctl_.desired("n")[1] == ()
+    await db.close()
 
 
 # -- a real llmgw serve --

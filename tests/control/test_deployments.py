@@ -200,6 +200,8 @@ async def test_the_router_follows_ready_replicas_scale_down_drains_and_zero_answ
             assert d["placed"] == 0  # (placed again after a backoff)
             ctl_.deployments["chat"].retry_at = 0.0
             ctl_.sync(10.0)
+            assert ctl_.desired("node-1")[1] == ()  # placed; its node is told once its row is committed
+            await ctl_.committed()
             await reps.follow("ready")
             assert len(reps.engines) == 1 and (await chat(rt, "chat"))[0] == 200
 

@@ -71,7 +71,7 @@ async def test_agents_heartbeat_on_one_stream_each() -> None:
             st = cp.nodes.get("node-s")
             assert st is not None and cp.nodes.state(st) == "up"
             # the stream's answers carry the cordon like a Heartbeat call's
-            cp.set_cordoned("node-s", True)
+            await cp.set_cordoned("node-s", True)
             await wait_for(lambda: a.cordoned, what="the cordon reaching the agent")
         await wait_for(lambda: cp.stats.streams_open == 0, what="the stream closed")
         assert cp.nodes.get("node-s") is None  # deregistered on stop

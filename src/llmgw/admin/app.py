@@ -8,7 +8,8 @@ route                              token   what
 =================================  ======  ==========================================
 ``GET /health``                    no      the process is up
 ``GET /ready``                     no      config loaded, listeners bound, every model
-                                           has a usable replica (503 + which not)
+                                           has a usable replica (503 + which not); a
+                                           control-plane standby: 503 ``standby``
 ``GET /metrics``                   no      Prometheus text or OpenMetrics (``Accept``)
 ``/admin/v1/...``                  yes     the management API (:mod:`.manage`)
 ``/admin/v1/mirror/...``           yes     the mirror and Ollama imports (:mod:`.mirror_api`)
@@ -207,6 +208,7 @@ class AdminApp:
         self.api = ManagementAPI(
             registry=registry, fleet=fleet, config=config, observer=self.observer, admission=admission
         )
+        self.role: Callable[[], dict[str, Any] | None] | None = None
         self.mirror_api = MirrorAPI(config)  # /admin/v1/mirror/...: the mirror, the Ollama store, import jobs
         self.profiler = Profiler()
         self.mirror: MirrorBlobs | None = None
@@ -231,6 +233,11 @@ class AdminApp:
         if self.lag is not None:
             self.lag.stop()
         self.mirror_api.close()
+
+    def attach_role(self, role: Callable[[], dict[str, Any] | None] | None) -> None:
+        """A control-plane standby's ``/ready``: ``role()`` is ``None`` on the leader, else the 503 body
+        (``reason: standby`` and the leader); ``None``: no election (docs/ha.md)."""
+        self.role = role
 
     def attach_nodes(self, nodes: NodeControl | None) -> None:
         """Serve ``/admin/v1/nodes`` from this control plane (``None``: no control plane, the routes answer 404)."""
@@ -323,8 +330,7 @@ class AdminApp:
                 return self.api.handle_engine_check(req, w)
             if path.startswith(b"/admin/v1/mirror"):
                 return self.mirror_api.handle(req, w)
-            self.api.handle(req, w)
-            return None
+            return self.api.handle(req, w)
         if path.startswith(b"/debug/pprof"):
             self._authorize(req)
             if method not in (b"GET", b"HEAD"):
@@ -346,6 +352,11 @@ class AdminApp:
     def _ready(self, w: ResponseWriter) -> None:
         if self.listeners.client_closing():
             w.send_json(503, {"ready": False, "reason": "shutting down"})
+            return
+        role = self.role
+        standby = role() if role is not None else None
+        if standby is not None:
+            w.send_json(503, standby)
             return
         ready, body = self.fleet.readiness()
         w.send_json(200 if ready else 503, body)

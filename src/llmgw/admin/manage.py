@@ -336,16 +336,18 @@ class ManagementAPI:
             )
         return ep
 
-    def handle(self, req: Request, w: ResponseWriter) -> None:
+    def handle(self, req: Request, w: ResponseWriter) -> Awaitable[None] | None:
         path = req.path.rstrip(b"/")
         method = req.method
         parts = path[len(PREFIX):].split(b"/") if path.startswith(PREFIX) else []
         if parts[:1] == [b"endpoints"]:
             if len(parts) == 1:
                 if method in (b"GET", b"HEAD"):
-                    return self.list_endpoints(w)
+                    self.list_endpoints(w)
+                    return None
                 if method == b"POST":
-                    return self.add_endpoint(req, w)
+                    self.add_endpoint(req, w)
+                    return None
                 raise method_not_allowed(method, path, "GET or POST")
             endpoint_id = unquote(parts[1].decode("latin-1"))
             if len(parts) == 2:
@@ -353,12 +355,14 @@ class ManagementAPI:
                     w.send_json(200, endpoint_view(self._endpoint(endpoint_id)))
                     return None
                 if method == b"DELETE":
-                    return self.remove_endpoint(endpoint_id, w)
+                    self.remove_endpoint(endpoint_id, w)
+                    return None
                 raise method_not_allowed(method, path, "GET or DELETE")
             if len(parts) == 3 and parts[2] in (b"drain", b"undrain"):
                 if method != b"POST":
                     raise method_not_allowed(method, path, "POST")
-                return self.set_draining(endpoint_id, parts[2] == b"drain", w)
+                self.set_draining(endpoint_id, parts[2] == b"drain", w)
+                return None
         elif parts == [b"reload"]:
             if method != b"POST":
                 raise method_not_allowed(method, path, "POST")
@@ -379,13 +383,14 @@ class ManagementAPI:
 
     # -- nodes (the control plane) --
 
-    def handle_nodes(self, parts: list[bytes], method: bytes, path: bytes, w: ResponseWriter) -> None:
+    def handle_nodes(self, parts: list[bytes], method: bytes, path: bytes, w: ResponseWriter) -> Awaitable[None] | None:
         nodes = self.nodes
         if nodes is None:
             raise NotFoundError(
                 "this llmgw runs no control plane (add a control: section to the config); no nodes here",
                 code="no_control_plane",
             )
+        _refuse_on_standby(nodes)
         if parts == [b"gpus"]:
             if method not in (b"GET", b"HEAD"):
                 raise method_not_allowed(method, path, "GET")
@@ -411,13 +416,15 @@ class ManagementAPI:
         if len(parts) == 3 and parts[2] in (b"cordon", b"uncordon"):
             if method != b"POST":
                 raise method_not_allowed(method, path, "POST")
-            view = nodes.set_cordoned(name, parts[2] == b"cordon")
-            if view is None:
-                raise missing
-            w.send_json(200, view)
-            return None
+            return self._set_cordoned(nodes, name, parts[2] == b"cordon", missing, w)
         raise NotFoundError(f"no admin route {path.decode('latin-1')[:200]}; routes: {', '.join(ROUTES)}")
 
+    @staticmethod
+    async def _set_cordoned(nodes: NodeControl, name: str, cordoned: bool, missing: HTTPError, w: ResponseWriter) -> None:
+        view = await nodes.set_cordoned(name, cordoned)
+        if view is None:
+            raise missing
+        w.send_json(200, view)
     def handle_replicas(self, req: Request, w: ResponseWriter) -> Awaitable[None]:
         """``/admin/v1/replicas/...`` (answered asynchronously: the node is asked)."""
         path = req.path.rstrip(b"/")
@@ -434,6 +441,7 @@ class ManagementAPI:
                 "this llmgw runs no control plane (add a control: section to the config); no replicas here",
                 code="no_control_plane",
             )
+        _refuse_on_standby(nodes)
         return self._replica_logs(nodes, replica_id, lines, w)
 
     def handle_engine_check(self, req: Request, w: ResponseWriter) -> Awaitable[None]:
@@ -450,6 +458,7 @@ class ManagementAPI:
                 "this llmgw runs no control plane (add a control: section to the config); no nodes here",
                 code="no_control_plane",
             )
+        _refuse_on_standby(nodes)
         body = _json_body(req) if req.body else {}
         if not isinstance(body, dict):
             raise BadRequestError("the body must be a JSON object", code="invalid_body")
@@ -500,7 +509,12 @@ class ManagementAPI:
 
     # -- deployments (the control plane) --
 
-    def handle_deployments(self, req: Request, parts: list[bytes], method: bytes, path: bytes, w: ResponseWriter) -> None:
+    def handle_deployments(
+        self, req: Request, parts: list[bytes], method: bytes, path: bytes, w: ResponseWriter
+    ) -> Awaitable[None] | None:
+        """``/admin/v1/deployments...``; a change is answered once it is in the control plane's database."""
+        if self.nodes is not None:
+            _refuse_on_standby(self.nodes)  # (a standby holds no deployments: the leader does)
         ctl = self.deployments
         if ctl is None:
             raise NotFoundError(
@@ -516,8 +530,7 @@ class ManagementAPI:
                 if method == b"POST":
                     from ..control.deployments import parse_deployment
 
-                    w.send_json(201, ctl.create(parse_deployment(_json_body(req))))
-                    return None
+                    return _committed(ctl, w, 201, ctl.create(parse_deployment(_json_body(req))))
                 raise method_not_allowed(method, path, "GET or POST")
             name = unquote(parts[1].decode("latin-1"))
             if len(parts) == 2:
@@ -525,8 +538,7 @@ class ManagementAPI:
                     w.send_json(200, ctl.view(name, show_secrets=show))
                     return None
                 if method == b"DELETE":
-                    w.send_json(200, ctl.delete(name))
-                    return None
+                    return _committed(ctl, w, 200, ctl.delete(name))
                 raise method_not_allowed(method, path, "GET or DELETE")
             if len(parts) == 3 and parts[2] == b"scale":
                 if method != b"POST":
@@ -538,8 +550,7 @@ class ManagementAPI:
                         'the body must be {"replicas": N} with N a whole number from 0 to 1024',
                         param="replicas", code="invalid_replicas",
                     )
-                w.send_json(200, ctl.scale(name, n))
-                return None
+                return _committed(ctl, w, 200, ctl.scale(name, n))
         except ValueError as exc:
             status = getattr(exc, "status", None)
             if status is None:
@@ -621,3 +632,38 @@ class ManagementAPI:
             log.exception("reading the admission queues per model failed; leaving them out")
             return {}
         return out
+
+
+def _refuse_on_standby(nodes: NodeControl) -> None:
+    """503 ``not_leader`` on a control-plane standby (it has no nodes or deployments: the leader has), naming
+    the leader in ``llmgw-leader``."""
+    standby = nodes.not_leader()
+    if standby is None:
+        return
+    leader = nodes.leader_admin()
+    raise HTTPError(
+        standby, status=503, type="service_unavailable_error", code="not_leader", retry_after=1,
+        headers=((b"llmgw-leader", leader.encode()),) if leader else None,
+    )
+
+
+async def _committed(ctl: DeploymentControl, w: ResponseWriter, status: int, body: dict[str, Any]) -> None:
+    """Answer a deployment change once the database has it (a 503 when it could not be written)."""
+    try:
+        await ctl.committed()
+    except Exception as exc:
+        from ..control.db import DatabaseError
+        from ..control.leader import NotLeader
+
+        if isinstance(exc, NotLeader):
+            raise HTTPError(
+                f"{exc}; the change was not saved: retry with the leader", status=503, type="service_unavailable_error",
+                code="not_leader", retry_after=1,
+            ) from None
+        if isinstance(exc, DatabaseError):
+            raise HTTPError(
+                f"the control plane's database failed ({type(exc).__name__}); the change was not saved: retry",
+                status=503, type="service_unavailable_error", code="database_unavailable", retry_after=1,
+            ) from None
+        raise
+    w.send_json(status, body)

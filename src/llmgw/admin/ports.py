@@ -66,8 +66,15 @@ class NodeControl(Protocol):
     def node(self, name: str) -> dict[str, Any] | None:
         """One node with its GPUs; ``None`` when there is no such node."""
 
-    def set_cordoned(self, name: str, cordoned: bool) -> dict[str, Any] | None:
-        """Cordon or uncordon; the node with ``changed``; ``None`` when there is no such node."""
+    def set_cordoned(self, name: str, cordoned: bool) -> Awaitable[dict[str, Any] | None]:
+        """Cordon or uncordon; the node with ``changed``; ``None`` when there is no such node.
+        (Awaited: with a database the change is written, fenced, before it is made.)"""
+
+    def not_leader(self) -> str | None:
+        """``None`` where this control plane acts; on a standby, the message naming the leader."""
+
+    def leader_admin(self) -> str | None:
+        """The leader's admin URL when another process leads (``llmgw-leader`` header), else ``None``."""
 
     def node_of_replica(self, replica_id: str) -> str | None:
         """The node whose latest heartbeat reported the replica; ``None``: none did."""
@@ -104,6 +111,9 @@ class DeploymentControl(Protocol):
 
     def delete(self, name: str) -> dict[str, Any]:
         """Undeploy it: its replicas drain, then stop."""
+
+    async def committed(self) -> None:
+        """Wait until the changes made so far are in the control plane's database (raises when they cannot be)."""
 
 
 class MirrorBlobs(Protocol):

@@ -21,6 +21,15 @@ in a worker thread, so a slow NVML call never stalls the loop.
   wins; one ``apply`` at a time), and a status change (:meth:`AgentClient.poke`)
   sends a beat at once rather than an interval later. Log requests are answered
   with a ReplicaLogs call.
+* Several control planes (HA, docs/ha.md): the agent is given all their addresses
+  and follows the leader. A standby refuses with UNAVAILABLE and the leader's address
+  in the ``llmgw-leader`` trailing metadata: the agent goes there at once and
+  registers again (idempotent: same name, same node). A control plane that does not
+  answer: the next address, and the backoff only after a whole round. A leader with
+  a database announces its lease at registration (``llmgw-lease-ms``); the agent then
+  expects an answer on its heartbeat stream at least every third of it and takes
+  silence for a lost leader (a paused process keeps its TCP connections up), and
+  times its calls out sooner.
 """
 
 from __future__ import annotations
@@ -53,13 +62,27 @@ from .wire import (
 if TYPE_CHECKING:
     from ..launch.spec import ReplicaSpec, Supervisor
 
-__all__ = ["AgentClient", "AgentRefused", "GPUSource", "TLSFiles", "channel_credentials"]
+__all__ = ["AgentClient", "AgentRefused", "GPUSource", "TLSFiles", "channel_credentials", "leader_hint"]
 
 CALL_TIMEOUT = 10.0
 MIN_BEAT_GAP = 0.05
 """Early beats (a status changed) come at most this often, seconds."""
 MAX_LOG_BYTES = 1 << 20
 """A log tail sent to the control plane keeps at most this many bytes (its end)."""
+LEADER_METADATA = "llmgw-leader"  # (llmgw.control.service names them; the agent does not import the control plane)
+LEASE_METADATA = "llmgw-lease-ms"
+
+
+def leader_hint(exc: grpc.aio.AioRpcError) -> str | None:
+    """The leader's address a standby's refusal names (trailing metadata), if any."""
+    try:
+        md = exc.trailing_metadata() or ()
+    except Exception:  # (a constructed error may carry none)
+        return None
+    for key, value in md:
+        if key == LEADER_METADATA and isinstance(value, str) and value:
+            return value
+    return None
 _FATAL = (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.INVALID_ARGUMENT,
           grpc.StatusCode.PERMISSION_DENIED)
 
@@ -107,7 +130,7 @@ class AgentClient:
     """One agent's link (module docstring).
 
     Args:
-        target: the control plane, ``HOST:PORT``.
+        target: the control plane, ``HOST:PORT``, or every control plane's (HA: the leader is followed).
         name: this node's name.
         token: the join token.
         source: the GPU source (closed when :meth:`run` returns).
@@ -118,7 +141,7 @@ class AgentClient:
 
     def __init__(
         self,
-        target: str,
+        target: str | Sequence[str],
         name: str,
         token: str,
         source: GPUSource,
@@ -133,7 +156,11 @@ class AgentClient:
         advertise: str | None = None,
         engine_checker: Callable[[pb.EngineCheckRequest], Awaitable[Sequence[Mapping[str, Any]]]] | None = None,
     ) -> None:
-        self.target = target
+        self.targets = [target] if isinstance(target, str) else list(target)
+        if not self.targets:
+            raise ValueError("no control-plane address")
+        self.target = self.targets[0]
+        """The control plane this agent talks to now."""
         self.name = name
         self.token = token
         self.source = source
@@ -143,6 +170,12 @@ class AgentClient:
         self.rng = rng or random.Random()
         self.on_registered = on_registered
         self.interval = 5.0
+        self.lease: float | None = None
+        """The leader's lease when it has a database (``llmgw-lease-ms`` at registration)."""
+        self.call_timeout = CALL_TIMEOUT
+        self.switches = 0
+        """Times the agent moved to another control plane."""
+        self._last_answer = 0.0
         self.node_id: str | None = None
         self.sequence = 0
         self.registrations = 0
@@ -244,7 +277,9 @@ class AgentClient:
         )
         if self.advertise is not None:
             req.advertise_address = self.advertise
-        resp: pb.RegisterResponse = await self._connect().Register(req, metadata=self._metadata, timeout=CALL_TIMEOUT)
+        call = self._connect().Register(req, metadata=self._metadata, timeout=self.call_timeout)
+        resp: pb.RegisterResponse = await call
+        self._learn_lease(await call.initial_metadata())
         theirs = resp.protocol.major
         if not compatible(theirs):
             raise AgentRefused(
@@ -266,6 +301,22 @@ class AgentClient:
         if self.on_registered is not None:
             self.on_registered(resp)
         return resp
+
+    def _learn_lease(self, md: Any) -> None:
+        lease = None
+        for key, value in md or ():
+            if key == LEASE_METADATA and isinstance(value, str) and value.isdigit():
+                lease = int(value) / 1000
+        self.lease = lease
+        # a paused leader accepts connections (the kernel does) and answers nothing: give up on a
+        # call sooner than CALL_TIMEOUT, so the next control plane is tried within the lease
+        self.call_timeout = CALL_TIMEOUT if lease is None else min(CALL_TIMEOUT, max(1.0, lease / 2))
+
+    def _answer_within(self) -> float | None:
+        """How long the heartbeat stream may stay silent (a leader with a lease answers every third of it)."""
+        if self.lease is None:
+            return None
+        return 2 * max(self.lease / 3, self.interval) + 0.5
 
     async def heartbeat(self) -> None:
         """One beat: a message on the heartbeat stream (opened on first use), or a Heartbeat call.
@@ -296,7 +347,7 @@ class AgentClient:
                 log.info("the control plane at %s has no heartbeat stream: heartbeat calls instead", self.target)
                 self.streaming = False
         if not self.streaming:
-            resp = await self._connect().Heartbeat(req, metadata=self._metadata, timeout=CALL_TIMEOUT)
+            resp = await self._connect().Heartbeat(req, metadata=self._metadata, timeout=self.call_timeout)
         self.heartbeats += 1
         if resp is not None:
             self._answer(resp)
@@ -314,18 +365,26 @@ class AgentClient:
             raise exc
         call = self._stream
         first = call is None
+        within = self._answer_within()
+        if not first and within is not None and time.monotonic() - self._last_answer > within:
+            self._end_stream()
+            raise grpc.aio.AioRpcError(
+                grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(),
+                f"the control plane at {self.target} answered nothing on the heartbeat stream for {within:.1f}s "
+                "(paused, or cut off): trying the others",
+            )
         if call is None:
             call = self._stream = self._connect().StreamHeartbeats(metadata=self._metadata)
         try:
-            await asyncio.wait_for(call.write(pb.StreamHeartbeatsRequest(heartbeat=req)), CALL_TIMEOUT)
+            await asyncio.wait_for(call.write(pb.StreamHeartbeatsRequest(heartbeat=req)), self.call_timeout)
             if not first:
                 return None
-            got = await asyncio.wait_for(call.read(), CALL_TIMEOUT)
+            got = await asyncio.wait_for(call.read(), self.call_timeout)
         except asyncio.TimeoutError:
             self._end_stream()
             raise grpc.aio.AioRpcError(
                 grpc.StatusCode.DEADLINE_EXCEEDED, grpc.aio.Metadata(), grpc.aio.Metadata(),
-                f"no answer on the heartbeat stream within {CALL_TIMEOUT:g}s",
+                f"no answer on the heartbeat stream within {self.call_timeout:g}s",
             ) from None
         except grpc.aio.AioRpcError:
             self._end_stream()
@@ -335,15 +394,21 @@ class AgentClient:
         if got is grpc.aio.EOF:
             self._end_stream()
             raise await self._ended(call)
+        self._last_answer = time.monotonic()
         self._reader = asyncio.create_task(self._read_answers(call))
         return got.heartbeat
 
     @staticmethod
     async def _ended(call: Any) -> grpc.aio.AioRpcError:
         code = await call.code()
+        try:
+            trailing = await call.trailing_metadata()
+        except Exception:
+            trailing = None
         return grpc.aio.AioRpcError(
             code if code != grpc.StatusCode.OK else grpc.StatusCode.UNAVAILABLE,
-            grpc.aio.Metadata(), grpc.aio.Metadata(), await call.details() or "the heartbeat stream ended",
+            grpc.aio.Metadata(), trailing if trailing is not None else grpc.aio.Metadata(),
+            await call.details() or "the heartbeat stream ended",
         )
 
     def _answer(self, resp: pb.HeartbeatResponse) -> None:
@@ -439,6 +504,7 @@ class AgentClient:
                 if got is grpc.aio.EOF:
                     self._stream_error = await self._ended(call)
                     break
+                self._last_answer = time.monotonic()
                 self._answer(got.heartbeat)
         except grpc.aio.AioRpcError as exc:
             self._stream_error = exc
@@ -446,6 +512,12 @@ class AgentClient:
             return
         if self._stream is call:
             self._wake.set()
+
+    def _move(self, target: str) -> None:
+        if target != self.target:
+            log.info("moving to the control plane at %s (from %s)", target, self.target)
+            self.target = target
+            self.switches += 1
 
     async def deregister(self, reason: str, timeout: float = 2.0) -> bool:
         if self.node_id is None:
@@ -472,6 +544,7 @@ class AgentClient:
         registered = False
         retry = False  # the last call failed: try again after the backoff, not after another interval
         last_error: str | None = None
+        tried: set[str] = set()  # addresses that failed since the last success or sleep: a round
         try:
             while not stop.is_set():
                 try:
@@ -490,6 +563,7 @@ class AgentClient:
                         retry = False
                         await self.heartbeat()
                     delay = self.backoff_initial
+                    tried.clear()
                     if last_error is not None:
                         log.info("control plane at %s reachable again", self.target)
                         last_error = None
@@ -502,15 +576,35 @@ class AgentClient:
                         registered = False
                         continue
                     msg = f"{code.name}: {exc.details()}"
+                    hint = leader_hint(exc)
                     if msg != last_error:
-                        log.warning("control plane at %s: %s; retrying with backoff", self.target, msg)
+                        log.warning("control plane at %s: %s; %s", self.target, msg,
+                                    f"following the leader at {hint}" if hint and hint != self.target
+                                    else "trying the next address" if len(self.targets) > 1
+                                    else "retrying with backoff")
                         last_error = msg
                     await self._disconnect()
                     retry = True
-                    # full jitter, capped at one interval: back within about an interval of its return
-                    if await self._sleep(stop, self.rng.uniform(0.5, 1.0) * min(delay, self.interval)):
+                    tried.add(self.target)
+                    # within a round, at once: the leader a refusal names, else the next address not
+                    # tried yet; the backoff only once every address (and every hint) failed
+                    i = self.targets.index(self.target) if self.target in self.targets else -1
+                    untried = [t for t in self.targets[i + 1:] + self.targets[:i + 1] if t not in tried]
+                    nxt = hint if hint and hint not in tried else (untried[0] if untried else None)
+                    if nxt is not None:
+                        self._move(nxt)
+                        registered = False
+                        continue
+                    tried.clear()
+                    if len(self.targets) > 1 or self.target not in self.targets:  # (a hint's address: back to the list)
+                        self._move(self.targets[(i + 1) % len(self.targets)])
+                        registered = False
+                    # full jitter, capped at one interval (2 s with several control planes: a new leader
+                    # is found within seconds): back within about an interval of its return
+                    cap = min(self.interval, 2.0) if len(self.targets) > 1 or self.lease is not None else self.interval
+                    if await self._sleep(stop, self.rng.uniform(0.5, 1.0) * min(delay, cap)):
                         break
-                    delay = min(delay * 2, self.interval)
+                    delay = min(delay * 2, cap)
             if registered:
                 await self.deregister(reason())
         finally:

@@ -106,6 +106,19 @@ def hostport(ctx: click.Context, param: click.Parameter, value: str | None) -> t
         raise click.BadParameter(exc.message) from None
 
 
+def hostports(ctx: click.Context, param: click.Parameter, value: str | None) -> tuple[tuple[str, int], ...] | None:
+    """click callback: ``HOST:PORT[,HOST:PORT…]`` as a tuple of ``(host, port)``, a usage error otherwise."""
+    if value is None:
+        return None
+    out = []
+    for item in value.split(","):
+        try:
+            out.append(parse_hostport(item.strip(), f"--{param.name}"))
+        except ConfigError as exc:
+            raise click.BadParameter(exc.message) from None
+    return tuple(out)
+
+
 def run_loop(coro: Any) -> Any:
     """Run ``coro`` on uvloop (asyncio's loop where uvloop is not available)."""
     try:

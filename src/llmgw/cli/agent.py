@@ -1,6 +1,7 @@
 """``llmgw agent``: the node agent (register with a control plane, report this node's GPUs).
 
     llmgw agent --control cp0:7070 --token-env LLMGW_JOIN_TOKEN --tls-ca /etc/llmgw/ca.pem
+    llmgw agent --control cp0:7070,cp1:7070,cp2:7070 ...   (HA: the agent follows the leader)
     llmgw agent --config /etc/llmgw/agent.yaml
 
 Flags override the ``--config`` file. Plaintext needs a loopback control plane or
@@ -26,7 +27,7 @@ from typing import Any
 import click
 
 from .. import __version__
-from ._common import Fail, hostport, run_loop
+from ._common import Fail, hostports, run_loop
 
 __all__ = ["NodeOptions", "agent", "open_gpu_source", "run_agent"]
 
@@ -72,8 +73,13 @@ def open_gpu_source(kind: str) -> Any:
     return open_source(kind, agent_version=__version__)
 
 
+def _target(hp: tuple[str, int]) -> str:
+    host, port = hp
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
 async def run_agent(
-    control: tuple[str, int],
+    control: tuple[str, int] | tuple[tuple[str, int], ...],
     name: str,
     token: str,
     source: Any,
@@ -104,8 +110,9 @@ async def run_agent(
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, on_signal, sig.name)
-    host, port = control
-    target = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    controls: tuple[tuple[str, int], ...] = (control,) if isinstance(control[0], str) else control
+    targets = [_target(hp) for hp in controls]
+    target = ",".join(targets)
     holder: list[AgentClient] = []
 
     def changed() -> None:
@@ -148,7 +155,7 @@ async def run_agent(
         return [c.as_dict() for c in checks]
 
     client = AgentClient(
-        target, name, token, source, credentials=credentials, protocol=protocol or PROTOCOL, supervisor=supervisor,
+        targets, name, token, source, credentials=credentials, protocol=protocol or PROTOCOL, supervisor=supervisor,
         labels=node.labels if node is not None else None, advertise=node.advertise if node is not None else None,
         on_registered=registered, engine_checker=check if node is not None else None,
     )
@@ -176,7 +183,8 @@ async def run_agent(
 
 
 @click.command()
-@click.option("--control", callback=hostport, metavar="HOST:PORT", help="The control plane's gRPC address.")
+@click.option("--control", callback=hostports, metavar="HOST:PORT[,…]",
+              help="The control plane's gRPC address; with several (HA), all of them, comma-separated.")
 @click.option("--token-env", metavar="NAME", help="The environment variable holding the join token.")
 @click.option("--name", metavar="NODE", help="This node's name (default: the host name).")
 @click.option("--gpu-source", type=click.Choice(GPU_SOURCE_CHOICES), default=None,
@@ -195,7 +203,7 @@ async def run_agent(
 @click.option("--advertise", metavar="HOST", help="Where this node's replicas are reached (default: the address "
                                                    "the control plane sees).")
 def agent(
-    control: tuple[str, int] | None, token_env: str | None, name: str | None, gpu_source: str | None,
+    control: tuple[tuple[str, int], ...] | None, token_env: str | None, name: str | None, gpu_source: str | None,
     config_path: str | None, use_tls: bool, tls_ca: str | None, tls_cert: str | None, tls_key: str | None,
     insecure: bool, state_dir: str | None, label_flags: tuple[str, ...], advertise: str | None,
 ) -> None:
@@ -260,9 +268,10 @@ def agent(
             credentials = channel_credentials(TLSFiles(ca=tls_ca, cert=tls_cert, key=tls_key))
         except OSError as exc:
             raise Fail(f"cannot read a TLS file: {exc}") from None
-    elif not _is_loopback(control[0]) and not insecure:
+    elif not all(_is_loopback(c[0]) for c in control) and not insecure:
+        off = next(c[0] for c in control if not _is_loopback(c[0]))
         raise Fail(
-            f"{control[0]} is not a loopback address: the join token would travel in the clear; "
+            f"{off} is not a loopback address: the join token would travel in the clear; "
             "use TLS (--tls-ca FILE, or --tls) or pass --insecure on a network you trust"
         )
     node = NodeOptions(state_dir or default_state_dir(), engines=engines, labels=labels, advertise=advertise,

@@ -21,8 +21,8 @@ from pydantic import Field
 
 from ._problems import _document, _Problems, _section
 from ._rules import (
+    _ADDRESSES,
     _FLAG,
-    _HOSTPORT,
     _IDENT,
     _RUNNABLE_ENGINE,
     _TEXT,
@@ -106,7 +106,8 @@ class AgentEngineConfig:
 class AgentConfig:
     """The node agent's own file (``llmgw agent --config FILE``)."""
 
-    control: tuple[str, int]
+    control: tuple[tuple[str, int], ...]
+    """Every control plane's address (one, or all of an HA set: the agent follows the leader)."""
     token: str | None = field(default=None, repr=False)
     name: str | None = None  # None: the host name
     gpu_source: str = "auto"
@@ -125,8 +126,9 @@ class AgentConfig:
 class _AgentIn(_In):
     """The llmgw node agent's configuration (llmgw agent --config FILE; its flags override it)."""
 
-    control: Annotated[tuple[str, int], _HOSTPORT]
-    """The control plane's address, HOST:PORT."""
+    control: Annotated[tuple[tuple[str, int], ...], _ADDRESSES]
+    """The control plane's address, HOST:PORT, or a list of every control plane's (HA: the agent follows the
+    leader)."""
     token_env: Annotated[_EnvValue, _env(None)] | None = None
     """The environment variable holding the join token."""
     name: Annotated[str, _IDENT] | None = _default(AgentConfig, "name")

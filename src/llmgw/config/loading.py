@@ -190,6 +190,7 @@ def _auth(problems: _Problems, validated: Any, raw: Any, bands: tuple[str, ...] 
 
 def _control(problems: _Problems, c: Any, raw: Any) -> ControlConfig | None:
     _either(problems, raw, ("control",), "join_token", "join_token_env")
+    _either(problems, raw, ("control",), "database", "database_env")
     _either(problems, raw, ("control",), "router_token", "router_token_env")
     if c is _FAILED or c is None:
         return None
@@ -203,11 +204,22 @@ def _control(problems: _Problems, c: Any, raw: Any) -> ControlConfig | None:
         problems.add(("control", missing), "is required with " + ("tls_cert" if missing == "tls_key" else "tls_key"))
     if c.tls_client_ca is not None and c.tls_cert is None:
         problems.add(("control", "tls_client_ca"), "needs tls_cert and tls_key (mutual TLS is TLS first)")
+    if c.state_file is not None and (c.database is not None or c.database_env is not None):
+        problems.add(("control", "state_file"), "is not used with control.database (cordons are kept in the database; "
+                     "state_file only places the default SQLite file): remove state_file")
+    database = c.database_env.value if c.database_env else c.database
+    if database is not None:
+        from ..control.dburl import check_database_url
+
+        why = check_database_url(database)
+        if why is not None:
+            problems.add(("control", "database_env" if c.database_env else "database"), why)
     tokens = tuple(e.value for e in c.join_token_env) if c.join_token_env else (c.join_token or ())
     routers = tuple(e.value for e in c.router_token_env) if c.router_token_env else (c.router_token or ())
     return ControlConfig(
-        listen=c.listen, join_tokens=tokens, router_tokens=routers, heartbeat_interval=c.heartbeat_interval, heartbeat_grace=grace,
-        database=c.database, state_file=c.state_file, tls_cert=c.tls_cert, tls_key=c.tls_key, tls_client_ca=c.tls_client_ca,
+        listen=c.listen, join_tokens=tokens, router_tokens=routers, heartbeat_interval=c.heartbeat_interval,
+        heartbeat_grace=grace, database=database, lease=c.lease, advertise=c.advertise,
+        state_file=c.state_file, tls_cert=c.tls_cert, tls_key=c.tls_key, tls_client_ca=c.tls_client_ca,
         allow_insecure=c.allow_insecure,
     )
 

@@ -344,7 +344,9 @@ class ControlConfig:
     """Tokens a router following this control plane presents (``follow:``; docs/follow.md); none: no router may."""
     heartbeat_interval: float = 5.0
     heartbeat_grace: float = 15.0
-    database: str | None = None
+    database: str | None = field(default=None, repr=False)
+    lease: float = 15.0
+    advertise: str | None = None
     state_file: str | None = None
     tls_cert: str | None = None
     tls_key: str | None = None
@@ -593,8 +595,17 @@ class _ControlIn(_In):
     """How often a node agent reports."""
     heartbeat_grace: Annotated[float, _duration(0.1)] | None = None
     """A node silent this long is lost (default: three heartbeat intervals)."""
-    database: Annotated[str, _TEXT] | None = _default(ControlConfig, "database")
-    """Where the control plane keeps desired state: sqlite:///PATH (default: beside state_file, else ~/.local/state/llmgw/control.sqlite3)."""
+    database: Annotated[str, _SECRET] | None = Field(default=None, repr=False)
+    """Where the control plane keeps all its state: postgresql://USER@HOST:PORT/DB (several llmgw serve processes share
+    it and elect a leader; docs/ha.md), sqlite:///RELATIVE/PATH, sqlite:////ABSOLUTE/PATH or sqlite::memory:; default:
+    an SQLite file (deployments.sqlite3 beside state_file, else ~/.local/state/llmgw/control.sqlite3)."""
+    database_env: Annotated[_EnvValue, _env("database")] | None = None
+    """The environment variable holding control.database (it may carry a password)."""
+    lease: Annotated[float, _duration(0.3)] = _default(ControlConfig, "lease")
+    """The leader's lease; a standby takes over this long after the leader stops renewing."""
+    advertise: Annotated[str, _TEXT] | None = _default(ControlConfig, "advertise")
+    """The host name or address other processes and agents reach this one at (standbys name the leader by it);
+    default: the listen host, or this machine's FQDN when that is a wildcard."""
     state_file: Annotated[str, _TEXT] | None = _default(ControlConfig, "state_file")
     """A JSON file keeping operators' decisions (cordons) across restarts; default: memory only."""
     tls_cert: Annotated[str, _TEXT] | None = _default(ControlConfig, "tls_cert")

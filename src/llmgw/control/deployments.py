@@ -6,10 +6,14 @@ what is wanted (each deployment's replica count) with what is placed and takes
 the next steps; running it twice does nothing more. It runs on a short tick and
 at once after every change (an API call, a report, a reload).
 
-* **Desired state** lives in a :class:`~.store.DesiredStore` (SQLite): the
+* **Desired state** lives in a :class:`~.db.DesiredStore` (``control.database``:
+  SQLite or PostgreSQL, every write fenced by the leader's epoch): the
   deployments, and the replicas placed for them with their GPUs, claims and API
-  keys, so a control-plane restart hands every node the same set (no engine
-  restarts) and loses no deployment. Entries of ``deployments:`` in the config
+  keys, so a control-plane restart, or a standby taking over, hands every node
+  the same set (no engine restarts, no replica launched twice) and loses no
+  deployment. A placed replica is told to its node only once its row is
+  committed (:attr:`Replica.durable`); the controller lives as long as one term
+  of leadership and is made again from the database by the next. Entries of ``deployments:`` in the config
   file are applied at start and on every reload (an entry removed from the file is
   undeployed); ``ctl scale`` of one holds until that entry changes in the file.
   Deployments made through the API live in the store alone.
@@ -52,9 +56,9 @@ from ..engines import get as get_engine
 from ..errors import ConfigError
 from ..launch.spec import FAILED, READY, ReplicaSpec, ReplicaStatus
 from ..log import control_logger as log
+from .db import DesiredStore, StoredDeployment, StoredReplica
 from .placement import Choice, Claim, GpuInfo, Need, NodeInfo, Unplaceable, place
 from .resolve import MirrorModel, Resolver, memory_need
-from .store import DesiredStore, StoredDeployment, StoredReplica
 
 if TYPE_CHECKING:
     from ..config import Config
@@ -174,6 +178,9 @@ class Replica:
     outdated: bool = False
     """It runs an earlier form of its deployment (engine, model, args... changed): it keeps serving until
     a replica of the new form is ready to take its place (a rolling update), then drains."""
+    durable: bool = True
+    """Its row is committed: only then is it in its node's desired set (a leader killed before that
+    never had it launched; the next one, loading the rows, cannot launch it a second time)."""
 
     @property
     def state(self) -> str:
@@ -232,6 +239,8 @@ class DeploymentController:
         config: the running configuration (its ``deployments`` are applied when it changes).
         resolver: a model string -> the mirror's model (``None``: not a mirror reference).
         drain_grace: seconds a replica scaled away may keep requests in flight before it is stopped anyway.
+        in_router: endpoint ids a previous term of this process left in the router: its replicas are
+            taken as there already, the rest leave it.
         tick: seconds between passes when nothing wakes the loop.
         clock: the monotonic clock.
     """
@@ -247,6 +256,7 @@ class DeploymentController:
         drain_grace: float = 30.0,
         tick: float = 0.5,
         clock: Callable[[], float] = time.monotonic,
+        in_router: frozenset[str] = frozenset(),
     ) -> None:
         self.nodes = nodes
         self.store = store
@@ -286,6 +296,15 @@ class DeploymentController:
                 self._add(Replica.from_stored(sr))
             else:
                 store.delete_replica(sr.id)
+        for eid in in_router:
+            r = self.replicas.get(eid)
+            if r is not None:
+                r.endpoint = eid  # (still serving through this router from the last term)
+            elif router is not None:
+                try:
+                    router.remove(eid)
+                except KeyError:
+                    pass
         self.apply_config()
 
     # -- running --
@@ -294,6 +313,18 @@ class DeploymentController:
         """Start the reconcile loop (on the running event loop)."""
         self._wake = asyncio.Event()
         self._task = asyncio.create_task(self._run(), name="llmgw deployments")
+
+    async def committed(self) -> None:
+        """Wait until every change made so far is in the database (the API answers after it).
+
+        Raises:
+            NotLeader, DatabaseError: it could not be written (this process stops leading).
+        """
+        await self.store.flushed()
+
+    def in_router(self) -> frozenset[str]:
+        """The endpoint ids this controller has in the router (handed to the next term's)."""
+        return frozenset(r.endpoint for r in self.replicas.values() if r.endpoint is not None)
 
     async def stop(self) -> None:
         """Stop the loop; the store is closed. Replicas keep running on their nodes."""
@@ -618,15 +649,21 @@ class DeploymentController:
             frac = round(min(got.fractions), 4)
         r = Replica(
             rid, dep.cfg.name, got.node, got.gpus, need.gpu_memory or 0, not need.share, need.memory or 0,
-            need.cpu_cores or 0.0, frac, secrets.token_urlsafe(32), time.time(),
+            need.cpu_cores or 0.0, frac, secrets.token_urlsafe(32), time.time(), durable=False,
         )
-        self.store.put_replica(r.stored())
+        # its node is told once the row is committed (_durable), never before
+        self.store.put_replica(r.stored(), then=lambda: self._durable(r))
         self._add(r)
         self._placed_in_pass += 1
         log.info("replica %s of %s placed on %s%s", rid, dep.cfg.name, got.node,
                  f" (GPUs {', '.join(got.gpus)})" if got.gpus else " (CPU)")
-        self._invalidate(got.node)
         return r
+
+    def _durable(self, r: Replica) -> None:
+        """``r``'s row is committed: into its node's desired set."""
+        if self.replicas.get(r.id) is r and not r.durable:
+            r.durable = True
+            self._invalidate(r.node)
 
     def _new_id(self, name: str) -> str:
         while True:
@@ -732,7 +769,7 @@ class DeploymentController:
         specs = self._specs.get(node)
         if specs is None:
             specs = self._specs[node] = tuple(
-                self._spec(r) for r in sorted(self._on(node), key=lambda r: r.id)
+                self._spec(r) for r in sorted(self._on(node), key=lambda r: r.id) if r.durable
             )
         return gen, specs
 
@@ -832,7 +869,8 @@ class DeploymentController:
         authorizer)."""
         out: set[str] = set()
         for r in self._on(node):
-            out.update(b.digest for b in self._spec(r).blobs)
+            if r.durable:
+                out.update(b.digest for b in self._spec(r).blobs)
         return frozenset(out)
 
     def claims(self) -> list[Claim]:

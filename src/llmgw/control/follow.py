@@ -15,9 +15,10 @@ service on the control plane's gRPC listener, on its thread (:mod:`.thread`).
   still has in flight to the draining replicas, and :meth:`FollowHub.inflight` adds
   the fresh reports to the process's own count.
 
-HA (i21-ha): a standby must refuse routers as it refuses agents; set
-:attr:`RouterService.standby` to the agent service's standby check and call
-:meth:`RouterService.end_streams` (on the control loop) where leadership is lost.
+HA (docs/ha.md): a standby refuses routers as it refuses agents (the control plane sets
+:attr:`RouterService.standby` to the agent service's standby check), and calls
+:meth:`RouterService.end_streams` on the control loop when it stops leading; each term's
+controller sets :attr:`FollowHub.settled` anew (no table until its loaded replicas are reported).
 
 SECURITY: the table carries every replica's API key. Routers present a router token
 (``control.router_token``: SHA-256 digests, compared in constant time, as the join

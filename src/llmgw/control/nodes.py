@@ -204,6 +204,11 @@ class NodeMap:
         st.generation += 1
         return st
 
+    def clear(self) -> None:
+        """Forget every node (a control plane that stops leading: its agents go to the new leader)."""
+        self._nodes.clear()
+        self._by_id.clear()
+
     def deregister(self, node_id: str) -> NodeState | None:
         """Remove the node; ``None`` when it was not registered."""
         name = self._by_id.pop(node_id, None)

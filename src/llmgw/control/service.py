@@ -18,12 +18,15 @@ for a client certificate). Plaintext is refused off loopback unless
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import hmac
 import ipaddress
 import itertools
+import json
 import socket
-from collections.abc import Callable
+import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -37,6 +40,7 @@ from ..agent.wire import (
     SERVER_OPTIONS,
     TOKEN_METADATA,
     compatible,
+    node_id_for,
     pb,
     runs_replicas,
     spec_to_proto,
@@ -58,12 +62,18 @@ if TYPE_CHECKING:
     from .deployments import DeploymentController, Router
     from .resolve import Resolver
 
-__all__ = ["ControlPlane", "ControlStats", "ReplicaLogsError"]
+__all__ = ["LEADER_METADATA", "LEASE_METADATA", "ControlPlane", "ControlStats", "ReplicaLogsError"]
 
 MAX_NAME = 253
 MAX_LABELS = 64
 MAX_LABEL = 253
 MAX_LOG_LINES = 10_000
+LEADER_METADATA = "llmgw-leader"
+"""Trailing metadata of a standby's refusal (UNAVAILABLE): the leader's gRPC address, when known."""
+LEASE_METADATA = "llmgw-lease-ms"
+"""Initial metadata of a leader's RegisterResponse (with a database): its lease, milliseconds. The
+agent then expects an answer on its heartbeat stream at least every third of it (a paused
+leader's silence is noticed though its TCP connection stays up) and times its calls out sooner."""
 LOG_TIMEOUT = 10.0
 """How long ``ctl logs`` waits for the node's answer, seconds (a stream agent answers at once;
 one on Heartbeat calls at its next beat)."""
@@ -183,7 +193,7 @@ class _Tokens:
 class _Stream:
     """One agent's heartbeat stream: answers the main loop decides, written on the control loop."""
 
-    __slots__ = ("acked", "closed", "context", "loop", "node", "queue", "replicas", "said", "sent", "stats")
+    __slots__ = ("acked", "closed", "context", "loop", "node", "queue", "replicas", "said", "said_at", "sent", "stats")
 
     def __init__(self, context: Any, loop: asyncio.AbstractEventLoop, stats: ControlStats) -> None:
         self.context = context
@@ -193,6 +203,8 @@ class _Stream:
         # (the rest: main loop only)
         self.said: tuple[float, bool] | None = None
         """The answer last sent: the next one only when it differs."""
+        self.said_at = 0.0
+        """When it was sent (monotonic; with a database answers also come every third of the lease)."""
         self.node: str | None = None
         self.replicas = False
         """The agent runs replicas (its beats carry applied_generation)."""
@@ -236,6 +248,16 @@ class AgentService(agent_pb2_grpc.AgentServiceServicer):
         self.stats = stats
         self.hop = hop
         self._tokens = _Tokens()
+        self.standby: Callable[[], str | None] | None = None
+        """With a database: ``None`` while this process leads, else the leader's gRPC address ('' unknown).
+        (Called on the control loop: it reads a few attributes the main loop sets.)"""
+        self.on_register: Callable[[str, str, Any, str], Awaitable[None]] | None = None
+        """Awaited on the main loop before a registration is taken (the leader records the node, fenced)."""
+        self.on_deregister: Callable[[str], Awaitable[None]] | None = None
+        self.lease_ms: int | None = None
+        """With a database: the lease (answers on a heartbeat stream come at least every third of it)."""
+        self.streams: set[asyncio.Task[Any]] = set()
+        """The heartbeat streams' handler tasks (control loop; cancelled when this process stops leading)."""
         # (the rest: main loop only)
         self.controller: ReplicaController | None = None
         self._links: dict[str, _Stream] = {}
@@ -319,7 +341,10 @@ class AgentService(agent_pb2_grpc.AgentServiceServicer):
         answer = (self.control().heartbeat_interval, st.cordoned)
         desired = self._desired(link.node, link.acked, link.sent) if link.replicas else None
         asks = self._asks.pop(link.node, None)
-        if answer == link.said and desired is None and not asks:
+        # with a database, also at least every third of the lease: the agent takes silence for a lost leader
+        every = self.lease_ms / 3000 if self.lease_ms is not None else None
+        now = time.monotonic() if every is not None else 0.0
+        if answer == link.said and desired is None and not asks and (every is None or now - link.said_at < every):
             return
         resp = pb.HeartbeatResponse(heartbeat_interval_seconds=answer[0], cordoned=answer[1])
         if desired is not None:
@@ -328,6 +353,7 @@ class AgentService(agent_pb2_grpc.AgentServiceServicer):
         if asks:
             _put_asks(resp, asks)
         link.said = answer
+        link.said_at = now
         link.push(pb.StreamHeartbeatsResponse(heartbeat=resp))
 
     def _unlink(self, link: _Stream) -> None:
@@ -464,6 +490,47 @@ class AgentService(agent_pb2_grpc.AgentServiceServicer):
         hop = self.hop
         return fn(*args) if hop is None else await hop.run(fn, *args)
 
+    async def _on_main_async(self, fn: Callable[..., Awaitable[Any]], *args: Any) -> Any:
+        """Await ``fn(*args)`` on the main loop (the database's pool lives there)."""
+        hop = self.hop
+        if hop is None:
+            return await fn(*args)
+        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(fn(*args), hop.loop))  # type: ignore[arg-type]
+
+    def cancel_streams(self) -> None:
+        """End every heartbeat stream (on the control loop): the agents go to the new leader."""
+        for task in list(self.streams):
+            task.cancel()
+
+    async def _leader_only(self, context: Any, method: str) -> None:
+        """Refuse the call on a standby (UNAVAILABLE; the leader's address in the trailing metadata)."""
+        standby = self.standby
+        if standby is None:
+            return
+        leader = standby()
+        if leader is None:
+            return
+        if leader:
+            context.set_trailing_metadata(((LEADER_METADATA, leader),))
+        await self._abort(
+            context, method, grpc.StatusCode.UNAVAILABLE,
+            f"this control plane is a standby; the leader is at {leader}" if leader
+            else "this control plane is a standby and no leader is known yet: try another control plane",
+        )
+
+    async def _refuse_write(self, context: Any, method: str, exc: Exception) -> None:
+        from .db import DatabaseError
+        from .leader import NotLeader
+
+        if isinstance(exc, NotLeader):
+            li = exc.leader
+            if li is not None and li.grpc_address:
+                context.set_trailing_metadata(((LEADER_METADATA, li.grpc_address),))
+            await self._abort(context, method, grpc.StatusCode.UNAVAILABLE, f"not the leader any more: {exc}")
+        assert isinstance(exc, DatabaseError)
+        log.error("%s: the database failed: %s", method, exc)
+        await self._abort(context, method, grpc.StatusCode.UNAVAILABLE, "the control plane's database failed; retry")
+
     async def _abort(self, context: Any, method: str, code: grpc.StatusCode, message: str) -> None:
         self.stats.error(method, code)
         await context.abort(code, message)
@@ -526,7 +593,16 @@ class AgentService(agent_pb2_grpc.AgentServiceServicer):
                 f"labels: at most {MAX_LABELS}, keys and values of 1-{MAX_LABEL} printable characters"
                 f"{f' (bad: {bad[0][:60]!r})' if bad else ''}; advertise_address: a host name or IP without spaces",
             )
+        await self._leader_only(context, "Register")
         discovery = request.discovery
+        if self.on_register is not None:
+            from .db import DatabaseError
+            from .leader import NotLeader
+
+            try:
+                await self._on_main_async(self.on_register, name, node_id_for(name), discovery, request.agent_version)
+            except (NotLeader, DatabaseError) as exc:
+                await self._refuse_write(context, "Register", exc)
         st, created, access = await self._on_main(
             self._register, name, peer, request.agent_version, theirs, discovery, labels, advertise
         )
@@ -536,6 +612,8 @@ class AgentService(agent_pb2_grpc.AgentServiceServicer):
             discovery.source or "none",
         )
         c = self.control()
+        if self.lease_ms is not None:
+            await context.send_initial_metadata(((LEASE_METADATA, str(self.lease_ms)),))
         resp = pb.RegisterResponse(
             node_id=st.node_id,
             control_plane_version=__version__,
@@ -588,6 +666,7 @@ class AgentService(agent_pb2_grpc.AgentServiceServicer):
 
     async def Heartbeat(self, request: pb.HeartbeatRequest, context: Any) -> pb.HeartbeatResponse:
         await self._authenticate(context, "Heartbeat", request.node_name)
+        await self._leader_only(context, "Heartbeat")
         resp: pb.HeartbeatResponse | None = await self._on_main(self._unary_beat, request, context.peer())
         if resp is None:
             await self._abort(
@@ -614,22 +693,31 @@ class AgentService(agent_pb2_grpc.AgentServiceServicer):
         if msg is grpc.aio.EOF:
             return
         given = await self._authenticate(context, method, msg.heartbeat.node_name)
+        await self._leader_only(context, method)
         peer = context.peer()
         stats = self.stats
         stats.streams_open += 1
+        task = asyncio.current_task()
+        if task is not None:
+            self.streams.add(task)
         try:
             await self._stream_beats(context, method, msg, given, peer)
         finally:
             stats.streams_open -= 1
+            if task is not None:
+                self.streams.discard(task)
 
     async def _stream_beats(self, context: Any, method: str, msg: Any, given: str, peer: str) -> None:
         stream = _Stream(context, asyncio.get_running_loop(), self.stats)
         writer = asyncio.create_task(stream.write_loop(), name="llmgw heartbeat answers")
         hop, nodes = self.hop, self.nodes
+        standby = self.standby
         try:
             while msg is not grpc.aio.EOF:
                 hb = msg.heartbeat
                 await self._check(context, method, hb.node_name, given)  # a reload may have removed the token
+                if standby is not None and standby() is not None:
+                    await self._leader_only(context, method)
                 if hop is None:
                     self._stream_beat(stream, hb, peer, None)
                 else:  # recorded with the time it arrived; answered (when the answer changes) from there
@@ -662,6 +750,17 @@ class AgentService(agent_pb2_grpc.AgentServiceServicer):
 
     async def Deregister(self, request: pb.DeregisterRequest, context: Any) -> pb.DeregisterResponse:
         await self._authenticate(context, "Deregister", request.node_name)
+        await self._leader_only(context, "Deregister")
+        if self.on_deregister is not None:
+            from .db import DatabaseError
+            from .leader import NotLeader
+
+            known = self.nodes.by_id(request.node_id)  # (a read of a dict from this thread: no change is made)
+            if known is not None:
+                try:
+                    await self._on_main_async(self.on_deregister, known.name)
+                except (NotLeader, DatabaseError) as exc:
+                    await self._refuse_write(context, "Deregister", exc)
         removed = await self._on_main(self._deregister, request.node_id, request.reason)
         return pb.DeregisterResponse(removed=removed)
 
@@ -675,6 +774,14 @@ class AgentService(agent_pb2_grpc.AgentServiceServicer):
         log.info("node %s deregistered (%s)", st.name, reason or "no reason given")
         self._gone(st.name)
         return True
+
+
+def _no_blobs(node: str, digest: str) -> bool:
+    return False
+
+
+def _never() -> bool:
+    return False
 
 
 class ControlPlane:
@@ -694,11 +801,12 @@ class ControlPlane:
     name = "control plane"
 
     def __init__(
-        self, config: Callable[[], Config], admin: AdminApp | None = None, router: Router | None = None,
-        resolver: Resolver | None = None,
+        self, config: Callable[[], Config], admin: AdminApp | None = None, admin_addr: tuple[str, int] | None = None,
+        router: Router | None = None, resolver: Resolver | None = None,
     ) -> None:
         self.config = config
         self.admin = admin
+        self.admin_addr = admin_addr
         # Routers following this control plane (control/follow.py) see what the process's own router sees.
         self.follow_hub = FollowHub(router)
         self._router_tokens = _Tokens()
@@ -722,9 +830,22 @@ class ControlPlane:
         self.address: tuple[str, int] | None = None
         self.tls = False
         self._collector: Any = None
+        self._leader_collector: Any = None
         self._follow_collector: FollowCollector | None = None
         self._last: ControlConfig | None = None
-        self._state: Any = None  # StateFile when control.state_file is set
+        self._import_cordon_names: tuple[str, set[str]] | None = None
+        """``control.state_file`` whose cordons go into the database just created (the upgrade from it)."""
+        # with control.database (docs/ha.md); all of it on the main loop
+        self.db: Any = None
+        self.leadership: Any = None  # leader.Leadership
+        self._cordons: Any = None  # db.CordonStore
+        self._node_store: Any = None  # db.NodeStore
+        self._node_records: dict[str, tuple[str, str | None, str | None, str]] = {}
+        self._ready_epoch: int | None = None
+        self._in_router: frozenset[str] = frozenset()
+        """Endpoints the last term's controller left in the router (the next one takes them over)."""
+        self._stopping: list[asyncio.Future[None]] = []
+        """The epoch whose state is loaded: this process acts as leader only when it is the current one."""
 
     def _router_token_ok(self, given: str) -> bool | None:
         tokens = self._control().router_tokens
@@ -753,29 +874,44 @@ class ControlPlane:
             )
         creds = server_credentials(c)
         self.tls = creds is not None
+        from .db import DatabaseError, open_database
+        from .dburl import default_database, redact
+
+        url = c.database if c.database is not None else default_database(c.state_file).url
+        self.db = db = open_database(url)  # (raises ConfigError on a bad URL before anything binds)
+        try:
+            await db.open()
+            migrated = await db.migrate()
+        except DatabaseError as exc:
+            await db.close()
+            self.db = None
+            raise OSError(f"control.database: {exc}") from None
+        log.info("control-plane state in %s", redact(db.url))
+        if db.shared:
+            from .db import JoinTokenStore, token_digests, tokens_differ
+
+            try:
+                why = tokens_differ(await JoinTokenStore(db).load(), token_digests(c.join_tokens))
+            except DatabaseError:
+                why = None  # (the election reports the database)
+            if why is not None:
+                log.warning("%s", why)
         if c.state_file is not None:
             from .state import StateFile
 
-            self._state = StateFile(c.state_file)
-            self.nodes.restore_cordons(self._state.load())
-        else:
-            log.info("cordons are kept in memory only (set control.state_file to keep them across restarts)")
-        from .deployments import DeploymentController
-        from .resolve import mirror_resolver
-        from .store import open_store
-
-        # (on the main loop, beside the node map it places on: the agent service reaches it there)
-        store = open_store(c.database, c.state_file)
-        log.info("deployments are kept in %s", store.path)
-        self.deployments = DeploymentController(
-            nodes=self.nodes, store=store, router=self.router, config=self.config,
-            resolver=self.resolver or mirror_resolver(self.config().mirror_root),
-        )
-        await self.deployments.start()
-        self.service.attach(self.deployments)  # desired sets pushed to the agents, their statuses back
-        from ..mirror.serve import placed_blobs
-
-        self.mirror_server.allowed = placed_blobs(self.deployments)  # a node fetches what its replicas need
+            try:  # (read on every start: a file that cannot be read stops it with its name, as it always did)
+                names = StateFile(c.state_file).load()
+            except ConfigError:
+                await db.close()
+                self.db = None
+                raise
+            if 2 in migrated:  # (2: the cordons' table, new in this database: the upgrade from the file)
+                self._import_cordon_names = (c.state_file, names)
+        # a standby from the first call on: until it has won the lease (and loaded its state)
+        # this process refuses agents, so none registers with it before the election
+        self.service.standby = self._standby
+        if db.shared:
+            self.service.lease_ms = int(c.lease * 1000)
         host, port = c.listen
         addr = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
         thread = ControlThread()
@@ -784,30 +920,34 @@ class ControlPlane:
         self.service.hop = hop = MainHop(asyncio.get_running_loop(), thread.loop)
         self.router_service.to_main = hop.submit
         attach_follow(thread, self.follow_hub, self.router_service)
-        deployments, loop = self.deployments, asyncio.get_running_loop()
-        settle_by = loop.time() + c.heartbeat_grace  # (a node that does not report by then is not coming soon)
-        self.follow_hub.settled = lambda: loop.time() >= settle_by or all(
-            r.status is not None for r in deployments.replicas.values())
+        self.router_service.standby = self._standby  # (routers are refused by a standby, as agents are)
+        self.follow_hub.settled = _never  # (until a term's controller knows which replicas are ready: _lead_deployments)
         self.follow_hub.start()
         try:
             server, bound = await thread.run(self._serve(addr, creds))
         except BaseException:
             thread.stop()
             self.service.hop = None
+            await db.close()
+            self.db = None
             raise
         self.thread = thread
         self.server = server
         self.address = (host, bound)
         if self.admin is not None:
             from .collector import ClusterCollector
+            from .ha import LeaderCollector
 
-            self._collector = ClusterCollector(self.nodes, self.stats, deployments=self.deployments)
+            self._collector = ClusterCollector(self.nodes, self.stats)  # (its deployments: the leader's, _lead)
             self.admin.register_text_collector(self._collector)
+            self._leader_collector = LeaderCollector(self)
+            self.admin.register_collector(self._leader_collector)
             self._follow_collector = FollowCollector(self.follow_hub.stats)
             self.admin.register_collector(self._follow_collector)
             self.admin.attach_nodes(self)
-            self.admin.attach_deployments(self.deployments)
+            self.admin.attach_role(self.role)
             self.admin.attach_mirror(self.mirror_server)
+        await self._start_database(c, bound)
         log.info(
             "control plane listening on %s://%s:%d (heartbeat every %gs, grace %gs%s)",
             "grpcs" if self.tls else "grpc", host, bound, c.heartbeat_interval, c.heartbeat_grace,
@@ -829,16 +969,24 @@ class ControlPlane:
         return server, bound
 
     async def stop(self) -> None:
+        ctl = self.deployments
+        if ctl is not None:  # what it decided last goes into the database before the lease is handed back
+            try:
+                await asyncio.wait_for(ctl.committed(), 5.0)
+            except Exception as exc:
+                log.warning("stopping with deployment changes not saved (%s: %s)", type(exc).__name__, exc)
         if self.admin is not None:
             self.admin.attach_nodes(None)
+            self.admin.attach_role(None)
             self.admin.attach_deployments(None)
             self.admin.attach_mirror(None)
-            if self._collector is not None:
-                self.admin.unregister_collector(self._collector)
-                self._collector = None
-            if self._follow_collector is not None:
-                self.admin.unregister_collector(self._follow_collector)
-                self._follow_collector = None
+            for attr in ("_collector", "_leader_collector", "_follow_collector"):
+                col = getattr(self, attr)
+                if col is not None:
+                    self.admin.unregister_collector(col)
+                    setattr(self, attr, None)
+        if self.leadership is not None:
+            await self.leadership.stop(release=True)
         server, thread = self.server, self.thread
         self.server = self.thread = None
         if server is not None and thread is not None:
@@ -851,9 +999,217 @@ class ControlPlane:
         self.mirror_server.close()
         await self.service.close()
         if self.deployments is not None:
-            self.service.attach(None)
-            await self.deployments.stop()
-            self.deployments = None
+            ctl = self.deployments
+            self._attach_deployments(None)
+            await ctl.stop()
+        while self._stopping:
+            await self._stopping.pop()
+        if self.db is not None:
+            await self.db.close()
+            self.db = None
+
+    # -- with a database: the election and the fenced state (docs/ha.md) --
+
+    @staticmethod
+    def _advertised(advertise: str | None, bound_host: str, port: int) -> str:
+        """``HOST:PORT`` others reach a listener at: ``control.advertise``, else its own host (FQDN for a wildcard)."""
+        host = advertise or bound_host
+        if host in ("0.0.0.0", "::", "", "[::]"):
+            host = socket.getfqdn()
+        return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
+
+    async def _start_database(self, c: ControlConfig, grpc_port: int) -> None:
+        from .db import CordonStore, NodeStore
+        from .leader import Leadership
+
+        db = self.db
+        self._cordons = CordonStore(db)
+        self._node_store = NodeStore(db)
+        me = self._advertised(c.advertise, c.listen[0], grpc_port)
+        admin = None
+        if self.admin_addr is not None:
+            admin = "http://" + self._advertised(c.advertise, self.admin_addr[0], self.admin_addr[1])
+        self.leadership = Leadership(
+            db, holder=f"{socket.gethostname()}/{me}", lease=c.lease, grpc_address=me, admin_address=admin,
+            on_elected=self._elected, on_deposed=self._deposed,
+        )
+        self.service.on_register = self._record_node
+        self.service.on_deregister = self._forget_node
+        # the first campaign before start() returns: alone (SQLite, or the first of several), this
+        # process leads before any agent calls; a standby knows whom to name
+        await self.leadership.first()
+        log.info("campaigning for the control-plane lease (%gs) as %s%s", c.lease, me,
+                 "" if db.shared else " (SQLite: one process, it leads)")
+
+    async def _elected(self, epoch: int) -> None:
+        assert self._cordons is not None and self._node_store is not None
+        if self._import_cordon_names is not None:
+            await self._import_cordons(*self._import_cordon_names)
+        cordons = await self._cordons.load()
+        records = await self._node_store.load()
+        if self.leadership is None or self.leadership.epoch != epoch:
+            return
+        self.nodes.clear()
+        self.nodes.restore_cordons(cordons)
+        self._node_records = records
+        await self._record_tokens()
+        await self._lead_deployments(epoch)
+        if self.leadership is None or self.leadership.epoch != epoch:
+            return
+        self._ready_epoch = epoch
+        ctl = self.deployments
+        log.info("leading with %d cordon(s), %d known node(s), %d deployment(s) and %d replica(s) from the database",
+                 len(cordons), len(records), len(ctl.deployments) if ctl else 0, len(ctl.replicas) if ctl else 0)
+
+    async def _record_tokens(self) -> None:
+        """The join tokens' digests into the database when they differ from what it holds (a rare write)."""
+        from .db import JoinTokenStore, token_digests, tokens_differ
+
+        lead, db = self.leadership, self.db
+        assert lead is not None and db is not None
+        store = JoinTokenStore(db)
+        have, mine = await store.load(), token_digests(self._control().join_tokens)
+        if have == mine:
+            return
+        why = tokens_differ(have, mine)
+        if why is not None:
+            log.warning("%s; the database now holds this leader's", why)
+        async with lead.transaction() as (tx, epoch):
+            await store.replace(tx, mine, have, epoch)
+
+    async def _lead_deployments(self, epoch: int) -> None:
+        """A new term's controller, made from what the database holds (the last term's is gone)."""
+        from .db import DesiredStore
+        from .deployments import DeploymentController
+        from .resolve import mirror_resolver
+
+        lead = self.leadership
+        assert lead is not None and self.db is not None
+        store = DesiredStore(self.db, functools.partial(lead.transaction, epoch),
+                             on_failed=functools.partial(self._write_failed, epoch))
+        await store.load()
+        if lead.epoch != epoch:
+            return
+        # (on the main loop, beside the node map it places on: the agent service reaches it there)
+        ctl = DeploymentController(
+            nodes=self.nodes, store=store, router=self.router, config=self.config,
+            resolver=self.resolver or mirror_resolver(self.config().mirror_root), in_router=self._in_router,
+        )
+        self._in_router = frozenset()
+        await ctl.start()
+        self._attach_deployments(ctl)
+        loop = asyncio.get_running_loop()
+        settle_by = loop.time() + self._control().heartbeat_grace  # (a node not reporting by then is not coming soon)
+        self.follow_hub.settled = lambda: loop.time() >= settle_by or all(
+            r.status is not None for r in ctl.replicas.values())
+
+    def _attach_deployments(self, ctl: DeploymentController | None) -> None:
+        """Desired sets to the agents, statuses back, blobs to fetch, the API and the families: ``ctl``'s."""
+        from ..mirror.serve import placed_blobs
+
+        self.deployments = ctl
+        self.service.attach(ctl)
+        self.mirror_server.allowed = placed_blobs(ctl) if ctl is not None else _no_blobs  # what a node's replicas need
+        if self.admin is not None:
+            self.admin.attach_deployments(ctl)
+        if self._collector is not None:
+            self._collector.deployments = ctl
+
+    def _write_failed(self, epoch: int, exc: BaseException) -> None:
+        """A fenced write of ``epoch`` failed: stop leading (the next term starts from the database)."""
+        lead = self.leadership
+        if lead is not None and lead.epoch == epoch:
+            lead.resign(f"a write to the database failed ({type(exc).__name__})")
+
+    async def _import_cordons(self, path: str, names: set[str]) -> None:
+        """The upgrade from ``control.state_file``: its cordons go into the database created now (once)."""
+        lead, store = self.leadership, self._cordons
+        assert lead is not None and store is not None
+        async with lead.transaction() as (tx, epoch):
+            for name in sorted(names):
+                await store.set(tx, name, True, epoch)
+        self._import_cordon_names = None
+        log.info("imported %d cordon(s) from %s into the database (the file is not used any more)", len(names), path)
+
+    def _deposed(self) -> None:
+        self._ready_epoch = None
+        ctl = self.deployments
+        if ctl is not None:  # the term's controller ends; its replicas keep running (and serving) meanwhile
+            self._in_router = ctl.in_router()
+            self._attach_deployments(None)
+            self._stopping = [f for f in self._stopping if not f.done()]
+            self._stopping.append(asyncio.ensure_future(ctl.stop()))
+        # the agents' streams end (on the control loop, where they run): they go to the new leader
+        self.follow_hub.settled = _never
+        if self.thread is not None:
+            self.thread.call(self.service.cancel_streams)
+            self.thread.call(self.router_service.end_streams)  # (routers go to the new leader too)
+        else:
+            self.service.cancel_streams()
+            self.router_service.end_streams()
+        self.nodes.clear()
+
+    def leading(self) -> bool:
+        """Whether this process acts as the control plane now (always, without a database)."""
+        if self.db is None and self.leadership is None:
+            return True
+        lead = self.leadership
+        return lead is not None and lead.acting() and self._ready_epoch == lead.epoch
+
+    def _standby(self) -> str | None:
+        if self.leading():
+            return None
+        li = self.leadership.other_leader() if self.leadership is not None else None
+        return (li.grpc_address or "") if li is not None else ""
+
+    def role(self) -> dict[str, Any] | None:
+        """``None`` on the leader; a standby's ``/ready`` body (503) naming the leader."""
+        if self.leading():
+            return None
+        lead = self.leadership
+        li = lead.other_leader() if lead is not None else None
+        body: dict[str, Any] = {"ready": False, "reason": "standby", "role": "standby"}
+        if li is not None:
+            body["leader"] = {"grpc": li.grpc_address, "admin": li.admin_address, "epoch": li.epoch}
+        return body
+
+    def not_leader(self) -> str | None:
+        """The management API's answer on a standby (``None`` on the leader): who leads."""
+        if self.leading():
+            return None
+        lead = self.leadership
+        li = lead.other_leader() if lead is not None else None
+        if li is None:
+            return "this control plane is a standby and no leader is known yet: retry in a few seconds"
+        return f"this control plane is a standby; the leader is at {li.admin_address or li.grpc_address} (epoch {li.epoch})"
+
+    def leader_admin(self) -> str | None:
+        lead = self.leadership
+        li = lead.other_leader() if lead is not None else None
+        return li.admin_address if li is not None else None
+
+    @staticmethod
+    def _node_record(discovery: Any, agent_version: str, node_id: str) -> tuple[str, str | None, str | None, str]:
+        gpus = json.dumps([g.uuid for g in discovery.gpus])
+        return (node_id, discovery.facts.hostname or None, agent_version or None, gpus)
+
+    async def _record_node(self, name: str, node_id: str, discovery: Any, agent_version: str) -> None:
+        """Register's write: the node's identity, only when it changed (never per heartbeat)."""
+        lead, store = self.leadership, self._node_store
+        assert lead is not None and store is not None
+        rec = self._node_record(discovery, agent_version, node_id)
+        if self._node_records.get(name) == rec and self.leading():
+            return
+        async with lead.transaction() as (tx, epoch):
+            await store.put(tx, name, rec, epoch)
+        self._node_records[name] = rec
+
+    async def _forget_node(self, name: str) -> None:
+        lead, store = self.leadership, self._node_store
+        assert lead is not None and store is not None
+        async with lead.transaction() as (tx, _epoch):
+            await store.delete(tx, name)
+        self._node_records.pop(name, None)
 
     def _mirror_root(self) -> str:
         from ..mirror.store import default_root
@@ -918,28 +1274,52 @@ class ControlPlane:
         st = self.nodes.get(name)
         return node_view(self.nodes, st, gpus=True) if st is not None else None
 
-    def set_cordoned(self, name: str, cordoned: bool) -> dict[str, Any] | None:
-        """Cordon/uncordon; the node's view with ``changed``, ``None`` when there is no such node."""
+    async def set_cordoned(self, name: str, cordoned: bool) -> dict[str, Any] | None:
+        """Cordon/uncordon; the node's view with ``changed``, ``None`` when there is no such node.
+
+        With a database the change is written first, fenced by the leader's epoch: a deposed
+        leader changes nothing (503 ``not_leader``).
+
+        Raises:
+            HTTPError: 503 (not the leader any more, the database or the state file failed).
+        """
         from .views import node_view
 
+        st = self.nodes.get(name)
+        if st is None:
+            return None
+        if st.cordoned != cordoned:
+            await self._write_cordon(name, cordoned)
         try:
             st, changed = self.nodes.set_cordoned(name, cordoned)
         except KeyError:
             return None
-        if changed and self._state is not None:
-            try:
-                self._state.save(self.nodes.cordoned)
-            except OSError as exc:
-                self.nodes.set_cordoned(name, not cordoned)
-                log.error("could not save %s: %s; node %s left %s", self._state.path, exc, name,
-                          "uncordoned" if cordoned else "cordoned")
-                raise HTTPError(
-                    f"could not save control.state_file {self._state.path} ({exc.strerror or exc}); the node was "
-                    f"left {'uncordoned' if cordoned else 'cordoned'}: fix the file's directory or permissions",
-                    code="state_not_saved",
-                ) from None
         if changed:
             log.info("node %s %s", name, "cordoned" if cordoned else "uncordoned")
         view = node_view(self.nodes, st, gpus=False)
         view["changed"] = changed
         return view
+    async def _write_cordon(self, name: str, cordoned: bool) -> None:
+        from .db import DatabaseError
+        from .leader import NotLeader
+
+        lead, store = self.leadership, self._cordons
+        assert lead is not None and store is not None
+        try:
+            async with lead.transaction() as (tx, epoch):
+                await store.set(tx, name, cordoned, epoch)
+        except NotLeader as exc:
+            li = exc.leader
+            raise HTTPError(
+                f"{exc}; nothing was changed" + (f": the leader is at {li.admin_address}" if li and li.admin_address
+                                                 else ""),
+                status=503, type="service_unavailable_error", code="not_leader",
+                headers=((b"llmgw-leader", li.admin_address.encode()),) if li and li.admin_address else None,
+            ) from None
+        except (DatabaseError, asyncio.TimeoutError) as exc:
+            log.error("could not write the cordon of %s to the database: %s", name, exc)
+            raise HTTPError(
+                f"the control plane's database failed ({type(exc).__name__}); node {name} was left "
+                f"{'uncordoned' if cordoned else 'cordoned'}: retry", status=503,
+                type="service_unavailable_error", code="database_unavailable",
+            ) from None

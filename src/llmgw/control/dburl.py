@@ -1,0 +1,101 @@
+"""``control.database``: the URL forms llmgw accepts, and the default when it is unset.
+
+SQLAlchemy's forms, so a URL written for other tools means the same here:
+
+* ``postgresql://USER[:PASSWORD]@HOST:PORT/DB`` (or ``postgres://``): shared by several
+  ``llmgw serve`` processes, which elect a leader (:mod:`llmgw.control.leader`);
+* ``sqlite:///RELATIVE/PATH`` (three slashes: relative to the working directory) and
+  ``sqlite:////ABSOLUTE/PATH`` (four: an absolute path); ``~`` is expanded;
+* ``sqlite::memory:``: nothing kept (the demo, tests).
+
+Unset: an SQLite file where llmgw's earlier deployments store was, so an upgrade finds
+it: ``deployments.sqlite3`` beside ``control.state_file`` when that is set, else
+``$XDG_STATE_HOME/llmgw/control.sqlite3`` (``~/.local/state/llmgw/``).
+
+Pure (stdlib only): the config loader checks a URL with it before anything starts.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import urlsplit
+
+from ..errors import ConfigError
+
+__all__ = ["MEMORY", "DatabaseURL", "check_database_url", "default_database", "parse_database_url", "redact"]
+
+MEMORY = ":memory:"
+FORMS = "postgresql://USER@HOST:PORT/DB, sqlite:///RELATIVE/PATH, sqlite:////ABSOLUTE/PATH or sqlite::memory:"
+
+
+@dataclass(frozen=True, slots=True)
+class DatabaseURL:
+    dialect: str
+    """``postgresql`` or ``sqlite``."""
+    url: str
+    """As written (or made for the default): log it through :func:`redact`."""
+    path: str | None = None
+    """SQLite: the file (``:memory:`` for none)."""
+
+
+def redact(url: str) -> str:
+    """The URL without its password (for logs and errors)."""
+    try:
+        parts = urlsplit(url)
+        password = parts.password
+    except ValueError:
+        return url.split("@", 1)[-1] if "@" in url else url
+    if password is None:
+        return url
+    netloc = parts.netloc.rsplit("@", 1)
+    return url.replace(parts.netloc, f"{parts.username or ''}:***@{netloc[-1]}", 1)
+
+
+def parse_database_url(url: str) -> DatabaseURL:
+    """The database ``control.database`` names.
+
+    Raises:
+        ConfigError: a URL in none of the forms (the message names them).
+    """
+    scheme = url.split(":", 1)[0].lower()
+    if scheme in ("postgresql", "postgres"):
+        if not url[len(scheme):].startswith("://"):
+            raise ConfigError("control.database", f"{redact(url)[:80]!r}: write postgresql://USER@HOST:PORT/DB")
+        return DatabaseURL("postgresql", url)
+    if scheme == "sqlite":
+        rest = url[len("sqlite:"):]
+        if rest == MEMORY:
+            return DatabaseURL("sqlite", url, MEMORY)
+        if not rest.startswith("///") or len(rest) == 3:
+            raise ConfigError(
+                "control.database",
+                f"{url[:80]!r}: an SQLite URL is sqlite:///RELATIVE/PATH, sqlite:////ABSOLUTE/PATH (four slashes) "
+                "or sqlite::memory:",
+            )
+        return DatabaseURL("sqlite", url, os.path.expanduser(rest[3:]))
+    raise ConfigError("control.database", f"expected {FORMS}, got {redact(url)[:80]!r}")
+
+
+def check_database_url(url: str) -> str | None:
+    """What is wrong with ``url`` (``None``: nothing), for the config loader's ``file:line: key: message``."""
+    try:
+        parse_database_url(url)
+    except ConfigError as exc:
+        return exc.message
+    return None
+
+
+def _state_home() -> Path:
+    base = os.environ.get("XDG_STATE_HOME")
+    return Path(base) if base else Path.home() / ".local" / "state"
+
+
+def default_database(state_file: str | None) -> DatabaseURL:
+    """The SQLite file used when ``control.database`` is unset (module docstring)."""
+    if state_file:
+        path = Path(state_file).expanduser().absolute().parent / "deployments.sqlite3"
+    else:
+        path = (_state_home() / "llmgw" / "control.sqlite3").absolute()
+    return DatabaseURL("sqlite", f"sqlite:///{path}", str(path))

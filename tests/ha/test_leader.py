@@ -1,0 +1,171 @@
+"""The election and the fenced writes against a real PostgreSQL (and SQLite), in process."""
+
+from __future__ import annotations
+
+import asyncio
+import sqlite3
+from pathlib import Path
+
+import pytest
+from cp_helpers import wait_for
+
+from llmgw.control.db import MIGRATIONS, CordonStore, Migration, open_database
+from llmgw.control.leader import Leadership, NotLeader
+from llmgw.errors import ConfigError
+
+LEASE = 1.0
+
+
+class Clock:
+    """A monotonic clock a test can freeze (a paused process sees no time pass until it resumes)."""
+
+    def __init__(self) -> None:
+        self.frozen: float | None = None
+
+    def __call__(self) -> float:
+        import time
+
+        return self.frozen if self.frozen is not None else time.monotonic()
+
+
+async def test_one_leads_the_other_takes_over_and_the_old_epoch_is_fenced(pg_dsn: str) -> None:
+    db_a, db_b = open_database(pg_dsn), open_database(pg_dsn)
+    await db_a.open()
+    await db_b.open()
+    try:
+        # both migrate at once: the advisory lock lets one do it, the other finds nothing to do
+        applied = await asyncio.gather(db_a.migrate(), db_b.migrate())
+        assert sorted(applied, key=len) == [[], [m.version for m in MIGRATIONS]]
+        assert await db_a.migrate() == []
+        elected: list[tuple[str, int]] = []
+
+        async def on_a(epoch: int) -> None:
+            elected.append(("a", epoch))
+
+        async def on_b(epoch: int) -> None:
+            elected.append(("b", epoch))
+
+        clock_a = Clock()
+        a = Leadership(db_a, holder="a", lease=LEASE, grpc_address="a:1", admin_address="http://a:2",
+                       on_elected=on_a, clock=clock_a)
+        a.start()
+        await wait_for(a.acting, what="a leads")
+        b = Leadership(db_b, holder="b", lease=LEASE, grpc_address="b:1", admin_address="http://b:2", on_elected=on_b)
+        b.start()
+        await wait_for(lambda: b.leader is not None, what="b read the lease")
+        assert not b.acting() and b.other_leader() is not None and b.other_leader().admin_address == "http://a:2"  # type: ignore[union-attr]
+        epoch_a = a.epoch
+        assert epoch_a is not None and elected == [("a", epoch_a)]
+        cordons = CordonStore(db_a)
+        async with a.transaction() as (tx, epoch):
+            await cordons.set(tx, "gpu-1", True, epoch)
+        with pytest.raises(NotLeader):
+            async with b.transaction():
+                pass
+        # a "pauses": its loop stops (no renew, no release) and its clock stands still, so by its
+        # own reckoning it still leads; the database's clock runs on and b takes over
+        task = a._task
+        assert task is not None
+        task.cancel()
+        clock_a.frozen = clock_a()
+        await wait_for(b.acting, timeout=10 * LEASE, what="b takes over")
+        assert b.epoch == epoch_a + 1 and a.acting()  # (a's view, frozen)
+        # a's write is fenced by the database: nothing written
+        with pytest.raises(NotLeader, match="fenced"):
+            async with a.transaction() as (tx, epoch):
+                await cordons.set(tx, "gpu-2", True, epoch)
+        assert await CordonStore(db_b).load() == {"gpu-1"}
+        # resumed: its deadline is long gone, it steps down by itself and acts on nothing
+        clock_a.frozen = None
+        assert not a.acting()
+        a._check_deadline()
+        assert a.epoch is None and a.stepped_down == 1
+        # b stops cleanly: the lease is released, so a (campaigning again) leads at once
+        a._stop.clear()
+        a.start()
+        await b.stop(release=True)
+        await wait_for(a.acting, timeout=3 * LEASE, what="a leads again after b's release")
+        assert a.epoch == epoch_a + 2 and a.terms == 2
+        await a.stop()
+    finally:
+        await db_a.close()
+        await db_b.close()
+
+
+async def test_a_newer_schema_is_refused(pg_dsn: str) -> None:
+    db = open_database(pg_dsn)
+    await db.open()
+    try:
+        future = (*MIGRATIONS, Migration(len(MIGRATIONS) + 1, "from the future", ("CREATE TABLE llmgw_future (x INT)",)))
+        assert await db.migrate(future) == [m.version for m in future]
+        with pytest.raises(ConfigError, match="upgrade llmgw"):
+            await db.migrate()
+    finally:
+        await db.close()
+
+
+async def test_sqlite_for_one_machine(tmp_path: Path) -> None:
+    path = tmp_path / "state" / "control.db"
+    db = open_database(f"sqlite:///{path}")
+    await db.open()
+    try:
+        assert await db.migrate() == [m.version for m in MIGRATIONS]
+        lead = Leadership(db, holder="only", lease=LEASE, grpc_address=None, admin_address=None)
+        lead.start()
+        await wait_for(lead.acting, what="the only process leads")
+        async with lead.transaction() as (tx, epoch):
+            await CordonStore(db).set(tx, "n1", True, epoch)
+        await lead.stop()
+    finally:
+        await db.close()
+    rows = sqlite3.connect(path).execute("SELECT node, epoch FROM llmgw_cordons").fetchall()
+    assert rows == [("n1", 1)]
+    with pytest.raises(ConfigError, match="sqlite:///RELATIVE/PATH"):
+        open_database("sqlite://nohost")
+    with pytest.raises(ConfigError, match="postgresql://"):
+        open_database("mysql://x")
+
+
+def test_a_database_password_is_never_shown() -> None:
+    from llmgw.control.db import redact
+
+    assert redact("postgresql://llmgw:pw-9f@db:5432/llmgw") == "postgresql://llmgw:***@db:5432/llmgw"
+    assert redact("postgresql://llmgw@db/llmgw") == "postgresql://llmgw@db/llmgw"
+    with pytest.raises(ConfigError) as ei:
+        open_database("mysql://u:pw-9f@db/x")
+    assert "pw-9f" not in str(ei.value)
+
+
+async def test_what_one_term_queued_is_never_written_by_the_next(pg_dsn: str) -> None:
+    """The desired-state writes are pinned to the term that queued them: a process deposed and elected
+    again (a new epoch) does not commit its old term's queue; the failure resigns only that term."""
+    import functools
+
+    from llmgw.control.db import DesiredStore, StoredReplica
+
+    db = open_database(pg_dsn)
+    await db.open()
+    try:
+        await db.migrate()
+        lead = Leadership(db, holder="a", lease=LEASE, grpc_address=None, admin_address=None)
+        lead.start()
+        await wait_for(lead.acting, what="a leads")
+        first = lead.epoch
+        assert first is not None
+        failed: list[BaseException] = []
+        old = DesiredStore(db, functools.partial(lead.transaction, first), on_failed=failed.append)
+        old.put_replica(StoredReplica("r-1", "d", "n", {"api_key": "k"}))
+        await old.flushed()  # (in its own term: written)
+        lead.resign("a test")
+        await wait_for(lambda: lead.acting() and lead.epoch != first, timeout=5 * LEASE, what="a new term")
+        told: list[str] = []
+        old.put_replica(StoredReplica("r-2", "d", "n", {"api_key": "k"}), then=lambda: told.append("r-2"))
+        with pytest.raises(NotLeader, match=f"epoch {first} is over"):
+            await old.flushed()
+        assert told == [] and len(failed) == 1 and lead.acting()  # (the new term goes on)
+        new = DesiredStore(db, functools.partial(lead.transaction, lead.epoch))
+        await new.load()
+        assert [(r.id, r.spec["api_key"]) for r in new.replicas()] == [("r-1", "k")]
+        await lead.stop()
+    finally:
+        await db.close()
