@@ -9,7 +9,11 @@ Two measurements (docs/ha.md quotes them):
   (a) until another process reports ``llmgw_control_leader 1`` (polled every 20 ms on
   ``/metrics``): the failover time; (b) until every agent is ``up`` on the new leader:
   the agents' follow time. The killed process is restarted (it comes back a standby)
-  before the next kill.
+  before the next kill. With ``--route``, the agents are real ``llmgw agent`` processes
+  running a deployment (one replica each, on the vLLM stand-in engine), a router
+  (``llmgw serve`` with ``follow:``) follows every control plane, and a client sends
+  requests through it without pause (two at a time) all through the kills: the
+  requests that failed are counted (goal: none).
 * **Database load** (``--db-load``): a leader and a standby with the default lease,
   ``--fleet`` simulated agents (``bench/cluster_scale.py``'s, in this process) with 8 GPUs
   each heartbeating every ``--interval`` s. Once every node is up, the statistics are
@@ -22,6 +26,7 @@ Two measurements (docs/ha.md quotes them):
   leader is timed and its writes counted.
 
     .venv/bin/python bench/failover.py --kills 20 --lease 2
+    .venv/bin/python bench/failover.py --kills 20 --lease 2 --route   # + a router and a client
     .venv/bin/python bench/failover.py --db-load --fleet 1000 --window 30
 
 Every process it starts is stopped on exit.
@@ -89,16 +94,45 @@ async def kills(a: argparse.Namespace, pg: PostgresServer, work: Path) -> dict[s
     from scenario import h100s, write_scenario
 
     dsn = await _create_db(pg.dsn, "failover")
-    procs = [Serve(work, f"cp{i}", dsn, TOKEN, lease=a.lease, interval=a.interval).start() for i in range(a.serve)]
+    env: dict[str, str] = {}
+    token = TOKEN
+    if a.route:
+        from cp_helpers import TOKEN as token  # (the test's Agent presents it)
+        from test_deployments_failover import ROUTER_TOKEN, ROUTER_TOKEN_ENV, Agent, Load, Router, _ok, _ready
+
+        from llmgw.testing import standins
+
+        bin_dir = standins.install(work / "bin")
+        env = {"PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}",
+               "PYTHONPATH": os.pathsep.join(x for x in (str(standins.PYTHONPATH), os.environ.get("PYTHONPATH", ""))
+                                             if x),
+               "LLMGW_MIRROR": str(work / "mirror"), ROUTER_TOKEN_ENV: ROUTER_TOKEN}
+    procs = [Serve(work, f"cp{i}", dsn, token, lease=a.lease, interval=a.interval, env=env,
+                   router_token_env=ROUTER_TOKEN_ENV if a.route else None).start() for i in range(a.serve)]
     agents: list[Any] = []
     failover: list[float] = []
     follow: list[float] = []
+    router: Any = None
+    load: Any = None
+    routed: dict[str, Any] = {}
     try:
-        await the_leader(procs, 60)
+        leader = await the_leader(procs, 60)
         control = ",".join(p.address for p in procs)
         for i in range(a.agents):
+            if a.route:
+                agents.append(Agent(work, f"node-{i}", control, env))
+                continue
             scen = write_scenario(work / f"n{i}.json", {"hostname": f"h{i}", "source": "nvml", "gpus": h100s(1, "x")})
             agents.append(AgentProc(control, f"node-{i}", scen, work / f"node-{i}.log", token=TOKEN).start())
+        if a.route:
+            await wait_until(lambda p=leader: _up_all(p, a.agents), 60, "every agent on the leader")
+            status, _, d = await leader.api("POST", "/admin/v1/deployments", {
+                "name": "chat", "replicas": a.agents, "model": "stand-in/chat", "engine": "vllm", "gpu_memory": "1GiB"})
+            assert status == 201, d
+            await wait_until(lambda: _ready(leader, "chat", a.agents), 120, "the deployment's replicas ready")
+            router = Router(work, [p.address for p in procs], env)
+            await wait_until(lambda: _ok(router.port, "chat"), 60, "the router routing chat")
+            load = Load(router.port, "chat")
         for k in range(a.kills):
             leader = await the_leader(procs, 60)
             await wait_until(lambda p=leader: _up_all(p, a.agents), 30, "every agent on the leader")
@@ -122,16 +156,32 @@ async def kills(a: argparse.Namespace, pg: PostgresServer, work: Path) -> dict[s
                   flush=True)
             leader.start()
             await wait_until(lambda p=leader: _answers(p), 60, "the restarted process")
+        if load is not None:
+            await load.stop()
+            launches: dict[str, int] = {}
+            for ag in agents:
+                for rid, n in ag.launches().items():
+                    launches[rid] = launches.get(rid, 0) + n
+            routed = {"requests_ok": load.ok, "requests_failed": len(load.failed),
+                      "failed_statuses": sorted(set(load.failed)),
+                      "replicas_launched_more_than_once": sorted(r for r, n in launches.items() if n > 1)}
+            print(f"through the router: {load.ok} requests answered, {len(load.failed)} failed", flush=True)
+            load = None
     except BaseException:
         for f in sorted(work.glob("*.log")):
             print(f"== {f.name}\n" + "".join(f.read_text(errors="replace").splitlines(True)[-25:]), file=sys.stderr)
         raise
     finally:
+        if load is not None:
+            await load.stop()
+        if router is not None:
+            router.stop()
         for ag in agents:
             ag.stop()
         for p in procs:
             p.stop()
     return {
+        **routed,
         "lease_s": a.lease, "serve": a.serve, "agents": a.agents, "kills": len(failover),
         "failover_s": {"median": statistics.median(failover), "p90": pct(failover, 0.9), "max": max(failover),
                        "min": min(failover)},
@@ -260,6 +310,9 @@ def main() -> None:
     ap.add_argument("--agents", type=int, default=2, help="agent processes (failover)")
     ap.add_argument("--lease", type=float, default=None, help="control.lease, seconds (2 failover, 15 db-load)")
     ap.add_argument("--interval", type=float, default=None, help="heartbeat interval (0.2 failover, 5 db-load)")
+    ap.add_argument("--route", action="store_true",
+                    help="failover: agents run a deployment, a router follows, a client's requests through it are "
+                         "counted")
     ap.add_argument("--db-load", action="store_true")
     ap.add_argument("--fleet", type=int, default=1000, help="simulated agents (db-load)")
     ap.add_argument("--window", type=float, default=30.0)
