@@ -27,6 +27,7 @@ from click.testing import CliRunner
 from canary import MARK, MARK_BYTES, check_text
 from canary import leaks as _leaks
 from llmgw._accel import NO_EXTENSIONS
+from tools import need_tool
 
 TWINS = [pytest.param("c", marks=pytest.mark.c_extension, id="c"), pytest.param("py", id="py")]
 
@@ -89,6 +90,12 @@ def _no_live_objects_left(request: pytest.FixtureRequest) -> Iterator[None]:
         if not left:
             return
     raise AssertionError(f"live objects left by this test (debug build): {left}")
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """``@pytest.mark.needs_tool("promtool", install="apt-get install prometheus")``: see ``tools.py``."""
+    for mark in item.iter_markers("needs_tool"):
+        need_tool(*mark.args, **mark.kwargs)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -25,7 +25,7 @@ CHROMIUM = next((p for p in map(shutil.which, ("chromium", "chromium-browser", "
 
 pytestmark = [
     pytest.mark.skipif(not DASHBOARD.exists(), reason="not in a source tree (bench/ absent)"),
-    pytest.mark.skipif(CHROMIUM is None, reason="no chromium on PATH (Debian: apt-get install chromium)"),
+    pytest.mark.needs_tool("chromium", "chromium-browser", "google-chrome", install="apt-get install chromium"),
 ]
 
 FIGURES = ["promscan.scan vllm page", "score Picker.pick 64", "proxied request", "bench_score.py::test_pick_64"]

@@ -5,7 +5,6 @@ from __future__ import annotations
 import gzip
 import math
 import re
-import shutil
 import subprocess
 import time
 from pathlib import Path
@@ -169,7 +168,7 @@ async def test_openmetrics_by_accept_and_gzip() -> None:
         assert b"llmgw_requests_total" in gzip.decompress(body)
 
 
-@pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool is not installed (CI installs it)")
+@pytest.mark.needs_tool("promtool", install="apt-get install prometheus")
 async def test_promtool_check_metrics() -> None:
     a, dark = Engine("a"), Engine("dark", page=None)
     async with running([a, dark]) as rt:

@@ -25,7 +25,7 @@ from admin_helpers import Engine, admin_port, client_port, running
 from test_admin_grafana import DASHBOARD, queries
 
 PROMETHEUS = shutil.which("prometheus")
-pytestmark = pytest.mark.skipif(PROMETHEUS is None, reason="prometheus is not installed (CI installs it)")
+pytestmark = pytest.mark.needs_tool("prometheus", install="apt-get install prometheus")
 
 
 def _free_port() -> int:

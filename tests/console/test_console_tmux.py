@@ -6,7 +6,6 @@ word for word; the console is the ``llmgw`` script of the interpreter running th
 
 from __future__ import annotations
 
-import shutil
 import subprocess
 import sys
 import time
@@ -20,7 +19,7 @@ from llmgw.console.replay import ReplayAPI, fleet, serve_in_thread
 
 pytestmark = [
     pytest.mark.timeout(60),
-    pytest.mark.skipif(shutil.which("tmux") is None, reason="needs tmux (.ci/run installs it)"),
+    pytest.mark.needs_tool("tmux", install="apt-get install tmux"),
 ]
 
 LLMGW = Path(sys.executable).with_name("llmgw")

@@ -6,7 +6,6 @@ Heartbeats every 0.2 s, grace 0.6 s; every wait is bounded.
 from __future__ import annotations
 
 import logging
-import shutil
 import signal
 import subprocess
 from pathlib import Path
@@ -249,7 +248,7 @@ async def test_cordon_and_uncordon(agents) -> None:  # type: ignore[no-untyped-d
         assert status == 405
 
 
-@pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool is not installed (CI installs it)")
+@pytest.mark.needs_tool("promtool", install="apt-get install prometheus")
 async def test_promtool_check_metrics_with_a_cluster(agents) -> None:  # type: ignore[no-untyped-def]
     port = free_port()
     async with control_runtime(port) as rt:

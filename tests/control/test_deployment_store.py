@@ -336,6 +336,12 @@ async def test_deployments_survive_a_restart_of_llmgw_serve(tmp_path: Path) -> N
 
         before = await wait_for(placed, what="placed")
         assert serve.stop() == 0
+        # NOTE: restarted on fresh ports: a port freed by the stop can be taken
+        # meanwhile (another process's outgoing connection) and the bind refused.
+        admin = _free()
+        doc["listen"], doc["admin"] = f"127.0.0.1:{_free()}", f"127.0.0.1:{admin}"
+        doc["control"]["listen"] = f"127.0.0.1:{_free()}"
+        path.write_text(yaml.safe_dump(doc))
         serve = Serve(path, admin).start(log)
         await _up(admin, serve, log)
         res = await _ctl(admin, "deployments", "--json", "--show-secrets")

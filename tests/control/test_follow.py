@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import os
 import secrets
-import shutil
 import signal
 import subprocess
 import sys
@@ -308,7 +307,7 @@ async def test_a_standby_sends_the_router_to_the_leader(tmp_path: Path) -> None:
             await rt.stop()
 
 
-@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command to make certificates")
+@pytest.mark.needs_tool("openssl", install="apt-get install openssl: it makes the certificates")
 async def test_router_follows_over_mutual_tls(tmp_path: Path) -> None:
     from cp_helpers import control_runtime
     from test_security import _make_pki

@@ -22,7 +22,7 @@ from cp_helpers import TOKEN, AgentProc, api, control_runtime, free_port, wait_f
 from scenario import h100s, write_scenario
 
 PROMETHEUS = shutil.which("prometheus")
-pytestmark = [pytest.mark.skipif(PROMETHEUS is None, reason="prometheus is not installed (CI installs it)"),
+pytestmark = [pytest.mark.needs_tool("prometheus", install="apt-get install prometheus"),
               pytest.mark.timeout(120)]
 DASHBOARD = Path(__file__).resolve().parents[2] / "deploy" / "grafana" / "llmgw.json"
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import shutil
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -20,7 +19,7 @@ from llmgw.errors import ConfigError
 
 pytestmark = [
     pytest.mark.timeout(60),
-    pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command to make certificates (apt-get install openssl; .ci/run installs it)"),
+    pytest.mark.needs_tool("openssl", install="apt-get install openssl: it makes the certificates"),
 ]
 
 

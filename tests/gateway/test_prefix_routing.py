@@ -6,17 +6,16 @@ session header), and ``/metrics`` shows the decisions and the index (promtool-cl
 from __future__ import annotations
 
 import asyncio
-import shutil
 import subprocess
 from typing import Any
 
 import orjson
-import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from llmgw.config import load
 from llmgw.engines.sim import SimConfig, SimEngine
 from llmgw.gateway.app import GatewayRuntime
+from tools import need_tool
 
 
 async def post(port: int, body: dict[str, Any], headers: bytes = b"") -> tuple[int, bytes]:
@@ -107,7 +106,6 @@ async def test_a_conversation_stays_on_its_replica() -> None:
     # by their prefix; the session's next three by the session
     assert decisions == {"prefix_hit": 4, "session": 3, "load_fallback": 0, "blind": 3}
     assert entries["prefix"] > 10 and entries["session"] == 1
-    if shutil.which("promtool") is None:
-        pytest.skip("promtool is not installed (CI installs it)")
+    need_tool("promtool", install="apt-get install prometheus")
     res = subprocess.run(["promtool", "check", "metrics"], input=page, capture_output=True, text=True, timeout=30)
     assert res.returncode == 0 and not res.stdout.strip() and not res.stderr.strip(), res.stdout + res.stderr

@@ -1,7 +1,7 @@
 """A real PostgreSQL for the HA tests (``llmgw.testing.postgres``): one server per session, a database per test.
 
-Where PostgreSQL is not installed the tests are skipped, unless ``LLMGW_REQUIRE_POSTGRES=1``
-(``.ci/run`` sets it, having installed Debian's ``postgresql``): then they fail.
+Where PostgreSQL is not installed the tests are skipped, unless ``LLMGW_REQUIRE_POSTGRES=1`` or
+``LLMGW_REQUIRE_TOOLS=1`` (``.ci/run`` sets both, having installed Debian's ``postgresql``): then they fail.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ def postgres_server() -> Iterator[PostgresServer]:
     try:
         pg = PostgresServer().start()
     except PostgresNotFound as exc:
-        if os.environ.get("LLMGW_REQUIRE_POSTGRES") == "1":
+        if "1" in (os.environ.get("LLMGW_REQUIRE_POSTGRES"), os.environ.get("LLMGW_REQUIRE_TOOLS")):
             pytest.fail(str(exc))
         pytest.skip(str(exc))
     try:

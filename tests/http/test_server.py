@@ -726,6 +726,41 @@ async def test_graceful_shutdown_cuts_a_hung_handler() -> None:
         assert "cancelled" in app.events and "disconnect" in app.events
 
 
+async def test_close_ends_every_connection_accepted_meanwhile() -> None:
+    # Connections that arrive as close() begins, at every point of their setup (the
+    # kernel's backlog, accepted, being made): each ends (answered, refused or reset),
+    # none is left open once close() returns (asyncio's loop makes a transport in a
+    # task, and one made after its Server closed used to leave its socket open).
+    for round_ in range(24):
+        server = HTTPServer(App(), name="test")
+        _, port = await server.listen("127.0.0.1", 0)
+        clients = []
+        for _ in range(3):
+            c = socket.create_connection(("127.0.0.1", port), timeout=WAIT)
+            c.sendall(b"GET /ok HTTP/1.1\r\nHost: x\r\n\r\n")
+            clients.append(c)
+        for _ in range(round_ % 4):
+            await asyncio.sleep(0)
+        await asyncio.wait_for(server.close(1.0), WAIT)
+        assert not server.connections
+
+        def ended(c: socket.socket) -> bool:
+            try:
+                while c.recv(65536):
+                    pass
+            except ConnectionResetError:
+                pass
+            except TimeoutError:
+                return False
+            return True
+
+        try:
+            assert all(await asyncio.gather(*(asyncio.to_thread(ended, c) for c in clients))), f"round {round_}"
+        finally:
+            for c in clients:
+                c.close()
+
+
 async def test_listen_on_a_busy_port() -> None:
     async with serve() as (_, port, _):
         other = HTTPServer(App(), name="other")

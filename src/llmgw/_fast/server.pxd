@@ -155,6 +155,7 @@ cdef class HTTPServer:
     cdef readonly set connections     # open HTTPProtocols (not those rejected)
     cdef readonly bint closing        # close() began
     cdef readonly Py_ssize_t rejected # connections answered 503 at once
+    cdef set _refusing                # rejected ones not yet closed (close() waits for them)
     cdef object _server               # the asyncio.Server
     cdef object _idle                 # a future close() waits on
     cdef object _hurry                # ... and one hurry() completes (a second Ctrl-C)

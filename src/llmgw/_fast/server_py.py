@@ -29,6 +29,7 @@ import asyncio
 import collections
 import errno
 import socket
+from asyncio.selector_events import BaseSelectorEventLoop
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -569,6 +570,7 @@ class HTTPProtocol(RequestSink):
             )
             body = error_body(exc)
             self._transport_write(response_head(503, _error_headers(exc), len(body), False) + body)
+            server._refusing.add(self)
             self._linger_close()
             server.rejected += 1
             return
@@ -580,6 +582,8 @@ class HTTPProtocol(RequestSink):
         if self._rejected:
             self._drop_timer()
             self.transport = None
+            self._server._refusing.discard(self)
+            self._server._maybe_closed()
             return
         self._server.connections.discard(self)
         self._drop_timer()
@@ -939,6 +943,7 @@ class HTTPServer:
         self.connections: set[HTTPProtocol] = set()
         self.closing = False
         self.rejected = 0
+        self._refusing: set[HTTPProtocol] = set()
         self._server: asyncio.Server | None = None
         self._idle: asyncio.Future[None] | None = None
         self._hurry: asyncio.Future[None] | None = None
@@ -985,6 +990,16 @@ class HTTPServer:
         """
         self.closing = True
         if self._server is not None:
+            if isinstance(self.loop, BaseSelectorEventLoop):
+                # NOTE: asyncio's own loop makes an accepted connection's transport
+                # in a task; run after Server.close(), that task fails (the server
+                # takes no more connections) and leaves the socket open, never
+                # closed (CPython 3.11). So: stop accepting, give the connections
+                # already accepted one turn to be made (and refused: closing), and
+                # only then close the asyncio.Server. (uvloop makes them at once.)
+                for sock in self._server.sockets:
+                    self.loop.remove_reader(sock.fileno())
+                await asyncio.sleep(0)
             self._server.close()
         self._shutdown_all(False)
         if self.connections:
@@ -1001,6 +1016,15 @@ class HTTPServer:
                     # (a connection whose answer was ended closes by itself once written)
                     await asyncio.wait((self._idle,), timeout=_CUT_FLUSH_S)
             self._shutdown_all(True)
+        if self._refusing:
+            # (the refused ones: their 503 written, their close on its way)
+            self._idle = self.loop.create_future()
+            await asyncio.wait((self._idle,), timeout=_CUT_FLUSH_S)
+            for conn in list(self._refusing):
+                conn._abort()
+            if self._refusing:
+                self._idle = self.loop.create_future()
+                await asyncio.wait((self._idle,), timeout=_CUT_FLUSH_S)
         if self._server is not None:
             await self._server.wait_closed()
 
@@ -1032,7 +1056,7 @@ class HTTPServer:
                 conn.shutdown()
 
     def _maybe_closed(self) -> None:
-        if self._idle is not None and not self.connections and not self._idle.done():
+        if self._idle is not None and not self.connections and not self._refusing and not self._idle.done():
             self._idle.set_result(None)
 
 

@@ -65,10 +65,8 @@ def serve_in_thread(api: ReplayAPI, host: str = "127.0.0.1", port: int = 0) -> I
     box: dict[str, Any] = {}
 
     def run() -> None:
-        loop = asyncio.new_event_loop()
-        box["loop"] = loop
-
         async def start() -> None:
+            box["loop"] = asyncio.get_running_loop()
             server = HTTPServer(api, name="replay")
             _, box["port"] = await server.listen(host, port)
             box["stop"] = asyncio.Event()
@@ -77,13 +75,14 @@ def serve_in_thread(api: ReplayAPI, host: str = "127.0.0.1", port: int = 0) -> I
             await server.close(1.0)
 
         try:
-            loop.run_until_complete(start())
+            # NOTE: asyncio.run, not run_until_complete: a connection accepted just
+            # before the stop is still being set up by a task, and only a loop ended
+            # as asyncio.run ends it (its tasks cancelled and run out) closes that
+            # socket; else it outlives the closed loop, unclosed.
+            asyncio.run(start())
         except BaseException as exc:  # pragma: no cover - reported to the caller
             box["error"] = exc
             started.set()
-        finally:
-            loop.run_until_complete(loop.shutdown_asyncgens())
-            loop.close()
 
     t = threading.Thread(target=run, name="llmgw-replay", daemon=True)
     t.start()
