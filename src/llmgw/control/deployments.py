@@ -73,7 +73,7 @@ BACKOFF_MAX_S = 300.0
 PASS_BUDGET_S = 0.02
 """A pass of the loop places replicas for at most this long (one at least), then yields to the event
 loop and goes on at once in the next (a large cluster's placement never holds the data path up)."""
-CALL_BUDGET_S = 0.25
+CALL_BUDGET_S = 0.05
 """The same for the pass an operator's call makes (``ctl deploy``, ``scale``): its answer shows what was placed."""
 RESOLVE_AGAIN_S = 10.0
 """A model the mirror lacked is looked up again after this long (before placing another replica)."""
