@@ -16,7 +16,8 @@ call sets it to ``--replicas`` (one GPU each). Meanwhile:
 * the epoch: a takeover during the scale is a failure (the standby led because renewals starved).
 
 Then: seconds until every replica's row is committed, the nodes the leader still has up
-(heartbeats not starved past their grace), and the scale call's own time.
+(heartbeats not starved past their grace), how many times agents registered again meanwhile
+(each one an agent that took the leader's silence for its loss), and the scale call's own time.
 
     .venv/bin/python bench/bulk_placement.py                      # 200 agents x 8 GPUs, 1,000 replicas
     .venv/bin/python bench/bulk_placement.py --fleet 125 --replicas 1000 --json /tmp/bp.json
@@ -136,6 +137,7 @@ async def run(a: argparse.Namespace, pg: PostgresServer, work: Path) -> dict[str
 
         watcher = asyncio.create_task(watch_lease())
         await asyncio.sleep(2 * a.lease)  # a baseline of renewals before the scale
+        regs0 = sum(c.registrations for c in clients)
         t_scale = time.monotonic()
         status, _, body = await leader.api("POST", "/admin/v1/deployments/bulk/scale", {"replicas": a.replicas},
                                            timeout=120)
@@ -176,6 +178,7 @@ async def run(a: argparse.Namespace, pg: PostgresServer, work: Path) -> dict[str
             "health_ms_during": {"median": round(1000 * statistics.median(hp), 2) if hp else None,
                                  "max": round(1000 * max(hp), 2) if hp else None, "n": len(hp)},
             "nodes_up_after": up_after,
+            "agents_registered_again": sum(c.registrations for c in clients) - regs0,
             "leader_log_stepped_down": "stopped leading" in leader.stderr(),
         })
     finally:
