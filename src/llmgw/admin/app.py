@@ -76,7 +76,7 @@ from .profiling import (
 if TYPE_CHECKING:
     from ..config import Config
     from ..fleet.registry import Registry
-    from .ports import DeploymentControl, FleetControl, Listeners, MirrorBlobs, NodeControl
+    from .ports import DeploymentControl, FleetControl, Listeners, MirrorBlobs, NodeControl, TokenControl
 
 __all__ = ["AdminApp", "FleetCollector", "PrometheusObserver", "TextCollector"]
 
@@ -246,6 +246,10 @@ class AdminApp:
     def attach_deployments(self, deployments: DeploymentControl | None) -> None:
         """Serve ``/admin/v1/deployments`` from this controller (``None``: the routes answer 404)."""
         self.api.deployments = deployments
+
+    def attach_tokens(self, tokens: TokenControl | None) -> None:
+        """Serve ``/admin/v1/join-tokens`` from this control plane (``None``: the routes answer 404)."""
+        self.api.tokens = tokens
 
     def attach_mirror(self, mirror: MirrorBlobs | None) -> None:
         """Serve ``/mirror/v1/...`` (blobs for node agents) from ``mirror`` (``None``: the routes answer 404)."""

@@ -28,6 +28,9 @@ Routes::
     GET    /admin/v1/deployments/{name}     one deployment
     POST   /admin/v1/deployments/{name}/scale  body ``{"replicas": N}``
     DELETE /admin/v1/deployments/{name}     undeploy (its replicas drain, then stop)
+    GET    /admin/v1/join-tokens            join tokens made here: id, name, state, created, expires, last used
+    POST   /admin/v1/join-tokens            make one (body: ``name``, ``expires``): the secret, shown once
+    DELETE /admin/v1/join-tokens/{id}       revoke it (agents presenting it are refused at their next call)
 
 The node and deployment routes need a control plane in the process (``control:``);
 without one they answer 404 saying so. ``?show_secrets=1`` on the deployment reads
@@ -55,7 +58,7 @@ if TYPE_CHECKING:
     from ..config import Config
     from ..fleet.registry import Endpoint, Registry
     from .metrics import PrometheusObserver
-    from .ports import DeploymentControl, FleetControl, NodeControl
+    from .ports import DeploymentControl, FleetControl, NodeControl, TokenControl
 
 __all__ = ["ManagementAPI", "endpoint_state", "endpoint_view", "reload_answer"]
 
@@ -81,6 +84,9 @@ ROUTES = (
     "GET /admin/v1/deployments/{name}",
     "POST /admin/v1/deployments/{name}/scale",
     "DELETE /admin/v1/deployments/{name}",
+    "GET /admin/v1/join-tokens",
+    "POST /admin/v1/join-tokens",
+    "DELETE /admin/v1/join-tokens/{id}",
 )
 MAX_LOG_LINES = 10_000
 
@@ -327,6 +333,8 @@ class ManagementAPI:
         """The control plane's nodes (attached by the control plane when it starts)."""
         self.deployments: DeploymentControl | None = None
         """The control plane's deployments (attached likewise)."""
+        self.tokens: TokenControl | None = None
+        """The control plane's API-made join tokens (attached likewise)."""
 
     def _endpoint(self, endpoint_id: str) -> Endpoint:
         ep: Endpoint | None = self.registry.endpoints.get(endpoint_id)
@@ -372,6 +380,8 @@ class ManagementAPI:
             return self.handle_nodes(parts, method, path, w)
         elif parts[:1] == [b"deployments"]:
             return self.handle_deployments(req, parts, method, path, w)
+        elif parts[:1] == [b"join-tokens"]:
+            return self.handle_tokens(req, parts, method, path, w)
         elif parts == [b"queues"]:
             if method not in (b"GET", b"HEAD"):
                 raise method_not_allowed(method, path, "GET")
@@ -561,6 +571,44 @@ class ManagementAPI:
             ) from None
         raise NotFoundError(f"no admin route {path.decode('latin-1')[:200]}; routes: {', '.join(ROUTES)}")
 
+    # -- join tokens (the control plane) --
+
+    def handle_tokens(
+        self, req: Request, parts: list[bytes], method: bytes, path: bytes, w: ResponseWriter
+    ) -> Awaitable[None]:
+        """``/admin/v1/join-tokens...``: reads on any control plane (from the database), changes on the leader."""
+        tokens = self.tokens
+        if tokens is None:
+            raise NotFoundError(
+                "this llmgw runs no control plane (add a control: section to the config); no join tokens here",
+                code="no_control_plane",
+            )
+        if len(parts) == 1:
+            if method in (b"GET", b"HEAD"):
+                return _send(w, 200, tokens.list_tokens())
+            if method == b"POST":
+                if self.nodes is not None:
+                    _refuse_on_standby(self.nodes)
+                name, expires = _token_body(_json_body(req) if req.body else {})
+                return _send(w, 201, tokens.create_token(name, expires))
+            raise method_not_allowed(method, path, "GET or POST")
+        if len(parts) == 2:
+            token_id = unquote(parts[1].decode("latin-1"))
+            if method != b"DELETE":
+                raise method_not_allowed(method, path, "DELETE")
+            if self.nodes is not None:
+                _refuse_on_standby(self.nodes)
+            return self._revoke_token(tokens, token_id, w)
+        raise NotFoundError(f"no admin route {path.decode('latin-1')[:200]}; routes: {', '.join(ROUTES)}")
+
+    @staticmethod
+    async def _revoke_token(tokens: TokenControl, token_id: str, w: ResponseWriter) -> None:
+        view = await tokens.revoke_token(token_id)
+        if view is None:
+            raise NotFoundError(f"no join token {token_id[:40]!r}; GET /admin/v1/join-tokens lists them",
+                                param="id", code="token_not_found")
+        w.send_json(200, view)
+
     def reload(self, trigger: str) -> dict[str, Any]:
         """Re-read the config file (:func:`reload_answer`)."""
         return reload_answer(self.fleet, trigger)
@@ -667,3 +715,25 @@ async def _committed(ctl: DeploymentControl, w: ResponseWriter, status: int, bod
             ) from None
         raise
     w.send_json(status, body)
+
+
+async def _send(w: ResponseWriter, status: int, answer: Awaitable[dict[str, Any]]) -> None:
+    w.send_json(status, await answer)
+
+
+def _token_body(body: Any) -> tuple[str | None, float | None]:
+    """``(name, expires in seconds)`` from ``{"name": ..., "expires": "7d"}`` (both optional)."""
+    from ..control.tokens import MAX_NAME, parse_expiry
+
+    if not isinstance(body, dict) or set(body) - {"name", "expires"}:
+        raise BadRequestError('the body must be {"name": "...", "expires": "7d"} (both optional)',
+                              code="invalid_token_request")
+    name = body.get("name")
+    if name is not None and (not isinstance(name, str) or not name or len(name) > MAX_NAME
+                             or not name.isprintable()):
+        raise BadRequestError(f"name: 1-{MAX_NAME} printable characters", param="name", code="invalid_token_request")
+    try:
+        expires = parse_expiry(body.get("expires"))
+    except ValueError as exc:
+        raise BadRequestError(str(exc), param="expires", code="invalid_token_request") from None
+    return name, expires

@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     from ..http.parser import Request
     from ..http.server import ResponseWriter
 
-__all__ = ["DeploymentControl", "FleetControl", "Listener", "Listeners", "MirrorBlobs", "NodeControl"]
+__all__ = ["DeploymentControl", "FleetControl", "Listener", "Listeners", "MirrorBlobs", "NodeControl", "TokenControl"]
 
 
 class FleetControl(Protocol):
@@ -114,6 +114,20 @@ class DeploymentControl(Protocol):
 
     async def committed(self) -> None:
         """Wait until the changes made so far are in the control plane's database (raises when they cannot be)."""
+
+
+class TokenControl(Protocol):
+    """Join tokens made through the API (:class:`llmgw.control.service.ControlPlane`; attached with
+    :meth:`llmgw.admin.app.AdminApp.attach_tokens`). Changes raise ``HTTPError`` 503 off the leader."""
+
+    async def list_tokens(self) -> dict[str, Any]:
+        """``{"tokens": [...], "config_tokens": N}``: never a secret or its digest."""
+
+    async def create_token(self, name: str | None, expires_in: float | None) -> dict[str, Any]:
+        """A new token's view with ``token``, its secret (shown this once)."""
+
+    async def revoke_token(self, token_id: str) -> dict[str, Any] | None:
+        """Its view with ``changed``; ``None``: no such token."""
 
 
 class MirrorBlobs(Protocol):

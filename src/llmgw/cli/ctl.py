@@ -14,6 +14,7 @@
     llmgw ctl scale chat 3              (a config deployment's scale holds until its entry changes)
     llmgw ctl undeploy chat             its replicas drain, then stop
     llmgw ctl engine-check llamacpp     can this node run the engine as llmgw launches it?
+    llmgw ctl tokens create --name rack-1 --expires 7d   a join token for agents (list, revoke ID)
 
 ``--admin URL`` (``$LLMGW_ADMIN``, default ``http://127.0.0.1:9090``) and
 ``--token`` (``$LLMGW_ADMIN_TOKEN``) pick the gateway; ``--json`` prints the API's
@@ -204,6 +205,7 @@ def ctl(ctx: click.Context, admin: str | None, token: str | None, as_json: bool 
       llmgw ctl cordon NODE           no new replicas to a node (uncordon NODE: again)
       llmgw ctl deploy NAME --model M run a model on the cluster (scale NAME N, undeploy NAME)
       llmgw ctl deployments           desired/ready replicas, where they run, why one is not placed
+      llmgw ctl tokens create / list / revoke ID   join tokens for agents
     """
     ctx.obj = Target(admin or DEFAULT_ADMIN, token or None, bool(as_json))
 
@@ -750,6 +752,111 @@ def engine_check(ctx: click.Context, engine: str, model: str | None, static_only
         click.echo(render(checks))
     if any(c.failed for c in checks):
         ctx.exit(1)
+
+
+# -- join tokens made through the API (control/tokens.py) --
+
+
+@ctl.group("tokens", context_settings={"help_option_names": ["-h", "--help"]})
+def tokens() -> None:
+    """Join tokens for agents, made at run time (the config file's keep working beside them).
+
+    \b
+      llmgw ctl tokens create --name rack-1 --expires 7d   the secret is printed once
+      llmgw ctl tokens list                                id, name, state, created, expires, last used
+      llmgw ctl tokens revoke ID                           agents with it are refused at their next call
+    """
+
+
+def _when(v: Any) -> str:
+    if v is None:
+        return ABSENT
+    import datetime
+
+    return datetime.datetime.fromtimestamp(float(v), datetime.UTC).strftime("%Y-%m-%d %H:%M:%SZ")
+
+
+_TOKEN_STYLE = {"active": "green", "expired": "yellow", "revoked": "red"}
+
+
+@tokens.command("create")
+@click.option("--name", metavar="NAME", default=None, help="What it is for (shown by list).")
+@click.option("--expires", metavar="DURATION", default=None,
+              help="Refused after this long: 30m, 12h, 7d, 2w (default: never).")
+@_options(group=False)
+@click.pass_context
+def tokens_create(ctx: click.Context, name: str | None, expires: str | None, admin: str | None, token: str | None,
+                  as_json: bool | None) -> None:
+    """Make a join token; its secret is printed once (on stdout), and cannot be shown again."""
+    t = _target(ctx, admin, token, as_json)
+    body: dict[str, Any] = {}
+    if name is not None:
+        body["name"] = name
+    if expires is not None:
+        body["expires"] = expires
+    data = t.call("POST", "/admin/v1/join-tokens", body)
+    if t.as_json:
+        _print_json(data)
+        return
+    from ._common import echo_err
+
+    click.echo(data["token"])
+    echo_err(f"join token {data.get('id')}{f' ({name})' if name else ''} made"
+             + (f", expires {_when(data.get('expires_at'))}" if data.get("expires_at") else ", never expires")
+             + ": give it to agents (llmgw agent --token-env NAME); it is not shown again", level="info")
+
+
+@tokens.command("list")
+@_options(group=False)
+@click.pass_context
+def tokens_list(ctx: click.Context, admin: str | None, token: str | None, as_json: bool | None) -> None:
+    """List the join tokens made through the API (never their secrets); times in UTC, – for never."""
+    t = _target(ctx, admin, token, as_json)
+    data = t.call("GET", "/admin/v1/join-tokens")
+    if t.as_json:
+        _print_json(data)
+        return
+    from rich.markup import escape
+    from rich.table import Table
+
+    rows = data.get("tokens", [])
+    console = _console()
+    n_config = data.get("config_tokens")
+    if not rows:
+        console.print("no join tokens made through the API (llmgw ctl tokens create makes one)")
+    else:
+        table = Table(box=None, pad_edge=False, header_style="bold")
+        for col in ("ID", "NAME", "STATE", "CREATED", "EXPIRES", "LAST USED"):
+            table.add_column(col, no_wrap=True)
+        for r in rows:
+            state = str(r.get("state"))
+            table.add_row(str(r.get("id")), escape(str(r.get("name") or ABSENT)),
+                          f"[{_TOKEN_STYLE.get(state, 'white')}]{state}[/]", _when(r.get("created_at")),
+                          _when(r.get("expires_at")), _when(r.get("last_used_at")))
+        console.print(table)
+    if n_config is not None:
+        console.print(f"and {n_config} token(s) from the config file (control.join_token_env / join_token)")
+
+
+@tokens.command("revoke")
+@click.argument("token_id", metavar="ID")
+@_options(group=False)
+@click.pass_context
+def tokens_revoke(ctx: click.Context, token_id: str, admin: str | None, token: str | None,
+                  as_json: bool | None) -> None:
+    """Revoke join token ID on every control plane: agents presenting it are refused at their next call."""
+    t = _target(ctx, admin, token, as_json)
+    data = t.call("DELETE", f"/admin/v1/join-tokens/{quote(token_id, safe='')}")
+    if t.as_json:
+        _print_json(data)
+        return
+    if not data.get("changed"):
+        click.echo(f"join token {token_id} was already revoked")
+        return
+    nodes = data.get("nodes") or []
+    click.echo(f"join token {token_id} revoked" + (
+        f"; {len(nodes)} node(s) joined with it ({', '.join(nodes)}): refused at their next heartbeat" if nodes
+        else ""))
 
 
 def main() -> None:  # pragma: no cover - `python -m llmgw.cli.ctl`

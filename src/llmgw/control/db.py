@@ -48,6 +48,7 @@ from .dburl import MEMORY, parse_database_url, redact
 
 __all__ = [
     "MIGRATIONS",
+    "ApiTokenStore",
     "CordonStore",
     "Database",
     "DatabaseError",
@@ -161,6 +162,18 @@ MIGRATIONS: tuple[Migration, ...] = (
             epoch BIGINT NOT NULL
         )""",
     )),
+    Migration(6, "join tokens made through the API", (
+        """CREATE TABLE llmgw_api_join_tokens (
+            id TEXT PRIMARY KEY,
+            name TEXT,
+            sha256 TEXT NOT NULL UNIQUE,
+            created_at DOUBLE PRECISION NOT NULL,
+            expires_at DOUBLE PRECISION,
+            revoked_at DOUBLE PRECISION,
+            last_used_at DOUBLE PRECISION,
+            epoch BIGINT NOT NULL
+        )""",
+    )),
 )
 
 _PLACEHOLDER = re.compile(r"\$(\d+)")
@@ -172,6 +185,11 @@ class Tx:
     async def execute(self, sql: str, *args: Any) -> int:
         """Run a statement; the number of rows it changed."""
         raise NotImplementedError
+
+    async def executemany(self, sql: str, rows: Sequence[tuple[Any, ...]]) -> None:
+        """Run one statement for each of ``rows`` (PostgreSQL: pipelined, one round trip for all)."""
+        for args in rows:
+            await self.execute(sql, *args)
 
     async def fetch(self, sql: str, *args: Any) -> list[tuple[Any, ...]]:
         raise NotImplementedError
@@ -273,6 +291,9 @@ class _PgTx(Tx):
         tail = status.rsplit(" ", 1)[-1]
         return int(tail) if tail.isdigit() else 0
 
+    async def executemany(self, sql: str, rows: Sequence[tuple[Any, ...]]) -> None:
+        await self.conn.executemany(sql, rows, timeout=self.timeout)
+
     async def fetch(self, sql: str, *args: Any) -> list[tuple[Any, ...]]:
         rows = await self.conn.fetch(sql, *args, timeout=self.timeout)
         return [tuple(r) for r in rows]
@@ -351,6 +372,9 @@ class _SqliteTx(Tx):
 
     async def execute(self, sql: str, *args: Any) -> int:
         return await self.db._call(lambda c: c.execute(_PLACEHOLDER.sub(r"?\1", sql), args).rowcount)
+
+    async def executemany(self, sql: str, rows: Sequence[tuple[Any, ...]]) -> None:
+        await self.db._call(lambda c: c.executemany(_PLACEHOLDER.sub(r"?\1", sql), rows))
 
     async def fetch(self, sql: str, *args: Any) -> list[tuple[Any, ...]]:
         return await self.db._call(lambda c: [tuple(r) for r in c.execute(_PLACEHOLDER.sub(r"?\1", sql), args)])
@@ -523,6 +547,44 @@ class JoinTokenStore:
                 "ON CONFLICT (sha256) DO NOTHING"), d, epoch)
 
 
+class ApiTokenStore:
+    """Join tokens made with ``llmgw ctl tokens create`` (``llmgw_api_join_tokens``): a digest each, never
+    the token; revoked ones stay (with ``revoked_at``) so an agent presenting one is told so.
+
+    Written by the leader, fenced (create, revoke, and ``last_used_at`` at most once a flush period);
+    read by every control plane (at start, on election, and by standbys every third of the lease).
+    """
+
+    COLUMNS = "id, name, sha256, created_at, expires_at, revoked_at, last_used_at"
+
+    def __init__(self, db: Database) -> None:
+        self.db = db
+
+    async def load(self) -> list[tuple[Any, ...]]:
+        """Every row: ``(id, name, sha256 hex, created_at, expires_at, revoked_at, last_used_at)``."""
+        async with self.db.transaction() as tx:
+            return await tx.fetch(f"SELECT {self.COLUMNS} FROM llmgw_api_join_tokens ORDER BY created_at, id")
+
+    async def insert(self, tx: Tx, row: tuple[Any, ...], epoch: int) -> None:
+        """``row``: ``(id, name, sha256 hex, created_at, expires_at)``."""
+        await tx.execute(
+            "INSERT INTO llmgw_api_join_tokens (id, name, sha256, created_at, expires_at, epoch) "
+            "VALUES ($1, $2, $3, $4, $5, $6)", *row, epoch)
+
+    async def revoke(self, tx: Tx, token_id: str, at: float, epoch: int) -> int:
+        """Mark it revoked (once: a second revoke changes nothing); the rows changed."""
+        return await tx.execute(
+            "UPDATE llmgw_api_join_tokens SET revoked_at = $2, epoch = $3 WHERE id = $1 AND revoked_at IS NULL",
+            token_id, at, epoch)
+
+    async def touch(self, tx: Tx, used: Mapping[str, float]) -> None:
+        """``last_used_at`` of each id moved forward (never back)."""
+        for token_id, at in sorted(used.items()):
+            await tx.execute(
+                "UPDATE llmgw_api_join_tokens SET last_used_at = $2 WHERE id = $1 "
+                "AND (last_used_at IS NULL OR last_used_at < $2)", token_id, at)
+
+
 def token_digests(tokens: Sequence[str]) -> set[str]:
     """SHA-256 hex digests of join tokens (what the database keeps)."""
     import hashlib
@@ -589,6 +651,23 @@ class StoredReplica:
     spec: Mapping[str, Any]
     """Its GPUs, claims and API key (JSON)."""
     created_at: float = 0.0
+
+
+MAX_TX_ROWS = 256
+"""Desired-state writes committed in one transaction at most (the rest in the next ones)."""
+_DELETE_REPLICAS_OF = "DELETE FROM llmgw_replicas WHERE deployment = $1"
+
+
+def _runs(ops: Sequence[tuple[str, tuple[Any, ...], Any, bool]], epoch: int) -> list[tuple[str, list[tuple[Any, ...]]]]:
+    """Consecutive writes of one statement grouped (order kept): ``(sql, [arguments, ...])``."""
+    out: list[tuple[str, list[tuple[Any, ...]]]] = []
+    for sql, args, _, fenced in ops:
+        row = (*args, epoch) if fenced else args
+        if out and out[-1][0] == sql:
+            out[-1][1].append(row)
+        else:
+            out.append((sql, [row]))
+    return out
 
 
 Fence = Callable[[], contextlib.AbstractAsyncContextManager[tuple[Tx, int]]]
@@ -677,7 +756,7 @@ class DesiredStore:
 
     def delete_deployment(self, name: str) -> None:
         """The deployment and its replicas."""
-        self._queue("DELETE FROM llmgw_replicas WHERE deployment = $1", (name,), epoch=False)
+        self._queue(_DELETE_REPLICAS_OF, (name,), epoch=False)
         self._queue("DELETE FROM llmgw_deployments WHERE name = $1", (name,), epoch=False)
 
     def put_replica(self, r: StoredReplica, then: Callable[[], None] | None = None) -> None:
@@ -730,11 +809,21 @@ class DesiredStore:
     async def _write(self) -> None:
         await asyncio.sleep(0)  # (the rest of this callback's writes join the transaction)
         while self._pending:
-            ops, self._pending = self._pending, []
+            # PERF: at most MAX_TX_ROWS writes a transaction, runs of one statement sent as one
+            # executemany: a fenced transaction holds the lease row FOR SHARE, which the leader's own
+            # renew (an UPDATE of that row) waits for; a ctl scale of 1,000 replicas written as 1,000
+            # round trips in one transaction held it past the renew deadline (bench/bulk_placement.py).
+            cut = min(MAX_TX_ROWS, len(self._pending))
+            while cut < len(self._pending) and self._pending[cut - 1][0] == _DELETE_REPLICAS_OF:
+                cut += 1  # (a deployment's delete: its replicas' and its own row in one transaction)
+            ops, self._pending = self._pending[:cut], self._pending[cut:]
             try:
                 async with self.fence() as (tx, epoch):
-                    for sql, args, _, fenced in ops:
-                        await tx.execute(sql, *args, *((epoch,) if fenced else ()))
+                    for sql, rows in _runs(ops, epoch):
+                        if len(rows) == 1:
+                            await tx.execute(sql, *rows[0])
+                        else:
+                            await tx.executemany(sql, rows)
             except Exception as exc:
                 self._fail(exc, len(ops))
                 return
@@ -752,6 +841,8 @@ class DesiredStore:
             for _, fut in done:
                 if not fut.done():
                     fut.set_result(None)
+            if self._pending:
+                await asyncio.sleep(0)  # (the loop, renewals included, runs between two transactions)
         self._task = None
 
     def _fail(self, exc: BaseException, lost: int) -> None:

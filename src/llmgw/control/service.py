@@ -18,6 +18,7 @@ for a client certificate). Plaintext is refused off loopback unless
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import hashlib
 import hmac
@@ -54,6 +55,7 @@ from .follow import FollowCollector, FollowHub, RouterService
 from .follow import attach as attach_follow
 from .nodes import NodeMap, NodeState
 from .thread import ControlThread, MainHop
+from .tokens import JoinTokens
 
 if TYPE_CHECKING:
     from ..admin.app import AdminApp
@@ -118,7 +120,8 @@ class ControlStats:
     streams_open: int = 0
     """Heartbeat streams open now (one per agent on protocol 1.1 or later)."""
     refused: dict[str, int] = field(default_factory=dict)
-    """Refused joins by reason: ``invalid_token``, ``missing_token``, ``incompatible_version``, ``invalid_request``."""
+    """Refused joins by reason: ``invalid_token``, ``missing_token``, ``revoked_token``, ``expired_token``,
+    ``incompatible_version``, ``invalid_request``."""
     rpc_errors: dict[tuple[str, str], int] = field(default_factory=dict)
     """(method, status code name) -> calls answered with that error."""
 
@@ -268,6 +271,8 @@ class AgentService(agent_pb2_grpc.AgentServiceServicer):
         self._waits: dict[int, tuple[str, asyncio.Future[Any]]] = {}
         """Request id -> (the node asked, the answer's future)."""
         self.credentials: NodeCredentials | None = None  # the nodes' mirror credentials (ControlPlane sets it)
+        self.api_tokens: JoinTokens | None = None
+        """Join tokens made through the management API (ControlPlane sets it; checked after the config's)."""
         self.mirror_access: Callable[[str], tuple[str, str] | None] | None = None
         """Node name -> ``(mirror base URL, the node's credential)`` sent in Register's answer; ``None``
         (or a ``None`` answer): the agents are given no mirror access."""
@@ -553,13 +558,29 @@ class AgentService(agent_pb2_grpc.AgentServiceServicer):
         return given or ""
 
     async def _check(self, context: Any, method: str, node: str, given: str) -> None:
-        if not self._tokens.check(self.control().join_tokens, given):
-            self.stats.refuse("invalid_token")
-            log.warning("refused %s from node %r at %s: wrong join token", method, node, context.peer())
-            await self._abort(
-                context, method, grpc.StatusCode.UNAUTHENTICATED,
-                "wrong join token: check the agent's --token-env variable against control.join_token",
-            )
+        if self._tokens.check(self.control().join_tokens, given):
+            return
+        api = self.api_tokens
+        if api is not None:
+            state, tok = api.check(given, node)
+            if state == "ok":
+                return
+            if tok is not None:  # revoked or expired: said so, by the token's id (never the token)
+                self.stats.refuse(f"{state}_token")
+                log.warning("refused %s from node %r at %s: join token %s is %s", method, node, context.peer(),
+                            tok.id, state)
+                await self._abort(
+                    context, method, grpc.StatusCode.UNAUTHENTICATED,
+                    f"join token {tok.id}{f' ({tok.name})' if tok.name else ''} is {state}: give the agent "
+                    "another (llmgw ctl tokens create) and restart it",
+                )
+        self.stats.refuse("invalid_token")
+        log.warning("refused %s from node %r at %s: wrong join token", method, node, context.peer())
+        await self._abort(
+            context, method, grpc.StatusCode.UNAUTHENTICATED,
+            "wrong join token: check the agent's --token-env variable against control.join_token "
+            "(or the tokens llmgw ctl tokens list shows)",
+        )
 
     async def Register(self, request: pb.RegisterRequest, context: Any) -> pb.RegisterResponse:
         name = request.node_name
@@ -824,6 +845,10 @@ class ControlPlane:
         self.service.credentials = self.credentials
         self.service.mirror_access = self.mirror_access
         self.mirror_server = BlobServer(self._mirror_root, self.credentials)
+        # join tokens made through the management API (control/tokens.py), beside the config's
+        self.api_tokens = JoinTokens()
+        self.service.api_tokens = self.api_tokens
+        self._tokens_task: asyncio.Task[None] | None = None
         self.server: grpc.aio.Server | None = None
         self.thread: ControlThread | None = None
         """The thread gRPC runs on (:mod:`.thread`), while the control plane runs."""
@@ -887,6 +912,10 @@ class ControlPlane:
             self.db = None
             raise OSError(f"control.database: {exc}") from None
         log.info("control-plane state in %s", redact(db.url))
+        try:
+            await self._load_api_tokens()
+        except DatabaseError as exc:  # (a standby reads them again soon; a leader before it acts)
+            log.warning("could not read the join tokens from the database yet: %s", exc)
         if db.shared:
             from .db import JoinTokenStore, token_digests, tokens_differ
 
@@ -947,6 +976,7 @@ class ControlPlane:
             self.admin.attach_nodes(self)
             self.admin.attach_role(self.role)
             self.admin.attach_mirror(self.mirror_server)
+            self.admin.attach_tokens(self)
         await self._start_database(c, bound)
         log.info(
             "control plane listening on %s://%s:%d (heartbeat every %gs, grace %gs%s)",
@@ -980,11 +1010,17 @@ class ControlPlane:
             self.admin.attach_role(None)
             self.admin.attach_deployments(None)
             self.admin.attach_mirror(None)
+            self.admin.attach_tokens(None)
             for attr in ("_collector", "_leader_collector", "_follow_collector"):
                 col = getattr(self, attr)
                 if col is not None:
                     self.admin.unregister_collector(col)
                     setattr(self, attr, None)
+        task, self._tokens_task = self._tokens_task, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
         if self.leadership is not None:
             await self.leadership.stop(release=True)
         server, thread = self.server, self.thread
@@ -1038,6 +1074,7 @@ class ControlPlane:
         # the first campaign before start() returns: alone (SQLite, or the first of several), this
         # process leads before any agent calls; a standby knows whom to name
         await self.leadership.first()
+        self._tokens_task = asyncio.create_task(self._tokens_loop(c.lease / 3), name="llmgw join tokens")
         log.info("campaigning for the control-plane lease (%gs) as %s%s", c.lease, me,
                  "" if db.shared else " (SQLite: one process, it leads)")
 
@@ -1053,6 +1090,7 @@ class ControlPlane:
         self.nodes.restore_cordons(cordons)
         self._node_records = records
         await self._record_tokens()
+        await self._load_api_tokens()  # (revocations made under the last leader hold from this term's first call)
         await self._lead_deployments(epoch)
         if self.leadership is None or self.leadership.epoch != epoch:
             return
@@ -1076,6 +1114,136 @@ class ControlPlane:
             log.warning("%s; the database now holds this leader's", why)
         async with lead.transaction() as (tx, epoch):
             await store.replace(tx, mine, have, epoch)
+
+    # -- join tokens made through the management API (control/tokens.py) --
+
+    async def _load_api_tokens(self) -> None:
+        from .db import ApiTokenStore
+        from .tokens import JoinToken
+
+        assert self.db is not None
+        rows = await ApiTokenStore(self.db).load()
+        self.api_tokens.replace(JoinToken.from_row(r) for r in rows)
+
+    async def _tokens_loop(self, every: float) -> None:
+        """Standbys read the tokens again (revocations reach them within ``every``); the leader writes
+        when they were last used (one transaction for all, only for those used since)."""
+        from .db import ApiTokenStore, DatabaseError
+        from .leader import NotLeader
+
+        every = max(0.2, every)
+        failed: str | None = None
+        while True:
+            await asyncio.sleep(every)
+            try:
+                if not self.leading():
+                    if self.db is not None and self.db.shared:
+                        await self._load_api_tokens()
+                elif self.leadership is not None and self.db is not None:
+                    used = self.api_tokens.unflushed()
+                    if used:
+                        async with self.leadership.transaction() as (tx, _epoch):
+                            await ApiTokenStore(self.db).touch(tx, used)
+                        self.api_tokens.flushed(used)
+                failed = None
+            except (DatabaseError, NotLeader, asyncio.TimeoutError) as exc:
+                msg = f"{type(exc).__name__}: {exc}"
+                if msg != failed:
+                    log.warning("join tokens: %s (retrying every %.1fs)", msg, every)
+                    failed = msg
+
+    def _token_write_error(self, exc: Exception, what: str) -> HTTPError:
+        from .leader import NotLeader
+
+        if isinstance(exc, NotLeader):
+            li = exc.leader
+            return HTTPError(
+                f"{exc}; {what}" + (f": the leader is at {li.admin_address}" if li and li.admin_address else ""),
+                status=503, type="service_unavailable_error", code="not_leader", retry_after=1,
+                headers=((b"llmgw-leader", li.admin_address.encode()),) if li and li.admin_address else None,
+            )
+        log.error("join tokens: the database failed: %s", exc)
+        return HTTPError(f"the control plane's database failed ({type(exc).__name__}); {what}: retry", status=503,
+                         type="service_unavailable_error", code="database_unavailable", retry_after=1)
+
+    async def create_token(self, name: str | None, expires_in: float | None) -> dict[str, Any]:
+        """A new join token: its view with ``token``, the secret (the only time it is shown).
+
+        Raises:
+            HTTPError: 503 (not the leader, the database failed: nothing was made).
+        """
+        from .db import ApiTokenStore, DatabaseError
+        from .leader import NotLeader
+        from .tokens import JoinToken, new_token
+
+        lead, db = self.leadership, self.db
+        if lead is None or db is None:
+            raise HTTPError("this control plane has no database", status=503, type="service_unavailable_error",
+                            code="database_unavailable")
+        tid, secret = new_token()
+        while self.api_tokens.get(tid) is not None:  # (8 hex digits: a repeat is rare; bounded by the ids free)
+            tid, secret = new_token()
+        now = time.time()
+        tok = JoinToken(tid, name, hashlib.sha256(secret.encode()).digest(), now,
+                        None if expires_in is None else now + expires_in)
+        try:
+            async with lead.transaction() as (tx, epoch):
+                await ApiTokenStore(db).insert(tx, (tid, name, tok.digest.hex(), now, tok.expires_at), epoch)
+        except (NotLeader, DatabaseError, asyncio.TimeoutError) as exc:
+            raise self._token_write_error(exc, "no token was made") from None
+        self.api_tokens.put(tok)
+        log.info("join token %s%s made%s", tid, f" ({name})" if name else "",
+                 f", expires in {expires_in:g}s" if expires_in is not None else "")
+        return {**tok.view(now), "token": secret}  # SECURITY: the one answer that carries it
+
+    async def list_tokens(self) -> dict[str, Any]:
+        """The API-made tokens (read from the database: a standby answers too) and how many the config has."""
+        from .db import DatabaseError
+
+        try:
+            await self._load_api_tokens()
+        except DatabaseError as exc:
+            log.warning("join tokens: listing from memory, the database failed: %s", exc)
+        now = time.time()
+        return {"tokens": [t.view(now, self.api_tokens.last_used(t.id)) for t in self.api_tokens.all()],
+                "config_tokens": len(self._control().join_tokens)}
+
+    async def revoke_token(self, token_id: str) -> dict[str, Any] | None:
+        """Revoke it on every control plane (agents presenting it are refused from their next call);
+        its view with ``changed``; ``None``: no such token.
+
+        Raises:
+            HTTPError: 503 (not the leader, the database failed: nothing was revoked).
+        """
+        from .db import ApiTokenStore, DatabaseError
+        from .leader import NotLeader
+
+        lead, db = self.leadership, self.db
+        if lead is None or db is None:
+            return None
+        try:
+            await self._load_api_tokens()
+        except DatabaseError as exc:
+            raise self._token_write_error(exc, "nothing was revoked") from None
+        tok = self.api_tokens.get(token_id)
+        if tok is None:
+            return None
+        now = time.time()
+        changed = False
+        if tok.revoked_at is None:
+            try:
+                async with lead.transaction() as (tx, epoch):
+                    changed = await ApiTokenStore(db).revoke(tx, token_id, now, epoch) == 1
+            except (NotLeader, DatabaseError, asyncio.TimeoutError) as exc:
+                raise self._token_write_error(exc, "nothing was revoked") from None
+        nodes = self.api_tokens.revoked(token_id, now)
+        if changed:
+            for node in nodes:  # (their next heartbeat is refused; the blob mirror closes to them now)
+                self.credentials.revoke(node)
+            log.info("join token %s revoked (%d node(s) had joined with it: refused at their next call)",
+                     token_id, len(nodes))
+        tok = self.api_tokens.get(token_id) or tok
+        return {**tok.view(now, self.api_tokens.last_used(token_id)), "changed": changed, "nodes": sorted(nodes)}
 
     async def _lead_deployments(self, epoch: int) -> None:
         """A new term's controller, made from what the database holds (the last term's is gone)."""
