@@ -558,10 +558,10 @@ cdef class Picker:
     cdef Py_ssize_t _prefix(self, list states, double now, double stale_after, const unsigned char* chain,
                             Py_ssize_t nblocks, uint64_t session) except -2:
         cdef Py_ssize_t b, i, k, n = PyList_GET_SIZE(states), pick = -1, slot, nhits = 0, matched = 0
-        cdef double prior = 1.0, c, limit, blind_limit, tb, tmax, mb, per_block, seen = 0.0
+        cdef double prior = 1.0, c, limit, blind_limit, tb, tmax, mb, per_block
         cdef int reason = R_BLIND
         cdef uint64_t h, t, key, w, best_w, tag, anchor = 0, last = 0, akey
-        cdef Py_ssize_t own = 0, home
+        cdef Py_ssize_t home
         cdef long long shallow = -1, anchor_blocks = 0
         cdef bint new_session = False, b_free
         cdef uint64_t hits[4]
@@ -582,12 +582,9 @@ cdef class Picker:
         if b < 0:
             return -1
         for i in range(n):
-            st = _state_at(states, i)
-            c = st._capacity()
+            c = _state_at(states, i)._capacity()
             if c > prior:
                 prior = c
-            own += st.inflight  # (this router's requests in flight, and the pool's load it sees)
-            seen += st._load()
         limit = _util(_state_at(states, b), prior) + self._bound
         tb = _state_at(states, b).latency
         tmax = C_SLOWER * tb if tb > 0.0 else INFINITY
@@ -635,9 +632,7 @@ cdef class Picker:
                 shallow < 0 and anchor and matched <= anchor_blocks and matched <= C_SHORT_SHARED
             ):
                 nhits = 0  # (only a shared start is known: the conversation's anchor decides)
-            if shallow >= 0 and own < C_SHARED_FLEET * seen and (
-                nhits == 0 or depths[nhits - 1] < nblocks - C_KNOWN_TURN
-            ):
+            if shallow >= 0 and (nhits == 0 or depths[nhits - 1] < nblocks - C_KNOWN_TURN) and _shared(states):
                 # other routers share the pool, this one did not see the previous turn:
                 # the conversation's home first (see the twin)
                 home = -1
@@ -881,6 +876,19 @@ cdef bint _worth(EndpointState st, double prior, double limit, double tmax, bint
     r = st.running
     slots_now = r if w > 0.0 and r > 0.0 else c
     return (load + 1.0 - slots_now) / slots_now < saved
+
+
+cdef bint _shared(list states) noexcept:
+    # other routers send to the pool: this router's requests in flight are less than
+    # SHARED_FLEET of the pool's load as it sees it (see the twin)
+    cdef Py_ssize_t i, own = 0
+    cdef double seen = 0.0
+    cdef EndpointState st
+    for i in range(PyList_GET_SIZE(states)):
+        st = _state_at(states, i)
+        own += st.inflight
+        seen += st._load()
+    return own < C_SHARED_FLEET * seen
 
 
 cdef Py_ssize_t _find_tag(list states, uint64_t tag, double now) noexcept:

@@ -831,14 +831,10 @@ class Picker:
         assert index is not None and sessions is not None
         # the pool's largest capacity (as score: a replica never seen full may be bigger)
         prior = 1.0
-        own = 0  # this router's requests in flight, and the pool's load as it sees it
-        seen = 0.0
         for st in states:
             c = st.capacity()
             if c > prior:
                 prior = c
-            own += st.inflight
-            seen += st.load()
         limit = _util(states[b], prior) + self._bound
         tb = states[b].latency
         tmax = SLOWER * tb if tb > 0.0 else math.inf  # (slower replicas than this are no home)
@@ -896,7 +892,7 @@ class Picker:
                 shallow < 0 and anchor and matched <= anchor_blocks and matched <= SHORT_SHARED
             ):
                 hits = []  # (only a shared start is known: the conversation's anchor decides)
-            if shallow >= 0 and own < SHARED_FLEET * seen and (not hits or depths[-1] < nb - KNOWN_TURN):
+            if shallow >= 0 and (not hits or depths[-1] < nb - KNOWN_TURN) and _shared(states):
                 # other routers share the pool and this one did not see the previous turn:
                 # the conversation's home first, where every router that did not see it sends it
                 best_w = -1
@@ -1106,6 +1102,17 @@ def _worth(st: EndpointState, prior: float, limit: float, tmax: float, b_free: b
     r = st.running
     slots_now = r if w > 0.0 and r > 0.0 else c
     return (load + 1.0 - slots_now) / slots_now < saved
+
+
+def _shared(states: Sequence[EndpointState]) -> bool:
+    """Whether other routers send to the pool: this router's requests in flight are less
+    than SHARED_FLEET of the pool's load as it sees it (scraped, corrected)."""
+    own = 0
+    seen = 0.0
+    for st in states:
+        own += st.inflight
+        seen += st.load()
+    return own < SHARED_FLEET * seen
 
 
 def _find_tag(states: Sequence[EndpointState], tag: int, now: float) -> int:
