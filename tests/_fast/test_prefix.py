@@ -349,9 +349,93 @@ def test_a_shared_system_prompt_does_not_decide(score: ModuleType) -> None:
     assert b[first].tag == c[pc.pick_prefix(c, 0.3, STALE, pack([*system, 8000], 8888, 3, later=False), 0)].tag
     # ... but a long one (more than SHORT_SHARED blocks) takes the system prompt's replica
     long_system = list(range(900, 900 + score.SHORT_SHARED + 1))
-    home = pb.pick_prefix(b, 0.4, STALE, pack([*long_system, 7999], 7000, len(long_system)), 0)
+    home = pb.pick_prefix(b, 0.4, STALE, pack([*long_system, 7999], 7777, len(long_system)), 0)
     again = pb.pick_prefix(b, 0.5, STALE, pack([*long_system, 8001], 8889, len(long_system), later=False), 0)
     assert again == home and pb.decisions()[0] == 2
+
+
+def test_a_later_turn_follows_its_anchor(score: ModuleType) -> None:
+    """A second turn shares with the first only what ends inside its anchor (the first
+    user message): the router that placed the first turn sends it where that went,
+    by the anchor it keeps in the index, not where the anchor hashes."""
+    states = fleet(score, 6)
+    p = score.Picker("prefix", seed=16)
+    system = [911, 912]
+    t1 = pack([*system, 50], 5150, 2, later=False)
+    home = p.pick_prefix(states, 0.0, STALE, t1, 0)
+    assert p.decisions() == (0, 0, 0, 1)
+    # the same first turn at a router whose anchor's home is draining goes elsewhere
+    q = score.Picker("prefix", seed=17)
+    for i, x in enumerate(states):
+        x.draining = i == home
+    moved = q.pick_prefix(states, 0.0, STALE, t1, 0)
+    assert moved != home
+    for x in states:
+        x.draining = False
+    # turn 2 (its match ends at the anchor's whole blocks): where each router sent turn 1
+    t2 = pack([*system, 51, 52, 53], 5150, 2)
+    assert p.pick_prefix(states, 0.1, STALE, t2, 0) == home
+    assert q.pick_prefix(states, 0.1, STALE, t2, 0) == moved
+    assert p.decisions() == q.decisions() == (1, 0, 0, 1)
+    # a router that never saw the conversation: where its anchor hashes
+    r = score.Picker("prefix", seed=18)
+    assert r.pick_prefix(states, 0.1, STALE, t2, 0) == home
+    assert r.decisions() == (0, 0, 0, 1)
+
+
+def test_a_shared_pool_sends_unseen_turns_home(score: ModuleType) -> None:
+    """With other routers' requests on the pool (its own in flight under SHARED_FLEET of
+    the load it sees), a later turn this router knows only from an older turn (its
+    match ends more than KNOWN_TURN blocks before the chain's end) goes to its
+    conversation's home, where the routers that did not see it send it; a router that is
+    alone on the pool follows its index."""
+    tags = [score.default_tag(300 + i) for i in range(4)]
+    anchor = 6060
+    home_tag = max(tags, key=lambda t: _rendezvous(score, anchor, t))
+    old = pack([1, 2, 3], anchor, 1)  # turn 2, seen here, placed away from home
+    new = pack([1, 2, 3, *range(4, 4 + score.KNOWN_TURN + 2)], anchor, 1)  # turn 4
+    for alone in (True, False):
+        states = fleet(score, 4, slots=8.0)
+        for x, t in zip(states, tags, strict=True):
+            x.tag = t
+        home = next(i for i, x in enumerate(states) if x.tag == home_tag)
+        p = score.Picker("prefix", seed=19)
+        for i, x in enumerate(states):
+            x.draining = i == home
+        away = p.pick_prefix(states, 0.0, STALE, old, 0)
+        for x in states:
+            x.draining = False
+        assert away != home
+        load(states[away], 1)  # this router's own request in flight
+        if not alone:  # the scrape shows the others' requests: 8 on the pool
+            for i, x in enumerate(states):
+                x.on_scrape(0.05, 0, 2 + (1 if i == away else 0), 0.1)
+        pick = p.pick_prefix(states, 0.1, STALE, new, 0)
+        assert pick == (away if alone else home), alone
+        assert p.decisions()[0] == 1
+    # ... and a turn it saw the previous turn of stays where that went
+    states = fleet(score, 4, slots=8.0)
+    for x, t in zip(states, tags, strict=True):
+        x.tag = t
+    home = next(i for i, x in enumerate(states) if x.tag == home_tag)
+    p = score.Picker("prefix", seed=20)
+    for i, x in enumerate(states):
+        x.draining = i == home
+        x.on_scrape(0.0, 0, 2, 0.1)
+    prev = pack([1, 2, 3, 4, 5, 6], anchor, 1)
+    away = p.pick_prefix(states, 0.0, STALE, prev, 0)
+    for x in states:
+        x.draining = False
+    assert p.pick_prefix(states, 0.1, STALE, pack([1, 2, 3, 4, 5, 6, 7, 8], anchor, 1), 0) == away
+
+
+def _rendezvous(score: ModuleType, key: int, tag: int) -> int:
+    """The rendezvous weight the picker gives a replica for a key (SplitMix64's finalizer)."""
+    m = (1 << 64) - 1
+    z = (key ^ tag) & m
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & m
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & m
+    return z ^ (z >> 31)
 
 
 def test_index_is_bounded_and_ages_out(score: ModuleType) -> None:

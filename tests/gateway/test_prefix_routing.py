@@ -101,10 +101,11 @@ async def test_a_conversation_stays_on_its_replica() -> None:
                 decisions[s.labels["reason"]] = s.value
             elif s.name == "llmgw_routing_index_entries":
                 entries[s.labels["table"]] = s.value
-    # turns 1 and 2 and the session's first request: blind (consistent hashing on the
-    # conversation's anchor: what turn 2 shares with turn 1 ends inside it); turns 3-6
-    # by their prefix; the session's next three by the session
-    assert decisions == {"prefix_hit": 4, "session": 3, "load_fallback": 0, "blind": 3}
+    # turn 1 and the session's first request: blind (consistent hashing on the
+    # conversation's anchor); turn 2 by its anchor (what it shares with turn 1 ends
+    # inside the anchor, which the index keeps as the conversation's last replica);
+    # turns 3-6 by their prefix; the session's next three by the session
+    assert decisions == {"prefix_hit": 5, "session": 3, "load_fallback": 0, "blind": 2}
     assert entries["prefix"] > 10 and entries["session"] == 1
     need_tool("promtool", install="apt-get install prometheus")
     res = subprocess.run(["promtool", "check", "metrics"], input=page, capture_output=True, text=True, timeout=30)

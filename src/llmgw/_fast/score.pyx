@@ -35,6 +35,9 @@ BLIND_SHARE = 0.2
 PREFILL_WEIGHT = 0.2
 MEAN_BLOCKS_WEIGHT = 1.0 / 64
 SHORT_SHARED = 12
+SHARED_FLEET = 0.75
+KNOWN_TURN = 4
+HOME_SHARE = 0.5
 ENTRY_TTL = 600.0
 BREAKER_CLOSED = BS_CLOSED
 BREAKER_OPEN = BS_OPEN
@@ -55,6 +58,10 @@ cdef double C_BLIND_SHARE = 0.2
 cdef double C_PREFILL_WEIGHT = 0.2
 cdef double C_MEAN_BLOCKS_WEIGHT = 1.0 / 64
 cdef long long C_SHORT_SHARED = 12
+cdef double C_SHARED_FLEET = 0.75
+cdef long long C_KNOWN_TURN = 4
+cdef double C_HOME_SHARE = 0.5
+cdef uint64_t C_ANCHOR_SALT = 0x5851F42D4C957F2DULL
 
 cdef tuple _STATE_NAMES = ("closed", "open", "half_open")
 cdef object os_urandom = os.urandom
@@ -553,7 +560,8 @@ cdef class Picker:
         cdef Py_ssize_t b, i, k, n = PyList_GET_SIZE(states), pick = -1, slot, nhits = 0, matched = 0
         cdef double prior = 1.0, c, limit, blind_limit, tb, tmax, mb, per_block
         cdef int reason = R_BLIND
-        cdef uint64_t h, t, key, w, best_w, tag, anchor = 0, last = 0
+        cdef uint64_t h, t, key, w, best_w, tag, anchor = 0, last = 0, akey
+        cdef Py_ssize_t home
         cdef long long shallow = -1, anchor_blocks = 0
         cdef bint new_session = False, b_free
         cdef uint64_t hits[4]
@@ -624,13 +632,42 @@ cdef class Picker:
                 shallow < 0 and anchor and matched <= anchor_blocks and matched <= C_SHORT_SHARED
             ):
                 nhits = 0  # (only a shared start is known: the conversation's anchor decides)
-            for k in range(nhits - 1, -1, -1):
-                i = _find_tag(states, hits[k], now)
-                if i >= 0 and (i == b or _worth(_state_at(states, i), prior, limit, tmax, b_free,
-                                                depths[k] * per_block)):
-                    pick = i
+            if shallow >= 0 and (nhits == 0 or depths[nhits - 1] < nblocks - C_KNOWN_TURN) and _shared(states):
+                # other routers share the pool, this one did not see the previous turn:
+                # the conversation's home first (see the twin)
+                home = -1
+                best_w = 0
+                for i in range(n):
+                    st = _state_at(states, i)
+                    if st._usable(now) and not st.latency > tmax:
+                        w = _mix(anchor ^ st.tag)
+                        if home < 0 or w > best_w:
+                            best_w = w
+                            home = i
+                if home >= 0 and (home == b or _worth(_state_at(states, home), prior, limit, tmax, b_free,
+                                                      C_HOME_SHARE * nblocks * per_block)):
+                    pick = home
                     reason = R_PREFIX
-                    break
+            if pick < 0:
+                for k in range(nhits - 1, -1, -1):
+                    i = _find_tag(states, hits[k], now)
+                    if i >= 0 and (i == b or _worth(_state_at(states, i), prior, limit, tmax, b_free,
+                                                    depths[k] * per_block)):
+                        pick = i
+                        reason = R_PREFIX
+                        break
+            if pick < 0 and nhits == 0 and shallow >= 0:
+                # where this router last sent the conversation (see the twin)
+                akey = anchor ^ C_ANCHOR_SALT
+                if akey == 0:
+                    akey = 1
+                slot = _table_find(&self._index, akey, now)
+                if slot >= 0:
+                    i = _find_tag(states, self._index.slots[slot].tag, now)
+                    if i >= 0 and (i == b or _worth(_state_at(states, i), prior, limit, tmax, b_free,
+                                                    nblocks * per_block)):
+                        pick = i
+                        reason = R_PREFIX
             if pick < 0 and nhits:
                 # spill along the deepest matched block's rendezvous order (see the twin)
                 reason = R_LOAD
@@ -670,6 +707,11 @@ cdef class Picker:
         for k in range(nblocks):
             memcpy(&h, chain + 8 * k, 8)
             _table_put(&self._index, h, tag, now)
+        if anchor:
+            akey = anchor ^ C_ANCHOR_SALT
+            if akey == 0:
+                akey = 1
+            _table_put(&self._index, akey, tag, now)
         self._counts[reason] += 1
         return pick
 
@@ -834,6 +876,19 @@ cdef bint _worth(EndpointState st, double prior, double limit, double tmax, bint
     r = st.running
     slots_now = r if w > 0.0 and r > 0.0 else c
     return (load + 1.0 - slots_now) / slots_now < saved
+
+
+cdef bint _shared(list states) noexcept:
+    # other routers send to the pool: this router's requests in flight are less than
+    # SHARED_FLEET of the pool's load as it sees it (see the twin)
+    cdef Py_ssize_t i, own = 0
+    cdef double seen = 0.0
+    cdef EndpointState st
+    for i in range(PyList_GET_SIZE(states)):
+        st = _state_at(states, i)
+        own += st.inflight
+        seen += st._load()
+    return own < C_SHARED_FLEET * seen
 
 
 cdef Py_ssize_t _find_tag(list states, uint64_t tag, double now) noexcept:

@@ -176,6 +176,18 @@ MEAN_BLOCKS_WEIGHT = 1.0 / 64
 # blocks goes where its anchor hashes, as its later turns will at routers that never saw
 # it: recomputing a short system prompt costs less than a conversation that moves.
 SHORT_SHARED = 12
+# Several routers: when this router's own requests in flight are less than this share of
+# the pool's load it sees (scraped, corrected), other routers send to the pool too, and a
+# later turn this router did not see the previous turn of (its index's match ends more
+# than KNOWN_TURN blocks before the chain's end) goes first to its conversation's home,
+# the anchor's rendezvous top, as it does at every router that has not seen it; the
+# home's cache counts HOME_SHARE of the chain (it holds the conversation only mostly).
+SHARED_FLEET = 0.75
+KNOWN_TURN = 4
+HOME_SHARE = 0.5
+# The anchor is also recorded in the index (salted: never a block's key), as the
+# conversation's last replica at this router.
+_ANCHOR_SALT = 0x5851F42D4C957F2D
 
 BREAKER_CLOSED = 0
 BREAKER_OPEN = 1
@@ -880,12 +892,38 @@ class Picker:
                 shallow < 0 and anchor and matched <= anchor_blocks and matched <= SHORT_SHARED
             ):
                 hits = []  # (only a shared start is known: the conversation's anchor decides)
+            if shallow >= 0 and (not hits or depths[-1] < nb - KNOWN_TURN) and _shared(states):
+                # other routers share the pool and this one did not see the previous turn:
+                # the conversation's home first, where every router that did not see it sends it
+                best_w = -1
+                home = -1
+                for i, st in enumerate(states):
+                    if st.usable(now) and not st.latency > tmax:  # (unknown latency: NaN, allowed)
+                        w = _mix(anchor ^ st.tag)
+                        if w > best_w:
+                            best_w = w
+                            home = i
+                if home >= 0 and (
+                    home == b or _worth(states[home], prior, limit, tmax, b_free, HOME_SHARE * nb * per_block)
+                ):
+                    pick = home
+                    reason = _R_PREFIX
             for k in range(len(hits) - 1, -1, -1):
+                if pick >= 0:
+                    break
                 i = _find_tag(states, hits[k], now)
                 if i >= 0 and (i == b or _worth(states[i], prior, limit, tmax, b_free, depths[k] * per_block)):
                     pick = i
                     reason = _R_PREFIX
-                    break
+            if pick < 0 and not hits and shallow >= 0:
+                # a later turn matched no deeper than its anchor: where this router last
+                # sent the conversation, if it did (the anchor is the conversation's key)
+                slot = index.find(anchor ^ _ANCHOR_SALT or 1, now)
+                if slot >= 0:
+                    i = _find_tag(states, index.tags[slot], now)
+                    if i >= 0 and (i == b or _worth(states[i], prior, limit, tmax, b_free, nb * per_block)):
+                        pick = i
+                        reason = _R_PREFIX
             if pick < 0 and hits:
                 # none may take it: spill along the deepest matched block's rendezvous
                 # order, so that every router spills a prefix to the same few replicas,
@@ -918,6 +956,8 @@ class Picker:
             sessions.put(session, tag, now)
         for h in blocks:
             index.put(h, tag, now)
+        if anchor:
+            index.put(anchor ^ _ANCHOR_SALT or 1, tag, now)
         self._counts[reason] += 1
         return pick
 
@@ -1062,6 +1102,17 @@ def _worth(st: EndpointState, prior: float, limit: float, tmax: float, b_free: b
     r = st.running
     slots_now = r if w > 0.0 and r > 0.0 else c
     return (load + 1.0 - slots_now) / slots_now < saved
+
+
+def _shared(states: Sequence[EndpointState]) -> bool:
+    """Whether other routers send to the pool: this router's requests in flight are less
+    than SHARED_FLEET of the pool's load as it sees it (scraped, corrected)."""
+    own = 0
+    seen = 0.0
+    for st in states:
+        own += st.inflight
+        seen += st.load()
+    return own < SHARED_FLEET * seen
 
 
 def _find_tag(states: Sequence[EndpointState], tag: int, now: float) -> int:
