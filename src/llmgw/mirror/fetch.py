@@ -676,10 +676,12 @@ def _fill(resp: http.client.HTTPResponse, view: memoryview, whole: bool, pos: in
         try:
             k = resp.readinto(view[n:])
         except (OSError, http.client.HTTPException) as exc:
-            raise _Retry(f"the transfer broke off after {pos + n} bytes ({_why(exc)})") from None
-        if not k:
             if n:
                 return n  # (what came is written, so a retry resumes after it; the next read fails)
+            raise _Retry(f"the transfer broke off after {pos} bytes ({_why(exc)})") from None
+        if not k:
+            if n:
+                return n
             raise _Retry(f"the mirror closed the connection after {pos} bytes")
         n += k
         if not whole:
