@@ -47,6 +47,7 @@ message or a log line.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import fcntl
 import hashlib
@@ -59,6 +60,7 @@ import ssl
 import threading
 import time
 from collections.abc import Callable, Sequence
+from concurrent import futures
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -546,20 +548,27 @@ class MirrorFetcher:
         PERF: ``readinto`` a ring of reusable buffers (no allocation per chunk); the
         hash thread digests buffer i (hashlib drops the GIL) while this thread writes
         it and reads into the next. A buffer is refilled only after its hash has run
-        (and its write, which is synchronous, has returned). With ``O_DIRECT``
-        (:class:`_Writer`) each buffer is filled whole, so every write but the first
-        of a resumed transfer and the last starts and ends on a block boundary.
+        and its write has returned. With ``O_DIRECT`` (:class:`_Writer`) each buffer is
+        filled whole, so every write but the first of a resumed transfer and the last
+        starts and ends on a block boundary, and the writes run on a third thread: an
+        O_DIRECT write returns only when the disk has the bytes, and the socket is read
+        meanwhile (a page-cache write is a copy, done here).
         """
         chunk = self.chunk
         views = _take_ring(chunk, length)
         hashing: list[Future[None] | None] = [None] * len(views)
+        writing: list[Future[None] | None] = [None] * len(views)
         writer = _Writer(fd, self.direct_io and job.blob.size >= self.direct_min and chunk % _DIRECT_ALIGN == 0)
+        threaded = writer.direct
         got = 0
         flushed = 0
         told = 0.0  # (the first chunk is reported at once)
         i = 0
         try:
-            with ThreadPoolExecutor(max_workers=1, thread_name_prefix="llmgw-fetch-hash") as hasher:
+            with contextlib.ExitStack() as threads:
+                hasher = threads.enter_context(ThreadPoolExecutor(max_workers=1, thread_name_prefix="llmgw-fetch-hash"))
+                writes = threads.enter_context(
+                    ThreadPoolExecutor(max_workers=1, thread_name_prefix="llmgw-fetch-write")) if threaded else None
                 try:
                     while got < length:
                         if job.cancelled.is_set():
@@ -567,6 +576,9 @@ class MirrorFetcher:
                         pending = hashing[i]
                         if pending is not None:
                             pending.result()
+                        pending = writing[i]
+                        if pending is not None:
+                            pending.result()  # (raises what the write met: the disk full, an I/O error)
                         pos = offset + got
                         want = min(chunk, length - got)
                         if writer.direct and pos % _DIRECT_ALIGN:
@@ -575,9 +587,12 @@ class MirrorFetcher:
                         n = _fill(resp, view, writer.direct, pos)
                         data = view[:n]
                         hashing[i] = hasher.submit(h.update, data)
-                        writer.write(data, pos)
+                        if writes is not None:
+                            writing[i] = writes.submit(writer.write, data, pos)
+                        else:
+                            writer.write(data, pos)
                         got += n
-                        if not writer.direct and got - flushed >= _WRITEBACK_EVERY:
+                        if not threaded and got - flushed >= _WRITEBACK_EVERY:
                             _start_writeback(fd, offset + flushed, got - flushed)
                             flushed = got
                         job.done = offset + got
@@ -586,12 +601,13 @@ class MirrorFetcher:
                             told = now
                             loop.call_soon_threadsafe(job.notify)
                         i = (i + 1) % len(views)
-                finally:
-                    # Never leave the hash thread reading a buffer that is going away (or that the
-                    # next transfer fills).
-                    for pending in hashing:
+                    for pending in writing:
                         if pending is not None:
-                            pending.result()
+                            pending.result()  # (the last writes' failures)
+                finally:
+                    # Never leave the hash or write thread reading a buffer that is going away (or
+                    # that the next transfer fills).
+                    futures.wait([f for f in hashing + writing if f is not None])
                     self.direct_bytes += writer.direct_bytes
                     writer.close()
         finally:
