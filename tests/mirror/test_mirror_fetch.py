@@ -335,6 +335,38 @@ async def test_big_blobs_are_written_with_o_direct_and_resume_at_any_offset(
             assert fetcher.direct_bytes == 0
 
 
+def test_a_refused_o_direct_write_falls_back_to_the_page_cache(tmp_path: Path) -> None:
+    """A file system (or a buffer) that O_DIRECT refuses with EINVAL: the writer writes the same
+    bytes through the page cache, and stays there. The refusal is real: the buffer starts one
+    byte past a page, which no block device's DMA alignment takes."""
+    import fcntl
+    import mmap
+
+    from llmgw.mirror.fetch import _Writer
+
+    if not (hasattr(os, "O_DIRECT") and _takes_o_direct(tmp_path)):
+        pytest.skip("the file system under the test's directory takes no O_DIRECT")
+    page = mmap.mmap(-1, 3 * 4096)
+    page[:] = os.urandom(len(page))
+    misaligned = memoryview(page)[1: 1 + 2 * 4096]
+    aligned = memoryview(page)[:4096]
+    path = tmp_path / "out"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        writer = _Writer(fd, direct=True)
+        writer.write(aligned, 0)  # taken: page-aligned memory, offset and length
+        assert writer.direct and writer.direct_bytes == 4096
+        writer.write(misaligned, 4096)
+        assert not writer.direct and writer.direct_bytes == 4096
+        writer.write(aligned, 3 * 4096)  # (the page cache from now on)
+        assert writer.direct_bytes == 4096
+        writer.close()
+        assert fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT == 0  # the fd is left as it was
+    finally:
+        os.close(fd)
+    assert path.read_bytes() == bytes(aligned) + bytes(misaligned) + bytes(aligned)
+
+
 async def test_a_stopped_replica_stops_its_fetch_and_the_next_resumes(tmp_path: Path) -> None:
     async with mirror_runtime(tmp_path, big=600_000) as m:
         model = m.blobs[0]
