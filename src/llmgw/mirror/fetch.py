@@ -733,7 +733,8 @@ class _Writer:
                     if exc.errno != errno.EINVAL:
                         raise
                     # The file system takes no O_DIRECT (or not these blocks): the page cache,
-                    # from here on. (EINVAL comes before a byte is written.)
+                    # from here on. (Writing all of `view` again from `pos` is harmless where a
+                    # short write took part of it: the same bytes at the same offsets.)
                     self.direct = False
                     self._set(False)
                     _pwrite_all(self.fd, view, pos)
