@@ -80,9 +80,11 @@ __all__ = ["MirrorFetcher"]
 _CONTENT_RANGE = re.compile(r"bytes (\d+)-(\d+)/(\d+)")
 # Progress goes to the loop at most this often (and at the end of each blob).
 _PROGRESS_EVERY_S = 0.2
-# PERF: buffers in flight between the socket reader and the hash thread: one being
-# hashed, one being filled, one spare so neither waits on the other's jitter.
-_BUFFERS = 3
+# PERF: buffers in flight between the socket reader and the hash (and O_DIRECT write)
+# thread: one being hashed, one being written, one being filled, one spare so none waits
+# on another's jitter. With O_DIRECT, 4 gave a higher rate than 3 in each of four pairs of
+# runs (1182-1344 against 1033-1243 MiB/s on a quiet machine; docs/mirror.md); 6 no more.
+_BUFFERS = 4
 _WRITEBACK_EVERY = 32 << 20
 # PERF: a ring of buffers is kept for the next transfer (at most this many rings):
 # allocating 3 x 4 MiB costs 8-20 ms on the benchmark VM (every page faulted in and
