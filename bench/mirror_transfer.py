@@ -191,7 +191,9 @@ def main() -> None:
         config = work / "llmgw.yaml"
         config.write_text(json.dumps({
             "listen": "127.0.0.1:0", "admin": "127.0.0.1:0", "mirror": {"root": str(work / "cp-mirror")},
-            "control": {"listen": f"127.0.0.1:{_free_port()}", "join_token": "bench-join-token"},
+            # (a database of its own: the default one is shared with any other llmgw serve of the user)
+            "control": {"listen": f"127.0.0.1:{_free_port()}", "join_token": "bench-join-token",
+                        "database": f"sqlite:///{work / 'control.sqlite3'}"},
         }))
         proc = subprocess.Popen(
             [sys.executable, __file__, "--serve", str(config)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,

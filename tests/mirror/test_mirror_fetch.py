@@ -267,6 +267,106 @@ async def test_interrupted_transfer_resumes_with_a_range(tmp_path: Path) -> None
         assert node_files(node_root)[1] == []
 
 
+def _takes_o_direct(where: Path) -> bool:
+    """Whether the file system under ``where`` takes an aligned O_DIRECT write."""
+    import mmap
+
+    probe = where / "o-direct-probe"
+    try:
+        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | getattr(os, "O_DIRECT", 0), 0o600)
+    except OSError:
+        return False
+    try:
+        return os.pwrite(fd, mmap.mmap(-1, 4096), 0) == 4096
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+        probe.unlink()
+
+
+@pytest.mark.parametrize("io", ["direct", "page-cache", "env-off", "small-blob"])
+async def test_big_blobs_are_written_with_o_direct_and_resume_at_any_offset(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, io: str
+) -> None:
+    """A blob of at least ``direct_min`` bytes goes to the disk with O_DIRECT: every whole 4 KiB
+    block but the one a resumed transfer starts in (written through the page cache up to the
+    boundary) and the blob's last partial block. Turned off (the parameter, or
+    LLMGW_FETCH_DIRECT_IO=0), or for a blob under ``direct_min``, nothing is; either way the
+    blob is verified and whole, and the cut transfer resumes where it stopped."""
+    if io == "direct" and not (hasattr(os, "O_DIRECT") and _takes_o_direct(tmp_path)):
+        pytest.skip("the file system under the test's directory takes no O_DIRECT")
+    if io == "env-off":
+        monkeypatch.setenv("LLMGW_FETCH_DIRECT_IO", "0")
+    kwargs: dict[str, Any] = {
+        "direct": {"direct_io": True, "direct_min": 0},
+        "page-cache": {"direct_io": False, "direct_min": 0},
+        "env-off": {"direct_min": 0},
+        "small-blob": {"direct_io": True},  # (the default direct_min: 64 MiB)
+    }[io]
+    async with mirror_runtime(tmp_path, big=600_000) as m:  # a model blob of ~2.4 MB
+        model = m.blobs[0]
+        assert m.rt.admin_addr is not None
+        proxy = CuttingProxy(("127.0.0.1", m.rt.admin_addr[1]), cut_after=1_000_000)
+        url = await proxy.start()
+        node_root = tmp_path / "node-mirror"
+        fetcher = MirrorFetcher(url, m.credential, node_root, backoff=0.01, chunk=64 * 1024, **kwargs)
+        try:
+            spec = ReplicaSpec(id="r", deployment="d", engine="llamacpp", model="tiny:1b", served_name="t",
+                               blobs=(model,))
+            local = await fetcher.ensure(spec, lambda d, t: None)
+        finally:
+            await fetcher.close()
+            await proxy.close()
+        assert sha(local.path) == model.digest and os.path.getsize(local.path) == model.size
+        assert node_files(node_root)[1] == []
+        assert len(proxy.requests) == 2 and fetcher.downloads == 2
+        ranges = [line for line in proxy.requests[1].split(b"\r\n") if line.lower().startswith(b"range:")]
+        start = int(ranges[0].split(b"=")[1].rstrip(b"-"))
+        assert 0 < start < 1_000_000
+        if io == "direct":
+            block = 4096
+            # the first transfer: every whole block of [0, start); the second: from the block
+            # boundary after `start` to the blob's last whole block
+            expected = start // block * block + (model.size // block - -(-start // block)) * block
+            assert fetcher.direct_bytes == expected
+            assert expected > model.size // 2
+        else:
+            assert fetcher.direct_bytes == 0
+
+
+def test_a_refused_o_direct_write_falls_back_to_the_page_cache(tmp_path: Path) -> None:
+    """A file system (or a buffer) that O_DIRECT refuses with EINVAL: the writer writes the same
+    bytes through the page cache, and stays there. The refusal is real: the buffer starts one
+    byte past a page, which no block device's DMA alignment takes."""
+    import fcntl
+    import mmap
+
+    from llmgw.mirror.fetch import _Writer
+
+    if not (hasattr(os, "O_DIRECT") and _takes_o_direct(tmp_path)):
+        pytest.skip("the file system under the test's directory takes no O_DIRECT")
+    page = mmap.mmap(-1, 3 * 4096)
+    page[:] = os.urandom(len(page))
+    misaligned = memoryview(page)[1: 1 + 2 * 4096]
+    aligned = memoryview(page)[:4096]
+    path = tmp_path / "out"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        writer = _Writer(fd, direct=True)
+        writer.write(aligned, 0)  # taken: page-aligned memory, offset and length
+        assert writer.direct and writer.direct_bytes == 4096
+        writer.write(misaligned, 4096)
+        assert not writer.direct and writer.direct_bytes == 4096
+        writer.write(aligned, 3 * 4096)  # (the page cache from now on)
+        assert writer.direct_bytes == 4096
+        writer.close()
+        assert fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT == 0  # the fd is left as it was
+    finally:
+        os.close(fd)
+    assert path.read_bytes() == bytes(aligned) + bytes(misaligned) + bytes(aligned)
+
+
 async def test_a_stopped_replica_stops_its_fetch_and_the_next_resumes(tmp_path: Path) -> None:
     async with mirror_runtime(tmp_path, big=600_000) as m:
         model = m.blobs[0]
@@ -314,15 +414,18 @@ async def test_corrupt_transfer_is_refused_and_nothing_kept(tmp_path: Path) -> N
         assert tmp == []
 
 
-async def test_a_failed_write_stops_the_hash_thread_and_keeps_nothing(tmp_path: Path) -> None:
+@pytest.mark.parametrize("direct_io", [True, False], ids=["direct", "page-cache"])
+async def test_a_failed_write_stops_the_hash_thread_and_keeps_nothing(tmp_path: Path, direct_io: bool) -> None:
     """The disk refuses a write half-way (here: the file may not grow past 1 MB, EFBIG, as a full
     disk refuses with ENOSPC) while the hash thread digests the chunks before it: the fetch fails
-    with a message that says so, the hash thread is gone, the partial file removed; not retried."""
+    with a message that says so, the hash thread is gone, the partial file removed; not retried.
+    The same with O_DIRECT writes and through the page cache."""
     async with mirror_runtime(tmp_path, big=600_000) as m:
         model = m.blobs[0]
         assert model.size > 2_000_000
         node_root = tmp_path / "node-mirror"
-        fetcher = MirrorFetcher(m.url, m.credential, node_root, attempts=3, backoff=0.01, chunk=64 * 1024)
+        fetcher = MirrorFetcher(m.url, m.credential, node_root, attempts=3, backoff=0.01, chunk=64 * 1024,
+                                direct_io=direct_io, direct_min=0)
         spec = ReplicaSpec(id="r", deployment="d", engine="llamacpp", model="tiny:1b", served_name="t",
                            blobs=(model,))
         heard: list[int] = []
@@ -338,10 +441,11 @@ async def test_a_failed_write_stops_the_hash_thread_and_keeps_nothing(tmp_path: 
             assert fetcher.downloads == 1  # a local failure is not one a retry of the transfer fixes
             assert max(heard) > 0 and heard[-1] == 0  # progress went back to nothing kept
             assert node_files(node_root) == ([], [])
-            assert not [t for t in threading.enumerate() if t.name.startswith("llmgw-fetch-hash")]
+            assert not [t for t in threading.enumerate() if t.name.startswith(("llmgw-fetch-hash", "llmgw-fetch-write"))]
             # the disk takes writes again: the next ensure() fetches the blob whole
             local = await asyncio.wait_for(fetcher.ensure(spec, lambda d, t: None), 20)
             assert sha(local.path) == model.digest and fetcher.downloads == 2
+            assert (fetcher.direct_bytes > 0) == (direct_io and _takes_o_direct(tmp_path))
         finally:
             await fetcher.close()
 

@@ -27,9 +27,19 @@ Concurrent :meth:`MirrorFetcher.ensure` calls for the same blob share one downlo
 each caller hears the progress of all its blobs. A 401, 403 or 404 is not retried
 (the credential, the placement or the mirror is wrong: a retry cannot help).
 
-The transfers run in threads (blocking sockets, ``readinto`` a ring of buffers kept
-from one transfer to the next, ``os.write``): the event loop only hears progress, a few
-times a second.
+The transfers run in threads (blocking sockets, ``readinto`` a ring of page-aligned
+buffers kept from one transfer to the next, ``pwrite``): the event loop only hears
+progress, a few times a second.
+
+PERF: a blob of at least ``direct_min`` bytes (64 MiB by default) is written with
+``O_DIRECT`` where the file system takes it (Linux): from the transfer buffer straight to
+the disk, not copied into the page cache, so the client's CPU per GiB is the socket's
+copy and the hash, no longer the page cache's allocation and copy and its writeback
+(measured in docs/mirror.md). The piece before the first 4 KiB boundary (a resumed
+transfer) and the blob's last partial block are written through the page cache; a file
+system that refuses ``O_DIRECT`` (``EINVAL``) gets the rest through the page cache too.
+``direct_io=False`` or ``LLMGW_FETCH_DIRECT_IO=0`` turns it off. The cost: the engine
+that loads the blob next reads it from the disk instead of from memory.
 SECURITY: the credential goes in the ``Authorization`` header only, never in a
 message or a log line.
 """
@@ -37,10 +47,12 @@ message or a log line.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import fcntl
 import hashlib
 import http.client
+import mmap
 import os
 import re
 import socket
@@ -48,6 +60,7 @@ import ssl
 import threading
 import time
 from collections.abc import Callable, Sequence
+from concurrent import futures
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -57,7 +70,7 @@ from urllib.parse import urlsplit
 from .. import __version__
 from ..log import mirror_logger as log
 from .errors import FetchError, MirrorError, ModelExistsError, NoSpaceError
-from .store import COPY_CHUNK, MirrorStore, _human, _start_writeback, _write_all, is_digest
+from .store import COPY_CHUNK, MirrorStore, _human, _start_writeback, is_digest
 
 if TYPE_CHECKING:
     from ..launch.spec import LocalModel, ModelBlob, ReplicaSpec
@@ -67,9 +80,11 @@ __all__ = ["MirrorFetcher"]
 _CONTENT_RANGE = re.compile(r"bytes (\d+)-(\d+)/(\d+)")
 # Progress goes to the loop at most this often (and at the end of each blob).
 _PROGRESS_EVERY_S = 0.2
-# PERF: buffers in flight between the socket reader and the hash thread: one being
-# hashed, one being filled, one spare so neither waits on the other's jitter.
-_BUFFERS = 3
+# PERF: buffers in flight between the socket reader and the hash (and O_DIRECT write)
+# thread: one being hashed, one being written, one being filled, one spare so none waits
+# on another's jitter. With O_DIRECT, 4 gave a higher rate than 3 in each of four pairs of
+# runs (1182-1344 against 1033-1243 MiB/s on a quiet machine; docs/mirror.md); 6 no more.
+_BUFFERS = 4
 _WRITEBACK_EVERY = 32 << 20
 # PERF: a ring of buffers is kept for the next transfer (at most this many rings):
 # allocating 3 x 4 MiB costs 8-20 ms on the benchmark VM (every page faulted in and
@@ -79,6 +94,21 @@ _rings: list[list[memoryview]] = []
 _rings_lock = threading.Lock()
 # Keep this much free beyond the blob (the catalogue and the file system need room too).
 _SPACE_MARGIN = 16 << 20
+_O_DIRECT = getattr(os, "O_DIRECT", 0)
+# O_DIRECT writes start at a multiple of this and are a multiple of it long (the largest
+# logical block size of common disks; buffers are page-aligned, from mmap).
+_DIRECT_ALIGN = 4096
+# PERF: blobs at least this big are written with O_DIRECT (see the module docstring): a
+# smaller one (a projector, a tiny model) saves little CPU and is better left in the page
+# cache for the engine that reads it next.
+DIRECT_MIN = 64 << 20
+_FALSE = ("0", "false", "no", "off")
+
+
+def direct_io_default() -> bool:
+    """Whether fetches write big blobs with ``O_DIRECT``: where the platform has it, unless
+    ``LLMGW_FETCH_DIRECT_IO`` is ``0`` (or ``false``, ``no``, ``off``)."""
+    return bool(_O_DIRECT) and os.environ.get("LLMGW_FETCH_DIRECT_IO", "1").strip().lower() not in _FALSE
 
 
 class _Fatal(Exception):
@@ -119,6 +149,10 @@ class MirrorFetcher:
         timeout: seconds a connection may stay silent.
         chunk: bytes per socket read.
         ssl_context: for ``https://`` (default: the system's trust store, verified).
+        direct_io: write blobs of at least ``direct_min`` bytes with ``O_DIRECT`` where the
+            file system takes it (default: :func:`direct_io_default`, on where the platform
+            has it unless ``LLMGW_FETCH_DIRECT_IO=0``).
+        direct_min: the smallest blob written with ``O_DIRECT``.
     """
 
     def __init__(
@@ -133,9 +167,13 @@ class MirrorFetcher:
         timeout: float = 30.0,
         chunk: int = COPY_CHUNK,
         ssl_context: ssl.SSLContext | None = None,
+        direct_io: bool | None = None,
+        direct_min: int = DIRECT_MIN,
     ) -> None:
         if attempts < 1:
             raise ValueError("attempts must be at least 1")
+        self.direct_io = direct_io_default() if direct_io is None else bool(direct_io and _O_DIRECT)
+        self.direct_min = direct_min
         self.set_access(base_url, credential)
         self.store = MirrorStore(store_root)
         self.attempts = attempts
@@ -153,6 +191,8 @@ class MirrorFetcher:
         self._closed = False
         self.downloads = 0
         """Transfers started (a resumed one counts again): for tests and logs."""
+        self.direct_bytes = 0
+        """Bytes written with ``O_DIRECT`` (the rest went through the page cache): for tests and logs."""
 
     def set_access(self, base_url: str, credential: str) -> None:
         """Use ``base_url`` and ``credential`` from now on (a new registration brings new ones);
@@ -440,6 +480,7 @@ class MirrorFetcher:
         self.downloads += 1
         t0 = time.monotonic()
         got = 0
+        direct0 = self.direct_bytes
         try:
             try:
                 conn.request("GET", f"{self._prefix}/mirror/v1/blobs/{blob.digest}", headers=headers)
@@ -473,17 +514,17 @@ class MirrorFetcher:
                     f"the mirror sent {length} bytes from offset {have} for a blob of {blob.size} bytes"
                 )
             self._check_space(blob, fd, have, length)
-            os.lseek(fd, have, os.SEEK_SET)
             got = self._pump(job, resp, fd, length, h, have, loop)
         finally:
             job.conn = None
             conn.close()
             if got:
                 took = time.monotonic() - t0
+                direct = self.direct_bytes - direct0
                 log.info(
-                    "fetched %d bytes of %s from %s%s in %.2fs (%.0f MiB/s)",
+                    "fetched %d bytes of %s from %s%s in %.2fs (%.0f MiB/s%s)",
                     got, blob.digest, self.base_url, f" (resumed at {have})" if have else "",
-                    took, got / max(took, 1e-6) / (1 << 20),
+                    took, got / max(took, 1e-6) / (1 << 20), f", {direct} bytes with O_DIRECT" if direct else "",
                 )
         return h
 
@@ -503,21 +544,33 @@ class MirrorFetcher:
         self, job: _Job, resp: http.client.HTTPResponse, fd: int, length: int, h: Any, offset: int,
         loop: asyncio.AbstractEventLoop,
     ) -> int:
-        """Copy ``length`` body bytes to ``fd`` while a second thread hashes them; the bytes copied.
+        """Copy ``length`` body bytes to ``fd`` from ``offset`` on while a second thread hashes them;
+        the bytes copied.
 
         PERF: ``readinto`` a ring of reusable buffers (no allocation per chunk); the
         hash thread digests buffer i (hashlib drops the GIL) while this thread writes
-        it and reads into the next. A buffer is refilled only after its hash has run.
+        it and reads into the next. A buffer is refilled only after its hash has run
+        and its write has returned. With ``O_DIRECT`` (:class:`_Writer`) each buffer is
+        filled whole, so every write but the first of a resumed transfer and the last
+        starts and ends on a block boundary, and the writes run on a third thread: an
+        O_DIRECT write returns only when the disk has the bytes, and the socket is read
+        meanwhile (a page-cache write is a copy, done here).
         """
         chunk = self.chunk
         views = _take_ring(chunk, length)
         hashing: list[Future[None] | None] = [None] * len(views)
+        writing: list[Future[None] | None] = [None] * len(views)
+        writer = _Writer(fd, self.direct_io and job.blob.size >= self.direct_min and chunk % _DIRECT_ALIGN == 0)
+        threaded = writer.direct
         got = 0
         flushed = 0
         told = 0.0  # (the first chunk is reported at once)
         i = 0
         try:
-            with ThreadPoolExecutor(max_workers=1, thread_name_prefix="llmgw-fetch-hash") as hasher:
+            with contextlib.ExitStack() as threads:
+                hasher = threads.enter_context(ThreadPoolExecutor(max_workers=1, thread_name_prefix="llmgw-fetch-hash"))
+                writes = threads.enter_context(
+                    ThreadPoolExecutor(max_workers=1, thread_name_prefix="llmgw-fetch-write")) if threaded else None
                 try:
                     while got < length:
                         if job.cancelled.is_set():
@@ -525,18 +578,23 @@ class MirrorFetcher:
                         pending = hashing[i]
                         if pending is not None:
                             pending.result()
-                        view = views[i][: min(chunk, length - got)]
-                        try:
-                            n = resp.readinto(view)
-                        except (OSError, http.client.HTTPException) as exc:
-                            raise _Retry(f"the transfer broke off after {offset + got} bytes ({_why(exc)})") from None
-                        if not n:
-                            raise _Retry(f"the mirror closed the connection after {offset + got} bytes")
+                        pending = writing[i]
+                        if pending is not None:
+                            pending.result()  # (raises what the write met: the disk full, an I/O error)
+                        pos = offset + got
+                        want = min(chunk, length - got)
+                        if writer.direct and pos % _DIRECT_ALIGN:
+                            want = min(want, _DIRECT_ALIGN - pos % _DIRECT_ALIGN)  # (up to the boundary)
+                        view = views[i][:want]
+                        n = _fill(resp, view, writer.direct, pos)
                         data = view[:n]
                         hashing[i] = hasher.submit(h.update, data)
-                        _write_all(fd, data)
+                        if writes is not None:
+                            writing[i] = writes.submit(writer.write, data, pos)
+                        else:
+                            writer.write(data, pos)
                         got += n
-                        if got - flushed >= _WRITEBACK_EVERY:
+                        if not threaded and got - flushed >= _WRITEBACK_EVERY:
                             _start_writeback(fd, offset + flushed, got - flushed)
                             flushed = got
                         job.done = offset + got
@@ -545,12 +603,15 @@ class MirrorFetcher:
                             told = now
                             loop.call_soon_threadsafe(job.notify)
                         i = (i + 1) % len(views)
-                finally:
-                    # Never leave the hash thread reading a buffer that is going away (or that the
-                    # next transfer fills).
-                    for pending in hashing:
+                    for pending in writing:
                         if pending is not None:
-                            pending.result()
+                            pending.result()  # (the last writes' failures)
+                finally:
+                    # Never leave the hash or write thread reading a buffer that is going away (or
+                    # that the next transfer fills).
+                    futures.wait([f for f in hashing + writing if f is not None])
+                    self.direct_bytes += writer.direct_bytes
+                    writer.close()
         finally:
             _give_ring(views, chunk)  # (the hash thread has ended: no buffer of the ring is in use)
         loop.call_soon_threadsafe(job.notify)
@@ -614,14 +675,91 @@ def _hash_prefix(fd: int, have: int, h: Any) -> int:
 
 def _take_ring(chunk: int, length: int) -> list[memoryview]:
     """Buffers for a transfer of ``length`` bytes in reads of ``chunk``: a kept ring of the size,
-    else new ones (a blob smaller than the ring gets only what it needs)."""
+    else new ones (a blob smaller than the ring gets only what it needs). Each starts on a page
+    (anonymous ``mmap``), as ``O_DIRECT`` needs."""
     with _rings_lock:
         for ring in _rings:
             if len(ring[0]) == chunk:
                 _rings.remove(ring)
                 return ring
     size = min(chunk, max(length, 1))
-    return [memoryview(bytearray(size)) for _ in range(_BUFFERS if length > size else 1)]
+    return [memoryview(mmap.mmap(-1, size)) for _ in range(_BUFFERS if length > size else 1)]
+
+
+def _fill(resp: http.client.HTTPResponse, view: memoryview, whole: bool, pos: int) -> int:
+    """Read body bytes into ``view`` (all of it when ``whole``, else what one ``readinto``
+    gives); the bytes read. ``pos``: the blob offset of ``view[0]``, for the messages."""
+    n = 0
+    while n < len(view):
+        try:
+            k = resp.readinto(view[n:])
+        except (OSError, http.client.HTTPException) as exc:
+            if n:
+                return n  # (what came is written, so a retry resumes after it; the next read fails)
+            raise _Retry(f"the transfer broke off after {pos} bytes ({_why(exc)})") from None
+        if not k:
+            if n:
+                return n
+            raise _Retry(f"the mirror closed the connection after {pos} bytes")
+        n += k
+        if not whole:
+            break
+    return n
+
+
+class _Writer:
+    """Writes a transfer's buffers at their offsets: with ``O_DIRECT`` when ``direct`` and the piece
+    is block-aligned, else through the page cache. ``direct`` goes off for good when the file
+    system refuses ``O_DIRECT`` (``EINVAL``)."""
+
+    def __init__(self, fd: int, direct: bool) -> None:
+        self.fd = fd
+        self.direct = direct
+        self.direct_bytes = 0
+        self._flags = fcntl.fcntl(fd, fcntl.F_GETFL) & ~_O_DIRECT
+        self._on = False  # whether the fd has O_DIRECT set now
+
+    def _set(self, on: bool) -> None:
+        if on != self._on:
+            fcntl.fcntl(self.fd, fcntl.F_SETFL, self._flags | _O_DIRECT if on else self._flags)
+            self._on = on
+
+    def write(self, view: memoryview, pos: int) -> None:
+        if self.direct and pos % _DIRECT_ALIGN == 0:
+            body = len(view) - len(view) % _DIRECT_ALIGN
+            if body:
+                try:
+                    self._set(True)
+                    _pwrite_all(self.fd, view[:body], pos)
+                except OSError as exc:
+                    if exc.errno != errno.EINVAL:
+                        raise
+                    # The file system takes no O_DIRECT (or not these blocks): the page cache,
+                    # from here on. (Writing all of `view` again from `pos` is harmless where a
+                    # short write took part of it: the same bytes at the same offsets.)
+                    self.direct = False
+                    self._set(False)
+                    _pwrite_all(self.fd, view, pos)
+                    return
+                self.direct_bytes += body
+                view, pos = view[body:], pos + body
+        if view:
+            self._set(False)
+            _pwrite_all(self.fd, view, pos)
+
+    def close(self) -> None:
+        """Leave the fd as it was (best effort: a failure is being reported already)."""
+        try:
+            self._set(False)
+        except OSError:
+            pass
+
+
+def _pwrite_all(fd: int, view: memoryview, pos: int) -> None:
+    """Write all of ``view`` at ``pos`` (``pwrite`` may write less than asked)."""
+    while view:
+        n = os.pwrite(fd, view, pos)
+        view, pos = view[n:], pos + n
 
 
 def _give_ring(ring: list[memoryview], chunk: int) -> None:
