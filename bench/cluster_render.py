@@ -27,12 +27,11 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from cluster_scale import ChangingSource  # noqa: E402
-
-from llmgw.agent.wire import discovery_to_proto  # noqa: E402
-from llmgw.control.collector import ClusterCollector  # noqa: E402
-from llmgw.control.nodes import NodeMap  # noqa: E402
-from llmgw.control.service import ControlStats  # noqa: E402
+from cluster_scale import ChangingSource
+from llmgw.agent.wire import discovery_to_proto
+from llmgw.control.collector import ClusterCollector
+from llmgw.control.nodes import NodeMap
+from llmgw.control.service import ControlStats
 
 
 class _Holds:

@@ -344,6 +344,10 @@ def test_doubles_are_written_as_repr(nodetext: ModuleType) -> None:
              2.0**64, 1e300, 0.26, 491.1, 1e-7, 0.0001, 5e-324, 1.7976931348623157e308]
     doubles = [*edges, *(float(rng.randint(-10**17, 10**17)) for _ in range(300)),
                *(rng.randint(0, 10**6) / 10 ** rng.randint(0, 4) for _ in range(300)),
+               *(round(rng.uniform(-1e6, 1e6), rng.randint(0, 12)) for _ in range(3000)),
+               *(rng.randint(1, 10**15) / 10 ** rng.randint(1, 19) for _ in range(3000)),
+               *(math.nextafter(x, math.inf) for x in (0.1, 0.26, 1e-4, 491.1, 123456789.123)),
+               *(math.nextafter(x, -math.inf) for x in (0.1, 0.26, 1e-4, 491.1, 123456789.123)),
                *(struct.unpack("<d", rng.randbytes(8))[0] for _ in range(500))]
     for v in doubles:
         g = pb.Gpu(uuid="u", power_watts=v)

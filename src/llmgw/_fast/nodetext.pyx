@@ -120,17 +120,82 @@ cdef inline int put_uint(Buf* b, uint64_t v) except -1:
     return put(b, tmp + i, 24 - i)
 
 
+cdef double[23] _P10 = [1e0, 1e1, 1e2, 1e3, 1e4, 1e5, 1e6, 1e7, 1e8, 1e9, 1e10, 1e11, 1e12, 1e13, 1e14, 1e15,
+                         1e16, 1e17, 1e18, 1e19, 1e20, 1e21, 1e22]
+cdef uint64_t[17] _U10 = [1, 10, 100, 1000, 10000, 100000, 1000000, 10000000, 100000000, 1000000000,
+                          10000000000, 100000000000, 1000000000000, 10000000000000, 100000000000000,
+                          1000000000000000, 10000000000000000]
+
+
+cdef int put_fixed(Buf* b, uint64_t m, int k) except -1:
+    """``m / 10**k`` written with exactly ``k`` decimals (k >= 1)."""
+    cdef char tmp[24]
+    cdef int i
+    cdef uint64_t frac = m % _U10[k]
+    put_uint(b, m // _U10[k])
+    put(b, ".", 1)
+    for i in range(k - 1, -1, -1):
+        tmp[i] = <char>(48 + frac % 10)
+        frac //= 10
+    return put(b, tmp, k)
+
+
+cdef int short_decimal(double a, uint64_t* out_m) noexcept nogil:
+    """The fewest decimals ``k`` (1..15) such that some ``m / 10**k`` reads back as ``a`` (0 < a < 1e15,
+    not an integer), and that ``m``; 0: none found (dtoa decides).
+
+    Why this is repr's answer: ``m`` and ``10**k`` are exact doubles (m < 2**53, k <= 22), so
+    ``m / 10**k`` (IEEE division, correctly rounded) is what reading the decimal text gives. The reals
+    that round to ``a`` span at most ulp(a) <= a * 2**-52; while the grid 10**-k is coarser than twice
+    that, at most one of its points reads back as ``a``: the first ``k`` that has one is the shortest
+    text, the one repr writes (fixed notation: 1e-4 <= a < 1e16). ``a * 10**k`` is off by less than
+    one from the nearest grid point, so that point is one of m-1, m, m+1.
+    """
+    cdef int k
+    cdef double p10, x
+    cdef uint64_t m
+    cdef double width = 2.0 * a * 2.220446049250313e-16
+    for k in range(1, 16):
+        p10 = _P10[k]
+        if 1.0 / p10 <= 2.0 * width:
+            return 0
+        x = a * p10
+        if x >= 4503599627370496.0:  # 2**52
+            return 0
+        m = <uint64_t>(x + 0.5)
+        if m > 0 and <double>(m - 1) / p10 == a:
+            out_m[0] = m - 1
+            return k
+        if <double>m / p10 == a:
+            out_m[0] = m
+            return k
+        if <double>(m + 1) / p10 == a:
+            out_m[0] = m + 1
+            return k
+    return 0
+
+
 cdef int put_double(Buf* b, double v) except -1:
     """``repr(v)`` for a finite double; ``+Inf``, ``-Inf``, ``NaN`` otherwise (the twin's _num)."""
     cdef char* s
     cdef Py_ssize_t n
-    if v == floor(v) and fabs(v) < 1e16:
+    cdef double a = fabs(v)
+    cdef uint64_t m
+    cdef int k
+    if v == floor(v) and a < 1e16:
         # PERF: an integral value (a temperature, a power limit, a clock): repr writes it as the
-        # integer and ".0" below 1e16 (exponent form from there); no dtoa (about half the doubles)
+        # integer and ".0" below 1e16 (exponent form from there); no dtoa
         if signbit(v):
             put(b, "-", 1)
-        put_uint(b, <uint64_t>fabs(v))
+        put_uint(b, <uint64_t>a)
         return put(b, ".0", 2)
+    if 1e-4 <= a < 1e15:
+        # PERF: a value of few decimals (a ratio, watts): found without dtoa (short_decimal says why)
+        k = short_decimal(a, &m)
+        if k:
+            if signbit(v):
+                put(b, "-", 1)
+            return put_fixed(b, m, k)
     if v - v == 0:
         s = PyOS_double_to_string(v, b'r', 0, Py_DTSF_ADD_DOT_0, NULL)
         n = 0

@@ -34,6 +34,7 @@ Absent is not zero: a reading the agent did not set has no line.
 from __future__ import annotations
 
 import struct
+from typing import Any
 
 __all__ = ["FABRIC_STATES", "HEALTH_STATES", "SLOTS", "render"]
 
@@ -82,7 +83,7 @@ _VARINT, _I64, _LEN, _SGROUP, _EGROUP, _I32 = 0, 1, 2, 3, 4, 5
 
 # Gpu fields by number: (slot, kind, extra); kinds: integer, double, labelled integer, flag
 _G_INT, _G_FLOAT, _G_LABELLED, _G_FLAG = range(4)
-_GPU_READINGS: dict[int, tuple[int, int, object]] = {
+_GPU_READINGS: dict[int, tuple[int, int, Any]] = {
     6: (S_GMEM_TOTAL, _G_INT, None),
     7: (S_GMEM_USED, _G_INT, None),
     8: (S_GMEM_FREE, _G_INT, None),
@@ -134,17 +135,17 @@ def _varint(b: bytes, i: int, end: int) -> tuple[int, int]:
         shift += 7
 
 
-def _fields(b: bytes, i: int, end: int, known: dict[int, int], strings: frozenset[int]) -> list[tuple[int, object]]:
+def _fields(b: bytes, i: int, end: int, known: dict[int, int], strings: frozenset[int]) -> list[tuple[int, Any]]:
     """The fields of the message in ``b[i:end]`` that ``known`` has on their wire type, in wire order:
     ``(number, value)``, a varint as an int, a fixed64 as its 8 bytes, a length-delimited one as
     ``(start, end)`` (a string field checked as UTF-8). The rest are skipped; malformed: ValueError."""
-    out: list[tuple[int, object]] = []
+    out: list[tuple[int, Any]] = []
     while i < end:
         tag, i = _varint(b, i, end)
         num, wt = tag >> 3, tag & 7
         if num == 0 or tag > _MASK32:
             raise ValueError(_BAD)
-        value: object
+        value: Any
         if wt == _VARINT:
             value, i = _varint(b, i, end)
         elif wt == _I64:
@@ -222,8 +223,8 @@ def _escape(v: str) -> str:
     return v
 
 
-def _text(b: bytes, span: object) -> str:
-    s, e = span  # type: ignore[misc]
+def _text(b: bytes, span: tuple[int, int]) -> str:
+    s, e = span
     return b[s:e].decode("utf-8")
 
 
@@ -246,16 +247,16 @@ def render(data: bytes, node: str, opens: tuple[bytes, ...]) -> tuple[bytes, ...
     parts: list[list[str]] = [[] for _ in SLOTS]
     n = _escape(node)
     nl = f'node="{n}"}} '
-    facts: dict[int, object] = {}
-    ports: list[dict[int, object]] = []
+    facts: dict[int, Any] = {}
+    ports: list[dict[int, Any]] = []
     gpus: list[tuple[int, int]] = []
     n_errors = 0
     for num, value in _fields(b, 0, len(b), _DISCOVERY, _STRINGS_DISCOVERY):
-        s, e = value  # type: ignore[misc]
+        s, e = value
         if num == 1:  # facts: merged, as a parser merges a message field seen twice
             for fnum, fvalue in _fields(b, s, e, _FACTS, _STRINGS_FACTS):
                 if fnum == 11:
-                    ps, pe = fvalue  # type: ignore[misc]
+                    ps, pe = fvalue
                     ports.append(dict(_fields(b, ps, pe, _PORT, _STRINGS_PORT)))
                 else:
                     facts[fnum] = fvalue
@@ -266,11 +267,11 @@ def render(data: bytes, node: str, opens: tuple[bytes, ...]) -> tuple[bytes, ...
     for fnum, slot in ((5, S_CPU), (6, S_MEM_TOTAL), (7, S_MEM_AVAIL)):
         if fnum in facts:
             v = facts[fnum]
-            parts[slot].append(f"{op[slot]}{nl}{v & _MASK32 if fnum == 5 else v}\n")  # type: ignore[operator]
+            parts[slot].append(f"{op[slot]}{nl}{v & _MASK32 if fnum == 5 else v}\n")
     parts[S_ERRORS].append(f"{op[S_ERRORS]}{nl}{n_errors}\n")
     for p in ports:
         device = _escape(_text(b, p[1])) if 1 in p else ""
-        pl = f'node="{n}",device="{device}",port="{p.get(2, 0) & _MASK32}"}} '  # type: ignore[operator]
+        pl = f'node="{n}",device="{device}",port="{p.get(2, 0) & _MASK32}"}} '
         if 5 in p:
             parts[S_IB_RCV].append(f"{op[S_IB_RCV]}{pl}{p[5]}\n")
         if 6 in p:
@@ -281,20 +282,20 @@ def render(data: bytes, node: str, opens: tuple[bytes, ...]) -> tuple[bytes, ...
 
 
 def _render_gpu(b: bytes, s: int, e: int, n: str, op: list[str], parts: list[list[str]]) -> None:
-    g: dict[int, object] = {}
+    g: dict[int, Any] = {}
     xids: list[tuple[int, int]] = []
     for num, value in _fields(b, s, e, _GPU, _STRINGS_GPU):
         if num == 22:
-            xs, xe = value  # type: ignore[misc]
+            xs, xe = value
             x = dict(_fields(b, xs, xe, _XID, frozenset()))
-            xids.append((x.get(1, 0) & _MASK32, x.get(2, 0)))  # type: ignore[operator]
+            xids.append((x.get(1, 0) & _MASK32, x.get(2, 0)))
         elif num != 29:
             g[num] = value
 
     def text(num: int) -> str:
         return _escape(_text(b, g[num])) if num in g else ""
 
-    index = g[2] & _MASK32 if 2 in g else ""  # type: ignore[operator]
+    index = g[2] & _MASK32 if 2 in g else ""
     gp = f'node="{n}",gpu_uuid="{text(1)}",gpu_index="{index}"'
     gl = gp + "} "
     parts[S_INFO].append(f'{op[S_INFO]}{gp},gpu_model="{text(3)}",pci_bus_id="{text(4)}",'
@@ -306,9 +307,9 @@ def _render_gpu(b: bytes, s: int, e: int, n: str, op: list[str], parts: list[lis
         slot, kind, extra = spec
         v = g[num]
         if kind == _G_FLOAT:
-            parts[slot].append(f"{op[slot]}{gl}{_num(_unpack(v) * extra)}\n")  # type: ignore[arg-type,operator]
+            parts[slot].append(f"{op[slot]}{gl}{_num(_unpack(v) * extra)}\n")
         elif kind == _G_INT:
-            parts[slot].append(f"{op[slot]}{gl}{v & _MASK32 if num == 24 else v}\n")  # type: ignore[operator]
+            parts[slot].append(f"{op[slot]}{gl}{v & _MASK32 if num == 24 else v}\n")
         elif kind == _G_LABELLED:
             parts[slot].append(f"{op[slot]}{gp}{extra}{v}\n")
         else:
