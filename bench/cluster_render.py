@@ -67,7 +67,8 @@ async def run(a: argparse.Namespace) -> dict[str, Any]:
         prof = cProfile.Profile()
     for r in range(a.rounds + 1):
         for i, src in enumerate(sources):  # every reading changed (as in bench/cluster_scale.py)
-            nodes.heartbeat(ids[i], r + 1, discovery_to_proto(src.read()))
+            if r == 0 or i < a.changed * a.nodes:
+                nodes.heartbeat(ids[i], r + 1, discovery_to_proto(src.read()))
         h = _Holds()
         ticker = asyncio.create_task(h.run())
         await asyncio.sleep(0)
@@ -95,7 +96,7 @@ async def run(a: argparse.Namespace) -> dict[str, Any]:
     if a.dump:
         a.dump.write_bytes(page)
     return {
-        "nodes": a.nodes, "gpus_per_node": a.gpus, "rounds": a.rounds, "format": "text" if a.plain else "openmetrics",
+        "nodes": a.nodes, "gpus_per_node": a.gpus, "changed": a.changed, "rounds": a.rounds, "format": "text" if a.plain else "openmetrics",
         "page_bytes": size, "samples": samples, "rebuilt": col.rebuilt,
         "cpu_ms": {"median": round(1000 * statistics.median(cpu), 2), "min": round(1000 * min(cpu), 2),
                    "max": round(1000 * max(cpu), 2)},
@@ -109,6 +110,8 @@ def main() -> None:
     ap.add_argument("--nodes", type=int, default=1000)
     ap.add_argument("--gpus", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--changed", type=float, default=1.0,
+                    help="the fraction of nodes that heartbeat between two scrapes (1: all, as with 15 s scrapes)")
     ap.add_argument("--plain", action="store_true", help="Prometheus text 0.0.4 (default: OpenMetrics)")
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--dump", type=Path, help="write the last page here")

@@ -25,8 +25,10 @@ from __future__ import annotations
 
 import asyncio
 import time
+from bisect import bisect_left
 from collections.abc import Iterator
 from dataclasses import dataclass
+from itertools import accumulate
 from typing import TYPE_CHECKING
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -251,6 +253,7 @@ def node_text(st: NodeState, is_up: bool) -> dict[int, bytes]:
 
 
 _NODE_INFO, _NODE_UP = _I["llmgw_node_info"], _I["llmgw_node_up"]
+_PART = 224 * 1024  # render_parts' pieces: below the admin writer's 256 KiB slice (a piece no larger is not copied)
 _NODE_CORDONED, _NODE_HEARTBEAT = _I["llmgw_node_cordoned"], _I["llmgw_node_last_heartbeat_timestamp_seconds"]
 
 
@@ -317,7 +320,7 @@ class ClusterCollector(Collector):
         return b"".join(await self.render_parts())
 
     async def render_parts(self, openmetrics: bool = False) -> list[bytes]:
-        """:meth:`render_text` in pieces (one per family, in order), to be written one after another.
+        """:meth:`render_text` in pieces (of about 256 KiB, in order), to be written one after another.
 
         ``openmetrics``: the same families as OpenMetrics 1.0 (what a real Prometheus asks for); the
         sample lines are the same in both formats, only the family headers differ. No ``# EOF``: the
@@ -349,11 +352,21 @@ class ClusterCollector(Collector):
         for name in [n for n in cache if n not in seen]:
             del cache[name]
         per_family[AGE] = ["".join(ages).encode()]
-        out: list[bytes] = []
+        # PERF: the page in pieces of about _PART bytes, whatever the families' sizes: the writer sends
+        # each as it is (a larger one it would slice: a copy of every slice), and a piece that size is
+        # allocated from memory the last scrape freed, where a family of megabytes was fresh pages to
+        # fault in (~5 ms per 3 MB family here). The cuts are found in C (accumulate, bisect).
+        page: list[bytes] = []
         for idx, header in enumerate(_OM_HEADERS if openmetrics else _HEADERS):
-            chunks_ = per_family[idx]
-            chunks_.insert(0, header)
-            out.append(b"".join(chunks_))  # one copy (header + join would make two)
+            page.append(header)
+            page.extend(per_family[idx])
+        ends = list(accumulate(map(len, page)))
+        out: list[bytes] = []
+        start, n = 0, len(page)
+        while start < n:
+            cut = min(n, bisect_left(ends, ends[start] - len(page[start]) + _PART, start) + 1)
+            out.append(b"".join(page[start:cut]))
+            start = cut
             if time.perf_counter() - slice0 > self.slice_s:
                 await asyncio.sleep(0)
                 slice0 = time.perf_counter()
