@@ -224,6 +224,15 @@ def test_random_readings_render_as_the_reference(nodetext: ModuleType) -> None:
         assert nodetext.render(m.SerializeToString(), node, OPENS) == reference(m, node)
 
 
+def test_render_message_is_render_of_its_serialization(nodetext: ModuleType) -> None:
+    rng = random.Random(29)
+    msgs = [every_kind(), pb.Discovery(), *(random_discovery(rng) for _ in range(200))]
+    for m in msgs:
+        assert nodetext.render_message(m, ODD, OPENS) == nodetext.render(m.SerializeToString(), ODD, OPENS)
+    with pytest.raises(ValueError, match="prefixes"):
+        nodetext.render_message(pb.Discovery(), "n", OPENS[1:])
+
+
 def _tag(num: int, wt: int) -> bytes:
     return _varint(num << 3 | wt)
 

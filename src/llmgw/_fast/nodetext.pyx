@@ -21,7 +21,7 @@ cdef extern from "Python.h":
     int Py_DTSF_ADD_DOT_0
     const char* PyUnicode_AsUTF8AndSize(object s, Py_ssize_t* size) except NULL
 
-__all__ = ["FABRIC_STATES", "HEALTH_STATES", "SLOTS", "render"]
+__all__ = ["FABRIC_STATES", "HEALTH_STATES", "SLOTS", "render", "render_message"]
 
 if len(SLOTS) != N_SLOTS:
     raise ImportError("nodetext: N_SLOTS differs from nodetext_py.SLOTS")
@@ -799,3 +799,8 @@ cpdef tuple render(bytes data, str node, tuple opens):
                 bufs[k].p = NULL
                 bufs[k].n = bufs[k].cap = 0
     return tuple(out)
+
+
+def render_message(msg, str node, tuple opens):
+    """``render(msg.SerializeToString(), node, opens)`` (see nodetext_py.render_message)."""
+    return render(msg.SerializeToString(), node, opens)
