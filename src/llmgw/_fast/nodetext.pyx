@@ -274,6 +274,7 @@ cdef int next_field(const unsigned char* p, Py_ssize_t* i, Py_ssize_t end, Field
     """The next varint, fixed64 or length-delimited field into ``f``: 1; 0 at the end; -1 malformed.
     Fixed32 fields and groups are skipped (no message here has one)."""
     cdef uint64_t tag, n
+    f.start = f.end = 0  # (set for every kind: a varint's are copied along, never read)
     while i[0] < end:
         if read_varint(p, i, end, &tag) < 0:
             return -1
