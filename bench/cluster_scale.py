@@ -5,6 +5,9 @@ Measures, for the issue's scale goal (1,000 agents x 8 GPUs every 5 s):
 
 * control-plane CPU: the serve process's utime+stime (``/proc/<pid>/stat``) over
   ``--window`` seconds of heartbeats without scrapes, as a % of one core (goal < 10%);
+* CPU per scrape: the serve process's main thread (the data path's loop) and the whole
+  process over ``--alone-scrapes`` scrapes an interval apart without other load, less the
+  heartbeats' share of the same time (the rates measured just before);
 * ``/metrics`` scrape time: wall time of a full ``GET /metrics`` (Prometheus text),
   over ``--scrapes`` scrapes, and its sample count (goal < 250 ms at ~100,000 samples);
 * event-loop holds: ``GET /health`` every 2 ms on a kept-alive connection during the
@@ -271,6 +274,16 @@ async def main_async(a: argparse.Namespace) -> dict[str, Any]:
         cpu_pct = 100 * (cpu_seconds(serve.pid) - c0) / wall
         main_pct = 100 * (cpu_seconds(serve.pid, serve.pid) - m0) / wall
         beats = sum(c.heartbeats for c in clients)
+        # main-thread (and whole-process) CPU per scrape: scrapes alone, an interval apart (every node's
+        # reading changed since the last one, as with Prometheus' 15 s), less what the heartbeats cost
+        # over the same wall time (the rates just measured)
+        m1, c1, w1 = cpu_seconds(serve.pid, serve.pid), cpu_seconds(serve.pid), time.monotonic()
+        for _ in range(a.alone_scrapes):
+            await scrape(aport, a.plain)
+            await asyncio.sleep(a.interval)
+        alone_s = time.monotonic() - w1
+        main_per_scrape = (cpu_seconds(serve.pid, serve.pid) - m1 - main_pct / 100 * alone_s) / a.alone_scrapes
+        proc_per_scrape = (cpu_seconds(serve.pid) - c1 - cpu_pct / 100 * alone_s) / a.alone_scrapes
         # scrapes, with /health pinged every 2 ms meanwhile
         base_p = Pinger("health", aport)
         await asyncio.sleep(1.0)
@@ -303,6 +316,8 @@ async def main_async(a: argparse.Namespace) -> dict[str, Any]:
             "agents": a.agents, "gpus_per_agent": a.gpus, "interval_s": a.interval, "register_all_s": round(reg_s, 2),
             "control_plane_cpu_pct_of_a_core": round(cpu_pct, 2), "heartbeats_total": beats,
             "main_thread_cpu_pct_of_a_core": round(main_pct, 2),
+            "main_thread_cpu_ms_per_scrape": round(1000 * main_per_scrape, 1),
+            "process_cpu_ms_per_scrape": round(1000 * proc_per_scrape, 1),
             "scrape_samples": samples,
             "scrape_ms": {"median": round(1000 * statistics.median(times), 1), "max": round(1000 * max(times), 1),
                           "min": round(1000 * min(times), 1)},
@@ -352,6 +367,7 @@ def main() -> None:
     ap.add_argument("--interval", type=float, default=5.0)
     ap.add_argument("--window", type=float, default=20.0, help="seconds of CPU measurement")
     ap.add_argument("--scrapes", type=int, default=10)
+    ap.add_argument("--alone-scrapes", type=int, default=4, help="scrapes, an interval apart, for the CPU per scrape")
     ap.add_argument("--pin", action="store_true", help="serve on core 0, the agents on the rest")
     ap.add_argument("--json", type=Path)
     ap.add_argument("--plain", action="store_true", help="scrape as text 0.0.4 (default: as Prometheus asks)")

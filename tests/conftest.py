@@ -52,6 +52,7 @@ admit = _twin_fixture("admit")
 jsonscan = _twin_fixture("jsonscan")
 server = _twin_fixture("server")
 upstream = _twin_fixture("upstream")
+nodetext = _twin_fixture("nodetext")
 
 
 @pytest.fixture(autouse=True)

@@ -25,8 +25,10 @@ from __future__ import annotations
 
 import asyncio
 import time
+from bisect import bisect_left
 from collections.abc import Iterator
 from dataclasses import dataclass
+from itertools import accumulate
 from typing import TYPE_CHECKING
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -35,11 +37,15 @@ from prometheus_client.openmetrics.exposition import generate_latest as om_gener
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
+from .._accel import select as _select_impl
+
 if TYPE_CHECKING:
-    from ..agent.wire import pb
+    from .._fast import nodetext_py as _nodetext
     from .deployments import DeploymentController
     from .nodes import NodeMap, NodeState
     from .service import ControlStats
+else:
+    _nodetext = _select_impl("nodetext")
 
 __all__ = ["FAMILIES", "GPU_HEALTH_STATES", "ClusterCollector", "node_samples", "node_text"]
 
@@ -47,9 +53,9 @@ _AS_OF = " (as of the node's last heartbeat)"
 _N = ("node",)
 _GPU = ("node", "gpu_uuid", "gpu_index")
 
-# model health -> exported state (fleet.md §1.5 names)
-GPU_HEALTH_STATES = {"ok": "healthy", "degraded": "degraded", "error": "unhealthy"}
-FABRIC_STATES = ("not_supported", "not_started", "in_progress", "completed")
+# model health -> exported state (fleet.md §1.5 names), and the fabric states (one definition: nodetext's)
+GPU_HEALTH_STATES = _nodetext.HEALTH_STATES
+FABRIC_STATES = _nodetext.FABRIC_STATES
 
 
 @dataclass(frozen=True)
@@ -200,6 +206,7 @@ _HEADERS = [f"# HELP {n} {f.help}\n# TYPE {n} {f.type}\n".encode() for n, f in z
 _OM_HEADERS = [f"# HELP {f.name} {f.help}\n# TYPE {f.name} {f.type}\n".encode() for f in FAMILIES]
 # per family: 'name{k1="%s",k2="%s"} %s\n'
 _TEMPLATES = [n + "{" + ",".join(f'{k}="%s"' for k in f.labels) + "} %s\n" for n, f in zip(_SAMPLE_NAMES, FAMILIES, strict=True)]
+_OPEN = [n + "{" for n in _SAMPLE_NAMES]  # 'name{'
 
 # The deployments' claims, a sample per GPU of every node that is up: rendered like the node
 # families (PERF: through prometheus_client, 8,000 samples held the loop ~40-80 ms per scrape).
@@ -209,122 +216,46 @@ _ALLOC_HEADER = f"# HELP {_ALLOC} {_ALLOC_HELP}\n# TYPE {_ALLOC} gauge\n"
 _ALLOC_LINE = _ALLOC + '{node="%s",gpu_uuid="%s",gpu_index="%s"} %s\n'
 
 
-# How each field of a Gpu message is rendered: (kind, family, extra). The renderer walks only the
-# fields a message has set (``ListFields``, in C), so an absent reading has no sample by construction.
-_K_INT, _K_FLOAT, _K_LABELLED, _K_FLAG, _K_XID, _K_FABRIC = range(6)
-_WIRE_GPU: dict[str, tuple[int, int, object]] = {
-    **{attr: (_K_FLOAT if scale != 1.0 or attr.endswith(("_ratio", "_celsius", "_watts")) else _K_INT, idx, scale)
-       for attr, idx, scale in _GPU_GAUGES},
-    "energy_joules": (_K_FLOAT, _I["llmgw_gpu_energy_joules"], 1.0),
-    "ecc_corrected_volatile": (_K_LABELLED, _I["llmgw_gpu_ecc_errors"], ',error_type="corrected"} '),
-    "ecc_uncorrected_volatile": (_K_LABELLED, _I["llmgw_gpu_ecc_errors"], ',error_type="uncorrected"} '),
-    "remapped_rows_correctable": (_K_LABELLED, _I["llmgw_gpu_remapped_rows"], ',kind="correctable"} '),
-    "remapped_rows_uncorrectable": (_K_LABELLED, _I["llmgw_gpu_remapped_rows"], ',kind="uncorrectable"} '),
-    "remapped_rows_pending": (_K_FLAG, _I["llmgw_gpu_row_remap_pending"], None),
-    "remapped_rows_failure": (_K_FLAG, _I["llmgw_gpu_row_remap_failure"], None),
-    "mig_mode": (_K_FLAG, _I["llmgw_gpu_mig_mode"], None),
-    "xid_errors": (_K_XID, _I["llmgw_gpu_xid_errors"], None),
-    "fabric_state": (_K_FABRIC, _I["llmgw_gpu_fabric_state"], None),
-}
-_WIRE_FACTS: dict[str, int] = {
-    "cpu_cores": _I["llmgw_node_cpu_cores"],
-    "memory_total_bytes": _I["llmgw_node_memory_total_bytes"],
-    "memory_available_bytes": _I["llmgw_node_memory_available_bytes"],
-}
-_OPEN = [n + "{" for n in _SAMPLE_NAMES]  # 'name{'
-_HEALTH_LINES: dict[str, tuple[tuple[str, str], ...]] = {}
-
-
-def _health_lines(state: str) -> tuple[tuple[str, str], ...]:
-    """(label suffix, value) per health state sample for a GPU in ``state`` (memoised: few states)."""
-    got = _HEALTH_LINES.get(state)
-    if got is None:
-        got = tuple((f',state="{_escape(s)}"}} ', "1.0\n" if s == state else "0.0\n")
-                    for s in dict.fromkeys([*GPU_HEALTH_STATES.values(), state]))
-        if len(_HEALTH_LINES) < 64:  # an agent could send any word: bound the memo
-            _HEALTH_LINES[state] = got
-    return got
+# The node's readings: rendered by nodetext straight from the heartbeat's serialized message (compiled: no
+# Python object per field), into the families below by slot. Only the fields the agent set are read, so an
+# absent reading has no sample by construction.
+_SLOT_FAMILY = tuple(_IDX[name] for name in _nodetext.SLOTS)
+_SLOT_OPENS = tuple(f"{_SAMPLE_NAMES[i]}{{".encode() for i in _SLOT_FAMILY)
 
 
 def node_text(st: NodeState, is_up: bool) -> dict[int, bytes]:
     """The same samples as :func:`node_samples` as Prometheus text lines, by family.
 
-    PERF: the scrape of a large cluster is this function (bench/cluster_scale.py: every node's text
-    is rebuilt when heartbeats come faster than scrapes). It renders straight from the reading's
-    protobuf message (:attr:`NodeState.wire`), the form a heartbeat arrives in, visiting only the
-    fields the agent set; label prefixes are built once per node and GPU; integers are written as
-    integers (no float round trip), floats with ``repr`` (non-finite ones spelled as Prometheus does).
+    PERF: the scrape of a large cluster is this function (bench/cluster_render.py: every node's text
+    is rebuilt when heartbeats come faster than scrapes). The readings are rendered from the reading's
+    protobuf message (:attr:`NodeState.wire`, the form a heartbeat arrives in) by ``llmgw._fast.nodetext``
+    (compiled: the message serialized again, ~2 us for 8 GPUs, and its bytes read in C; the pure twin
+    walks ``ListFields``): integers as integers, floats with ``repr`` (non-finite ones spelled as
+    Prometheus does).
     """
     d = st.wire
     f = d.facts
     n = _escape(st.name)
     nl = f'node="{n}"}} '
-    parts: list[list[str]] = [[] for _ in _SAMPLE_NAMES]
     op = _OPEN
-    parts[_I["llmgw_node_info"]].append(_TEMPLATES[_I["llmgw_node_info"]] % (
-        n, _escape(f.hostname), _escape(st.agent_version or f.agent_version), _escape(f.driver_version),
-        _escape(f.cuda_driver_version), _escape(d.source or "none"), "1.0"))
-    i = _I["llmgw_node_up"]
-    parts[i].append(f"{op[i]}{nl}{'1.0' if is_up else '0.0'}\n")
-    i = _I["llmgw_node_cordoned"]
-    parts[i].append(f"{op[i]}{nl}{'1.0' if st.cordoned else '0.0'}\n")
-    i = _I["llmgw_node_last_heartbeat_timestamp_seconds"]
-    parts[i].append(f"{op[i]}{nl}{_num(st.last_heartbeat)}\n")
+    out: dict[int, bytes] = {
+        _NODE_INFO: (_TEMPLATES[_NODE_INFO] % (
+            n, _escape(f.hostname), _escape(st.agent_version or f.agent_version), _escape(f.driver_version),
+            _escape(f.cuda_driver_version), _escape(d.source or "none"), "1.0")).encode(),
+        _NODE_UP: f"{op[_NODE_UP]}{nl}{'1.0' if is_up else '0.0'}\n".encode(),
+        _NODE_CORDONED: f"{op[_NODE_CORDONED]}{nl}{'1.0' if st.cordoned else '0.0'}\n".encode(),
+        _NODE_HEARTBEAT: f"{op[_NODE_HEARTBEAT]}{nl}{_num(st.last_heartbeat)}\n".encode(),
+    }
     if is_up:
-        _render_readings(d, f, n, parts)
-    return {i: "".join(v).encode() for i, v in enumerate(parts) if v}
+        for i, text in zip(_SLOT_FAMILY, _nodetext.render_message(d, st.name, _SLOT_OPENS), strict=True):
+            if text:
+                out[i] = text
+    return out
 
 
-def _render_readings(d: pb.Discovery, f: pb.NodeFacts, n: str, parts: list[list[str]]) -> None:
-    op = _OPEN
-    nl = f'node="{n}"}} '
-    for fd, v in f.ListFields():
-        i = _WIRE_FACTS.get(fd.name)
-        if i is not None:
-            parts[i].append(f"{op[i]}{nl}{v}\n")
-    i = _I["llmgw_node_discovery_errors"]
-    parts[i].append(f"{op[i]}{nl}{len(d.errors)}\n")
-    rcv, xmit = _I["llmgw_node_ib_port_receive_bytes"], _I["llmgw_node_ib_port_transmit_bytes"]
-    for p in f.infiniband:
-        pl = f'node="{n}",device="{_escape(p.device)}",port="{p.port}"}} '
-        if p.HasField("rcv_bytes"):
-            parts[rcv].append(f"{op[rcv]}{pl}{p.rcv_bytes}\n")
-        if p.HasField("xmit_bytes"):
-            parts[xmit].append(f"{op[xmit]}{pl}{p.xmit_bytes}\n")
-    spec_of = _WIRE_GPU.get
-    info, health = _I["llmgw_gpu_info"], parts[_I["llmgw_gpu_health_state"]]
-    state_of = GPU_HEALTH_STATES.get
-    health_open = op[_I["llmgw_gpu_health_state"]]
-    for g in d.gpus:
-        gp = f'node="{n}",gpu_uuid="{_escape(g.uuid)}",gpu_index="{g.index if g.HasField("index") else ""}"'
-        gl = gp + "} "
-        parts[info].append(f'{op[info]}{gp},gpu_model="{_escape(g.name)}",pci_bus_id="{_escape(g.pci_bus_id)}",'
-                           f'parent_gpu_uuid="{_escape(g.parent_uuid)}"}} 1.0\n')
-        for fd, v in g.ListFields():
-            spec = spec_of(fd.name)
-            if spec is None:
-                continue
-            kind, i, extra = spec
-            if kind == _K_FLOAT:
-                v = v * extra
-                parts[i].append(f"{op[i]}{gl}{repr(v) if v - v == 0 else floatToGoString(v)}\n")
-            elif kind == _K_INT:
-                parts[i].append(f"{op[i]}{gl}{v}\n")
-            elif kind == _K_LABELLED:
-                parts[i].append(f"{op[i]}{gp}{extra}{v}\n")
-            elif kind == _K_FLAG:
-                parts[i].append(f"{op[i]}{gl}{'1.0' if v else '0.0'}\n")
-            elif kind == _K_XID:
-                lst = parts[i]
-                for x in v:
-                    lst.append(f'{op[i]}{gp},xid="{x.xid}"}} {x.count}\n')
-            else:  # fabric state: one sample per known state, 1 on the current one
-                lst = parts[i]
-                for s in dict.fromkeys([*FABRIC_STATES, v]):
-                    lst.append(f'{op[i]}{gp},state="{_escape(s)}"}} {"1.0" if s == v else "0.0"}\n')
-        h = g.health or "unknown"
-        for suffix, value in _health_lines(state_of(h, h)):
-            health.append(f"{health_open}{gp}{suffix}{value}")
+_NODE_INFO, _NODE_UP = _I["llmgw_node_info"], _I["llmgw_node_up"]
+_PART = 224 * 1024  # render_parts' pieces: below the admin writer's 256 KiB slice (a piece no larger is not copied)
+_NODE_CORDONED, _NODE_HEARTBEAT = _I["llmgw_node_cordoned"], _I["llmgw_node_last_heartbeat_timestamp_seconds"]
 
 
 class _Families:
@@ -390,7 +321,7 @@ class ClusterCollector(Collector):
         return b"".join(await self.render_parts())
 
     async def render_parts(self, openmetrics: bool = False) -> list[bytes]:
-        """:meth:`render_text` in pieces (one per family, in order), to be written one after another.
+        """:meth:`render_text` in pieces (of about 256 KiB, in order), to be written one after another.
 
         ``openmetrics``: the same families as OpenMetrics 1.0 (what a real Prometheus asks for); the
         sample lines are the same in both formats, only the family headers differ. No ``# EOF``: the
@@ -422,11 +353,21 @@ class ClusterCollector(Collector):
         for name in [n for n in cache if n not in seen]:
             del cache[name]
         per_family[AGE] = ["".join(ages).encode()]
-        out: list[bytes] = []
+        # PERF: the page in pieces of about _PART bytes, whatever the families' sizes: the writer sends
+        # each as it is (a larger one it would slice: a copy of every slice), and a piece that size is
+        # allocated from memory the last scrape freed, where a family of megabytes was fresh pages to
+        # fault in (~5 ms per 3 MB family here). The cuts are found in C (accumulate, bisect).
+        page: list[bytes] = []
         for idx, header in enumerate(_OM_HEADERS if openmetrics else _HEADERS):
-            chunks_ = per_family[idx]
-            chunks_.insert(0, header)
-            out.append(b"".join(chunks_))  # one copy (header + join would make two)
+            page.append(header)
+            page.extend(per_family[idx])
+        ends = list(accumulate(map(len, page)))
+        out: list[bytes] = []
+        start, n = 0, len(page)
+        while start < n:
+            cut = min(n, bisect_left(ends, ends[start] - len(page[start]) + _PART, start) + 1)
+            out.append(b"".join(page[start:cut]))
+            start = cut
             if time.perf_counter() - slice0 > self.slice_s:
                 await asyncio.sleep(0)
                 slice0 = time.perf_counter()
