@@ -50,6 +50,7 @@ from ..agent.wire import (
 from ..errors import ConfigError, HTTPError
 from ..log import control_logger as log
 from ..mirror.serve import BlobServer
+from . import limits
 from .credentials import NodeCredentials
 from .follow import FollowCollector, FollowHub, RouterService
 from .follow import attach as attach_follow
@@ -70,6 +71,7 @@ MAX_NAME = 253
 MAX_LABELS = 64
 MAX_LABEL = 253
 MAX_LOG_LINES = 10_000
+_TRIM_LOG_EVERY_S = 60.0
 LEADER_METADATA = "llmgw-leader"
 """Trailing metadata of a standby's refusal (UNAVAILABLE): the leader's gRPC address, when known."""
 LEASE_METADATA = "llmgw-lease-ms"
@@ -267,6 +269,7 @@ class AgentService(agent_pb2_grpc.AgentServiceServicer):
         """Node name -> its open heartbeat stream (the latest one)."""
         self._ask_ids = itertools.count(1)
         self._asks: dict[str, list[pb.LogRequest | pb.EngineCheckRequest]] = {}
+        self._trim_told: dict[str, float] = {}  # node -> when a trimmed reading was last logged (monotonic)
         """Node name -> what it is asked (log tails, engine checks) and has not been written yet."""
         self._waits: dict[int, tuple[str, asyncio.Future[Any]]] = {}
         """Request id -> (the node asked, the answer's future)."""
@@ -614,8 +617,16 @@ class AgentService(agent_pb2_grpc.AgentServiceServicer):
                 f"labels: at most {MAX_LABELS}, keys and values of 1-{MAX_LABEL} printable characters"
                 f"{f' (bad: {bad[0][:60]!r})' if bad else ''}; advertise_address: a host name or IP without spaces",
             )
-        await self._leader_only(context, "Register")
         discovery = request.discovery
+        over = limits.problem(discovery)
+        if over is not None:  # (a reading no real node sends: see control/limits.py)
+            self.stats.refuse("oversized_discovery")
+            log.warning("refused Register from node %r at %s: discovery over the limits: %s", name, peer, over)
+            await self._abort(
+                context, "Register", grpc.StatusCode.INVALID_ARGUMENT,
+                f"discovery over the control plane's limits: {over}",
+            )
+        await self._leader_only(context, "Register")
         if self.on_register is not None:
             from .db import DatabaseError
             from .leader import NotLeader
@@ -662,13 +673,29 @@ class AgentService(agent_pb2_grpc.AgentServiceServicer):
 
     def _beat(self, hb: Any, peer: str, at: tuple[float, float] | None = None) -> NodeState | None:
         """A heartbeat, on the main loop: the node (its statuses reported), ``None`` when not registered here."""
-        st = self.nodes.heartbeat(hb.node_id, hb.sequence, hb.discovery, peer=peer, at=at)
+        discovery = hb.discovery
+        over = limits.trim(discovery)
+        st = self.nodes.heartbeat(hb.node_id, hb.sequence, discovery, peer=peer, at=at)
         if st is None:
             return None
+        if over is not None:
+            self._told_trim(st.name, peer, over)
         self.stats.heartbeats += 1
         if hb.HasField("applied_generation") and runs_replicas(st.protocol):
             self._report(st, hb)
         return st
+
+    def _told_trim(self, name: str, peer: str, over: str) -> None:
+        """Log a heartbeat reading trimmed to the limits: once a minute per node at most."""
+        now = time.monotonic()
+        told = self._trim_told
+        if now - told.get(name, -_TRIM_LOG_EVERY_S) < _TRIM_LOG_EVERY_S:
+            return
+        if len(told) > 10_000:  # (bounded: nodes that went away)
+            told.clear()
+        told[name] = now
+        log.warning("node %r at %s sent a reading over the limits (%s): trimmed to them (said once a minute)",
+                    name, peer, over)
 
     def _unary_beat(self, hb: Any, peer: str) -> pb.HeartbeatResponse | None:
         """A Heartbeat call, on the main loop: its answer (the desired set when due, requests); ``None``: unknown."""
