@@ -3,7 +3,7 @@
 The reference is a renderer over the message as the protobuf runtime (upb) parses it, walking
 ``ListFields`` (what the collector did before nodetext): every output of both twins must equal it,
 on hand-made readings of every kind, on random ones, on messages whose fields came out of order or
-twice, and on corrupted bytes (where upb refuses a message, both twins raise ValueError).
+twice, and on corrupted bytes (where upb refuses a message, both twins raise the same plain ValueError).
 """
 
 from __future__ import annotations
@@ -283,11 +283,16 @@ def test_fields_out_of_order_twice_or_unknown_read_as_the_runtime_reads_them(nod
     assert b'gpu_index="5"' in nodetext.render(_len(2, body), "n", OPENS)[S["llmgw_gpu_info"]]
 
 
+BAD = (ValueError, "not a Discovery message")
+"""What both twins raise for any malformed message: the same type (not a subclass such as
+UnicodeDecodeError) and text, whichever fault each meets first."""
+
+
 def _outcome(mod: ModuleType, data: bytes) -> object:
     try:
         return mod.render(data, "n", OPENS)
-    except ValueError:
-        return ValueError
+    except ValueError as exc:
+        return type(exc), str(exc)
 
 
 def test_corrupted_bytes_raise_where_the_runtime_refuses_them(nodetext: ModuleType) -> None:
@@ -312,7 +317,7 @@ def test_corrupted_bytes_raise_where_the_runtime_refuses_them(nodetext: ModuleTy
         try:
             want: object = reference(pb.Discovery.FromString(raw), "n")
         except DecodeError:
-            want = ValueError
+            want = BAD
             refused += 1
         assert _outcome(nodetext, raw) == want, raw.hex()
     assert refused > 300  # the corruptions did reach the error paths
@@ -332,8 +337,7 @@ def test_corrupted_bytes_raise_where_the_runtime_refuses_them(nodetext: ModuleTy
 def test_malformed_messages_raise_value_error(nodetext: ModuleType, data: bytes) -> None:
     with pytest.raises(DecodeError):
         pb.Discovery.FromString(data)
-    with pytest.raises(ValueError):
-        nodetext.render(data, "n", OPENS)
+    assert _outcome(nodetext, data) == BAD
 
 
 def test_arguments_are_checked(nodetext: ModuleType) -> None:
@@ -363,3 +367,19 @@ def test_doubles_are_written_as_repr(nodetext: ModuleType) -> None:
         data = pb.Discovery(gpus=[g]).SerializeToString()
         line = nodetext.render(data, "n", OPENS)[S["llmgw_gpu_power_watts"]]
         assert line.rsplit(b" ", 1)[1] == (_num(v) + "\n").encode()
+
+
+@pytest.mark.parametrize("hex_data", [
+    # (found by fuzzing: each twin met another fault first, invalid UTF-8 before a bad length or after it)
+    "0a330a016828b6a791c30430e3e8bfd399b4a8ec285a080a066122625c41f24458630a5a140a066d6c78355f301005288de7c5e8e7f7"
+    "d8f74b12420a054750552d314939d6c56d544b8a406958610ec3c3e9fcc371f44e05dc9321814079010000000000",
+    "0a200a016828c2f4b3db0330bcf2c4e192f0f28b8c015a0a0a066122625c630a10d11a04af766d6c",
+])
+@pytest.mark.c_extension
+def test_a_message_with_two_faults_raises_the_same_error_in_both_twins(hex_data: str) -> None:
+    import importlib
+
+    compiled = importlib.import_module("llmgw._fast.nodetext")
+    nodetext_py = importlib.import_module("llmgw._fast.nodetext_py")
+    data = bytes.fromhex(hex_data)
+    assert _outcome(compiled, data) == _outcome(nodetext_py, data) == BAD

@@ -4,6 +4,8 @@
 # three passes (the top level with the facts, the InfiniBand ports, then each GPU: read
 # whole into a GpuFields, then rendered in field-number order) and appends each sample
 # line to the growable C buffer of its slot; one bytes object per slot at the end.
+# The slots' buffers are module-level (nodetext.pyx: _bufs, _node_buf, _gpu_buf), kept between
+# calls: render() is main-thread only, not thread-safe.
 
 from libc.stdint cimport uint64_t
 

@@ -352,7 +352,7 @@ cdef bint utf8_ok(const unsigned char* s, Py_ssize_t n) noexcept nogil:
 
 cdef inline int check_text(const unsigned char* p, Field* f) except -1:
     if not utf8_ok(p + f.start, f.end - f.start):
-        raise UnicodeDecodeError("utf-8", bytes(p[f.start:f.end]), 0, f.end - f.start, "invalid UTF-8")
+        raise ValueError(_BAD)  # (as the twin: not UnicodeDecodeError, whose text would tell the order read)
     return 0
 
 
@@ -752,6 +752,9 @@ cdef int render_all(Ctx* c, const unsigned char* p, Py_ssize_t end) except -1:
 
 # PERF: the slots' buffers live on between calls (they grow to a node's size once; a call only resets
 # them). render() holds the GIL throughout and calls no Python code that could re-enter it.
+# NOT THREAD-SAFE: these module-level buffers are shared by every call, so render() (and
+# render_message) are for one thread only, the control plane's main loop where the scrape runs; on
+# a free-threaded build, or called from a second thread, two calls would write the same buffers.
 cdef Buf _bufs[N_SLOTS]
 cdef Buf _node_buf
 cdef Buf _gpu_buf

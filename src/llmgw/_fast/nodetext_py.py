@@ -161,7 +161,10 @@ def _fields(b: bytes, i: int, end: int, known: dict[int, int], strings: frozense
                 raise ValueError(_BAD)
             value, i = (i, i + n), i + n
             if num in strings and known.get(num) == _LEN:
-                b[i - n:i].decode("utf-8")  # UnicodeDecodeError is a ValueError
+                try:
+                    b[i - n:i].decode("utf-8")
+                except UnicodeDecodeError:
+                    raise ValueError(_BAD) from None  # (the same error as any other malformation)
         elif wt == _I32:
             if end - i < 4:
                 raise ValueError(_BAD)
@@ -235,8 +238,11 @@ def render(data: bytes, node: str, opens: tuple[bytes, ...]) -> tuple[bytes, ...
     """The node's reading lines per slot of :data:`SLOTS` (module docstring).
 
     Raises:
-        ValueError: ``data`` is not a well-formed ``Discovery`` message (:class:`UnicodeDecodeError`
-            for a string that is not UTF-8), or ``opens`` has not one prefix per slot.
+        ValueError: ``data`` is not a well-formed ``Discovery`` message (a string that is not UTF-8
+            too: a plain ``ValueError`` with the same message whatever the malformation, so the
+            twins, which meet a message's faults in different orders, raise the same error), or
+            ``opens`` has not one prefix per slot (:class:`UnicodeDecodeError` for a prefix that
+            is not UTF-8).
         TypeError: ``data`` is not ``bytes``, ``node`` not ``str``, ``opens`` not a tuple of ``bytes``.
     """
     if not isinstance(data, bytes) or not isinstance(node, str) or not isinstance(opens, tuple):
