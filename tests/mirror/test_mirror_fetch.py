@@ -697,3 +697,49 @@ async def test_fetcher_refuses_a_bad_url(tmp_path: Path) -> None:
         await fetcher.close()
 
 
+
+
+def test_a_failed_write_beats_a_read_that_broke_meanwhile(tmp_path: Path) -> None:
+    """The O_DIRECT path writes on a thread of its own: when a write fails (here: a real EBADF,
+    the fd is read-only) while the read after it breaks off (the mirror closes the connection),
+    the write's error goes up, not the read's retry: the partial file, with a hole past the
+    failed write, is discarded by the caller rather than resumed from."""
+    import http.client
+    import socket
+
+    from llmgw.mirror.fetch import _Job, _Retry
+
+    chunk = 64 * 1024
+    size = 1 << 20
+    body = os.urandom(chunk)
+    srv = socket.create_server(("127.0.0.1", 0))
+    srv.settimeout(10)
+
+    def serve() -> None:
+        conn, _ = srv.accept()
+        with conn:
+            conn.recv(65536)
+            conn.sendall(f"HTTP/1.1 200 OK\r\ncontent-length: {size}\r\n\r\n".encode() + body)
+            # (then closes: the next read breaks off, 1 MiB announced, 64 KiB sent)
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    path = tmp_path / "partial"
+    path.write_bytes(b"")
+    fd = os.open(path, os.O_RDONLY)  # every write fails, for real
+    loop = asyncio.new_event_loop()
+    fetcher = MirrorFetcher("http://127.0.0.1:1", "c", tmp_path / "store", direct_io=True, direct_min=0, chunk=chunk)
+    conn = http.client.HTTPConnection("127.0.0.1", srv.getsockname()[1], timeout=10)
+    try:
+        conn.request("GET", "/")
+        resp = conn.getresponse()
+        job = _Job(ModelBlob(digest="sha256:" + "0" * 64, size=size))
+        with pytest.raises(OSError) as exc:
+            fetcher._pump(job, resp, fd, size, hashlib.sha256(), 0, loop)
+        assert not isinstance(exc.value, _Retry) and exc.value.errno == 9  # EBADF: the write's, not the read's
+    finally:
+        conn.close()
+        os.close(fd)
+        loop.close()
+        srv.close()
+        t.join(10)

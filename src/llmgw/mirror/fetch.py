@@ -594,7 +594,9 @@ class MirrorFetcher:
                         else:
                             writer.write(data, pos)
                         got += n
-                        if not threaded and got - flushed >= _WRITEBACK_EVERY:
+                        # (O_DIRECT may go off mid-transfer, EINVAL: the page cache's writes are then
+                        # started as they pile up, whichever thread wrote them)
+                        if not writer.direct and got - flushed >= _WRITEBACK_EVERY:
                             _start_writeback(fd, offset + flushed, got - flushed)
                             flushed = got
                         job.done = offset + got
@@ -612,6 +614,12 @@ class MirrorFetcher:
                     futures.wait([f for f in hashing + writing if f is not None])
                     self.direct_bytes += writer.direct_bytes
                     writer.close()
+                    # A write that failed leaves a hole (zeros past it) in the partial file: its error,
+                    # not a read's _Retry met meanwhile, goes up, so the file is discarded rather than
+                    # resumed from (a resume would hash the hole and fail the whole blob's digest).
+                    failed = _write_error(writing)
+                    if failed is not None:
+                        raise failed
         finally:
             _give_ring(views, chunk)  # (the hash thread has ended: no buffer of the ring is in use)
         loop.call_soon_threadsafe(job.notify)
@@ -755,10 +763,23 @@ class _Writer:
             pass
 
 
+def _write_error(writing: Sequence[Future[None] | None]) -> BaseException | None:
+    """The first error of the finished write futures, ``None`` when none failed."""
+    for f in writing:
+        if f is not None and f.done() and not f.cancelled():
+            exc = f.exception()
+            if exc is not None:
+                return exc
+    return None
+
+
 def _pwrite_all(fd: int, view: memoryview, pos: int) -> None:
-    """Write all of ``view`` at ``pos`` (``pwrite`` may write less than asked)."""
+    """Write all of ``view`` at ``pos`` (``pwrite`` may write less than asked; nothing written: an error,
+    never a loop without end)."""
     while view:
         n = os.pwrite(fd, view, pos)
+        if n <= 0:
+            raise OSError(errno.EIO, f"pwrite wrote nothing at offset {pos} ({len(view)} bytes left)")
         view, pos = view[n:], pos + n
 
 
