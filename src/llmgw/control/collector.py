@@ -430,7 +430,9 @@ class ClusterCollector(Collector):
         dereg = CounterMetricFamily("llmgw_control_deregistrations", "Nodes that deregistered (their agent stopped)")
         dereg.add_metric([], float(s.deregistrations))
         refused = CounterMetricFamily("llmgw_control_joins_refused", "Calls from agents refused, by reason", labels=["reason"])
-        for reason in dict.fromkeys(["invalid_token", "missing_token", "incompatible_version", "invalid_request",
+        # (every reason listed from the start, at 0: a rate() needs the series before the first refusal)
+        for reason in dict.fromkeys(["invalid_token", "missing_token", "revoked_token", "expired_token",
+                                     "incompatible_version", "invalid_request", "oversized_discovery",
                                      *s.refused]):
             refused.add_metric([reason], float(s.refused.get(reason, 0)))
         beats = CounterMetricFamily("llmgw_control_heartbeats", "Heartbeats received")

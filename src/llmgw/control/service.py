@@ -123,7 +123,7 @@ class ControlStats:
     """Heartbeat streams open now (one per agent on protocol 1.1 or later)."""
     refused: dict[str, int] = field(default_factory=dict)
     """Refused joins by reason: ``invalid_token``, ``missing_token``, ``revoked_token``, ``expired_token``,
-    ``incompatible_version``, ``invalid_request``."""
+    ``incompatible_version``, ``invalid_request``, ``oversized_discovery``."""
     rpc_errors: dict[tuple[str, str], int] = field(default_factory=dict)
     """(method, status code name) -> calls answered with that error."""
 
