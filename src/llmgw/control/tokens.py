@@ -18,7 +18,12 @@ node's replicas are the leader's decision, not the token's.
 
 **Every control plane at once.** The leader writes (fenced by its epoch); every control plane
 loads the rows at start and on election (before it acts), and a standby reads them again every
-third of the lease, so whichever process an agent reaches honours a revocation.
+third of the lease, so whichever process an agent reaches honours a revocation. A read is
+merged one way (:meth:`JoinTokens.merge`): it never clears a revocation, and one that began
+before a change made here (:attr:`JoinTokens.version`) drops no token.
+
+Expiry is judged on this process's wall clock against the creating leader's (``created_at``,
+``expires_at``): honoured to within the skew between the control planes' clocks.
 
 ``last_used_at`` is kept in memory per check and written by the leader at most once per
 flush period (never a write per heartbeat).
@@ -203,7 +208,7 @@ class JoinTokens:
             return sorted(self._by_id.values(), key=lambda t: (t.created_at, t.id))
 
     def revoked(self, token_id: str, at: float) -> list[str]:
-        """Mark ``token_id`` revoked here; the nodes that authenticated with it (their mirror access goes)."""
+        """Mark ``token_id`` revoked here; the nodes that registered with it (their mirror access goes)."""
         with self._lock:
             t = self._by_id.get(token_id)
             if t is not None and t.revoked_at is None:
