@@ -853,10 +853,16 @@ def tokens_revoke(ctx: click.Context, token_id: str, admin: str | None, token: s
     if not data.get("changed"):
         click.echo(f"join token {token_id} was already revoked")
         return
-    nodes = data.get("nodes") or []
+    nodes = [_printable(n) for n in data.get("nodes") or []]
     click.echo(f"join token {token_id} revoked" + (
         f"; {len(nodes)} node(s) joined with it ({', '.join(nodes)}): refused at their next heartbeat" if nodes
         else ""))
+
+
+def _printable(value: Any, limit: int = 100) -> str:
+    """A name from the server, safe for a terminal: as is when printable, else escaped (never raw control bytes)."""
+    text = str(value)[:limit]
+    return text if text.isprintable() and not any(c.isspace() for c in text) else repr(text)
 
 
 def main() -> None:  # pragma: no cover - `python -m llmgw.cli.ctl`

@@ -565,7 +565,7 @@ class AgentService(agent_pb2_grpc.AgentServiceServicer):
             return
         api = self.api_tokens
         if api is not None:
-            state, tok = api.check(given, node)
+            state, tok = api.check(given)
             if state == "ok":
                 return
             if tok is not None:  # revoked or expired: said so, by the token's id (never the token)
@@ -587,7 +587,7 @@ class AgentService(agent_pb2_grpc.AgentServiceServicer):
 
     async def Register(self, request: pb.RegisterRequest, context: Any) -> pb.RegisterResponse:
         name = request.node_name
-        await self._authenticate(context, "Register", name)
+        given = await self._authenticate(context, "Register", name)
         peer = context.peer()
         theirs = (request.protocol.major, request.protocol.minor)
         if not compatible(theirs[0]):
@@ -638,6 +638,8 @@ class AgentService(agent_pb2_grpc.AgentServiceServicer):
         st, created, access = await self._on_main(
             self._register, name, peer, request.agent_version, theirs, discovery, labels, advertise
         )
+        if self.api_tokens is not None:  # (the name is valid and registered: the token's nodes, for its revocation)
+            self.api_tokens.joined(name, given)
         log.info(
             "node %s %sregistered from %s (agent %s, protocol %d.%d, %d GPU(s), source %s)",
             name, "" if created else "re-", peer, request.agent_version or "?", *theirs, len(discovery.gpus),
@@ -819,9 +821,16 @@ class AgentService(agent_pb2_grpc.AgentServiceServicer):
         self.stats.deregistrations += 1
         if self.credentials is not None:
             self.credentials.revoke(st.name)
+        if self.api_tokens is not None:
+            self.api_tokens.forget(st.name)
         log.info("node %s deregistered (%s)", st.name, reason or "no reason given")
         self._gone(st.name)
         return True
+
+
+def _no_database() -> HTTPError:
+    return HTTPError("this control plane has no database yet (starting): retry", status=503,
+                     type="service_unavailable_error", code="database_unavailable", retry_after=1)
 
 
 def _no_blobs(node: str, digest: str) -> bool:
@@ -1149,8 +1158,19 @@ class ControlPlane:
         from .tokens import JoinToken
 
         assert self.db is not None
+        since = self.api_tokens.version  # (a read begun before a revoke or create here never undoes it: merge)
         rows = await ApiTokenStore(self.db).load()
-        self.api_tokens.replace(JoinToken.from_row(r) for r in rows)
+        self.api_tokens.merge([JoinToken.from_row(r) for r in rows], since)
+        self._cut_mirror()
+
+    def _cut_mirror(self) -> None:
+        """Revoke the mirror credentials of the nodes whose API token is revoked or expired (however this
+        process learnt it: its own revoke, a read of one another leader made, the clock passing the expiry)."""
+        creds = self.credentials
+        for node in self.api_tokens.dead_nodes(time.time()):
+            if node in creds:
+                creds.revoke(node)
+                log.info("node %s: mirror credential revoked (its join token is revoked or expired)", node)
 
     async def _tokens_loop(self, every: float) -> None:
         """Standbys read the tokens again (revocations reach them within ``every``); the leader writes
@@ -1172,11 +1192,17 @@ class ControlPlane:
                         async with self.leadership.transaction() as (tx, _epoch):
                             await ApiTokenStore(self.db).touch(tx, used)
                         self.api_tokens.flushed(used)
+                self._cut_mirror()  # (a token that expired since: its nodes' blob access goes within every)
                 failed = None
-            except (DatabaseError, NotLeader, asyncio.TimeoutError) as exc:
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # (a bad row, a database error: said once per distinct failure, kept going)
                 msg = f"{type(exc).__name__}: {exc}"
                 if msg != failed:
-                    log.warning("join tokens: %s (retrying every %.1fs)", msg, every)
+                    if isinstance(exc, DatabaseError | NotLeader | asyncio.TimeoutError):
+                        log.warning("join tokens: %s (retrying every %.1fs)", msg, every)
+                    else:
+                        log.error("join tokens: %s (retrying every %.1fs)", msg, every, exc_info=True)
                     failed = msg
 
     def _token_write_error(self, exc: Exception, what: str) -> HTTPError:
@@ -1205,8 +1231,7 @@ class ControlPlane:
 
         lead, db = self.leadership, self.db
         if lead is None or db is None:
-            raise HTTPError("this control plane has no database", status=503, type="service_unavailable_error",
-                            code="database_unavailable")
+            raise _no_database()
         tid, secret = new_token()
         while self.api_tokens.get(tid) is not None:  # (8 hex digits: a repeat is rare; bounded by the ids free)
             tid, secret = new_token()
@@ -1227,6 +1252,8 @@ class ControlPlane:
         """The API-made tokens (read from the database: a standby answers too) and how many the config has."""
         from .db import DatabaseError
 
+        if self.db is None:
+            raise _no_database()
         try:
             await self._load_api_tokens()
         except DatabaseError as exc:
@@ -1247,7 +1274,7 @@ class ControlPlane:
 
         lead, db = self.leadership, self.db
         if lead is None or db is None:
-            return None
+            raise _no_database()
         try:
             await self._load_api_tokens()
         except DatabaseError as exc:
@@ -1264,9 +1291,8 @@ class ControlPlane:
             except (NotLeader, DatabaseError, asyncio.TimeoutError) as exc:
                 raise self._token_write_error(exc, "nothing was revoked") from None
         nodes = self.api_tokens.revoked(token_id, now)
+        self._cut_mirror()  # (changed or not: a revoke whose answer was lost, or made by the last leader)
         if changed:
-            for node in nodes:  # (their next heartbeat is refused; the blob mirror closes to them now)
-                self.credentials.revoke(node)
             log.info("join token %s revoked (%d node(s) had joined with it: refused at their next call)",
                      token_id, len(nodes))
         tok = self.api_tokens.get(token_id) or tok

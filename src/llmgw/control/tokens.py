@@ -18,7 +18,12 @@ node's replicas are the leader's decision, not the token's.
 
 **Every control plane at once.** The leader writes (fenced by its epoch); every control plane
 loads the rows at start and on election (before it acts), and a standby reads them again every
-third of the lease, so whichever process an agent reaches honours a revocation.
+third of the lease, so whichever process an agent reaches honours a revocation. A read is
+merged one way (:meth:`JoinTokens.merge`): it never clears a revocation, and one that began
+before a change made here (:attr:`JoinTokens.version`) drops no token.
+
+Expiry is judged on this process's wall clock against the creating leader's (``created_at``,
+``expires_at``): honoured to within the skew between the control planes' clocks.
 
 ``last_used_at`` is kept in memory per check and written by the leader at most once per
 flush period (never a write per heartbeat).
@@ -129,7 +134,7 @@ def parse_expiry(value: Any) -> float | None:
 class JoinTokens:
     """The API-made tokens by digest (thread-safe: checked on the control thread, changed on the main loop)."""
 
-    __slots__ = ("_by_digest", "_by_id", "_flushed", "_lock", "_nodes", "_used")
+    __slots__ = ("_by_digest", "_by_id", "_flushed", "_lock", "_nodes", "_used", "_version")
 
     def __init__(self) -> None:
         self._by_digest: dict[bytes, JoinToken] = {}
@@ -139,7 +144,9 @@ class JoinTokens:
         self._flushed: dict[str, float] = {}
         """What of that is in the database."""
         self._nodes: dict[str, str] = {}
-        """Node name -> the id of the API token it last authenticated with."""
+        """Registered node name -> the id of the API token it registered with (:meth:`joined`, :meth:`forget`)."""
+        self._version = 0
+        """Counts this process's own changes (:meth:`put`, :meth:`revoked`): a read older than one is stale."""
         self._lock = threading.Lock()
 
     def __repr__(self) -> str:
@@ -149,9 +156,38 @@ class JoinTokens:
         return len(self._by_id)
 
     def replace(self, tokens: Iterable[JoinToken]) -> None:
-        """Make the set ``tokens`` (loaded from the database)."""
+        """Make the set ``tokens`` (only where nothing else can have changed it: a test, a fresh set)."""
         by_id = {t.id: t for t in tokens}
         with self._lock:
+            self._by_id = by_id
+            self._by_digest = {t.digest: t for t in by_id.values()}
+            self._version += 1
+
+    @property
+    def version(self) -> int:
+        """Take it before reading the rows, pass it to :meth:`merge`."""
+        return self._version
+
+    def merge(self, tokens: Iterable[JoinToken], since: int) -> None:
+        """Take in the rows read from the database (a read begun at :attr:`version` ``since``), one way only.
+
+        A revocation known here is never undone by a read (one that began before the revoke committed
+        answers without it), and a token this process added since the read began is kept; a token the
+        rows lack is dropped only when nothing changed here since the read began.
+        """
+        loaded = list(tokens)
+        with self._lock:
+            stale = self._version != since
+            by_id: dict[str, JoinToken] = {}
+            for t in loaded:
+                old = self._by_id.get(t.id)
+                if old is not None and old.revoked_at is not None and (
+                        t.revoked_at is None or old.revoked_at < t.revoked_at):
+                    t = replace(t, revoked_at=old.revoked_at)
+                by_id[t.id] = t
+            if stale:
+                for i, old in self._by_id.items():
+                    by_id.setdefault(i, old)
             self._by_id = by_id
             self._by_digest = {t.digest: t for t in by_id.values()}
 
@@ -162,6 +198,7 @@ class JoinTokens:
                 self._by_digest.pop(old.digest, None)
             self._by_id[t.id] = t
             self._by_digest[t.digest] = t
+            self._version += 1
 
     def get(self, token_id: str) -> JoinToken | None:
         return self._by_id.get(token_id)
@@ -171,16 +208,40 @@ class JoinTokens:
             return sorted(self._by_id.values(), key=lambda t: (t.created_at, t.id))
 
     def revoked(self, token_id: str, at: float) -> list[str]:
-        """Mark ``token_id`` revoked here; the nodes that authenticated with it (their mirror access goes)."""
+        """Mark ``token_id`` revoked here; the nodes that registered with it (their mirror access goes)."""
         with self._lock:
             t = self._by_id.get(token_id)
             if t is not None and t.revoked_at is None:
                 t = replace(t, revoked_at=at)
                 self._by_id[token_id] = t
                 self._by_digest[t.digest] = t
+                self._version += 1
             return [n for n, i in self._nodes.items() if i == token_id]
 
-    def check(self, given: str, node: str | None = None, now: float | None = None) -> tuple[str, JoinToken | None]:
+    def joined(self, node: str, given: str) -> None:
+        """``node`` registered (validated, recorded) presenting ``given``: remembered when an API token."""
+        if not given.startswith(TOKEN_PREFIX):
+            return
+        digest = hashlib.sha256(given.encode("utf-8", "surrogateescape")).digest()
+        with self._lock:
+            t = self._by_digest.get(digest)
+            if t is not None:
+                self._nodes[node] = t.id
+            else:
+                self._nodes.pop(node, None)
+
+    def forget(self, node: str) -> None:
+        """``node`` left the cluster (deregistered or removed)."""
+        with self._lock:
+            self._nodes.pop(node, None)
+
+    def dead_nodes(self, now: float) -> list[str]:
+        """The registered nodes whose token is revoked or expired by ``now`` (their mirror access goes)."""
+        with self._lock:
+            return [n for n, i in self._nodes.items()
+                    if (t := self._by_id.get(i)) is not None and t.state(now) != "active"]
+
+    def check(self, given: str, now: float | None = None) -> tuple[str, JoinToken | None]:
         """``("ok" | "revoked" | "expired" | "unknown", the token or None)`` for a presented secret.
 
         SECURITY: looked up by digest, then one constant-time comparison whether or not it was found.
@@ -199,8 +260,6 @@ class JoinTokens:
             return state, t
         with self._lock:
             self._used[t.id] = at
-            if node:
-                self._nodes[node] = t.id
         return "ok", t
 
     def last_used(self, token_id: str) -> float | None:
