@@ -38,8 +38,13 @@ async def _up(p: Serve, name: str) -> bool:
     return status == 200 and any(n["name"] == name and n["state"] == "up" for n in body["nodes"])
 
 
-async def _answers(p: Serve) -> bool:
-    return await p.leading() is False
+async def _names(p: Serve, leader: Serve) -> bool:
+    """``p`` answers as a standby that knows the leader (it read the lease row)."""
+    try:
+        status, _, ready = await p.api("GET", "/ready")
+    except OSError:
+        return False
+    return status == 503 and (ready.get("leader") or {}).get("admin") == f"http://127.0.0.1:{leader.admin}"
 
 
 async def _listed(p: Serve) -> dict[str, Any]:
@@ -54,7 +59,7 @@ async def test_made_listed_revoked_everywhere_and_refused_after_a_takeover(tmp_p
     try:
         leader = await the_leader(procs, 30)
         standby = next(p for p in procs if p is not leader)
-        await wait_until(lambda: _answers(standby), 30, "the standby's admin listener")
+        await wait_until(lambda: _names(standby, leader), 30, "the standby naming the leader")
         control = f"{leader.address},{standby.address}"
 
         status, headers, err = await standby.api("POST", "/admin/v1/join-tokens", {"name": "rack-1"})
