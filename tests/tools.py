@@ -3,7 +3,8 @@
 Where none of the named commands is on PATH the test is skipped, saying how to install one;
 under ``LLMGW_REQUIRE_TOOLS=1`` (``.ci/run``, which installs them all) it fails instead, so a
 tool CI lost cannot turn its tests into silent skips. ``@pytest.mark.needs_tool(...)`` does
-this for a whole test (``conftest.py``); :func:`need_tool` in the middle of one.
+this for a whole test (``conftest.py``); :func:`need_tool` in the middle of one, and :func:`need`
+for what is not a command (a file system that takes ``O_DIRECT``).
 """
 
 from __future__ import annotations
@@ -20,7 +21,18 @@ def need_tool(*commands: str, install: str = "install it") -> str:
         path = shutil.which(c)
         if path:
             return path
-    msg = f"needs {' or '.join(commands)} on PATH ({install})"
+    missing(f"needs {' or '.join(commands)} on PATH ({install})")
+    raise AssertionError("unreachable")  # (missing() skips or fails)
+
+
+def need(ok: bool, what: str) -> None:
+    """Go on if ``ok``; else skip saying ``what`` the test needs (fail under ``LLMGW_REQUIRE_TOOLS=1``)."""
+    if not ok:
+        missing(f"needs {what}")
+
+
+def missing(msg: str) -> None:
+    """What a test needs is not here: a skip, or a failure where CI provides everything."""
     if os.environ.get("LLMGW_REQUIRE_TOOLS") == "1":
         pytest.fail(msg + "; LLMGW_REQUIRE_TOOLS=1 makes this a failure", pytrace=False)
     pytest.skip(msg)

@@ -35,6 +35,7 @@ from llmgw.mirror.fetch import MirrorFetcher
 from llmgw.mirror.resolve import find, kv_cache_bytes, memory_needed, resolve
 from llmgw.mirror.serve import RangeNotSatisfiableError, parse_range
 from llmgw.runtime import GatewayRuntime, components_for
+from tools import need
 
 JOIN = "join-token-for-mirror-tests"
 
@@ -267,8 +268,12 @@ async def test_interrupted_transfer_resumes_with_a_range(tmp_path: Path) -> None
         assert node_files(node_root)[1] == []
 
 
-def _takes_o_direct(where: Path) -> bool:
-    """Whether the file system under ``where`` takes an aligned O_DIRECT write."""
+_O_DIRECT_FS = "a file system that takes O_DIRECT under the test's directory (not tmpfs: pytest --basetemp=DIR)"
+
+
+def _takes_o_direct(where: Path, misaligned: bool = False) -> bool:
+    """Whether the file system under ``where`` takes an aligned O_DIRECT write (``misaligned``:
+    one from a buffer a byte past a page, which a block device refuses and tmpfs takes)."""
     import mmap
 
     probe = where / "o-direct-probe"
@@ -277,7 +282,8 @@ def _takes_o_direct(where: Path) -> bool:
     except OSError:
         return False
     try:
-        return os.pwrite(fd, mmap.mmap(-1, 4096), 0) == 4096
+        buf = mmap.mmap(-1, 2 * 4096)
+        return os.pwrite(fd, memoryview(buf)[1: 1 + 4096] if misaligned else memoryview(buf)[:4096], 0) == 4096
     except OSError:
         return False
     finally:
@@ -294,8 +300,8 @@ async def test_big_blobs_are_written_with_o_direct_and_resume_at_any_offset(
     boundary) and the blob's last partial block. Turned off (the parameter, or
     LLMGW_FETCH_DIRECT_IO=0), or for a blob under ``direct_min``, nothing is; either way the
     blob is verified and whole, and the cut transfer resumes where it stopped."""
-    if io == "direct" and not (hasattr(os, "O_DIRECT") and _takes_o_direct(tmp_path)):
-        pytest.skip("the file system under the test's directory takes no O_DIRECT")
+    if io == "direct":
+        need(hasattr(os, "O_DIRECT") and _takes_o_direct(tmp_path), _O_DIRECT_FS)
     if io == "env-off":
         monkeypatch.setenv("LLMGW_FETCH_DIRECT_IO", "0")
     kwargs: dict[str, Any] = {
@@ -344,8 +350,9 @@ def test_a_refused_o_direct_write_falls_back_to_the_page_cache(tmp_path: Path) -
 
     from llmgw.mirror.fetch import _Writer
 
-    if not (hasattr(os, "O_DIRECT") and _takes_o_direct(tmp_path)):
-        pytest.skip("the file system under the test's directory takes no O_DIRECT")
+    need(hasattr(os, "O_DIRECT") and _takes_o_direct(tmp_path) and not _takes_o_direct(tmp_path, misaligned=True),
+         "a file system that takes O_DIRECT and refuses a misaligned buffer (a block device's, not tmpfs's)"
+         " under the test's directory (pytest --basetemp=DIR)")
     page = mmap.mmap(-1, 3 * 4096)
     page[:] = os.urandom(len(page))
     misaligned = memoryview(page)[1: 1 + 2 * 4096]
