@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import shutil
+from typing import NoReturn
 
 import pytest
 
@@ -22,7 +23,6 @@ def need_tool(*commands: str, install: str = "install it") -> str:
         if path:
             return path
     missing(f"needs {' or '.join(commands)} on PATH ({install})")
-    raise AssertionError("unreachable")  # (missing() skips or fails)
 
 
 def need(ok: bool, what: str) -> None:
@@ -31,7 +31,7 @@ def need(ok: bool, what: str) -> None:
         missing(f"needs {what}")
 
 
-def missing(msg: str) -> None:
+def missing(msg: str) -> NoReturn:
     """What a test needs is not here: a skip, or a failure where CI provides everything."""
     if os.environ.get("LLMGW_REQUIRE_TOOLS") == "1":
         pytest.fail(msg + "; LLMGW_REQUIRE_TOOLS=1 makes this a failure", pytrace=False)
