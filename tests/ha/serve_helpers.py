@@ -157,10 +157,19 @@ async def wait_until(cond: Any, timeout: float, what: str, step: float = 0.05) -
 
 
 async def the_leader(procs: list[Serve], timeout: float) -> Serve:
-    """The one process that leads (exactly one of those alive)."""
+    """The one process that leads, once every process alive answers (a standby still starting is not yet one:
+    a test asking it right after would find its admin port closed). A process that exits while waited for is a
+    failure naming the end of its log."""
+    started = [p for p in procs if p.alive()]
 
     async def one() -> Serve | None:
-        flags = [(p, await p.leading()) for p in procs if p.alive()]
+        for p in started:
+            if not p.alive():
+                raise AssertionError(f"{p.name} exited ({p.proc.returncode if p.proc else None}) while waited for:"
+                                     f"\n{p.stderr()[-3000:]}")
+        flags = [(p, await p.leading()) for p in started]
+        if any(f is None for _, f in flags):
+            return None
         leaders = [p for p, f in flags if f]
         return leaders[0] if len(leaders) == 1 else None
 
