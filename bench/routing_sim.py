@@ -62,7 +62,12 @@ The routers
     dispatches and completions, plus a scrape of every replica every
     ``--scrape-interval`` (100 ms, at a random phase per router) that reaches it
     10-30 ms after it was taken (so numbers between scrapes are stale-ish, and the
-    requests the other routers sent meanwhile are invisible to it). ``--oracle``
+    requests the other routers sent meanwhile are invisible to it). With ``prefix``,
+    the routers share conversation routes as the gateway does (``routing.prefix.share``,
+    llmgw.fleet.share): the pick of each turn that has a session or follows an earlier
+    one reaches the other routers' pickers (``Picker.learn``) ``--share`` seconds later
+    (0.15: a 100 ms flush and the control plane's relay; ``--share 0``: routers that
+    share nothing, as routers without a control plane). ``--oracle``
     adds ``score*``: the same picker given an exact scrape before every pick, which
     shows what staleness costs.
 
@@ -118,6 +123,7 @@ SHARED_PROMPTS = 32  # shared-prefix: system prompts, 1-4 k tokens (--shared-pro
 THINK_S = 3.0  # multiturn: mean think time between an answer and the next turn
 WORKLOADS = ("chat", "multiturn", "shared-prefix", "unique")
 _M64 = (1 << 64) - 1
+_LATER_BYTE = 15 if sys.byteorder == "little" else 8  # the key's later-turn bit (bit 63 of word 1)
 
 # (speed, slots) per replica
 FLEETS: dict[str, list[tuple[float, int]]] = {
@@ -126,7 +132,7 @@ FLEETS: dict[str, list[tuple[float, int]]] = {
 }
 
 # event kinds, in tie-break order at equal times
-EV_DONE, EV_FIRST, EV_DELIVER, EV_SNAP, EV_ARRIVE = range(5)
+EV_DONE, EV_FIRST, EV_DELIVER, EV_SNAP, EV_ARRIVE, EV_SHARE = range(6)
 
 
 @dataclass(slots=True)
@@ -380,8 +386,12 @@ class Sim:
         oracle: bool = False,
         load_bound: float = 0.25,
         explain: bool = False,
+        share: float = 0.0,
     ) -> None:
         self.mod = mod
+        # routes shared between routers (llmgw.fleet.share): a conversation turn's pick reaches the
+        # other routers' pickers this many seconds later (0: routers share nothing)
+        self.share = share if strategy == "prefix" and routers > 1 else 0.0
         self.explain = explain
         self.fleet = fleet
         self.oracle = oracle
@@ -408,6 +418,9 @@ class Sim:
             mod.Picker("score" if self.oracle_pick else strategy, seed=seed * 1000 + r, load_bound=load_bound)
             for r in range(routers)
         ]
+        if self.share:
+            for p in self.pickers:
+                p.shared = True
         self.turn_rng = random.Random(seed + 29)  # which router a conversation's next turn reaches
         self.rng = random.Random(seed + 17)
         self.scrape_interval = scrape_interval
@@ -435,6 +448,11 @@ class Sim:
                 payload.first = now
             elif kind == EV_DONE:
                 self.finish(now, payload)
+            elif kind == EV_SHARE:
+                router, chain, session, tag = payload
+                for r, p in enumerate(self.pickers):
+                    if r != router:
+                        p.learn(chain, session, tag, now)
             elif kind == EV_SNAP:
                 for st in self.states[payload]:
                     st.on_scrape_sent()
@@ -478,6 +496,9 @@ class Sim:
             return
         states[i].on_dispatch(now)
         req.replica = i
+        # as ModelPool.outbox keeps them: a conversation's turns (a session, or the later-turn bit)
+        if self.share and (req.session or (len(req.chain) >= 24 and req.chain[_LATER_BYTE] & 0x80)):
+            self.at(now + self.share, EV_SHARE, (req.router, req.chain, req.session, states[i].tag))
         rep = self.replicas[i]
         if rep.running < rep.slots:
             self.start(now, rep, req)
@@ -711,6 +732,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--shared-prompts", type=int, default=SHARED_PROMPTS, help="shared-prefix: system prompts")
     ap.add_argument("--load-bound", type=float, default=0.25, help="prefix: routing.prefix.load_bound")
+    ap.add_argument("--share", type=float, default=0.15, metavar="S",
+                    help="prefix with several routers: conversation routes reach the other routers S seconds "
+                         "after the pick (routing.prefix.share: a 100 ms flush and the relay); 0: none shared")
     ap.add_argument("--scrape-interval", type=float, default=0.1)
     ap.add_argument("--stale-after", type=float, default=1.0)
     ap.add_argument("--warmup", type=float, default=10.0, help="seconds of arrivals left out of the figures")
@@ -738,7 +762,7 @@ def main(argv: list[str] | None = None) -> int:
         for routers in router_counts:
             sim = Sim(
                 mod, strategy, routers, base, args.seed, args.scrape_interval, args.stale_after, fleet, oracle,
-                args.load_bound, args.explain,
+                args.load_bound, args.explain, args.share,
             )
             sim.run()
             name = strategy + ("*" if oracle else "")
@@ -754,6 +778,7 @@ def main(argv: list[str] | None = None) -> int:
         "simulated_s": max(r.arrival for r in base),
         "workload": args.workload,
         "session_ids": args.session_ids,
+        "share_s": args.share,
         "impl": mod.__name__,
         "fleet": args.fleet,
         "slo_s": args.slo,

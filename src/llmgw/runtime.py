@@ -101,6 +101,11 @@ class RouterPort:
     def __init__(self, parts: Parts) -> None:
         self.parts = parts
 
+    @property
+    def registry(self) -> Any:
+        """The router's pools (``llmgw.fleet.registry.Registry``): routes shared between routers go there."""
+        return self.parts.registry
+
     def add(self, ep: EndpointConfig) -> None:
         self.parts.fleet.add_endpoint(ep)
 

@@ -482,3 +482,87 @@ def test_other_strategies_keep_no_tables(score: ModuleType) -> None:
         score.Picker("prefix", index_entries=2)
     with pytest.raises(ValueError):
         score.Picker("prefix", load_bound=-1.0)
+
+
+# -- routes learnt from other routers (llmgw.fleet.share) --------------------------
+
+
+def test_a_learnt_route_is_followed(score: ModuleType) -> None:
+    """``learn`` records another router's pick as this router's own would be: the chain's blocks,
+    the conversation's anchor and its session; a later turn then goes where it went."""
+    states = fleet(score, 4)
+    p = score.Picker("prefix", seed=31)
+    elsewhere = 2
+    chain = pack([41, 42, 43, 44, 45, 46], 4040, 1)
+    p.learn(chain, 777, states[elsewhere].tag, 0.0)
+    assert p.index_size(0.0) == (7, 1)  # 6 blocks and the anchor; the session
+    assert p.pick_prefix(states, 0.1, STALE, pack([41, 42, 43, 44, 45, 46, 47], 4040, 1), 0) == elsewhere
+    assert p.decisions() == (1, 0, 0, 0)
+    assert p.pick_prefix(states, 0.2, STALE, b"", 777) == elsewhere  # the session too
+    assert p.decisions() == (1, 1, 0, 0)
+    # no key: nothing but the session; a tag of 0 or another strategy: nothing
+    q = score.Picker("prefix", seed=32)
+    q.learn(b"\x01" * 16, 5, states[1].tag, 0.0)
+    assert q.index_size(0.0) == (0, 1)
+    q.learn(chain, 6, 0, 0.0)
+    assert q.index_size(0.0) == (0, 1)
+    r = score.Picker("score", seed=33)
+    r.learn(chain, 7, states[1].tag, 0.0)
+    assert r.index_size(0.0) == (0, 0)
+    # a zero word in a received chain is no key (0 marks an empty slot)
+    z = score.Picker("prefix", seed=34)
+    z.learn(pack([0, 0, 9]), 0, states[3].tag, 0.0)
+    assert z.index_size(0.0) == (1, 0)
+    with pytest.raises(TypeError):
+        z.learn(None, 0, 1, 0.0)
+
+
+def test_a_sharing_router_keeps_a_known_conversation_off_its_home(score: ModuleType) -> None:
+    """On a shared pool a later turn this router knows only from an older turn goes home; while it
+    shares routes (``shared``) and knows where the conversation went (its anchor, learnt), it goes there."""
+    tags = [score.default_tag(500 + i) for i in range(4)]
+    anchor = 7070
+    home_tag = max(tags, key=lambda t: _rendezvous(score, anchor, t))
+    new = pack([1, 2, 3, *range(4, 4 + score.KNOWN_TURN + 2)], anchor, 1)
+    for shared in (False, True):
+        states = fleet(score, 4, slots=8.0)
+        for x, t in zip(states, tags, strict=True):
+            x.tag = t
+        home = next(i for i, x in enumerate(states) if x.tag == home_tag)
+        away = (home + 1) % 4
+        p = score.Picker("prefix", seed=35)
+        assert p.shared is False
+        p.shared = shared
+        p.learn(pack([1, 2, 3], anchor, 1), 0, tags[away], 0.0)  # turn 2 went there, at another router
+        for x in states:  # the others' requests on the pool
+            x.on_scrape(0.05, 0, 2, 0.1)
+        assert p.pick_prefix(states, 0.1, STALE, new, 0) == (away if shared else home), shared
+
+
+async def test_a_pool_outbox_keeps_conversation_turns() -> None:
+    """``ModelPool.outbox`` (while routes are shared) gets each keyed pick of a request with a session
+    or of a later turn, not first turns or single requests; without an outbox nothing is kept."""
+    from llmgw.config import load as load_config
+    from llmgw.fleet.registry import Registry
+
+    cfg = load_config({"routing": {"strategy": "prefix"},
+                       "endpoints": [{"id": f"r{i}", "url": f"http://127.0.0.1:{9000 + i}", "model": "m",
+                                      "engine": "vllm"} for i in range(2)]})
+    reg = Registry(cfg)
+    pool = reg.pools["m"]
+    assert pool.keyed and pool.outbox is None
+    for ep in pool.endpoints:
+        ep.state.slots = 4.0
+        ep.state.on_scrape(0.0, 0, 0, 0.1)
+    first, later = pack([1, 2], 99, 1, later=False), pack([1, 2, 3], 99, 1)
+    pool.pick_keyed(0.0, STALE, (), later, 0)  # no outbox: nothing kept
+    pool.outbox = []
+    a = pool.pick_keyed(0.0, STALE, (), first, 0)
+    assert a is not None and pool.outbox == []
+    b = pool.pick_keyed(0.0, STALE, (), later, 0)
+    c = pool.pick_keyed(0.0, STALE, (), b"", 55)
+    assert b is not None and c is not None
+    d = pool.pick_keyed(0.0, STALE, (b,), later, 0)  # a retry elsewhere counts too
+    assert d is not None and d is not b
+    assert pool.outbox == [(later, 0, b.state.tag), (b"", 55, c.state.tag), (later, 0, d.state.tag)]
+    reg.close()

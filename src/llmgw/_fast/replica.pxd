@@ -70,10 +70,12 @@ cdef class ModelPool:
     cdef public bint keyed                # the picker is `prefix`: the gateway calls pick_keyed
     cdef readonly object queue            # its AdmissionQueue
     cdef readonly list states             # [ep.state for ep in endpoints], for the picker
+    cdef public list outbox               # shared routes' (chain, session, tag) (None: not shared)
 
     cpdef add(self, Endpoint ep)
     cpdef remove(self, Endpoint ep)
     cpdef Endpoint pick(self, double now, double stale_after, exclude=*)
+    @cython.locals(ep=Endpoint, i=Py_ssize_t, outbox=list)
     cpdef Endpoint pick_keyed(self, double now, double stale_after, exclude, bytes chain, uint64_t session)
     cpdef double saturation(self, double now, double stale_after, double max_waiting, double max_kv)
     @cython.locals(ep=Endpoint, wait=double, w=double)

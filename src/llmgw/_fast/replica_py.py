@@ -29,6 +29,7 @@ of whose replicas can take a request for a reason that waiting will not fix soon
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
@@ -69,6 +70,11 @@ __all__ = ["UNUSABLE_REASONS", "Endpoint", "ModelPool"]
 # Why a replica takes no new request (Endpoint.unusable_reason); the same words
 # in the admin API, /ready and the 503's message.
 UNUSABLE_REASONS = ("draining", "unreachable", "stale", "auth_failed", "breaker_open", "breaker_probing")
+
+
+# The byte of a routing key (jsonscan.json_route: native 64-bit words) that holds bit 63 of its
+# second word, the later-turn bit.
+_LATER_BYTE = 15 if sys.byteorder == "little" else 8
 
 
 def _opt(x: float) -> float | None:
@@ -349,7 +355,7 @@ class Endpoint:
 class ModelPool:
     """One model's replicas, their states as one list, its picker and admission queue."""
 
-    __slots__ = ("endpoints", "keyed", "name", "picker", "queue", "states")
+    __slots__ = ("endpoints", "keyed", "name", "outbox", "picker", "queue", "states")
 
     def __init__(self, name: str, strategy: str, bands: int, queue_size: int) -> None:
         self.name = name
@@ -358,6 +364,9 @@ class ModelPool:
         self.picker = Picker(strategy)
         self.keyed = strategy == "prefix"  # the gateway hands pick_keyed the request's key
         self.queue = AdmissionQueue(bands, queue_size)
+        self.outbox: list[tuple[bytes, int, int]] | None = None
+        """While routes are shared (``llmgw.fleet.share``): ``(chain, session, replica tag)`` of each
+        keyed pick of a conversation (a session, or a later turn), taken by the share's flush."""
 
     def add(self, ep: Endpoint) -> None:
         # (the prefix strategy knows a replica by a hash of its id: the same in every router)
@@ -388,10 +397,16 @@ class ModelPool:
         excluded = tuple(exclude)
         if not excluded:
             i = self.picker.pick_prefix(self.states, now, stale_after, chain, session)
-            return self.endpoints[i] if i >= 0 else None
-        eps = [e for e in self.endpoints if e not in excluded]
-        i = self.picker.pick_prefix([e.state for e in eps], now, stale_after, chain, session)
-        return eps[i] if i >= 0 else None
+            ep = self.endpoints[i] if i >= 0 else None
+        else:
+            eps = [e for e in self.endpoints if e not in excluded]
+            i = self.picker.pick_prefix([e.state for e in eps], now, stale_after, chain, session)
+            ep = eps[i] if i >= 0 else None
+        outbox = self.outbox
+        # a conversation's turn (a session, or the later-turn bit of the key's second word)
+        if outbox is not None and ep is not None and (session or (len(chain) >= 24 and chain[_LATER_BYTE] & 0x80)):
+            outbox.append((chain, session, ep.state.tag))
+        return ep
 
     def saturation(self, now: float, stale_after: float, max_waiting: float, max_kv: float) -> float:
         return pool_saturation(self.states, now, stale_after, max_waiting, max_kv)

@@ -123,6 +123,7 @@ cdef class Picker:
     cdef Table _sessions                  # prefix: session hash -> replica
     cdef long long _counts[4]             # prefix: picks per R_* (metrics, read at scrape time)
     cdef double _mean_blocks              # prefix: EWMA of the chain's blocks per request (0: none yet)
+    cdef public bint shared               # prefix: other routers' routes reach learn() (see the twin)
 
     cdef uint64_t _next(self) noexcept
     cdef int _reserve(self, Py_ssize_t n) except -1
@@ -133,6 +134,7 @@ cdef class Picker:
     cdef Py_ssize_t _prefix(self, list states, double now, double stale_after, const unsigned char* chain,
                             Py_ssize_t nblocks, uint64_t session) except -2
 
+    cpdef learn(self, bytes chain, uint64_t session, uint64_t tag, double now)
     cpdef Py_ssize_t pick(self, list states, double now, double stale_after) except -2
     cpdef Py_ssize_t pick_prefix(self, list states, double now, double stale_after, bytes chain,
                                  uint64_t session) except -2

@@ -458,6 +458,7 @@ cdef class Picker:
         self._bound = load_bound
         self._counts[0] = self._counts[1] = self._counts[2] = self._counts[3] = 0
         self._mean_blocks = 0.0
+        self.shared = False
         _table_free(&self._index)
         _table_free(&self._sessions)
         if self._strategy == S_PREFIX:
@@ -555,6 +556,32 @@ cdef class Picker:
             (<EndpointState>PyList_GET_ITEM(states, i))._breaker._allow(now)
         return i
 
+    cpdef learn(self, bytes chain, uint64_t session, uint64_t tag, double now):
+        """Record another router's pick for this key (see the twin)."""
+        cdef Py_ssize_t k, words
+        cdef uint64_t h, anchor, akey
+        cdef const unsigned char* p
+        if chain is None:
+            raise TypeError("chain must be bytes, not None")
+        if self._strategy != S_PREFIX or not tag:
+            return
+        if session:
+            _table_put(&self._sessions, session, tag, now)
+        words = PyBytes_GET_SIZE(chain) >> 3
+        if words < 3:
+            return
+        p = <const unsigned char*>PyBytes_AS_STRING(chain)
+        for k in range(2, words):
+            memcpy(&h, p + 8 * k, 8)
+            if h:  # (0 marks an empty slot: no key from the wire may be it)
+                _table_put(&self._index, h, tag, now)
+        memcpy(&anchor, p, 8)
+        if anchor:
+            akey = anchor ^ C_ANCHOR_SALT
+            if akey == 0:
+                akey = 1
+            _table_put(&self._index, akey, tag, now)
+
     cdef Py_ssize_t _prefix(self, list states, double now, double stale_after, const unsigned char* chain,
                             Py_ssize_t nblocks, uint64_t session) except -2:
         cdef Py_ssize_t b, i, k, n = PyList_GET_SIZE(states), pick = -1, slot, nhits = 0, matched = 0
@@ -632,9 +659,14 @@ cdef class Picker:
                 shallow < 0 and anchor and matched <= anchor_blocks and matched <= C_SHORT_SHARED
             ):
                 nhits = 0  # (only a shared start is known: the conversation's anchor decides)
-            if shallow >= 0 and (nhits == 0 or depths[nhits - 1] < nblocks - C_KNOWN_TURN) and _shared(states):
-                # other routers share the pool, this one did not see the previous turn:
-                # the conversation's home first (see the twin)
+            akey = anchor ^ C_ANCHOR_SALT
+            if akey == 0:
+                akey = 1
+            if shallow >= 0 and (nhits == 0 or depths[nhits - 1] < nblocks - C_KNOWN_TURN) and _shared(states) and not (
+                self.shared and _table_find(&self._index, akey, now) >= 0
+            ):
+                # other routers share the pool, this one did not see the previous turn (nor
+                # learn where it went): the conversation's home first (see the twin)
                 home = -1
                 best_w = 0
                 for i in range(n):

@@ -677,7 +677,9 @@ class Picker:
         ValueError: unknown strategy, or a setting out of range.
     """
 
-    __slots__ = ("_bound", "_counts", "_index", "_mean_blocks", "_rng", "_rr", "_sessions", "_settings", "_strategy")
+    __slots__ = (
+        "_bound", "_counts", "_index", "_mean_blocks", "_rng", "_rr", "_sessions", "_settings", "_strategy", "shared",
+    )
 
     def __init__(
         self,
@@ -709,6 +711,9 @@ class Picker:
         self._bound = load_bound
         self._counts = [0, 0, 0, 0]
         self._mean_blocks = 0.0  # prefix: EWMA of the chain's blocks per request
+        self.shared = False
+        """Whether the other routers' conversation routes reach this picker (:meth:`learn`): a
+        conversation it knows of is then where it knows, not first at its home (:meth:`pick_prefix`)."""
         if self._strategy == _S_PREFIX:
             self._index: _Table | None = _Table(index_entries, entry_ttl)
             self._sessions: _Table | None = _Table(session_entries, entry_ttl)
@@ -820,6 +825,29 @@ class Picker:
             states[i]._breaker.allow(now)
         return i
 
+    def learn(self, chain: bytes, session: int, tag: int, now: float) -> None:
+        """Record that another router sent a request with this key (``chain``, ``session`` as
+        :meth:`pick_prefix` takes them) to the replica whose ``EndpointState.tag`` is ``tag``,
+        as this router's own pick would have been recorded. A no-op for other strategies; a
+        chain that is no key (under 3 words) records the session only.
+        """
+        index = self._index
+        sessions = self._sessions
+        if index is None or sessions is None or not tag:
+            return
+        tag &= _M64
+        if session:
+            sessions.put(session & _M64, tag, now)
+        words = len(chain) >> 3
+        if words < 3:
+            return
+        key = struct.unpack(f"={words}Q", chain[: words * 8])
+        for h in key[2:]:
+            if h:  # (0 marks an empty slot: no key from the wire may be it)
+                index.put(h, tag, now)
+        if key[0]:
+            index.put(key[0] ^ _ANCHOR_SALT or 1, tag, now)
+
     def _prefix(
         self, states: Sequence[EndpointState], now: float, stale_after: float, chain: bytes, session: int
     ) -> int:
@@ -892,9 +920,13 @@ class Picker:
                 shallow < 0 and anchor and matched <= anchor_blocks and matched <= SHORT_SHARED
             ):
                 hits = []  # (only a shared start is known: the conversation's anchor decides)
-            if shallow >= 0 and (not hits or depths[-1] < nb - KNOWN_TURN) and _shared(states):
-                # other routers share the pool and this one did not see the previous turn:
-                # the conversation's home first, where every router that did not see it sends it
+            if (
+                shallow >= 0 and (not hits or depths[-1] < nb - KNOWN_TURN) and _shared(states)
+                and not (self.shared and index.find(anchor ^ _ANCHOR_SALT or 1, now) >= 0)
+            ):
+                # other routers share the pool and this one did not see the previous turn (nor
+                # learn where it went): the conversation's home first, where every router that
+                # knows nothing of it sends it
                 best_w = -1
                 home = -1
                 for i, st in enumerate(states):

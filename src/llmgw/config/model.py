@@ -226,6 +226,10 @@ class PrefixConfig:
     the prefix's rendezvous order."""
     session_header: Annotated[str, _HEADER_NAME] = "x-session-id"
     """The request header naming a conversation (else the body's prompt_cache_key, safety_identifier, user)."""
+    share: bool = True
+    """Share where conversations' turns went with the other routers of the same control plane (a router
+    with ``follow:``, or the one ``control:`` runs in), so a turn that reaches another router than the one
+    before it finds its replica's cache (docs/routing.md "Several routers")."""
 
     __pydantic_config__ = _SECTION
 

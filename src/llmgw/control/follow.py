@@ -29,6 +29,7 @@ The listener's TLS and its "plaintext off loopback" rule are the agent service's
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import secrets
 import time
 from collections.abc import Callable, Iterator
@@ -53,8 +54,10 @@ __all__ = [
     "RouterService", "endpoint_to_proto",
 ]
 
-FOLLOW_PROTOCOL: tuple[int, int] = (1, 0)
-"""llmgw.router.v1's protocol: another major is refused (FAILED_PRECONDITION)."""
+FOLLOW_PROTOCOL: tuple[int, int] = (1, 1)
+"""llmgw.router.v1's protocol: another major is refused (FAILED_PRECONDITION). 1.1 added ShareRoutes."""
+SHARE_QUEUE = 32
+"""Route messages a ShareRoutes stream may hold unwritten (about 3 s of flushes); more are dropped."""
 LEADER_METADATA = "llmgw-leader"
 """A standby's refusal names the leader's gRPC address in this trailing metadata (as for agents)."""
 REPORT_VALID_S = 3.0
@@ -90,6 +93,12 @@ class FollowStats:
     """Refused router calls by reason: ``invalid_token``, ``missing_token``, ``incompatible_version``, ``standby``."""
     version: int = 0
     replicas: int = 0
+    sharers: int = 0
+    """ShareRoutes streams open now."""
+    routes_relayed: int = 0
+    """Routes written to a router (or the control plane's own) that did not send them."""
+    routes_dropped: int = 0
+    """Routes a router's stream could not take (its queue full)."""
 
     def refuse(self, reason: str) -> None:
         self.refused[reason] = self.refused.get(reason, 0) + 1
@@ -121,6 +130,16 @@ class FollowCollector:
                               "are sent (rises on every change).")
         v.add_metric([], s.version)
         yield v
+        sh = GaugeMetricFamily("llmgw_control_route_sharers", "Routers sharing conversation routes through this "
+                               "control plane now (ShareRoutes streams open).")
+        sh.add_metric([], s.sharers)
+        yield sh
+        rr = CounterMetricFamily("llmgw_control_shared_routes", "Conversation routes passed between routers, by "
+                                 "outcome: relayed (written to a router that did not send them), dropped (its "
+                                 "stream's queue was full).", labels=["outcome"])
+        rr.add_metric(["relayed"], s.routes_relayed)
+        rr.add_metric(["dropped"], s.routes_dropped)
+        yield rr
 
 
 class FollowHub:
@@ -281,14 +300,30 @@ class _Watch:
         self.wake = asyncio.Event()
 
 
+class _Sharer:
+    """One router's ShareRoutes stream (control loop): the routes to write to it."""
+
+    __slots__ = ("name", "queue")
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.queue: asyncio.Queue[list[rpb.ModelRoutes] | None] = asyncio.Queue(SHARE_QUEUE)
+
+
+def _count(routes: list[rpb.ModelRoutes]) -> int:
+    return sum(len(m.routes) for m in routes)
+
+
 class RouterService(router_pb2_grpc.RouterServiceServicer):
-    """WatchReplicas and ReportDraining over a :class:`FollowHub` (module docstring).
+    """WatchReplicas, ReportDraining and ShareRoutes over a :class:`FollowHub` (module docstring).
 
     The handlers run on the control loop. ``check`` tells whether a token is a router
     token (constant time); ``standby`` (set by an HA control plane) returns the leader's
     address while this process is a standby (``""``: unknown), ``None`` while it leads.
     ``to_main`` runs a function on the main loop (``None``: one loop, as in a bare test).
-    ``check`` returns ``None`` when no router token is configured at all.
+    ``check`` returns ``None`` when no router token is configured at all. ``local`` (the control plane's
+    own router's :class:`~llmgw.fleet.share.RouteShare`, main loop) takes part in ShareRoutes like a
+    following router: it shares while some router does.
     """
 
     def __init__(
@@ -302,12 +337,39 @@ class RouterService(router_pb2_grpc.RouterServiceServicer):
         self.latest: rpb.WatchReplicasResponse | None = None
         self._watches: set[_Watch] = set()
         self._tasks: set[asyncio.Task[Any]] = set()
+        self.local: Any = None
+        self._sharers: set[_Sharer] = set()
 
     def offer(self, msg: rpb.WatchReplicasResponse) -> None:
         """A new table (on the control loop): every stream writes it next."""
         self.latest = msg
         for w in self._watches:
             w.wake.set()
+
+    def share_local(self, routes: list[rpb.ModelRoutes]) -> None:
+        """The control plane's own router's routes (on the control loop): to every sharing router."""
+        self._relay(routes, None)
+
+    def _relay(self, routes: list[rpb.ModelRoutes], source: _Sharer | None) -> None:
+        n = _count(routes)
+        if not n:
+            return
+        st = self.stats
+        for sh in self._sharers:
+            if sh is source:
+                continue
+            try:
+                sh.queue.put_nowait(routes)
+                st.routes_relayed += n
+            except asyncio.QueueFull:
+                st.routes_dropped += n
+        if source is not None and self.local is not None:
+            st.routes_relayed += n
+            self._main(self.local.learn, routes)
+
+    def _sharing(self) -> None:
+        if self.local is not None:
+            self._main(self.local.set_live, bool(self._sharers))
 
     def end_streams(self) -> None:
         """End every stream (on the control loop; a control plane that stops leading): routers go elsewhere."""
@@ -409,6 +471,64 @@ class RouterService(router_pb2_grpc.RouterServiceServicer):
             self.stats.followers -= 1
             self._main(self.hub.forget, name)
             log.info("router %s at %s stopped following", name, watch.peer)
+
+    async def ShareRoutes(self, request_iterator: Any, context: Any) -> None:  # type: ignore[override]
+        """Relay each router's conversation routes to the others (and to this process's router).
+
+        (A stream-stream handler written through ``context.read``/``context.write``, as WatchReplicas.)
+        """
+        first = await context.read()
+        if first is grpc.aio.EOF:
+            return
+        name = first.router_name[:MAX_NAME] or "?"
+        given = await self._authenticate(context, "ShareRoutes", name)
+        if first.protocol.major != FOLLOW_PROTOCOL[0]:
+            self.stats.refuse("incompatible_version")
+            await self._refuse(context, grpc.StatusCode.FAILED_PRECONDITION,
+                               f"incompatible wire protocol: router {name!r} speaks llmgw.router protocol "
+                               f"{first.protocol.major}.x, this control plane {FOLLOW_PROTOCOL[0]}.{FOLLOW_PROTOCOL[1]}")
+        await self._leader_only(context)
+        task = asyncio.current_task()
+        assert task is not None
+        sharer = _Sharer(name)
+        self._sharers.add(sharer)
+        self._tasks.add(task)
+        self.stats.sharers += 1
+        self._sharing()
+        log.info("router %s at %s shares conversation routes", name, context.peer())
+
+        async def read() -> None:
+            try:
+                msg = first
+                while msg is not grpc.aio.EOF:
+                    routes = list(msg.routes)
+                    if routes:
+                        self._relay(routes, sharer)
+                    msg = await context.read()
+            finally:
+                with contextlib.suppress(asyncio.QueueFull):
+                    sharer.queue.put_nowait(None)  # (the writer ends; a full queue ends it on the next get)
+
+        reader = asyncio.get_running_loop().create_task(read())
+        try:
+            checked = time.monotonic()
+            while True:
+                routes = await sharer.queue.get()
+                if routes is None or reader.done():
+                    break
+                if time.monotonic() - checked > 5.0:  # (a reload may have removed its token)
+                    await self._recheck(context, "ShareRoutes", name, given)
+                    checked = time.monotonic()
+                await context.write(rpb.ShareRoutesResponse(routes=routes))
+        finally:
+            reader.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await reader
+            self._sharers.discard(sharer)
+            self._tasks.discard(task)
+            self.stats.sharers -= 1
+            self._sharing()
+            log.info("router %s stopped sharing conversation routes", name)
 
     async def ReportDraining(self, request: rpb.ReportDrainingRequest, context: Any) -> rpb.ReportDrainingResponse:
         name = request.router_name[:MAX_NAME] or "?"

@@ -869,6 +869,8 @@ class ControlPlane:
         self._router_tokens = _Tokens()
         self.router_service = RouterService(self.follow_hub, self._router_token_ok)
         self.router: Router | None = self.follow_hub
+        self.route_share: Any = None
+        """This process's router's shared routes (``llmgw.fleet.share.RouteShare``) while it routes by prefix."""
         self.resolver = resolver
         self.deployments: DeploymentController | None = None
         """The replicas' desired state (``ReplicaController``): the agent service asks it what each node runs."""
@@ -893,6 +895,7 @@ class ControlPlane:
         self._collector: Any = None
         self._leader_collector: Any = None
         self._follow_collector: FollowCollector | None = None
+        self._share_collector: Any = None
         self._last: ControlConfig | None = None
         self._import_cordon_names: tuple[str, set[str]] | None = None
         """``control.state_file`` whose cordons go into the database just created (the upgrade from it)."""
@@ -985,6 +988,14 @@ class ControlPlane:
         self.service.hop = hop = MainHop(asyncio.get_running_loop(), thread.loop)
         self.router_service.to_main = hop.submit
         attach_follow(thread, self.follow_hub, self.router_service)
+        registry = getattr(self.follow_hub.inner, "registry", None)
+        if registry is not None and self.config().routing.prefix.share:
+            # this process's router shares conversation routes with the routers that follow it
+            from ..fleet.share import RouteShare
+
+            service = self.router_service
+            self.route_share = RouteShare(registry, lambda routes: thread.call(service.share_local, routes))
+            service.local = self.route_share
         self.router_service.standby = self._standby  # (routers are refused by a standby, as agents are)
         self.follow_hub.settled = _never  # (until a term's controller knows which replicas are ready: _lead_deployments)
         self.follow_hub.start()
@@ -1009,6 +1020,11 @@ class ControlPlane:
             self.admin.register_collector(self._leader_collector)
             self._follow_collector = FollowCollector(self.follow_hub.stats)
             self.admin.register_collector(self._follow_collector)
+            if self.route_share is not None:
+                from ..fleet.share import ShareCollector
+
+                self._share_collector = ShareCollector(self.route_share.stats)
+                self.admin.register_collector(self._share_collector)
             self.admin.attach_nodes(self)
             self.admin.attach_role(self.role)
             self.admin.attach_mirror(self.mirror_server)
@@ -1047,7 +1063,7 @@ class ControlPlane:
             self.admin.attach_deployments(None)
             self.admin.attach_mirror(None)
             self.admin.attach_tokens(None)
-            for attr in ("_collector", "_leader_collector", "_follow_collector"):
+            for attr in ("_collector", "_leader_collector", "_follow_collector", "_share_collector"):
                 col = getattr(self, attr)
                 if col is not None:
                     self.admin.unregister_collector(col)
@@ -1068,6 +1084,9 @@ class ControlPlane:
                 thread.stop()
                 self.service.hop = None
         self.follow_hub.close()
+        if self.route_share is not None:
+            self.route_share.close()
+            self.route_share = None
         self.mirror_server.close()
         await self.service.close()
         if self.deployments is not None:

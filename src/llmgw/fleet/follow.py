@@ -18,6 +18,10 @@ reconnects catches up with one message.
 * **Drains**: while it has requests in flight to replicas the table marks draining,
   it reports them (``ReportDraining``) about twice a second, so the control plane
   stops them only when they are done (or at its drain grace).
+* **Shared routes** (``routing.prefix.share``): while the table stream is open, a
+  ``ShareRoutes`` stream to the same control plane carries where this router sent
+  conversations' turns, and brings the other routers' (:mod:`llmgw.fleet.share`). A
+  control plane older than protocol 1.1 does not know it: the router routes without.
 
 The wire runs on a thread of its own (:class:`~llmgw.control.thread.ControlThread`,
 ``llmgw-follow``), as the control plane's does; the tables are applied on the main
@@ -52,6 +56,7 @@ from ..control.follow import FOLLOW_PROTOCOL, LEADER_METADATA
 from ..control.thread import ControlThread
 from ..engines import ENGINE_NAMES
 from ..log import server_logger as log
+from .share import RouteShare, ShareCollector
 
 if TYPE_CHECKING:
     from ..config import Config, FollowConfig
@@ -64,6 +69,8 @@ BACKOFF_MAX_S = 5.0
 REPORT_EVERY_S = 0.5
 CALL_TIMEOUT_S = 5.0
 MAX_TABLE_BYTES = 64 * 1024 * 1024
+SHARE_QUEUE = 32
+"""Flushes of shared routes the follow thread holds unwritten (about 3 s); more are dropped."""
 _REFUSED = (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.FAILED_PRECONDITION,
             grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNIMPLEMENTED)
 
@@ -248,6 +255,14 @@ class Follower:
         # (follow thread only)
         self._stop: asyncio.Event | None = None
         self._channel: grpc.aio.Channel | None = None
+        self._share_q: asyncio.Queue[list[rpb.ModelRoutes]] | None = None
+        self._share_said = False
+        # (main loop) routes shared with the other routers, when the router has pools to share
+        registry = getattr(router, "registry", None)
+        self.routes: RouteShare | None = None
+        if registry is not None and config().routing.prefix.share:
+            self.routes = RouteShare(registry, self._send_routes)
+        self._share_collector: ShareCollector | None = None
 
     # -- the component --
 
@@ -262,6 +277,9 @@ class Follower:
         if self.admin is not None:
             self._collector = FollowCollector(self.state)
             self.admin.register_collector(self._collector)
+            if self.routes is not None:
+                self._share_collector = ShareCollector(self.routes.stats)
+                self.admin.register_collector(self._share_collector)
         log.info("following the control plane(s) at %s as router %s (%s)", ", ".join(self.targets),
                  self.router_name, "TLS" if self._creds is not None else "plaintext")
 
@@ -272,6 +290,11 @@ class Follower:
         if self.admin is not None and self._collector is not None:
             self.admin.unregister_collector(self._collector)
             self._collector = None
+        if self.admin is not None and self._share_collector is not None:
+            self.admin.unregister_collector(self._share_collector)
+            self._share_collector = None
+        if self.routes is not None:
+            self.routes.close()
         thread, task = self._thread, self._task
         self._thread = self._task = None
         if thread is not None:
@@ -392,18 +415,95 @@ class Follower:
         got = False
         loop = self._loop
         assert loop is not None
-        while True:
-            msg = await call.read()
-            if msg is grpc.aio.EOF:
-                return got
-            if not got:
-                got = True
-                self.state.connected = True
-                self.state.connects += 1
-                self.state.last_error = None
-                log.info("following the control plane at %s (replica table %d)", target, msg.table.version)
-            # PERF: parsed here, off the data path's loop (1,000 replicas take ~10 ms); applied there
-            loop.call_soon_threadsafe(self._apply, msg.table, *self._parse(msg.table))
+        share: asyncio.Task[None] | None = None
+        try:
+            while True:
+                msg = await call.read()
+                if msg is grpc.aio.EOF:
+                    return got
+                if not got:
+                    got = True
+                    self.state.connected = True
+                    self.state.connects += 1
+                    self.state.last_error = None
+                    log.info("following the control plane at %s (replica table %d)", target, msg.table.version)
+                    if self.routes is not None:
+                        share = asyncio.get_running_loop().create_task(self._share(stub, target))
+                # PERF: parsed here, off the data path's loop (1,000 replicas take ~10 ms); applied there
+                loop.call_soon_threadsafe(self._apply, msg.table, *self._parse(msg.table))
+        finally:
+            if share is not None:
+                share.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await share
+
+    # -- shared routes --
+
+    async def _share(self, stub: router_pb2_grpc.RouterServiceStub, target: str) -> None:
+        """The ShareRoutes stream (follow thread), while the table's stream is open: this router's
+        flushes out, the other routers' routes in (learnt on the main loop)."""
+        loop = self._loop
+        routes = self.routes
+        assert loop is not None and routes is not None
+        q: asyncio.Queue[list[rpb.ModelRoutes]] = asyncio.Queue(SHARE_QUEUE)
+        call = stub.ShareRoutes(metadata=self._metadata())
+        live = False
+        try:
+            await call.write(rpb.ShareRoutesRequest(
+                router_name=self.router_name,
+                protocol=rpb.ProtocolVersion(major=FOLLOW_PROTOCOL[0], minor=FOLLOW_PROTOCOL[1]),
+            ))
+            self._share_q = q
+            loop.call_soon_threadsafe(routes.set_live, True)
+            live = True
+
+            async def write() -> None:
+                while True:
+                    await call.write(rpb.ShareRoutesRequest(routes=await q.get()))
+
+            writer = asyncio.get_running_loop().create_task(write())
+            try:
+                while True:
+                    msg = await call.read()
+                    if msg is grpc.aio.EOF:
+                        break
+                    if msg.routes:
+                        loop.call_soon_threadsafe(routes.learn, list(msg.routes))
+            finally:
+                writer.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await writer
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
+                if not self._share_said:
+                    log.info("the control plane at %s does not relay routes (older than protocol 1.1): "
+                             "conversations' turns are routed on this router's own knowledge", target)
+                    self._share_said = True
+            elif exc.code() != grpc.StatusCode.CANCELLED:
+                log.warning("sharing routes through %s: %s: %s", target, exc.code().name, exc.details())
+        finally:
+            self._share_q = None
+            if live:
+                loop.call_soon_threadsafe(routes.set_live, False)
+            call.cancel()
+
+    def _send_routes(self, routes: list[rpb.ModelRoutes]) -> None:
+        """A flush (main loop): to the follow thread's stream, or dropped when it has no room."""
+        thread = self._thread
+        if thread is None:
+            return
+        thread.call(self._queue_routes, routes)
+
+    def _queue_routes(self, routes: list[rpb.ModelRoutes]) -> None:  # (follow thread)
+        q = self._share_q
+        try:
+            if q is None:
+                raise asyncio.QueueFull
+            q.put_nowait(routes)
+        except asyncio.QueueFull:
+            loop = self._loop
+            if loop is not None and self.routes is not None:
+                loop.call_soon_threadsafe(self.routes.refused, routes)
 
     def _metadata(self) -> tuple[tuple[str, str], ...]:
         f = self.config().follow or self.follow  # (a reload may change the token: the next call presents it)

@@ -289,3 +289,117 @@ class ReportDrainingResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ReportDrainingResponse: _TypeAlias = ReportDrainingResponse  # noqa: Y015
+
+@_typing.final
+class ShareRoutesRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ROUTER_NAME_FIELD_NUMBER: _builtins.int
+    PROTOCOL_FIELD_NUMBER: _builtins.int
+    ROUTES_FIELD_NUMBER: _builtins.int
+    router_name: _builtins.str
+    """The router's name, as in WatchReplicasRequest (read from the first message)."""
+    @_builtins.property
+    def protocol(self) -> Global___ProtocolVersion:
+        """The wire protocol the router speaks (read from the first message)."""
+
+    @_builtins.property
+    def routes(self) -> _containers.RepeatedCompositeFieldContainer[Global___ModelRoutes]:
+        """The routes of the router's picks since its last message."""
+
+    def __init__(
+        self,
+        *,
+        router_name: _builtins.str = ...,
+        protocol: Global___ProtocolVersion | None = ...,
+        routes: _abc.Iterable[Global___ModelRoutes] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["protocol", b"protocol"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["protocol", b"protocol", "router_name", b"router_name", "routes", b"routes"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ShareRoutesRequest: _TypeAlias = ShareRoutesRequest  # noqa: Y015
+
+@_typing.final
+class ShareRoutesResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ROUTES_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def routes(self) -> _containers.RepeatedCompositeFieldContainer[Global___ModelRoutes]:
+        """Other routers' routes, as they sent them."""
+
+    def __init__(
+        self,
+        *,
+        routes: _abc.Iterable[Global___ModelRoutes] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["routes", b"routes"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ShareRoutesResponse: _TypeAlias = ShareRoutesResponse  # noqa: Y015
+
+@_typing.final
+class ModelRoutes(_message.Message):
+    """One model's routes."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MODEL_FIELD_NUMBER: _builtins.int
+    ROUTES_FIELD_NUMBER: _builtins.int
+    model: _builtins.str
+    """The model name clients use (the router's pool)."""
+    @_builtins.property
+    def routes(self) -> _containers.RepeatedCompositeFieldContainer[Global___Route]: ...
+    def __init__(
+        self,
+        *,
+        model: _builtins.str = ...,
+        routes: _abc.Iterable[Global___Route] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["model", b"model", "routes", b"routes"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ModelRoutes: _TypeAlias = ModelRoutes  # noqa: Y015
+
+@_typing.final
+class Route(_message.Message):
+    """One pick: a request with this routing key went to this replica."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REPLICA_FIELD_NUMBER: _builtins.int
+    CHAIN_FIELD_NUMBER: _builtins.int
+    SESSION_FIELD_NUMBER: _builtins.int
+    replica: _builtins.int
+    """The replica's routing tag: the 64-bit hash of its id that every router
+    computes alike (llmgw._fast.jsonscan.key_hash).
+    """
+    chain: _builtins.bytes
+    """The request's routing key (jsonscan.json_route): 64-bit words, the anchor,
+    its whole blocks and the later-turn bit, then the prompt's block links.
+    """
+    session: _builtins.int
+    """The conversation's session hash (0: none)."""
+    def __init__(
+        self,
+        *,
+        replica: _builtins.int = ...,
+        chain: _builtins.bytes = ...,
+        session: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["chain", b"chain", "replica", b"replica", "session", b"session"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Route: _TypeAlias = Route  # noqa: Y015

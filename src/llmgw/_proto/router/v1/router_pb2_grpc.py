@@ -50,6 +50,11 @@ class RouterServiceStub:
                 request_serializer=llmgw_dot_router_dot_v1_dot_router__pb2.ReportDrainingRequest.SerializeToString,
                 response_deserializer=llmgw_dot_router_dot_v1_dot_router__pb2.ReportDrainingResponse.FromString,
                 _registered_method=True)
+        self.ShareRoutes = channel.stream_stream(
+                '/llmgw.router.v1.RouterService/ShareRoutes',
+                request_serializer=llmgw_dot_router_dot_v1_dot_router__pb2.ShareRoutesRequest.SerializeToString,
+                response_deserializer=llmgw_dot_router_dot_v1_dot_router__pb2.ShareRoutesResponse.FromString,
+                _registered_method=True)
 
 
 class RouterServiceServicer:
@@ -80,6 +85,21 @@ class RouterServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ShareRoutes(self, request_iterator, context):
+        """Where the routers send conversations (the `prefix` strategy; docs/routing.md
+        "Several routers"): each router streams the routes of its picks for a
+        conversation's turns about ten times a second, and receives every other
+        router's (and the control plane's own router's) on the answer stream, so a
+        turn that reaches another router than the one before it still finds the
+        replica that holds its conversation's cache. Best effort: routes a slow
+        stream cannot take are dropped (counted), never queued without bound. The
+        first message names the router and its protocol (1.1 or later); a control
+        plane older than 1.1 answers UNIMPLEMENTED and the router routes without.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RouterServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -92,6 +112,11 @@ def add_RouterServiceServicer_to_server(servicer, server):
                     servicer.ReportDraining,
                     request_deserializer=llmgw_dot_router_dot_v1_dot_router__pb2.ReportDrainingRequest.FromString,
                     response_serializer=llmgw_dot_router_dot_v1_dot_router__pb2.ReportDrainingResponse.SerializeToString,
+            ),
+            'ShareRoutes': grpc.stream_stream_rpc_method_handler(
+                    servicer.ShareRoutes,
+                    request_deserializer=llmgw_dot_router_dot_v1_dot_router__pb2.ShareRoutesRequest.FromString,
+                    response_serializer=llmgw_dot_router_dot_v1_dot_router__pb2.ShareRoutesResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -153,6 +178,33 @@ class RouterService:
             '/llmgw.router.v1.RouterService/ReportDraining',
             llmgw_dot_router_dot_v1_dot_router__pb2.ReportDrainingRequest.SerializeToString,
             llmgw_dot_router_dot_v1_dot_router__pb2.ReportDrainingResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ShareRoutes(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/llmgw.router.v1.RouterService/ShareRoutes',
+            llmgw_dot_router_dot_v1_dot_router__pb2.ShareRoutesRequest.SerializeToString,
+            llmgw_dot_router_dot_v1_dot_router__pb2.ShareRoutesResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -62,6 +62,17 @@ class RouterServiceStub:
     such requests remain, about twice a second; the last report (with the
     count at 0, or the replica left out) ends the wait.
     """
+    ShareRoutes: _grpc.StreamStreamMultiCallable[_router_pb2.ShareRoutesRequest, _router_pb2.ShareRoutesResponse]
+    """Where the routers send conversations (the `prefix` strategy; docs/routing.md
+    "Several routers"): each router streams the routes of its picks for a
+    conversation's turns about ten times a second, and receives every other
+    router's (and the control plane's own router's) on the answer stream, so a
+    turn that reaches another router than the one before it still finds the
+    replica that holds its conversation's cache. Best effort: routes a slow
+    stream cannot take are dropped (counted), never queued without bound. The
+    first message names the router and its protocol (1.1 or later); a control
+    plane older than 1.1 answers UNIMPLEMENTED and the router routes without.
+    """
 
 @_typing.type_check_only
 class RouterServiceAsyncStub(RouterServiceStub):
@@ -84,6 +95,17 @@ class RouterServiceAsyncStub(RouterServiceStub):
     scale-down waits for them (as it waits for its own process's). Sent while
     such requests remain, about twice a second; the last report (with the
     count at 0, or the replica left out) ends the wait.
+    """
+    ShareRoutes: _aio.StreamStreamMultiCallable[_router_pb2.ShareRoutesRequest, _router_pb2.ShareRoutesResponse]  # type: ignore[assignment]
+    """Where the routers send conversations (the `prefix` strategy; docs/routing.md
+    "Several routers"): each router streams the routes of its picks for a
+    conversation's turns about ten times a second, and receives every other
+    router's (and the control plane's own router's) on the answer stream, so a
+    turn that reaches another router than the one before it still finds the
+    replica that holds its conversation's cache. Best effort: routes a slow
+    stream cannot take are dropped (counted), never queued without bound. The
+    first message names the router and its protocol (1.1 or later); a control
+    plane older than 1.1 answers UNIMPLEMENTED and the router routes without.
     """
 
 class RouterServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -116,6 +138,23 @@ class RouterServiceServicer(metaclass=_abc_1.ABCMeta):
         scale-down waits for them (as it waits for its own process's). Sent while
         such requests remain, about twice a second; the last report (with the
         count at 0, or the replica left out) ends the wait.
+        """
+
+    @_abc_1.abstractmethod
+    def ShareRoutes(
+        self,
+        request_iterator: _MaybeAsyncIterator[_router_pb2.ShareRoutesRequest],
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_router_pb2.ShareRoutesResponse], _abc.AsyncIterator[_router_pb2.ShareRoutesResponse]]:
+        """Where the routers send conversations (the `prefix` strategy; docs/routing.md
+        "Several routers"): each router streams the routes of its picks for a
+        conversation's turns about ten times a second, and receives every other
+        router's (and the control plane's own router's) on the answer stream, so a
+        turn that reaches another router than the one before it still finds the
+        replica that holds its conversation's cache. Best effort: routes a slow
+        stream cannot take are dropped (counted), never queued without bound. The
+        first message names the router and its protocol (1.1 or later); a control
+        plane older than 1.1 answers UNIMPLEMENTED and the router routes without.
         """
 
 def add_RouterServiceServicer_to_server(servicer: RouterServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
