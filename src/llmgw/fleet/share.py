@@ -43,6 +43,8 @@ MAX_ROUTES = 4096
 """Routes per flush at most, over all models (40,000 conversation turns a second); more are dropped."""
 MAX_CHAIN_BYTES = 66 * 8
 """A received route's key longer than this (anchor, blocks word and 64 links) is cut to it."""
+MAX_LEARN = 4 * MAX_ROUTES
+"""Routes learnt from one received message at most (the rest ignored, counted): the main loop's bound."""
 
 
 @dataclass
@@ -151,7 +153,7 @@ class RouteShare:
 
     def refused(self, routes: Iterable[rpb.ModelRoutes]) -> None:
         """The wire could not take these (its queue was full): counted as dropped."""
-        self.stats.dropped += sum(len(m.routes) for m in routes)
+        self.stats.dropped += routes_count(routes)
 
     # -- in --
 
@@ -161,16 +163,20 @@ class RouteShare:
         st = self.stats
         now = self.clock()
         pools = self.registry.pools
+        room = MAX_LEARN
         for m in routes:
             n = len(m.routes)
             st.received += n
             pool = pools.get(m.model)
-            if pool is None or not pool.keyed:
+            if pool is None or not pool.keyed or room <= 0:
                 st.ignored += n
                 continue
             picker = pool.picker
             tags = {e.state.tag for e in pool.endpoints}
-            for r in m.routes:
+            for k, r in enumerate(m.routes):
+                if k >= room:
+                    st.ignored += n - k
+                    break
                 if r.replica not in tags:
                     st.ignored += 1
                     continue
@@ -178,6 +184,7 @@ class RouteShare:
                 if len(chain) > MAX_CHAIN_BYTES:
                     chain = chain[:MAX_CHAIN_BYTES]
                 picker.learn(chain, r.session, r.replica, now)
+            room -= n
 
 
 class ShareCollector:
