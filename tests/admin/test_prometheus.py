@@ -40,6 +40,8 @@ def _query(port: int, expr: str) -> dict[str, Any]:
         with urllib.request.urlopen(url, timeout=5) as r:
             return json.loads(r.read())  # type: ignore[no-any-return]
     except urllib.error.HTTPError as exc:  # a bad query is a 400 with the error in the body
+        if exc.code == 503:  # still starting (its TSDB not open yet): "Service Unavailable", not JSON
+            raise ConnectionError(f"prometheus not ready: {exc.code}") from None
         return json.loads(exc.read())  # type: ignore[no-any-return]
 
 

@@ -246,3 +246,35 @@ async def test_a_control_plane_older_than_1_1_is_followed_without_sharing(tmp_pa
             await rt.stop()
         await server.stop(0)
         await engines[0].stop()
+
+
+async def test_a_router_without_prefix_pools_opens_no_route_stream(tmp_path: Path) -> None:
+    """Sharing is on by default, but a router whose pools all route by ``score`` has nothing to share or learn:
+    it opens no stream (the control plane counts no sharer, its own router does not share)."""
+    engines = [SimEngine(SimConfig(model="m", slots=4, ttft_ms=1, tokens_per_second=2000))]
+    await engines[0].start("127.0.0.1", 0)
+    common: dict[str, Any] = {"listen": "127.0.0.1:0", "admin": "127.0.0.1:0",
+                              "endpoints": [{"id": "r0", "url": engines[0].url, "model": "m", "engine": "vllm"}]}
+    cp_port = free_port()
+    ccfg = load({**common, "routing": {"strategy": "prefix"}, "control": {
+        "listen": f"127.0.0.1:{cp_port}", "join_token": TOKEN, "router_token": ROUTER_TOKEN,
+        "database": f"sqlite:///{tmp_path}/cp.sqlite3"}})
+    cp = GatewayRuntime(ccfg, components=components_for(ccfg))
+    await cp.start()
+    rt: GatewayRuntime | None = None
+    try:
+        rcfg = load({**common, "follow": {"control": f"127.0.0.1:{cp_port}", "token": ROUTER_TOKEN}})
+        rt = GatewayRuntime(rcfg, components=components_for(rcfg))
+        await rt.start()
+        follower: Any = rt.components[0]
+        await wait_for(lambda: follower.state.connected, 10, "the router following")
+        await asyncio.sleep(1.5)  # (longer than the check for a prefix pool)
+        assert follower.routes is not None and not follower.routes.wanted
+        assert await _metric(rt, "llmgw_routing_route_sharing") == 0.0
+        assert await _metric(cp, "llmgw_control_route_sharers") == 0.0
+        assert await _metric(cp, "llmgw_routing_route_sharing") == 0.0
+    finally:
+        if rt is not None:
+            await rt.stop()
+        await cp.stop()
+        await engines[0].stop()

@@ -60,12 +60,29 @@ async def test_outboxes_flush_and_routes_learn_within_bounds() -> None:
         ignored = rs.stats.ignored
         rs.learn([many])
         assert rs.stats.ignored == ignored + 3
+        # at most MAX_PENDING messages wait for the main loop; more are ignored (counted)
+        waiting: list[tuple[object, tuple[object, ...]]] = []
+        one = [rpb.ModelRoutes(model="m", routes=[rpb.Route(replica=tag_a, chain=_key(4242))])]
+        for _ in range(sh.MAX_PENDING + 2):
+            rs.offer(one, lambda fn, *args: waiting.append((fn, args)))
+        assert len(waiting) == sh.MAX_PENDING and rs.stats.busy == 2
+        for fn, args in waiting:
+            fn(*args)  # type: ignore[operator]
+        rs.offer(one, lambda fn, *args: fn(*args))
+        assert rs.stats.busy == 2
+        # a flush the wire refuses is dropped, not sent
+        sent_before, dropped_before = rs.stats.sent, rs.stats.dropped
+        rs.refused(one)
+        assert (rs.stats.sent, rs.stats.dropped) == (sent_before - 1, dropped_before + 1)
+        # a flush cuts each key to its bound
+        m.outbox.append((_key(*range(1, 300)), 0, tag_a))
+        assert len(rs.take()[0].routes[0].chain) == sh.MAX_CHAIN_BYTES
         # off: no outbox, the pickers not shared
         rs.set_live(False)
         assert m.outbox is None and not m.picker.shared
         col = list(sh.ShareCollector(rs.stats).collect())
         assert col[0].samples[0].value == 0.0
-        assert {smp.labels["direction"]: smp.value for smp in col[1].samples}["dropped"] == 5.0
+        assert {smp.labels["direction"]: smp.value for smp in col[1].samples}["dropped"] == 6.0
     finally:
         rs.close()
         reg.close()

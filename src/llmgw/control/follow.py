@@ -58,6 +58,10 @@ FOLLOW_PROTOCOL: tuple[int, int] = (1, 1)
 """llmgw.router.v1's protocol: another major is refused (FAILED_PRECONDITION). 1.1 added ShareRoutes."""
 SHARE_QUEUE = 32
 """Route messages a ShareRoutes stream may hold unwritten (about 3 s of flushes); more are dropped."""
+MAX_MODELS = 256
+"""Models' entries relayed from one message at most (a flush holds one per model that had routes)."""
+FIRST_READ_S = 10.0
+"""A ShareRoutes stream whose first message (the router's name) does not come within this is ended."""
 LEADER_METADATA = "llmgw-leader"
 """A standby's refusal names the leader's gRPC address in this trailing metadata (as for agents)."""
 REPORT_VALID_S = 3.0
@@ -351,6 +355,7 @@ class RouterService(router_pb2_grpc.RouterServiceServicer):
         self._relay(routes, None)
 
     def _relay(self, routes: list[rpb.ModelRoutes], source: _Sharer | None) -> None:
+        routes = [m for m in routes if m.routes][:MAX_MODELS]  # (a message of empty entries costs nothing)
         n = _count(routes)
         if not n:
             return
@@ -365,7 +370,7 @@ class RouterService(router_pb2_grpc.RouterServiceServicer):
                 st.routes_dropped += n
         if source is not None and self.local is not None:
             st.routes_relayed += n
-            self._main(self.local.learn, routes)
+            self.local.offer(routes, self._main)
 
     def _sharing(self) -> None:
         if self.local is not None:
@@ -477,11 +482,14 @@ class RouterService(router_pb2_grpc.RouterServiceServicer):
 
         (A stream-stream handler written through ``context.read``/``context.write``, as WatchReplicas.)
         """
-        first = await context.read()
+        given = await self._authenticate(context, "ShareRoutes", "?")  # (before anything is read)
+        try:
+            first = await asyncio.wait_for(context.read(), FIRST_READ_S)
+        except asyncio.TimeoutError:
+            return
         if first is grpc.aio.EOF:
             return
         name = first.router_name[:MAX_NAME] or "?"
-        given = await self._authenticate(context, "ShareRoutes", name)
         if first.protocol.major != FOLLOW_PROTOCOL[0]:
             self.stats.refuse("incompatible_version")
             await self._refuse(context, grpc.StatusCode.FAILED_PRECONDITION,
@@ -496,6 +504,7 @@ class RouterService(router_pb2_grpc.RouterServiceServicer):
         self.stats.sharers += 1
         self._sharing()
         log.info("router %s at %s shares conversation routes", name, context.peer())
+        await context.write(rpb.ShareRoutesResponse())  # (an empty first answer: the stream is taken)
 
         async def read() -> None:
             try:

@@ -274,6 +274,8 @@ class Follower:
         thread.start()
         self._thread = thread
         self._task = thread.run(self._run())
+        if self.routes is not None:
+            self.routes.watch()
         if self.admin is not None:
             self._collector = FollowCollector(self.state)
             self.admin.register_collector(self._collector)
@@ -428,7 +430,7 @@ class Follower:
                     self.state.last_error = None
                     log.info("following the control plane at %s (replica table %d)", target, msg.table.version)
                     if self.routes is not None:
-                        share = asyncio.get_running_loop().create_task(self._share(stub, target))
+                        share = asyncio.get_running_loop().create_task(self._share_while(stub, target))
                 # PERF: parsed here, off the data path's loop (1,000 replicas take ~10 ms); applied there
                 loop.call_soon_threadsafe(self._apply, msg.table, *self._parse(msg.table))
         finally:
@@ -439,20 +441,43 @@ class Follower:
 
     # -- shared routes --
 
-    async def _share(self, stub: router_pb2_grpc.RouterServiceStub, target: str) -> None:
-        """The ShareRoutes stream (follow thread), while the table's stream is open: this router's
-        flushes out, the other routers' routes in (learnt on the main loop)."""
+    async def _share_while(self, stub: router_pb2_grpc.RouterServiceStub, target: str) -> None:
+        """ShareRoutes streams to ``target`` while the table's stream is open (this task is cancelled when it
+        ends): one once some pool routes by prefix, again after a failure (backoff with jitter, up to
+        :data:`BACKOFF_MAX_S`), none after a refusal that retrying will not change (an older control plane)."""
+        routes = self.routes
+        assert routes is not None
+        delay = BACKOFF_MIN_S
+        while True:
+            while not routes.wanted:
+                await asyncio.sleep(1.0)
+            if not await self._share(stub, target):
+                return
+            await asyncio.sleep(self.rng.uniform(0.5, 1.0) * delay)
+            delay = min(delay * 2, BACKOFF_MAX_S)
+
+    async def _share(self, stub: router_pb2_grpc.RouterServiceStub, target: str) -> bool:
+        """One ShareRoutes stream (follow thread): this router's flushes out, the other routers' routes in
+        (learnt on the main loop). Live once the control plane's first (empty) answer says it took the
+        stream. Whether another try may help."""
         loop = self._loop
         routes = self.routes
         assert loop is not None and routes is not None
         q: asyncio.Queue[list[rpb.ModelRoutes]] = asyncio.Queue(SHARE_QUEUE)
         call = stub.ShareRoutes(metadata=self._metadata())
         live = False
+
+        def to_main(fn: Callable[..., Any], *args: Any) -> None:
+            loop.call_soon_threadsafe(fn, *args)
+
         try:
             await call.write(rpb.ShareRoutesRequest(
                 router_name=self.router_name,
                 protocol=rpb.ProtocolVersion(major=FOLLOW_PROTOCOL[0], minor=FOLLOW_PROTOCOL[1]),
             ))
+            msg = await call.read()  # (the control plane's first answer: it took the stream)
+            if msg is grpc.aio.EOF:
+                return True
             self._share_q = q
             loop.call_soon_threadsafe(routes.set_live, True)
             live = True
@@ -464,23 +489,31 @@ class Follower:
             writer = asyncio.get_running_loop().create_task(write())
             try:
                 while True:
+                    if msg.routes:
+                        routes.offer(list(msg.routes), to_main)
                     msg = await call.read()
                     if msg is grpc.aio.EOF:
                         break
-                    if msg.routes:
-                        loop.call_soon_threadsafe(routes.learn, list(msg.routes))
             finally:
                 writer.cancel()
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await writer
+            return True
         except grpc.aio.AioRpcError as exc:
-            if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
+            code = exc.code()
+            if code in _REFUSED:
                 if not self._share_said:
-                    log.info("the control plane at %s does not relay routes (older than protocol 1.1): "
-                             "conversations' turns are routed on this router's own knowledge", target)
+                    if code == grpc.StatusCode.UNIMPLEMENTED:
+                        log.info("the control plane at %s does not relay routes (older than protocol 1.1): "
+                                 "conversations' turns are routed on this router's own knowledge", target)
+                    else:
+                        log.warning("the control plane at %s refused to share routes: %s: %s", target,
+                                    code.name, exc.details())
                     self._share_said = True
-            elif exc.code() != grpc.StatusCode.CANCELLED:
-                log.warning("sharing routes through %s: %s: %s", target, exc.code().name, exc.details())
+                return False
+            if code != grpc.StatusCode.CANCELLED:
+                log.warning("sharing routes through %s: %s: %s", target, code.name, exc.details())
+            return True
         finally:
             self._share_q = None
             if live:
@@ -491,6 +524,8 @@ class Follower:
         """A flush (main loop): to the follow thread's stream, or dropped when it has no room."""
         thread = self._thread
         if thread is None:
+            if self.routes is not None:
+                self.routes.refused(routes)
             return
         thread.call(self._queue_routes, routes)
 

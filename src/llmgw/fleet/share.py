@@ -39,12 +39,20 @@ __all__ = ["FLUSH_S", "MAX_ROUTES", "RouteShare", "ShareCollector", "ShareStats"
 
 FLUSH_S = 0.1
 """How often the outboxes go out (a conversation's next turn comes seconds later)."""
-MAX_ROUTES = 4096
-"""Routes per flush at most, over all models (40,000 conversation turns a second); more are dropped."""
+MAX_ROUTES = 1024
+"""Routes per flush at most, over all models (10,000 conversation turns a second; a flush's message is
+built on the main loop: about 2 ms at this bound); more are dropped."""
 MAX_CHAIN_BYTES = 66 * 8
 """A received route's key longer than this (anchor, blocks word and 64 links) is cut to it."""
-MAX_LEARN = 4 * MAX_ROUTES
-"""Routes learnt from one received message at most (the rest ignored, counted): the main loop's bound."""
+MAX_LEARN = MAX_ROUTES
+"""Routes learnt from one received message at most (a router's flush holds no more), an entry (a model)
+counting as one route at least (the rest ignored, counted): the main loop's bound per message, about 1 ms
+for 66-word keys compiled (25 ms in the pure twin)."""
+MAX_PENDING = 4
+"""Received messages handed to the main loop and not learnt yet, at most: more are ignored (counted), so a
+busy main loop is never behind by more than this."""
+WANT_EVERY_S = 1.0
+"""How often the main loop notes whether any pool routes by prefix (:attr:`RouteShare.wanted`)."""
 
 
 @dataclass
@@ -56,7 +64,9 @@ class ShareStats:
     dropped: int = 0
     """Not sent: over :data:`MAX_ROUTES` in a flush, or refused by the stream's queue."""
     ignored: int = 0
-    """Received for a model this router has no ``prefix`` pool for, or with no replica."""
+    """Received for a model this router has no ``prefix`` pool for, or with no replica, or over a bound."""
+    busy: int = 0
+    """Received while :data:`MAX_PENDING` messages waited for the main loop (written by the wire's thread)."""
     live: bool = False
 
 
@@ -76,7 +86,13 @@ class RouteShare:
         self.clock = clock
         self.stats = ShareStats()
         self._timer: asyncio.TimerHandle | None = None
+        self._want_timer: asyncio.TimerHandle | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
+        self.wanted = False
+        """Whether some pool routes by prefix (kept by :meth:`watch` on the main loop; read by the wire's thread:
+        a router with none opens no route stream)."""
+        self._handed = 0  # messages handed to the main loop (the wire's thread writes it)
+        self._learnt = 0  # ... and learnt there (the main loop writes it)
 
     # -- on and off --
 
@@ -98,6 +114,15 @@ class RouteShare:
 
     def close(self) -> None:
         self.set_live(False)
+        if self._want_timer is not None:
+            self._want_timer.cancel()
+            self._want_timer = None
+
+    def watch(self) -> None:
+        """Keep :attr:`wanted` up to date, every :data:`WANT_EVERY_S` (main loop) until :meth:`close`."""
+        self._want_timer = None
+        self.wanted = any(p.keyed for p in self.registry.pools.values())
+        self._want_timer = asyncio.get_running_loop().call_later(WANT_EVERY_S, self.watch)
 
     def _sync(self) -> None:
         """Outboxes on the keyed pools while live, none otherwise (pools come and go, pickers are
@@ -145,15 +170,33 @@ class RouteShare:
                 st.dropped += len(box) - room
                 box = box[:room]
             room -= len(box)
+            cut = MAX_CHAIN_BYTES
             out.append(rpb.ModelRoutes(model=name, routes=[
-                rpb.Route(replica=tag, chain=chain, session=session) for chain, session, tag in box
+                rpb.Route(replica=tag, chain=chain[:cut], session=session) for chain, session, tag in box
             ]))
             st.sent += len(box)
         return out
 
     def refused(self, routes: Iterable[rpb.ModelRoutes]) -> None:
-        """The wire could not take these (its queue was full): counted as dropped."""
-        self.stats.dropped += routes_count(routes)
+        """The wire could not take these (no stream, or its queue full): dropped, not sent."""
+        n = routes_count(routes)
+        self.stats.sent -= n
+        self.stats.dropped += n
+
+    def offer(self, routes: list[rpb.ModelRoutes], to_main: Callable[..., Any]) -> None:
+        """Received routes, on the wire's thread: learnt on the main loop (``to_main(fn, *args)`` runs
+        ``fn(*args)`` there), unless :data:`MAX_PENDING` messages already wait for it (then ignored, counted)."""
+        if self._handed - self._learnt >= MAX_PENDING:
+            self.stats.busy += routes_count(routes)
+            return
+        self._handed += 1
+        to_main(self._learn_handed, routes)
+
+    def _learn_handed(self, routes: list[rpb.ModelRoutes]) -> None:
+        try:
+            self.learn(routes)
+        finally:
+            self._learnt += 1
 
     # -- in --
 
@@ -164,15 +207,19 @@ class RouteShare:
         now = self.clock()
         pools = self.registry.pools
         room = MAX_LEARN
+        tags_of: dict[str, set[int]] = {}
         for m in routes:
             n = len(m.routes)
             st.received += n
             pool = pools.get(m.model)
             if pool is None or not pool.keyed or room <= 0:
                 st.ignored += n
+                room -= 1  # (an entry costs its lookup, routes or none)
                 continue
             picker = pool.picker
-            tags = {e.state.tag for e in pool.endpoints}
+            tags = tags_of.get(m.model)
+            if tags is None:
+                tags = tags_of[m.model] = {e.state.tag for e in pool.endpoints}
             for k, r in enumerate(m.routes):
                 if k >= room:
                     st.ignored += n - k
@@ -184,7 +231,7 @@ class RouteShare:
                 if len(chain) > MAX_CHAIN_BYTES:
                     chain = chain[:MAX_CHAIN_BYTES]
                 picker.learn(chain, r.session, r.replica, now)
-            room -= n
+            room -= max(1, n)
 
 
 class ShareCollector:
@@ -205,11 +252,12 @@ class ShareCollector:
         c = CounterMetricFamily("llmgw_routing_shared_routes", "Conversation routes shared with the other "
                                 "routers, by direction: sent, received (from the others), dropped (not sent: "
                                 "over a flush's limit or the stream's queue), ignored (received for a model or "
-                                "replica this router does not route to).", labels=["direction"])
+                                "replica this router does not route to, over a bound, or while the main loop was "
+                                "behind).", labels=["direction"])
         c.add_metric(["sent"], float(s.sent))
         c.add_metric(["received"], float(s.received))
         c.add_metric(["dropped"], float(s.dropped))
-        c.add_metric(["ignored"], float(s.ignored))
+        c.add_metric(["ignored"], float(s.ignored + s.busy))
         yield c
 
 

@@ -93,8 +93,10 @@ class RouterServiceServicer:
         turn that reaches another router than the one before it still finds the
         replica that holds its conversation's cache. Best effort: routes a slow
         stream cannot take are dropped (counted), never queued without bound. The
-        first message names the router and its protocol (1.1 or later); a control
-        plane older than 1.1 answers UNIMPLEMENTED and the router routes without.
+        first message names the router and its protocol (1.1 or later); the control
+        plane's first answer is empty (it took the stream: the router shares from
+        then on). A control plane older than 1.1 answers UNIMPLEMENTED and the
+        router routes without.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -70,8 +70,10 @@ class RouterServiceStub:
     turn that reaches another router than the one before it still finds the
     replica that holds its conversation's cache. Best effort: routes a slow
     stream cannot take are dropped (counted), never queued without bound. The
-    first message names the router and its protocol (1.1 or later); a control
-    plane older than 1.1 answers UNIMPLEMENTED and the router routes without.
+    first message names the router and its protocol (1.1 or later); the control
+    plane's first answer is empty (it took the stream: the router shares from
+    then on). A control plane older than 1.1 answers UNIMPLEMENTED and the
+    router routes without.
     """
 
 @_typing.type_check_only
@@ -104,8 +106,10 @@ class RouterServiceAsyncStub(RouterServiceStub):
     turn that reaches another router than the one before it still finds the
     replica that holds its conversation's cache. Best effort: routes a slow
     stream cannot take are dropped (counted), never queued without bound. The
-    first message names the router and its protocol (1.1 or later); a control
-    plane older than 1.1 answers UNIMPLEMENTED and the router routes without.
+    first message names the router and its protocol (1.1 or later); the control
+    plane's first answer is empty (it took the stream: the router shares from
+    then on). A control plane older than 1.1 answers UNIMPLEMENTED and the
+    router routes without.
     """
 
 class RouterServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -153,8 +157,10 @@ class RouterServiceServicer(metaclass=_abc_1.ABCMeta):
         turn that reaches another router than the one before it still finds the
         replica that holds its conversation's cache. Best effort: routes a slow
         stream cannot take are dropped (counted), never queued without bound. The
-        first message names the router and its protocol (1.1 or later); a control
-        plane older than 1.1 answers UNIMPLEMENTED and the router routes without.
+        first message names the router and its protocol (1.1 or later); the control
+        plane's first answer is empty (it took the stream: the router shares from
+        then on). A control plane older than 1.1 answers UNIMPLEMENTED and the
+        router routes without.
         """
 
 def add_RouterServiceServicer_to_server(servicer: RouterServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
