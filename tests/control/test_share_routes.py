@@ -35,9 +35,9 @@ async def _post(rt: GatewayRuntime, body: dict[str, Any], session: str) -> str:
     data = orjson.dumps(body)
     r, w = await asyncio.open_connection("127.0.0.1", rt.listen_addr[1])
     try:
+        sid = b"x-session-id: %s\r\n" % session.encode() if session else b""
         w.write(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
-                b"x-session-id: %s\r\nconnection: close\r\ncontent-length: %d\r\n\r\n%s"
-                % (session.encode(), len(data), data))
+                b"%sconnection: close\r\ncontent-length: %d\r\n\r\n%s" % (sid, len(data), data))
         raw = await asyncio.wait_for(r.read(), 20)
     finally:
         w.close()
@@ -86,14 +86,18 @@ async def _metric(rt: GatewayRuntime, name: str, **labels: str) -> float | None:
 
 
 async def test_a_moved_conversation_is_followed_by_every_router(tmp_path: Path) -> None:
-    engines = [SimEngine(SimConfig(model="m", slots=4, ttft_ms=1, tokens_per_second=2000)) for _ in range(3)]
+    # (answers of ~20 ms: a replica's first connection does not make it look 3x slower than the others,
+    # which would keep the picker off it whatever it knows)
+    engines = [SimEngine(SimConfig(model="m", slots=4, ttft_ms=10, tokens_per_second=400)) for _ in range(3)]
     for e in engines:
         await e.start("127.0.0.1", 0)
     common: dict[str, Any] = {
         "listen": "127.0.0.1:0", "admin": "127.0.0.1:0",
         "scrape": {"interval": "100ms", "timeout": "80ms", "stale_after": "2s"},
         "routing": {"strategy": "prefix"},
-        "endpoints": [{"id": f"r{i}", "url": e.url, "model": "m", "engine": "vllm"} for i, e in enumerate(engines)],
+        # (slots known: a replica running another router's request does not look full to this one)
+        "endpoints": [{"id": f"r{i}", "url": e.url, "model": "m", "engine": "vllm", "slots": 4}
+                      for i, e in enumerate(engines)],
     }
     cp_port = free_port()
     ccfg = load({**common, "control": {
@@ -140,6 +144,33 @@ async def test_a_moved_conversation_is_followed_by_every_router(tmp_path: Path) 
         assert await _post(b, body, "conv-1") == moved
         assert await _post(cp, body, "conv-1") == moved
         assert await _metric(b, "llmgw_routing_decisions_total", model="m", reason="session") == 1.0
+        # without a session: the moved turn's key (a later turn) is learnt, and the next turn follows it
+        def turn(n: int) -> dict[str, Any]:
+            msgs: list[dict[str, str]] = [{"role": "system", "content": "You plan walks through old towns. " * 6}]
+            for k in range(n):
+                msgs.append({"role": "user", "content": f"Day {k}: where should I walk next, and why there?"})
+                if k < n - 1:
+                    msgs.append({"role": "assistant", "content": f"On day {k} walk along the river to the bridge."})
+            return {"model": "m", "messages": msgs, "max_tokens": 4}
+
+        first = await _post(a, turn(1), "")
+        if first != home:  # (its home at A is drained already when it is conv-1's)
+            status, _ = await _admin(a, "POST", f"/admin/v1/endpoints/{first}/drain")
+            assert status == 200
+        a_sent = await _metric(a, "llmgw_routing_shared_routes_total", direction="sent")
+        assert a_sent is not None
+        moved2 = await _post(a, turn(2), "")
+        assert moved2 != first
+
+        async def all_at_b() -> bool:  # (A sent the moved turn's route, and B has every route A and cp sent)
+            got = await _metric(b, "llmgw_routing_shared_routes_total", direction="received")
+            want = [await _metric(rt, "llmgw_routing_shared_routes_total", direction="sent") for rt in (a, cp)]
+            if got is None or want[0] is None or want[1] is None:
+                return False
+            return want[0] > a_sent and got >= want[0] + want[1]
+
+        await wait_for(all_at_b, 10, "the moved turn's route at B")
+        assert await _post(b, turn(3), "") == moved2  # (B never saw the conversation: it would go home)
         # a conversation nobody moved goes home at every router, as before
         fresh = await _post(b, body, "conv-2")
         assert await _post(cp, body, "conv-2") == fresh
