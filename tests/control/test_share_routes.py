@@ -9,11 +9,13 @@ by the other router and by the control plane's own, which would otherwise send i
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from cp_helpers import TOKEN, free_port, wait_for
+from cp_helpers import TOKEN, free_port, http, metrics_text, wait_for
 from prometheus_client.parser import text_string_to_metric_families
 
 from canary import secret
@@ -51,24 +53,8 @@ async def _post(rt: GatewayRuntime, body: dict[str, Any], session: str) -> str:
 
 
 async def _admin(rt: GatewayRuntime, method: str, path: str) -> tuple[int, str]:
-    assert rt.admin_addr is not None
-    r, w = await asyncio.open_connection(*rt.admin_addr)
-    try:
-        w.write(f"{method} {path} HTTP/1.1\r\nhost: x\r\nconnection: close\r\ncontent-length: 0\r\n\r\n".encode())
-        raw = await asyncio.wait_for(r.read(), 10)
-    finally:
-        w.close()
-    head, _, body = raw.partition(b"\r\n\r\n")
-    if b"transfer-encoding: chunked" in head.lower():
-        out, rest = b"", body
-        while rest:
-            size_s, _, rest = rest.partition(b"\r\n")
-            size = int(size_s, 16)
-            if size == 0:
-                break
-            out, rest = out + rest[:size], rest[size + 2:]
-        body = out
-    return int(head.split(b" ", 2)[1]), body.decode()
+    status, body = await http(rt, method, path)
+    return status, body.decode()
 
 
 def _sample(page: str, name: str, **labels: str) -> float | None:
@@ -80,39 +66,60 @@ def _sample(page: str, name: str, **labels: str) -> float | None:
 
 
 async def _metric(rt: GatewayRuntime, name: str, **labels: str) -> float | None:
-    status, page = await _admin(rt, "GET", "/metrics")
-    assert status == 200
-    return _sample(page, name, **labels)
+    return _sample(await metrics_text(rt), name, **labels)
+
+
+@contextlib.asynccontextmanager
+async def _engines(n: int, **sim: Any) -> AsyncIterator[list[SimEngine]]:
+    engines = [SimEngine(SimConfig(model="m", slots=4, **sim)) for _ in range(n)]
+    for e in engines:
+        await e.start("127.0.0.1", 0)
+    try:
+        yield engines
+    finally:
+        for e in engines:
+            await e.stop()
+
+
+@contextlib.asynccontextmanager
+async def _runtime(doc: dict[str, Any]) -> AsyncIterator[GatewayRuntime]:
+    cfg = load(doc)
+    rt = GatewayRuntime(cfg, components=components_for(cfg))
+    await rt.start()
+    try:
+        yield rt
+    finally:
+        await rt.stop()
+
+
+def _control(common: dict[str, Any], tmp_path: Path, port: int) -> Any:
+    """A control plane (router token set, SQLite) whose own router routes ``common``'s endpoints."""
+    return _runtime({**common, "control": {"listen": f"127.0.0.1:{port}", "join_token": TOKEN,
+                                           "router_token": ROUTER_TOKEN,
+                                           "database": f"sqlite:///{tmp_path}/cp.sqlite3"}})
+
+
+def _follower(common: dict[str, Any], port: int, **follow: Any) -> Any:
+    return _runtime({**common, "follow": {"control": f"127.0.0.1:{port}", "token": ROUTER_TOKEN, **follow}})
 
 
 async def test_a_moved_conversation_is_followed_by_every_router(tmp_path: Path) -> None:
     # (answers of ~20 ms: a replica's first connection does not make it look 3x slower than the others,
     # which would keep the picker off it whatever it knows)
-    engines = [SimEngine(SimConfig(model="m", slots=4, ttft_ms=10, tokens_per_second=400)) for _ in range(3)]
-    for e in engines:
-        await e.start("127.0.0.1", 0)
-    common: dict[str, Any] = {
-        "listen": "127.0.0.1:0", "admin": "127.0.0.1:0",
-        "scrape": {"interval": "100ms", "timeout": "80ms", "stale_after": "2s"},
-        "routing": {"strategy": "prefix"},
-        # (slots known: a replica running another router's request does not look full to this one)
-        "endpoints": [{"id": f"r{i}", "url": e.url, "model": "m", "engine": "vllm", "slots": 4}
-                      for i, e in enumerate(engines)],
-    }
-    cp_port = free_port()
-    ccfg = load({**common, "control": {
-        "listen": f"127.0.0.1:{cp_port}", "join_token": TOKEN, "router_token": ROUTER_TOKEN,
-        "database": f"sqlite:///{tmp_path}/cp.sqlite3"}})
-    cp = GatewayRuntime(ccfg, components=components_for(ccfg))
-    routers: list[GatewayRuntime] = []
-    await cp.start()
-    try:
-        for name in ("router-a", "router-b"):
-            rcfg = load({**common, "follow": {"control": f"127.0.0.1:{cp_port}", "token": ROUTER_TOKEN,
-                                              "name": name}})
-            rt = GatewayRuntime(rcfg, components=components_for(rcfg))
-            await rt.start()
-            routers.append(rt)
+    async with contextlib.AsyncExitStack() as stack:
+        engines = await stack.enter_async_context(_engines(3, ttft_ms=10, tokens_per_second=400))
+        common: dict[str, Any] = {
+            "listen": "127.0.0.1:0", "admin": "127.0.0.1:0",
+            "scrape": {"interval": "100ms", "timeout": "80ms", "stale_after": "2s"},
+            "routing": {"strategy": "prefix"},
+            # (slots known: a replica running another router's request does not look full to this one)
+            "endpoints": [{"id": f"r{i}", "url": e.url, "model": "m", "engine": "vllm", "slots": 4}
+                          for i, e in enumerate(engines)],
+        }
+        cp_port = free_port()
+        cp = await stack.enter_async_context(_control(common, tmp_path, cp_port))
+        routers = [await stack.enter_async_context(_follower(common, cp_port, name=name))
+                   for name in ("router-a", "router-b")]
         a, b = routers
         for rt in (cp, a, b):
             assert rt.registry is not None
@@ -186,48 +193,25 @@ async def test_a_moved_conversation_is_followed_by_every_router(tmp_path: Path) 
 
             res = subprocess.run([promtool, "check", "metrics"], input=page.encode(), capture_output=True, timeout=30)
             assert res.returncode == 0, res.stdout + res.stderr
-    finally:
-        for rt in routers:
-            await rt.stop()
-        await cp.stop()
-        for e in engines:
-            await e.stop()
-    # the routers stopped: the control plane saw both streams end (no stream left behind)
 
 
 async def test_no_sharing_when_switched_off(tmp_path: Path) -> None:
     """``routing.prefix.share: false``: no route stream, nothing counted, the data path keeps no outbox."""
-    engines = [SimEngine(SimConfig(model="m", slots=4, ttft_ms=1, tokens_per_second=2000)) for _ in range(2)]
-    for e in engines:
-        await e.start("127.0.0.1", 0)
-    common: dict[str, Any] = {
-        "listen": "127.0.0.1:0", "admin": "127.0.0.1:0",
-        "routing": {"strategy": "prefix", "prefix": {"share": False}},
-        "endpoints": [{"id": f"r{i}", "url": e.url, "model": "m", "engine": "vllm"} for i, e in enumerate(engines)],
-    }
-    cp_port = free_port()
-    ccfg = load({**common, "control": {
-        "listen": f"127.0.0.1:{cp_port}", "join_token": TOKEN, "router_token": ROUTER_TOKEN,
-        "database": f"sqlite:///{tmp_path}/cp.sqlite3"}})
-    cp = GatewayRuntime(ccfg, components=components_for(ccfg))
-    await cp.start()
-    rt: GatewayRuntime | None = None
-    try:
-        rcfg = load({**common, "follow": {"control": f"127.0.0.1:{cp_port}", "token": ROUTER_TOKEN}})
-        rt = GatewayRuntime(rcfg, components=components_for(rcfg))
-        await rt.start()
-        follower: Any = rt.components[0]
-        await wait_for(lambda: follower.state.connected, 10, "the router following")
-        assert follower.routes is None and cp.components[0].route_share is None
-        assert await _metric(rt, "llmgw_routing_route_sharing") is None
-        assert await _metric(cp, "llmgw_control_route_sharers") == 0.0
-        assert rt.registry is not None and all(p.outbox is None for p in rt.registry.pools.values())
-    finally:
-        if rt is not None:
-            await rt.stop()
-        await cp.stop()
-        for e in engines:
-            await e.stop()
+    async with _engines(2, ttft_ms=1, tokens_per_second=2000) as engines:
+        common: dict[str, Any] = {
+            "listen": "127.0.0.1:0", "admin": "127.0.0.1:0",
+            "routing": {"strategy": "prefix", "prefix": {"share": False}},
+            "endpoints": [{"id": f"r{i}", "url": e.url, "model": "m", "engine": "vllm"}
+                          for i, e in enumerate(engines)],
+        }
+        cp_port = free_port()
+        async with _control(common, tmp_path, cp_port) as cp, _follower(common, cp_port) as rt:
+            follower: Any = rt.components[0]
+            await wait_for(lambda: follower.state.connected, 10, "the router following")
+            assert follower.routes is None and cp.components[0].route_share is None
+            assert await _metric(rt, "llmgw_routing_route_sharing") is None
+            assert await _metric(cp, "llmgw_control_route_sharers") == 0.0
+            assert rt.registry is not None and all(p.outbox is None for p in rt.registry.pools.values())
 
 
 async def test_a_control_plane_older_than_1_1_is_followed_without_sharing(tmp_path: Path) -> None:
@@ -282,30 +266,16 @@ async def test_a_control_plane_older_than_1_1_is_followed_without_sharing(tmp_pa
 async def test_a_router_without_prefix_pools_opens_no_route_stream(tmp_path: Path) -> None:
     """Sharing is on by default, but a router whose pools all route by ``score`` has nothing to share or learn:
     it opens no stream (the control plane counts no sharer, its own router does not share)."""
-    engines = [SimEngine(SimConfig(model="m", slots=4, ttft_ms=1, tokens_per_second=2000))]
-    await engines[0].start("127.0.0.1", 0)
-    common: dict[str, Any] = {"listen": "127.0.0.1:0", "admin": "127.0.0.1:0",
-                              "endpoints": [{"id": "r0", "url": engines[0].url, "model": "m", "engine": "vllm"}]}
-    cp_port = free_port()
-    ccfg = load({**common, "routing": {"strategy": "prefix"}, "control": {
-        "listen": f"127.0.0.1:{cp_port}", "join_token": TOKEN, "router_token": ROUTER_TOKEN,
-        "database": f"sqlite:///{tmp_path}/cp.sqlite3"}})
-    cp = GatewayRuntime(ccfg, components=components_for(ccfg))
-    await cp.start()
-    rt: GatewayRuntime | None = None
-    try:
-        rcfg = load({**common, "follow": {"control": f"127.0.0.1:{cp_port}", "token": ROUTER_TOKEN}})
-        rt = GatewayRuntime(rcfg, components=components_for(rcfg))
-        await rt.start()
-        follower: Any = rt.components[0]
-        await wait_for(lambda: follower.state.connected, 10, "the router following")
-        await asyncio.sleep(1.5)  # (longer than the check for a prefix pool)
-        assert follower.routes is not None and not follower.routes.wanted
-        assert await _metric(rt, "llmgw_routing_route_sharing") == 0.0
-        assert await _metric(cp, "llmgw_control_route_sharers") == 0.0
-        assert await _metric(cp, "llmgw_routing_route_sharing") == 0.0
-    finally:
-        if rt is not None:
-            await rt.stop()
-        await cp.stop()
-        await engines[0].stop()
+    async with _engines(1, ttft_ms=1, tokens_per_second=2000) as engines:
+        common: dict[str, Any] = {"listen": "127.0.0.1:0", "admin": "127.0.0.1:0",
+                                  "endpoints": [{"id": "r0", "url": engines[0].url, "model": "m", "engine": "vllm"}]}
+        cp_port = free_port()
+        async with _control({**common, "routing": {"strategy": "prefix"}}, tmp_path, cp_port) as cp, \
+                _follower(common, cp_port) as rt:
+            follower: Any = rt.components[0]
+            await wait_for(lambda: follower.state.connected, 10, "the router following")
+            await asyncio.sleep(1.5)  # (longer than the check for a prefix pool)
+            assert follower.routes is not None and not follower.routes.wanted
+            assert await _metric(rt, "llmgw_routing_route_sharing") == 0.0
+            assert await _metric(cp, "llmgw_control_route_sharers") == 0.0
+            assert await _metric(cp, "llmgw_routing_route_sharing") == 0.0

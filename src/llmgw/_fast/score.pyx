@@ -97,6 +97,12 @@ cdef inline uint64_t _mix(uint64_t z) noexcept:
     return z ^ (z >> 31)
 
 
+cdef inline uint64_t _anchor_key(uint64_t anchor) noexcept:
+    # the index key of a conversation's anchor: salted, so never a block's key (0 is no key)
+    cdef uint64_t k = anchor ^ C_ANCHOR_SALT
+    return k if k != 0 else 1
+
+
 cdef inline uint64_t _default_tag(uint64_t index) noexcept:
     cdef uint64_t t = _mix((index + 1) * 0x9E3779B97F4A7C15ULL)
     return t if t else 1
@@ -559,7 +565,7 @@ cdef class Picker:
     cpdef learn(self, bytes chain, uint64_t session, uint64_t tag, double now):
         """Record another router's pick for this key (see the twin)."""
         cdef Py_ssize_t k, words
-        cdef uint64_t h, anchor, akey
+        cdef uint64_t h, anchor
         cdef const unsigned char* p
         if chain is None:
             raise TypeError("chain must be bytes, not None")
@@ -577,17 +583,14 @@ cdef class Picker:
                 _table_put(&self._index, h, tag, now)
         memcpy(&anchor, p, 8)
         if anchor:
-            akey = anchor ^ C_ANCHOR_SALT
-            if akey == 0:
-                akey = 1
-            _table_put(&self._index, akey, tag, now)
+            _table_put(&self._index, _anchor_key(anchor), tag, now)
 
     cdef Py_ssize_t _prefix(self, list states, double now, double stale_after, const unsigned char* chain,
                             Py_ssize_t nblocks, uint64_t session) except -2:
         cdef Py_ssize_t b, i, k, n = PyList_GET_SIZE(states), pick = -1, slot, nhits = 0, matched = 0
         cdef double prior = 1.0, c, limit, blind_limit, tb, tmax, mb, per_block
         cdef int reason = R_BLIND
-        cdef uint64_t h, t, key, w, best_w, tag, anchor = 0, last = 0, akey
+        cdef uint64_t h, t, key, w, best_w, tag, anchor = 0, last = 0
         cdef Py_ssize_t home
         cdef long long shallow = -1, anchor_blocks = 0
         cdef bint new_session = False, b_free
@@ -659,11 +662,8 @@ cdef class Picker:
                 shallow < 0 and anchor and matched <= anchor_blocks and matched <= C_SHORT_SHARED
             ):
                 nhits = 0  # (only a shared start is known: the conversation's anchor decides)
-            akey = anchor ^ C_ANCHOR_SALT
-            if akey == 0:
-                akey = 1
             if shallow >= 0 and (nhits == 0 or depths[nhits - 1] < nblocks - C_KNOWN_TURN) and _shared(states) and not (
-                self.shared and _table_find(&self._index, akey, now) >= 0
+                self.shared and _table_find(&self._index, _anchor_key(anchor), now) >= 0
             ):
                 # other routers share the pool, this one did not see the previous turn (nor
                 # learn where it went): the conversation's home first (see the twin)
@@ -690,10 +690,7 @@ cdef class Picker:
                         break
             if pick < 0 and nhits == 0 and shallow >= 0:
                 # where this router last sent the conversation (see the twin)
-                akey = anchor ^ C_ANCHOR_SALT
-                if akey == 0:
-                    akey = 1
-                slot = _table_find(&self._index, akey, now)
+                slot = _table_find(&self._index, _anchor_key(anchor), now)
                 if slot >= 0:
                     i = _find_tag(states, self._index.slots[slot].tag, now)
                     if i >= 0 and (i == b or _worth(_state_at(states, i), prior, limit, tmax, b_free,
@@ -740,10 +737,7 @@ cdef class Picker:
             memcpy(&h, chain + 8 * k, 8)
             _table_put(&self._index, h, tag, now)
         if anchor:
-            akey = anchor ^ C_ANCHOR_SALT
-            if akey == 0:
-                akey = 1
-            _table_put(&self._index, akey, tag, now)
+            _table_put(&self._index, _anchor_key(anchor), tag, now)
         self._counts[reason] += 1
         return pick
 

@@ -205,6 +205,11 @@ def _mix(z: int) -> int:
     return z ^ (z >> 31)
 
 
+def _anchor_key(anchor: int) -> int:
+    """The index key of a conversation's anchor: salted, so never a block's key (0 is no key)."""
+    return anchor ^ _ANCHOR_SALT or 1
+
+
 def default_tag(index: int) -> int:
     """The tag of a replica that was given none: a hash of its index (the pool gives each
     replica a hash of its id, the same in every router)."""
@@ -846,7 +851,7 @@ class Picker:
             if h:  # (0 marks an empty slot: no key from the wire may be it)
                 index.put(h, tag, now)
         if key[0]:
-            index.put(key[0] ^ _ANCHOR_SALT or 1, tag, now)
+            index.put(_anchor_key(key[0]), tag, now)
 
     def _prefix(
         self, states: Sequence[EndpointState], now: float, stale_after: float, chain: bytes, session: int
@@ -922,7 +927,7 @@ class Picker:
                 hits = []  # (only a shared start is known: the conversation's anchor decides)
             if (
                 shallow >= 0 and (not hits or depths[-1] < nb - KNOWN_TURN) and _shared(states)
-                and not (self.shared and index.find(anchor ^ _ANCHOR_SALT or 1, now) >= 0)
+                and not (self.shared and index.find(_anchor_key(anchor), now) >= 0)
             ):
                 # other routers share the pool and this one did not see the previous turn (nor
                 # learn where it went): the conversation's home first, where every router that
@@ -950,7 +955,7 @@ class Picker:
             if pick < 0 and not hits and shallow >= 0:
                 # a later turn matched no deeper than its anchor: where this router last
                 # sent the conversation, if it did (the anchor is the conversation's key)
-                slot = index.find(anchor ^ _ANCHOR_SALT or 1, now)
+                slot = index.find(_anchor_key(anchor), now)
                 if slot >= 0:
                     i = _find_tag(states, index.tags[slot], now)
                     if i >= 0 and (i == b or _worth(states[i], prior, limit, tmax, b_free, nb * per_block)):
@@ -989,7 +994,7 @@ class Picker:
         for h in blocks:
             index.put(h, tag, now)
         if anchor:
-            index.put(anchor ^ _ANCHOR_SALT or 1, tag, now)
+            index.put(_anchor_key(anchor), tag, now)
         self._counts[reason] += 1
         return pick
 

@@ -42,6 +42,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from .._proto.router.v1 import router_pb2 as rpb
 from .._proto.router.v1 import router_pb2_grpc
 from ..agent.wire import TOKEN_METADATA
+from ..fleet.share import routes_count
 from ..log import control_logger as log
 
 if TYPE_CHECKING:
@@ -314,10 +315,6 @@ class _Sharer:
         self.queue: asyncio.Queue[list[rpb.ModelRoutes] | None] = asyncio.Queue(SHARE_QUEUE)
 
 
-def _count(routes: list[rpb.ModelRoutes]) -> int:
-    return sum(len(m.routes) for m in routes)
-
-
 class RouterService(router_pb2_grpc.RouterServiceServicer):
     """WatchReplicas, ReportDraining and ShareRoutes over a :class:`FollowHub` (module docstring).
 
@@ -356,7 +353,7 @@ class RouterService(router_pb2_grpc.RouterServiceServicer):
 
     def _relay(self, routes: list[rpb.ModelRoutes], source: _Sharer | None) -> None:
         routes = [m for m in routes if m.routes][:MAX_MODELS]  # (a message of empty entries costs nothing)
-        n = _count(routes)
+        n = routes_count(routes)
         if not n:
             return
         st = self.stats
