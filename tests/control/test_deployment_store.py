@@ -5,6 +5,7 @@ changes; a mirror reference brings its blobs and its memory need from the mirror
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -379,3 +380,25 @@ async def test_deployments_survive_a_restart_of_llmgw_serve(tmp_path: Path) -> N
     text = log.read_text()
     keys = [r["api_key"] for d in before.values() for r in d["replicas"]]
     assert keys and not any(k in text for k in keys), "a replica's API key reached the log"
+
+
+async def test_a_transaction_cancelled_at_its_begin_leaves_none_open(tmp_path: Path) -> None:
+    """SQLite: a transaction cancelled while its BEGIN runs in the connection's thread (as a lease renew is
+    when its task is cancelled) is undone there, so the next transaction can begin."""
+    db = open_database(f"sqlite:///{tmp_path / 'c.db'}")
+    await db.open()
+    try:
+        for _ in range(20):  # (bounded) a cancel at every point of the BEGIN's round trip
+            async def one() -> None:
+                async with db.transaction() as tx:
+                    await tx.execute("SELECT 1")
+
+            task = asyncio.create_task(one())
+            await asyncio.sleep(0)  # the BEGIN handed to the connection's thread
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            async with db.transaction() as tx:
+                assert await tx.execute("SELECT 1") is not None
+    finally:
+        await db.close()

@@ -477,13 +477,26 @@ class SqliteDatabase(Database):
             raise DatabaseError("the database is not open")
         async with self._lock:
             tx = _SqliteTx(self)
-            await tx.execute("BEGIN IMMEDIATE")
+            try:
+                await tx.execute("BEGIN IMMEDIATE")
+            except asyncio.CancelledError:
+                # the BEGIN runs on in the connection's one thread: undo it there, right after it (the
+                # lock is still held: nothing else is queued between), or the next BEGIN would fail
+                conn, pool = self._conn, self._pool
+                if conn is not None and pool is not None:
+                    pool.submit(_rollback_quietly, conn)
+                raise
             try:
                 yield tx
             except BaseException:
                 await self._call(lambda c: c.execute("ROLLBACK"))
                 raise
             await self._call(lambda c: c.execute("COMMIT"))
+
+
+def _rollback_quietly(conn: sqlite3.Connection) -> None:
+    with contextlib.suppress(sqlite3.Error):  # (no transaction: the BEGIN failed)
+        conn.execute("ROLLBACK")
 
 
 def open_database(url: str) -> Database:
