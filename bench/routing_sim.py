@@ -75,7 +75,13 @@ The strategies (``--strategies``)
     ``round_robin``, ``least_inflight``, ``score`` and ``prefix`` are llmgw's own
     picker. ``oracle`` knows every replica's cache and queue exactly and sends each
     request where its first token comes soonest (its queue replayed with the
-    requests ahead, then its uncached prefill): the bound to compare against.
+    requests ahead, then its uncached prefill): the bound to compare against. It also
+    knows how long every answer will be, running and queued, which no router can.
+    ``oracle_now`` knows all of the present as exactly (every cache, queue and running
+    request, and how far each answer has got) but not the answers' lengths: it expects
+    a running answer that has reached ``o`` tokens to go on for the mean of what the
+    workload's answers longer than ``o`` have left, and a queued one to be of the mean
+    length. The difference between the two is what knowing the future is worth.
 
 Output: TTFT p50/p99, goodput (requests per second with TTFT within ``--slo``),
 the cache hit ratio (prompt tokens served from a cache over all prompt tokens) and
@@ -173,6 +179,7 @@ class Replica:
     cache: OrderedDict[int, None] = field(default_factory=OrderedDict)  # block name -> (LRU order)
     cache_blocks: int = 0  # capacity in blocks
     ends: list[float] = field(default_factory=list)  # running requests' end times (oracle)
+    live: list[Request] = field(default_factory=list)  # running requests (oracle_now)
 
 
 def _names(segments: list[tuple[int, int]], anchor: int = -1, later: bool = False) -> tuple[list[int], list[int]]:
@@ -413,7 +420,25 @@ class Sim:
         self.replicas = [Replica(speed, slots, cache_blocks=slots * KV_TOKENS_PER_SLOT // BLOCK_TOKENS) for speed, slots in fleet]
         self.routers = routers
         self.states = [[mod.EndpointState(i) for i in range(len(fleet))] for _ in range(routers)]
-        self.oracle_pick = strategy == "oracle"
+        self.oracle_pick = strategy in ("oracle", "oracle_now")
+        self.now_only = strategy == "oracle_now"
+        if self.now_only:
+            # the mean of what is left of an answer that has reached o tokens, over the
+            # workload's own answers: the best a router could expect without its length
+            outs = sorted(r.output for r in self.reqs)
+            top = outs[-1]
+            self.rest = [0.0] * (top + 2)
+            k = len(outs)
+            tail_sum = 0
+            j = len(outs)
+            for o in range(top, -1, -1):
+                while j > 0 and outs[j - 1] > o:
+                    j -= 1
+                    tail_sum += outs[j]
+                n = k - j
+                self.rest[o] = (tail_sum - n * o) / n if n else 1.0
+            self.rest[top + 1] = 1.0
+            self.mean_out = sum(outs) / k
         self.pickers = [
             mod.Picker("score" if self.oracle_pick else strategy, seed=seed * 1000 + r, load_bound=load_bound)
             for r in range(routers)
@@ -537,6 +562,7 @@ class Sim:
         req.start = now
         req.prefill = prefill
         rep.ends.append(now + prefill + decode)
+        rep.live.append(req)
         self.at(now + prefill, EV_FIRST, req)
         self.at(now + prefill + decode, EV_DONE, req)
 
@@ -545,6 +571,7 @@ class Sim:
         rep.running -= 1
         rep.kv_used -= req.prompt + req.output
         rep.ends.remove(now)  # (the end time it was given, exactly)
+        rep.live.remove(req)
         req.done = now
         self.pending -= 1
         self.remember(rep, req.after)
@@ -563,14 +590,25 @@ class Sim:
         prefill counted without what that replica has cached."""
         best, best_t = -1, math.inf
         for i, rep in enumerate(self.replicas):
-            free = sorted(rep.ends) if rep.running >= rep.slots else [now]
+            if self.now_only:
+                ends = []
+                for q in rep.live:
+                    if now < q.start + q.prefill:  # in its prefill: that, then a whole answer
+                        ends.append(q.start + q.prefill + self.mean_out * DECODE_S / rep.speed)
+                    else:
+                        o = min(len(self.rest) - 1, int((now - q.start - q.prefill) * rep.speed / DECODE_S))
+                        ends.append(now + self.rest[o] * DECODE_S / rep.speed)
+            else:
+                ends = rep.ends
+            free = sorted(ends) if rep.running >= rep.slots else [now]
             if rep.queue:
-                heap = [*rep.ends, *([now] * (rep.slots - rep.running))]
+                heap = [*ends, *([now] * (rep.slots - rep.running))]
                 heapq.heapify(heap)
                 for q in rep.queue:
                     t = heapq.heappop(heap)
+                    out = self.mean_out if self.now_only else q.output
                     heapq.heappush(
-                        heap, t + ((q.prompt - self.cached_tokens(rep, q)) * PREFILL_S + q.output * DECODE_S) / rep.speed
+                        heap, t + ((q.prompt - self.cached_tokens(rep, q)) * PREFILL_S + out * DECODE_S) / rep.speed
                     )
                 free = [heapq.heappop(heap)]
             begin = max(now, free[0])
