@@ -25,7 +25,15 @@ too little for either. Turns are ``--think`` seconds apart
 (exponential): without a pause, a conversation's next turn finds the slot its last
 turn just freed, and load-only routing sends it back there by accident.
 
+With ``--routers N`` (default 1) N gateways front the same replicas: the first runs
+a control plane (SQLite) and the others follow it, so ``prefix`` routers share
+conversations' routes (``routing.prefix.share``; the strategy ``prefix-noshare``
+turns that off), and each turn goes to one of them at random; the endpoints'
+``slots`` are set, so that a replica busy with another router's requests does not
+look full. The routers' decisions and shared routes (sent, received) are summed.
+
     LLMGW_SHARED_DIR=/work/shared nice .venv/bin/python bench/prefix_real.py
+    .venv/bin/python bench/prefix_real.py --routers 3 --strategies score,prefix,prefix-noshare
     .venv/bin/python bench/prefix_real.py --conversations 20 --turns 6 --json
 """
 
@@ -86,13 +94,15 @@ async def post(port: int, body: dict[str, Any]) -> tuple[float, dict[str, Any], 
 
 
 async def conversation(
-    port: int, rng: random.Random, system: str, turns: int, think: float, out: list[dict[str, Any]]
+    ports: list[int], rng: random.Random, system: str, turns: int, think: float, out: list[dict[str, Any]]
 ) -> None:
     messages: list[dict[str, str]] = [{"role": "system", "content": system}]
     for turn in range(turns):
         if turn and think > 0:
             await asyncio.sleep(rng.expovariate(1.0 / think))  # the user reads and types
         messages.append({"role": "user", "content": text(rng, 150)})
+        # (each turn to any of the routers: the client does not stick to one)
+        port = ports[rng.randrange(len(ports))] if len(ports) > 1 else ports[0]
         elapsed, answer, replica = await post(port, {"model": "m", "messages": messages, "max_tokens": 2})
         timings = answer.get("timings") or {}
         out.append(
@@ -115,7 +125,8 @@ def pct(values: list[float], q: float) -> float:
 
 
 async def routing_decisions(admin: int) -> dict[str, float]:
-    """``llmgw_routing_decisions_total`` by reason, off the gateway's /metrics."""
+    """``llmgw_routing_decisions_total`` by reason, and ``llmgw_routing_shared_routes_total`` by
+    direction (as ``shared_sent``, ``shared_received``), off the gateway's /metrics."""
     r, w = await asyncio.open_connection("127.0.0.1", admin)
     w.write(b"GET /metrics HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n")
     page = (await asyncio.wait_for(r.read(), 10)).decode()
@@ -125,30 +136,64 @@ async def routing_decisions(admin: int) -> dict[str, float]:
         if line.startswith("llmgw_routing_decisions_total{"):
             labels, value = line.rsplit(" ", 1)
             out[labels.split('reason="', 1)[1].split('"', 1)[0]] = float(value)
+        elif line.startswith("llmgw_routing_shared_routes_total{"):
+            labels, value = line.rsplit(" ", 1)
+            key = "shared_" + labels.split('direction="', 1)[1].split('"', 1)[0]
+            out[key] = out.get(key, 0.0) + float(value)
+    return out
+
+
+def _gateways(args: argparse.Namespace, strategy: str, replicas: list[LlamaServer], d: Path) -> list[tuple[int, int, Path]]:
+    """The configs of ``--routers`` gateways for ``strategy``: (port, admin port, config file). With
+    several, the first runs a control plane (SQLite) and the others follow it, so that ``prefix``
+    routers share conversations' routes (``routing.prefix.share``); ``prefix-noshare`` turns that off."""
+    name, _, variant = strategy.partition("-")
+    # (several routers: slots known, so that a replica running the others' requests does not look full)
+    slots = f", slots: {args.parallel}" if args.routers > 1 else ""
+    routing = f"{{strategy: {name}}}" if variant != "noshare" else f"{{strategy: {name}, prefix: {{share: false}}}}"
+    common = (
+        f"routing: {routing}\n"
+        "scrape: {interval: 250ms}\n"
+        "endpoints:\n"
+        + "".join(
+            f'  - {{id: r{i}, url: "{s.url}", model: m, engine: llamacpp{slots}}}\n' for i, s in enumerate(replicas)
+        )
+    )
+    cp_port = free_port()
+    out = []
+    for k in range(args.routers):
+        port, admin = free_port(), free_port()
+        role = ""
+        if args.routers > 1 and k == 0:
+            role = (
+                f"control: {{listen: '127.0.0.1:{cp_port}', join_token: bench-join-token-0000,"
+                f" router_token: bench-router-token-0000, database: 'sqlite:///{d}/cp-{strategy}.sqlite3'}}\n"
+            )
+        elif args.routers > 1:
+            role = f"follow: {{control: '127.0.0.1:{cp_port}', token: bench-router-token-0000}}\n"
+        cfg = d / f"llmgw-{strategy}-{k}.yaml"
+        cfg.write_text(f"listen: 127.0.0.1:{port}\nadmin: 127.0.0.1:{admin}\n{role}{common}")
+        out.append((port, admin, cfg))
     return out
 
 
 async def run_strategy(args: argparse.Namespace, strategy: str, replicas: list[LlamaServer], d: Path) -> dict[str, Any]:
-    port, admin = free_port(), free_port()
-    cfg = d / f"llmgw-{strategy}.yaml"
-    cfg.write_text(
-        f"listen: 127.0.0.1:{port}\nadmin: 127.0.0.1:{admin}\n"
-        f"routing: {{strategy: {strategy}}}\n"
-        "scrape: {interval: 250ms}\n"
-        "endpoints:\n"
-        + "".join(f'  - {{id: r{i}, url: "{s.url}", model: m, engine: llamacpp}}\n' for i, s in enumerate(replicas))
-    )
-    with open(d / f"llmgw-{strategy}.log", "wb") as log:
-        gw = subprocess.Popen(
-            [str(ROOT / ".venv" / "bin" / "llmgw"), "serve", "-c", str(cfg)], stdout=subprocess.DEVNULL, stderr=log
-        )
+    gateways = _gateways(args, strategy, replicas, d)
+    procs = []
     try:
-        for _ in range(200):  # (bounded: 20 s) the gateway listens and has scraped
-            try:
-                await post(port, {"model": "m", "messages": [{"role": "user", "content": "x"}], "max_tokens": 1})
-                break
-            except (OSError, RuntimeError):
-                await asyncio.sleep(0.1)
+        for k, (port, _, cfg) in enumerate(gateways):
+            with open(d / f"llmgw-{strategy}-{k}.log", "wb") as log:
+                procs.append(subprocess.Popen(
+                    [str(ROOT / ".venv" / "bin" / "llmgw"), "serve", "-c", str(cfg)], stdout=subprocess.DEVNULL,
+                    stderr=log,
+                ))
+            for _ in range(200):  # (bounded: 20 s) the gateway listens and has scraped
+                try:
+                    await post(port, {"model": "m", "messages": [{"role": "user", "content": "x"}], "max_tokens": 1})
+                    break
+                except (OSError, RuntimeError):
+                    await asyncio.sleep(0.1)
+        ports = [port for port, _, _ in gateways]
         rng = random.Random(args.seed)
         system = text(rng, args.system_chars)
         out: list[dict[str, Any]] = []
@@ -156,15 +201,20 @@ async def run_strategy(args: argparse.Namespace, strategy: str, replicas: list[L
 
         async def one(k: int) -> None:
             async with sem:
-                await conversation(port, random.Random(args.seed * 1000 + k), system, args.turns, args.think, out)
+                await conversation(ports, random.Random(args.seed * 1000 + k), system, args.turns, args.think, out)
 
         t0 = time.perf_counter()
         await asyncio.gather(*(one(k) for k in range(args.conversations)))
         wall = time.perf_counter() - t0
-        decisions = await routing_decisions(admin)
+        decisions: dict[str, float] = {}
+        for _, admin, _ in gateways:
+            for reason, n in (await routing_decisions(admin)).items():
+                decisions[reason] = decisions.get(reason, 0.0) + n
     finally:
-        gw.terminate()
-        gw.wait(10)
+        for gw in procs:
+            gw.terminate()
+        for gw in procs:
+            gw.wait(10)
     secs = [r["seconds"] for r in out]
     pms = [r["prompt_ms"] / 1000.0 for r in out if r["prompt_ms"] is not None]
     cached = sum(r["cache_n"] or 0 for r in out)
@@ -177,6 +227,7 @@ async def run_strategy(args: argparse.Namespace, strategy: str, replicas: list[L
         "decisions": decisions,
         "per_replica": per_replica,
         "strategy": strategy,
+        "routers": args.routers,
         "requests": len(out),
         "wall_s": wall,
         "answer_p50": pct(secs, 0.5),
@@ -215,6 +266,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     ap.add_argument("--strategies", default="score,prefix")
     ap.add_argument("--replicas", type=int, default=3)
+    ap.add_argument("--routers", type=int, default=1,
+                    help="gateways in front of the replicas; with several, the first runs a control plane and the "
+                         "others follow it (prefix routes shared; strategy prefix-noshare: not)")
     ap.add_argument("--parallel", type=int, default=2, help="slots per replica (-np)")
     ap.add_argument("--ctx", type=int, default=6144, help="context per replica (-c), split between its slots")
     ap.add_argument("--cache-ram", type=int, default=48,
@@ -234,7 +288,7 @@ def main(argv: list[str] | None = None) -> int:
         json.dump({"results": results}, sys.stdout, indent=2)
         print()
         return 0
-    print(f"{args.replicas} llama-server replicas x {args.parallel} slots, model {args.width} wide x {args.layers} layers; "
+    print(f"{args.routers} router(s), {args.replicas} llama-server replicas x {args.parallel} slots, model {args.width} wide x {args.layers} layers; "
           f"{args.conversations} conversations x {args.turns} turns, {args.concurrency} at a time")
     print(f"{'strategy':<10}{'answer p50':>12}{'answer p99':>12}{'turns 2+ p50':>14}{'prefill p50':>13}"
           f"{'prefill p99':>13}{'cached/prompt tokens':>24}{'hit %':>7}")
