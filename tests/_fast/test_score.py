@@ -168,6 +168,45 @@ def test_abort_is_not_a_completion(score: ModuleType) -> None:
     assert s.completed_since_scrape == 1  # it left the replica, so the correction counts it
 
 
+def test_abort_after_idle_does_not_take_the_replica_out_of_rotation(score: ModuleType) -> None:
+    """One failure after minutes idle: the time it was in flight is not divided by a completion
+    count decayed to nearly nothing (that read as a latency of years, and the replica was
+    never picked again while its sibling queued)."""
+    a, b = score.EndpointState(0), score.EndpointState(1)
+    end = max(serve(a, 0.0, 0.115, 20, 0.0), serve(b, 0.0, 0.115, 20, 0.0))
+    before = a.latency
+    t = end + 360.0  # six minutes idle
+    a.on_dispatch(t)
+    a.on_abort(t + 0.2)  # an engine 500 (or a client gone) 0.2 s in
+    assert before <= a.latency < 5 * before
+    # b queues (4 slots, 28 waiting): a, with free slots, takes the requests
+    for s_ in (a, b):
+        s_.slots = 4.0
+    a.on_scrape(t + 0.3, 0, 0, None)
+    b.on_scrape(t + 0.3, 28, 4, None)
+    picker = score.Picker("score", seed=1)
+    assert picks(picker, [a, b], 50, now=t + 0.4)[0] == 50
+
+
+def test_latency_returns_to_its_settled_value_while_nothing_is_sent(score: ModuleType) -> None:
+    """A latency raised by time in flight (aborts, a stall) and then sent nothing: the scrapes
+    age the averages, so it goes back to what the last completion left, and the replica is
+    tried again, rather than keep the raised figure for ever."""
+    s = score.EndpointState()
+    end = serve(s, 0.0, 0.1, 5, 10.0)
+    settled = s.latency
+    for k in range(3):  # three streams a client dropped after 2 s each
+        s.on_dispatch(end + 3 * k)
+        s.on_abort(end + 3 * k + 2.0)
+    raised = s.latency
+    assert raised > 5 * settled
+    t = end + 10.0
+    for _ in range(120):  # a scrape a second, two minutes
+        t += 1.0
+        s.on_scrape(t, 0, 0, None)
+    assert s.latency == pytest.approx(settled, rel=0.05)
+
+
 def test_first_completion_rate_is_bounded(score: ModuleType) -> None:
     s = score.EndpointState()
     s.on_dispatch(0.0)

@@ -88,11 +88,13 @@ cdef class EndpointState:
     cdef double _area                     # EWMA sums, time constant DRAIN_TAU:
     cdef double _done                     #   in-flight x time, completions,
     cdef double _window                   #   observed time
+    cdef double _settled                  # latency as the last completion left it (NaN: none yet)
     cdef bint _marked                     # on_scrape_sent() was called since the last scrape
     cdef Py_ssize_t _mark_dispatched      # ... and the since-scrape counters then
     cdef Py_ssize_t _mark_completed
 
     cdef void _advance(self, double now) noexcept
+    cdef void _estimate(self) noexcept
     cdef bint _usable(self, double now) noexcept
     cdef bint _stale(self, double now, double stale_after) noexcept
     cdef double _capacity(self) noexcept

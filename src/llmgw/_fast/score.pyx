@@ -46,6 +46,8 @@ BREAKER_HALF_OPEN = BS_HALF_OPEN
 # The same numbers as C constants (the Python names above are the public ones).
 cdef double C_DRAIN_TAU = 10.0
 cdef double C_MIN_WINDOW = 1.0
+# (score_py: _LATENCY_PRIOR) completions at the last settled latency added to the averages
+cdef double C_LATENCY_PRIOR = 0.5
 cdef double C_NEAR_TIE = 0.1
 cdef double C_PREFILL_SHARE = 0.05
 cdef double C_KV_KNEE = 0.7
@@ -251,6 +253,7 @@ cdef class EndpointState:
         self._area = 0.0
         self._done = 0.0
         self._window = 0.0
+        self._settled = NAN  # latency as the last completion left it
         self._marked = False
         self._mark_dispatched = 0
         self._mark_completed = 0
@@ -291,6 +294,17 @@ cdef class EndpointState:
             self.max_running = self.running
         if self.waiting > 0.0:
             self.seen_full = True
+        self._advance(now)  # (the averages age between the replica's own events too)
+        self._estimate()
+
+    cdef void _estimate(self) noexcept:
+        cdef double w0 = self._settled
+        if not isnan(w0):
+            self.latency = (self._area + C_LATENCY_PRIOR * w0) / (self._done + C_LATENCY_PRIOR)
+        elif self._done > 0.0:
+            self.latency = self._area / self._done
+        else:
+            self.latency = NAN
 
     cdef void _advance(self, double now) noexcept:
         cdef double last = self._t_last
@@ -311,8 +325,7 @@ cdef class EndpointState:
         self._advance(now)
         self.inflight += 1
         self.dispatched_since_scrape += 1
-        if self._done > 0.0:
-            self.latency = self._area / self._done
+        self._estimate()
 
     cpdef on_complete(self, double now):
         """A request left this replica with a response (counts for drain rate and latency)."""
@@ -322,7 +335,8 @@ cdef class EndpointState:
         self.completed_since_scrape += 1
         self._done += 1.0
         self.drain_rate = self._done / (self._window if self._window > C_MIN_WINDOW else C_MIN_WINDOW)
-        self.latency = self._area / self._done
+        self._estimate()
+        self._settled = self.latency
 
     cpdef bint breaker_settled(self):
         """Whether the breaker is closed with no failure counted (a success would change nothing)."""
@@ -338,8 +352,7 @@ cdef class EndpointState:
         if self.inflight > 0:
             self.inflight -= 1
         self.completed_since_scrape += 1
-        if self._done > 0.0:
-            self.latency = self._area / self._done
+        self._estimate()
 
     # -- reading --------------------------------------------------------------
 

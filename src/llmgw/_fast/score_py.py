@@ -127,6 +127,12 @@ DRAIN_TAU = 10.0
 # A rate measured over less than this many seconds is taken over this many (the
 # first completion after a start is not a rate of 1/ms).
 _MIN_WINDOW = 1.0
+# Latency's prior: this many completions at the latency the last completion gave are
+# added to the averages, so that time in flight over a completion count decayed to
+# nearly nothing (a request aborted after the replica sat idle for minutes) stays an
+# estimate (without it: a latency of years, and the replica never picked again), and,
+# as the averages age with nothing sent, latency returns to that last settled value.
+_LATENCY_PRIOR = 0.5
 # The share of a request's time on a replica spent in prefill (before its first
 # token), at an empty batch; a full batch doubles it.
 PREFILL_SHARE = 0.05
@@ -441,6 +447,7 @@ class EndpointState:
         "_mark_completed",
         "_mark_dispatched",
         "_marked",
+        "_settled",
         "_t_last",
         "_window",
         "completed_since_scrape",
@@ -485,6 +492,7 @@ class EndpointState:
         self._area = 0.0
         self._done = 0.0
         self._window = 0.0
+        self._settled = _NAN  # latency as the last completion left it
         # on_scrape_sent(): the since-scrape counters when the scrape was sent
         self._marked = False
         self._mark_dispatched = 0
@@ -534,6 +542,22 @@ class EndpointState:
             self.max_running = self.running
         if self.waiting > 0.0:
             self.seen_full = True
+        # the averages age between the replica's own events too: a latency nothing has
+        # renewed for a while becomes unknown (the pool's mean), so a replica scored slow
+        # and sent nothing since is tried again
+        self._advance(now)
+        self._estimate()
+
+    def _estimate(self) -> None:
+        # (after _advance) Little's law over the averages, with the prior; unknown before
+        # any completion
+        w0 = self._settled
+        if w0 == w0:
+            self.latency = (self._area + _LATENCY_PRIOR * w0) / (self._done + _LATENCY_PRIOR)
+        elif self._done > 0.0:
+            self.latency = self._area / self._done
+        else:
+            self.latency = _NAN
 
     def _advance(self, now: float) -> None:
         last = self._t_last
@@ -553,8 +577,7 @@ class EndpointState:
         self._advance(now)
         self.inflight += 1
         self.dispatched_since_scrape += 1
-        if self._done > 0.0:
-            self.latency = self._area / self._done
+        self._estimate()
 
     def on_complete(self, now: float) -> None:
         """A request left this replica with a response (counts for drain rate and latency)."""
@@ -564,7 +587,8 @@ class EndpointState:
         self.completed_since_scrape += 1
         self._done += 1.0
         self.drain_rate = self._done / max(self._window, _MIN_WINDOW)
-        self.latency = self._area / self._done
+        self._estimate()
+        self._settled = self.latency
 
     def breaker_settled(self) -> bool:
         """Whether the breaker is closed with no failure counted (a success would change nothing)."""
@@ -581,8 +605,7 @@ class EndpointState:
         if self.inflight > 0:
             self.inflight -= 1
         self.completed_since_scrape += 1
-        if self._done > 0.0:
-            self.latency = self._area / self._done
+        self._estimate()
 
     # -- reading --------------------------------------------------------------
 
