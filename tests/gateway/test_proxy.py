@@ -324,6 +324,36 @@ async def test_unknown_route_and_method() -> None:
         assert status == 405
 
 
+@pytest.mark.parametrize(
+    "path",
+    [
+        b"/v1/../admin",
+        b"/v1/./chat/completions",
+        b"/v1/chat/completions/../../metrics",
+        b"/v1/%2e%2e/secret",
+        b"/v1/%2E./secret",
+        b"/v1/..%2fadmin",
+        b"/v1/..\\admin",
+        b"/v1/chat/..?x=1",
+    ],
+)
+async def test_dot_segments_are_refused_not_forwarded(path: bytes) -> None:
+    """An upstream (or a proxy in front of it) that resolves dot segments would serve these
+    off /v1/, with the replica's own key: refused, and nothing reaches the engine."""
+    a = FakeEngine("a")
+    async with gateway([a]) as rt:
+        status, _, data = await request(port_of(rt), chat(), path=path)
+        assert status == 400, data
+        err = orjson.loads(data)["error"]
+        assert err["code"] == "invalid_path" and err["type"] == "invalid_request_error"
+        # paths with dots or escapes that are no dot segment still go through
+        status, _, _ = await request(port_of(rt), chat(), path=b"/v1/chat/completions.v2")
+        assert status == 200
+        status, _, _ = await request(port_of(rt), chat(), path=b"/v1/chat/completions%20")
+        assert status == 200
+    assert [r["path"] for r in a.seen] == [b"/v1/chat/completions.v2", b"/v1/chat/completions%20"]
+
+
 async def test_client_auth() -> None:
     a = FakeEngine("a")
     digest = hashlib.sha256(b"other").hexdigest()

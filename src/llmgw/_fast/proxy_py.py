@@ -297,6 +297,16 @@ def config_secrets(config: Config) -> tuple[bytes, ...]:
     return tuple(s.encode() for s in out if s)
 
 
+
+def _dot_segments(path: bytes) -> bool:
+    """Whether ``path`` (no query) has a ``.`` or ``..`` segment once percent-decoded, with
+    ``\\`` taken as ``/`` as some servers take it (cold path: only paths with ``/.``, ``%``
+    or ``\\`` get here)."""
+    from urllib.parse import unquote_to_bytes
+
+    plain = unquote_to_bytes(path).replace(b"\\", b"/")
+    return any(seg == b"." or seg == b".." for seg in plain.split(b"/"))
+
 class Call(Exchange):
     """One client request, from admission to the last byte (and its attempts).
 
@@ -1372,6 +1382,13 @@ class Gateway(App):
                 self._answer_local(req, w, 200, b"")
                 return None
             raise NotFoundError(f"no route for {path.decode('latin-1')[:200]}; llmgw serves the OpenAI API under /v1/")
+        if (b"/." in path or b"%" in path or b"\\" in path) and _dot_segments(path):
+            # An engine (or a proxy in front of it) that resolves dot segments would serve
+            # /v1/../admin as /admin, with the replica's own key: never forwarded.
+            raise BadRequestError(
+                f"the path {path.decode('latin-1')[:200]} has a '.' or '..' segment (maybe percent-encoded): "
+                "llmgw forwards only plain /v1/ paths", code="invalid_path",
+            )
         key = self._authenticate(req) if self.auth else None
         if method == b"POST":
             self._proxy(req, w, key)
