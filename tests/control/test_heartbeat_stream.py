@@ -136,3 +136,26 @@ async def test_a_reload_that_removes_the_token_ends_the_stream() -> None:
             task.cancel()
             with contextlib.suppress(BaseException):
                 await task
+
+
+@pytest.mark.parametrize("targets", [1, 2])
+async def test_an_agent_whose_control_plane_is_away_backs_off(targets: int) -> None:
+    """Before its first registration, with a poke pending (a node with replicas pokes as its
+    supervisor adopts them): the backoff is slept in full, not cut short by the poke (it spun,
+    a core's worth of calls and, with several addresses, hundreds of log lines a second)."""
+    addrs = [f"127.0.0.1:{free_port()}" for _ in range(targets)]
+    a = AgentClient(addrs, "node-away", TOKEN, Source("host-w"))
+    calls = 0
+    register = a.register
+
+    async def counted() -> object:
+        nonlocal calls
+        calls += 1
+        return await register()
+
+    a.register = counted  # type: ignore[method-assign]
+    a.poke()
+    async with running(a):
+        await asyncio.sleep(2.0)
+    # backoff from 0.1 s doubling, full jitter: at most ~6 rounds in 2 s, each one call an address
+    assert 1 <= calls <= 7 * targets, calls

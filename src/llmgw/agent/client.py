@@ -602,7 +602,9 @@ class AgentClient:
                     # full jitter, capped at one interval (2 s with several control planes: a new leader
                     # is found within seconds): back within about an interval of its return
                     cap = min(self.interval, 2.0) if len(self.targets) > 1 or self.lease is not None else self.interval
-                    if await self._sleep(stop, self.rng.uniform(0.5, 1.0) * min(delay, cap)):
+                    # (not cut short by a poke: a replica's change, or the end of a stream already
+                    # known, is no reason to call an unreachable control plane again at once)
+                    if await self._sleep_plain(stop, self.rng.uniform(0.5, 1.0) * min(delay, cap)):
                         break
                     delay = min(delay * 2, cap)
             if registered:

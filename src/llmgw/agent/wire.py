@@ -59,6 +59,10 @@ CLIENT_OPTIONS: tuple[tuple[str, int], ...] = (
     ("grpc.initial_reconnect_backoff_ms", 100),
     ("grpc.min_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 5_000),
+    # Each channel its own subchannels: a channel made after a failure connects at once, not when
+    # the previous channel's subchannel (shared process-wide by default) is next due to retry,
+    # up to max_reconnect_backoff_ms later: the agent's backoff, capped at one interval, decides.
+    ("grpc.use_local_subchannel_pool", 1),
 )
 SERVER_OPTIONS: tuple[tuple[str, int], ...] = (
     ("grpc.keepalive_time_ms", 60_000),
