@@ -40,6 +40,30 @@ def test_check_config_and_serve_agree_on_an_empty_file(tmp_path: Path) -> None:
     assert check.stdout == ""
 
 
+def test_check_config_and_serve_agree_on_a_plaintext_control_plane_off_loopback(tmp_path: Path) -> None:
+    cfg = tmp_path / "cp.yaml"
+    cfg.write_text("control:\n  listen: 0.0.0.0:28071\n  join_token: abc\n")
+    check = run("check-config", str(cfg))
+    serve = run("serve", "-c", str(cfg), "--listen", "127.0.0.1:0", "--admin", "127.0.0.1:0")
+    expected = (f"llmgw: error: {cfg}: control.listen: 0.0.0.0 is not a loopback address and the control plane has "
+                "no TLS: join tokens and node data would travel in the clear; set control.tls_cert and "
+                "control.tls_key (or control.allow_insecure: true on a network you trust)")
+    assert check.returncode == serve.returncode == 1
+    assert check.stderr.strip().splitlines() == serve.stderr.strip().splitlines() == [expected]
+    cfg.write_text("control:\n  listen: 0.0.0.0:28071\n  join_token: abc\n  allow_insecure: true\n")
+    assert run("check-config", str(cfg)).returncode == 0
+
+
+def test_a_bad_control_section_is_not_also_no_endpoints(tmp_path: Path) -> None:
+    cfg = tmp_path / "cp.yaml"
+    cfg.write_text("endpoints: []\ncontrol:\n  listen: 127.0.0.1:28071\n  join_token_env: LLMGW_TEST_UNSET_VAR\n")
+    check = run("check-config", str(cfg))
+    assert check.returncode == 1 and check.stderr.strip().splitlines() == [
+        f"llmgw: error: {cfg}:4: control.join_token_env: environment variable LLMGW_TEST_UNSET_VAR is not set "
+        "(export it, or use join_token:)"
+    ]
+
+
 def test_every_problem_is_one_stderr_line(tmp_path: Path) -> None:
     bad = tmp_path / "llmgw.yaml"
     bad.write_text(

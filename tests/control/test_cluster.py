@@ -5,9 +5,11 @@ Heartbeats every 0.2 s, grace 0.6 s; every wait is bounded.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import signal
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -71,6 +73,11 @@ async def _nodes(rt) -> dict[str, dict]:  # type: ignore[no-untyped-def]
 async def _up(rt, *names: str) -> bool:  # type: ignore[no-untyped-def]
     nodes = await _nodes(rt)
     return all(n in nodes and nodes[n]["state"] == "up" and nodes[n]["heartbeats"] >= 1 for n in names)
+
+
+async def _state(rt, name: str, state: str) -> bool:  # type: ignore[no-untyped-def]
+    node = (await _nodes(rt)).get(name)
+    return node is not None and node["state"] == state
 
 
 async def test_agents_register_and_report_on_metrics_and_api(agents) -> None:  # type: ignore[no-untyped-def]
@@ -295,3 +302,36 @@ async def test_openmetrics_page_has_the_same_cluster_samples_and_parses_strictly
     assert cluster(om_samples) == cluster(plain) and len(cluster(plain)) > 40
     assert "# TYPE llmgw_gpu_energy_joules counter" in page  # OpenMetrics: counter families without _total
     assert pick(om_samples, "llmgw_gpu_utilization_ratio", node="node-m") == []  # absent stays absent
+
+
+async def test_forget_removes_a_node_nothing_hears_from_and_refuses_one_that_is_up(  # type: ignore[no-untyped-def]
+    agents, tmp_path: Path
+) -> None:
+    port = free_port()
+    async with control_runtime(port, database=f"sqlite:///{tmp_path}/cp.sqlite3") as rt:
+        url = f"http://127.0.0.1:{rt.admin_addr[1]}"  # type: ignore[index]
+
+        def ctl(*args: str) -> subprocess.CompletedProcess[str]:
+            return subprocess.run([sys.executable, "-m", "llmgw", "ctl", "--admin", url, *args],
+                                  capture_output=True, text=True, timeout=30)
+
+        a = agents(port, "node-a", _spec("a"))
+        agents(port, "node-b", _spec("b"))
+        await wait_for(lambda: _up(rt, "node-a", "node-b"), what="both up")
+        up = await asyncio.to_thread(ctl, "forget", "node-b")
+        assert up.returncode == 1 and "node 'node-b' is up: stop its agent first" in up.stderr, up
+        a.signal(signal.SIGKILL)
+        await a.wait()
+        await wait_for(lambda: _state(rt, "node-a", "unhealthy"), timeout=GRACE + 2 * INTERVAL + 5.0,
+                       what="node-a unhealthy")
+        done = await asyncio.to_thread(ctl, "forget", "node-a")
+        assert done.returncode == 0 and done.stdout.strip() == (
+            "node-a: forgotten (it was unhealthy); its agent, started again, registers it anew"), done
+        assert sorted(await _nodes(rt)) == ["node-b"]
+        s = await metrics(rt)
+        assert pick(s, "llmgw_node_up", node="node-a") == [] and pick(s, "llmgw_node_up", node="node-b") == [1.0]
+        again = await asyncio.to_thread(ctl, "forget", "node-a")
+        assert again.returncode == 1 and "no node 'node-a'" in again.stderr, again
+        # its agent, started again, registers it anew (a new node, not the forgotten one's record)
+        agents(port, "node-a", _spec("a"))
+        await wait_for(lambda: _up(rt, "node-a", "node-b"), what="node-a registered again")

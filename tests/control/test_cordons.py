@@ -49,6 +49,39 @@ async def test_a_cordon_outlives_the_agents_restart(tmp_path: Path) -> None:
             a.stop()
 
 
+async def test_a_kept_cordon_is_managed_while_the_node_is_away(tmp_path: Path) -> None:
+    """Kept by name, a cordon can be cleared while its node is deregistered; a name with no
+    node and no cordon is no node."""
+    port = free_port()
+    async with control_runtime(port) as rt:
+        a = _agent(tmp_path, port, "node-2")
+        try:
+            await wait_for(lambda: _node(rt, "node-2"), what="node up")
+            status, _ = await api(rt, "POST", "/admin/v1/nodes/node-2/cordon")
+            assert status == 200
+            a.signal(signal.SIGTERM)
+            assert await a.wait() == 0
+
+            async def gone() -> bool:
+                _, body = await api(rt, "GET", "/admin/v1/nodes")
+                return all(n["name"] != "node-2" for n in body["nodes"])
+
+            await wait_for(gone, what="node removed")
+            status, body = await api(rt, "POST", "/admin/v1/nodes/node-2/cordon")
+            assert status == 200 and body == {"name": "node-2", "state": "absent", "cordoned": True, "changed": False}
+            status, body = await api(rt, "POST", "/admin/v1/nodes/node-2/uncordon")
+            assert status == 200 and body == {"name": "node-2", "state": "absent", "cordoned": False, "changed": True}
+            status, body = await api(rt, "POST", "/admin/v1/nodes/node-2/uncordon")
+            assert status == 404 and body["error"]["code"] == "node_not_found"  # (nothing kept now)
+            status, body = await api(rt, "POST", "/admin/v1/nodes/never-seen/cordon")
+            assert status == 404 and body["error"]["code"] == "node_not_found"
+            a = _agent(tmp_path, port, "node-2")  # back, and not cordoned
+            node = await wait_for(lambda: _node(rt, "node-2"), what="node back")
+            assert node["cordoned"] is False
+        finally:
+            a.stop()
+
+
 async def test_cordons_survive_the_control_planes_restart_in_its_database(tmp_path: Path) -> None:
     """The default database (an SQLite file beside control.state_file) keeps cordons; an older
     release's state file is imported into it once, when the database is created, and never written."""

@@ -750,3 +750,30 @@ def test_a_failed_write_beats_a_read_that_broke_meanwhile(tmp_path: Path) -> Non
         loop.close()
         srv.close()
         t.join(10)
+
+
+async def test_deployments_resolve_in_the_mirror_root_a_reload_sets(tmp_path: Path) -> None:
+    """mirror.root added by a reload: the next deployment's model is looked up there (the
+    resolver was made once, at the term's start, with the root of then)."""
+    src = tmp_path / "src"
+    src.mkdir()
+    with MirrorStore(tmp_path / "later-mirror") as store:
+        import_file(store, write_gguf(src / "tiny.gguf"), name="tiny:1b")
+        blobs, _ = resolve(store, "tiny:1b")
+    base = {"listen": "127.0.0.1:0", "admin": "127.0.0.1:0",
+            "control": {"listen": f"127.0.0.1:{_free_port()}", "join_token": JOIN, "heartbeat_interval": 0.1,
+                        "database": "sqlite::memory:"}}
+    os.environ["LLMGW_MIRROR"] = str(tmp_path / "no-mirror-yet")  # (the default root: never the user's own)
+    try:
+        rt = GatewayRuntime(load(base), components=components_for(load(base)))
+        await rt.start()
+        try:
+            ctl = rt.components[0].deployments
+            assert ctl is not None and ctl.resolver("tiny:1b") is None
+            rt.reload(load({**base, "mirror": {"root": str(tmp_path / "later-mirror")}}))
+            got = ctl.resolver("tiny:1b")
+            assert got is not None and tuple(got.blobs) == tuple(blobs)
+        finally:
+            await rt.stop()
+    finally:
+        del os.environ["LLMGW_MIRROR"]

@@ -18,6 +18,7 @@ Routes::
     GET    /admin/v1/queues                 admission queues per priority band
     GET    /admin/v1/nodes                  the control plane's nodes: state, heartbeat age, facts
     GET    /admin/v1/nodes/{name}           one node with its GPUs
+    DELETE /admin/v1/nodes/{name}           forget a node that is not up (409 while it is)
     POST   /admin/v1/nodes/{name}/cordon    no new replicas go there
     POST   /admin/v1/nodes/{name}/uncordon
     GET    /admin/v1/gpus                   every GPU of every node
@@ -74,6 +75,7 @@ ROUTES = (
     "GET /admin/v1/queues",
     "GET /admin/v1/nodes",
     "GET /admin/v1/nodes/{name}",
+    "DELETE /admin/v1/nodes/{name}",
     "POST /admin/v1/nodes/{name}/cordon",
     "POST /admin/v1/nodes/{name}/uncordon",
     "GET /admin/v1/gpus",
@@ -416,8 +418,10 @@ class ManagementAPI:
             f"no node {name!r}; GET /admin/v1/nodes lists them", param="name", code="node_not_found"
         )
         if len(parts) == 2:
+            if method == b"DELETE":
+                return self._forget_node(nodes, name, missing, w)
             if method not in (b"GET", b"HEAD"):
-                raise method_not_allowed(method, path, "GET")
+                raise method_not_allowed(method, path, "GET or DELETE")
             view = nodes.node(name)
             if view is None:
                 raise missing
@@ -428,6 +432,13 @@ class ManagementAPI:
                 raise method_not_allowed(method, path, "POST")
             return self._set_cordoned(nodes, name, parts[2] == b"cordon", missing, w)
         raise NotFoundError(f"no admin route {path.decode('latin-1')[:200]}; routes: {', '.join(ROUTES)}")
+
+    @staticmethod
+    async def _forget_node(nodes: NodeControl, name: str, missing: HTTPError, w: ResponseWriter) -> None:
+        view = await nodes.forget_node(name)
+        if view is None:
+            raise missing
+        w.send_json(200, {"forgotten": view})
 
     @staticmethod
     async def _set_cordoned(nodes: NodeControl, name: str, cordoned: bool, missing: HTTPError, w: ResponseWriter) -> None:

@@ -70,6 +70,10 @@ class NodeControl(Protocol):
         """Cordon or uncordon; the node with ``changed``; ``None`` when there is no such node.
         (Awaited: with a database the change is written, fenced, before it is made.)"""
 
+    def forget_node(self, name: str) -> Awaitable[dict[str, Any] | None]:
+        """Remove a node that is not up; the node as it was; ``None`` when there is no such node.
+        (Raises an HTTPError 409 while it is up.)"""
+
     def not_leader(self) -> str | None:
         """``None`` where this control plane acts; on a standby, the message naming the leader."""
 

@@ -203,6 +203,7 @@ def ctl(ctx: click.Context, admin: str | None, token: str | None, as_json: bool 
       llmgw ctl queues                admission queues per priority band
       llmgw ctl nodes / gpus          the control plane's nodes and their GPUs
       llmgw ctl cordon NODE           no new replicas to a node (uncordon NODE: again)
+    llmgw ctl forget NODE           remove a node nothing hears from (unhealthy)
       llmgw ctl deploy NAME --model M run a model on the cluster (scale NAME N, undeploy NAME)
       llmgw ctl deployments           desired/ready replicas, where they run, why one is not placed
       llmgw ctl tokens create / list / revoke ID   join tokens for agents
@@ -470,6 +471,26 @@ def cordon(ctx: click.Context, node: str, admin: str | None, token: str | None, 
 def uncordon(ctx: click.Context, node: str, admin: str | None, token: str | None, as_json: bool | None) -> None:
     """Uncordon NODE: replicas may be placed there again."""
     _cordon(ctx, node, False, _target(ctx, admin, token, as_json))
+
+
+@ctl.command()
+@click.argument("node", metavar="NODE")
+@_options(group=False)
+@click.pass_context
+def forget(ctx: click.Context, node: str, admin: str | None, token: str | None, as_json: bool | None) -> None:
+    """Forget NODE, which nothing hears from (unhealthy: its agent killed, its machine gone).
+
+    As its agent's deregistration would: the node, its GPUs' series and its place in the
+    database go; its replicas are placed elsewhere. A node that is up is refused (stop its
+    agent first: SIGTERM deregisters it). Its agent, started again, registers it anew.
+    """
+    t = _target(ctx, admin, token, as_json)
+    data = t.call("DELETE", f"/admin/v1/nodes/{quote(node, safe='')}")
+    if t.as_json:
+        _print_json(data)
+        return
+    gone = data.get("forgotten") or {}
+    click.echo(f"{node}: forgotten (it was {gone.get('state', 'not up')}); its agent, started again, registers it anew")
 
 
 @ctl.command()
@@ -835,7 +856,8 @@ def tokens_list(ctx: click.Context, admin: str | None, token: str | None, as_jso
                           _when(r.get("expires_at")), _when(r.get("last_used_at")))
         console.print(table)
     if n_config is not None:
-        console.print(f"and {n_config} token(s) from the config file (control.join_token_env / join_token)")
+        console.print(f"and {n_config} token(s) from the configuration (control.join_token_env / join_token; "
+                      "the demo makes its own)")
 
 
 @tokens.command("revoke")

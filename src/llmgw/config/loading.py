@@ -333,13 +333,34 @@ def _build(data: Any, problems: _Problems, *, serve: bool = False) -> Config:
         deployments=deployments,
         follow=follow,
     )
-    # What serve refuses is asked of a file whose endpoints are otherwise fine (a bad
-    # entry already says what is wrong with it).
-    if serve and not any(p.key.startswith("endpoints") for p in problems.found):
+    # What serve refuses is asked of a file whose endpoints, control plane and follow:
+    # are otherwise fine (a bad entry already says what is wrong with it; a control:
+    # section that failed is not "no endpoints").
+    if serve and not any(p.key.startswith(("endpoints", "control", "follow")) for p in problems.found):
         for p in serve_problems(cfg, problems.line(("endpoints",)) if "endpoints" in doc else None):
             problems.found.append(p)
     problems.raise_if_any()
     return cfg
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (an address or ``localhost``) is a loopback address."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def plaintext_off_loopback(c: Any) -> str | None:
+    """Why a control plane (``ControlConfig``) must not listen as configured: plaintext off
+    loopback without ``allow_insecure``; ``None``: it may."""
+    if (c.tls_cert is None or c.tls_key is None) and not is_loopback(c.listen[0]) and not c.allow_insecure:
+        return (f"{c.listen[0]} is not a loopback address and the control plane has no TLS: join tokens and node "
+                "data would travel in the clear; set control.tls_cert and control.tls_key "
+                "(or control.allow_insecure: true on a network you trust)")
+    return None
 
 
 def serve_problems(cfg: Config, line: int | None = None) -> list[ConfigProblem]:
@@ -356,6 +377,10 @@ def serve_problems(cfg: Config, line: int | None = None) -> list[ConfigProblem]:
                 "endpoints", "no endpoints configured; add at least one (see docs/config.md)", cfg.source, line
             )
         ]
+    if cfg.control is not None:
+        why = plaintext_off_loopback(cfg.control)
+        if why is not None:
+            return [ConfigProblem("control.listen", why, cfg.source, None)]
     return []
 
 

@@ -22,7 +22,6 @@ import contextlib
 import functools
 import hashlib
 import hmac
-import ipaddress
 import itertools
 import json
 import socket
@@ -47,6 +46,7 @@ from ..agent.wire import (
     spec_to_proto,
     status_from_proto,
 )
+from ..config.loading import plaintext_off_loopback
 from ..errors import ConfigError, HTTPError
 from ..log import control_logger as log
 from ..mirror.serve import BlobServer
@@ -135,15 +135,6 @@ class ControlStats:
         self.rpc_errors[key] = self.rpc_errors.get(key, 0) + 1
 
 
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
-
-
 def _read(path: str, what: str) -> bytes:
     try:
         with open(path, "rb") as f:
@@ -159,13 +150,9 @@ def server_credentials(c: ControlConfig) -> grpc.ServerCredentials | None:
         ConfigError: a file cannot be read, or plaintext off loopback without ``allow_insecure``.
     """
     if c.tls_cert is None or c.tls_key is None:
-        if not _is_loopback(c.listen[0]) and not c.allow_insecure:
-            raise ConfigError(
-                "control.listen",
-                f"{c.listen[0]} is not a loopback address and the control plane has no TLS: join tokens and node "
-                "data would travel in the clear; set control.tls_cert and control.tls_key "
-                "(or control.allow_insecure: true on a network you trust)",
-            )
+        why = plaintext_off_loopback(c)
+        if why is not None:
+            raise ConfigError("control.listen", why)
         return None
     pair = (_read(c.tls_key, "tls_key"), _read(c.tls_cert, "tls_cert"))
     if c.tls_client_ca is None:
@@ -1331,9 +1318,24 @@ class ControlPlane:
         if lead.epoch != epoch:
             return
         # (on the main loop, beside the node map it places on: the agent service reaches it there)
+        resolver = self.resolver
+        if resolver is None:
+            # the mirror root as the config says now (a reload that sets or moves mirror.root
+            # takes effect at the next placement, as it does for the blobs served to agents)
+            made: dict[str | None, Any] = {}
+            config = self.config
+
+            def resolver(model: str) -> Any:
+                root = config().mirror_root
+                r = made.get(root)
+                if r is None:
+                    made.clear()
+                    r = made[root] = mirror_resolver(root)
+                return r(model)
+
         ctl = DeploymentController(
             nodes=self.nodes, store=store, router=self.router, config=self.config,
-            resolver=self.resolver or mirror_resolver(self.config().mirror_root), in_router=self._in_router,
+            resolver=resolver, in_router=self._in_router,
         )
         self._in_router = frozenset()
         await ctl.start()
@@ -1514,6 +1516,40 @@ class ControlPlane:
         st = self.nodes.get(name)
         return node_view(self.nodes, st, gpus=True) if st is not None else None
 
+    async def forget_node(self, name: str) -> dict[str, Any] | None:
+        """Remove a node nothing hears from (``unhealthy``: its agent was killed, its machine is
+        gone, its token revoked), as its agent's deregistration would: its identity, its record in
+        the database, its replicas' places. The node's view as it was; ``None``: no such node.
+
+        Raises:
+            HTTPError: 409 while the node is up (its agent would only register it again: stop the
+                agent first); 503 (not the leader, the database failed).
+        """
+        from .views import node_view
+
+        st = self.nodes.get(name)
+        if st is None:
+            return None
+        if self.nodes.is_up(st):
+            raise HTTPError(
+                f"node {name!r} is up: stop its agent first (SIGTERM deregisters it), or it registers again",
+                status=409, type="invalid_request_error", code="node_up",
+            )
+        view = node_view(self.nodes, st, gpus=False)
+        if self._node_store is not None and self.leadership is not None:
+            from .db import DatabaseError
+            from .leader import NotLeader
+
+            try:
+                await self._forget_node(name)
+            except (NotLeader, DatabaseError) as exc:
+                raise HTTPError(f"cannot forget node {name!r} now: {exc}", status=503,
+                                type="service_unavailable_error", code="not_leader"
+                                if isinstance(exc, NotLeader) else "database_unavailable", retry_after=1) from None
+        if self.nodes.get(name) is st:  # (not registered again meanwhile)
+            self.service._deregister(st.node_id, "forgotten by the operator (llmgw ctl forget)")
+        return view
+
     async def set_cordoned(self, name: str, cordoned: bool) -> dict[str, Any] | None:
         """Cordon/uncordon; the node's view with ``changed``, ``None`` when there is no such node.
 
@@ -1527,7 +1563,15 @@ class ControlPlane:
 
         st = self.nodes.get(name)
         if st is None:
-            return None
+            # a node away (deregistered for maintenance, or forgotten): its cordon is kept by
+            # name, so it can be cleared meanwhile (and asked for again: already cordoned)
+            if name not in self.nodes.cordoned:
+                return None
+            if not cordoned:
+                await self._write_cordon(name, False)
+                self.nodes.cordoned.discard(name)
+                log.info("node %s (not registered now) uncordoned", name)
+            return {"name": name, "state": "absent", "cordoned": cordoned, "changed": not cordoned}
         if st.cordoned != cordoned:
             await self._write_cordon(name, cordoned)
         try:
