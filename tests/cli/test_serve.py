@@ -125,6 +125,18 @@ def test_port_in_use_is_one_line(tmp_path: Path) -> None:
     assert "Traceback" not in res.stderr
 
 
+def test_the_same_address_for_clients_and_admin_is_one_line(tmp_path: Path) -> None:
+    res = subprocess.run(
+        [sys.executable, "-m", "llmgw", "serve", "--listen", "127.0.0.1:18080", "--admin", "127.0.0.1:18080"],
+        capture_output=True, text=True, timeout=30, cwd=tmp_path,
+    )
+    assert res.returncode == 1 and "Traceback" not in res.stderr
+    assert res.stderr.strip() == (
+        "llmgw: error: the client and admin listeners are both 127.0.0.1:18080: give them different ports "
+        "(--listen / --admin, or listen: / admin: in the config)"
+    )
+
+
 def test_sigint_stops_cleanly(tmp_path: Path) -> None:
     proc, _ = _start("--listen", "127.0.0.1:0", "--admin", "127.0.0.1:0", cwd=tmp_path)
     proc.send_signal(signal.SIGINT)

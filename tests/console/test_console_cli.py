@@ -22,6 +22,17 @@ def test_a_bad_admin_url_is_one_line_error() -> None:
     assert res.stderr.strip() == "llmgw: error: --admin 'ftp://gw:9090' is not a URL like http://127.0.0.1:9090"
 
 
+def test_without_a_terminal_it_says_so_and_draws_nothing() -> None:
+    full = {k: v for k, v in os.environ.items() if not k.startswith("LLMGW_")}
+    res = subprocess.run([sys.executable, "-m", "llmgw", "console", "--admin", "http://127.0.0.1:9"],
+                         capture_output=True, text=True, timeout=60, env=full, stdin=subprocess.DEVNULL)
+    assert res.returncode == 1 and res.stdout == "", res
+    assert res.stderr.strip() == (
+        "llmgw: error: llmgw console needs a terminal on stdin and stdout; "
+        "from a script, use llmgw ctl (endpoints, nodes, gpus, deployments, ... --json)"
+    )
+
+
 def test_options_and_the_environment_fallback() -> None:
     runner = CliRunner()
     res = runner.invoke(console, [], env={"LLMGW_ADMIN": "http://gw:notaport"})  # as for llmgw ctl

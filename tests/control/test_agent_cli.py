@@ -69,6 +69,13 @@ def test_agent_refuses_what_it_cannot_do() -> None:
     _, err = p.communicate(timeout=30)
     assert p.returncode == 1 and "--insecure" in err and "--tls-ca" in err
     assert TOKEN not in err
+    p = _agent("--control", "127.0.0.1:1", "--token-env", "SET_BUT_EMPTY", env={"SET_BUT_EMPTY": ""})
+    _, err = p.communicate(timeout=30)
+    assert p.returncode == 1 and "--token-env SET_BUT_EMPTY: the environment variable is empty" in err
+    for bad in ("rack/1", "-lead", "..", "x" * 129):  # (the rule of the agent file's name:)
+        p = _agent("--control", "127.0.0.1:1", "--token-env", "JOIN", "--name", bad)
+        _, err = p.communicate(timeout=30)
+        assert p.returncode == 1 and f"--name {bad!r}: use letters, digits" in err, err
 
 
 async def test_agent_auto_discovery_reports_a_known_source(tmp_path: Path) -> None:

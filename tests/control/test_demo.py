@@ -24,10 +24,14 @@ def _get(url: str) -> object:
 
 def test_demo_shows_a_simulated_node_and_its_gpus(tmp_path: Path) -> None:
     port, admin = free_port(), free_port()
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    # (PATH without the engines: the demo node reports what it cannot launch)
+    path = os.pathsep.join([os.path.dirname(sys.executable), "/usr/bin", "/bin"])
     proc = subprocess.Popen(
         [sys.executable, "-m", "llmgw", "serve", "--listen", f"127.0.0.1:{port}", "--admin", f"127.0.0.1:{admin}"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        env={**os.environ, "PYTHONUNBUFFERED": "1", "TMPDIR": str(tmp), "PATH": path},
     )
     try:
         assert proc.stdout is not None
@@ -53,8 +57,22 @@ def test_demo_shows_a_simulated_node_and_its_gpus(tmp_path: Path) -> None:
         with urllib.request.urlopen(f"{base}/metrics", timeout=5) as r:
             page = r.read().decode()
         assert 'llmgw_node_up{node="demo-node"} 1.0' in page and 'gpu_source="simulated"' in page
+        # the demo node runs what is placed on it, as any node does: an engine it lacks is the
+        # replica's failure, said where the deployment is shown
+        assert list(tmp.iterdir()), "the demo node keeps its replicas' state in a temporary directory"
+        ctl = [sys.executable, "-m", "llmgw", "ctl", "--admin", base]
+        out = subprocess.run([*ctl, "deploy", "d1", "--model", "facebook/opt-125m"], capture_output=True, text=True,
+                             timeout=20, env={**os.environ, "PATH": path})
+        assert out.returncode == 0 and "placed on demo-node" in out.stdout, out
+        why = ""
+        while time.monotonic() < deadline and "failed on demo-node" not in why:
+            time.sleep(0.2)
+            dep = _get(f"{base}/admin/v1/deployments/d1")
+            why = json.dumps(dep)
+        assert "failed on demo-node" in why and "'vllm' on PATH is not an executable" in why, why
     finally:
         proc.send_signal(signal.SIGTERM)
         _, err = proc.communicate(timeout=20)
     assert proc.returncode == 0, err
     assert "node demo-node deregistered" in err
+    assert not list(tmp.iterdir()), "the demo node's state is removed when it stops"

@@ -71,7 +71,7 @@ async def test_ctl_tokens_create_list_revoke_and_an_agent_joining(tmp_path: Path
 
         listed = await invoke(rt, "tokens", "list")
         assert listed.exit_code == 0 and tid in listed.stdout and "rack-1" in listed.stdout
-        assert "active" in listed.stdout and "1 token(s) from the config file" in listed.stdout
+        assert "active" in listed.stdout and "1 token(s) from the configuration" in listed.stdout
         assert secret not in listed.stdout
         as_json = orjson.loads((await invoke(rt, "tokens", "list", "--json")).stdout)
         row = next(t for t in as_json["tokens"] if t["id"] == tid)

@@ -1004,13 +1004,15 @@ class HTTPServer:
         self._shutdown_all(False)
         if self.connections:
             self._idle = self.loop.create_future()
+            began = self.loop.time()
             if not self._hurried:
                 self._hurry = self.loop.create_future()
                 await asyncio.wait((self._idle, self._hurry), timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
             if self.connections:
                 log.warning(
-                    "%s: %d connection(s) still busy after %.1fs; %s", self.name, len(self.connections),
-                    timeout, "ending their answers" if cut is not None else "closing them",
+                    "%s: %d connection(s) still busy after %.1fs%s; %s", self.name, len(self.connections),
+                    self.loop.time() - began, " (asked to stop now)" if self._hurried else "",
+                    "ending their answers" if cut is not None else "closing them",
                 )
                 if cut is not None and self._cut_all(cut) and self.connections:
                     # (a connection whose answer was ended closes by itself once written)

@@ -170,7 +170,7 @@ async def run_agent(
         raise Fail(f"the control plane at {target} refused this agent ({exc.code.name}): {exc}") from None
     finally:
         if supervisor is not None:
-            if not stopped:
+            if not stopped and any(st.pid is not None for st in supervisor.statuses()):
                 from ..log import agent_logger
 
                 agent_logger.warning("the node's replicas are left running: the next agent started here adopts them")
@@ -252,10 +252,18 @@ def agent(
         raise click.UsageError(str(exc)) from None
     if control is None:
         raise click.UsageError("--control HOST:PORT is required (or control: in --config FILE)")
+    if name is not None:
+        from ..config._rules import _ID
+
+        if not _ID.match(name):  # (the rule name: has in the agent's file)
+            raise click.UsageError(f"--name {name!r}: use letters, digits, '.', '_' or '-' (at most 128), "
+                                   "starting with a letter or digit")
     if token_env is not None:
         token = os.environ.get(token_env)
-        if not token:
+        if token is None:
             raise Fail(f"--token-env {token_env}: the environment variable is not set (it holds the join token)")
+        if not token.strip():
+            raise Fail(f"--token-env {token_env}: the environment variable is empty (it holds the join token)")
     if not token:
         raise Fail("the agent needs the join token: --token-env NAME (or token_env: in --config FILE)")
     if (tls_cert is None) != (tls_key is None):

@@ -77,7 +77,7 @@ _JSON_HELP = "Print a JSON document on stdout (ok, problems, summary) instead of
 
 
 @click.command("check-config")
-@click.argument("path", metavar="FILE", required=False)
+@click.argument("path", metavar="[FILE]", required=False)
 @click.option("--json", "as_json", is_flag=True, help=_JSON_HELP)
 def check_config(path: str | None, as_json: bool) -> None:
     """Validate a config file (default ./llmgw.yaml) as `llmgw serve` would, and summarise it.
@@ -94,7 +94,7 @@ def config() -> None:
 
 
 @config.command("check")
-@click.argument("path", metavar="FILE", required=False)
+@click.argument("path", metavar="[FILE]", required=False)
 @click.option("--json", "as_json", is_flag=True, help=_JSON_HELP)
 def check(path: str | None, as_json: bool) -> None:
     """The same as `llmgw check-config`."""

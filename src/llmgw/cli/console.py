@@ -50,6 +50,8 @@ def console(admin: str, token: str | None, refresh: float, timeout: float, read_
       /  filter    < >  sort    enter  drill down    esc  back    d/u  drain/undrain
       c  cordon    s  scale     r  reload config     I  import from Ollama (Mirror view)    q  quit
     """
+    import sys
+
     from ..console.app import ConsoleApp
     from ..console.client import AdminClient
 
@@ -57,4 +59,8 @@ def console(admin: str, token: str | None, refresh: float, timeout: float, read_
         client = AdminClient(admin, token or None, timeout=timeout)
     except ValueError as exc:
         raise Fail(str(exc)) from None
+    if not (sys.stdin.isatty() and sys.stdout.isatty()):
+        # (drawn into a pipe, the screen is escapes nobody reads, and keys never come)
+        raise Fail("llmgw console needs a terminal on stdin and stdout; "
+                   "from a script, use llmgw ctl (endpoints, nodes, gpus, deployments, ... --json)")
     ConsoleApp(client, refresh=refresh, read_only=read_only, name=name, start=view).run()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import gc
+import os
 import signal
 import sys
 from collections.abc import Callable
@@ -87,23 +88,45 @@ async def _start_demo_agent(
     """One in-process agent on simulated GPUs, registered with the demo's control plane.
 
     It runs on the control plane's thread (gRPC stays off the data path's loop):
-    ``(stop, done, control port)``, ``stop()`` callable from the main loop.
+    ``(stop, done, control port)``, ``stop()`` callable from the main loop. Like a real
+    node's agent it runs the replicas placed on it (``llmgw ctl deploy``), with its state in
+    a temporary directory removed when it stops: an engine this machine lacks is reported
+    as the replica's failure, as on any node.
     """
+    import shutil
+    import tempfile
+
     from ..agent.client import AgentClient
     from ..control.service import ControlPlane
+    from ..launch.supervisor import ReplicaSupervisor
     from .agent import open_gpu_source
 
     cp = next((c for c in runtime.components if isinstance(c, ControlPlane)), None)
     if cp is None or cp.address is None or cfg.control is None:
         return None
-    # (llmgw.agent.discovery's simulated source: every display says it is simulated)
-    source = open_gpu_source("simulated")
-    client = AgentClient(f"127.0.0.1:{cp.address[1]}", "demo-node", cfg.control.join_tokens[0], source)
-    stop = asyncio.Event()  # bound to the control loop by its first wait there
     thread = cp.thread
     if thread is None:
         return None
-    done = thread.run(client.run(stop, reason=lambda: "demo stopped"))
+    # (llmgw.agent.discovery's simulated source: every display says it is simulated)
+    source = open_gpu_source("simulated")
+    state = tempfile.mkdtemp(prefix="llmgw-demo-node-")
+    holder: list[AgentClient] = []
+    supervisor = ReplicaSupervisor(state, on_change=lambda: holder[0].poke() if holder else None)
+    client = AgentClient(f"127.0.0.1:{cp.address[1]}", "demo-node", cfg.control.join_tokens[0], source,
+                         supervisor=supervisor)
+    holder.append(client)
+    stop = asyncio.Event()  # bound to the control loop by its first wait there
+
+    async def run() -> None:
+        try:
+            await client.run(stop, reason=lambda: "demo stopped")
+        finally:
+            try:
+                await supervisor.close(stop=True)
+            finally:
+                shutil.rmtree(state, ignore_errors=True)
+
+    done = thread.run(run())
     return (lambda: thread.call(stop.set)), done, cp.address[1]
 
 
@@ -173,7 +196,7 @@ async def _serve(cfg: Config, demo: bool) -> int:
                     f"SIMULATED GPUs (llmgw ctl --admin http://{ahost}:{aport} nodes / gpus)"
                 )
         first = cfg.model_names()[0] if cfg.model_names() else "MODEL"
-        key = " -H 'authorization: Bearer $LLMGW_KEY'" if cfg.auth.enabled else ""
+        key = ' -H "authorization: Bearer $LLMGW_KEY"' if cfg.auth.enabled else ""
         say("try:", hint=True)
         say(
             f"  curl -s {base}/v1/chat/completions -H 'content-type: application/json'{key} "
@@ -213,6 +236,28 @@ async def _serve(cfg: Config, demo: bool) -> int:
     return 0
 
 
+def _grpc_defaults() -> None:
+    """Settings of gRPC's core for a control plane, made before gRPC is first imported.
+
+    PERF: grpcio 1.85's EventEngine listener costs the control plane's server about a
+    tenth more CPU than the listener it replaces: 1,000 agents heartbeating every 5 s took
+    5.5 and 5.47 % of a core with it, 4.73 and 4.97 % without (``bench/cluster_scale.py``,
+    alternated; a bare grpc.aio stream server 3.8-4.1 % against 2.6-2.8 %). Only for the
+    grpcio minor it was measured on (a name a later one no longer knows is an error line at
+    every start), and never over the operator's own ``GRPC_EXPERIMENTS``.
+    """
+    if "GRPC_EXPERIMENTS" in os.environ:
+        return
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        major, minor = version("grpcio").split(".")[:2]
+    except (PackageNotFoundError, ValueError):
+        return
+    if (major, minor) == ("1", "85"):
+        os.environ["GRPC_EXPERIMENTS"] = "-event_engine_listener"
+
+
 @click.command()
 @click.option(
     "-c", "--config", "config_path", metavar="FILE", help="YAML config (default: ./llmgw.yaml, else the demo fleet)."
@@ -227,6 +272,7 @@ def serve(config_path: str | None, listen: tuple[str, int] | None, admin: tuple[
     loopback ports, with the gateway in front of them, and a control plane with
     one local agent on simulated GPUs (llmgw ctl nodes / gpus show them).
     """
+    _grpc_defaults()
     cfg, _path = _load(config_path)
     demo = cfg is None
     if cfg is None:
@@ -235,4 +281,8 @@ def serve(config_path: str | None, listen: tuple[str, int] | None, admin: tuple[
         cfg = dataclasses.replace(cfg, listen=listen)
     if admin is not None:
         cfg = dataclasses.replace(cfg, admin=admin)
+    if cfg.listen == cfg.admin and cfg.listen[1] != 0:
+        host, port = cfg.listen
+        raise Fail(f"the client and admin listeners are both {host}:{port}: give them different ports "
+                   "(--listen / --admin, or listen: / admin: in the config)")
     sys.exit(run_loop(_serve(cfg, demo)))

@@ -662,7 +662,9 @@ class ReplicaSupervisor:
 
     def _exited(self, rep: _Replica, exited: asyncio.Future[None]) -> str:
         self._reap(rep)
-        log.warning("replica %s: its engine (pid %s) exited with status %s", rep.id, rep.pid, rep.exit_code)
+        log.warning("replica %s: its engine (pid %s) exited %s", rep.id, rep.pid,
+                    f"with status {rep.exit_code}" if rep.exit_code is not None
+                    else "(status unknown: adopted from an earlier agent, it is not this agent's child)")
         self._record_path(rep.id).unlink(missing_ok=True)
         rep.pid = None
         return "exited"
