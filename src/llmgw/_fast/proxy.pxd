@@ -189,6 +189,7 @@ cdef class Gateway(App):
     cdef breaker_outcome(self, Endpoint ep, bint success, double now)
     cdef _ensure_sweep(self)
     cpdef on_scrape(self, ep)
+    @cython.locals(path=bytes)
     cpdef handle(self, Request req, ResponseWriter w)
     cpdef answer_error(self, ResponseWriter w, exc)
     cdef _answer_local(self, Request req, ResponseWriter w, int status, bytes body)
