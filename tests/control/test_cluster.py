@@ -140,7 +140,10 @@ async def test_readings_change_with_heartbeats(agents, tmp_path: Path) -> None: 
         await wait_for(gone, what="the removed GPU to vanish")
 
 
-async def test_kill9_goes_unhealthy_within_grace_and_comes_back_as_the_same_node(agents) -> None:  # type: ignore[no-untyped-def]
+async def test_kill9_goes_unhealthy_within_grace_and_comes_back_as_the_same_node(  # type: ignore[no-untyped-def]
+    agents, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="llmgw")
     port = free_port()
     async with control_runtime(port) as rt:
         a = agents(port, "node-a", _spec("a"))
@@ -162,6 +165,11 @@ async def test_kill9_goes_unhealthy_within_grace_and_comes_back_as_the_same_node
         assert pick(s, "llmgw_node_up", node="node-b") == [1.0]
         assert pick(s, "llmgw_gpu_memory_used_bytes", node="node-b") != []
         assert (await _nodes(rt))["node-a"]["state"] == "unhealthy"
+
+        def said(text: str) -> bool:
+            return any(text in r.getMessage() for r in caplog.records)
+
+        await wait_for(lambda: said("node node-a is unhealthy: no heartbeat for"), timeout=5, what="logged")
         # restart: same node (same id), up again, not a second one
         agents(port, "node-a", _spec("a"))
 
@@ -175,6 +183,8 @@ async def test_kill9_goes_unhealthy_within_grace_and_comes_back_as_the_same_node
         s = await metrics(rt)
         assert pick(s, "llmgw_node_up", node="node-a") == [1.0]
         assert pick(s, "llmgw_control_registrations_total", kind="re") == [1.0]
+        await wait_for(lambda: said("node node-a is up again"), timeout=5, what="logged")
+        assert not said("node node-b is unhealthy")
 
 
 async def test_sigterm_deregisters_and_exits_0(agents) -> None:  # type: ignore[no-untyped-def]

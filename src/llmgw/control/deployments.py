@@ -265,6 +265,7 @@ class DeploymentController:
         self.resolver = resolver
         self.drain_grace = drain_grace
         self.tick = tick
+        self._health: dict[str, bool] = {}  # each node's up-ness at the last pass (its changes are logged)
         self.clock = clock
         self.deployments: dict[str, Deployment] = {}
         self.replicas: dict[str, Replica] = {}
@@ -717,7 +718,24 @@ class DeploymentController:
         log.info("replica %s of %s on %s %s: out of the node's set", r.id, r.deployment, r.node, why)
 
     def _forget_lost_nodes(self, now: float) -> None:
-        present = {st.name for st in self.nodes}
+        nodes = self.nodes
+        present: set[str] = set()
+        mono = nodes.monotonic()
+        health = self._health
+        for st in nodes:
+            name = st.name
+            present.add(name)
+            up = nodes.is_up(st, mono)
+            if health.get(name, True) != up:  # (a node registers up)
+                if up:
+                    log.info("node %s is up again", name)
+                else:
+                    log.warning("node %s is unhealthy: no heartbeat for %.1fs (heartbeat_grace %.1fs)", name,
+                                st.age(mono), nodes.grace())
+            health[name] = up
+        if len(health) > len(present):
+            for name in [n for n in health if n not in present]:
+                del health[name]
         for node in list(self._by_node):
             if node in present:
                 self._missing_since.pop(node, None)
