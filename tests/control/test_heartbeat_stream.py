@@ -159,3 +159,26 @@ async def test_an_agent_whose_control_plane_is_away_backs_off(targets: int) -> N
         await asyncio.sleep(2.0)
     # backoff from 0.1 s doubling, full jitter: at most ~6 rounds in 2 s, each one call an address
     assert 1 <= calls <= 7 * targets, calls
+
+
+async def test_discovery_errors_are_logged_when_they_change(caplog: pytest.LogCaptureFixture) -> None:
+    """NVML failing, a GPU fallen off the bus: in the agent's log when they appear and when they
+    clear, not at every reading (and reported on the wire as errors, never readings)."""
+    import dataclasses
+    import logging
+
+    caplog.set_level(logging.INFO, logger="llmgw")
+    src = Source("host-e")
+    a = AgentClient("127.0.0.1:1", "node-e", TOKEN, src)
+    lost = dataclasses.replace(src.d.gpus[0], health="lost", errors=("GPU is lost",))
+    bad = dataclasses.replace(src.d, gpus=(lost,), errors=("nvmlInit: Unknown Error",))
+    good = src.d
+    for d in (bad, bad, bad, good, good):
+        src.d = d
+        await a._read()
+    said = [r.getMessage() for r in caplog.records if r.name.startswith("llmgw")]
+    assert said == [
+        "GPU discovery: nvmlInit: Unknown Error (reported to the control plane as an error, not as readings)",
+        f"GPU discovery: GPU 0 ({lost.uuid}): GPU is lost (reported to the control plane as an error, not as readings)",
+        "GPU discovery: no errors now",
+    ], said

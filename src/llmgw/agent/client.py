@@ -186,6 +186,7 @@ class AgentClient:
         self._stream: Any = None
         self._reader: asyncio.Task[None] | None = None
         self._stream_error: grpc.aio.AioRpcError | None = None
+        self._errors_said: tuple[str, ...] = ()
         self._wake = asyncio.Event()
         """Set when the heartbeat stream ended between beats: the loop acts at once, not an interval later."""
         self._channel: grpc.aio.Channel | None = None
@@ -234,13 +235,28 @@ class AgentClient:
 
     async def _read(self) -> Discovery:
         try:
-            return await asyncio.to_thread(self.source.read)
+            d = await asyncio.to_thread(self.source.read)
         except Exception as exc:  # a source must not raise; if one does, report it, never zeros
             log.exception("the GPU source failed; reporting the error instead of readings")
             import socket
 
             return Discovery(facts=NodeFacts(hostname=socket.gethostname(), agent_version=__version__),
                              errors=(f"GPU source failed: {type(exc).__name__}: {exc}",))
+        self._say_errors(d)
+        return d
+
+    def _say_errors(self, d: Discovery) -> None:
+        """Log what discovery failed on (NVML not initialising, a GPU fallen off the bus) when it
+        changes, not at every reading; and when it clears."""
+        now = (*d.errors, *(f"GPU {g.index} ({g.uuid}): {e}" for g in d.gpus for e in g.errors))
+        if now == self._errors_said:
+            return
+        for e in now:
+            if e not in self._errors_said:
+                log.warning("GPU discovery: %s (reported to the control plane as an error, not as readings)", e)
+        if not now:
+            log.info("GPU discovery: no errors now")
+        self._errors_said = now
 
     async def _sleep(self, stop: asyncio.Event, seconds: float) -> bool:
         """Sleep, or return True at once when ``stop`` is set (early, False, when the heartbeat stream ended)."""
