@@ -529,3 +529,22 @@ def test_validate_for_serve() -> None:
     with pytest.raises(ConfigError) as ei:
         load({"endpoints": []}, source="x.yaml", serve=True)
     assert [str(p) for p in ei.value.problems] == [str(p) for p in serve_problems(load({}, source="x.yaml"))]
+
+
+@pytest.mark.parametrize("header", ["x-request-id", "Authorization", "x-api-key", "content-length", "x-llmgw-priority"])
+def test_a_session_header_llmgw_consumes_is_refused(header: str) -> None:
+    with pytest.raises(ConfigError) as ei:
+        load({"endpoints": [{"id": "a", "url": "http://127.0.0.1:9", "model": "m"}],
+              "routing": {"prefix": {"session_header": header}}})
+    assert [p.key for p in ei.value.problems] == ["routing.prefix.session_header"]
+    assert "is a header llmgw reads for itself" in ei.value.problems[0].message
+    with pytest.raises(ConfigError, match="reads for itself"):  # the configured priority header too
+        load({"endpoints": [{"id": "a", "url": "http://127.0.0.1:9", "model": "m"}], "admission": {"header": "x-prio"},
+              "routing": {"prefix": {"session_header": "X-Prio"}}})
+
+
+def test_the_consumed_headers_are_the_client_listeners() -> None:
+    from llmgw._fast import httpproto_py
+    from llmgw.config.loading import CONSUMED_HEADERS
+
+    assert CONSUMED_HEADERS == {k.decode() for k in httpproto_py._KINDS}

@@ -167,3 +167,33 @@ async def test_reload_reports_a_new_admission_header_as_needing_a_restart() -> N
         with pytest.raises(ConfigError, match="not read from a file"):
             rt.reload(trigger="test")
         assert rt.reloads == {"ok": 1, "failed": 1}
+
+
+async def test_a_reload_serve_would_refuse_keeps_the_fleet_and_notes_only_what_differs_from_what_runs(
+    tmp_path: Any,
+) -> None:
+    from llmgw.config import load_file
+
+    sim = SimEngine(SimConfig(model="m", engine="vllm", slots=4, ttft_ms=1, tokens_per_second=2000, seed=1))
+    await sim.start("127.0.0.1", 0)
+    path = tmp_path / "llmgw.yaml"
+    good = f"listen: 127.0.0.1:0\nadmin: 127.0.0.1:0\nendpoints:\n  - {{id: r0, url: '{sim.url}', model: m}}\n"
+    path.write_text(good)
+    rt = GatewayRuntime(load_file(path))
+    try:
+        await rt.start()
+        path.write_text("listen: 127.0.0.1:0\nadmin: 127.0.0.1:0\n")  # (every endpoint gone: serve refuses it)
+        with pytest.raises(ConfigError, match="no endpoints configured"):
+            rt.reload(trigger="test")
+        assert rt.registry is not None and list(rt.registry.endpoints) == ["r0"]
+        assert (await post(port(rt), {}))[0] == 200
+        # a listener moved in the file: said once; the same file again says nothing more
+        path.write_text(good.replace("listen: 127.0.0.1:0", "listen: 127.0.0.1:1"))
+        assert rt.reload(trigger="test")["restart_needed_for"] == ["listen"]
+        assert rt.reload(trigger="test")["restart_needed_for"] == ["listen"]
+        path.write_text(good)
+        assert rt.reload(trigger="test")["restart_needed_for"] == []
+        assert rt.reloads == {"ok": 3, "failed": 1}
+    finally:
+        await rt.stop()
+        await sim.stop()

@@ -308,7 +308,7 @@ class GatewayRuntime:
         if config is None:
             if not self.config.source:
                 raise ConfigError("", "the running configuration was not read from a file; nothing to reload")
-            config = load_file(self.config.source)
+            config = load_file(self.config.source, serve=True)  # (what serve refuses: a file with no endpoints)
         old = {ep.id: ep for ep in self.config.endpoints}
         new = {ep.id: ep for ep in config.endpoints}
         added = [i for i in new if i not in old]
@@ -344,7 +344,11 @@ class GatewayRuntime:
             not_applied.append("admission.header")  # read by the client listener's connections
         if _without_token(config.follow) != _without_token(self.config.follow):
             not_applied.append("follow")  # (its token is read on every call: a new one is presented next time)
-        self.config = config
+        # what was not applied stays as the process runs it: the next reload compares with that
+        running: dict[str, Any] = {k: getattr(self.config, k) for k in ("listen", "admin") if k in not_applied}
+        if "admission.header" in not_applied:
+            running["admission"] = dataclasses.replace(config.admission, header=self.config.admission.header)
+        self.config = dataclasses.replace(config, **running) if running else config
         return {"added": added, "removed": removed, "changed": changed, "restart_needed_for": not_applied}
 
     def readiness(self) -> tuple[bool, dict[str, Any]]:

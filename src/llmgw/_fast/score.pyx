@@ -48,6 +48,8 @@ cdef double C_DRAIN_TAU = 10.0
 cdef double C_MIN_WINDOW = 1.0
 # (score_py: _LATENCY_PRIOR) completions at the last settled latency added to the averages
 cdef double C_LATENCY_PRIOR = 0.5
+# (score_py: _LATENCY_FORGET) nothing in flight and less evidence than this: latency unknown again
+cdef double C_LATENCY_FORGET = 0.05
 cdef double C_NEAR_TIE = 0.1
 cdef double C_PREFILL_SHARE = 0.05
 cdef double C_KV_KNEE = 0.7
@@ -299,7 +301,9 @@ cdef class EndpointState:
 
     cdef void _estimate(self) noexcept:
         cdef double w0 = self._settled
-        if not isnan(w0):
+        if self._done < C_LATENCY_FORGET and self.inflight == 0:
+            self.latency = NAN
+        elif not isnan(w0):
             self.latency = (self._area + C_LATENCY_PRIOR * w0) / (self._done + C_LATENCY_PRIOR)
         elif self._done > 0.0:
             self.latency = self._area / self._done

@@ -133,6 +133,11 @@ _MIN_WINDOW = 1.0
 # estimate (without it: a latency of years, and the replica never picked again), and,
 # as the averages age with nothing sent, latency returns to that last settled value.
 _LATENCY_PRIOR = 0.5
+# With nothing in flight and the completions' average under this (one completion's weight
+# falls below it 30 s later, DRAIN_TAU ln 20), latency is unknown again (the pool's mean):
+# a replica scored slow by a few long answers, and sent nothing since, is tried again
+# rather than kept at that figure for as long as its faster sibling has room.
+_LATENCY_FORGET = 0.05
 # The share of a request's time on a replica spent in prefill (before its first
 # token), at an empty batch; a full batch doubles it.
 PREFILL_SHARE = 0.05
@@ -550,9 +555,11 @@ class EndpointState:
 
     def _estimate(self) -> None:
         # (after _advance) Little's law over the averages, with the prior; unknown before
-        # any completion
+        # any completion, and again once the evidence has aged away with nothing in flight
         w0 = self._settled
-        if w0 == w0:
+        if self._done < _LATENCY_FORGET and self.inflight == 0:
+            self.latency = _NAN
+        elif w0 == w0:
             self.latency = (self._area + _LATENCY_PRIOR * w0) / (self._done + _LATENCY_PRIOR)
         elif self._done > 0.0:
             self.latency = self._area / self._done

@@ -297,6 +297,12 @@ def _build(data: Any, problems: _Problems, *, serve: bool = False) -> Config:
     if admission is not _FAILED:
         admission = _admission(problems, admission, raw("admission") or {})
     auth = _auth(problems, v["auth"], raw("auth"), None if admission is _FAILED else admission.bands)
+    if v["routing"] is not _FAILED:
+        header = v["routing"].prefix.session_header
+        if header in CONSUMED_HEADERS or (admission is not _FAILED and header == admission.header.lower()):
+            problems.add(("routing", "prefix", "session_header"),
+                         f"{header} is a header llmgw reads for itself (it never reaches routing); name another, "
+                         "such as x-session-id")
     breaker = v["breaker"]
     if breaker is not _FAILED:
         breaker = _breaker(problems, breaker, raw("breaker") or {})
@@ -341,6 +347,15 @@ def _build(data: Any, problems: _Problems, *, serve: bool = False) -> Config:
             problems.found.append(p)
     problems.raise_if_any()
     return cfg
+
+
+# Request headers the client listener takes for itself (llmgw._fast.httpproto's _KINDS: framing,
+# hop-by-hop, credentials, the request id): no routing knob may name one.
+CONSUMED_HEADERS = frozenset({
+    "content-length", "transfer-encoding", "connection", "keep-alive", "proxy-connection", "proxy-authorization",
+    "proxy-authenticate", "te", "trailer", "upgrade", "expect", "authorization", "x-api-key", "x-request-id", "host",
+    "content-type",
+})
 
 
 def is_loopback(host: str) -> bool:
