@@ -547,4 +547,4 @@ def test_the_consumed_headers_are_the_client_listeners() -> None:
     from llmgw._fast import httpproto_py
     from llmgw.config.loading import CONSUMED_HEADERS
 
-    assert CONSUMED_HEADERS == {k.decode() for k in httpproto_py._KINDS}
+    assert {k.decode() for k in httpproto_py._KINDS} == CONSUMED_HEADERS
