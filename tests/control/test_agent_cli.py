@@ -92,3 +92,14 @@ async def test_agent_auto_discovery_reports_a_known_source(tmp_path: Path) -> No
             p.send_signal(signal.SIGTERM)
             p.communicate(timeout=15)
         assert p.returncode == 0
+
+
+def test_replicas_listen_where_the_control_plane_sees_the_node() -> None:
+    """With no advertise, the engines listen on the address the control plane sees this node at
+    (the source address of the route to it), not on every interface."""
+    from llmgw.cli.agent import NodeOptions
+
+    plain = NodeOptions(state_dir="/nonexistent")
+    assert plain.bind_towards(("127.0.0.1", 7070)) == "127.0.0.1"
+    assert NodeOptions(state_dir="/x", advertise="10.0.0.5").bind_towards(("127.0.0.1", 7070)) == "10.0.0.5"
+    assert NodeOptions(state_dir="/x", advertise="gpu-7.example").bind_towards(("127.0.0.1", 7070)) == "0.0.0.0"

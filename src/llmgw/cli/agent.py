@@ -65,6 +65,24 @@ class NodeOptions:
                 pass
         return "0.0.0.0"
 
+    def bind_towards(self, control: tuple[str, int]) -> str:
+        """:attr:`bind`; with no ``advertise``, the address the control plane sees this node at (where
+        routers are told the replicas are): this host's source address on its route to ``control``
+        (a UDP socket connected, no packet sent); every interface when that cannot be told."""
+        if self.advertise is not None:
+            return self.bind
+        import socket
+
+        host, port = control
+        try:
+            info = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)[0]
+            with socket.socket(info[0], socket.SOCK_DGRAM) as s:
+                s.connect(info[4])
+                local = str(s.getsockname()[0])
+        except OSError:
+            return "0.0.0.0"
+        return "::" if local.startswith("fe80:") else local  # (a link-local source needs its scope: any)
+
 
 def open_gpu_source(kind: str) -> Any:
     """The GPU source ``kind`` (:func:`llmgw.agent.discovery.open_source`), reporting this agent's version."""
@@ -143,7 +161,8 @@ async def run_agent(
     if supervisor is None and node is not None:
         from ..launch.supervisor import ReplicaSupervisor
 
-        supervisor = ReplicaSupervisor(node.state_dir, host=node.bind, engines=node.engines, on_change=changed)
+        supervisor = ReplicaSupervisor(node.state_dir, host=node.bind_towards(controls[0]), engines=node.engines,
+                                       on_change=changed)
     async def check(req: Any) -> list[dict[str, Any]]:
         """``llmgw ctl engine-check ENGINE --node`` here: the agent config's engines, the node's GPUs."""
         from ..launch.check import engine_check
