@@ -99,6 +99,7 @@ async def test_every_view_and_action(tmp_path: Path, monkeypatch: pytest.MonkeyP
             # gpus: the MIG GPU's utilisation is absent (–), never 0
             await pilot.press("colon", *"gpus", "enter")
             await app.wait_for_update()
+            assert not app.stack  # (a view named with : starts a new trail: no Nodes › GPUs › ... pile-up)
             mig = next(r for r in app.rendered_rows if r.record["uuid"] == "GPU-mig")
             assert mig.cells[2] == "–"
 
@@ -172,6 +173,9 @@ async def test_disconnect_and_recovery(tmp_path: Path) -> None:
             await gw.runtime.stop()
             await wait_for(lambda: app.disconnected is not None, what="disconnected")
             assert keys(app) == ["sim-a", "sim-b"]  # the last data stays on screen, marked as old
+            await app.wait_for_update()
+            # said first on the status line, which a narrow terminal cuts at its end
+            assert app._shown["#status"].startswith("[bold red]✖ disconnected"), app._shown["#status"]
             async with gateway(tmp_path / "two", control=False, admin_port=port):
                 await wait_for(lambda: app.disconnected is None, what="connected again")
                 await app.wait_for_update()

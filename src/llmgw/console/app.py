@@ -496,7 +496,12 @@ class ConsoleApp(App[None]):
             conn = Text("… connecting")
         else:
             conn = Text("● connected", style="green")
-        status = Text.assemble(("llmgw console", "bold"), "  ", self.label, "  ", conn)
+        if self.disconnected is not None or self.auth_error is not None:
+            # (first: on a narrow terminal the end of the line is cut, and an empty table must not
+            # read as an empty fleet)
+            status = Text.assemble(conn, "  ", ("llmgw console", "bold"), "  ", self.label)
+        else:
+            status = Text.assemble(("llmgw console", "bold"), "  ", self.label, "  ", conn)
         if self.read_only:
             status.append("  [read-only]", style="bold yellow")
         self._show("#status", status)
@@ -647,7 +652,10 @@ class ConsoleApp(App[None]):
         elif target == "quit":
             self.exit()
         else:
-            self._switch(target, filter=rest.strip())
+            # a view named with : starts a new trail (as k9s's), drill-downs extend it: switching
+            # back and forth must not pile crumbs up until the current one falls off the line
+            self.stack.clear()
+            self._switch(target, push=False, filter=rest.strip())
 
     def action_help(self) -> None:
         self.push_screen(TextScreen("llmgw console: keys", help_text(self.read_only)))
