@@ -89,7 +89,7 @@ async def test_reload(tmp_path: Path) -> None:
             res = await invoke("--admin", url(rt), "reload")
             assert res.exit_code == 0, res.output
             assert res.output == "configuration reloaded: added b\n"
-            conf.write_text("listen: nowhere\n")
+            conf.write_text(yaml.safe_dump({**config_for([a]), "listen": "nowhere"}))
             res = await invoke("--admin", url(rt), "reload")
             assert res.exit_code == 1
             assert res.output.startswith("llmgw: error: reload failed, the running configuration is kept: ")

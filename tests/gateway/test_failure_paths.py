@@ -502,11 +502,14 @@ async def test_client_leaving_during_a_retry_frees_its_retry_budget() -> None:
     held = RawEngine(hang)
     await held.start()
     try:
-        replicas = [("dead", dead_port(), "external"), ("held", held.port, "external")]
+        # (a connect that times out: a refused one marks its replica down and retries off the budget)
+        bh = contextlib.ExitStack()
+        replicas = [("dead", bh.enter_context(blackhole()), "external"), ("held", held.port, "external")]
         extra: dict[str, Any] = {
             "routing": {"strategy": "round_robin"},
             "retries": {"attempts": 1, "budget": 0.0},  # the budget's floor alone: 3 in flight
             "breaker": {"failures": 1000},
+            "upstream": {"connect_timeout": "50ms"},
         }
         async with gateway(replicas, **extra) as rt:
             port = rt.listen_addr[1]  # type: ignore[index]
@@ -520,9 +523,10 @@ async def test_client_leaving_during_a_retry_frees_its_retry_budget() -> None:
                 if retried > 4:
                     break
             assert retried > 4, retried  # more clients left mid-retry than the budget holds
-            assert await metric(rt, "llmgw_upstream_errors_total", replica="dead", kind="connect_refused") == retried
+            assert await metric(rt, "llmgw_upstream_errors_total", replica="dead", kind="connect_timeout") == retried
             assert await metric(rt, "llmgw_upstream_errors_total", replica="held") == 0
     finally:
+        bh.close()
         await held.stop()
 
 
@@ -532,12 +536,15 @@ async def test_client_leaving_during_a_retry_frees_its_retry_budget() -> None:
 async def test_retry_budget_exhausted_answers_the_failure() -> None:
     held = RawEngine(hold)
     await held.start()
+    bh = contextlib.ExitStack()
     try:
-        replicas = [("dead", dead_port(), "external"), ("held", held.port, "external")]
+        # (connects that time out: a refused one marks its replica down and retries off the budget)
+        replicas = [("dead", bh.enter_context(blackhole()), "external"), ("held", held.port, "external")]
         extra: dict[str, Any] = {
             "routing": {"strategy": "round_robin"},
             "retries": {"attempts": 1, "budget": 0.0},  # 3 retries in flight at most
             "breaker": {"failures": 1000},
+            "upstream": {"connect_timeout": "50ms"},
         }
         async with gateway(replicas, **extra) as rt:
             port = rt.listen_addr[1]  # type: ignore[index]
@@ -563,9 +570,9 @@ async def test_retry_budget_exhausted_answers_the_failure() -> None:
                 assert refused is not None, "the retry budget never ran out"
                 assert await metric(rt, "llmgw_retries_total", model="m") == 3  # the budget's floor
                 status, hdrs, data = refused
-                assert status == 502
+                assert status == 504
                 err = orjson.loads(data)["error"]
-                assert err["code"] == "bad_gateway" and "refused the connection" in err["message"]
+                assert "did not accept a connection in time" in err["message"]
                 assert hdrs[b"x-request-id"]
                 # The held ones finish; the budget is free again: the next failure is retried.
                 held.release.set()
@@ -580,6 +587,41 @@ async def test_retry_budget_exhausted_answers_the_failure() -> None:
             finally:
                 for _, w in waiting:
                     w.close()
+    finally:
+        bh.close()
+        await held.stop()
+
+
+async def test_a_refused_connection_marks_the_replica_down_and_its_retry_is_free() -> None:
+    """A replica that just died, with requests connecting to it: each refused one goes on to
+    another replica (the budget's floor of 3 would have answered the rest 502), and the replica
+    is down at once, so the requests after them go straight to the living."""
+    held = RawEngine(hold)
+    await held.start()
+    try:
+        replicas = [("dead", dead_port(), "external"), ("held", held.port, "external")]
+        extra: dict[str, Any] = {
+            "routing": {"strategy": "round_robin"},
+            "retries": {"attempts": 1, "budget": 0.0},
+            "breaker": {"failures": 1000},
+        }
+        async with gateway(replicas, **extra) as rt:
+            assert rt.registry is not None
+            port = rt.listen_addr[1]  # type: ignore[index]
+            # (8: within what one blind replica takes before the pool counts as saturated and queues)
+            clients = [await send(port, chat()) for _ in range(8)]
+            try:
+                await held.wait(lambda: held.requests == 8, timeout=1.5)  # (well before the 2 s first byte)
+                dead = rt.registry.endpoints["dead"]
+                assert dead.state.down and dead.unusable_reason(time.monotonic()) == "unreachable"
+                held.release.set()
+                assert [(await answer(r))[0] for r, _ in clients] == [200] * 8
+            finally:
+                for _, w in clients:
+                    w.close()
+            retried = await metric(rt, "llmgw_retries_total", model="m")
+            assert retried == await metric(rt, "llmgw_upstream_errors_total", replica="dead", kind="connect_refused")
+            assert 1 <= retried <= 8
     finally:
         await held.stop()
 

@@ -540,6 +540,12 @@ class Call(Exchange):
             )
             return
         except OSError as exc:
+            if isinstance(exc, ConnectionRefusedError) and not ep.state.down:
+                # nothing listens there: down at once, as a refused scrape would say, so that the
+                # requests after this one go elsewhere (the next scrape that reaches it says up)
+                ep.unreachable = True
+                ep.state.down = True
+                upstream_logger.info("replica %s refused a connection: down until a scrape reaches it", ep.id)
             self._attempt_failed(
                 BadGatewayError(f"replica {ep.id} refused the connection ({exc.strerror or exc})"), "connect_refused"
             )
@@ -600,16 +606,21 @@ class Call(Exchange):
         if self.w.disconnected:
             self._finish(None)
             return
+        # A refused connection carried nothing, to a replica that is now down: its retry adds no
+        # load anywhere the budget guards (it would turn away all but 3 of the requests caught
+        # connecting to a replica that just died), and is bounded by retries.attempts all the same.
+        free = kind == "connect_refused"
         if (
             self.tries <= gw.retry_attempts
             and (not sent or gw.retry_after_send)
-            and gw.budget.can_retry(gw.active_calls)
+            and (free or gw.budget.can_retry(gw.active_calls))
         ):
             if self.tried is None:
                 self.tried = []
             self.tried.append(ep)
-            gw.budget.record_retry()
-            self.retrying = True
+            if not free:
+                gw.budget.record_retry()
+                self.retrying = True
             gw.observer.retry(self.model, ep.id)
             self.dispatch()
             return
