@@ -298,3 +298,21 @@ async def test_no_control_plane_no_deployments() -> None:
         assert status == 404 and body["error"]["code"] == "no_control_plane"
     finally:
         await rt.stop()
+
+
+async def test_a_llamacpp_model_that_is_neither_in_the_mirror_nor_a_path_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """llama-server is given a file: a mistyped mirror reference would crash-loop every replica."""
+    monkeypatch.setenv("LLMGW_MIRROR", str(tmp_path / "empty-mirror"))  # (never the user's own)
+    port = free_port()
+    async with control_runtime(port, database=f"sqlite:///{tmp_path}/cp.sqlite3") as rt:
+        url = f"http://127.0.0.1:{rt.admin_addr[1]}"  # type: ignore[index]
+        res = await invoke("--admin", url, "deploy", "ghost", "--model", "nosuch:1b", "--engine", "llamacpp")
+        assert res.exit_code == 1, res.output
+        assert "model 'nosuch:1b' is not in the control plane's mirror" in res.output
+        assert "ghost" not in controller(rt).deployments
+        res = await invoke("--admin", url, "deploy", "file", "--model", "/models/tiny.gguf", "--engine", "llamacpp")
+        assert res.exit_code == 0, res.output  # a path on the nodes: theirs to have
+        res = await invoke("--admin", url, "deploy", "hf", "--model", "meta-llama/Llama-3.1-8B")
+        assert res.exit_code == 0, res.output  # vLLM downloads what it is named

@@ -58,7 +58,7 @@ from ..launch.spec import FAILED, READY, ReplicaSpec, ReplicaStatus
 from ..log import control_logger as log
 from .db import DesiredStore, StoredDeployment, StoredReplica
 from .placement import Choice, Claim, GpuInfo, Need, NodeInfo, Unplaceable, place
-from .resolve import MirrorModel, Resolver, memory_need
+from .resolve import MirrorModel, Resolver, is_model_path, memory_need
 
 if TYPE_CHECKING:
     from ..config import Config
@@ -421,6 +421,20 @@ class DeploymentController:
                 f"deployment {cfg.name!r} exists (from {where}); scale it, undeploy it first, or choose another name",
                 status=409, code="deployment_exists", param="name",
             )
+        if cfg.engine == "llamacpp" and not is_model_path(cfg.model):
+            # llama-server is given a file (-m): a name that is no path must be in the mirror, or
+            # every replica would crash-loop on 'failed to open GGUF file'
+            try:
+                found = self.resolver(cfg.model)
+            except Exception:
+                found = None
+            if found is None:
+                raise DeploymentError(
+                    f"model {cfg.model!r} is not in the control plane's mirror (llmgw mirror ls there; "
+                    "llmgw mirror import or import-ollama adds it) and is no file path on the nodes: llama.cpp "
+                    "needs a GGUF file (a mirror reference like tiny:1b, or a path like /models/tiny.gguf)",
+                    status=400, code="model_not_found", param="model",
+                )
         dep = Deployment(cfg, API)
         self.deployments[cfg.name] = dep
         self.store.put_deployment(dep.stored())

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from ..launch.spec import ModelBlob
 
-__all__ = ["MirrorModel", "Resolver", "compute_margin", "kv_cache_bytes", "memory_need", "mirror_resolver",
+__all__ = ["MirrorModel", "Resolver", "compute_margin", "is_model_path", "kv_cache_bytes", "memory_need", "mirror_resolver",
            "resolve_mirror"]
 
 
@@ -45,13 +45,13 @@ Resolver = Callable[[str], "MirrorModel | None"]
 """A model string -> the mirror's model, or ``None`` when it is not a mirror reference."""
 
 
-def _is_path(model: str) -> bool:
+def is_model_path(model: str) -> bool:
     return model.startswith(("/", "./", "../", "~")) or model.lower().endswith(".gguf")
 
 
 def resolve_mirror(root: str | os.PathLike[str], model: str) -> MirrorModel | None:
     """Look ``model`` up in the mirror at ``root``; ``None`` when it is not there (or not a name at all)."""
-    if _is_path(model):
+    if is_model_path(model):
         return None
     from ..mirror.errors import MirrorError
     from ..mirror.names import parse_ref
@@ -102,7 +102,7 @@ def mirror_resolver(root: str | os.PathLike[str] | None) -> Resolver:
     find = fetch_resolve.find
 
     def resolver(model: str) -> MirrorModel | None:
-        if _is_path(model):
+        if is_model_path(model):
             return None
         got = find(where, model)
         if got is None:
