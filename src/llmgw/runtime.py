@@ -130,7 +130,10 @@ def control_plane(parts: Parts) -> Component:
     its deployments' replicas in the router."""
     from .control.service import ControlPlane
 
-    return ControlPlane(parts.config, admin=parts.admin, admin_addr=parts.fleet.admin_addr, router=RouterPort(parts))
+    cp = ControlPlane(parts.config, admin=parts.admin, admin_addr=parts.fleet.admin_addr, router=RouterPort(parts))
+    # an operator's drain of a deployment's replica (ctl drain) reaches the routers that follow too
+    parts.fleet.drain_listeners.append(cp.follow_hub.operator_drain)
+    return cp
 
 
 def _without_token(f: Any) -> Any:
@@ -184,6 +187,8 @@ class GatewayRuntime:
         self.poller: Poller | None = None
         self.admin: AdminApp | None = None
         self._reloads: dict[str, int] = {"ok": 0, "failed": 0}
+        self.drain_listeners: list[Callable[[str, bool], None]] = []
+        """Told of each :meth:`set_draining` (the control plane: its followers' table says it too)."""
         self.wanted_models: frozenset[str] = frozenset()
         """Models the control plane's deployments want a replica of (``/ready`` waits for one of each)."""
 
@@ -274,6 +279,8 @@ class GatewayRuntime:
         registry, _, _ = self._require()
         registry.endpoints[endpoint_id].draining = draining
         log.info("endpoint %s %s", endpoint_id, "draining" if draining else "undrained")
+        for tell in self.drain_listeners:
+            tell(endpoint_id, draining)
 
     @property
     def reloads(self) -> Mapping[str, int]:

@@ -334,3 +334,19 @@ async def test_router_follows_over_mutual_tls(tmp_path: Path) -> None:
             with pytest.raises(grpc.aio.AioRpcError) as ei:
                 await call.read()
         assert ei.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+async def test_an_operators_drain_reaches_the_routers_that_follow() -> None:
+    """ctl drain ID on the control plane's process drains a deployment's replica in its own router
+    and in the table its followers route on (it drained only the former)."""
+    from cp_helpers import control_plane, control_runtime
+
+    async with control_runtime(free_port()) as rt:
+        hub = control_plane(rt).follow_hub
+        hub.add(_ep("r9"))  # (as the deployments add a ready replica)
+        assert [r.draining for r in hub.table().table.replicas] == [False]
+        rt.set_draining("r9", True)  # what POST /admin/v1/endpoints/r9/drain does
+        assert rt.registry is not None and rt.registry.endpoints["r9"].draining
+        assert [r.draining for r in hub.table().table.replicas] == [True]
+        rt.set_draining("r9", False)
+        assert [r.draining for r in hub.table().table.replicas] == [False]

@@ -206,6 +206,12 @@ class FollowHub:
             self.inner.set_draining(endpoint_id, draining)
         elif endpoint_id not in self._table:
             raise KeyError(endpoint_id)
+        self.operator_drain(endpoint_id, draining)
+
+    def operator_drain(self, endpoint_id: str, draining: bool) -> None:
+        """An operator drained (or undrained) one of the process's endpoints (``ctl drain``, on the
+        process's own router already): a replica of the table is drained in the routers that follow
+        too. Others (the process's file's endpoints) are not in the table: nothing to tell."""
         if endpoint_id in self._table and (endpoint_id in self._draining) != draining:
             if draining:
                 self._draining[endpoint_id] = self.clock()
