@@ -134,6 +134,12 @@ async def test_router_follows_survives_and_catches_up(tmp_path: Path) -> None:
         # -- no control plane yet: running, not ready, no table --
         status, body = await _http(admin, "GET", "/ready")
         assert status == 503 and orjson.loads(body)["reason"] == "no_replica_table", body
+        # a model it may yet learn of: 503 with Retry-After (SDKs retry it), not 404 (they do not)
+        assert rt.listen_addr is not None
+        status, body = await _http(rt.listen_addr[1], "POST", "/v1/chat/completions",
+                                   {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]})
+        err = orjson.loads(body)["error"]
+        assert status == 503 and err["code"] == "model_unavailable" and "no replica table" in err["message"], body
 
         cp.start()
         agent.start()

@@ -1553,11 +1553,14 @@ class Gateway(App):
         real = self.aliases.get(model, model)
         pool = self.pools.get(real)
         if pool is None or not pool.endpoints:
-            if real in self.held_models:
-                # (the cold path: a deployed model with no replica now, scaled to 0 or still starting)
+            held = self.held_models
+            if real in held:
+                # (the cold path: a deployed model with no replica now, scaled to 0 or still starting;
+                # or a follower before its first table, whose container holds every name and says why)
+                why = getattr(held, "reason", None)
                 raise ModelUnavailableError(
-                    f"the model `{model[:200]}` is unavailable: its deployment has no ready replica "
-                    "(scaled to 0, or its replicas are starting)",
+                    f"the model `{model[:200]}` is unavailable: "
+                    + (why or "its deployment has no ready replica (scaled to 0, or its replicas are starting)"),
                     param="model", retry_after=_RETRY_AFTER_DEFAULT,
                 )
             raise ModelNotFoundError(

@@ -89,6 +89,15 @@ class FollowRouter(Protocol):
     def hold(self, models: frozenset[str], wanted: frozenset[str]) -> None: ...
 
 
+class _NoTableYet(frozenset[str]):
+    """The models a router holds before its first replica table: any (see :meth:`Follower.start`)."""
+
+    reason = "this router has no replica table from its control plane yet (it is connecting)"
+
+    def __contains__(self, item: object) -> bool:
+        return True
+
+
 def endpoint_from_proto(m: rpb.Replica) -> EndpointConfig:
     """A table's replica as the router's endpoint.
 
@@ -268,6 +277,9 @@ class Follower:
 
     async def start(self) -> None:
         """Start following (in the background: the router starts whether or not a control plane answers)."""
+        # until the first table, a model this router does not serve itself may well be the table's:
+        # 503 with Retry-After (an SDK retries), not 404 model_not_found (it does not)
+        self.router.hold(_NoTableYet(), frozenset())
         self._loop = asyncio.get_running_loop()
         self.first_table = asyncio.Event()
         thread = ControlThread("llmgw-follow")
