@@ -111,11 +111,11 @@ class AgentConfig:
     token: str | None = field(default=None, repr=False)
     name: str | None = None  # None: the host name
     gpu_source: str = "auto"
-    tls: bool = False
+    tls: Annotated[bool, _FLAG] = False
     tls_ca: str | None = None
     tls_cert: str | None = None
     tls_key: str | None = None
-    insecure: bool = False
+    insecure: Annotated[bool, _FLAG] = False
     engines: Mapping[str, AgentEngineConfig] = field(default_factory=dict)
     state_dir: str | None = None  # None: default_state_dir()
     labels: Mapping[str, str] = field(default_factory=dict)

@@ -80,7 +80,7 @@ class EndpointConfig:
     api_key: str | None = field(default=None, repr=False)
     metrics_path: str = "/metrics"
     metric_names: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
-    draining: bool = False
+    draining: Annotated[bool, _FLAG] = False
     slots: int | None = None
     # derived
     scheme: str = "http"
@@ -226,7 +226,7 @@ class PrefixConfig:
     the prefix's rendezvous order."""
     session_header: Annotated[str, _HEADER_NAME] = "x-session-id"
     """The request header naming a conversation (else the body's prompt_cache_key, safety_identifier, user)."""
-    share: bool = True
+    share: Annotated[bool, _FLAG] = True
     """Share where conversations' turns went with the other routers of the same control plane (a router
     with ``follow:``, or the one ``control:`` runs in), so a turn that reaches another router than the one
     before it finds its replica's cache (docs/routing.md "Several routers")."""
@@ -330,7 +330,7 @@ class AuthConfig:
 class AccessLogConfig:
     """The JSON access log (``access_log:``)."""
 
-    enabled: bool = False
+    enabled: Annotated[bool, _FLAG] = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -355,7 +355,7 @@ class ControlConfig:
     tls_cert: str | None = None
     tls_key: str | None = None
     tls_client_ca: str | None = None
-    allow_insecure: bool = False
+    allow_insecure: Annotated[bool, _FLAG] = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -421,11 +421,11 @@ class FollowConfig:
 
     control: tuple[tuple[str, int], ...]
     token: str | None = field(default=None, repr=False)
-    tls: bool = False
+    tls: Annotated[bool, _FLAG] = False
     tls_ca: str | None = None
     tls_cert: str | None = None
     tls_key: str | None = None
-    allow_plaintext: bool = False
+    allow_plaintext: Annotated[bool, _FLAG] = False
     name: str | None = None
 
 
