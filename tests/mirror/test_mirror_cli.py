@@ -91,6 +91,12 @@ def test_import_json_and_quiet(root: Path, model_file: Path) -> None:
     assert r.exit_code == 0 and r.stdout == "" and r.stderr == ""
     r = run("--root", root, "import", model_file)
     assert r.stdout.startswith("already in the mirror, unchanged: Tiny-Llama-F16:latest")
+    # its blob lost (or corrupt): importing again restores it, and says so
+    (blob,) = blob_files(root)
+    blob.unlink()
+    r = run("--root", root, "import", model_file)
+    assert r.stdout.startswith("already in the mirror; restored 1 missing or corrupt blob(s): Tiny-Llama-F16:latest")
+    assert run("--root", root, "verify").exit_code == 0
 
 
 def test_root_from_env_and_after_the_subcommand(tmp_path: Path, model_file: Path) -> None:

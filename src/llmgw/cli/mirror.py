@@ -287,8 +287,11 @@ def _report_import(result: Any, root: Path, *, quiet: bool, as_json: bool) -> No
             if x
         )
         parts.append(f"{f.role} {desc + ', ' if desc else ''}{_human(f.size)}, {_short(f.digest)}")
-    what = "imported" if result.created else "already in the mirror, unchanged:"
     reused = sum(b.reused for b in result.blobs)
+    restored = len(result.blobs) - reused  # (a model already recorded whose blob was written again)
+    what = ("imported" if result.created
+            else f"already in the mirror; restored {restored} missing or corrupt blob(s):" if restored
+            else "already in the mirror, unchanged:")
     note = f" ({reused} blob(s) already stored)" if reused and result.created else ""
     click.echo(f"{what} {rec.ref} ({'; '.join(parts)}) in {root}{note}")
 
@@ -527,9 +530,9 @@ def verify_cmd(
         if not bad and not quiet:
             click.echo(f"{len(checks)} blob(s) verified, all intact")
     for c in bad:
-        detail = f"hashes to {c.actual}" if c.status == "corrupt" else c.status
+        detail = f" (it hashes to {c.actual})" if c.status == "corrupt" else ""
         echo_err(
-            f"llmgw: error: blob {c.digest} ({c.path}) is {c.status} ({detail}), used by"
+            f"llmgw: error: blob {c.digest} ({c.path}) is {c.status}{detail}, used by"
             f" {', '.join(c.models) or 'no model'}; import the model again from its source to replace it",
             level="error",
         )

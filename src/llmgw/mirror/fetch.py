@@ -536,7 +536,8 @@ class MirrorFetcher:
         if available < needed + _SPACE_MARGIN:
             raise NoSpaceError(
                 f"not enough space in {self.store.root} for {blob.digest} ({_human(blob.size)}"
-                f"{f', resuming at {_human(have)}' if have else ''}): it needs {_human(needed)} more and"
+                f"{f', resuming at {_human(have)}' if have else ''}): it needs {_human(needed + _SPACE_MARGIN)} more"
+                f" ({_human(needed)}, and {_human(_SPACE_MARGIN)} kept free) and"
                 f" {_human(available)} is free; free some space (llmgw mirror gc removes unused blobs)"
             )
 

@@ -551,8 +551,8 @@ class MirrorStore:
         free = _free_bytes(self.tmp_dir)
         if free < size + _SPACE_MARGIN:
             raise NoSpaceError(
-                f"not enough space in {self.root} for {label}: it needs {_human(size)} and"
-                f" {_human(free)} is free; free some space (llmgw mirror gc removes unused blobs) or use"
+                f"not enough space in {self.root} for {label}: it needs {_human(size + _SPACE_MARGIN)}"
+                f" ({_human(size)}, and {_human(_SPACE_MARGIN)} kept free) and {_human(free)} is free; free some space (llmgw mirror gc removes unused blobs) or use"
                 " another mirror root (--root)",
             )
         tmp_path, dst_fd = self._create_temp()
