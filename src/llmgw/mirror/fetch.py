@@ -450,7 +450,8 @@ class MirrorFetcher:
                     loop.call_soon_threadsafe(job.notify)
                     raise _Retry(
                         f"the bytes received hash to {actual} ({size} bytes), not {blob.digest} ({blob.size}"
-                        " bytes): the transfer was corrupt and was discarded"
+                        " bytes): the transfer was corrupt and was discarded (again and again: the control"
+                        " plane's own copy may be corrupt; llmgw mirror verify there names it)"
                     )
                 store.place_fetched(partial, fd, blob.digest, blob.size)
             finally:
