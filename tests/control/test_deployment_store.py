@@ -80,7 +80,7 @@ async def test_the_store_keeps_what_the_controller_decides(tmp_path: Path) -> No
         ctl_ = DeploymentController(nodes=nodes, store=store, router=None, config=lambda: load({}),
                                     resolver=lambda m: None)
         assert [s.id for s in ctl_.desired("n")[1]] == ["old-abc123"]
-        ctl_.create(parse_deployment({"name": "new", "model": "m1", "engine": "llamacpp", "replicas": 2}))
+        ctl_.create(parse_deployment({"name": "new", "model": "/models/m1.gguf", "engine": "llamacpp", "replicas": 2}))
         assert store.pending > 0 and len(ctl_.desired("n")[1]) == 1  # placed, not told yet
         await ctl_.committed()
         assert store.pending == 0
@@ -325,7 +325,7 @@ async def test_deployments_survive_a_restart_of_llmgw_serve(tmp_path: Path) -> N
     try:
         await _up(admin, serve, log)
         await register(cp, "cpu-node", {"hostname": "h", "facts": {"cpu_cores": 8}})
-        res = await _ctl(admin, "deploy", "made", "--model", "m2", "--engine", "llamacpp", "--replicas", "2")
+        res = await _ctl(admin, "deploy", "made", "--model", "/models/m2.gguf", "--engine", "llamacpp", "--replicas", "2")
         assert res.exit_code == 0 and "2 of 2 replica(s) placed on cpu-node" in res.output, res.output
         res = await _ctl(admin, "scale", "from-file", "3")
         assert res.exit_code == 0, res.output
