@@ -224,15 +224,6 @@ def _control(problems: _Problems, c: Any, raw: Any) -> ControlConfig | None:
     )
 
 
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
-
-
 def _follow(problems: _Problems, f: Any, raw: Any, control: Any) -> FollowConfig | None:
     _either(problems, raw, ("follow",), "token", "token_env")
     if f is _FAILED or f is None:
@@ -249,7 +240,7 @@ def _follow(problems: _Problems, f: Any, raw: Any, control: Any) -> FollowConfig
         problems.add(("follow", missing), "is required with " + ("tls_cert" if missing == "tls_key" else "tls_key"))
     tls = f.tls or f.tls_ca is not None or f.tls_cert is not None
     if not tls and not f.allow_plaintext:
-        away = [h for h, _ in f.control if not _is_loopback(h)]
+        away = [h for h, _ in f.control if not is_loopback(h)]
         if away:
             problems.add(
                 ("follow", "control"),
