@@ -156,7 +156,12 @@ def test_model_not_pulled(ollama: OllamaStore, store: MirrorStore, tiny: bytes) 
 
 def test_names_match_case_insensitively(ollama: OllamaStore, store: MirrorStore, tiny: bytes) -> None:
     ollama.add_model("tiny", "latest", gguf=tiny)
-    assert import_ollama(store, "TINY:Latest", ollama_dir=ollama.root).created
+    rec = import_ollama(store, "TINY:Latest", ollama_dir=ollama.root)
+    assert rec.created
+    assert (rec.record.name, rec.record.tag) == ("tiny", "latest")  # as the store (and ollama list) has it
+    ollama.add_model("Qwen-GGUF", "Q4_K_M", gguf=tiny, namespace="bartowski", host="hf.co")
+    rec = import_ollama(store, "hf.co/bartowski/qwen-gguf:q4_k_m", ollama_dir=ollama.root)
+    assert (rec.record.name, rec.record.tag) == ("hf.co/bartowski/Qwen-GGUF", "Q4_K_M")
 
 
 # --- imports that work ----------------------------------------------------------------------

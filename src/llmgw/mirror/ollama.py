@@ -13,6 +13,7 @@ The Ollama store is only ever read. Facts: ``shared/reference/engines.md`` secti
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -500,15 +501,20 @@ def import_ollama(
     oname = parse_ollama_name(ref)
     if name is not None:
         mname, mtag = parse_ref(name)
-    else:
+    root, manifest_path = find_manifest(
+        oname, ollama_dir=Path(ollama_dir).expanduser() if ollama_dir is not None else None, roots=roots
+    )
+    # the name as the store has it (found case-insensitively): what `ollama list` shows
+    with contextlib.suppress(ValueError):
+        stored = manifest_path.relative_to(root / "manifests").parts
+        if len(stored) == 4:
+            oname = OllamaName(*stored)
+    if name is None:
         try:
             mname, mtag = parse_ref(oname.display)
         except InvalidNameError:
             # A host with a port (host:8080) is a fine Ollama name but not a mirror name.
             mname, mtag = parse_ref(oname.display.replace(":", "_", oname.display.count(":") - 1))
-    root, manifest_path = find_manifest(
-        oname, ollama_dir=Path(ollama_dir).expanduser() if ollama_dir is not None else None, roots=roots
-    )
     display = oname.display
     where = f"the manifest of {display} ({manifest_path})"
     try:
