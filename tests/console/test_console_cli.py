@@ -43,3 +43,13 @@ def test_options_and_the_environment_fallback() -> None:
     assert res.exit_code == 2 and "between 0.1s and 1h" in res.output
     res = runner.invoke(console, ["--help"])
     assert res.exit_code == 0 and "--read-only" in res.output and "LLMGW_ADMIN_TOKEN" in res.output
+
+
+def test_a_filter_that_is_no_regular_expression_is_plain_text_in_any_case() -> None:
+    from llmgw.console.views import compile_filter
+
+    pred = compile_filter("GPU[(")  # (not a regular expression: the text itself, case-insensitively)
+    assert pred is not None and pred("node-a GPU[(0)") and pred("gpu[(1)") and not pred("gpu 2")
+    inv = compile_filter("!GPU[(")
+    assert inv is not None and not inv("gpu[(1)") and inv("gpu 2")
+    assert compile_filter("  ") is None and compile_filter("!") is None

@@ -241,7 +241,7 @@ def compile_filter(text: str) -> Callable[[str], bool] | None:
         match: Callable[[str], bool] = lambda t: rx.search(t) is not None  # noqa: E731
     except re.error:
         needle = s.lower()
-        match = lambda t: needle in t  # noqa: E731
+        match = lambda t: needle in t.lower()  # noqa: E731
     return (lambda t: not match(t)) if invert else match
 
 
