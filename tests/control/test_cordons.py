@@ -27,6 +27,11 @@ async def _node(rt, name: str) -> dict | None:  # type: ignore[no-untyped-def]
     return next((n for n in body["nodes"] if n["name"] == name and n["state"] == "up" and n["heartbeats"]), None)
 
 
+async def _gone(rt, name: str) -> bool:  # type: ignore[no-untyped-def]
+    _, body = await api(rt, "GET", "/admin/v1/nodes")
+    return all(n["name"] != name for n in body["nodes"])
+
+
 async def test_a_cordon_outlives_the_agents_restart(tmp_path: Path) -> None:
     port = free_port()
     async with control_runtime(port) as rt:
@@ -37,11 +42,7 @@ async def test_a_cordon_outlives_the_agents_restart(tmp_path: Path) -> None:
             assert status == 200 and body["cordoned"]
             a.signal(signal.SIGTERM)  # deregisters: the node is gone...
             assert await a.wait() == 0
-            async def gone() -> bool:
-                _, body = await api(rt, "GET", "/admin/v1/nodes")
-                return all(n["name"] != "node-1" for n in body["nodes"])
-
-            await wait_for(gone, what="node removed")
+            await wait_for(lambda: _gone(rt, "node-1"), what="node removed")
             a = _agent(tmp_path, port, "node-1")  # ...and comes back cordoned
             node = await wait_for(lambda: _node(rt, "node-1"), what="node back")
             assert node["cordoned"] is True
@@ -62,11 +63,7 @@ async def test_a_kept_cordon_is_managed_while_the_node_is_away(tmp_path: Path) -
             a.signal(signal.SIGTERM)
             assert await a.wait() == 0
 
-            async def gone() -> bool:
-                _, body = await api(rt, "GET", "/admin/v1/nodes")
-                return all(n["name"] != "node-2" for n in body["nodes"])
-
-            await wait_for(gone, what="node removed")
+            await wait_for(lambda: _gone(rt, "node-2"), what="node removed")
             status, body = await api(rt, "POST", "/admin/v1/nodes/node-2/cordon")
             assert status == 200 and body == {"name": "node-2", "state": "absent", "cordoned": True, "changed": False}
             status, body = await api(rt, "POST", "/admin/v1/nodes/node-2/uncordon")

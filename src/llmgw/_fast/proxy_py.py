@@ -297,15 +297,15 @@ def config_secrets(config: Config) -> tuple[bytes, ...]:
     return tuple(s.encode() for s in out if s)
 
 
-
 def _dot_segments(path: bytes) -> bool:
     """Whether ``path`` (no query) has a ``.`` or ``..`` segment once percent-decoded, with
-    ``\\`` taken as ``/`` as some servers take it (cold path: only paths with ``/.``, ``%``
+    ``\\`` taken as ``/`` as some servers take it (cold path: only paths with a ``.``, ``%``
     or ``\\`` get here)."""
     from urllib.parse import unquote_to_bytes
 
     plain = unquote_to_bytes(path).replace(b"\\", b"/")
     return any(seg == b"." or seg == b".." for seg in plain.split(b"/"))
+
 
 class Call(Exchange):
     """One client request, from admission to the last byte (and its attempts).

@@ -27,20 +27,12 @@ from typing import Any
 import click
 
 from .. import __version__
+from ..config.loading import is_loopback
 from ._common import Fail, hostports, run_loop
 
 __all__ = ["NodeOptions", "agent", "open_gpu_source", "run_agent"]
 
 GPU_SOURCE_CHOICES = ("auto", "nvml", "nvidia-smi", "none", "simulated")
-
-
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 @dataclass(frozen=True)
@@ -295,8 +287,8 @@ def agent(
             credentials = channel_credentials(TLSFiles(ca=tls_ca, cert=tls_cert, key=tls_key))
         except OSError as exc:
             raise Fail(f"cannot read a TLS file: {exc}") from None
-    elif not all(_is_loopback(c[0]) for c in control) and not insecure:
-        off = next(c[0] for c in control if not _is_loopback(c[0]))
+    elif not all(is_loopback(c[0]) for c in control) and not insecure:
+        off = next(c[0] for c in control if not is_loopback(c[0]))
         raise Fail(
             f"{off} is not a loopback address: the join token would travel in the clear; "
             "use TLS (--tls-ca FILE, or --tls) or pass --insecure on a network you trust"

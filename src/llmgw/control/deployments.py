@@ -528,7 +528,7 @@ class DeploymentController:
         self._placed_in_pass = 0
         with self.store.batch():
             self.apply_config()
-            self._forget_lost_nodes(now)
+            self._watch_nodes(now)
             self._pass_nodes = None
             for dep in list(self.deployments.values()):
                 self._converge(dep, now)
@@ -731,7 +731,8 @@ class DeploymentController:
         self._invalidate(r.node)
         log.info("replica %s of %s on %s %s: out of the node's set", r.id, r.deployment, r.node, why)
 
-    def _forget_lost_nodes(self, now: float) -> None:
+    def _watch_nodes(self, now: float) -> None:
+        """Each node's change of health logged; the replicas of nodes gone for NODE_LOST_S placed elsewhere."""
         nodes = self.nodes
         present: set[str] = set()
         mono = nodes.monotonic()

@@ -1211,7 +1211,8 @@ class ControlPlane:
                         log.error("join tokens: %s (retrying every %.1fs)", msg, every, exc_info=True)
                     failed = msg
 
-    def _token_write_error(self, exc: Exception, what: str) -> HTTPError:
+    def _write_error(self, exc: Exception, what: str, topic: str = "join tokens") -> HTTPError:
+        """The admin API's 503 for a write the database refused (``exc``: not the leader, or it failed)."""
         from .leader import NotLeader
 
         if isinstance(exc, NotLeader):
@@ -1221,7 +1222,7 @@ class ControlPlane:
                 status=503, type="service_unavailable_error", code="not_leader", retry_after=1,
                 headers=((b"llmgw-leader", li.admin_address.encode()),) if li and li.admin_address else None,
             )
-        log.error("join tokens: the database failed: %s", exc)
+        log.error("%s: the database failed: %s", topic, exc)
         return HTTPError(f"the control plane's database failed ({type(exc).__name__}); {what}: retry", status=503,
                          type="service_unavailable_error", code="database_unavailable", retry_after=1)
 
@@ -1248,7 +1249,7 @@ class ControlPlane:
             async with lead.transaction() as (tx, epoch):
                 await ApiTokenStore(db).insert(tx, (tid, name, tok.digest.hex(), now, tok.expires_at), epoch)
         except (NotLeader, DatabaseError, asyncio.TimeoutError) as exc:
-            raise self._token_write_error(exc, "no token was made") from None
+            raise self._write_error(exc, "no token was made") from None
         self.api_tokens.put(tok)
         log.info("join token %s%s made%s", tid, f" ({name})" if name else "",
                  f", expires in {expires_in:g}s" if expires_in is not None else "")
@@ -1284,7 +1285,7 @@ class ControlPlane:
         try:
             await self._load_api_tokens()
         except DatabaseError as exc:
-            raise self._token_write_error(exc, "nothing was revoked") from None
+            raise self._write_error(exc, "nothing was revoked") from None
         tok = self.api_tokens.get(token_id)
         if tok is None:
             return None
@@ -1295,7 +1296,7 @@ class ControlPlane:
                 async with lead.transaction() as (tx, epoch):
                     changed = await ApiTokenStore(db).revoke(tx, token_id, now, epoch) == 1
             except (NotLeader, DatabaseError, asyncio.TimeoutError) as exc:
-                raise self._token_write_error(exc, "nothing was revoked") from None
+                raise self._write_error(exc, "nothing was revoked") from None
         nodes = self.api_tokens.revoked(token_id, now)
         self._cut_mirror()  # (changed or not: a revoke whose answer was lost, or made by the last leader)
         if changed:
@@ -1543,9 +1544,7 @@ class ControlPlane:
             try:
                 await self._forget_node(name)
             except (NotLeader, DatabaseError) as exc:
-                raise HTTPError(f"cannot forget node {name!r} now: {exc}", status=503,
-                                type="service_unavailable_error", code="not_leader"
-                                if isinstance(exc, NotLeader) else "database_unavailable", retry_after=1) from None
+                raise self._write_error(exc, f"node {name} was not forgotten", topic=f"forgetting node {name}") from None
         if self.nodes.get(name) is st:  # (not registered again meanwhile)
             self.service._deregister(st.node_id, "forgotten by the operator (llmgw ctl forget)")
         return view
