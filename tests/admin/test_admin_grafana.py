@@ -10,6 +10,7 @@ from typing import Any
 from admin_helpers import Engine, admin_of, admin_port, chat, client_port, http, running, wait_for
 
 from canary import secret
+from ports import free_port as _free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 DASHBOARD = ROOT / "deploy" / "grafana" / "llmgw.json"
@@ -41,14 +42,6 @@ def documented_labels() -> dict[str, set[str]]:
     for name, labels in re.findall(r"^\| `(llmgw_[a-z0-9_]+)` \| \w+ \|([^|]*)\|", (ROOT / "docs/metrics.md").read_text(), re.M):
         out[name] = set(re.findall(r"`([a-z_]+)`", labels))
     return out
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 async def _register_a_node(target: str) -> None:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import json
 import shutil
-import socket
 import subprocess
 import urllib.parse
 import urllib.request
@@ -24,14 +23,10 @@ import pytest
 from admin_helpers import Engine, admin_port, client_port, running
 from test_admin_grafana import DASHBOARD, queries
 
+from ports import free_port as _free_port
+
 PROMETHEUS = shutil.which("prometheus")
 pytestmark = pytest.mark.needs_tool("prometheus", install="apt-get install prometheus")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _query(port: int, expr: str) -> dict[str, Any]:

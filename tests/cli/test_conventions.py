@@ -14,7 +14,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -24,6 +23,7 @@ from pathlib import Path
 import pytest
 
 from llmgw.testing.gguf_model import write_tiny_llama
+from ports import free_port as _free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "llmgw.example.yaml"
@@ -141,12 +141,6 @@ def test_errors_are_one_line_exit_1(tmp_path: Path, args: tuple[str, ...], needl
 
 
 # -- --json on stdout alone --
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.fixture(scope="module")

@@ -14,11 +14,7 @@ from pathlib import Path
 import openai
 import pytest
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from ports import free_port as _free_port
 
 
 def _start(*args: str, cwd: Path) -> tuple[subprocess.Popen[str], list[str]]:

@@ -6,7 +6,6 @@ import asyncio
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -20,16 +19,11 @@ from prometheus_client.parser import text_string_to_metric_families
 from canary import check_text, secret
 from llmgw.config import load
 from llmgw.runtime import GatewayRuntime, components_for
+from ports import free_port as free_port  # (re-exported: the control tests take it from here)
 
 HERE = Path(__file__).resolve().parent
 TOKEN = secret("join-for-tests-7f3a")
 INTERVAL = 0.2
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def control_config(port: int, **control: Any) -> Any:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import socket
 import statistics
 import time
 from collections.abc import AsyncIterator
@@ -25,18 +24,13 @@ import pytest
 from llmgw.config import load
 from llmgw.http.server import HTTPServer
 from llmgw.runtime import GatewayRuntime
+from ports import free_port as _free_port
 
 PAGE = (
     b'vllm:num_requests_running{model_name="m"} 0\n'
     b'vllm:num_requests_waiting{model_name="m"} %d\n'
     b'vllm:kv_cache_usage_perc{model_name="m"} 0.1\n'
 )
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class Engine:

@@ -13,15 +13,9 @@ from typing import Any
 
 import orjson
 
+from ports import free_port
+
 TOKEN_ENV = "LLMGW_JOIN_TOKEN"
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 async def http(port: int, method: str, path: str, timeout: float = 5.0, body: Any = None,

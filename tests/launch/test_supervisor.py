@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import socket
+import struct
 import subprocess
+import threading
 from pathlib import Path
 
 import orjson
@@ -13,7 +16,7 @@ from canary import secret
 from launch.helpers import Watched
 from llmgw.config.agent import AgentEngineConfig
 from llmgw.launch.spec import FAILED, STARTING, STOPPED, ModelBlob, ReplicaSpec
-from llmgw.launch.supervisor import fingerprint, process_start_time
+from llmgw.launch.supervisor import fingerprint, http_status, process_start_time
 
 KEY = secret("replica")
 
@@ -90,3 +93,36 @@ async def test_records_of_other_processes_are_not_adopted(tmp_path: Path) -> Non
         other.kill()
         other.wait()
     assert os.path.isdir(state / "logs")
+
+
+async def test_a_probe_of_a_port_that_resets_every_connection_answers_none() -> None:
+    """A health probe of an engine that is dying (it accepts, then resets) is "no answer", never an error.
+
+    On uvloop a write to a connection the peer has reset already raises RuntimeError, not OSError; once
+    that escaped the probe and failed the replica's supervision (leaving the engine unreaped).
+    """
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(512)
+    srv.settimeout(0.2)
+    port = srv.getsockname()[1]
+    done = threading.Event()
+
+    def reset_all() -> None:
+        while not done.is_set():
+            try:
+                conn, _ = srv.accept()
+            except TimeoutError:
+                continue
+            conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            conn.close()
+
+    t = threading.Thread(target=reset_all)
+    t.start()
+    try:
+        answers = [await http_status("127.0.0.1", port, "/health", timeout=2.0) for _ in range(400)]
+    finally:
+        done.set()
+        t.join(5)
+        srv.close()
+    assert answers == [None] * 400

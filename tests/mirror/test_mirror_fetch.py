@@ -35,6 +35,7 @@ from llmgw.mirror.fetch import MirrorFetcher
 from llmgw.mirror.resolve import find, kv_cache_bytes, memory_needed, resolve
 from llmgw.mirror.serve import RangeNotSatisfiableError, parse_range
 from llmgw.runtime import GatewayRuntime, components_for
+from ports import free_port as _free_port
 from tools import need
 
 JOIN = "join-token-for-mirror-tests"
@@ -63,14 +64,6 @@ class Mirror:
     def spec(self, rid: str = "chat-1") -> ReplicaSpec:
         return ReplicaSpec(id=rid, deployment="chat", engine="llamacpp", model="tiny:1b", served_name="tiny",
                            blobs=self.blobs)
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @contextlib.asynccontextmanager
@@ -702,8 +695,6 @@ async def test_fetcher_refuses_a_bad_url(tmp_path: Path) -> None:
         assert (fetcher.base_url, fetcher.credential) == ("https://mirror.example:8443", "d")
     finally:
         await fetcher.close()
-
-
 
 
 def test_a_failed_write_beats_a_read_that_broke_meanwhile(tmp_path: Path) -> None:

@@ -35,19 +35,12 @@ from llmgw.cli.ctl import ctl
 from llmgw.config import load
 from llmgw.mirror import MirrorStore, import_file
 from llmgw.runtime import GatewayRuntime, components_for
+from ports import free_port as _free
 
 pytestmark = [pytest.mark.real_engine, pytest.mark.timeout(180)]
 
 TOKEN = secret("join-e2e")
 NAME = "tiny"
-
-
-def _free() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 async def until(cond: Callable[[], Any], timeout: float, what: str, every: float = 0.05) -> Any:

@@ -250,7 +250,7 @@ async def _http(port: int, method: str, path: str, key: str | None, body: bytes 
             head += ["Content-Type: application/json", f"Content-Length: {len(body)}"]
         writer.write(("\r\n".join(head) + "\r\n\r\n").encode() + body)
         raw = await asyncio.wait_for(reader.read(-1), timeout)
-    except (OSError, asyncio.TimeoutError) as exc:
+    except (OSError, asyncio.TimeoutError, RuntimeError) as exc:  # (RuntimeError: uvloop, the peer closed)
         return None, str(exc).encode()
     finally:
         writer.close()

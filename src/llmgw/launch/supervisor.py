@@ -176,11 +176,12 @@ async def http_status(host: str, port: int, path: str, timeout: float = 2.0,
         line = await asyncio.wait_for(reader.readline(), timeout)
         parts = line.split()
         return int(parts[1]) if len(parts) >= 2 and parts[1].isdigit() else None
-    except (OSError, asyncio.TimeoutError, ValueError):
+    except (OSError, asyncio.TimeoutError, ValueError, RuntimeError):
+        # (RuntimeError: uvloop's word for a write on a transport the peer closed meanwhile)
         return None
     finally:
         writer.close()
-        with contextlib.suppress(OSError):
+        with contextlib.suppress(OSError, RuntimeError):
             await writer.wait_closed()
 
 
@@ -506,12 +507,29 @@ class ReplicaSupervisor:
             raise
         except Exception as exc:  # a bug here must show as a failed replica, not vanish
             log.exception("replica %s: supervision failed", rep.id)
-            if rep.pid is not None:
-                _kill_group(rep.pid, signal.SIGKILL)
+            await self._kill_and_collect(rep)
             self._end(rep, FAILED, f"the agent's supervision failed: {type(exc).__name__}: {exc}")
         finally:
             if rep.popen is not None and rep.popen.poll() is not None:
                 rep.popen = None
+
+    @staticmethod
+    async def _kill_and_collect(rep: _Replica) -> None:
+        """SIGKILL what is left of the engine's group and collect its status (waiting a bounded while)."""
+        if rep.pid is None:
+            return
+        _kill_group(rep.pid, signal.SIGKILL)
+        popen = rep.popen
+        if popen is None:
+            return
+        for _ in range(100):  # 5 s at most
+            if popen.poll() is not None:
+                rep.popen = None
+                return
+            await asyncio.sleep(0.05)
+        log.warning("replica %s: pid %d survives SIGKILL; left to be reaped later", rep.id, rep.pid)
+        _DETACHED.append(popen)
+        rep.popen = None
 
     def _end(self, rep: _Replica, state: str, message: str | None) -> None:
         rep.task = None
