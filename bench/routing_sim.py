@@ -61,7 +61,7 @@ The routers
     Each request arrives at one router chosen at random. A router sees only its own
     dispatches and completions, plus a scrape of every replica every
     ``--scrape-interval`` (100 ms, at a random phase per router) that reaches it
-    10-30 ms after it was taken (so numbers between scrapes are stale-ish, and the
+    10-30 ms after it was taken (``--scrape-delay``; so numbers between scrapes are stale-ish, and the
     requests the other routers sent meanwhile are invisible to it). With ``prefix``,
     the routers share conversation routes as the gateway does (``routing.prefix.share``,
     llmgw.fleet.share): the pick of each turn that has a session or follows an earlier
@@ -394,8 +394,10 @@ class Sim:
         load_bound: float = 0.25,
         explain: bool = False,
         share: float = 0.0,
+        scrape_delay: tuple[float, float] = (0.010, 0.030),
     ) -> None:
         self.mod = mod
+        self.scrape_delay = scrape_delay
         # routes shared between routers (llmgw.fleet.share): a conversation turn's pick reaches the
         # other routers' pickers this many seconds later (0: routers share nothing)
         self.share = share if strategy == "prefix" and routers > 1 else 0.0
@@ -482,7 +484,7 @@ class Sim:
                 for st in self.states[payload]:
                     st.on_scrape_sent()
                 snap = self.snapshot()
-                self.at(now + self.rng.uniform(0.010, 0.030), EV_DELIVER, (payload, snap))
+                self.at(now + self.rng.uniform(*self.scrape_delay), EV_DELIVER, (payload, snap))
                 self.at(now + self.scrape_interval, EV_SNAP, payload)
             else:  # EV_DELIVER
                 router, snap = payload
@@ -774,6 +776,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="prefix with several routers: conversation routes reach the other routers S seconds "
                          "after the pick (routing.prefix.share: a 100 ms flush and the relay); 0: none shared")
     ap.add_argument("--scrape-interval", type=float, default=0.1)
+    ap.add_argument("--scrape-delay", default="0.010,0.030", metavar="LO,HI",
+                    help="seconds from a scrape's taking to its landing at the router, drawn uniformly in [LO, HI]")
     ap.add_argument("--stale-after", type=float, default=1.0)
     ap.add_argument("--warmup", type=float, default=10.0, help="seconds of arrivals left out of the figures")
     ap.add_argument("--slo", type=float, default=2.0, help="TTFT target for goodput (s)")
@@ -793,6 +797,13 @@ def main(argv: list[str] | None = None) -> int:
         args.workload, args.seed, args.requests, args.load, max(router_counts), fleet, args.session_ids,
         args.shared_prompts,
     )
+    try:
+        lo, hi = (float(x) for x in args.scrape_delay.split(","))
+    except ValueError:
+        ap.error("--scrape-delay: expected LO,HI in seconds (for example 0.010,0.030)")
+    if not 0.0 <= lo <= hi:
+        ap.error("--scrape-delay: expected 0 <= LO <= HI")
+    scrape_delay = (lo, hi)
     results = []
     explained: list[tuple[str, int, dict[str, Any]]] = []
     t0 = time.perf_counter()
@@ -800,7 +811,7 @@ def main(argv: list[str] | None = None) -> int:
         for routers in router_counts:
             sim = Sim(
                 mod, strategy, routers, base, args.seed, args.scrape_interval, args.stale_after, fleet, oracle,
-                args.load_bound, args.explain, args.share,
+                args.load_bound, args.explain, args.share, scrape_delay,
             )
             sim.run()
             name = strategy + ("*" if oracle else "")
