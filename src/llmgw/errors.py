@@ -33,6 +33,7 @@ __all__ = [
     "PromParseError",
     "RateLimitedError",
     "ShuttingDownError",
+    "StartupError",
     "UnauthorizedError",
     "UpstreamAuthError",
 ]
@@ -44,6 +45,11 @@ class LlmgwError(Exception):
 
 class InternalError(LlmgwError, AssertionError):
     """A bug in llmgw itself: an invariant did not hold."""
+
+
+class StartupError(LlmgwError, RuntimeError):
+    """A part of the process could not start (a database it cannot use, an address it cannot
+    bind); the message is whole: what failed, why, and what to do. ``llmgw serve`` prints it as is."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -220,10 +220,6 @@ class GatewayRuntime:
         rewrites = {m.name: m.upstream_name for m in cfg.models.values() if m.upstream_name}
         self.poller = Poller(registry, cfg.scrape, model_rewrites=rewrites, on_update=gateway.on_scrape)
         self.poller.sync()
-        log.info(
-            "gateway listening on http://%s:%d (admin http://%s:%d), %d replicas of %d models",
-            *self.listen_addr, *self.admin_addr, len(registry.endpoints), len(registry.by_model),
-        )
         if self.component_factories:
             parts = Parts(
                 config=self._config, registry=registry, gateway=gateway, admin=admin, fleet=self,
@@ -238,6 +234,11 @@ class GatewayRuntime:
             except BaseException:
                 await self.stop()
                 raise
+        # (after the components: a control plane that cannot start must not read as a gateway that did)
+        log.info(
+            "gateway listening on http://%s:%d (admin http://%s:%d), %d replicas of %d models",
+            *self.listen_addr, *self.admin_addr, len(registry.endpoints), len(registry.by_model),
+        )
 
     # -- run-time changes (the management API and SIGHUP use these: admin.ports.FleetControl) --
 

@@ -139,3 +139,51 @@ def test_sigint_stops_cleanly(tmp_path: Path) -> None:
     _, err = proc.communicate(timeout=15)
     assert proc.returncode == 0, err
     assert "shutting down" in err
+
+
+def _serve_config(tmp_path: Path, control: str) -> Path:
+    cfg = tmp_path / "llmgw.yaml"
+    cfg.write_text(
+        "listen: 127.0.0.1:0\nadmin: 127.0.0.1:0\n"
+        "endpoints:\n  - {id: e0, url: 'http://127.0.0.1:9', model: m, engine: vllm}\n"
+        f"control:\n  listen: 127.0.0.1:0\n  join_token_env: QA_JOIN\n{control}"
+    )
+    return cfg
+
+
+def _serve_fails(tmp_path: Path, cfg: Path, **env: str) -> str:
+    res = subprocess.run(
+        [sys.executable, "-m", "llmgw", "serve", "-c", str(cfg)], capture_output=True, text=True, timeout=60,
+        cwd=tmp_path, env={**os.environ, "QA_JOIN": "join-token-for-the-test", **env},
+    )
+    assert res.returncode == 1, res
+    assert "Traceback" not in res.stderr, res.stderr
+    assert "gateway listening" not in res.stderr + res.stdout  # (it did not start: nothing says it did)
+    return res.stderr.strip().splitlines()[-1]
+
+
+def test_a_database_that_cannot_be_reached_is_one_line_naming_the_fix(tmp_path: Path) -> None:
+    closed = _free_port()
+    cfg = _serve_config(tmp_path, "  database_env: QA_DB\n")
+    last = _serve_fails(tmp_path, cfg, QA_DB=f"postgresql://llmgw:pw-Secret-77@127.0.0.1:{closed}/llmgw")
+    assert last.startswith(f"llmgw: error: control.database: postgresql://llmgw:***@127.0.0.1:{closed}"
+                           "/llmgw: ConnectionRefusedError"), last
+    assert last.endswith("(is PostgreSQL running and listening at that host and port?)"), last
+    assert "--listen" not in last and "Secret-77" not in last
+
+
+@pytest.mark.parametrize("url", [
+    "postgresql//llmgw:pw-Secret-77@127.0.0.1:5432/llmgw",  # (the colon forgotten)
+    "postgresql:/llmgw:pw-Secret-77@127.0.0.1:5432/llmgw",
+    "postgresql://llmgw:pw@Secret-77@127.0.0.1:5432/llmgw",  # (an "@" in the password, not encoded)
+    "postgresql://llmgw:pw-Secret-77@127.0.0.1:notaport/llmgw",
+])
+def test_a_mistyped_database_url_is_refused_by_check_config_without_its_password(tmp_path: Path, url: str) -> None:
+    cfg = _serve_config(tmp_path, "  database_env: QA_DB\n")
+    env = {**os.environ, "QA_JOIN": "join-token-for-the-test", "QA_DB": url}
+    res = subprocess.run([sys.executable, "-m", "llmgw", "check-config", str(cfg)], capture_output=True, text=True,
+                         timeout=30, cwd=tmp_path, env=env)
+    assert res.returncode == 1 and "Traceback" not in res.stderr, res
+    assert "control.database_env" in res.stderr and "***" in res.stderr, res.stderr
+    assert "Secret-77" not in res.stderr + res.stdout
+    assert "Secret-77" not in _serve_fails(tmp_path, cfg, QA_DB=url)

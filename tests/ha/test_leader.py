@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import sqlite3
 from pathlib import Path
 
@@ -134,6 +135,33 @@ def test_a_database_password_is_never_shown() -> None:
     with pytest.raises(ConfigError) as ei:
         open_database("mysql://u:pw-9f@db/x")
     assert "pw-9f" not in str(ei.value)
+    # mistyped, or a password with an unencoded "@": still never shown
+    for url, shown in [
+        ("postgresql//llmgw:pw-9f@db:5432/llmgw", "postgresql//llmgw:***@db:5432/llmgw"),
+        ("postgresql:/llmgw:pw-9f@db/llmgw", "postgresql:/llmgw:***@db/llmgw"),
+        ("postgresql:///llmgw:pw-9f@db/llmgw", "postgresql:///llmgw:***@db/llmgw"),
+        ("postgres//u:pw-9f@db/d", "postgres//u:***@db/d"),
+        ("postgresql://u:pw@9f-x:9f@db:5432/d", "postgresql://u:***@db:5432/d"),
+        ("u:pw-9f@db/d", "***@db/d"),
+    ]:
+        assert redact(url) == shown, url
+        with contextlib.suppress(ConfigError):
+            open_database(url)
+    for url, says in [("postgresql://u:pw@9f-x@db/d", "percent-encode"), ("postgresql://u:pw-9f@db:x9f/d", "no port")]:
+        with pytest.raises(ConfigError, match=says) as ei:
+            open_database(url)
+        assert "9f" not in str(ei.value).replace("x9f", ""), str(ei.value)
+
+
+async def test_a_database_that_does_not_exist_says_to_create_it(pg_dsn: str) -> None:
+    from llmgw.control.db import DatabaseError
+
+    db = open_database(pg_dsn.rsplit("/", 1)[0] + "/no_such_database_here")
+    with pytest.raises(DatabaseError) as ei:
+        await db.open()
+        await db.migrate()
+    await db.close()
+    assert "InvalidCatalogNameError" in str(ei.value) and "create the database" in str(ei.value), str(ei.value)
 
 
 async def test_what_one_term_queued_is_never_written_by_the_next(pg_dsn: str) -> None:

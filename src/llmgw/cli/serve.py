@@ -16,7 +16,7 @@ import click
 
 from .. import __version__
 from ..config import Config, EndpointConfig, ModelConfig, find_config, load, load_file
-from ..errors import ConfigError
+from ..errors import ConfigError, StartupError
 from ..log import current_format, server_logger
 from ._common import Fail, echo_err, hostport, run_loop
 
@@ -160,7 +160,7 @@ async def _serve(cfg: Config, demo: bool) -> int:
         runtime = GatewayRuntime(cfg, components=components_for(cfg))
         try:
             await runtime.start()
-        except ConfigError as exc:
+        except (ConfigError, StartupError) as exc:
             raise Fail(str(exc)) from None
         except OSError as exc:
             raise Fail(f"{exc.strerror or exc} (choose another address with --listen / --admin)") from None

@@ -41,6 +41,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mappin
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import unquote, urlsplit
 
 from ..errors import ConfigError
 from ..log import control_logger as log
@@ -336,7 +337,7 @@ class PostgresDatabase(Database):
                 max_inactive_connection_lifetime=0, reset=_no_reset,  # (renewed every lease/3: it stays open)
             )
         except (OSError, asyncpg.PostgresError, asyncio.TimeoutError, ValueError) as exc:
-            raise DatabaseError(f"cannot open {redact(self.url)}: {type(exc).__name__}: {exc}") from exc
+            raise DatabaseError(f"cannot open {redact(self.url)}: {_said(exc, self.url)}{_fix(exc)}") from exc
 
     async def close(self) -> None:
         for pool in (self.pool, self.lease_pool):
@@ -357,10 +358,56 @@ class PostgresDatabase(Database):
         try:
             async with pool.acquire(timeout=timeout or self.connect_timeout) as conn, conn.transaction():
                 yield _PgTx(conn, timeout)
-        except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
-            raise DatabaseError(f"{redact(self.url)}: {type(exc).__name__}: {exc}") from exc
+        except ConfigError:
+            raise  # (the body's own: a ValueError, but no driver's)
+        except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError, ValueError) as exc:
+            # (ValueError: asyncpg's own parse of a URL the config check let through)
+            raise DatabaseError(f"{redact(self.url)}: {_said(exc, self.url)}{_fix(exc)}") from exc
         except asyncio.TimeoutError as exc:
             raise DatabaseError(f"{redact(self.url)}: no answer within {timeout or self.connect_timeout:g}s") from exc
+
+
+def _said(exc: BaseException, url: str) -> str:
+    """``exc`` as one line, without the URL's password (a driver's parse error may quote it)."""
+    text = f"{type(exc).__name__}: {exc}".splitlines()[0] if str(exc) else type(exc).__name__
+    password = _password(url)
+    if password:
+        text = text.replace(password, "***")
+        for part in password.split("@"):  # (an unencoded "@" splits it where a parser cut it)
+            if len(part) >= 4:
+                text = text.replace(part, "***")
+    return text
+
+
+def _password(url: str) -> str:
+    try:
+        return unquote(urlsplit(url).password or "")
+    except ValueError:
+        return ""
+
+
+# PostgreSQL's refusals at start, by the driver's class name: what to do about each
+_FIXES = {
+    "InvalidPasswordError": "check the user and password in the URL",
+    "InvalidAuthorizationSpecificationError": "check the user in the URL (and pg_hba.conf for this host)",
+    "InvalidCatalogNameError": "create the database (createdb NAME) or name one that exists",
+    "InsufficientPrivilegeError": "let the user create tables there (GRANT CREATE ON SCHEMA public TO USER)",
+    "DuplicateTableError": "the database holds tables llmgw did not make: give llmgw a database of its own",
+    "UndefinedColumnError": "the database holds tables llmgw did not make: give llmgw a database of its own",
+    "UndefinedTableError": "the database holds tables llmgw did not make: give llmgw a database of its own",
+    "ConnectionRefusedError": "is PostgreSQL running and listening at that host and port?",
+    "ClientConfigurationError": "check the URL's query parameters (sslmode=disable|prefer|require|verify-full, ...)",
+    "ValueError": "check the URL: a password with special characters must be percent-encoded (%40 for '@')",
+    "TimeoutError": "is the host reachable, and PostgreSQL listening there?",
+}
+
+
+def _fix(exc: BaseException) -> str:
+    for cls in type(exc).__mro__:
+        fix = _FIXES.get(cls.__name__)
+        if fix is not None:
+            return f" ({fix})"
+    return ""
 
 
 # -- SQLite --

@@ -18,6 +18,7 @@ Pure (stdlib only): the config loader checks a URL with it before anything start
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -41,16 +42,30 @@ class DatabaseURL:
 
 
 def redact(url: str) -> str:
-    """The URL without its password (for logs and errors)."""
-    try:
-        parts = urlsplit(url)
-        password = parts.password
-    except ValueError:
-        return url.split("@", 1)[-1] if "@" in url else url
-    if password is None:
+    """The URL without its password (for logs and errors), whatever its shape.
+
+    SECURITY: not only well-formed URLs: a mistyped one (``postgresql//u:pw@h/db``,
+    ``postgresql:///u:pw@h``) or a password with an unencoded ``@`` must not show either.
+    Whatever stands between the scheme and the last ``@`` is the user information; what
+    follows its first ``:`` is masked.
+    """
+    m = _USERINFO.match(url)
+    if m is None:
+        scheme = _SCHEME.match(url)
+        if "@" not in url or (scheme is not None and scheme.group(1).lower() in ("postgresql", "postgres")):
+            return url  # (no password in it)
+        return "***@" + url.rpartition("@")[2]  # no scheme to go by: nothing before the last "@" shows
+    user, _, password = m.group("userinfo").partition(":")
+    if not password:
         return url
-    netloc = parts.netloc.rsplit("@", 1)
-    return url.replace(parts.netloc, f"{parts.username or ''}:***@{netloc[-1]}", 1)
+    return f"{m.group('scheme')}{user}:***@{m.group('rest')}"
+
+
+# the scheme (its colon and slashes, mistyped or not), the user information up to the last "@", the rest
+_SCHEME = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*)(?::/*|/+)")
+_USERINFO = re.compile(
+    r"(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*(?::/*|/+))(?P<userinfo>[^/:@]*:.*)@(?P<rest>[^@]*)\Z", re.S
+)
 
 
 def parse_database_url(url: str) -> DatabaseURL:
@@ -63,6 +78,23 @@ def parse_database_url(url: str) -> DatabaseURL:
     if scheme in ("postgresql", "postgres"):
         if not url[len(scheme):].startswith("://"):
             raise ConfigError("control.database", f"{redact(url)[:80]!r}: write postgresql://USER@HOST:PORT/DB")
+        netloc = urlsplit(url).netloc
+        if netloc.count("@") > 1:
+            raise ConfigError(
+                "control.database",
+                f"{redact(url)[:80]!r}: the user or password holds an '@': percent-encode it (%40; ':' in the "
+                "user is %3A, '/' %2F)",
+            )
+        hostport = netloc.rpartition("@")[2]
+        port = hostport.rpartition("]")[2] if hostport.startswith("[") else hostport
+        if ":" in port:
+            digits = port.rpartition(":")[2]
+            if not (digits.isdigit() and 0 < int(digits) < 65536):
+                raise ConfigError(
+                    "control.database",
+                    f"{redact(url)[:80]!r}: the port {digits[:20]!r} is no port number (1-65535); a password with "
+                    "special characters must be percent-encoded (%40 for '@', %2F for '/')",
+                )
         return DatabaseURL("postgresql", url)
     if scheme == "sqlite":
         rest = url[len("sqlite:"):]

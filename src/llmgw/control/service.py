@@ -47,7 +47,7 @@ from ..agent.wire import (
     status_from_proto,
 )
 from ..config.loading import plaintext_off_loopback
-from ..errors import ConfigError, HTTPError
+from ..errors import ConfigError, HTTPError, StartupError
 from ..log import control_logger as log
 from ..mirror.serve import BlobServer
 from . import limits
@@ -936,7 +936,7 @@ class ControlPlane:
         except DatabaseError as exc:
             await db.close()
             self.db = None
-            raise OSError(f"control.database: {exc}") from None
+            raise StartupError(f"control.database: {exc}") from None
         log.info("control-plane state in %s", redact(db.url))
         try:
             await self._load_api_tokens()
@@ -1031,9 +1031,9 @@ class ControlPlane:
         try:
             bound = server.add_secure_port(addr, creds) if creds is not None else server.add_insecure_port(addr)
         except RuntimeError as exc:
-            raise OSError(f"control.listen: cannot bind {addr} ({exc})") from None
+            raise StartupError(f"control.listen: cannot bind {addr} ({exc}): choose another control.listen") from None
         if not bound:
-            raise OSError(f"control.listen: cannot bind {addr}")
+            raise StartupError(f"control.listen: cannot bind {addr} (in use?): choose another control.listen")
         await server.start()
         return server, bound
 
