@@ -19,6 +19,7 @@ import contextlib
 import hashlib
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -147,6 +148,23 @@ async def _chat(port: int, model: str, key: str | None = None) -> int:
     return status
 
 
+async def _gateway_up(p: Serve) -> bool:
+    try:
+        status, _, _ = await http(p.admin, "GET", "/health", 2.0)
+    except (OSError, asyncio.TimeoutError):
+        return False
+    return status == 200
+
+
+async def _no_replicas(p: Serve) -> bool:
+    """Whether ``p``'s own router has no replica of a deployment (it has no static endpoints)."""
+    try:
+        status, _, body = await p.api("GET", "/admin/v1/endpoints")
+    except (OSError, asyncio.TimeoutError):
+        return False
+    return status == 200 and body["endpoints"] == []
+
+
 async def test_kill_the_leader_while_scaling_nothing_is_lost_and_no_replica_launched_twice(
     tmp_path: Path, pg_dsn: str
 ) -> None:
@@ -235,6 +253,19 @@ async def test_kill_the_leader_while_scaling_nothing_is_lost_and_no_replica_laun
         finally:
             await conn.close()
         assert "Traceback" not in standby.stderr(), standby.stderr()[-3000:]
+
+        # the killed process back (a standby); the leader paused past its lease: the other one leads,
+        # and the paused one, resumed, steps down; a lease later its own data path routes to none of
+        # its last term's replicas (as a standby that never led), not to a copy frozen at that term
+        leader.start()
+        await wait_until(lambda: _gateway_up(leader), 30, "the restarted process answering")
+        standby.signal(signal.SIGSTOP)
+        await wait_until(leader.leading, LEASE * 4, "the restarted process leading")
+        standby.signal(signal.SIGCONT)
+        await wait_until(lambda: _no_replicas(standby), LEASE * 4, "the stepped-down process dropping its replicas")
+        assert "stops routing to the" in standby.stderr()
+        await wait_until(lambda: _ready(leader, "chat", want), 60, f"chat at {want} on the leader again")
+        assert await _chat(leader.gateway, "chat") == 200
     finally:
         if router is not None:
             router.stop()

@@ -896,6 +896,7 @@ class ControlPlane:
         self._in_router: frozenset[str] = frozenset()
         """Endpoints the last term's controller left in the router (the next one takes them over)."""
         self._stopping: list[asyncio.Future[None]] = []
+        self._terms_ended = 0  # (counts the steps down: a later one cancels an earlier one's forgetting)
         """The epoch whose state is loaded: this process acts as leader only when it is the current one."""
 
     def _router_token_ok(self, given: str) -> bool | None:
@@ -1382,6 +1383,13 @@ class ControlPlane:
             self._attach_deployments(None)
             self._stopping = [f for f in self._stopping if not f.done()]
             self._stopping.append(asyncio.ensure_future(ctl.stop()))
+            if self._in_router:
+                # ... for a lease: re-elected by then, the next term takes them over; else another
+                # process leads, and this one's data path drops them, as a standby that never led has
+                # none (a copy frozen at its last term would route to replicas scaled away since)
+                self._terms_ended += 1
+                asyncio.get_running_loop().call_later(self._control().lease, self._forget_last_term,
+                                                      self._terms_ended)
         # the agents' streams end (on the control loop, where they run): they go to the new leader
         self.follow_hub.settled = _never
         if self.thread is not None:
@@ -1391,6 +1399,18 @@ class ControlPlane:
             self.service.cancel_streams()
             self.router_service.end_streams()
         self.nodes.clear()
+
+    def _forget_last_term(self, term: int) -> None:
+        """A lease after stepping down, not leading again: the last term's replicas out of this router."""
+        if term != self._terms_ended or self.deployments is not None or not self._in_router:
+            return  # (re-elected meanwhile: the new term took them over; or stepped down again since)
+        gone, self._in_router = self._in_router, frozenset()
+        router = self.router
+        for eid in sorted(gone) if router is not None else ():
+            with contextlib.suppress(KeyError):
+                router.remove(eid)
+        log.info("no longer leading: this process's data path stops routing to the %d replica(s) of its last "
+                 "term (the leader's routers have them)", len(gone))
 
     def leading(self) -> bool:
         """Whether this process acts as the control plane now (always, without a database)."""
