@@ -93,6 +93,36 @@ async def test_one_leads_the_other_takes_over_and_the_old_epoch_is_fenced(pg_dsn
         await db_b.close()
 
 
+async def test_a_standby_that_cannot_read_the_lease_names_no_leader_once_it_ran_out(pg_dsn: str) -> None:
+    """While the database is out of reach a standby reads nothing: the leader it read last is named until
+    that lease has run out on its clock (and a renew period more), then none (the leader, out of reach
+    too, has stepped down by then), never one that may be gone."""
+    db_a, db_b = open_database(pg_dsn), open_database(pg_dsn)
+    await db_a.open()
+    await db_b.open()
+    try:
+        await db_a.migrate()
+        a = Leadership(db_a, holder="a", lease=LEASE, grpc_address="a:1", admin_address="http://a:2")
+        a.start()
+        await wait_for(a.acting, what="a leads")
+        b = Leadership(db_b, holder="b", lease=LEASE, grpc_address="b:1", admin_address="http://b:2")
+        b.start()
+        await wait_for(lambda: b.leader is not None, what="b read the lease")
+        assert b.other_leader() is not None
+        task = b._task  # b reads no more: as if the database were out of its reach
+        assert task is not None
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        assert b.other_leader() is not None  # (within the lease it read: still the leader)
+        await asyncio.sleep(LEASE + b.renew_every + 0.2)
+        assert b.other_leader() is None
+        await a.stop()
+    finally:
+        await db_a.close()
+        await db_b.close()
+
+
 async def test_a_newer_schema_is_refused(pg_dsn: str) -> None:
     db = open_database(pg_dsn)
     await db.open()

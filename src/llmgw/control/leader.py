@@ -128,6 +128,8 @@ class Leadership:
         self._last_error: str | None = None
         self._until_expiry: tuple[float, float] | None = None
         """(seconds the holder's lease had left by the database's clock, when that was read on ours)."""
+        self._leader_until: float | None = None
+        """When the other holder's lease, as last read, runs out (this process's clock)."""
 
     # -- state --
 
@@ -147,9 +149,17 @@ class Leadership:
         return self.leader.epoch if self.leader is not None else None
 
     def other_leader(self) -> LeaderInfo | None:
-        """The leader as last read when it is another process (standbys name it)."""
+        """The leader as last read when it is another process (standbys name it), unless its lease
+        has run out since on this process's clock with nothing read to say it was renewed (the
+        database is unreachable, say): then no leader is known, rather than one that may have
+        stepped down."""
         li = self.leader
-        return li if li is not None and li.holder != self.holder and li.holder else None
+        if li is None or li.holder == self.holder or not li.holder:
+            return None
+        until = self._leader_until
+        if until is not None and self.clock() > until + self.renew_every:
+            return None
+        return li
 
     # -- the loop --
 
@@ -238,6 +248,7 @@ class Leadership:
             if expires_at > now and holder and holder != self.holder and self.db.shared:
                 self.leader = LeaderInfo(holder, int(epoch), grpc_addr, admin_addr)
                 self._until_expiry = (float(expires_at) - float(now), self.clock())
+                self._leader_until = self.clock() + float(expires_at) - float(now)
                 return
             # (expired, or held by this very process: restarted on the same address, or deposed by
             # its own deadline; a new term either way, so what the old one might still write is fenced)
@@ -287,6 +298,7 @@ class Leadership:
             return
         if row is not None and row[0]:
             self.leader = LeaderInfo(row[0], int(row[1]), row[4], row[5])
+            self._leader_until = self.clock() + float(row[2]) - float(row[3])
         self._step_down("another control plane took the lease" if row is not None and row[0] != self.holder
                         else "the lease expired before it was renewed")
 
