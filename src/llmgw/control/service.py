@@ -1406,9 +1406,10 @@ class ControlPlane:
             return  # (re-elected meanwhile: the new term took them over; or stepped down again since)
         gone, self._in_router = self._in_router, frozenset()
         router = self.router
-        for eid in sorted(gone) if router is not None else ():
-            with contextlib.suppress(KeyError):
-                router.remove(eid)
+        if router is not None:
+            for eid in sorted(gone):
+                with contextlib.suppress(KeyError):
+                    router.remove(eid)
         log.info("no longer leading: this process's data path stops routing to the %d replica(s) of its last "
                  "term (the leader's routers have them)", len(gone))
 
