@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import subprocess
@@ -103,3 +104,31 @@ def test_replicas_listen_where_the_control_plane_sees_the_node() -> None:
     assert plain.bind_towards(("127.0.0.1", 7070)) == "127.0.0.1"
     assert NodeOptions(state_dir="/x", advertise="10.0.0.5").bind_towards(("127.0.0.1", 7070)) == "10.0.0.5"
     assert NodeOptions(state_dir="/x", advertise="gpu-7.example").bind_towards(("127.0.0.1", 7070)) == "0.0.0.0"
+
+
+async def test_an_agent_going_round_control_planes_that_are_away_logs_each_answer_once(tmp_path: Path) -> None:
+    """Three addresses, none answering, for 6 s: each address's failure and the round are said once, not
+    at every pass (a round takes about a second: it wrote about six lines a second), and the first
+    success after them says it connected."""
+    ports = [free_port() for _ in range(3)]
+    control = ",".join(f"127.0.0.1:{p}" for p in ports)
+    p = _agent("--control", control, "--token-env", "JOIN", "--name", "round-node", "--gpu-source", "none",
+               state=tmp_path)
+    try:
+        await asyncio.sleep(6.0)
+        async with control_runtime(ports[1]) as rt:
+            await wait_for(lambda: _node(rt, "round-node"), timeout=15, what="round-node up")
+            p.send_signal(signal.SIGTERM)
+            _, err = await asyncio.to_thread(p.communicate, timeout=15)  # (the control plane runs on this loop)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.communicate(timeout=10)
+    lines = [line for line in err.splitlines() if "control plane at" in line or "moving to" in line]
+    away = [line for line in lines if "Connection refused" in line]
+    assert len(away) == 3, lines  # (each address's refusal once, over some six rounds)
+    # a move is said beside a failure said (the control plane, leading a moment after it started, may
+    # first answer as a standby: one more), never on its own
+    assert sum("moving to" in line for line in lines) <= sum("UNAVAILABLE" in line for line in lines), lines
+    assert any(f"connected to the control plane at 127.0.0.1:{ports[1]}" in line
+               or f"control plane at 127.0.0.1:{ports[1]} reachable again" in line for line in err.splitlines()), err

@@ -35,6 +35,7 @@ in a worker thread, so a slow NVML call never stalls the loop.
 from __future__ import annotations
 
 import asyncio
+import logging
 import random
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -529,9 +530,11 @@ class AgentClient:
         if self._stream is call:
             self._wake.set()
 
-    def _move(self, target: str) -> None:
+    def _move(self, target: str, loud: bool = True) -> None:
         if target != self.target:
-            log.info("moving to the control plane at %s (from %s)", target, self.target)
+            # (quiet when it only repeats a round an outage already logged)
+            log.log(logging.INFO if loud else logging.DEBUG, "moving to the control plane at %s (from %s)",
+                    target, self.target)
             self.target = target
             self.switches += 1
 
@@ -559,7 +562,8 @@ class AgentClient:
         delay = self.backoff_initial
         registered = False
         retry = False  # the last call failed: try again after the backoff, not after another interval
-        last_error: str | None = None
+        said: set[str] = set()  # what went wrong since the last success, as logged (each said once)
+        failed_at: str | None = None  # the address that failed first since the last success
         tried: set[str] = set()  # addresses that failed since the last success or sleep: a round
         try:
             while not stop.is_set():
@@ -580,9 +584,13 @@ class AgentClient:
                         await self.heartbeat()
                     delay = self.backoff_initial
                     tried.clear()
-                    if last_error is not None:
-                        log.info("control plane at %s reachable again", self.target)
-                        last_error = None
+                    if said:
+                        if self.target == failed_at:
+                            log.info("control plane at %s reachable again", self.target)
+                        else:
+                            log.info("connected to the control plane at %s", self.target)
+                        said.clear()
+                        failed_at = None
                 except grpc.aio.AioRpcError as exc:
                     code = exc.code()
                     if code in _FATAL:
@@ -593,12 +601,18 @@ class AgentClient:
                         continue
                     msg = f"{code.name}: {exc.details()}"
                     hint = leader_hint(exc)
-                    if msg != last_error:
+                    said_now = f"{self.target} {msg}" not in said
+                    if said_now:  # (an outage that goes round the addresses logs each answer once)
                         log.warning("control plane at %s: %s; %s", self.target, msg,
                                     f"following the leader at {hint}" if hint and hint != self.target
                                     else "trying the next address" if len(self.targets) > 1
                                     else "retrying with backoff")
-                        last_error = msg
+                        said.add(f"{self.target} {msg}")
+                        if len(said) > 64:  # (bounded: answers that keep changing)
+                            said.clear()
+                            said.add(f"{self.target} {msg}")
+                    if failed_at is None:
+                        failed_at = self.target
                     await self._disconnect()
                     retry = True
                     tried.add(self.target)
@@ -608,12 +622,12 @@ class AgentClient:
                     untried = [t for t in self.targets[i + 1:] + self.targets[:i + 1] if t not in tried]
                     nxt = hint if hint and hint not in tried else (untried[0] if untried else None)
                     if nxt is not None:
-                        self._move(nxt)
+                        self._move(nxt, said_now)
                         registered = False
                         continue
                     tried.clear()
                     if len(self.targets) > 1 or self.target not in self.targets:  # (a hint's address: back to the list)
-                        self._move(self.targets[(i + 1) % len(self.targets)])
+                        self._move(self.targets[(i + 1) % len(self.targets)], said_now)
                         registered = False
                     # full jitter, capped at one interval (2 s with several control planes: a new leader
                     # is found within seconds): back within about an interval of its return

@@ -122,7 +122,6 @@ async def run_agent(
         loop.add_signal_handler(sig, on_signal, sig.name)
     controls: tuple[tuple[str, int], ...] = (control,) if isinstance(control[0], str) else control
     targets = [_target(hp) for hp in controls]
-    target = ",".join(targets)
     holder: list[AgentClient] = []
 
     def changed() -> None:
@@ -178,7 +177,7 @@ async def run_agent(
         await client.run(stop, reason=lambda: why["reason"])
         stopped = True
     except AgentRefused as exc:
-        raise Fail(f"the control plane at {target} refused this agent ({exc.code.name}): {exc}") from None
+        raise Fail(f"the control plane at {client.target} refused this agent ({exc.code.name}): {exc}") from None
     finally:
         if supervisor is not None:
             if not stopped and any(st.pid is not None for st in supervisor.statuses()):
