@@ -1205,8 +1205,15 @@ class ControlPlane:
                 raise
             except Exception as exc:  # (a bad row, a database error: said once per distinct failure, kept going)
                 msg = f"{type(exc).__name__}: {exc}"
+                if isinstance(exc, NotLeader):
+                    # (the term ended between the check and the write: the next pass reads as a standby;
+                    # the uses not recorded are kept for the next term this process leads)
+                    if msg != failed:
+                        log.info("join tokens: their last uses were not recorded: this control plane stopped leading")
+                    failed = msg
+                    continue
                 if msg != failed:
-                    if isinstance(exc, DatabaseError | NotLeader | asyncio.TimeoutError):
+                    if isinstance(exc, DatabaseError | asyncio.TimeoutError):
                         log.warning("join tokens: %s (retrying every %.1fs)", msg, every)
                     else:
                         log.error("join tokens: %s (retrying every %.1fs)", msg, every, exc_info=True)
