@@ -12,7 +12,7 @@ import pytest
 from cp_helpers import AgentProc, api, control_runtime, free_port, metrics, pick, wait_for
 from scenario import h100s, write_scenario
 
-from llmgw.errors import ConfigError
+from llmgw.errors import ConfigError, StartupError
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -110,7 +110,7 @@ async def test_cordons_survive_the_control_planes_restart_in_its_database(tmp_pa
 async def test_a_second_control_plane_on_one_sqlite_file_is_refused(tmp_path: Path) -> None:
     url = f"sqlite:///{tmp_path}/cp.sqlite3"
     async with control_runtime(free_port(), database=url):
-        with pytest.raises(OSError, match=r"another llmgw serve uses .*postgresql://"):
+        with pytest.raises(StartupError, match=r"another llmgw serve uses .*postgresql://"):
             async with control_runtime(free_port(), database=url):
                 pass
 
