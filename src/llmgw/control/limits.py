@@ -150,3 +150,29 @@ def trim(d: Any) -> str | None:
         _cut_text(p, _IB_TEXT)
     _cut_errors(d.errors)
     return what
+
+
+MAX_REPLICAS = 256
+"""Replica statuses a heartbeat carries (a node runs a handful; one per GPU, MIG devices counted, at most)."""
+MAX_REPLICA_MESSAGE = 4096
+"""Characters of a replica status's message (a log tail of a failed start is kept to ~2 KB by the agent)."""
+
+
+def trim_replicas(replicas: Any) -> str | None:
+    """Cut a heartbeat's replica statuses to the limits, in place; what was over (``None``: nothing)."""
+    over = None
+    if len(replicas) > MAX_REPLICAS:
+        del replicas[MAX_REPLICAS:]
+        over = f"more than {MAX_REPLICAS} replica statuses"
+    for r in replicas:
+        for f in ("id", "state"):
+            if len(getattr(r, f)) > MAX_TEXT:
+                setattr(r, f, getattr(r, f)[:MAX_TEXT])
+                over = over or f"a replica status's {f} over {MAX_TEXT} characters"
+        if len(r.message) > MAX_REPLICA_MESSAGE:
+            r.message = r.message[:MAX_REPLICA_MESSAGE]
+            over = over or f"a replica status's message over {MAX_REPLICA_MESSAGE} characters"
+        if r.HasField("log_path") and len(r.log_path) > 1024:
+            r.log_path = r.log_path[:1024]
+            over = over or "a replica status's log_path over 1024 characters"
+    return over

@@ -78,6 +78,8 @@ class NodeState:
     """Where its replicas are reached, as the agent said (``advertise:``); ``None``: :attr:`peer`'s host."""
     replicas: tuple[ReplicaStatus, ...] = ()
     """The replica statuses its latest heartbeat carried (agents of protocol 1.2 or later)."""
+    token: bytes = field(default=b"", repr=False)
+    """SHA-256 of the join token its registration used: only calls with that token speak for it."""
     _model: Discovery | None = field(default=None, repr=False)
     _wire: pb.Discovery | None = field(default=None, repr=False)
 

@@ -24,6 +24,7 @@ import hashlib
 import hmac
 import itertools
 import json
+import re
 import socket
 import time
 from collections.abc import Awaitable, Callable
@@ -164,6 +165,18 @@ def server_credentials(c: ControlConfig) -> grpc.ServerCredentials | None:
     )
 
 
+class _NotYours(Exception):
+    """A call for a node registered with another join token (it does not speak for that node)."""
+
+
+def _digest(token: str) -> bytes:
+    return hashlib.sha256(token.encode()).digest()
+
+
+def _same(a: bytes, b: bytes) -> bool:
+    return not a or hmac.compare_digest(a, b)  # (b"": a node recorded before tokens were kept: anyone's)
+
+
 class _Tokens:
     """The join tokens as SHA-256 digests, rebuilt when a reload changes them."""
 
@@ -185,7 +198,8 @@ class _Tokens:
 class _Stream:
     """One agent's heartbeat stream: answers the main loop decides, written on the control loop."""
 
-    __slots__ = ("acked", "closed", "context", "loop", "node", "queue", "replicas", "said", "said_at", "sent", "stats")
+    __slots__ = ("acked", "closed", "context", "loop", "node", "queue", "replicas", "said", "said_at", "sent", "stats",
+                 "token")
 
     def __init__(self, context: Any, loop: asyncio.AbstractEventLoop, stats: ControlStats) -> None:
         self.context = context
@@ -205,6 +219,8 @@ class _Stream:
         self.sent: int | None = None
         """The generation last sent on this stream (not again until the agent acknowledges another)."""
         self.closed = False
+        self.token = b""
+        """SHA-256 of the join token the stream's calls carry."""
 
     def push(self, item: Any) -> None:
         """Queue a response (or an ``(code, message)`` ending) for the agent; from any thread."""
@@ -596,13 +612,19 @@ class AgentService(agent_pb2_grpc.AgentServiceServicer):
         bad = [k for k, v in labels.items() if not k or len(k) > MAX_LABEL or len(v) > MAX_LABEL
                or not (k + v).isprintable()]
         advertise = request.advertise_address if request.HasField("advertise_address") else None
-        if len(labels) > MAX_LABELS or bad or (advertise is not None and (
-                not advertise or len(advertise) > MAX_NAME or any(c.isspace() for c in advertise))):
+        if len(labels) > MAX_LABELS or bad or (advertise is not None and _ADVERTISE.fullmatch(advertise) is None):
             self.stats.refuse("invalid_request")
             await self._abort(
                 context, "Register", grpc.StatusCode.INVALID_ARGUMENT,
                 f"labels: at most {MAX_LABELS}, keys and values of 1-{MAX_LABEL} printable characters"
                 f"{f' (bad: {bad[0][:60]!r})' if bad else ''}; advertise_address: a host name or IP without spaces",
+            )
+        agent_version = request.agent_version
+        if len(agent_version) > limits.MAX_TEXT or not agent_version.isprintable():
+            self.stats.refuse("invalid_request")
+            await self._abort(
+                context, "Register", grpc.StatusCode.INVALID_ARGUMENT,
+                f"agent_version: at most {limits.MAX_TEXT} printable characters",
             )
         discovery = request.discovery
         over = limits.problem(discovery)
@@ -622,9 +644,21 @@ class AgentService(agent_pb2_grpc.AgentServiceServicer):
                 await self._on_main_async(self.on_register, name, node_id_for(name), discovery, request.agent_version)
             except (NotLeader, DatabaseError) as exc:
                 await self._refuse_write(context, "Register", exc)
-        st, created, access = await self._on_main(
-            self._register, name, peer, request.agent_version, theirs, discovery, labels, advertise
+        registered = await self._on_main(
+            self._register, name, peer, request.agent_version, theirs, discovery, labels, advertise, _digest(given)
         )
+        if registered is None:
+            self.stats.refuse("node_taken")
+            log.warning("refused Register of node %r from %s: the node is up, registered with another join token",
+                        name, peer)
+            await self._abort(
+                context, "Register", grpc.StatusCode.ALREADY_EXISTS,
+                f"node {name!r} is up, registered with another join token: another agent runs under this name "
+                "(give this one another --name), or this one restarted with a new token: it is taken back once "
+                "the node has been silent for heartbeat_grace",
+            )
+        assert registered is not None
+        st, created, access = registered
         if self.api_tokens is not None:  # (the name is valid and registered: the token's nodes, for its revocation)
             self.api_tokens.joined(name, given)
         log.info(
@@ -648,20 +682,32 @@ class AgentService(agent_pb2_grpc.AgentServiceServicer):
 
     def _register(
         self, name: str, peer: str, agent_version: str, protocol: tuple[int, int], discovery: Any,
-        labels: dict[str, str] | None = None, advertise: str | None = None,
-    ) -> tuple[NodeState, bool, tuple[str, str] | None]:
+        labels: dict[str, str] | None = None, advertise: str | None = None, token: bytes = b"",
+    ) -> tuple[NodeState, bool, tuple[str, str] | None] | None:
+        """The registration (``None``: refused, the node is up under another join token)."""
+        known = self.nodes.get(name)
+        if known is not None and token and not _same(known.token, token) and self.nodes.is_up(known):
+            return None
         st, created = self.nodes.register(
             name, peer=peer, agent_version=agent_version, protocol=protocol, discovery=discovery, labels=labels,
             advertise=advertise,
         )
+        st.token = token
         self.stats.registrations += 1
         if not created:
             self.stats.reregistrations += 1
         access = self.mirror_access(name) if self.mirror_access is not None and runs_replicas(protocol) else None
         return st, created, access
 
-    def _beat(self, hb: Any, peer: str, at: tuple[float, float] | None = None) -> NodeState | None:
-        """A heartbeat, on the main loop: the node (its statuses reported), ``None`` when not registered here."""
+    def _beat(self, hb: Any, peer: str, at: tuple[float, float] | None = None, token: bytes = b"") -> NodeState | None:
+        """A heartbeat, on the main loop: the node (its statuses reported), ``None`` when not registered here.
+
+        Raises:
+            _NotYours: the node was registered with another join token.
+        """
+        known = self.nodes.by_id(hb.node_id)
+        if known is not None and token and not _same(known.token, token):
+            raise _NotYours(known.name)
         discovery = hb.discovery
         over = limits.trim(discovery)
         st = self.nodes.heartbeat(hb.node_id, hb.sequence, discovery, peer=peer, at=at)
@@ -671,6 +717,10 @@ class AgentService(agent_pb2_grpc.AgentServiceServicer):
             self._told_trim(st.name, peer, over)
         self.stats.heartbeats += 1
         if hb.HasField("applied_generation") and runs_replicas(st.protocol):
+            if len(hb.replicas) > 16 or hb.ByteSize() > limits.SMALL * 4:  # (PERF: a real beat is checked by size)
+                cut = limits.trim_replicas(hb.replicas)
+                if cut is not None:
+                    self._told_trim(st.name, peer, cut)
             self._report(st, hb)
         return st
 
@@ -686,9 +736,9 @@ class AgentService(agent_pb2_grpc.AgentServiceServicer):
         log.warning("node %r at %s sent a reading over the limits (%s): trimmed to them (said once a minute)",
                     name, peer, over)
 
-    def _unary_beat(self, hb: Any, peer: str) -> pb.HeartbeatResponse | None:
+    def _unary_beat(self, hb: Any, peer: str, token: bytes = b"") -> pb.HeartbeatResponse | None:
         """A Heartbeat call, on the main loop: its answer (the desired set when due, requests); ``None``: unknown."""
-        st = self._beat(hb, peer)
+        st = self._beat(hb, peer, None, token)
         if st is None:
             return None
         resp = pb.HeartbeatResponse(heartbeat_interval_seconds=self.control().heartbeat_interval, cordoned=st.cordoned)
@@ -702,9 +752,14 @@ class AgentService(agent_pb2_grpc.AgentServiceServicer):
         return resp
 
     async def Heartbeat(self, request: pb.HeartbeatRequest, context: Any) -> pb.HeartbeatResponse:
-        await self._authenticate(context, "Heartbeat", request.node_name)
+        given = await self._authenticate(context, "Heartbeat", request.node_name)
         await self._leader_only(context, "Heartbeat")
-        resp: pb.HeartbeatResponse | None = await self._on_main(self._unary_beat, request, context.peer())
+        try:
+            resp: pb.HeartbeatResponse | None = await self._on_main(
+                self._unary_beat, request, context.peer(), _digest(given))
+        except _NotYours as exc:
+            await self._not_yours(context, "Heartbeat", str(exc))
+            raise AssertionError("unreachable") from None
         if resp is None:
             await self._abort(
                 context, "Heartbeat", grpc.StatusCode.NOT_FOUND,
@@ -746,6 +801,7 @@ class AgentService(agent_pb2_grpc.AgentServiceServicer):
 
     async def _stream_beats(self, context: Any, method: str, msg: Any, given: str, peer: str) -> None:
         stream = _Stream(context, asyncio.get_running_loop(), self.stats)
+        stream.token = _digest(given)
         writer = asyncio.create_task(stream.write_loop(), name="llmgw heartbeat answers")
         hop, nodes = self.hop, self.nodes
         standby = self.standby
@@ -769,7 +825,14 @@ class AgentService(agent_pb2_grpc.AgentServiceServicer):
 
     def _stream_beat(self, stream: _Stream, hb: Any, peer: str, at: tuple[float, float] | None) -> None:
         """A streamed heartbeat, on the main loop: recorded, and answered when the answer changed."""
-        st = self._beat(hb, peer, at)
+        try:
+            st = self._beat(hb, peer, at, stream.token)
+        except _NotYours as exc:
+            self.stats.refuse("not_this_node")
+            log.warning("refused StreamHeartbeats for node %r from %s: it was registered with another join token",
+                        str(exc), peer)
+            stream.push((grpc.StatusCode.PERMISSION_DENIED, _not_yours_message(str(exc))))
+            return
         if st is None:
             stream.push((grpc.StatusCode.NOT_FOUND,
                          f"node {hb.node_name!r} is not registered here (the control plane restarted?): register again"))
@@ -786,33 +849,58 @@ class AgentService(agent_pb2_grpc.AgentServiceServicer):
         self._answer_stream(stream, st)
 
     async def Deregister(self, request: pb.DeregisterRequest, context: Any) -> pb.DeregisterResponse:
-        await self._authenticate(context, "Deregister", request.node_name)
+        given = await self._authenticate(context, "Deregister", request.node_name)
         await self._leader_only(context, "Deregister")
+        known = self.nodes.by_id(request.node_id)  # (a read of a dict from this thread: no change is made)
+        if known is not None and not _same(known.token, _digest(given)):
+            await self._not_yours(context, "Deregister", known.name)  # (before anything is written)
         if self.on_deregister is not None:
             from .db import DatabaseError
             from .leader import NotLeader
 
-            known = self.nodes.by_id(request.node_id)  # (a read of a dict from this thread: no change is made)
             if known is not None:
                 try:
                     await self._on_main_async(self.on_deregister, known.name)
                 except (NotLeader, DatabaseError) as exc:
                     await self._refuse_write(context, "Deregister", exc)
-        removed = await self._on_main(self._deregister, request.node_id, request.reason)
+        try:
+            removed = await self._on_main(self._deregister, request.node_id, request.reason, _digest(given))
+        except _NotYours as exc:
+            await self._not_yours(context, "Deregister", str(exc))
+            raise AssertionError("unreachable") from None
         return pb.DeregisterResponse(removed=removed)
 
-    def _deregister(self, node_id: str, reason: str) -> bool:
+    async def _not_yours(self, context: Any, method: str, node: str) -> None:
+        self.stats.refuse("not_this_node")
+        log.warning("refused %s for node %r from %s: it was registered with another join token", method, node,
+                    context.peer())
+        await self._abort(context, method, grpc.StatusCode.PERMISSION_DENIED, _not_yours_message(node))
+
+    def _deregister(self, node_id: str, reason: str, token: bytes = b"") -> bool:
+        known = self.nodes.by_id(node_id)
+        if known is not None and token and not _same(known.token, token):
+            raise _NotYours(known.name)
         st = self.nodes.deregister(node_id)
         if st is None:
             return False
+        reason = reason[:200]  # (the agent's words, logged: bounded, and quoted below)
         self.stats.deregistrations += 1
         if self.credentials is not None:
             self.credentials.revoke(st.name)
         if self.api_tokens is not None:
             self.api_tokens.forget(st.name)
-        log.info("node %s deregistered (%s)", st.name, reason or "no reason given")
+        log.info("node %s deregistered (%s)", st.name, repr(reason) if reason else "no reason given")
         self._gone(st.name)
         return True
+
+
+# a host name, an IPv4 address or a bracketless IPv6 one (replica URLs are made from it)
+_ADVERTISE = re.compile(r"[A-Za-z0-9._:-]{1,253}")
+
+
+def _not_yours_message(node: str) -> str:
+    return (f"node {node!r} was registered with another join token: this agent does not speak for it (another agent "
+            "runs under this name: give one of them another --name)")
 
 
 def _no_database() -> HTTPError:
