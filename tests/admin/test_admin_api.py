@@ -127,6 +127,11 @@ async def test_add_remove_drain_endpoints() -> None:
             assert status == 400 and error_code(body) == "invalid_endpoint"
             assert body["error"]["message"].startswith("url: not a URL")
             assert body["error"]["param"] == "url"
+            # a URL with CR/LF or spaces: the request line would not be the URL shown
+            for url in (f"{b.url}/x HTTP/1.1\r\nX-Injected: yes\r\nX-Pad: ", f"{b.url}/a b", f"{b.url}/\tx"):
+                status, body = await api(rt, "POST", "/admin/v1/endpoints", {"id": "c", "url": url, "model": "m"})
+                assert status == 400 and error_code(body) == "invalid_endpoint", body
+                assert "control characters" in body["error"]["message"]
             status, body = await api(rt, "POST", "/admin/v1/endpoints", {"id": "c", "url": b.url, "model": "m", "x": 1})
             assert status == 400 and body["error"]["message"].startswith("x: unknown key")
             status, body = await api(rt, "POST", "/admin/v1/endpoints", {"id": "c", "url": b.url, "model": "m",

@@ -334,6 +334,9 @@ class _Url(NamedTuple):
 
 def _url(v: Any) -> _Url:
     url = _text(v)
+    if any(c.isspace() or not c.isprintable() for c in url):
+        # (urlsplit drops CR, LF and tab silently: the request line would differ from the URL shown)
+        raise _Bad(f"must not contain spaces or control characters (percent-encode them), got {url[:80]!r}")
     parts = urlsplit(url)
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise _Bad(f"not a URL (expected http://host:port), got {url!r}")
