@@ -63,9 +63,7 @@ def redact(url: str) -> str:
 
 # the scheme (its colon and slashes, mistyped or not), the user information up to the last "@", the rest
 _SCHEME = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*)(?::/*|/+)")
-_USERINFO = re.compile(
-    r"(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*(?::/*|/+))(?P<userinfo>[^/:@]*:.*)@(?P<rest>[^@]*)\Z", re.S
-)
+_USERINFO = re.compile(rf"(?P<scheme>{_SCHEME.pattern})(?P<userinfo>[^/:@]*:.*)@(?P<rest>[^@]*)\Z", re.S)
 
 
 def parse_database_url(url: str) -> DatabaseURL:
