@@ -187,6 +187,34 @@ def test_forward_lines(httpproto: ModuleType, head: bytes, expect_forward: bytes
     assert out.requests[0]["forward"] == expect_forward
 
 
+@pytest.mark.parametrize(
+    ("head", "expect_forward", "keep_alive"),
+    [
+        # RFC 9110 §7.6.1: the fields a Connection header names are for this hop only
+        (b"Connection: X-Hop\r\nX-Hop: 1\r\nX-End: 2\r\n", b"X-End: 2\r\n", True),
+        (b"X-Hop: 1\r\nconnection: keep-alive, x-hop , , Cookie\r\nCookie: c\r\nUser-Agent: t\r\n",
+         b"User-Agent: t\r\n", True),
+        # two Connection lines, names in any case, a repeated field removed every time
+        (b"Connection: close\r\nX-A: 1\r\nConnection: x-a\r\nx-a: 2\r\nX-B: 3\r\n", b"X-B: 3\r\n", False),
+        # a name that is no field here removes nothing; close alone is the usual case
+        (b"Connection: x-absent\r\nX-End: 2\r\n", b"X-End: 2\r\n", True),
+        (b"Connection: Close\r\nX-End: 2\r\n", b"X-End: 2\r\n", False),
+        # content-type named: not forwarded (it is still read)
+        (b"Connection: content-type\r\nContent-Type: application/json\r\n", b"", True),
+    ],
+)
+def test_connection_nominated_fields_are_not_forwarded(
+    httpproto: ModuleType, head: bytes, expect_forward: bytes, keep_alive: bool
+) -> None:
+    out = parse_all_ways(httpproto, b"GET / HTTP/1.1\r\nHost: a\r\n" + head + b"\r\n")
+    assert out.error is None
+    (req,) = out.requests
+    assert req["forward"] == expect_forward
+    assert req["keep_alive"] is keep_alive
+    # every header is still there as received
+    assert len(req["headers"]) == head.count(b"\r\n") + 1
+
+
 def test_first_credential_wins(httpproto: ModuleType) -> None:
     out = parse(
         httpproto,
@@ -577,6 +605,18 @@ def test_response_content_length(httpproto: ModuleType) -> None:
     assert read_all_ways(httpproto, data) == [
         ("head", 200, 2, False, b"application/json", False,
          b"Content-Type: application/json\r\nX-Engine: e1\r\n", True),
+        ("body", b"hi"),
+        ("end",),
+    ]
+
+
+def test_response_connection_nominated_fields_are_not_forwarded(httpproto: ModuleType) -> None:
+    data = (
+        b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nConnection: keep-alive, X-Engine-Hop\r\n"
+        b"X-Engine-Hop: slot=1\r\nX-Engine: e1\r\nconnection: set-cookie\r\nSet-Cookie: a=1\r\n\r\nhi"
+    )
+    assert read_all_ways(httpproto, data) == [
+        ("head", 200, 2, False, None, False, b"X-Engine: e1\r\n", True),
         ("body", b"hi"),
         ("end",),
     ]

@@ -139,6 +139,14 @@ async def test_add_remove_drain_endpoints() -> None:
             assert status == 400 and body["error"]["param"] == "api_key_env"
             status, _, data = await http(admin_port(rt), "POST", "/admin/v1/endpoints", b"{not json")
             assert status == 400 and error_code(orjson.loads(data)) == "invalid_json"
+            # a key given twice is not guessed at (the last would win), at any depth
+            for dup in (b'{"id":"c","url":"%s","model":"m","url":"http://127.0.0.1:1"}' % b.url.encode(),
+                        b'{"id":"c","url":"%s","model":"m","labels":{"a":"1","a":"2"}}' % b.url.encode()):
+                status, _, data = await http(admin_port(rt), "POST", "/admin/v1/endpoints", dup)
+                doc = orjson.loads(data)
+                assert status == 400 and error_code(doc) == "invalid_json", doc
+                assert "more than once" in doc["error"]["message"]
+            assert "c" not in rt.registry.endpoints
             status, body = await api(rt, "POST", "/admin/v1/endpoints", [1, 2])
             assert status == 400
 

@@ -82,6 +82,13 @@ class FakeEngine:
             return self._hang(w)
         if body.get("stream"):
             return self._stream(w, mode)
+        if mode == "hop_headers":
+            # a field the engine names in Connection is for the hop to llmgw only
+            payload = orjson.dumps({"object": "chat.completion", "served_by": self.name})
+            w.start(200, [(b"content-type", b"application/json"), (b"connection", b"keep-alive, X-Engine-Hop"),
+                          (b"x-engine-hop", b"slot=1"), (b"x-engine-kept", b"2")], len(payload))
+            w.write(payload)
+            return None
         if mode == "cut_body":
             w.start(200, [(b"content-type", b"application/json")], 1000)
             w.write(b'{"partial": ')
@@ -260,6 +267,29 @@ async def test_proxies_and_rewrites_credentials() -> None:
         assert inflight_zero(rt)
 
 
+async def test_hop_by_hop_fields_go_no_further_either_way() -> None:
+    # RFC 9110 §7.6.1: the fixed hop-by-hop fields and the ones a Connection header
+    # names are consumed by the hop that receives them, in both directions
+    a = FakeEngine("a")
+    a.mode = "hop_headers"
+    async with gateway([a]) as rt:
+        status, hdrs, body = await request(
+            port_of(rt), chat(),
+            headers=b"Connection: keep-alive, X-Client-Hop\r\nX-Client-Hop: 1\r\nKeep-Alive: timeout=5\r\n"
+            b"TE: trailers\r\nProxy-Authorization: Basic eDp5\r\nx-custom: 1\r\n",
+        )
+        assert status == 200, body
+        seen = a.seen[-1]["headers"]
+        assert seen[b"x-custom"] == b"1"
+        for name in (b"x-client-hop", b"keep-alive", b"te", b"proxy-authorization"):
+            assert name not in seen, name
+        assert seen.get(b"connection", b"keep-alive").lower() == b"keep-alive"  # (llmgw's own, if any)
+        assert hdrs[b"x-engine-kept"] == b"2"
+        assert b"x-engine-hop" not in hdrs
+        assert b"x-engine-hop" not in hdrs.get(b"connection", b"").lower()
+        assert inflight_zero(rt)
+
+
 async def test_alias_is_rewritten_and_request_id_generated() -> None:
     a = FakeEngine("a")
     async with gateway([a]) as rt:
@@ -302,7 +332,10 @@ async def test_models_list() -> None:
         (b"{not json", 400, "invalid_json"),
         (b"[1,2]", 400, "invalid_json"),
         (b'{"messages": []}', 400, "missing_model"),
-        (b'{"model": 7}', 400, "missing_model"),
+        (b'{"model": ""}', 400, "missing_model"),
+        (b'{"model": null}', 400, "missing_model"),
+        (b'{"model": 7, "messages": []}', 400, "invalid_type"),
+        (b'{"model": ["m"]}', 400, "invalid_type"),
         (b'{"model": "nope"}', 404, "model_not_found"),
     ],
 )
@@ -313,6 +346,9 @@ async def test_client_errors_are_openai_shaped(body: bytes, status: int, code: s
         err = orjson.loads(data)["error"]
         assert err["code"] == code
         assert isinstance(err["message"], str) and err["message"]
+        if code == "invalid_type":
+            assert err["param"] == "model"
+            assert "expected a string, but got an " in err["message"]
         assert set(err) == {"message", "type", "param", "code"}
 
 

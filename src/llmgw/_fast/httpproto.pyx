@@ -157,6 +157,25 @@ cdef int _classify(const char* s, Py_ssize_t n) noexcept nogil:
     return H_OTHER
 
 
+cdef inline bint _plain_connection(const char* s, Py_ssize_t nv) noexcept nogil:
+    # a Connection value naming nothing but close or keep-alive (the usual case)
+    return (nv == 10 and _ieq(s, b"keep-alive", 10)) or (nv == 5 and _ieq(s, b"close", 5))
+
+
+cdef bytes _drop_nominated(bytes forward, list connection):
+    # ``forward`` without the lines the Connection values name (see the twin)
+    cdef set names = set()
+    for value in connection:
+        for token in (<bytes>value).split(b","):
+            token = token.strip(b" \t").lower()
+            if token and token != b"close" and token != b"keep-alive":
+                names.add(token)
+    if not names or not forward:
+        return forward
+    lines = forward.split(b"\r\n")
+    return b"".join([ln + b"\r\n" for ln in lines[:len(lines) - 1] if ln.partition(b":")[0].lower() not in names])
+
+
 cdef bytes _header_line(bytes name, bytes value):
     # b"name: value\r\n" in one allocation.
     cdef Py_ssize_t nn = PyBytes_GET_SIZE(name)
@@ -968,6 +987,7 @@ cdef class ResponseReader:
         cdef bint chunked = False, has_te = False
         cdef Response resp = Response.__new__(Response)
         cdef bytes value
+        cdef list connection = None
         cdef Py_ssize_t count = 0
         cdef char stack[_STACK_HEAD]
         # status line: HTTP/x.y SP 3DIGIT ... (CRLF line ends: httptools checks)
@@ -1011,10 +1031,16 @@ cdef class ResponseReader:
                 elif kind == H_TRANSFER_ENCODING:
                     has_te = True
                     chunked = _te_chunked(s, vs, pos - 2)  # (the raw value: llhttp's rule on a tab)
+                elif kind == H_CONNECTION and not _plain_connection(s + vs, nv):
+                    if connection is None:
+                        connection = []
+                    connection.append(PyBytes_FromStringAndSize(s + vs, nv))
             resp.forward = PyBytes_FromStringAndSize(fw, fwlen)
         finally:
             if fw != &stack[0]:
                 PyMem_Free(fw)
+        if connection is not None:
+            resp.forward = _drop_nominated(resp.forward, connection)
         resp.chunked = chunked
         # how the body ends (RFC 9112 section 6.3), as llhttp frames it
         if status < 200 or status == 204 or status == 304:
@@ -1305,6 +1331,7 @@ cdef class RequestReader:
         cdef Py_ssize_t max_head = self.max_head_bytes
         cdef bytes prio = self._priority_header
         cdef Py_ssize_t np = PyBytes_GET_SIZE(prio)
+        cdef list connection = None
         error = None
         self._version_known = False
         self._check_upgrade = False
@@ -1370,6 +1397,10 @@ cdef class RequestReader:
                         req.content_length = cl
                 elif kind == H_CONNECTION or (kind == H_HOP and nn == 16):
                     self._connection = True  # (llhttp reads Proxy-Connection as Connection)
+                    if kind == H_CONNECTION and not _plain_connection(s + vs, nv):
+                        if connection is None:
+                            connection = []
+                        connection.append(PyBytes_FromStringAndSize(s + vs, nv))
                 elif kind == H_HOP and nn == 7 and _ieq(s + fs, b"upgrade", 7):
                     self._check_upgrade = True
                 if error is not None:
@@ -1421,6 +1452,8 @@ cdef class RequestReader:
         finally:
             if fw != &stack[0]:
                 PyMem_Free(fw)
+        if connection is not None:
+            req.forward = _drop_nominated(req.forward, connection)
         self._error = error
         self._te_coded = chunked and te_other  # (refused in on_headers_complete, see the twin)
         # how the body ends (RFC 9112 section 6.3; llhttp refuses the rest)

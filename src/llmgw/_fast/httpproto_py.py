@@ -112,6 +112,33 @@ _KINDS: dict[bytes, int] = {
     b"content-type": H_CONTENT_TYPE,
 }
 
+
+def _plain_connection(value: bytes) -> bool:
+    """Whether a Connection value names nothing but ``close`` or ``keep-alive`` (the
+    usual case: nothing else to take out of the forwarded headers)."""
+    v = value.lower()
+    return v == b"keep-alive" or v == b"close"
+
+
+def _drop_nominated(forward: bytes, connection: list[bytes]) -> bytes:
+    """``forward`` without the header lines that the ``Connection`` values name.
+
+    RFC 9110 §7.6.1: a proxy removes every field a Connection header names as a
+    connection option before it forwards the message; those fields were meant
+    for this hop only. Only the other party's own lines are taken out: the
+    headers llmgw writes itself are not in ``forward``.
+    """
+    names = set()
+    for value in connection:
+        for token in value.split(b","):
+            token = token.strip(b" \t").lower()
+            if token and token != b"close" and token != b"keep-alive":
+                names.add(token)
+    if not names or not forward:
+        return forward
+    lines = forward.split(b"\r\n")
+    return b"".join(ln + b"\r\n" for ln in lines[:-1] if ln.partition(b":")[0].lower() not in names)
+
 STATUS_REASONS: dict[int, bytes] = {
     100: b"Continue",
     200: b"OK",
@@ -423,6 +450,7 @@ class RequestReader:
         self._error: HTTPError | None = None  # a field error, raised once llhttp accepts the head
         self._te_other = False
         self._te_chunked = False
+        self._connection: list[bytes] | None = None  # Connection values naming more than close/keep-alive
 
     @property
     def in_message(self) -> bool:
@@ -494,6 +522,7 @@ class RequestReader:
         self._body = []
         self._body_size = 0
         self._error = None
+        self._connection = None
 
     def on_url(self, url: bytes) -> None:
         self._url_parts.append(url)
@@ -568,6 +597,10 @@ class RequestReader:
         elif kind == H_CONTENT_LENGTH:
             # llhttp has validated the digits and rejected duplicates.
             req.content_length = min(int(value), _MAX_CONTENT_LENGTH)
+        elif kind == H_CONNECTION and not _plain_connection(value):
+            if self._connection is None:
+                self._connection = []
+            self._connection.append(value)
 
     def on_headers_complete(self) -> None:
         req = self._req
@@ -600,6 +633,8 @@ class RequestReader:
         req.version = version.encode()
         req.keep_alive = parser.should_keep_alive()
         req.forward = b"".join(self._forward)
+        if self._connection is not None:
+            req.forward = _drop_nominated(req.forward, self._connection)
         if req.content_length > self.max_body:
             raise PayloadTooLargeError(
                 f"request body is {req.content_length} bytes; the limit is {self.max_body}", close=True
@@ -727,6 +762,7 @@ class ResponseReader:
         self._in_head = False
         self._interim = False
         self._too_many = False  # more header lines than max_headers (raised once the head is whole)
+        self._connection: list[bytes] | None = None  # Connection values naming more than close/keep-alive
 
     @property
     def in_message(self) -> bool:
@@ -785,6 +821,7 @@ class ResponseReader:
         self._resp = Response()
         self._too_many = False
         self._forward = []
+        self._connection = None
         self._head_bytes = 0
         self._head_fed = 0
         self._in_head = True
@@ -820,6 +857,10 @@ class ResponseReader:
             resp.content_length = min(int(value), _MAX_CONTENT_LENGTH)
         elif kind == H_TRANSFER_ENCODING and _te_chunked(raw):  # (the raw value: llhttp's rule on a tab)
             resp.chunked = True
+        elif kind == H_CONNECTION and not _plain_connection(value):
+            if self._connection is None:
+                self._connection = []
+            self._connection.append(value)
 
     def on_headers_complete(self) -> None:
         resp = self._resp
@@ -848,6 +889,8 @@ class ResponseReader:
             return
         resp.keep_alive = self._parser.should_keep_alive()
         resp.forward = b"".join(self._forward)
+        if self._connection is not None:
+            resp.forward = _drop_nominated(resp.forward, self._connection)
         if resp.chunked:
             resp.content_length = -1
         self._on_head(resp)

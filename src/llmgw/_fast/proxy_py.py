@@ -51,6 +51,7 @@ so they cannot grow attributes that are not declared there, and methods declared
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import hmac
 import math
@@ -295,6 +296,27 @@ def config_secrets(config: Config) -> tuple[bytes, ...]:
     if config.follow is not None and config.follow.token:
         out.append(config.follow.token)
     return tuple(s.encode() for s in out if s)
+
+
+_JSON_TYPES = {int: "an integer", float: "a number", bool: "a boolean", list: "an array", dict: "an object"}
+_TYPED_MODEL_MAX = 1 << 20  # bodies up to this size are read again to say what their model is instead
+
+
+def _no_model(body: bytes) -> BadRequestError:
+    """The 400 for a body whose ``model`` is missing, empty or not a string.
+
+    (Off the hot path: only a refused request pays for reading its body again,
+    and only a body small enough to read quickly.)
+    """
+    if len(body) <= _TYPED_MODEL_MAX and b'"model"' in body:
+        with contextlib.suppress(orjson.JSONDecodeError):
+            given = orjson.loads(body).get("model")
+            if given is not None and not isinstance(given, str):
+                return BadRequestError(
+                    f"Invalid type for 'model': expected a string, but got {_JSON_TYPES.get(type(given), 'null')} "
+                    "instead.", param="model", code="invalid_type",
+                )
+    return BadRequestError("You must provide a model parameter.", param="model", code="missing_model")
 
 
 def _dot_segments(path: bytes) -> bool:
@@ -1549,7 +1571,7 @@ class Gateway(App):
         if not is_object:
             raise BadRequestError("The request body must be a JSON object.", code="invalid_json")
         if not model:
-            raise BadRequestError("You must provide a model parameter.", param="model", code="missing_model")
+            raise _no_model(body)
         real = self.aliases.get(model, model)
         pool = self.pools.get(real)
         if pool is None or not pool.endpoints:

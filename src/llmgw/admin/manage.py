@@ -40,6 +40,7 @@ adds each replica's API key and the engine environment's values.
 
 from __future__ import annotations
 
+import json
 import math
 import time
 from collections.abc import Awaitable, Callable
@@ -251,13 +252,39 @@ def _truthy(req: Request, name: str) -> bool:
     return False
 
 
-def _json_body(req: Request) -> Any:
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        seen: set[str] = set()
+        for key, _ in pairs:
+            if key in seen:
+                raise BadRequestError(
+                    f"the body gives {key!r} more than once; give each field once", param=key, code="invalid_json"
+                )
+            seen.add(key)
+    return out
+
+
+def json_body(req: Request, empty: str = "the request needs a JSON body") -> Any:
+    """The request's JSON body, each object's keys given once.
+
+    RFC 8259 leaves an object with a repeated name to each parser; a management
+    call that names ``api_key`` twice must not be guessed at (orjson keeps the
+    last), so it is a 400 naming the field.
+
+    Raises:
+        BadRequestError: no body (``empty`` says what to send), not JSON, or a key repeated.
+    """
     if not req.body:
-        raise BadRequestError("the request needs a JSON body", code="invalid_json")
+        raise BadRequestError(empty, code="invalid_json")
     try:
-        return orjson.loads(req.body)
+        body = orjson.loads(req.body)
     except orjson.JSONDecodeError as exc:
         raise BadRequestError(f"the body is not valid JSON ({exc})", code="invalid_json") from None
+    if isinstance(body, (dict, list)) and req.body.count(b":") > 1:
+        # (valid JSON already: the standard parser only looks for repeated keys)
+        json.loads(req.body, object_pairs_hook=_unique_keys)
+    return body
 
 
 def parse_endpoint(body: Any, default_engine: str) -> EndpointConfig:
@@ -480,7 +507,7 @@ class ManagementAPI:
                 code="no_control_plane",
             )
         _refuse_on_standby(nodes)
-        body = _json_body(req) if req.body else {}
+        body = json_body(req) if req.body else {}
         if not isinstance(body, dict):
             raise BadRequestError("the body must be a JSON object", code="invalid_body")
         engine = body.get("engine")
@@ -551,7 +578,7 @@ class ManagementAPI:
                 if method == b"POST":
                     from ..control.deployments import parse_deployment
 
-                    return _committed(ctl, w, 201, ctl.create(parse_deployment(_json_body(req))))
+                    return _committed(ctl, w, 201, ctl.create(parse_deployment(json_body(req))))
                 raise method_not_allowed(method, path, "GET or POST")
             name = unquote(parts[1].decode("latin-1"))
             if len(parts) == 2:
@@ -564,7 +591,7 @@ class ManagementAPI:
             if len(parts) == 3 and parts[2] == b"scale":
                 if method != b"POST":
                     raise method_not_allowed(method, path, "POST")
-                body = _json_body(req)
+                body = json_body(req)
                 n = body.get("replicas") if isinstance(body, dict) else None
                 if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= 1024:
                     raise BadRequestError(
@@ -600,7 +627,7 @@ class ManagementAPI:
             if method == b"POST":
                 if self.nodes is not None:
                     _refuse_on_standby(self.nodes)
-                name, expires = _token_body(_json_body(req) if req.body else {})
+                name, expires = _token_body(json_body(req) if req.body else {})
                 return _send(w, 201, tokens.create_token(name, expires))
             raise method_not_allowed(method, path, "GET or POST")
         if len(parts) == 2:
@@ -632,7 +659,7 @@ class ManagementAPI:
         w.send_json(200, {"endpoints": eps})
 
     def add_endpoint(self, req: Request, w: ResponseWriter) -> None:
-        cfg = parse_endpoint(_json_body(req), self.config().scrape.default_engine)
+        cfg = parse_endpoint(json_body(req), self.config().scrape.default_engine)
         try:
             self.fleet.add_endpoint(cfg)
         except ValueError as exc:

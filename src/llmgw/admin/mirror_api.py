@@ -36,15 +36,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import unquote
 
-import orjson
-
 from ..errors import BadRequestError, HTTPError, NotFoundError
 from ..http.parser import Request
 from ..http.server import ResponseWriter
 from ..log import admin_logger as log
 from ..mirror import errors as merr
 from ..mirror.progress import Progress
-from .manage import method_not_allowed
+from .manage import json_body, method_not_allowed
 
 if TYPE_CHECKING:
     from ..config import Config
@@ -370,12 +368,7 @@ def _consume(fut: asyncio.Future[None]) -> None:
 
 
 def _json_object(req: Request) -> dict[str, Any]:
-    if not req.body:
-        raise BadRequestError('the request needs a JSON body: {"ollama": "NAME[:TAG]"}', code="invalid_json")
-    try:
-        body = orjson.loads(req.body)
-    except orjson.JSONDecodeError as exc:
-        raise BadRequestError(f"the body is not valid JSON ({exc})", code="invalid_json") from None
+    body = json_body(req, 'the request needs a JSON body: {"ollama": "NAME[:TAG]"}')
     if not isinstance(body, dict):
         raise BadRequestError('the body must be a JSON object: {"ollama": "NAME[:TAG]"}', code="invalid_json")
     unknown = sorted(set(body) - {"ollama", "name"})
