@@ -62,6 +62,27 @@ async def test_agent_reads_its_config_file(tmp_path: Path) -> None:
         assert p.returncode == 0, err
 
 
+async def test_a_config_file_without_control_takes_the_flag(tmp_path: Path) -> None:
+    # flags override the file, so --control satisfies a file that leaves control: out
+    port = free_port()
+    cfg = tmp_path / "agent.yaml"
+    cfg.write_text(f"token_env: JOIN\ngpu_source: none\nstate_dir: {tmp_path / 'state'}\n")
+    async with control_runtime(port) as rt:
+        p = _agent("--config", str(cfg), "--control", f"127.0.0.1:{port}", "--name", "flag-node")
+        try:
+            await wait_for(lambda: _node(rt, "flag-node"), what="flag-node up")
+        finally:
+            p.send_signal(signal.SIGTERM)
+            _, err = p.communicate(timeout=15)
+        assert p.returncode == 0, err
+    # neither: one line naming both ways to give it
+    p = _agent("--config", str(cfg), "--name", "flag-node")
+    _, err = p.communicate(timeout=30)
+    assert p.returncode == 1, err
+    assert "control: is required (or give llmgw agent --control HOST:PORT)" in err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+
+
 def test_agent_refuses_what_it_cannot_do() -> None:
     p = _agent("--control", "127.0.0.1:1", "--token-env", "NOT_SET_ANYWHERE")
     _, err = p.communicate(timeout=30)

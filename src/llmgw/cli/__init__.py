@@ -30,6 +30,16 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
 }
 
 
+def interrupted() -> None:
+    """Ctrl-C: one line, exit status 130 (whatever was being done or imported then)."""
+    common = sys.modules.get("llmgw.cli._common")
+    if common is not None and hasattr(common, "echo_err"):
+        common.echo_err("llmgw: interrupted", level="error")
+    else:
+        sys.stderr.write("llmgw: interrupted\n")
+    sys.exit(130)
+
+
 # -- --log-level / --log-format / --log-config, before or after the subcommand --
 
 _LOG_META = "llmgw.log"
@@ -103,9 +113,9 @@ class LazyGroup(click.Group):
         argv = list(sys.argv[1:] if args is None else args)
         if not standalone_mode:
             return super().main(argv, prog_name, complete_var, standalone_mode=False, **extra)
-        from ._common import report_error
-
         try:
+            from ._common import report_error
+
             rv = super().main(argv, prog_name, complete_var, standalone_mode=False, **extra)
         except click.exceptions.NoArgsIsHelpError as exc:
             # A bare `llmgw` (or `llmgw ctl`): help on stdout, success.
@@ -113,11 +123,10 @@ class LazyGroup(click.Group):
             sys.exit(0)
         except click.ClickException as exc:
             sys.exit(report_error(exc, argv))
-        except click.exceptions.Abort:
-            from ._common import echo_err
-
-            echo_err("llmgw: interrupted", level="error")
-            sys.exit(130)
+        except (click.exceptions.Abort, KeyboardInterrupt):
+            # (KeyboardInterrupt: a Ctrl-C while a subcommand's modules are still being
+            # imported, before click would have turned it into Abort)
+            interrupted()
         sys.exit(rv if isinstance(rv, int) else 0)
 
     def list_commands(self, ctx: click.Context) -> list[str]:

@@ -20,7 +20,7 @@ import os
 import signal
 import socket
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -88,6 +88,35 @@ def _target(hp: tuple[str, int]) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
+def mirror_access(supervisor: Any, state_dir: str, fetchers: list[Any]) -> Callable[[Any], None] | None:
+    """What an agent does with each registration's mirror access: the fetcher ``supervisor``
+    brings mirror models with (kept in ``state_dir``/mirror; made once, appended to
+    ``fetchers`` for the caller to close, and given each new registration's credential).
+    None without a supervisor (an agent that only reports)."""
+    if supervisor is None:
+        return None
+
+    def registered(resp: Any) -> None:
+        if not resp.HasField("mirror_url"):
+            return
+        from ..mirror.fetch import MirrorFetcher
+
+        try:
+            if fetchers:  # (each registration brings its own credential)
+                fetchers[0].set_access(resp.mirror_url, resp.mirror_credential)
+                return
+            fetcher = MirrorFetcher(resp.mirror_url, resp.mirror_credential, os.path.join(state_dir, "mirror"))
+        except (ValueError, OSError) as exc:
+            from ..log import agent_logger
+
+            agent_logger.error("cannot fetch models from the control plane's mirror at %s: %s", resp.mirror_url, exc)
+            return
+        fetchers.append(fetcher)
+        supervisor.fetcher = fetcher
+
+    return registered
+
+
 async def run_agent(
     control: tuple[str, int] | tuple[tuple[str, int], ...],
     name: str,
@@ -128,32 +157,13 @@ async def run_agent(
         if holder:
             holder[0].poke()
 
-    fetchers: list[Any] = []
-
-    def registered(resp: Any) -> None:
-        """A registration's mirror access: the fetcher the supervisor brings mirror models with."""
-        if node is None or supervisor is None or not resp.HasField("mirror_url"):
-            return
-        from ..mirror.fetch import MirrorFetcher
-
-        try:
-            if fetchers:  # (each registration brings its own credential)
-                fetchers[0].set_access(resp.mirror_url, resp.mirror_credential)
-                return
-            fetcher = MirrorFetcher(resp.mirror_url, resp.mirror_credential, os.path.join(node.state_dir, "mirror"))
-        except (ValueError, OSError) as exc:
-            from ..log import agent_logger
-
-            agent_logger.error("cannot fetch models from the control plane's mirror at %s: %s", resp.mirror_url, exc)
-            return
-        fetchers.append(fetcher)
-        supervisor.fetcher = fetcher
-
     if supervisor is None and node is not None:
         from ..launch.supervisor import ReplicaSupervisor
 
         supervisor = ReplicaSupervisor(node.state_dir, host=node.bind_towards(controls[0]), engines=node.engines,
                                        on_change=changed)
+    fetchers: list[Any] = []
+    registered = mirror_access(supervisor, node.state_dir, fetchers) if node is not None else None
     async def check(req: Any) -> list[dict[str, Any]]:
         """``llmgw ctl engine-check ENGINE --node`` here: the agent config's engines, the node's GPUs."""
         from ..launch.check import engine_check
@@ -232,10 +242,10 @@ def agent(
         from ..errors import ConfigError
 
         try:
-            file_cfg = load_agent_file(config_path)
+            file_cfg = load_agent_file(config_path, require_control=not control)  # (flags override the file)
         except ConfigError as exc:
             raise Fail(str(exc)) from None
-        control = control or file_cfg.control
+        control = control or file_cfg.control or None
         token = file_cfg.token
         name = name or file_cfg.name
         gpu_source = gpu_source or file_cfg.gpu_source

@@ -754,7 +754,7 @@ def engine_check(ctx: click.Context, engine: str, model: str | None, static_only
     engines: dict[str, AgentEngineConfig] = {}
     if agent_config is not None:
         try:
-            engines = dict(load_agent_file(agent_config).engines)
+            engines = dict(load_agent_file(agent_config, require_control=False).engines)
         except ConfigError as exc:
             raise CtlError(str(exc)) from None
     if binary is not None or python is not None:

@@ -99,7 +99,7 @@ async def _start_demo_agent(
     from ..agent.client import AgentClient
     from ..control.service import ControlPlane
     from ..launch.supervisor import ReplicaSupervisor
-    from .agent import open_gpu_source
+    from .agent import mirror_access, open_gpu_source
 
     cp = next((c for c in runtime.components if isinstance(c, ControlPlane)), None)
     if cp is None or cp.address is None or cfg.control is None:
@@ -112,8 +112,9 @@ async def _start_demo_agent(
     state = tempfile.mkdtemp(prefix="llmgw-demo-node-")
     holder: list[AgentClient] = []
     supervisor = ReplicaSupervisor(state, on_change=lambda: holder[0].poke() if holder else None)
+    fetchers: list[Any] = []  # (mirror models are fetched over the admin listener, as a real node's are)
     client = AgentClient(f"127.0.0.1:{cp.address[1]}", "demo-node", cfg.control.join_tokens[0], source,
-                         supervisor=supervisor)
+                         supervisor=supervisor, on_registered=mirror_access(supervisor, state, fetchers))
     holder.append(client)
     stop = asyncio.Event()  # bound to the control loop by its first wait there
 
@@ -123,6 +124,8 @@ async def _start_demo_agent(
         finally:
             try:
                 await supervisor.close(stop=True)
+                for f in fetchers:
+                    await f.close()
             finally:
                 shutil.rmtree(state, ignore_errors=True)
 

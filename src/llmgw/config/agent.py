@@ -162,28 +162,32 @@ class _AgentIn(_In):
     address the control plane sees the agent at, with the engines listening on every interface."""
 
 
-def load_agent(data: Any, source: str | None = None) -> AgentConfig:
+def load_agent(data: Any, source: str | None = None, require_control: bool = True) -> AgentConfig:
     """Validate a parsed node-agent document and build the :class:`AgentConfig`.
+
+    ``require_control=False``: the file may leave ``control:`` out (the caller has
+    the addresses from elsewhere, ``llmgw agent --control``); its ``control`` is then
+    empty.
 
     Raises:
         ConfigError: every problem found, each naming its key.
     """
-    return _build_agent(data, _Problems(source))
+    return _build_agent(data, _Problems(source), require_control)
 
 
-def _build_agent(data: Any, problems: _Problems) -> AgentConfig:
+def _build_agent(data: Any, problems: _Problems, require_control: bool = True) -> AgentConfig:
     doc = _document(problems, data, _AgentIn)
     if doc is None:
         problems.raise_if_any()
         raise AssertionError("unreachable")
-    if "control" not in doc:
-        problems.add(("control",), "is required")
+    if "control" not in doc and require_control:
+        problems.add(("control",), "is required (or give llmgw agent --control HOST:PORT)")
     v = {name: _section(problems, _AgentIn, doc, name) for name in _AgentIn.model_fields}
     if (v["tls_cert"] is None) != (v["tls_key"] is None):
         problems.add(("tls_key" if v["tls_key"] is None else "tls_cert",), "tls_cert and tls_key go together")
     problems.raise_if_any()
     return AgentConfig(
-        control=v["control"],
+        control=v["control"] or (),
         token=v["token_env"].value if v["token_env"] is not None else None,
         name=v["name"],
         gpu_source=v["gpu_source"],
@@ -200,11 +204,12 @@ def _build_agent(data: Any, problems: _Problems) -> AgentConfig:
     )
 
 
-def load_agent_file(path: str | os.PathLike[str]) -> AgentConfig:
-    """Read, parse and validate a node agent's YAML config file.
+def load_agent_file(path: str | os.PathLike[str], require_control: bool = True) -> AgentConfig:
+    """Read, parse and validate a node agent's YAML config file (``require_control``:
+    as :func:`load_agent`).
 
     Raises:
         ConfigError: unreadable file, invalid YAML, or every invalid key.
     """
     data, problems = _read_yaml(path)
-    return _build_agent(data, problems)
+    return _build_agent(data, problems, require_control)
