@@ -11,7 +11,7 @@ import orjson
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "mirror"))
-from mirror_helpers import OllamaStore, catalogue_models, minimal_gguf
+from mirror_helpers import OllamaStore, catalogue_models, minimal_gguf, sha
 
 from llmgw.config import load
 from llmgw.runtime import GatewayRuntime
@@ -88,5 +88,50 @@ async def test_mirror_routes_and_an_import_job(tmp_path: Path, monkeypatch: pyte
         assert "ollama pull absent:1b" in job["error"]["message"]
         status, doc = await call(port, "GET", "/admin/v1/mirror/imports")
         assert [j["ollama"] for j in doc["imports"]] == ["absent:1b", "tiny"]
+    finally:
+        await rt.stop()
+
+
+async def _finished(port: int, job: dict[str, Any]) -> dict[str, Any]:
+    for _ in range(200):
+        _, job = await call(port, "GET", f"/admin/v1/mirror/imports/{job['id']}")
+        if job["state"] in ("done", "failed"):
+            break
+        await asyncio.sleep(0.02)
+    return job
+
+
+async def test_broken_blobs_are_listed_and_a_missing_one_fails_as_missing_blob(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ollama = OllamaStore(tmp_path / "ollama")
+    ollama.add_model("missing", gguf=minimal_gguf(elements=16))
+    absent = ollama.blob_path(sha(minimal_gguf(elements=16)))
+    absent.unlink()
+    ollama.add_model("wrongsize", gguf=minimal_gguf(elements=24))
+    short = ollama.blob_path(sha(minimal_gguf(elements=24)))
+    short.write_bytes(b"GGUF")
+    monkeypatch.setenv("OLLAMA_MODELS", str(ollama.root))
+    rt = GatewayRuntime(load({"listen": "127.0.0.1:0", "admin": "127.0.0.1:0",
+                              "mirror": {"root": str(tmp_path / "mirror")}}))
+    await rt.start()
+    try:
+        assert rt.admin_addr is not None
+        port = rt.admin_addr[1]
+        status, doc = await call(port, "GET", "/admin/v1/mirror/ollama")
+        assert status == 200
+        problem = {m["name"]: m["problem"] for m in doc["models"]}
+        assert f"blob {absent.name} of missing:latest is missing from {ollama.root / 'blobs'}" in problem[
+            "missing:latest"]
+        assert f"blob {short.name} of wrongsize:latest has 4 bytes but the manifest says" in problem[
+            "wrongsize:latest"]
+
+        _, job = await call(port, "POST", "/admin/v1/mirror/imports", {"ollama": "missing"})
+        job = await _finished(port, job)
+        assert job["state"] == "failed" and job["error"]["code"] == "missing_blob", job
+        assert absent.name in job["error"]["message"] and str(ollama.root / "blobs") in job["error"]["message"]
+        _, job = await call(port, "POST", "/admin/v1/mirror/imports", {"ollama": "wrongsize"})
+        job = await _finished(port, job)
+        assert job["state"] == "failed" and job["error"]["code"] == "corrupt_blob", job
     finally:
         await rt.stop()

@@ -70,7 +70,7 @@ def test_sigint_while_a_ctl_call_waits_is_one_line_and_130() -> None:
             else:
                 pytest.fail("ctl never connected")
             p.send_signal(signal.SIGINT)
-            out, err = p.communicate(timeout=15)
+            _, err = p.communicate(timeout=15)
             conn.close()
         finally:
             if p.poll() is None:

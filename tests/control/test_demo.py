@@ -69,10 +69,61 @@ def test_demo_shows_a_simulated_node_and_its_gpus(tmp_path: Path) -> None:
             time.sleep(0.2)
             dep = _get(f"{base}/admin/v1/deployments/d1")
             why = json.dumps(dep)
-        assert "failed on demo-node" in why and "'vllm' on PATH is not an executable" in why, why
+        assert "failed on demo-node" in why and "'vllm' is not found on PATH" in why, why
     finally:
         proc.send_signal(signal.SIGTERM)
         _, err = proc.communicate(timeout=20)
     assert proc.returncode == 0, err
     assert "node demo-node deregistered" in err
+    assert not list(tmp.iterdir()), "the demo node's state is removed when it stops"
+
+
+def test_the_demo_node_fetches_mirror_models_as_any_node_does(tmp_path: Path) -> None:
+    """A deployment of a mirror model is placed on the demo node, which fetches it over the
+    admin listener like a real agent (before, it failed for ever: "no mirror fetcher")."""
+    from llmgw.testing.gguf_model import write_tiny_llama
+
+    port, admin = free_port(), free_port()
+    tmp, mirror = tmp_path / "tmp", tmp_path / "mirror"
+    tmp.mkdir()
+    model = tmp_path / "tiny.gguf"
+    write_tiny_llama(model)
+    # (PATH without the engines: once the model is on the node, the engine it lacks is the failure)
+    path = os.pathsep.join([os.path.dirname(sys.executable), "/usr/bin", "/bin"])
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "TMPDIR": str(tmp), "PATH": path, "LLMGW_MIRROR": str(mirror)}
+    out = subprocess.run([sys.executable, "-m", "llmgw", "mirror", "import", str(model), "--name", "tiny"],
+                         capture_output=True, text=True, timeout=30, env=env)
+    assert out.returncode == 0, out
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "llmgw", "serve", "--listen", f"127.0.0.1:{port}", "--admin", f"127.0.0.1:{admin}"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path, env=env,
+    )
+    try:
+        base = f"http://127.0.0.1:{admin}"
+        deadline = time.monotonic() + 30
+        nodes: list[object] = []
+        while time.monotonic() < deadline and not nodes:
+            time.sleep(0.1)
+            try:
+                nodes = _get(f"{base}/admin/v1/nodes")["nodes"]  # type: ignore[index]
+            except OSError:
+                continue
+        assert nodes, "the demo node never registered"
+        ctl = [sys.executable, "-m", "llmgw", "ctl", "--admin", base]
+        out = subprocess.run([*ctl, "deploy", "tiny", "--model", "tiny", "--engine", "llamacpp"], capture_output=True,
+                             text=True, timeout=20, env=env)
+        assert out.returncode == 0 and "placed on demo-node" in out.stdout, out
+        why = ""
+        while time.monotonic() < deadline and "llama-server" not in why:
+            time.sleep(0.2)
+            why = json.dumps(_get(f"{base}/admin/v1/deployments/tiny"))
+        assert "no mirror fetcher" not in why and "'llama-server' is not found on PATH" in why, why
+        # the model's blob came over to the node's own store, verified
+        blobs = [p for p in tmp.glob("llmgw-demo-node-*/mirror/**/*") if p.is_file() and p.stat().st_size
+                 == model.stat().st_size]
+        assert blobs and blobs[0].read_bytes() == model.read_bytes()
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=20)
+    assert proc.returncode == 0, err
     assert not list(tmp.iterdir()), "the demo node's state is removed when it stops"

@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 
 from llmgw.config.agent import AgentEngineConfig
+from llmgw.launch import vllm
+from llmgw.launch.base import LaunchError, find_python
 from llmgw.launch.check import engine_check, render
 
 PY = {"python": sys.executable}
@@ -57,12 +59,35 @@ async def test_missing_engines_and_gpus_say_how_to_fix(tmp_path: Path, monkeypat
     monkeypatch.setenv("PATH", str(tmp_path))
     checks = await engine_check("vllm", gpu_source="none")
     assert statuses(checks) == {"found": "fail", "gpu": "fail", "live": "info"}
+    assert checks[0].detail == "vllm: 'vllm' is not found on PATH"
     assert "set engines.vllm.binary" in checks[0].fix
     assert "install the NVIDIA driver" in checks[1].fix
     checks = await engine_check("trtllm", engines={"trtllm": AgentEngineConfig(**PY)}, gpu_source="none")
     version = next(c for c in checks if c.name == "version")
     assert version.failed and "cannot import tensorrt_llm" in version.detail
     assert "engines.trtllm.python" in version.fix
+
+
+def test_not_on_path_and_not_an_executable_are_told_apart(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Absent means install it or point engines.vllm.binary at it; present but not runnable means fix the file."""
+    monkeypatch.setenv("PATH", str(tmp_path))
+    with pytest.raises(LaunchError) as absent:
+        vllm.binary(None)
+    assert str(absent.value) == (
+        "vllm: 'vllm' is not found on PATH; install it or set engines.vllm.binary in the agent's config")
+    (tmp_path / "vllm").write_text("#!/bin/sh\n")  # there, but without the execute bit
+    with pytest.raises(LaunchError, match=r"^vllm: 'vllm' on PATH \(.*/vllm\) is not an executable; "):
+        vllm.binary(None)
+    with pytest.raises(LaunchError, match=r"^vllm: engines.vllm.binary = '.*/nope' does not exist; install it"):
+        vllm.binary(AgentEngineConfig(binary=str(tmp_path / "nope")))
+    with pytest.raises(LaunchError, match=r"^vllm: engines.vllm.binary = '.*/vllm' is not an executable; "):
+        vllm.binary(AgentEngineConfig(binary=str(tmp_path / "vllm")))
+    with pytest.raises(LaunchError, match=r"^vllm: engines.vllm.binary = 'my-vllm' is not found on PATH; "):
+        vllm.binary(AgentEngineConfig(binary="my-vllm"))
+    with pytest.raises(LaunchError, match=r"^sglang: 'python3' is not found on PATH; set engines.sglang.python"):
+        find_python(None, "sglang")
+    (tmp_path / "vllm").chmod(0o755)
+    assert vllm.binary(None) == str(tmp_path / "vllm")
 
 
 def test_ctl_node_goes_through_the_control_plane() -> None:

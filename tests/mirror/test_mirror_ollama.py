@@ -29,11 +29,19 @@ from llmgw.mirror.errors import (
     ModelExistsError,
     OllamaBlobError,
     OllamaManifestError,
+    OllamaMissingBlobError,
     OllamaModelNotFoundError,
     OllamaStoreNotFoundError,
     OllamaUnsupportedError,
 )
-from llmgw.mirror.ollama import SERVICE_MODELS_DIR, OllamaName, candidate_roots, parse_ollama_name
+from llmgw.mirror.ollama import (
+    MAX_CHECKED_BLOBS,
+    SERVICE_MODELS_DIR,
+    OllamaName,
+    candidate_roots,
+    parse_ollama_name,
+)
+from llmgw.mirror.ollama_list import list_ollama
 
 
 @pytest.fixture
@@ -533,3 +541,133 @@ def test_ollama_name_display_rules() -> None:
     assert OllamaName("registry.ollama.ai", "library", "m", "t").display == "m:t"
     assert OllamaName("registry.ollama.ai", "me", "m", "t").display == "me/m:t"
     assert OllamaName("hf.co", "library", "m", "t").display == "hf.co/library/m:t"
+
+
+# --- the store's listing (GET /admin/v1/mirror/ollama) ------------------------------------
+
+
+def _listed(ollama: OllamaStore) -> dict[str, Any]:
+    return {m["name"]: m for m in list_ollama([ollama.root])["models"]}
+
+
+def test_listing_names_a_missing_or_wrong_size_blob(
+    ollama: OllamaStore, store: MirrorStore, tiny: bytes, proj: bytes
+) -> None:
+    ollama.add_model("good", gguf=tiny)
+    ollama.add_model("missing", gguf=minimal_gguf(elements=16))
+    missing = ollama.blob_path(sha(minimal_gguf(elements=16)))
+    missing.unlink()
+    ollama.add_model("wrongsize", gguf=minimal_gguf(elements=24))
+    short = ollama.blob_path(sha(minimal_gguf(elements=24)))
+    short.write_bytes(short.read_bytes()[:-7])
+    ollama.add_model("llava", gguf=tiny, projector=proj, license="proj-license")
+    ollama.blob_path(sha(b"proj-license")).unlink()  # a small layer the import reads
+
+    rows = _listed(ollama)
+    assert rows["good:latest"]["problem"] is None
+    blobs = ollama.root / "blobs"
+    assert rows["missing:latest"]["problem"].startswith(
+        f"the model blob {missing.name} of missing:latest is missing from {blobs}; pull the model again")
+    size = len(minimal_gguf(elements=24))
+    assert rows["wrongsize:latest"]["problem"].startswith(
+        f"the model blob {short.name} of wrongsize:latest has {size - 7} bytes but the manifest says {size}")
+    assert "license blob sha256-" in rows["llava:latest"]["problem"]
+    assert "is missing from" in rows["llava:latest"]["problem"]
+    # the rest of each row is as for a sound model
+    assert rows["missing:latest"]["format"] == "gguf" and rows["missing:latest"]["size"] > 0
+
+    # what the list says is what the import says
+    for name in ("missing", "wrongsize", "llava"):
+        with pytest.raises(OllamaBlobError) as exc:
+            import_ollama(store, name, ollama_dir=ollama.root)
+        assert str(exc.value) == rows[f"{name}:latest"]["problem"]
+    with pytest.raises(OllamaMissingBlobError):
+        import_ollama(store, "missing", ollama_dir=ollama.root)
+    _nothing_stored(store)
+
+
+def test_listing_checks_the_config_blob_and_finds_legacy_names(ollama: OllamaStore, tiny: bytes) -> None:
+    path = ollama.write_manifest([ollama.layer("model", tiny)], {"model_type": "own config"}, model="noconfig")
+    ollama.blob_path(json.loads(path.read_bytes())["config"]["digest"]).unlink()
+    ollama.add_model("legacy", gguf=minimal_gguf(elements=40))
+    blob = ollama.blob_path(sha(minimal_gguf(elements=40)))
+    blob.rename(blob.with_name("sha256:" + blob.name[7:]))
+    rows = _listed(ollama)
+    assert "is missing from" in rows["noconfig:latest"]["problem"]
+    assert rows["legacy:latest"]["problem"] is None
+
+
+def test_listing_never_reads_a_blob(ollama: OllamaStore, tiny: bytes, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Only stat: a blob of the right size with damaged bytes is listed, and the import's digest check refuses it."""
+    ollama.add_model("flipped", gguf=tiny)
+    blob = ollama.blob_path(sha(tiny))
+    data = bytearray(tiny)
+    data[-3] ^= 0x01
+    blob.write_bytes(bytes(data))
+    blobs = str(ollama.root / "blobs")
+    real_open, real_os_open = open, os.open
+
+    def guarded_open(path: Any, *args: Any, **kwargs: Any) -> Any:
+        assert not os.fspath(path).startswith(blobs), f"the listing read {path}"
+        return real_open(path, *args, **kwargs)
+
+    def guarded_os_open(path: Any, *args: Any, **kwargs: Any) -> int:
+        assert not os.fspath(path).startswith(blobs), f"the listing opened {path}"
+        return real_os_open(path, *args, **kwargs)
+
+    monkeypatch.setattr("builtins.open", guarded_open)
+    monkeypatch.setattr(os, "open", guarded_os_open)
+    assert _listed(ollama)["flipped:latest"]["problem"] is None
+
+
+def test_listing_stays_bounded_on_huge_manifests(
+    ollama: OllamaStore, tiny: bytes, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # many tags sharing one model blob, one manifest naming far more license blobs than a pull makes
+    for tag in ("a", "b", "c"):
+        ollama.add_model("shared", tag, gguf=tiny)
+    licenses = [ollama.layer("license", f"license {i}".encode()) for i in range(3 * MAX_CHECKED_BLOBS)]
+    ollama.write_manifest([ollama.layer("model", tiny), *licenses], model="many")
+    stats: list[str] = []
+    real_stat = os.stat
+
+    def counting_stat(path: Any, *args: Any, **kwargs: Any) -> os.stat_result:
+        if "blobs" in os.fspath(path):
+            stats.append(os.fspath(path))
+        return real_stat(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "stat", counting_stat)
+    rows = _listed(ollama)
+    assert all(rows[n]["problem"] is None for n in ("shared:a", "shared:b", "shared:c", "many:latest"))
+    # the shared blobs once each (config, model, template, license, params), the big manifest up to the bound
+    assert len(stats) <= 5 + MAX_CHECKED_BLOBS
+    assert len(set(stats)) == len(stats)
+
+
+def test_listing_explains_two_model_layers(ollama: OllamaStore, store: MirrorStore, tiny: bytes) -> None:
+    ollama.write_manifest([ollama.layer("model", tiny), ollama.layer("model", minimal_gguf())], model="two")
+    assert "2 model layers" in _listed(ollama)["two:latest"]["problem"]
+
+
+def test_listing_shows_manifest_links_and_why_one_leaving_the_store_is_refused(
+    ollama: OllamaStore, store: MirrorStore, tiny: bytes, tmp_path: Path
+) -> None:
+    # a link inside the store is fine (the import follows it), one out of it is refused
+    real = ollama.add_model("target", gguf=tiny)
+    inside = ollama.manifest_path("alias")
+    inside.parent.mkdir(parents=True)
+    inside.symlink_to(real)
+    outside = tmp_path / "manifest.json"
+    outside.write_bytes(real.read_bytes())
+    escaping = ollama.manifest_path("escape")
+    escaping.parent.mkdir(parents=True)
+    escaping.symlink_to(outside)
+
+    rows = _listed(ollama)
+    assert rows["alias:latest"]["problem"] is None and rows["alias:latest"]["digest"] == sha(tiny)
+    problem = rows["escape:latest"]["problem"]
+    assert f"symbolic link to {outside}, outside the Ollama store" in problem
+    assert rows["escape:latest"]["digest"] is None  # nothing was read through the link
+    assert import_ollama(store, "alias", ollama_dir=ollama.root).record.ref == "alias:latest"
+    with pytest.raises(OllamaManifestError, match="link out of the Ollama store"):
+        import_ollama(store, "escape", ollama_dir=ollama.root)

@@ -75,9 +75,13 @@ def test_env_variable_wins(fake_env: Path, monkeypatch: pytest.MonkeyPatch) -> N
 
 
 def test_env_variable_must_be_an_executable(fake_env: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    shared = make_shared(fake_env / "shared")
     monkeypatch.setenv("LLAMA_SERVER", str(fake_env / "nope"))
+    with pytest.raises(EngineUnavailableError, match=r"LLAMA_SERVER=.*nope does not exist; point it at"):
+        find_llama_server(shared=shared)
+    (fake_env / "nope").write_text("#!/bin/sh\n")  # there, but without the execute bit
     with pytest.raises(EngineUnavailableError, match=r"LLAMA_SERVER=.*nope is not an executable file"):
-        find_llama_server(shared=make_shared(fake_env / "shared"))
+        find_llama_server(shared=shared)
 
 
 def test_shared_binary_is_verified_and_cached(fake_env: Path) -> None:

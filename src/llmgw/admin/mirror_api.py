@@ -62,6 +62,7 @@ _CODES: tuple[tuple[type[BaseException], str], ...] = (
     (merr.OllamaStoreNotFoundError, "ollama_store_not_found"),
     (merr.OllamaModelNotFoundError, "ollama_model_not_found"),
     (merr.OllamaUnsupportedError, "unsupported_model"),
+    (merr.OllamaMissingBlobError, "missing_blob"),
     (merr.OllamaBlobError, "corrupt_blob"),
     (merr.DigestMismatchError, "corrupt_blob"),
     (merr.OllamaManifestError, "bad_manifest"),

@@ -75,6 +75,26 @@ class Launcher(Protocol):
         ...
 
 
+def _which(name: str) -> tuple[str | None, str]:
+    """``shutil.which(name)``; when it finds nothing, also why, worded to follow the name.
+
+    ``which`` skips a file it may not execute as if it were absent, so a PATH entry that
+    has the file is looked for again: "not found" and "not an executable" need different fixes.
+    """
+    found = shutil.which(name)
+    if found is not None:
+        return found, ""
+    if os.path.dirname(name):  # a path: which() looked only there
+        if not os.path.exists(name):
+            return None, "does not exist"
+        return None, "is a directory, not an executable" if os.path.isdir(name) else "is not an executable"
+    for d in os.environ.get("PATH", os.defpath).split(os.pathsep):
+        candidate = os.path.join(d, name)
+        if d and os.path.exists(candidate):
+            return None, f"on PATH ({candidate}) is not an executable"
+    return None, "is not found on PATH"
+
+
 def find_binary(engine: AgentEngineConfig | None, default: str, what: str, *, beside_python: bool = False) -> str:
     """``engines.<name>.binary`` from the agent config, else (``beside_python``) ``default`` in the
     directory of ``engines.<name>.python`` (a virtualenv's bin), else ``default`` found on PATH."""
@@ -84,12 +104,10 @@ def find_binary(engine: AgentEngineConfig | None, default: str, what: str, *, be
         if beside.is_file():
             return str(beside)
     name = configured or default
-    found = shutil.which(name)
+    found, why = _which(name)
     if found is None:
-        where = f"engines.{what}.binary = {configured!r}" if configured else f"{default!r} on PATH"
-        raise LaunchError(
-            f"{what}: {where} is not an executable; install it or set engines.{what}.binary in the agent's config"
-        )
+        where = f"engines.{what}.binary = {configured!r}" if configured else repr(default)
+        raise LaunchError(f"{what}: {where} {why}; install it or set engines.{what}.binary in the agent's config")
     return os.path.abspath(found)  # (engines run in their own work directory)
 
 
@@ -97,12 +115,10 @@ def find_python(engine: AgentEngineConfig | None, what: str) -> str:
     """``engines.<name>.python`` from the agent config, else ``python3`` on PATH."""
     configured = engine.python if engine is not None else None
     name = configured or "python3"
-    found = shutil.which(name)
+    found, why = _which(name)
     if found is None:
-        where = f"engines.{what}.python = {configured!r}" if configured else "'python3' on PATH"
-        raise LaunchError(
-            f"{what}: {where} is not an executable; set engines.{what}.python to the interpreter that has {what}"
-        )
+        where = f"engines.{what}.python = {configured!r}" if configured else "'python3'"
+        raise LaunchError(f"{what}: {where} {why}; set engines.{what}.python to the interpreter that has {what}")
     return os.path.abspath(found)
 
 

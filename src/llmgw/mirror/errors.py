@@ -26,6 +26,7 @@ __all__ = [
     "OllamaBlobError",
     "OllamaError",
     "OllamaManifestError",
+    "OllamaMissingBlobError",
     "OllamaModelNotFoundError",
     "OllamaStoreNotFoundError",
     "OllamaUnsupportedError",
@@ -104,6 +105,10 @@ class OllamaModelNotFoundError(OllamaError, LookupError):
 
 class OllamaBlobError(OllamaError, SourceError):
     """A blob an Ollama manifest names is missing, the wrong size, corrupt or a link out of the store."""
+
+
+class OllamaMissingBlobError(OllamaBlobError):
+    """A blob an Ollama manifest names is not in the store's ``blobs/`` at all."""
 
 
 class OllamaManifestError(OllamaError, ValueError):

@@ -18,6 +18,7 @@ import hashlib
 import json
 import os
 import re
+import stat
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +29,7 @@ from .errors import (
     NotGGUFError,
     OllamaBlobError,
     OllamaManifestError,
+    OllamaMissingBlobError,
     OllamaModelNotFoundError,
     OllamaStoreNotFoundError,
     OllamaUnsupportedError,
@@ -41,11 +43,13 @@ __all__ = [
     "DEFAULT_HOST",
     "DEFAULT_NAMESPACE",
     "DEFAULT_TAG",
+    "MAX_CHECKED_BLOBS",
     "SERVICE_MODELS_DIR",
     "Layer",
     "Manifest",
     "OllamaName",
     "candidate_roots",
+    "check_blobs",
     "find_manifest",
     "import_ollama",
     "parse_config",
@@ -76,6 +80,9 @@ _CONFIG_KEEP = (
 
 MAX_MANIFEST_BYTES = 1 << 20
 MAX_SMALL_LAYER_BYTES = 4 << 20
+MAX_CHECKED_BLOBS = 64
+""":func:`check_blobs` looks at no more blobs than this per manifest. A pulled model has a handful;
+a 1 MiB manifest could name thousands, and a listing of many models must stay quick."""
 # Ollama's BlobsPath accepts this; the file name uses '-', older stores ':'.
 _LAYER_DIGEST = re.compile(r"sha256[:-]([0-9a-fA-F]{64})")
 _PART_LIMITS = {"host": 350, "namespace": 80, "model": 80, "tag": 80}
@@ -413,7 +420,7 @@ class _OllamaStore:
         if not os.path.lexists(path):
             legacy = blobs / ("sha256:" + layer.digest[7:])
             if not os.path.lexists(legacy):
-                raise OllamaBlobError(
+                raise OllamaMissingBlobError(
                     f"the {layer.kind} blob {layer.blob_name} of {self.display} is missing from {blobs};"
                     f" pull the model again (ollama pull {self.display})"
                 )
@@ -427,26 +434,63 @@ class _OllamaStore:
             )
         return Path(real)
 
+    def _check_size(self, layer: Layer, st: os.stat_result) -> None:
+        if st.st_size != layer.size:
+            raise OllamaBlobError(
+                f"the {layer.kind} blob {layer.blob_name} of {self.display} has {st.st_size} bytes but the"
+                f" manifest says {layer.size}: it is incomplete or corrupt; pull the model again"
+                f" (ollama pull {self.display})"
+            )
+
+    def stat_blob(self, layer: Layer, *, small: bool = False) -> None:
+        """Check a blob as :meth:`open_blob` (``small``: :meth:`read_small`) does, from its metadata
+        alone (``lstat``/``stat``, never a read).
+
+        Raises:
+            OllamaMissingBlobError: it is not in ``blobs/`` (or is a link to nothing).
+            OllamaBlobError: a link out of the store, not a regular file, empty, or the wrong size.
+            OllamaManifestError: ``small`` and the layer claims more than a small layer may have.
+            OSError: it cannot be looked at (permissions).
+        """
+        if small:
+            self._check_small_claim(layer)
+        path = self.blob_path(layer)
+        label = f"{layer.kind} blob {layer.blob_name} of {self.display}"
+        try:
+            st = os.stat(path)
+        except FileNotFoundError:
+            raise OllamaMissingBlobError(
+                f"the {label} is a link to {path}, which does not exist; pull the model again"
+                f" (ollama pull {self.display})"
+            ) from None
+        if not stat.S_ISREG(st.st_mode):
+            raise OllamaBlobError(f"the {label} ({path}) is not a regular file; pull the model again")
+        if st.st_size == 0:
+            raise OllamaBlobError(f"the {label} is empty; pull the model again (ollama pull {self.display})")
+        self._check_size(layer, st)
+
     def open_blob(self, layer: Layer) -> tuple[Path, int, os.stat_result]:
         """Open a blob for reading and check its size against the manifest."""
         path = self.blob_path(layer)
         label = f"{layer.kind} blob {layer.blob_name} of {self.display}"
         fd, st = open_source(path, label, nofollow=True)
-        if st.st_size != layer.size:
+        try:
+            self._check_size(layer, st)
+        except BaseException:
             os.close(fd)
-            raise OllamaBlobError(
-                f"the {label} has {st.st_size} bytes but the manifest says {layer.size}: it is incomplete"
-                f" or corrupt; pull the model again (ollama pull {self.display})"
-            )
+            raise
         return path, fd, st
 
-    def read_small(self, layer: Layer) -> bytes:
-        """Read a small layer (config, template, ...) whole and verify its digest."""
+    def _check_small_claim(self, layer: Layer) -> None:
         if layer.size > MAX_SMALL_LAYER_BYTES:
             raise OllamaManifestError(
                 f"the {layer.kind} layer of {self.display} claims {layer.size} bytes, more than"
                 f" {MAX_SMALL_LAYER_BYTES} for its kind; the manifest is malformed"
             )
+
+    def read_small(self, layer: Layer) -> bytes:
+        """Read a small layer (config, template, ...) whole and verify its digest."""
+        self._check_small_claim(layer)
         _, fd, _ = self.open_blob(layer)
         try:
             data = os.pread(fd, layer.size + 1, 0)
@@ -459,6 +503,48 @@ class _OllamaStore:
                 f" {actual}); pull the model again (ollama pull {self.display})"
             )
         return data
+
+
+def check_blobs(
+    root: Path, manifest: Manifest, display: str, *, known_good: set[tuple[str, int, bool]] | None = None
+) -> None:
+    """Check, from file metadata only, that the blobs an import of ``manifest`` reads are in place.
+
+    The config, the weights (model, projectors, adapters) and the text layers must each be a
+    regular file inside the store ``root`` with the manifest's size, and a small layer must be
+    within its bound: all an import checks before it reads a byte. Nothing is read or hashed
+    (blobs are gigabytes), so a blob of the right size but damaged bytes passes here and is
+    caught by the import's digest check. At most :data:`MAX_CHECKED_BLOBS` distinct blobs are
+    looked at; an import checks every one anyway.
+
+    Args:
+        root: the Ollama models directory the manifest is in.
+        manifest: the parsed manifest.
+        display: the model's name, for messages.
+        known_good: ``(digest, size, small)`` of the layers found sound in ``root`` already
+            (tags share blobs); filled in as layers pass.
+
+    Raises:
+        OllamaMissingBlobError: a blob is not in ``blobs/``.
+        OllamaBlobError: a blob is the wrong size, empty, not a regular file, or a link out of the store.
+        OllamaManifestError: a small layer claims more bytes than its kind may have.
+        OSError: a blob cannot be looked at (permissions).
+    """
+    good = known_good if known_good is not None else set()
+    ostore = _OllamaStore(root, display)
+    checked = 0
+    for i, layer in enumerate((manifest.config, *manifest.layers)):
+        small = i == 0 or layer.kind in _TEXT_KINDS
+        if not small and layer.kind not in _ROLE_OF:
+            continue  # an import does not read it
+        key = (layer.digest, layer.size, small)
+        if key in good:
+            continue
+        if checked >= MAX_CHECKED_BLOBS:
+            break
+        checked += 1
+        ostore.stat_blob(layer, small=small)
+        good.add(key)
 
 
 def _text(data: bytes) -> str:
@@ -492,7 +578,8 @@ def import_ollama(
         OllamaStoreNotFoundError, OllamaModelNotFoundError: nothing to import.
         OllamaManifestError: the manifest (or a small layer) is malformed.
         OllamaUnsupportedError: the model has no GGUF weights (tensor layers, a cloud model).
-        OllamaBlobError: a blob is missing, the wrong size, corrupt, or a link out of the store.
+        OllamaMissingBlobError: a blob the manifest names is not in the store.
+        OllamaBlobError: a blob is the wrong size, corrupt, or a link out of the store.
         DigestMismatchError: a weights blob does not hash to its digest.
         GGUFFormatError: a weights blob is not a sound GGUF.
         ModelExistsError: the mirror name is taken by a model with different files.
@@ -542,6 +629,8 @@ def import_ollama(
         raise OllamaManifestError(
             f"{where} has {len(models)} model layers; llmgw expects one. Pull the model again"
         )
+    # Every blob is looked at before any is read, as the store's listing does, so both name the same one.
+    check_blobs(root, manifest, display)
 
     info: dict[str, Any] = {
         "name": display,

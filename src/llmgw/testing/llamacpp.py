@@ -164,9 +164,8 @@ def _from_env() -> Path | None:
         return None
     path = Path(value).expanduser()
     if not _is_executable(path):
-        raise EngineUnavailableError(
-            f"LLAMA_SERVER={value} is not an executable file; point it at a llama-server binary or unset it"
-        )
+        why = "is not an executable file" if path.exists() else "does not exist"
+        raise EngineUnavailableError(f"LLAMA_SERVER={value} {why}; point it at a llama-server binary or unset it")
     return path
 
 
