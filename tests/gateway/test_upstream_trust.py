@@ -72,6 +72,11 @@ class Engine:
         body = orjson.loads(req.body) if req.body else {}
         mode = self.mode
         key = (self.key or "").encode()
+        if mode == "error_words":
+            # an ordinary error whose words happen to be inside the replica's key
+            w.send(400, orjson.dumps({"error": {"message": "engine failure: the context length is 4096 tokens",
+                                                "type": "BadRequestError", "code": 400}}))
+            return None
         if mode == "echo_error":
             # an engine careless with what it holds and what it was sent
             msg = b"bad request from %s: key %s (starts %s...), user %s, token %s" % (
@@ -361,6 +366,16 @@ async def test_secrets_in_an_engine_error_are_redacted(caplog: pytest.LogCapture
         assert status == 200 and hdrs[b"x-engine-key"] == b"k=[redacted]"
 
 
+async def test_words_inside_a_replica_key_stay_in_its_errors() -> None:
+    key = secret("engine-key-a")  # ("engine" is inside it: not a piece an engine shows of a key)
+    a = Engine("a", key)
+    a.mode = "error_words"
+    async with running([(a, key)]) as rt:
+        status, _, data, _ = await fetch(client(rt))
+        assert status == 400
+        assert orjson.loads(data)["error"]["message"] == "engine failure: the context length is 4096 tokens"
+
+
 def test_redact_whole_pieces_and_digests() -> None:
     import hashlib
 
@@ -371,6 +386,15 @@ def test_redact_whole_pieces_and_digests() -> None:
     assert redact(b"nothing here", [k], digests) == b"nothing here"
     assert redact(b"a b", [b"b"]) == b"a [redacted]"  # a short secret: as a whole token only
     assert redact(b"abc", [b"b"]) == b"abc"
+    # pieces: those that begin or end the key (a key shown in part), or from inside it when
+    # long or with a digit; never a word that happens to be inside a key made of words
+    words = b"maximum-context-length-2025"
+    text = b"This model's maximum context length is 4096 tokens; reduce the length of the messages"
+    assert redact(text, [words], (), [words]) == text.replace(b"maximum", b"[redacted]")
+    assert redact(text, [words], (), ()) == text  # another replica's key: whole only
+    assert redact(b"simulated engine failure", [b"enginesecret"], (), ()) == b"simulated engine failure"
+    assert redact(b"bad key sk-abcd...456789 (ef0123)", [k], (), [k]) == b"bad key [redacted]...[redacted] ([redacted])"
+    assert redact(b"x abcdef0123456 y", [k], (), [k]) == b"x [redacted] y"
 
 
 def test_config_secrets_cover_every_plain_secret() -> None:

@@ -234,10 +234,14 @@ _TOKENS = (
     re.compile(rb"[A-Za-z0-9_+-]+"),
 )
 _WHOLE_MIN = 4  # a secret this long or longer is redacted wherever it stands, whole
-_FRAGMENT_MIN = 6  # a token this long that is part of a secret is redacted
+_FRAGMENT_MIN = 6  # a token this long that begins or ends a key is redacted
+_INNER_MIN = 12  # a token this long (or with a digit) from inside a key is redacted
+_DIGITS = re.compile(rb"[0-9]")
 
 
-def redact(data: bytes, plain: Iterable[bytes], digests: Container[bytes] = ()) -> bytes:
+def redact(
+    data: bytes, plain: Iterable[bytes], digests: Container[bytes] = (), pieces_of: Iterable[bytes] | None = None
+) -> bytes:
     """``data`` with the secrets in it replaced by ``[redacted]``.
 
     SECURITY: an engine's error body may echo what it was sent or holds (its key, a
@@ -248,10 +252,16 @@ def redact(data: bytes, plain: Iterable[bytes], digests: Container[bytes] = ()) 
         data: the text (an engine's error body, a header block).
         plain: the secrets llmgw holds in plain (replica keys, the admin token,
             join tokens): redacted whole wherever they stand (those shorter than
-            4 bytes only as a whole token), and so is any token of 6 bytes or more
-            that is a piece of one (an engine showing part of a key).
+            4 bytes only as a whole token).
         digests: SHA-256 digests of the secrets llmgw holds only so (client keys):
             a token whose digest is one of them is redacted.
+        pieces_of: the secrets whose pieces are redacted too (an engine showing part
+            of its key, as "sk-ab12...wxyz"): a token of 6 bytes or more that begins or
+            ends one, or one from inside it of 12 bytes or more or with a digit. The
+            key the answering replica was sent; ``None``: every one of ``plain``.
+            (A piece of another replica's key cannot be in this engine's answer, and
+            a key made of words must not take those words out of every error text:
+            "engine" from a key "enginesecret".)
     """
     secrets = sorted({p for p in plain if p}, key=len, reverse=True)
     for sec in secrets:
@@ -259,12 +269,13 @@ def redact(data: bytes, plain: Iterable[bytes], digests: Container[bytes] = ()) 
             data = data.replace(sec, _REDACTED)
     if not secrets and not digests:
         return data
+    pieces = secrets if pieces_of is None else [p for p in pieces_of if p]
     for pattern in _TOKENS:
         out: list[bytes] = []
         pos = 0
         for m in pattern.finditer(data):
             tok = m.group()
-            if tok == _REDACTED or tok == b"redacted" or not _is_secret(tok, secrets, digests):
+            if tok == _REDACTED or tok == b"redacted" or not _is_secret(tok, secrets, pieces, digests):
                 continue
             out.append(data[pos : m.start()])
             out.append(_REDACTED)
@@ -275,12 +286,13 @@ def redact(data: bytes, plain: Iterable[bytes], digests: Container[bytes] = ()) 
     return data
 
 
-def _is_secret(tok: bytes, secrets: list[bytes], digests: Container[bytes]) -> bool:
+def _is_secret(tok: bytes, secrets: list[bytes], pieces: list[bytes], digests: Container[bytes]) -> bool:
     if tok in secrets:
         return True
     if len(tok) >= _FRAGMENT_MIN:
-        for sec in secrets:
-            if tok in sec:
+        for sec in pieces:
+            if tok in sec and (sec.startswith(tok) or sec.endswith(tok) or len(tok) >= _INNER_MIN
+                               or _DIGITS.search(tok) is not None):
                 return True
     return bool(digests) and hashlib.sha256(tok).digest() in digests
 
@@ -1375,14 +1387,16 @@ class Gateway(App):
     def redact(self, data: bytes, ep: Endpoint | None = None) -> bytes:
         """``data`` with every secret the gateway knows replaced (:func:`redact`): the
         replicas' keys (``ep``'s too, if it left the registry), the admin token, join
-        tokens, and the client keys (by digest)."""
+        tokens, and the client keys (by digest); pieces of ``ep``'s key, the one its
+        engine was sent."""
         plain = list(self._secrets)
         for e in self.registry.endpoints.values():
             if e.api_key is not None:
                 plain.append(e.api_key)
-        if ep is not None and ep.api_key is not None:
-            plain.append(ep.api_key)
-        return redact(data, plain, self.keys)
+        mine = ep.api_key if ep is not None else None
+        if mine is not None:
+            plain.append(mine)
+        return redact(data, plain, self.keys, (mine,) if mine is not None else ())
 
     def _ensure_sweep(self) -> None:
         if self._sweep_handle is None:
