@@ -503,6 +503,32 @@ async def test_streaming_relays_events() -> None:
         assert len(events) == 4
 
 
+@pytest.mark.parametrize("mode", ["ok", "burst"])
+async def test_a_stream_to_an_http10_client_is_unframed_and_ends_with_the_close(mode: str) -> None:
+    # the engine's chunks (passed through as they came to HTTP/1.1 clients) are de-chunked
+    a = FakeEngine("a")
+    a.mode = mode
+    async with gateway([a]) as rt:
+        r, w = await asyncio.open_connection("127.0.0.1", port_of(rt))
+        body = chat(stream=True)
+        w.write(b"POST /v1/chat/completions HTTP/1.0\r\ncontent-type: application/json\r\n"
+                b"content-length: %d\r\n\r\n%s" % (len(body), body))
+        raw = await asyncio.wait_for(r.read(), 5)
+        w.close()
+        head, _, data = raw.partition(b"\r\n\r\n")
+        lines = head.lower().split(b"\r\n")
+        assert lines[0].startswith(b"http/1.1 200") and b"connection: close" in lines, head
+        assert not any(ln.startswith(b"transfer-encoding") for ln in lines), head
+        events = [e for e in data.split(b"\n\n") if e]
+        assert events and all(e.startswith(b"data: ") for e in events), data
+        assert events[-1] == b"data: [DONE]"
+        for _ in range(100):
+            if inflight_zero(rt):
+                break
+            await asyncio.sleep(0.02)
+        assert inflight_zero(rt)
+
+
 async def test_streaming_relays_any_chunk_framing_as_whole_events() -> None:
     # The compiled reader relays an engine's plain chunks as they came when they
     # hold whole events; every other shape is re-framed. The client sees the same.

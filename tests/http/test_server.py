@@ -301,6 +301,19 @@ async def test_http10_closes() -> None:
         await assert_closed(r)
 
 
+async def test_http10_gets_a_stream_unframed_to_the_close() -> None:
+    # RFC 9112 §6.1: never Transfer-Encoding to an HTTP/1.0 client; the body ends with the connection
+    async with serve() as (_, port, _), connect(port) as (r, w):
+        w.write(b"GET /stream?3 HTTP/1.0\r\n\r\n")
+        raw = await asyncio.wait_for(r.read(), WAIT)  # (to EOF: the server closes)
+    head, _, body = raw.partition(b"\r\n\r\n")
+    lines = head.lower().split(b"\r\n")
+    assert lines[0] == b"http/1.1 200 ok"
+    assert b"connection: close" in lines
+    assert not any(ln.startswith((b"transfer-encoding", b"content-length")) for ln in lines), head
+    assert body == b"data: 0\n\ndata: 1\n\ndata: 2\n\n"
+
+
 async def test_pipelining_answered_in_order() -> None:
     async with serve() as (_, port, app), connect(port) as (r, w):
         w.write(b"GET /slow?0.2 HTTP/1.1\r\n\r\n" + GET + b"GET /slow?0 HTTP/1.1\r\n\r\n" + GET)

@@ -313,7 +313,8 @@ class ResponseWriter:
     ) -> None:
         """Send the status line and headers.
 
-        ``content_length`` -1 streams the body chunked; ``raw`` is pre-built header lines.
+        ``content_length`` -1 streams the body chunked (to an HTTP/1.0 client: unframed,
+        ending with the connection); ``raw`` is pre-built header lines.
         """
         if self.started:
             raise InternalError("response already started")
@@ -323,6 +324,12 @@ class ResponseWriter:
         if no_body:
             content_length = -2
         self.chunked = content_length == -1
+        if self.chunked and self.request.version == b"1.0":
+            # RFC 9112 §6.1: no Transfer-Encoding to an HTTP/1.0 client (it would read the
+            # size lines as the body); the body runs to the connection's close instead.
+            self.chunked = False
+            self.keep_alive = False
+            content_length = -2
         if self._conn._server.closing:
             # NOTE: a response that begins after shutdown began is the last on its
             # connection; saying so lets the client retry elsewhere instead of
