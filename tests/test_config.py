@@ -478,7 +478,7 @@ def test_agent_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(ConfigError) as ei:
         load_agent_file(p)
     assert str(ei.value).splitlines() == [
-        f"{p}:1: control: is required",
+        f"{p}:1: control: is required (or give llmgw agent --control HOST:PORT)",
         f"{p}:1: token_env: environment variable NOPE_AGENT is not set (export it)",
         f"{p}:2: gpu_source: unknown gpu source 'rocm'; choose one of auto, nvml, nvidia-smi, none, simulated",
         f"{p}:4: engines.tgi: unknown engine 'tgi'; choose one of vllm, llamacpp, trtllm, sglang",

@@ -38,7 +38,7 @@ from typing import Any, Protocol
 
 from .admin.app import AdminApp
 from .admin.ports import Listeners
-from .config import Config, EndpointConfig, load_file
+from .config import Config, DeploymentConfig, EndpointConfig, load_file
 from .engines.errors import normalize_error
 from .errors import ConfigError
 from .fleet.poller import Poller
@@ -138,6 +138,19 @@ def control_plane(parts: Parts) -> Component:
 
 def _without_token(f: Any) -> Any:
     return dataclasses.replace(f, token=None) if f is not None else None
+
+
+def _deployments_changed(old: Sequence[DeploymentConfig], new: Sequence[DeploymentConfig]) -> dict[str, Any]:
+    """What a reload changes in the file's ``deployments:`` (the control plane applies it on its next pass):
+    names ``added``, ``removed``, ``changed``, and ``replicas`` (name -> ``[before, after]``) for a changed
+    entry whose count changed."""
+    was = {d.name: d for d in old}
+    now = {d.name: d for d in new}
+    changed = [n for n in now if n in was and now[n] != was[n]]
+    return {
+        "added": [n for n in now if n not in was], "removed": [n for n in was if n not in now], "changed": changed,
+        "replicas": {n: [was[n].replicas, now[n].replicas] for n in changed if was[n].replicas != now[n].replicas},
+    }
 
 
 def follower(parts: Parts) -> Component:
@@ -292,10 +305,15 @@ class GatewayRuntime:
         """Apply a new configuration (default: re-read the config file) without dropping connections.
 
         Endpoints are added, removed or replaced by id; models, aliases, keys and
-        limits that the request path reads are swapped in. ``listen``/``admin``
+        limits that the request path reads are swapped in; the control plane applies
+        the file's ``deployments:`` on its next pass. ``listen``/``admin``
         and ``admission.header`` changes need a restart and are reported, not
         applied. Counted in :attr:`reloads`, whatever the ``trigger`` (``api``,
         ``sighup``, ...: for the log).
+
+        Returns:
+            ``added``, ``removed``, ``changed`` (endpoint ids), ``deployments``
+            (:func:`_deployments_changed`) and ``restart_needed_for``.
 
         Raises:
             ConfigError: the new configuration is invalid, or adds an endpoint id
@@ -356,8 +374,10 @@ class GatewayRuntime:
         running: dict[str, Any] = {k: getattr(self.config, k) for k in ("listen", "admin") if k in not_applied}
         if "admission.header" in not_applied:
             running["admission"] = dataclasses.replace(config.admission, header=self.config.admission.header)
+        deployments = _deployments_changed(self.config.deployments, config.deployments)
         self.config = dataclasses.replace(config, **running) if running else config
-        return {"added": added, "removed": removed, "changed": changed, "restart_needed_for": not_applied}
+        return {"added": added, "removed": removed, "changed": changed, "deployments": deployments,
+                "restart_needed_for": not_applied}
 
     def readiness(self) -> tuple[bool, dict[str, Any]]:
         """Whether every configured model, and every model a deployment wants replicas of (scaled

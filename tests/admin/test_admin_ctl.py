@@ -88,12 +88,27 @@ async def test_reload(tmp_path: Path) -> None:
             conf.write_text(yaml.safe_dump(config_for([a, b])))
             res = await invoke("--admin", url(rt), "reload")
             assert res.exit_code == 0, res.output
-            assert res.output == "configuration reloaded: added b\n"
+            assert res.output == "configuration reloaded: added endpoint b\n"
+            # nothing the summary counts changed: it says so, and claims nothing more
+            conf.write_text(yaml.safe_dump({**config_for([a, b]), "models": {"m": {"aliases": ["mm"]}}}))
+            res = await invoke("--admin", url(rt), "reload")
+            assert res.output == "configuration reloaded: no endpoint or deployment changed\n", res.output
             conf.write_text(yaml.safe_dump({**config_for([a]), "listen": "nowhere"}))
             res = await invoke("--admin", url(rt), "reload")
             assert res.exit_code == 1
             assert res.output.startswith("llmgw: error: reload failed, the running configuration is kept: ")
             assert "listen" in res.output and len(res.output.splitlines()) == 1
+            # several problems: each is its own llmgw: error: line, as check-config and serve print them
+            bad = config_for([a])
+            bad["endpoints"][0] = {**bad["endpoints"][0], "modle": "m"}
+            conf.write_text(yaml.safe_dump({**bad, "listen": "nowhere", "server": {"max_body_sise": 1}}))
+            res = await invoke("--admin", url(rt), "reload")
+            assert res.exit_code == 1
+            lines = res.output.splitlines()
+            assert len(lines) == 3 and all(line.startswith("llmgw: error: ") for line in lines), res.output
+            assert lines[0].startswith("llmgw: error: reload failed, the running configuration is kept: ")
+            assert sum("modle: unknown key" in line for line in lines) == 1
+            assert sum("max_body_sise: unknown key" in line for line in lines) == 1
     finally:
         await a.stop()
         await b.stop()

@@ -49,3 +49,26 @@ async def test_a_gateway_without_the_deployments_api() -> None:
             await app.wait_for_update()
             assert app.rendered_rows == []
             assert "the control plane has no deployments API" in app.message_text
+
+
+def test_the_reason_is_one_line_as_ctl_shows_it() -> None:
+    """A crash-looping replica's message carries the end of its log: the view's cell is the reason and the
+    log's telling line (what llmgw ctl deployments shows), never the log's lines; a ready replica's own
+    message ("ready") is no reason."""
+    from llmgw.console.views import ABSENT, DeploymentsView
+
+    log = "--- llmgw 2025-01-01T00:00:00Z: starting c-1: llama-server -m m.gguf\nerror: invalid argument: -x\n" * 3
+    doc = {"deployments": [
+        {"name": "crash", "desired": 1, "ready": 0, "nodes": ["n1"],
+         "message": f"replica c-1 on n1: exited with status 1; restarting in 8s (3 restarts so far); its log ends:\n{log}",
+         "replicas": [{"id": "c-1", "node": "n1", "state": "starting", "message": "started: llama-server"}]},
+        {"name": "fine", "desired": 1, "ready": 1, "nodes": ["n1"], "message": None,
+         "replicas": [{"id": "f-1", "node": "n1", "state": "ready", "message": "ready"}]},
+        {"name": "fetch", "desired": 1, "ready": 0, "nodes": ["n1"], "message": None,
+         "replicas": [{"id": "g-1", "node": "n1", "state": "fetching", "message": "fetching the model"}]},
+    ]}
+    rows = {r.key: r for r in DeploymentsView().rows({"/admin/v1/deployments": doc})}
+    assert rows["crash"].cells[-1] == ("replica c-1 on n1: exited with status 1; restarting in 8s (3 restarts so far); "
+                                       "log: error: invalid argument: -x")
+    assert rows["fine"].cells[-1] == ABSENT
+    assert rows["fetch"].cells[-1] == "fetching the model"

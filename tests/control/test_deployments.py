@@ -316,3 +316,47 @@ async def test_a_llamacpp_model_that_is_neither_in_the_mirror_nor_a_path_is_refu
         assert res.exit_code == 0, res.output  # a path on the nodes: theirs to have
         res = await invoke("--admin", url, "deploy", "hf", "--model", "meta-llama/Llama-3.1-8B")
         assert res.exit_code == 0, res.output  # vLLM downloads what it is named
+
+
+async def test_reload_says_which_deployments_changed(tmp_path: Path) -> None:
+    """``ctl reload`` of a file whose deployments changed says so (it said "no endpoint changes")."""
+    import yaml
+
+    from llmgw.config import load_file
+    from llmgw.runtime import components_for
+
+    port = free_port()
+    conf = tmp_path / "llmgw.yaml"
+
+    def write(deployments: list[dict[str, Any]]) -> None:
+        conf.write_text(yaml.safe_dump({
+            "listen": "127.0.0.1:0", "admin": "127.0.0.1:0",
+            "control": {"listen": f"127.0.0.1:{port}", "join_token": TOKEN, "heartbeat_interval": "10s",
+                        "heartbeat_grace": "60s", "database": f"sqlite:///{tmp_path}/cp.sqlite3"},
+            "deployments": deployments,
+        }))
+
+    chat = {"name": "chat", "model": "sim-weights", "gpu_memory": "10GiB", "replicas": 2}
+    write([chat, {"name": "old", "model": "sim-weights", "gpu_memory": "10GiB", "replicas": 0}])
+    cfg = load_file(conf, serve=True)
+    rt = GatewayRuntime(cfg, components=components_for(cfg))
+    await rt.start()
+    try:
+        url = f"http://127.0.0.1:{rt.admin_addr[1]}"  # type: ignore[index]
+        await register(port, "node-1", {"hostname": "h1", "gpus": h100s(2)})
+        ctl_ = controller(rt)
+        ctl_.sync(10.0)
+        await wait_for(lambda: ctl_.view("chat")["placed"] == 2, what="both placed")
+        write([{**chat, "replicas": 1}, {"name": "new", "model": "sim-weights", "gpu_memory": "10GiB", "replicas": 0}])
+        res = await invoke("--admin", url, "reload")
+        assert res.exit_code == 0, res.output
+        assert res.output == ("configuration reloaded: added deployment new; removed deployment old; "
+                              "changed deployment chat (replicas 2 → 1)\n")
+        res = await invoke("--admin", url, "reload", "--json")
+        assert json.loads(res.stdout)["deployments"] == {"added": [], "removed": [], "changed": [], "replicas": {}}
+        res = await invoke("--admin", url, "reload")
+        assert res.output == "configuration reloaded: no endpoint or deployment changed\n"
+        await wait_for(lambda: ctl_.view("chat")["placed"] == 1 and "old" not in ctl_.deployments,
+                       what="the reload applied")
+    finally:
+        await rt.stop()

@@ -41,12 +41,14 @@ ABSENT = "–"  # an en dash: absent is not 0
 
 
 class CtlError(click.ClickException):
-    """A one-line error: ``llmgw: error: ...``."""
+    """A one-line error: ``llmgw: error: ...``; one such line per line of the message (a reload the
+    API refused lists every problem of the file, as ``llmgw check-config`` does)."""
 
     def show(self, file: Any = None) -> None:
         from ._common import echo_err
 
-        echo_err(f"llmgw: error: {self.message}", level="error")
+        for line in self.message.splitlines() or [""]:
+            echo_err(f"llmgw: error: {line}", level="error")
 
 
 @dataclass
@@ -301,15 +303,17 @@ def undrain(ctx: click.Context, endpoint_id: str, admin: str | None, token: str 
 def reload(ctx: click.Context, admin: str | None, token: str | None, as_json: bool | None) -> None:
     """Re-read the config file (like SIGHUP).
 
-    Endpoints are added, removed or replaced by id; connections are not dropped.
+    Endpoints are added, removed or replaced by id, the file's deployments applied;
+    connections are not dropped. Prints which endpoints and deployments changed.
     """
+    from ..admin.summary import reload_summary
+
     t = _target(ctx, admin, token, as_json)
     data = t.call("POST", "/admin/v1/reload")
     if t.as_json:
         _print_json(data)
         return
-    parts = [f"{k} {', '.join(data[k])}" for k in ("added", "removed", "changed") if data.get(k)]
-    click.echo("configuration reloaded" + (f": {'; '.join(parts)}" if parts else ": no endpoint changes"))
+    click.echo(reload_summary(data))
     if data.get("restart_needed_for"):
         from ._common import echo_err
 
@@ -580,12 +584,15 @@ def deploy(ctx: click.Context, name: str, model: str, engine: str | None, replic
 
 
 def _say_deployment(d: dict[str, Any], verb: str) -> None:
+    from ..launch.spec import reason_line
+
     click.echo(f"{d.get('name')}: {verb}: {d.get('placed', 0)} of {d.get('desired')} replica(s) placed"
                + (f" on {', '.join(d['nodes'])}" if d.get("nodes") else ""))
-    if d.get("message"):
+    why = reason_line(d.get("message") if isinstance(d.get("message"), str) else None)
+    if why:
         from ._common import echo_err
 
-        echo_err(f"{d.get('name')}: {d['message']}", level="warning")
+        echo_err(f"{d.get('name')}: {why}", level="warning")
 
 
 @ctl.command()
@@ -629,8 +636,10 @@ def undeploy(ctx: click.Context, name: str, admin: str | None, token: str | None
 @click.pass_context
 def deployments(ctx: click.Context, show_secrets: bool, admin: str | None, token: str | None,
                 as_json: bool | None) -> None:
-    """List the deployments: desired and ready replicas, where each runs, why one is not placed.
+    """List the deployments: desired and ready replicas, where each runs, why one is not placed or ready.
 
+    WHY NOT is one line: the reason, and the most telling line of the engine's log where the
+    reason carries its end (--json has the whole message; llmgw ctl logs REPLICA the log).
     Values nobody reported (a replica's port before it started) show as –.
     """
     t = _target(ctx, admin, token, as_json)
@@ -640,6 +649,8 @@ def deployments(ctx: click.Context, show_secrets: bool, admin: str | None, token
         return
     from rich.markup import escape
     from rich.table import Table
+
+    from ..launch.spec import reason_line
 
     rows = data.get("deployments", [])
     console = _console()
@@ -652,10 +663,10 @@ def deployments(ctx: click.Context, show_secrets: bool, admin: str | None, token
         table.add_column(col, justify=justify, no_wrap=col != "WHY NOT")  # type: ignore[arg-type]
     for d in rows:
         desired = _fmt(d.get("desired")) + ("*" if d.get("scaled") else "")
+        why = reason_line(str(d["message"])) if d.get("message") else None
         table.add_row(
             str(d.get("name")), str(d.get("model")), str(d.get("engine")), _fmt(d.get("ready")), desired,
-            str(d.get("source")), ", ".join(d.get("nodes") or []) or ABSENT,
-            escape(str(d.get("message"))) if d.get("message") else ABSENT,
+            str(d.get("source")), ", ".join(d.get("nodes") or []) or ABSENT, escape(why) if why else ABSENT,
         )
     console.print(table)
     reps = [r for d in rows for r in d.get("replicas", [])]

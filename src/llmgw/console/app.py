@@ -26,6 +26,7 @@ from textual.screen import ModalScreen
 from textual.suggester import SuggestFromList
 from textual.widgets import Footer, Input, ProgressBar, Static
 
+from ..admin.summary import reload_summary
 from .client import AdminClient, APIError, AuthError, ClientError, Unreachable, quote_id
 from .table import FleetTable
 from .views import ABSENT, VIEWS, Row, View, apply_filter, column_widths, fmt_bytes, sort_rows
@@ -743,12 +744,8 @@ class ConsoleApp(App[None]):
         if self.read_only:
             return
 
-        def said(r: dict[str, Any]) -> str:
-            parts = [f"{k} {', '.join(r[k])}" for k in ("added", "removed", "changed") if r.get(k)]
-            return "configuration reloaded" + (f": {'; '.join(parts)}" if parts else ": no endpoint changes")
-
         self._confirm("Reload the gateway's config file? Endpoints may be added, removed or replaced.",
-                      lambda: self._act("POST", "/admin/v1/reload", None, said))
+                      lambda: self._act("POST", "/admin/v1/reload", None, reload_summary))
 
     def action_scale(self) -> None:
         row = self._selected_row()

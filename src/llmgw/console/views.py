@@ -16,6 +16,8 @@ from typing import Any
 
 from rich.text import Text
 
+from ..launch.spec import reason_line
+
 __all__ = [
     "ABSENT",
     "VIEWS",
@@ -473,7 +475,8 @@ class DeploymentsView(View):
 
     def rows(self, data: dict[str, Any], show_ages: bool = True) -> list[Row]:
         # The shape of /admin/v1/deployments (control/deployments.py): name, model, engine, desired,
-        # ready, nodes, message (why a replica is not placed), replicas [{id, node, state, message}].
+        # ready, nodes, message (why a replica is not placed or ready), replicas [{id, node, state, message}].
+        # The reason is one line, as llmgw ctl deployments shows it (the whole message: Enter's log tails).
         doc = data.get("/admin/v1/deployments") or {}
         out = []
         for d in doc.get("deployments", []):
@@ -485,7 +488,8 @@ class DeploymentsView(View):
             nodes = d.get("nodes")
             where = sorted(map(str, nodes)) if isinstance(nodes, list) else sorted(
                 {str(r.get("node")) for r in reps if r.get("node")})
-            why = d.get("message") or next((r.get("message") for r in reps if r.get("message")), None)
+            why = reason_line(str(d.get("message") or next(
+                (r["message"] for r in reps if r.get("message") and r.get("state") != "ready"), "")))
             cells = (name, str(d.get("model") or ABSENT), str(d.get("engine") or ABSENT),
                      Cell(fmt_int(ready), _GOOD if ready is not None and ready == desired else _WARN),
                      fmt_int(desired), ",".join(where) or ABSENT, str(why) if why else ABSENT)

@@ -32,7 +32,9 @@ at once after every change (an API call, a report, a reload).
   no ready replica answers 503 ``model_unavailable``, not 404.
 * **Failures**: a replica reported ``failed`` (the agent gave up after its
   restarts) is dropped and placed again after a backoff that doubles per failure
-  (5 s to 5 min); the deployment shows the last failure's message.
+  (5 s to 5 min); the deployment shows the last failure's message. Before that,
+  from its first crash, a replica the agent restarts makes the deployment say so
+  (exit status, restarts, the end of its log): :meth:`~DeploymentController.view`.
 
 SECURITY: each replica's API key comes from :func:`secrets.token_urlsafe`; it is
 kept in the store (a ``0600`` file), sent to the agent and to the router, and
@@ -54,7 +56,17 @@ from ..agent.wire import runs_replicas
 from ..config import DeploymentConfig, EndpointConfig, load
 from ..engines import get as get_engine
 from ..errors import ConfigError
-from ..launch.spec import FAILED, READY, ReplicaSpec, ReplicaStatus
+from ..launch.spec import (
+    FAILED,
+    FETCHING,
+    LOG_TAIL,
+    READY,
+    STARTING,
+    ReplicaSpec,
+    ReplicaStatus,
+    log_tail,
+    reason_line,
+)
 from ..log import control_logger as log
 from .db import DesiredStore, StoredDeployment, StoredReplica
 from .placement import Choice, Claim, GpuInfo, Need, NodeInfo, Unplaceable, place
@@ -181,6 +193,9 @@ class Replica:
     durable: bool = True
     """Its row is committed: only then is it in its node's desired set (a leader killed before that
     never had it launched; the next one, loading the rows, cannot launch it a second time)."""
+    crash: str | None = None
+    """The agent's message from its last crash (``exited with status 1; restarting in 8s; its log ends:...``),
+    kept while the agent starts it again (its message is then ``started: ...``); ``None`` once ready."""
 
     @property
     def state(self) -> str:
@@ -866,6 +881,10 @@ class DeploymentController:
             if (before is not None and before.state == READY) != (s.state == READY):
                 self._claims = None  # (a ready replica's memory is in its node's reading: Claim.loaded)
             r.status, r.address = s, address
+            if s.state == READY:
+                r.crash = None
+            elif _in_backoff(s) and s.message:
+                r.crash = s.message
             if r.draining_since is not None:
                 continue
             if s.state == READY:
@@ -898,9 +917,13 @@ class DeploymentController:
             dep.failures += 1
             delay = min(BACKOFF_MAX_S, BACKOFF_MIN_S * 2 ** (dep.failures - 1))
             dep.retry_at = self.clock() + delay
-            code = f" (exit {s.exit_code})" if s.exit_code is not None else ""
-            dep.message = f"replica {r.id} failed on {r.node}{code}: {s.message or 'no message'}; placing again in {delay:g}s"
-            log.warning("deployment %s: %s", r.deployment, dep.message)
+            why, tail = log_tail(s.message or "no message")
+            # (the exit status once: the agent's reason for a crash loop says it already)
+            code = f" (exit {s.exit_code})" if s.exit_code is not None and f"status {s.exit_code}" not in why else ""
+            # (the end of the engine's log last, in the agent's form: reason_line() and a reader find it there)
+            dep.message = (f"replica {r.id} failed on {r.node}{code}: {why}; placing again in {delay:g}s"
+                           + (f"{LOG_TAIL}\n{tail}" if tail is not None else ""))
+            log.warning("deployment %s: %s", r.deployment, reason_line(dep.message))
         self._drop(r, "failed")
 
     def node_gone(self, node: str) -> None:
@@ -966,12 +989,56 @@ class DeploymentController:
             "placed": sum(1 for r in reps if r.draining_since is None and not r.outdated),
             "outdated": sum(1 for r in reps if r.draining_since is None and r.outdated),
             "nodes": sorted({r.node for r in reps if r.draining_since is None}),
-            "message": dep.message, "mirror": dep.model.ref if dep.model is not None else None,
+            "message": self._why(dep, reps), "mirror": dep.model.ref if dep.model is not None else None,
             "spec": spec, "replicas": [self.replica_view(r, show_secrets=show_secrets) for r in reps],
         }
 
     def list_views(self, *, show_secrets: bool = False) -> list[dict[str, Any]]:
         return [self.view(n, show_secrets=show_secrets) for n in sorted(self.deployments)]
+
+    def _why(self, dep: Deployment, reps: Sequence[Replica]) -> str | None:
+        """The deployment's message, with why a replica the agent restarts after a crash is not ready.
+
+        A placement reason (one line) comes first; a past failure gives way (its replica is gone and
+        the one restarting now is the current cause). Made when shown, from the last reports, so it
+        ends by itself once the replica is ready, failed or replaced.
+        """
+        crashed = [r for r in reps if _restarting(r)]
+        if not crashed:
+            return dep.message
+        head, tail = _crash_reason(crashed[0])
+        if len(crashed) > 1:
+            head += f"; {len(crashed) - 1} more replica(s) restarting"
+        if dep.failures:
+            head += f"; {dep.failures} replica(s) failed before"
+        reason = head + (f"{LOG_TAIL}\n{tail}" if tail is not None else "")
+        if dep.message is None or dep.failures:
+            return reason
+        return f"{' '.join(dep.message.split())}; {reason}"
+
+
+def _in_backoff(s: ReplicaStatus) -> bool:
+    """Whether the agent waits to start the replica again after its engine exited (no process, an exit status)."""
+    return s.state == STARTING and s.pid is None and (s.exit_code is not None or s.restarts > 0)
+
+
+def _restarting(r: Replica) -> bool:
+    """Whether ``r`` is not ready because its engine crashed: waiting to restart, or starting again."""
+    s = r.status
+    return (s is not None and r.draining_since is None and s.state in (STARTING, FETCHING)
+            and (s.exit_code is not None or s.restarts > 0))
+
+
+def _crash_reason(r: Replica) -> tuple[str, str | None]:
+    """``(why, the end of its log)`` of a replica the agent restarts (:func:`_restarting`)."""
+    s = r.status
+    assert s is not None
+    n = f" ({s.restarts} restart{'' if s.restarts == 1 else 's'} so far)" if s.restarts else ""
+    if _in_backoff(s) and s.message:
+        why, tail = log_tail(s.message)  # (the agent's own words: the exit status, when it restarts)
+        return f"replica {r.id} on {r.node}: {why}{n}", tail
+    code = f"exit status {s.exit_code}" if s.exit_code is not None else "a crash"
+    return f"replica {r.id} on {r.node}: starting again after {code}{n}", log_tail(r.crash)[1] if r.crash else None
 
 
 def _placement_changed(a: DeploymentConfig, b: DeploymentConfig) -> bool:

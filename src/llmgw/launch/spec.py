@@ -12,6 +12,7 @@ the Python side both halves share.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -83,11 +84,81 @@ class ReplicaStatus:
     exit_code: int | None = None
     """The last exit status (negative: killed by that signal)."""
     message: str = ""
-    """Why it failed or is waiting, in a line, with the engine's last output lines where they explain it."""
+    """Why it failed or is waiting, in a line, with the engine's last output lines where they explain it
+    (``<why>; its log ends:`` then the lines: :data:`LOG_TAIL`)."""
     log_path: str | None = None
     fetched: int | None = None
     """Bytes of the model fetched so far, while ``fetching``."""
     fetch_total: int | None = None
+
+
+LOG_TAIL = "; its log ends:"
+"""How a message gives the end of the engine's log: ``<why>; its log ends:\n<the last lines>``. The
+supervisor's messages take this form, and so do the control plane's that carry one of them on."""
+LOG_HEADER = "--- llmgw "
+"""How the lines the supervisor writes into a replica's log begin (``--- llmgw <time>: starting <id>: <argv>``)."""
+REASON_WIDTH = 200
+"""The most characters :func:`reason_line` gives: two or three lines of a table's last column."""
+
+_TELLING = re.compile(r"(?i)(error|fatal|panic)\b[^:]{0,40}:")
+"""A line that says what went wrong: ``error: invalid argument: -x``, ``error loading model: ...``,
+``ValueError: ...``, ``FATAL: ...`` (not ``exiting due to model loading error``, which only repeats it)."""
+
+
+def log_tail(message: str) -> tuple[str, str | None]:
+    """``(why, the log's last lines)`` of a message in the :data:`LOG_TAIL` form; ``(message, None)`` without one."""
+    why, sep, tail = message.partition(LOG_TAIL)
+    return (why, tail.removeprefix("\n")) if sep else (message, None)
+
+
+def telling_line(log: str) -> str | None:
+    """The line of a log's end that best says why the engine stopped, or ``None`` when it printed nothing.
+
+    Only the last run's output counts (the lines after the supervisor's last :data:`LOG_HEADER` line,
+    unless that run printed nothing): its last line that names an error (:data:`_TELLING`), else its
+    last line.
+    """
+    runs: list[list[str]] = [[]]
+    for raw in log.splitlines():
+        line = " ".join(raw.split())  # (tabs, carriage returns and runs of spaces as one space)
+        if line.startswith(LOG_HEADER):
+            runs.append([])
+        elif line:
+            runs[-1].append(line)
+    lines = next((r for r in reversed(runs) if r), [])
+    return next((x for x in reversed(lines) if _TELLING.search(x)), lines[-1] if lines else None)
+
+
+def reason_line(message: str | None, width: int = REASON_WIDTH) -> str | None:
+    """A replica's or a deployment's message as one line of at most ``width`` characters, for a table.
+
+    The reason before :data:`LOG_TAIL`, then ``; log:`` and the log's most telling line
+    (:func:`telling_line`); what is too long is cut with ``…``, the log's line keeping at
+    least half the width. The whole message stays in the API's JSON (``llmgw ctl
+    deployments --json``) and the log in ``llmgw ctl logs REPLICA``.
+
+    Returns:
+        ``None`` for no message (or only white space).
+    """
+    if message is None:
+        return None
+    why, tail = log_tail(message)
+    line = " ".join(why.split())
+    telling = telling_line(tail) if tail else None
+    if telling and line:
+        room = width - len(_LOG_SEP)
+        telling = _cut(telling, max(room - len(line), room // 2))
+        line = f"{_cut(line, room - len(telling))}{_LOG_SEP}{telling}"
+    elif telling:
+        line = telling
+    return _cut(line, width) or None
+
+
+_LOG_SEP = "; log: "
+
+
+def _cut(text: str, n: int) -> str:
+    return text if len(text) <= n else text[: max(0, n - 1)].rstrip() + "…"
 
 
 @dataclass(frozen=True, slots=True)

@@ -61,6 +61,8 @@ from .spec import (
     DRAINING,
     FAILED,
     FETCHING,
+    LOG_HEADER,
+    LOG_TAIL,
     READY,
     STARTING,
     STOPPED,
@@ -483,11 +485,11 @@ class ReplicaSupervisor:
                 if len(rep.crashes) >= self.max_crashes:
                     self._end(rep, FAILED, (
                         f"crashed {len(rep.crashes)} times within {self.crash_window:g}s; last exit status "
-                        f"{rep.exit_code}; its log ends:\n{tail}"))
+                        f"{rep.exit_code}{LOG_TAIL}\n{tail}"))
                     return
                 delay = min(self.backoff_max, self.backoff * 2 ** (len(rep.crashes) - 1))
-                self._set(rep, STARTING, f"exited with status {rep.exit_code}; restarting in {delay:g}s; "
-                                         f"its log ends:\n{tail}")
+                self._set(rep, STARTING, f"exited with status {rep.exit_code}; restarting in {delay:g}s"
+                                         f"{LOG_TAIL}\n{tail}")
                 with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(rep.stop.wait(), delay)
                 if rep.stop.is_set():
@@ -609,7 +611,7 @@ class ReplicaSupervisor:
         fd = os.open(rep.log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
         try:
             stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-            os.write(fd, f"--- llmgw {stamp}: starting {rep.id}: {self._redact(rep, plan.shown())}\n".encode())
+            os.write(fd, f"{LOG_HEADER}{stamp}: starting {rep.id}: {self._redact(rep, plan.shown())}\n".encode())
             popen = subprocess.Popen(
                 list(plan.argv), stdin=subprocess.DEVNULL, stdout=fd, stderr=fd, cwd=work, env=env,
                 start_new_session=True, close_fds=True,
@@ -661,8 +663,8 @@ class ReplicaSupervisor:
                 if time.monotonic() > deadline:
                     tail = _tail(rep.log_path, _TAIL_LINES, _TAIL_CHARS)
                     await self._terminate(rep, exited, quiet=True)
-                    rep.message = (f"not ready within {self.ready_timeout:g}s ({rep.health_path} never answered 200);"
-                                   f" its log ends:\n{tail}")
+                    rep.message = (f"not ready within {self.ready_timeout:g}s ({rep.health_path} never answered 200)"
+                                   f"{LOG_TAIL}\n{tail}")
                     return "failed"
                 await asyncio.wait(either, timeout=interval, return_when=asyncio.FIRST_COMPLETED)
                 interval = min(self.poll_interval, interval * 2)
