@@ -322,9 +322,9 @@ EXPLAINED: dict[str, tuple[bytes, str]] = {
     ),
     "missing-host": (
         b"GET / HTTP/1.1\r\n\r\n",
-        "RFC 9112 §3.2: a server MUST answer 400 to an HTTP/1.1 request without Host. llmgw accepts it: it "
-        "is an API gateway that routes on the body's model, never on Host, and writes its own Host upstream; "
-        "h11 enforces the rule. (Looser on purpose.)",
+        "RFC 9112 §3.2: a server MUST answer 400 to an HTTP/1.1 request without Host. The request reader "
+        "(compared here) reads it; the server answers it 400 missing_host and closes "
+        "(tests/http/test_server.py), as h11 refuses it.",
     ),
     "leading-empty-line": (
         b"\r\nGET / HTTP/1.1\r\nHost: a\r\n\r\n",

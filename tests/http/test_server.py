@@ -287,7 +287,7 @@ async def test_keep_alive_across_requests() -> None:
 
 async def test_connection_close_requested() -> None:
     async with serve() as (_, port, _), connect(port) as (r, w):
-        w.write(b"GET /echo HTTP/1.1\r\nConnection: close\r\n\r\n")
+        w.write(b"GET /echo HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\r\n")
         resp = await read_response(r)
         assert resp.status == 200 and resp.headers[b"connection"] == b"close"
         await assert_closed(r)
@@ -299,6 +299,20 @@ async def test_http10_closes() -> None:
         resp = await read_response(r)
         assert resp.status == 200 and resp.headers[b"connection"] == b"close"
         await assert_closed(r)
+
+
+async def test_an_http11_request_without_host_is_400_and_closes() -> None:
+    # RFC 9112 §3.2: a server MUST answer 400 to an HTTP/1.1 request without Host (HTTP/1.0 needs none)
+    async with serve() as (_, port, app), connect(port) as (r, w):
+        w.write(b"GET /echo HTTP/1.1\r\nX-A: 1\r\n\r\nGET /echo HTTP/1.1\r\nHost: t\r\n\r\n")
+        resp = await read_response(r)
+        assert resp.status == 400 and resp.headers[b"connection"] == b"close"
+        assert resp.json()["error"]["code"] == "missing_host"
+        await assert_closed(r)  # (the pipelined request after it is not served)
+        assert app.seen == []
+    async with serve() as (_, port, _), connect(port) as (r, w):
+        w.write(b"GET /echo HTTP/1.0\r\n\r\n")
+        assert (await read_response(r)).status == 200
 
 
 async def test_http10_gets_a_stream_unframed_to_the_close() -> None:
@@ -316,7 +330,7 @@ async def test_http10_gets_a_stream_unframed_to_the_close() -> None:
 
 async def test_pipelining_answered_in_order() -> None:
     async with serve() as (_, port, app), connect(port) as (r, w):
-        w.write(b"GET /slow?0.2 HTTP/1.1\r\n\r\n" + GET + b"GET /slow?0 HTTP/1.1\r\n\r\n" + GET)
+        w.write(b"GET /slow?0.2 HTTP/1.1\r\nHost: t\r\n\r\n" + GET + b"GET /slow?0 HTTP/1.1\r\nHost: t\r\n\r\n" + GET)
         t0 = time.monotonic()
         first = await read_response(r)
         assert (first.status, first.body) == (200, b"slow done")
@@ -331,7 +345,7 @@ async def test_pipelining_answered_in_order() -> None:
 async def test_pipelining_past_the_read_ahead_limit() -> None:
     # More pipelined requests than max_pipelined: reading pauses, then resumes.
     async with serve(max_pipelined=4) as (_, port, _), connect(port) as (r, w):
-        w.write(b"GET /slow?0.05 HTTP/1.1\r\n\r\n" + b"".join(b"GET /echo?%d HTTP/1.1\r\n\r\n" % i for i in range(20)))
+        w.write(b"GET /slow?0.05 HTTP/1.1\r\nHost: t\r\n\r\n" + b"".join(b"GET /echo?%d HTTP/1.1\r\nHost: t\r\n\r\n" % i for i in range(20)))
         assert (await read_response(r)).body == b"slow done"
         for i in range(20):
             assert (await read_response(r)).json()["target"] == f"/echo?{i}"
@@ -339,7 +353,7 @@ async def test_pipelining_past_the_read_ahead_limit() -> None:
 
 async def test_chunked_request_body() -> None:
     async with serve() as (_, port, _), connect(port) as (r, w):
-        w.write(b"POST /echo HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n4\r\nWiki\r\n")
+        w.write(b"POST /echo HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: chunked\r\n\r\n4\r\nWiki\r\n")
         await asyncio.sleep(0.05)
         w.write(b"5\r\npedia\r\n0\r\n\r\n")
         resp = await read_response(r)
@@ -348,7 +362,7 @@ async def test_chunked_request_body() -> None:
 
 async def test_expect_100_continue() -> None:
     async with serve() as (_, port, app), connect(port) as (r, w):
-        w.write(b"POST /echo HTTP/1.1\r\nExpect: 100-continue\r\nContent-Length: 5\r\n\r\n")
+        w.write(b"POST /echo HTTP/1.1\r\nHost: t\r\nExpect: 100-continue\r\nContent-Length: 5\r\n\r\n")
         interim = await asyncio.wait_for(r.readuntil(b"\r\n\r\n"), WAIT)
         assert interim == b"HTTP/1.1 100 Continue\r\n\r\n"
         assert app.seen == []
@@ -361,7 +375,7 @@ async def test_expect_100_continue() -> None:
 async def test_expect_100_continue_behind_a_busy_connection() -> None:
     # The 100 is owed until the pipelined request before it is answered, then sent.
     async with serve() as (_, port, _), connect(port) as (r, w):
-        w.write(b"GET /slow?0.1 HTTP/1.1\r\n\r\nPOST /echo HTTP/1.1\r\nExpect: 100-continue\r\nContent-Length: 2\r\n\r\n")
+        w.write(b"GET /slow?0.1 HTTP/1.1\r\nHost: t\r\n\r\nPOST /echo HTTP/1.1\r\nHost: t\r\nExpect: 100-continue\r\nContent-Length: 2\r\n\r\n")
         assert (await read_response(r)).body == b"slow done"
         interim = await asyncio.wait_for(r.readuntil(b"\r\n\r\n"), WAIT)
         assert interim == b"HTTP/1.1 100 Continue\r\n\r\n"
@@ -372,7 +386,7 @@ async def test_expect_100_continue_behind_a_busy_connection() -> None:
 async def test_on_disconnect_after_the_fact_runs_at_once() -> None:
     async with serve() as (_, port, app):
         async with connect(port) as (_r, w):
-            w.write(b"GET /hang HTTP/1.1\r\n\r\n")
+            w.write(b"GET /hang HTTP/1.1\r\nHost: t\r\n\r\n")
             for _ in range(100):
                 if app.writers:
                     break
@@ -388,21 +402,21 @@ async def test_on_disconnect_after_the_fact_runs_at_once() -> None:
 
 async def test_expect_other_is_417() -> None:
     async with serve() as (_, port, _), connect(port) as (r, w):
-        w.write(b"POST /echo HTTP/1.1\r\nExpect: x-foo\r\nContent-Length: 5\r\n\r\nhello")
+        w.write(b"POST /echo HTTP/1.1\r\nHost: t\r\nExpect: x-foo\r\nContent-Length: 5\r\n\r\nhello")
         assert_openai_error(await read_response(r), 417, "expectation_failed")
         await assert_closed(r)
 
 
 async def test_tcp_nodelay() -> None:
     async with serve() as (_, port, app), connect(port) as (r, w):
-        w.write(b"GET /nodelay HTTP/1.1\r\n\r\n")
+        w.write(b"GET /nodelay HTTP/1.1\r\nHost: t\r\n\r\n")
         assert (await read_response(r)).status == 200
         assert app.sockopts == [1]
 
 
 async def test_head_gets_no_body() -> None:
     async with serve() as (_, port, _), connect(port) as (r, w):
-        w.write(b"HEAD /echo HTTP/1.1\r\n\r\nHEAD /stream HTTP/1.1\r\n\r\n" + GET)
+        w.write(b"HEAD /echo HTTP/1.1\r\nHost: t\r\n\r\nHEAD /stream HTTP/1.1\r\nHost: t\r\n\r\n" + GET)
         head = await read_response(r, head_only=True)
         assert head.status == 200 and int(head.headers[b"content-length"]) > 0
         stream = await read_response(r, head_only=True)
@@ -414,7 +428,7 @@ async def test_head_gets_no_body() -> None:
 
 async def test_204_has_no_framing() -> None:
     async with serve() as (_, port, _), connect(port) as (r, w):
-        w.write(b"GET /204 HTTP/1.1\r\n\r\n" + GET)
+        w.write(b"GET /204 HTTP/1.1\r\nHost: t\r\n\r\n" + GET)
         resp = await read_response(r)
         assert resp.status == 204
         assert b"content-length" not in resp.headers and b"transfer-encoding" not in resp.headers
@@ -423,7 +437,7 @@ async def test_204_has_no_framing() -> None:
 
 async def test_streamed_response_is_chunked() -> None:
     async with serve() as (_, port, _), connect(port) as (r, w):
-        w.write(b"GET /stream?20 HTTP/1.1\r\n\r\n")
+        w.write(b"GET /stream?20 HTTP/1.1\r\nHost: t\r\n\r\n")
         resp = await asyncio.wait_for(read_response(r), WAIT)
         assert resp.headers[b"transfer-encoding"] == b"chunked"
         assert resp.body == b"".join(b"data: %d\n\n" % i for i in range(20))
@@ -435,18 +449,18 @@ async def test_streamed_response_is_chunked() -> None:
 @pytest.mark.parametrize(
     ("data", "status", "code"),
     [
-        (b"GET /" + b"a" * 2000 + b" HTTP/1.1\r\n\r\n", 431, "request_header_fields_too_large"),
-        (b"GET / HTTP/1.1\r\n" + b"X-A: b\r\n" * 11 + b"\r\n", 431, "request_header_fields_too_large"),
-        (b"GET / HTTP/1.1\r\nX-Big: " + b"v" * 2000 + b"\r\n\r\n", 431, "request_header_fields_too_large"),
-        (b"POST /echo HTTP/1.1\r\nContent-Length: 2000\r\n\r\n", 413, "request_too_large"),
-        (b"POST /echo HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n" + (b"100\r\n" + b"x" * 256 + b"\r\n") * 5,
+        (b"GET /" + b"a" * 2000 + b" HTTP/1.1\r\nHost: t\r\n\r\n", 431, "request_header_fields_too_large"),
+        (b"GET / HTTP/1.1\r\nHost: t\r\n" + b"X-A: b\r\n" * 11 + b"\r\n", 431, "request_header_fields_too_large"),
+        (b"GET / HTTP/1.1\r\nHost: t\r\nX-Big: " + b"v" * 2000 + b"\r\n\r\n", 431, "request_header_fields_too_large"),
+        (b"POST /echo HTTP/1.1\r\nHost: t\r\nContent-Length: 2000\r\n\r\n", 413, "request_too_large"),
+        (b"POST /echo HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: chunked\r\n\r\n" + (b"100\r\n" + b"x" * 256 + b"\r\n") * 5,
          413, "request_too_large"),
-        (b"POST / HTTP/1.1\r\nContent-Length: 3\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n", 400, "invalid_request"),
-        (b"POST / HTTP/1.1\r\nContent-Length: 3\r\nContent-Length: 4\r\n\r\nabcd", 400, "invalid_request"),
-        (b"POST / HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n", 400, "invalid_request"),
-        (b"GET / HTTP/1.1\r\nX-A: a\r\n b\r\n\r\n", 400, "invalid_request"),
+        (b"POST / HTTP/1.1\r\nHost: t\r\nContent-Length: 3\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n", 400, "invalid_request"),
+        (b"POST / HTTP/1.1\r\nHost: t\r\nContent-Length: 3\r\nContent-Length: 4\r\n\r\nabcd", 400, "invalid_request"),
+        (b"POST / HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n", 400, "invalid_request"),
+        (b"GET / HTTP/1.1\r\nHost: t\r\nX-A: a\r\n b\r\n\r\n", 400, "invalid_request"),
         (b"GET / HTTP/2.0\r\n\r\n", 400, "invalid_request"),
-        (b"GET / HTTP/1.1\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n\r\n", 400, "invalid_request"),
+        (b"GET / HTTP/1.1\r\nHost: t\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n\r\n", 400, "invalid_request"),
         (b"\x16\x03\x01\x00\xa5\x01\x00\x00\xa1\x03\x03", 400, "invalid_request"),
     ],
     ids=["long-line", "many-headers", "header-bytes", "413-cl", "413-chunked", "cl-te", "dup-cl",
@@ -466,13 +480,13 @@ async def test_413_while_the_client_is_still_sending() -> None:
     # The server refuses by Content-Length while body bytes keep coming: the
     # client must still read the 413 (not a reset that destroys it).
     async with serve(max_body=1000) as (_, port, _), connect(port) as (r, w):
-        w.write(b"POST /echo HTTP/1.1\r\nContent-Length: 1000000\r\n\r\n" + b"x" * 200_000)
+        w.write(b"POST /echo HTTP/1.1\r\nHost: t\r\nContent-Length: 1000000\r\n\r\n" + b"x" * 200_000)
         assert_openai_error(await read_response(r), 413, "request_too_large")
 
 
 async def test_valid_pipelined_requests_answered_before_the_400() -> None:
     async with serve() as (_, port, app), connect(port) as (r, w):
-        w.write(b"GET /slow?0.05 HTTP/1.1\r\n\r\n" + GET + b"GET /bad HTTP/1.1\r\nX A: b\r\n\r\n")
+        w.write(b"GET /slow?0.05 HTTP/1.1\r\nHost: t\r\n\r\n" + GET + b"GET /bad HTTP/1.1\r\nHost: t\r\nX A: b\r\n\r\n")
         assert (await read_response(r)).body == b"slow done"
         assert (await read_response(r)).json()["target"] == "/echo"
         assert_openai_error(await read_response(r), 400, "invalid_request")
@@ -506,7 +520,7 @@ async def test_header_timeout_slowloris() -> None:
 async def test_body_timeout() -> None:
     async with serve(body_timeout=0.3) as (_, port, app), connect(port) as (r, w):
         t0 = time.monotonic()
-        w.write(b"POST /echo HTTP/1.1\r\nContent-Length: 10\r\n\r\nabc")
+        w.write(b"POST /echo HTTP/1.1\r\nHost: t\r\nContent-Length: 10\r\n\r\nabc")
         assert_openai_error(await read_response(r), 408, "request_timeout")
         assert 0.25 <= time.monotonic() - t0 < 2.0
         await assert_closed(r)
@@ -534,7 +548,7 @@ async def test_partial_head_behind_a_slow_response_still_times_out() -> None:
     # being answered was dropped, and none was armed after: the connection was
     # held forever by a head that never completes.
     async with serve(header_timeout=0.2) as (_, port, _), connect(port) as (r, w):
-        w.write(b"GET /slow?0.4 HTTP/1.1\r\n\r\nGET / HTTP/1.1\r\nX-Never: ")
+        w.write(b"GET /slow?0.4 HTTP/1.1\r\nHost: t\r\n\r\nGET / HTTP/1.1\r\nHost: t\r\nX-Never: ")
         assert (await read_response(r)).body == b"slow done"
         t0 = time.monotonic()
         assert_openai_error(await read_response(r), 408, "request_timeout")
@@ -572,7 +586,7 @@ async def test_max_connections_answered_503_at_once() -> None:
 @pytest.mark.parametrize("path", [b"/boom", b"/aboom"])
 async def test_handler_exception_is_500_json(path: bytes, caplog: pytest.LogCaptureFixture) -> None:
     async with serve() as (_, port, _), connect(port) as (r, w):
-        w.write(b"GET %s HTTP/1.1\r\n\r\n" % path)
+        w.write(b"GET %s HTTP/1.1\r\nHost: t\r\n\r\n" % path)
         resp = await read_response(r)
         err = assert_openai_error(resp, 500, "internal_error")
         assert b"secret" not in resp.body and b"Traceback" not in resp.body
@@ -583,12 +597,12 @@ async def test_handler_exception_is_500_json(path: bytes, caplog: pytest.LogCapt
 
 async def test_handler_http_error_keeps_its_status() -> None:
     async with serve() as (_, port, _), connect(port) as (r, w):
-        w.write(b"GET /limited HTTP/1.1\r\n\r\n")
+        w.write(b"GET /limited HTTP/1.1\r\nHost: t\r\n\r\n")
         resp = await read_response(r)
         assert_openai_error(resp, 429, "rate_limit_exceeded")
         assert resp.headers[b"retry-after"] == b"2" and resp.headers[b"retry-after-ms"] == b"2000"
         # not a connection-level error: keep-alive continues
-        w.write(b"GET /ahttperror HTTP/1.1\r\n\r\n")
+        w.write(b"GET /ahttperror HTTP/1.1\r\nHost: t\r\n\r\n")
         err = assert_openai_error(await read_response(r), 403, "forbidden")
         assert err["type"] == "permission_error" and err["message"] == "nope"
         w.write(GET)
@@ -597,14 +611,14 @@ async def test_handler_http_error_keeps_its_status() -> None:
 
 async def test_handler_that_never_finishes_is_500(caplog: pytest.LogCaptureFixture) -> None:
     async with serve() as (_, port, _), connect(port) as (r, w):
-        w.write(b"GET /noend HTTP/1.1\r\n\r\n")
+        w.write(b"GET /noend HTTP/1.1\r\nHost: t\r\n\r\n")
         assert_openai_error(await read_response(r), 500)
     assert "without finishing" in caplog.text
 
 
 async def test_unknown_route_from_app() -> None:
     async with serve() as (_, port, _), connect(port) as (r, w):
-        w.write(b"GET /nope HTTP/1.1\r\n\r\n")
+        w.write(b"GET /nope HTTP/1.1\r\nHost: t\r\n\r\n")
         assert (await read_response(r)).status == 404
 
 
@@ -614,7 +628,7 @@ async def test_unknown_route_from_app() -> None:
 async def test_client_disconnect_cancels_the_handler() -> None:
     async with serve() as (_, port, app):
         async with connect(port) as (r, w):
-            w.write(b"GET /stream?1000 HTTP/1.1\r\n\r\n")
+            w.write(b"GET /stream?1000 HTTP/1.1\r\nHost: t\r\n\r\n")
             await asyncio.wait_for(r.readuntil(b"data: 1\n\n"), WAIT)
         for _ in range(100):
             if "cancelled" in app.events:
@@ -627,7 +641,7 @@ async def test_client_disconnect_cancels_the_handler() -> None:
 async def test_disconnect_while_waiting_cancels_and_calls_back() -> None:
     async with serve() as (server, port, app):
         async with connect(port) as (_r, w):
-            w.write(b"GET /hang HTTP/1.1\r\n\r\n")
+            w.write(b"GET /hang HTTP/1.1\r\nHost: t\r\n\r\n")
             for _ in range(100):
                 if app.seen:
                     break
@@ -647,7 +661,7 @@ BIG = bytes(range(251)) * 4000  # about 1 MB that shows any reordering or loss
 async def test_large_answer_split_between_socket_and_transport_arrives_whole() -> None:
     async with serve() as (_, port, _app), connect(port, rcvbuf=4096) as (r, w):
         for _ in range(2):  # twice on one connection: the writer is back to direct writes
-            w.write(b"GET /big HTTP/1.1\r\n\r\n")
+            w.write(b"GET /big HTTP/1.1\r\nHost: t\r\n\r\n")
             await asyncio.sleep(0.2)
             resp = await asyncio.wait_for(read_response(r), 30)
             assert resp.status == 200 and resp.headers[b"x-pad"] == b"p" * 6000
@@ -656,7 +670,7 @@ async def test_large_answer_split_between_socket_and_transport_arrives_whole() -
 
 async def test_writes_keep_their_order_between_socket_and_transport() -> None:
     async with serve() as (_, port, app), connect(port, rcvbuf=4096) as (r, w):
-        w.write(b"GET /ordered HTTP/1.1\r\n\r\n")
+        w.write(b"GET /ordered HTTP/1.1\r\nHost: t\r\n\r\n")
         await asyncio.sleep(0.3)  # not reading yet: the socket fills
         resp = await asyncio.wait_for(read_response(r), 30)
         expect = b"".join(b"%07d\n" % i for i in range(3 * ORDERED_PER_ROUND)) + b"last\n"
@@ -669,7 +683,7 @@ async def test_writes_keep_their_order_between_socket_and_transport() -> None:
 
 async def test_flow_control_pauses_and_resumes() -> None:
     async with serve() as (_, port, app), connect(port, rcvbuf=4096) as (r, w):
-        w.write(b"GET /flood HTTP/1.1\r\n\r\n")
+        w.write(b"GET /flood HTTP/1.1\r\nHost: t\r\n\r\n")
         for _ in range(200):
             if app.events:
                 break
@@ -693,7 +707,7 @@ async def test_graceful_shutdown_lets_in_flight_finish() -> None:
     async with connect(port) as (r, w), connect(port) as (r_idle, w_idle):
         w_idle.write(GET)
         assert (await read_response(r_idle)).status == 200
-        w.write(b"GET /slow?0.3 HTTP/1.1\r\n\r\n")
+        w.write(b"GET /slow?0.3 HTTP/1.1\r\nHost: t\r\n\r\n")
         for _ in range(100):
             if app.seen[-1:] == [b"/slow?0.3"]:
                 break
@@ -723,7 +737,7 @@ async def test_graceful_shutdown_cuts_a_hung_handler() -> None:
     server = HTTPServer(app, ServerLimits(), name="test")
     _, port = await server.listen("127.0.0.1", 0)
     async with connect(port) as (r, w):
-        w.write(b"GET /hang HTTP/1.1\r\n\r\n")
+        w.write(b"GET /hang HTTP/1.1\r\nHost: t\r\n\r\n")
         for _ in range(100):
             if app.seen:
                 break

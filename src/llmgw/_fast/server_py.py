@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 import orjson
 
 from .._accel import select
-from ..errors import HTTPError, InternalError
+from ..errors import BadRequestError, HTTPError, InternalError
 from ..log import server_logger
 from . import _live
 
@@ -706,6 +706,12 @@ class HTTPProtocol(RequestSink):
         writer._init(self, request)
         self._current = writer
         result = None
+        if request.host is None and request.version == b"1.1":
+            # RFC 9112 §3.2: a server MUST answer 400 to an HTTP/1.1 request without Host
+            self._app.answer_error(writer, BadRequestError(
+                "an HTTP/1.1 request needs a Host header", code="missing_host", close=True,
+            ))
+            return
         try:
             # PERF: a C call when the app is a C one (the gateway, which answers at once)
             result = self._app.handle(request, writer)
