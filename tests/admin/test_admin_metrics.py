@@ -266,6 +266,15 @@ async def test_routing_signals_exported_when_present_and_omitted_when_absent() -
         assert sample(fams, "llmgw_endpoint_breaker_state", replica="with") == 1.0  # one state at a time
         assert sample(fams, "llmgw_endpoint_breaker_state", replica="without", state="closed") == 1.0
         assert sample(fams, "llmgw_endpoint_breaker_open", replica="without") == 0.0
+        # its cooldown over and nothing sent since: usable, so half-open (its next request probes), not open
+        cooled = eps["without"].state.breaker
+        cooled.record_failure(now - 120.0)
+        assert cooled.state == "open" and eps["without"].usable
+        cooled_fams = _render(registry)
+        assert sample(cooled_fams, "llmgw_endpoint_breaker_open", replica="without") == 0.0
+        assert sample(cooled_fams, "llmgw_endpoint_breaker_state", replica="without", state="half_open") == 1.0
+        assert sample(cooled_fams, "llmgw_endpoint_breaker_state", replica="without", state="open") == 0.0
+        cooled.record_success(now)
         assert sample(fams, "llmgw_endpoint_drain_rate", replica="with") == 4.5
         assert sample(fams, "llmgw_endpoint_latency_seconds", replica="with") == 0.25
         # never measured: absent, not 0

@@ -207,11 +207,21 @@ class Endpoint:
 
     @property
     def breaker_state(self) -> str:
-        return str(self.breaker.state)
+        """``closed``; ``open`` while it cools down (no requests); ``half_open`` once the cooldown
+        has passed (the next request is its probe) and while the probe is out.
+
+        (The breaker itself turns half-open only when a request takes the probe; a replica sent
+        nothing after its cooldown would otherwise show open for as long, while it is usable.)
+        """
+        b = self.breaker
+        state = str(b.state)
+        if state == "open" and monotonic() >= b.open_until:
+            return "half_open"
+        return state
 
     @property
     def breaker_open(self) -> bool:
-        return self.breaker.state == "open"
+        return self.breaker_state == "open"
 
     @property
     def consecutive_failures(self) -> int:
