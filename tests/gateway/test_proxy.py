@@ -326,6 +326,25 @@ async def test_models_list() -> None:
         assert status == 404 and orjson.loads(body)["error"]["code"] == "model_not_found"
 
 
+async def test_an_absolute_form_target_is_served_as_its_path() -> None:
+    # RFC 9112 §3.2.2: a server MUST accept the absolute-form (a client configured with llmgw as its proxy)
+    a = FakeEngine("a")
+    async with gateway([a]) as rt:
+        status, _, body = await request(port_of(rt), chat(), path=b"http://gw.example:8080/v1/chat/completions?x=1")
+        assert status == 200 and orjson.loads(body)["served_by"] == "a"
+        assert a.seen[-1]["path"] == b"/v1/chat/completions?x=1"  # sent on in origin-form
+        status, _, body = await request(port_of(rt), b"", path=b"HTTPS://gw.example/v1/models", method=b"GET")
+        assert status == 200 and orjson.loads(body)["object"] == "list"
+        status, _, body = await request(port_of(rt), b"", path=b"http://gw.example", method=b"GET")
+        assert status == 404 and "no route for /;" in orjson.loads(body)["error"]["message"]
+        for other in (b"ftp://gw.example/v1/models", b"http:///v1/models"):
+            status, _, _ = await request(port_of(rt), b"", path=other, method=b"GET")
+            assert status == 404, other
+        # the path is checked as any other: no dot segments through the absolute-form
+        status, _, body = await request(port_of(rt), chat(), path=b"http://gw.example/v1/../admin")
+        assert status == 400 and orjson.loads(body)["error"]["code"] == "invalid_path"
+
+
 @pytest.mark.parametrize(
     ("body", "status", "code"),
     [

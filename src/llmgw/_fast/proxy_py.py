@@ -331,6 +331,27 @@ def _no_model(body: bytes) -> BadRequestError:
     return BadRequestError("You must provide a model parameter.", param="model", code="missing_model")
 
 
+def _origin_form(target: bytes) -> bytes | None:
+    """The origin-form (path and query) of an absolute-form ``http(s)://authority/path?query``
+    request target; ``None`` for any other target."""
+    head = target[:8].lower()
+    if head.startswith(b"http://"):
+        rest = target[7:]
+    elif head == b"https://":
+        rest = target[8:]
+    else:
+        return None
+    cut = len(rest)
+    for sep in (b"/", b"?"):
+        at = rest.find(sep)
+        if 0 <= at < cut:
+            cut = at
+    if cut == 0:
+        return None  # (no authority: not an absolute URI)
+    origin = rest[cut:]
+    return origin if origin[:1] == b"/" else b"/" + origin
+
+
 def _dot_segments(path: bytes) -> bool:
     """Whether ``path`` (no query) has a ``.`` or ``..`` segment once percent-decoded, with
     ``\\`` taken as ``/`` as some servers take it (cold path: only paths with a ``.``, ``%``
@@ -1428,6 +1449,12 @@ class Gateway(App):
                                                 ("GET", "HEAD"))
                 self._answer_local(req, w, 200, b"")
                 return None
+            origin = _origin_form(target)
+            if origin is not None:
+                # RFC 9112 §3.2.2: a server MUST accept the absolute-form (a client that takes
+                # llmgw for a proxy); routed as its path and query, sent on in origin-form
+                req.target = origin
+                return self.handle(req, w)
             raise NotFoundError(f"no route for {path.decode('latin-1')[:200]}; llmgw serves the OpenAI API under /v1/")
         # PERF: one-byte tests (memchr, compiled: path is bytes); the exact test only when one hits
         if (b"." in path or b"%" in path or b"\\" in path) and _dot_segments(path):
