@@ -124,15 +124,20 @@ class _Job:
     """One blob being fetched, shared by every ensure() that needs it."""
 
     blob: ModelBlob
-    done: int = 0
+    done: int = 0  # (the transfer thread's count)
+    told: int = 0  # (the last count delivered to the listeners, on the event loop)
     listeners: list[Callable[[int], None]] = field(default_factory=list)
     task: asyncio.Task[Path] | None = None
     cancelled: threading.Event = field(default_factory=threading.Event)
     conn: Any = None  # the HTTP connection in use (closed by MirrorFetcher.close to unblock a read)
 
-    def notify(self) -> None:
+    def notify(self, done: int) -> None:
+        """Deliver a count the transfer thread had at the time it sent it: listeners hear the counts
+        in the order they were true (the first chunk, then nothing kept after a discard), never a
+        later value read in place of one they missed."""
+        self.told = done
         for listener in list(self.listeners):
-            listener(self.done)
+            listener(done)
 
 
 class MirrorFetcher:
@@ -294,7 +299,7 @@ class MirrorFetcher:
             job = self._job(b)
             heard = listener(b.digest)
             job.listeners.append(heard)
-            heard(job.done)
+            heard(job.told)
             jobs.append((job, heard))
             assert job.task is not None
             tasks.append(job.task)
@@ -428,7 +433,7 @@ class MirrorFetcher:
                 if have:
                     have = _hash_prefix(fd, have, h)
                 job.done = have
-                loop.call_soon_threadsafe(job.notify)
+                loop.call_soon_threadsafe(job.notify, job.done)
                 if have < blob.size:
                     try:
                         h = self._get(job, fd, have, h, loop)
@@ -439,7 +444,7 @@ class MirrorFetcher:
                         # what was written is not worth resuming from, and it holds space.
                         _discard(fd, partial)
                         job.done = 0
-                        loop.call_soon_threadsafe(job.notify)
+                        loop.call_soon_threadsafe(job.notify, job.done)
                         raise
                 size = os.fstat(fd).st_size
                 actual = "sha256:" + h.hexdigest()
@@ -447,7 +452,7 @@ class MirrorFetcher:
                     # SECURITY: never keep bytes that are not the blob asked for.
                     _discard(fd, partial)
                     job.done = 0
-                    loop.call_soon_threadsafe(job.notify)
+                    loop.call_soon_threadsafe(job.notify, job.done)
                     raise _Retry(
                         f"the bytes received hash to {actual} ({size} bytes), not {blob.digest} ({blob.size}"
                         " bytes): the transfer was corrupt and was discarded (again and again: the control"
@@ -605,7 +610,7 @@ class MirrorFetcher:
                         now = time.monotonic()
                         if now - told >= _PROGRESS_EVERY_S:
                             told = now
-                            loop.call_soon_threadsafe(job.notify)
+                            loop.call_soon_threadsafe(job.notify, job.done)
                         i = (i + 1) % len(views)
                     for pending in writing:
                         if pending is not None:
@@ -624,7 +629,7 @@ class MirrorFetcher:
                         raise failed
         finally:
             _give_ring(views, chunk)  # (the hash thread has ended: no buffer of the ring is in use)
-        loop.call_soon_threadsafe(job.notify)
+        loop.call_soon_threadsafe(job.notify, job.done)
         return got
 
     # -- the node's catalogue --
