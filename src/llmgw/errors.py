@@ -183,11 +183,13 @@ class BadRequestError(HTTPError):
 
 
 class UnauthorizedError(HTTPError):
-    """401: no API key or a wrong one."""
+    """401: no API key or a wrong one. A 401 names the scheme that would work
+    (RFC 9110 §11.6.1: it MUST send WWW-Authenticate; RFC 6750 §3 for Bearer)."""
 
     status = 401
     type = "invalid_request_error"
     code = "invalid_api_key"
+    headers = ((b"www-authenticate", b"Bearer"),)
 
 
 class NotFoundError(HTTPError):

@@ -791,11 +791,20 @@ def test_response_head_rejects_header_injection(httpproto: ModuleType, value: by
 def test_upstream_head_bytes(httpproto: ModuleType) -> None:
     uh = httpproto.upstream_head
     assert uh(b"POST", b"/v1/completions?a=1", b"10.0.0.2:8000", b"Accept: */*\r\n", 12, b"authorization: Bearer k\r\n") == (
-        b"POST /v1/completions?a=1 HTTP/1.1\r\nhost: 10.0.0.2:8000\r\nAccept: */*\r\n"
+        b"POST /v1/completions?a=1 HTTP/1.1\r\nhost: 10.0.0.2:8000\r\naccept-encoding: identity\r\nAccept: */*\r\n"
         b"authorization: Bearer k\r\ncontent-length: 12\r\n\r\n"
     )
-    assert uh(b"GET", b"/metrics", b"h", b"", -1) == b"GET /metrics HTTP/1.1\r\nhost: h\r\n\r\n"
-    assert uh(b"POST", b"/", b"h", b"", 0) == b"POST / HTTP/1.1\r\nhost: h\r\ncontent-length: 0\r\n\r\n"
+    ident = b"accept-encoding: identity\r\n"
+    assert uh(b"GET", b"/metrics", b"h", b"", -1) == b"GET /metrics HTTP/1.1\r\nhost: h\r\n" + ident + b"\r\n"
+    assert uh(b"POST", b"/", b"h", b"", 0) == b"POST / HTTP/1.1\r\nhost: h\r\n" + ident + b"content-length: 0\r\n\r\n"
+
+
+def test_the_clients_accept_encoding_is_not_passed_on(httpproto: ModuleType) -> None:
+    # llmgw reads the replica's body (usage, errors, events): a client's gzip must
+    # not reach the replica, whose coded answer llmgw could not read.
+    req = parse(httpproto, b"POST /v1/x HTTP/1.1\r\nHost: a\r\nAccept-Encoding: gzip, br\r\n"
+                b"ACCEPT-ENCODING: zstd\r\nX-A: 1\r\nContent-Length: 0\r\n\r\n").requests[0]
+    assert req["forward"] == b"X-A: 1\r\n"
 
 
 def test_chunk_head_bytes(httpproto: ModuleType) -> None:

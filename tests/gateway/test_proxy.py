@@ -290,6 +290,18 @@ async def test_hop_by_hop_fields_go_no_further_either_way() -> None:
         assert inflight_zero(rt)
 
 
+async def test_the_engine_is_asked_for_an_uncoded_body_whatever_the_client_accepts() -> None:
+    # llmgw reads the replica's answer (usage, error messages, events): a client's
+    # "Accept-Encoding: gzip" passed on would bring back bytes it cannot read.
+    a = FakeEngine("a")
+    async with gateway([a]) as rt:
+        status, hdrs, body = await request(port_of(rt), chat(), headers=b"Accept-Encoding: gzip, br\r\n")
+        assert status == 200, body
+        assert a.seen[-1]["headers"][b"accept-encoding"] == b"identity"
+        assert b"content-encoding" not in hdrs
+        assert orjson.loads(body)["served_by"] == "a"
+
+
 async def test_alias_is_rewritten_and_request_id_generated() -> None:
     a = FakeEngine("a")
     async with gateway([a]) as rt:
@@ -324,6 +336,20 @@ async def test_models_list() -> None:
         assert status == 200 and orjson.loads(body)["id"] == "m"
         status, _, body = await request(port_of(rt), b"", path=b"/v1/models/zz", method=b"GET")
         assert status == 404 and orjson.loads(body)["error"]["code"] == "model_not_found"
+
+
+async def test_a_model_id_with_a_slash_is_found_percent_encoded_or_not() -> None:
+    # The OpenAI SDKs' models.retrieve("org/name") sends /v1/models/org%2Fname.
+    name = "meta-llama/Llama-3.1-8B"
+    async with gateway([FakeEngine("a")], models={"m": {"aliases": [name]}}) as rt:
+        for path in (b"/v1/models/meta-llama%2FLlama-3.1-8B", b"/v1/models/meta-llama%2fLlama-3.1-8B",
+                     b"/v1/models/meta-llama/Llama-3.1-8B"):
+            status, _, body = await request(port_of(rt), b"", path=path, method=b"GET")
+            assert status == 200, (path, body)
+            assert orjson.loads(body)["id"] == name
+        status, _, body = await request(port_of(rt), b"", path=b"/v1/models/meta-llama%2FLlama-3.1-70B", method=b"GET")
+        assert status == 404
+        assert "meta-llama/Llama-3.1-70B" in orjson.loads(body)["error"]["message"]
 
 
 async def test_an_absolute_form_target_is_served_as_its_path() -> None:
@@ -415,11 +441,13 @@ async def test_client_auth() -> None:
     good = secret("good-key")
     async with gateway([a], auth={"api_keys": [{"name": "t", "key": good}, {"key_sha256": digest}]}) as rt:
         p = port_of(rt)
-        status, _, data = await request(p, chat())
+        status, hdrs, data = await request(p, chat())
         assert status == 401 and orjson.loads(data)["error"]["code"] == "missing_api_key"
+        assert hdrs[b"www-authenticate"] == b"Bearer"  # RFC 9110 §11.6.1: a 401 names the scheme
         wrong = secret("wrong-key").encode()
-        status, _, data = await request(p, chat(), headers=b"authorization: Bearer " + wrong + b"\r\n")
+        status, hdrs, data = await request(p, chat(), headers=b"authorization: Bearer " + wrong + b"\r\n")
         assert status == 401 and orjson.loads(data)["error"]["code"] == "invalid_api_key"
+        assert hdrs[b"www-authenticate"] == b"Bearer"
         assert wrong not in data
         status, _, _ = await request(p, chat(), headers=b"authorization: Bearer %s\r\n" % good.encode())
         assert status == 200

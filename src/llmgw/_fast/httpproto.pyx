@@ -154,6 +154,10 @@ cdef int _classify(const char* s, Py_ssize_t n) noexcept nogil:
     elif n == 18:
         if _ieq(s, b"proxy-authenticate", 18):
             return H_HOP
+    elif n == 15:
+        # never passed on (see the twin): upstream_head asks for identity
+        if _ieq(s, b"accept-encoding", 15):
+            return H_HOP
     return H_OTHER
 
 
@@ -343,13 +347,19 @@ cpdef bytes id_line(bytes rid, Py_ssize_t n=-1):
     return out
 
 
+# the replica's body is read (usage, errors, events): asked for uncoded
+cdef const char* _IDENTITY = b"accept-encoding: identity\r\n"
+cdef enum:
+    _IDENTITY_LEN = 27
+
+
 cpdef bytes upstream_head(bytes method, bytes target, bytes host, bytes forward, Py_ssize_t content_length,
                   bytes extra=b""):
     """The request head sent to a replica (see the twin)."""
     cdef char digits[24]
     cdef int k = 0
     cdef Py_ssize_t size = (PyBytes_GET_SIZE(method) + PyBytes_GET_SIZE(target) + PyBytes_GET_SIZE(host)
-                            + PyBytes_GET_SIZE(forward) + PyBytes_GET_SIZE(extra) + 1 + 17 + 2 + 2)
+                            + PyBytes_GET_SIZE(forward) + PyBytes_GET_SIZE(extra) + 1 + 17 + 2 + _IDENTITY_LEN + 2)
     cdef bytes out
     cdef char* p
     if content_length >= 0:
@@ -363,7 +373,8 @@ cpdef bytes upstream_head(bytes method, bytes target, bytes host, bytes forward,
     p = _put(p + 17, host)
     p[0] = 13
     p[1] = 10
-    p = _put(p + 2, forward)
+    memcpy(p + 2, _IDENTITY, _IDENTITY_LEN)
+    p = _put(p + 2 + _IDENTITY_LEN, forward)
     p = _put(p, extra)
     if content_length >= 0:
         p = _put_content_length(p, digits, k)

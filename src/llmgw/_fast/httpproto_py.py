@@ -104,6 +104,10 @@ _KINDS: dict[bytes, int] = {
     b"te": H_HOP,
     b"trailer": H_HOP,
     b"upgrade": H_HOP,
+    # Not hop-by-hop, but never passed on: llmgw reads the replica's body (usage,
+    # errors, events), so it asks for it uncoded (upstream_head) whatever the
+    # client accepts. A client's "gzip" would come back as bytes llmgw cannot read.
+    b"accept-encoding": H_HOP,
     b"expect": H_EXPECT,
     b"authorization": H_AUTHORIZATION,
     b"x-api-key": H_X_API_KEY,
@@ -282,7 +286,7 @@ def upstream_head(
             for a request without a body.
         extra: llmgw's own header lines (the replica's key, the request id).
     """
-    parts = [method, b" ", target, b" HTTP/1.1\r\nhost: ", host, b"\r\n", forward, extra]
+    parts = [method, b" ", target, b" HTTP/1.1\r\nhost: ", host, b"\r\naccept-encoding: identity\r\n", forward, extra]
     if content_length >= 0:
         parts.append(b"content-length: %d\r\n" % content_length)
     parts.append(b"\r\n")

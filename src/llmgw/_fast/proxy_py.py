@@ -60,6 +60,7 @@ import re
 import time
 from collections.abc import Callable, Container, Iterable
 from typing import TYPE_CHECKING, Any
+from urllib.parse import unquote_to_bytes
 
 import orjson
 
@@ -1473,7 +1474,8 @@ class Gateway(App):
             if path == b"/v1/models":
                 self._answer_local(req, w, 200, orjson.dumps({"object": "list", "data": self._model_cards()}))
                 return None
-            name = path[len(b"/v1/models/") :].decode("utf-8", "replace")
+            # the id percent-decoded: SDKs send "org/name" ids as org%2Fname
+            name = unquote_to_bytes(path[len(b"/v1/models/") :]).decode("utf-8", "replace")
             for card in self._model_cards():
                 if card["id"] == name:
                     self._answer_local(req, w, 200, orjson.dumps(card))
