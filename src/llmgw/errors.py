@@ -213,6 +213,16 @@ class MethodNotAllowedError(HTTPError):
         self.allow = allow
 
 
+class VersionNotSupportedError(HTTPError):
+    """505: a request line in an HTTP version other than 1.0 and 1.1 (RFC 9110 §15.6.6)."""
+
+    status = 505
+    type = "invalid_request_error"
+    code = "http_version_not_supported"
+    close = True
+    should_retry = False
+
+
 class ModelNotFoundError(HTTPError):
     """404: the fleet serves no model by that name."""
 

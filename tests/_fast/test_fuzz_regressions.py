@@ -71,7 +71,7 @@ def test_http09_request_line_is_refused_as_such(httpproto: ModuleType, data: byt
     # HTTP/0.9 line for llhttp, and answered 417 or "a head that was not framed"
     got, error = read_requests(httpproto, data)
     assert got == []
-    assert error is not None and error.status == 400
+    assert error is not None and error.status == 505
     assert error.message == "unsupported HTTP version 0.9"
 
 

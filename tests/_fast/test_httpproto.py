@@ -17,7 +17,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from llmgw._fast import httpproto_py
-from llmgw.errors import BadRequestError, HeadersTooLargeError, HTTPError, PayloadTooLargeError
+from llmgw.errors import (
+    BadRequestError,
+    HeadersTooLargeError,
+    HTTPError,
+    PayloadTooLargeError,
+    VersionNotSupportedError,
+)
 
 httpproto_c: ModuleType | None
 try:
@@ -483,11 +489,6 @@ BAD_REQUESTS = {
     "nul_in_value": b"GET / HTTP/1.1\r\nX-A: a\x00b\r\n\r\n",
     "bad_method": b"FOO / HTTP/1.1\r\n\r\n",
     "lower_method": b"get / HTTP/1.1\r\n\r\n",
-    "bad_version": b"GET / HTTP/1.2\r\n\r\n",
-    "version_3": b"GET / HTTP/3.0\r\n\r\n",
-    "version_2": b"GET / HTTP/2.0\r\n\r\n",
-    "version_09": b"GET / HTTP/0.9\r\n\r\n",
-    "no_version": b"GET /\r\n\r\n",
     "space_in_target": b"GET /a b HTTP/1.1\r\n\r\n",
     "not_http": b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03",
     "dup_host": b"GET / HTTP/1.1\r\nHost: a\r\nHost: b\r\n\r\n",
@@ -501,6 +502,23 @@ def test_malformed_is_400_and_closes(httpproto: ModuleType, name: str) -> None:
     out = parse_all_ways(httpproto, BAD_REQUESTS[name])
     assert out.error == (BadRequestError, 400, True), out
     # and nothing of the bad request reached the app
+    assert out.requests == []
+
+
+BAD_VERSIONS = {
+    "1.2": b"GET / HTTP/1.2\r\nHost: a\r\n\r\n",
+    "3.0": b"GET / HTTP/3.0\r\n\r\n",
+    "2.0": b"GET / HTTP/2.0\r\n\r\n",
+    "0.9": b"GET / HTTP/0.9\r\n\r\n",
+    "none": b"GET /\r\n\r\n",  # (llhttp reads a version-less line as HTTP/0.9)
+}
+
+
+@pytest.mark.parametrize("name", sorted(BAD_VERSIONS))
+def test_an_unsupported_version_is_505_and_closes(httpproto: ModuleType, name: str) -> None:
+    # RFC 9110 §15.6.6: 505 names the cause (a 400 said the request was malformed)
+    out = parse_all_ways(httpproto, BAD_VERSIONS[name])
+    assert out.error == (VersionNotSupportedError, 505, True), out
     assert out.requests == []
 
 

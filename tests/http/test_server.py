@@ -315,6 +315,34 @@ async def test_an_http11_request_without_host_is_400_and_closes() -> None:
         assert (await read_response(r)).status == 200
 
 
+async def test_http10_keep_alive_is_kept_and_said() -> None:
+    # RFC 9112 §9.3: an HTTP/1.0 client closes unless the answer says keep-alive
+    async with serve() as (_, port, _), connect(port) as (r, w):
+        for _ in range(2):
+            w.write(b"GET /echo HTTP/1.0\r\nConnection: keep-alive\r\n\r\n")
+            resp = await read_response(r)
+            assert resp.status == 200 and resp.headers[b"connection"] == b"keep-alive"
+
+
+@pytest.mark.parametrize("host", [b"a b", b"a/b", b"a@b", b"a?b", b"h\x7f"])
+async def test_an_invalid_host_is_400_and_closes(host: bytes) -> None:
+    # RFC 9112 §3.2: 400 to a request whose Host is not a valid field value
+    async with serve() as (_, port, app), connect(port) as (r, w):
+        w.write(b"GET /echo HTTP/1.1\r\nHost: " + host + b"\r\n\r\n")
+        resp = await read_response(r)
+        assert resp.status == 400 and resp.headers[b"connection"] == b"close", resp.body
+        assert resp.json()["error"]["code"] in ("invalid_host", "invalid_request")
+        await assert_closed(r)
+        assert app.seen == []
+
+
+@pytest.mark.parametrize("host", [b"gw.example:8080", b"[::1]:80", b"10.0.0.1", b"", b"xn--bcher-kva.example"])
+async def test_valid_hosts_are_served(host: bytes) -> None:
+    async with serve() as (_, port, _), connect(port) as (r, w):
+        w.write(b"GET /echo HTTP/1.1\r\nHost: " + host + b"\r\n\r\n")
+        assert (await read_response(r)).status == 200
+
+
 async def test_http10_gets_a_stream_unframed_to_the_close() -> None:
     # RFC 9112 §6.1: never Transfer-Encoding to an HTTP/1.0 client; the body ends with the connection
     async with serve() as (_, port, _), connect(port) as (r, w):
@@ -370,6 +398,17 @@ async def test_expect_100_continue() -> None:
         resp = await read_response(r)
         assert resp.json()["body"] == "hello"
         assert "expect" not in resp.json()["forward"].lower()
+
+
+async def test_expect_100_continue_from_an_http10_client_is_ignored() -> None:
+    # RFC 9110 §10.1.1: an HTTP/1.0 client's 100-continue is ignored (it cannot read a 100)
+    async with serve() as (_, port, _), connect(port) as (r, w):
+        w.write(b"POST /echo HTTP/1.0\r\nExpect: 100-continue\r\nContent-Length: 5\r\n\r\n")
+        await asyncio.sleep(0.1)
+        w.write(b"hello")
+        raw = await asyncio.wait_for(r.read(), WAIT)
+        assert raw.startswith(b"HTTP/1.1 200 "), raw[:80]
+        assert b"100 Continue" not in raw
 
 
 async def test_expect_100_continue_behind_a_busy_connection() -> None:
@@ -459,7 +498,7 @@ async def test_streamed_response_is_chunked() -> None:
         (b"POST / HTTP/1.1\r\nHost: t\r\nContent-Length: 3\r\nContent-Length: 4\r\n\r\nabcd", 400, "invalid_request"),
         (b"POST / HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n", 400, "invalid_request"),
         (b"GET / HTTP/1.1\r\nHost: t\r\nX-A: a\r\n b\r\n\r\n", 400, "invalid_request"),
-        (b"GET / HTTP/2.0\r\n\r\n", 400, "invalid_request"),
+        (b"GET / HTTP/2.0\r\n\r\n", 505, "http_version_not_supported"),
         (b"GET / HTTP/1.1\r\nHost: t\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n\r\n", 400, "invalid_request"),
         (b"\x16\x03\x01\x00\xa5\x01\x00\x00\xa1\x03\x03", 400, "invalid_request"),
     ],

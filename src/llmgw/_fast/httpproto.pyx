@@ -35,7 +35,9 @@ cdef extern from *:
 
 import httptools
 
-from llmgw.errors import BadRequestError, HeadersTooLargeError, HTTPError, PayloadTooLargeError
+from llmgw.errors import (
+    BadRequestError, HeadersTooLargeError, HTTPError, PayloadTooLargeError, VersionNotSupportedError,
+)
 
 # sse_cut and usage_counts moved to jsonscan (they scan an answer's JSON text, not an
 # HTTP message); their Python names stay here, as their C names do in httpproto.pxd,
@@ -88,7 +90,7 @@ STATUS_REASONS = {
     413: b"Content Too Large", 415: b"Unsupported Media Type", 417: b"Expectation Failed",
     422: b"Unprocessable Content", 429: b"Too Many Requests", 431: b"Request Header Fields Too Large",
     500: b"Internal Server Error", 501: b"Not Implemented", 502: b"Bad Gateway",
-    503: b"Service Unavailable", 504: b"Gateway Timeout",
+    503: b"Service Unavailable", 504: b"Gateway Timeout", 505: b"HTTP Version Not Supported",
 }
 cdef dict _STATUS_LINES = {
     code: b"HTTP/1.1 %d %s\r\n" % (code, reason) for code, reason in STATUS_REASONS.items()
@@ -1306,6 +1308,8 @@ cdef class RequestReader:
             cause = exc.__context__
             if isinstance(cause, HTTPError):
                 raise cause from None
+            if str(exc) == "Invalid HTTP version":  # (see the twin's _parse_error)
+                raise VersionNotSupportedError("unsupported HTTP version: llmgw speaks HTTP/1.1 (and 1.0)") from exc
             raise BadRequestError(f"malformed HTTP request: {exc}", close=True) from exc
         return 0
 
@@ -1488,7 +1492,7 @@ cdef class RequestReader:
             # (HTTP/0.9) request line ended by a bare LF; the twin says so
             version = self._parser.get_http_version()
             if version != "1.1" and version != "1.0":
-                raise BadRequestError(f"unsupported HTTP version {version}", close=True)
+                raise VersionNotSupportedError(f"unsupported HTTP version {version}")
             raise BadRequestError("malformed HTTP request: a head that was not framed", close=True)
         self._req = req
         self._body_size = 0
@@ -1501,7 +1505,7 @@ cdef class RequestReader:
         if not self._version_known:
             version = parser.get_http_version()
             if version != "1.1" and version != "1.0":
-                raise BadRequestError(f"unsupported HTTP version {version}", close=True)
+                raise VersionNotSupportedError(f"unsupported HTTP version {version}")
             req.version = version.encode()
         if self._check_upgrade and parser.should_upgrade():
             raise BadRequestError("protocol upgrade is not supported", close=True)
@@ -1513,7 +1517,8 @@ cdef class RequestReader:
             raise PayloadTooLargeError(
                 f"request body is {req.content_length} bytes; the limit is {self.max_body}", close=True
             )
-        if req.expect_continue and req.content_length != 0:
+        if req.expect_continue and req.content_length != 0 and req.version == b"1.1":
+            # (an HTTP/1.0 client's expectation is ignored: RFC 9110 §10.1.1)
             self._sink.on_head(req)
 
     def on_message_complete(self):

@@ -43,7 +43,13 @@ import httptools
 # NOTE: sse_cut and usage_counts moved to jsonscan_py (they scan an answer's JSON
 # text, not an HTTP message); re-exported here for code that imports them from here.
 from llmgw._fast.jsonscan_py import sse_cut, usage_counts
-from llmgw.errors import BadRequestError, HeadersTooLargeError, HTTPError, PayloadTooLargeError
+from llmgw.errors import (
+    BadRequestError,
+    HeadersTooLargeError,
+    HTTPError,
+    PayloadTooLargeError,
+    VersionNotSupportedError,
+)
 
 __all__ = [
     "DEFAULT_MAX_BODY",
@@ -171,6 +177,7 @@ STATUS_REASONS: dict[int, bytes] = {
     502: b"Bad Gateway",
     503: b"Service Unavailable",
     504: b"Gateway Timeout",
+    505: b"HTTP Version Not Supported",
 }
 _STATUS_LINES: dict[int, bytes] = {
     code: b"HTTP/1.1 %d %s\r\n" % (code, reason) for code, reason in STATUS_REASONS.items()
@@ -401,6 +408,14 @@ class _CallbackSink(RequestSink):
             self._on_head(request)
 
 
+def _parse_error(exc: Exception) -> HTTPError:
+    """What llhttp's refusal of a request is answered with: 505 for a version it
+    does not take ("HTTP/1.2", "HTTP/3.0"), 400 for the rest."""
+    if str(exc) == "Invalid HTTP version":
+        return VersionNotSupportedError("unsupported HTTP version: llmgw speaks HTTP/1.1 (and 1.0)")
+    return BadRequestError(f"malformed HTTP request: {exc}", close=True)
+
+
 def _unsupported_coding() -> HTTPError:
     return HTTPError(
         "unsupported Transfer-Encoding: llmgw reads chunked request bodies only", status=501,
@@ -493,7 +508,7 @@ class RequestReader:
             cause = exc.__context__
             if isinstance(cause, HTTPError):
                 raise cause from None
-            raise BadRequestError(f"malformed HTTP request: {exc}", close=True) from exc
+            raise _parse_error(exc) from exc
         if self._in_head:
             # httptools accumulates a header that has not ended yet without limit,
             # so an unfinished head is bounded here by the bytes fed into it.
@@ -628,7 +643,7 @@ class RequestReader:
         if version != "1.1" and version != "1.0":
             # SECURITY: llhttp lets "HTTP/2.0" and a version-less (0.9) line
             # through; neither is a message this HTTP/1.1 server can frame.
-            raise BadRequestError(f"unsupported HTTP version {version}", close=True)
+            raise VersionNotSupportedError(f"unsupported HTTP version {version}")
         if parser.should_upgrade():
             # llhttp would call on_message_complete for an upgrade (or CONNECT)
             # before stopping, so the request would reach the app and be
@@ -643,7 +658,8 @@ class RequestReader:
             raise PayloadTooLargeError(
                 f"request body is {req.content_length} bytes; the limit is {self.max_body}", close=True
             )
-        if req.expect_continue and req.content_length != 0:
+        if req.expect_continue and req.content_length != 0 and req.version == b"1.1":
+            # (an HTTP/1.0 client's expectation is ignored: RFC 9110 §10.1.1)
             self._sink.on_head(req)
 
     def on_body(self, body: bytes) -> None:

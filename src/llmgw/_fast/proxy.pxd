@@ -194,7 +194,7 @@ cdef class Gateway(App):
     cpdef answer_error(self, ResponseWriter w, exc)
     cdef _answer_local(self, Request req, ResponseWriter w, int status, bytes body)
     @cython.locals(duration=double)
-    cdef _local_done(self, Request req, ResponseWriter w, bytes rid, model, double started)
+    cdef _local_done(self, Request req, ResponseWriter w, bytes rid, model, double started, Py_ssize_t nbytes=*)
     cdef half_opened(self, Endpoint ep)
     cdef bytes replica_line(self, Endpoint ep)
     cdef _served_model(self, bytes body)

@@ -59,6 +59,7 @@ import os
 import re
 import time
 from collections.abc import Callable, Container, Iterable
+from email.utils import formatdate
 from typing import TYPE_CHECKING, Any
 from urllib.parse import unquote_to_bytes
 
@@ -357,11 +358,22 @@ def _dot_segments(path: bytes) -> bool:
     """Whether ``path`` (no query) has a ``.`` or ``..`` segment once percent-decoded, with
     ``\\`` taken as ``/`` as some servers take it (cold path: only paths with a ``.``, ``%``
     or ``\\`` get here)."""
-    from urllib.parse import unquote_to_bytes
-
     plain = unquote_to_bytes(path).replace(b"\\", b"/")
     return any(seg == b"." or seg == b".." for seg in plain.split(b"/"))
 
+
+
+_date_cache: list[Any] = [-1, b""]
+
+
+def _http_date() -> bytes:
+    """``Date`` for an answer llmgw makes itself (RFC 9110 §6.6.1: an origin with a
+    clock MUST send one); a replica's answers carry the replica's. Formatted once a second."""
+    now = int(time.time())
+    if now != _date_cache[0]:
+        _date_cache[0] = now
+        _date_cache[1] = formatdate(now, usegmt=True).encode("ascii")
+    return _date_cache[1]
 
 class Call(Exchange):
     """One client request, from admission to the last byte (and its attempts).
@@ -1493,16 +1505,17 @@ class Gateway(App):
         req = w.request
         rid_line = self._request_id(req)
         rid = rid_line[14 : len(rid_line) - 2]
-        w.send_error(exc, ((b"x-request-id", rid),))
+        w.send_error(exc, ((b"x-request-id", rid), (b"date", _http_date())))
         self._local_done(req, w, rid, None, -1.0)
 
     def _answer_local(self, req: Request, w: ResponseWriter, status: int, body: bytes) -> None:
         """An answer the gateway gives itself (models, health): with a request id, counted, logged."""
         rid_line = self._request_id(req)
-        w.send(status, body, _JSON_CT if body else (), rid_line)
-        self._local_done(req, w, rid_line[14 : len(rid_line) - 2], None, -1.0)
+        w.send(status, body, _JSON_CT if body else (), rid_line + b"date: " + _http_date() + b"\r\n")
+        self._local_done(req, w, rid_line[14 : len(rid_line) - 2], None, -1.0, len(body))
 
-    def _local_done(self, req: Request, w: ResponseWriter, rid: bytes, model: str | None, started: float) -> None:
+    def _local_done(self, req: Request, w: ResponseWriter, rid: bytes, model: str | None, started: float,
+                    nbytes: int = 0) -> None:
         """Count and log an answer no replica gave: under ``model`` with its real
         duration when it named a served one, else under ``(unknown)`` and out of the
         latency histograms."""
@@ -1511,7 +1524,7 @@ class Gateway(App):
         label = model if model is not None else _UNKNOWN
         self.observer.request_done(label, None, w.status, band, duration if duration >= 0.0 else None, None, None)
         if self.access_log:
-            self._access_line(req, rid, label, band, None, 0, w, 0, None,
+            self._access_line(req, rid, label, band, None, 0, w, nbytes, None,
                               round(duration * 1000, 3) if duration >= 0.0 else None)
 
     def half_opened(self, ep: Endpoint) -> None:

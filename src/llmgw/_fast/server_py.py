@@ -151,6 +151,9 @@ class SocketWriter:
 
 _LAST_CHUNK = b"0\r\n\r\n"
 _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
+_KEEP_ALIVE = b"connection: keep-alive\r\n"
+# the bytes a Host value may hold (RFC 3986 §3.2.2: reg-name, IP-literal, ":" port)
+_HOST_BYTES = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-._~%!$&'()*+,;=:[]"
 # Seconds a connection closed after an error answer keeps reading (and dropping)
 # what the client still sends; see HTTPProtocol._linger_close.
 _LINGER_S = 2.0
@@ -335,6 +338,8 @@ class ResponseWriter:
             # connection; saying so lets the client retry elsewhere instead of
             # reusing a connection about to close.
             self.keep_alive = False
+        if self.keep_alive and self.request.version == b"1.0":
+            raw += _KEEP_ALIVE  # (an HTTP/1.0 client closes unless told: RFC 9112 §9.3)
         if not self.disconnected:
             self._conn._transport_write(
                 response_head(status, headers, content_length, self.keep_alive, raw)
@@ -402,6 +407,8 @@ class ResponseWriter:
         # RFC 9110 §8.6: no Content-Length in a 1xx or 204; a 304's would describe
         # the representation, not this empty body.
         no_body = status < 200 or status in (204, 304)
+        if self.keep_alive and self.request.version == b"1.0":
+            raw += _KEEP_ALIVE  # see start()
         if not self.disconnected:
             head = response_head(status, headers, -2 if no_body else len(body), self.keep_alive, raw)
             out = self._conn._out
@@ -706,10 +713,19 @@ class HTTPProtocol(RequestSink):
         writer._init(self, request)
         self._current = writer
         result = None
-        if request.host is None and request.version == b"1.1":
-            # RFC 9112 §3.2: a server MUST answer 400 to an HTTP/1.1 request without Host
+        host = request.host
+        if host is None:
+            if request.version == b"1.1":
+                # RFC 9112 §3.2: a server MUST answer 400 to an HTTP/1.1 request without Host
+                self._app.answer_error(writer, BadRequestError(
+                    "an HTTP/1.1 request needs a Host header", code="missing_host", close=True,
+                ))
+                return
+        elif host.translate(None, _HOST_BYTES):
+            # RFC 9112 §3.2: ... and to one whose Host is not a valid value (uri-host [":" port])
             self._app.answer_error(writer, BadRequestError(
-                "an HTTP/1.1 request needs a Host header", code="missing_host", close=True,
+                "the Host header is not a host name or address (with an optional :port)",
+                code="invalid_host", close=True,
             ))
             return
         try:
