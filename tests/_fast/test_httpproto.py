@@ -1206,3 +1206,18 @@ def test_write_now_error_is_minus_one_without_sigpipe(httpproto: ModuleType) -> 
         b.close()
         assert httpproto.write_now(a.fileno(), b"to nobody", b"!") == -1
 
+
+
+@pytest.mark.parametrize("byte", range(256))
+def test_host_bytes_refused_alike(httpproto: ModuleType, byte: int) -> None:
+    # RFC 9112 §3.2 / RFC 3986 §3.2.2: a Host value outside reg-name, IP-literal and
+    # ":" port is a 400; both twins draw the line at the same bytes
+    allowed = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-._~%!$&'()*+,;=:[]"
+    if byte in b"\r\n":
+        return  # (ends the line: another test's subject)
+    out = parse(httpproto, b"GET / HTTP/1.1\r\nHost: a" + bytes([byte]) + b"b\r\n\r\n")
+    if byte in allowed:
+        assert out.error is None and len(out.requests) == 1, out
+    else:
+        assert out.error is not None and out.error[1] == 400, out
+        assert out.requests == []

@@ -178,6 +178,8 @@ def classify(data: bytes, ours: Outcome, theirs: Outcome) -> str | None:
             return "request-target-form"
         if any(re.search(rb"[\x01-\x08\x0b-\x1f\x7f]", ln.partition(b":")[2]) for ln in lines):
             return "control-character-in-field-value"
+        if any(re.search(rb"[^A-Za-z0-9\-._~%!$&'()*+,;=:\[\]]", v) for v in _values(lines, b"host")):
+            return "host-value"
         body = data.partition(b"\r\n\r\n")[2]
         if _values(lines, b"transfer-encoding") and re.search(rb"(?:^|\r\n)[0-9a-fA-F]+[ \t;]", body):
             return "chunk-size-line"
@@ -301,8 +303,13 @@ EXPLAINED: dict[str, tuple[bytes, str]] = {
     ),
     "http-version": (
         b"GET / HTTP/1.2\r\nHost: a\r\n\r\n",
-        "llmgw reads HTTP/1.0 and HTTP/1.1 only (400 otherwise, as llhttp refuses other minors); h11 takes "
+        "llmgw reads HTTP/1.0 and HTTP/1.1 only (505 otherwise, as llhttp refuses other minors); h11 takes "
         "any HTTP/1.x as 1.1 (RFC 9112 §2.3 lets a server treat a higher minor as the highest it supports).",
+    ),
+    "host-value": (
+        b"GET / HTTP/1.1\r\nHost: a b\r\n\r\n",
+        "RFC 9112 §3.2: a server MUST answer 400 to a request whose Host has an invalid value (RFC 3986 "
+        "§3.2.2: reg-name, IP-literal, an optional :port). llmgw does; h11 takes any field value.",
     ),
     "control-character-in-field-value": (
         b"GET / HTTP/1.1\r\nHost: a\r\nX: a\x01b\r\n\r\n",

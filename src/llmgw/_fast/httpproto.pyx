@@ -163,6 +163,20 @@ cdef int _classify(const char* s, Py_ssize_t n) noexcept nogil:
     return H_OTHER
 
 
+cdef inline bint _host_ok(const char* s, Py_ssize_t n) noexcept nogil:
+    # the bytes a Host value may hold (see the twin's _HOST_BYTES)
+    cdef Py_ssize_t i
+    cdef unsigned char c
+    for i in range(n):
+        c = <unsigned char>s[i]
+        if (97 <= c <= 122) or (48 <= c <= 58) or (65 <= c <= 93 and c != 92) or c == 45 or c == 46:
+            continue  # a-z, 0-9 ":", A-Z "[" "]", "-", "."
+        if c == 95 or c == 126 or c == 37 or c == 33 or c == 36 or (38 <= c <= 44) or c == 59 or c == 61:
+            continue  # _ ~ % ! $ & ' ( ) * + , ; =
+        return False
+    return True
+
+
 cdef inline bint _plain_connection(const char* s, Py_ssize_t nv) noexcept nogil:
     # a Connection value naming nothing but close or keep-alive (the usual case)
     return (nv == 10 and _ieq(s, b"keep-alive", 10)) or (nv == 5 and _ieq(s, b"close", 5))
@@ -1459,6 +1473,11 @@ cdef class RequestReader:
                     elif kind == H_HOST:
                         if req.host is not None:
                             error = BadRequestError("duplicate Host header", close=True)
+                        elif not _host_ok(s + vs, nv):
+                            error = BadRequestError(
+                                "the Host header is not a host name or address (with an optional :port)",
+                                code="invalid_host", close=True,
+                            )
                         req.host = PyBytes_FromStringAndSize(s + vs, nv)
                     continue
                 # a line passed on: "name: value" CRLF

@@ -408,6 +408,16 @@ class _CallbackSink(RequestSink):
             self._on_head(request)
 
 
+# the bytes a Host value may hold (RFC 3986 §3.2.2: reg-name, IP-literal, ":" port)
+_HOST_BYTES = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-._~%!$&'()*+,;=:[]"
+
+
+def _invalid_host() -> HTTPError:
+    """RFC 9112 §3.2: a server MUST answer 400 to a Host with an invalid value."""
+    return BadRequestError("the Host header is not a host name or address (with an optional :port)",
+                           code="invalid_host", close=True)
+
+
 def _parse_error(exc: Exception) -> HTTPError:
     """What llhttp's refusal of a request is answered with: 505 for a version it
     does not take ("HTTP/1.2", "HTTP/3.0"), 400 for the rest."""
@@ -604,6 +614,8 @@ class RequestReader:
         elif kind == H_HOST:
             if req.host is not None:
                 self._error = BadRequestError("duplicate Host header", close=True)
+            elif value.translate(None, _HOST_BYTES):
+                self._error = _invalid_host()
             req.host = value
         elif kind == H_CONTENT_TYPE:
             if req.content_type is None:
