@@ -345,7 +345,7 @@ def _build(data: Any, problems: _Problems, *, serve: bool = False) -> Config:
 CONSUMED_HEADERS = frozenset({
     "content-length", "transfer-encoding", "connection", "keep-alive", "proxy-connection", "proxy-authorization",
     "proxy-authenticate", "te", "trailer", "upgrade", "expect", "authorization", "x-api-key", "x-request-id", "host",
-    "content-type",
+    "content-type", "accept-encoding",
 })
 
 
