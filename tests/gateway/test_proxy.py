@@ -12,6 +12,7 @@ import contextlib
 import hashlib
 import re
 import socket
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -746,3 +747,14 @@ async def test_no_access_log_by_default(caplog: pytest.LogCaptureFixture) -> Non
         status, _, _ = await request(port_of(rt), chat())
         assert status == 200
     assert not [r for r in caplog.records if r.name == "llmgw.access"]
+
+
+async def test_the_gateways_own_answers_carry_date() -> None:
+    # RFC 9110 §6.6.1: an origin with a clock sends Date (on answers no replica gave)
+    from email.utils import parsedate_to_datetime
+    async with gateway([FakeEngine("a")]) as rt:
+        for path, method, want in ((b"/v1/models", b"GET", 200), (b"/v1/models/zz", b"GET", 404)):
+            status, hdrs, _ = await request(port_of(rt), b"", path=path, method=method)
+            assert status == want
+            when = parsedate_to_datetime(hdrs[b"date"].decode())
+            assert abs(when.timestamp() - time.time()) < 5

@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hashlib
 import hmac
 import math
@@ -362,18 +363,16 @@ def _dot_segments(path: bytes) -> bool:
     return any(seg == b"." or seg == b".." for seg in plain.split(b"/"))
 
 
-
-_date_cache: list[Any] = [-1, b""]
+@functools.lru_cache(maxsize=1)
+def _date_of(second: int) -> bytes:
+    return formatdate(second, usegmt=True).encode("ascii")
 
 
 def _http_date() -> bytes:
     """``Date`` for an answer llmgw makes itself (RFC 9110 §6.6.1: an origin with a
     clock MUST send one); a replica's answers carry the replica's. Formatted once a second."""
-    now = int(time.time())
-    if now != _date_cache[0]:
-        _date_cache[0] = now
-        _date_cache[1] = formatdate(now, usegmt=True).encode("ascii")
-    return _date_cache[1]
+    return _date_of(int(time.time()))
+
 
 class Call(Exchange):
     """One client request, from admission to the last byte (and its attempts).
