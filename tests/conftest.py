@@ -26,6 +26,8 @@ from click.testing import CliRunner
 
 from canary import MARK, MARK_BYTES, check_text
 from canary import leaks as _leaks
+from hard_timeout import pytest_runtest_protocol  # noqa: F401  (the hook: a hard limit on each test)
+from hard_timeout import start as _start_watchdog
 from llmgw._accel import NO_EXTENSIONS
 from tools import need_tool
 
@@ -175,6 +177,7 @@ _invoke = CliRunner.invoke
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    _start_watchdog(config)
     logging.getLogger().addHandler(_handler)
     logging.getLogger("llmgw.access").addHandler(_handler)
     asyncio.StreamReader.feed_data = _watched_feed_data  # type: ignore[method-assign]

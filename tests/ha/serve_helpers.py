@@ -31,6 +31,11 @@ async def http(port: int, method: str, path: str, timeout: float = 5.0, body: An
         writer.close()
     head, _, body = raw.partition(b"\r\n\r\n")
     lines = head.decode("latin-1").split("\r\n")
+    status_line = lines[0].split(" ", 2)
+    if len(status_line) < 2 or not status_line[1].isdigit():
+        # (a process killed with the request in flight closes without a word: for the caller,
+        # that is a connection lost, like a refused one)
+        raise ConnectionResetError(f"127.0.0.1:{port} closed without an answer ({raw[:80]!r})")
     headers = {k.strip().lower(): v.strip() for k, _, v in (ln.partition(":") for ln in lines[1:])}
     if headers.get("transfer-encoding") == "chunked":
         out, rest = b"", body
@@ -41,7 +46,7 @@ async def http(port: int, method: str, path: str, timeout: float = 5.0, body: An
                 break
             out, rest = out + rest[:size], rest[size + 2:]
         body = out
-    return int(lines[0].split(" ", 2)[1]), headers, body
+    return int(status_line[1]), headers, body
 
 
 def gauge(text: str, name: str) -> float | None:

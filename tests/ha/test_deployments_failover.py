@@ -92,6 +92,11 @@ class Load:
         self._stop.set()
         await asyncio.wait_for(asyncio.gather(*self._tasks), 30)
 
+    def cancel(self) -> None:
+        """(A test that failed before ``stop``: the clients go with it, not on into the teardown.)"""
+        for t in self._tasks:
+            t.cancel()
+
 
 class Agent:
     """``llmgw agent`` with replicas (the stand-in engines first on PATH), following both control planes."""
@@ -177,6 +182,7 @@ async def test_kill_the_leader_while_scaling_nothing_is_lost_and_no_replica_laun
              for i in range(2)]
     agents: list[Agent] = []
     router: Router | None = None
+    load: Load | None = None
     try:
         leader = await the_leader(procs, 30)
         standby = next(p for p in procs if p is not leader)
@@ -267,6 +273,8 @@ async def test_kill_the_leader_while_scaling_nothing_is_lost_and_no_replica_laun
         await wait_until(lambda: _ready(leader, "chat", want), 60, f"chat at {want} on the leader again")
         assert await _chat(leader.gateway, "chat") == 200
     finally:
+        if load is not None:
+            load.cancel()
         if router is not None:
             router.stop()
         for a in agents:
