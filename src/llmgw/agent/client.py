@@ -2,7 +2,10 @@
 
 :class:`AgentClient` runs on the event loop. Its GPU source is injected: any
 object with ``read() -> Discovery`` and ``close()`` (:class:`GPUSource`); reads run
-in a worker thread, so a slow NVML call never stalls the loop.
+in a thread, one at a time, so a slow NVML call never stalls the loop. Nor does a
+slow read delay a heartbeat: a beat waits at most a second for the reading in
+flight, then goes with the last one (liveness is the beat, not the reading); a last
+reading older than :data:`STALE_AFTER` goes without its numbers, an error saying why.
 
 * Register, then heartbeat on the interval the control plane answered, each
   sleep jittered by ±10% (a fleet restarted together does not beat in step).
@@ -37,6 +40,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import socket
+import threading
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -47,7 +52,7 @@ import grpc
 from .. import __version__
 from .._proto.agent.v1 import agent_pb2_grpc
 from ..log import agent_logger as log
-from .model import Discovery, NodeFacts
+from .model import GPU, Discovery, NodeFacts
 from .wire import (
     CLIENT_OPTIONS,
     PROTOCOL,
@@ -70,6 +75,12 @@ MIN_BEAT_GAP = 0.05
 """Early beats (a status changed) come at most this often, seconds."""
 MAX_LOG_BYTES = 1 << 20
 """A log tail sent to the control plane keeps at most this many bytes (its end)."""
+READ_WAIT = 1.0
+"""Seconds a heartbeat waits for a GPU reading in flight before it goes with the last one (:meth:`AgentClient._read`)."""
+FIRST_READ_WAIT = 10.0
+"""The same for the first reading (registration), when there is no last one."""
+STALE_AFTER = 30.0
+"""A last reading older than this (or three intervals) goes without its numbers (:meth:`AgentClient._late`)."""
 LEADER_METADATA = "llmgw-leader"  # (llmgw.control.service names them; the agent does not import the control plane)
 LEASE_METADATA = "llmgw-lease-ms"
 
@@ -188,6 +199,13 @@ class AgentClient:
         self._reader: asyncio.Task[None] | None = None
         self._stream_error: grpc.aio.AioRpcError | None = None
         self._errors_said: tuple[str, ...] = ()
+        self._reading: asyncio.Future[Discovery] | None = None
+        """The GPU read in flight (or the last one, done)."""
+        self._read_started = 0.0
+        self._last: Discovery | None = None
+        """The latest reading the source gave, and when (monotonic)."""
+        self._last_at = 0.0
+        self._late_said = ""
         self._wake = asyncio.Event()
         """Set when the heartbeat stream ended between beats: the loop acts at once, not an interval later."""
         self._channel: grpc.aio.Channel | None = None
@@ -234,17 +252,79 @@ class AgentClient:
         if ch is not None:
             await ch.close()
 
-    async def _read(self) -> Discovery:
-        try:
-            d = await asyncio.to_thread(self.source.read)
-        except Exception as exc:  # a source must not raise; if one does, report it, never zeros
-            log.exception("the GPU source failed; reporting the error instead of readings")
-            import socket
+    def _start_read(self) -> asyncio.Future[Discovery]:
+        """The reading in flight, or a new one started: one at a time, in a daemon thread of its own
+        (a read hung in the driver holds that thread, never the loop, a second thread or the exit)."""
+        fut = self._reading
+        if fut is not None and not fut.done():
+            return fut
+        loop = asyncio.get_running_loop()
+        fut = self._reading = loop.create_future()
+        self._read_started = time.monotonic()
+        source = self.source
 
-            return Discovery(facts=NodeFacts(hostname=socket.gethostname(), agent_version=__version__),
-                             errors=(f"GPU source failed: {type(exc).__name__}: {exc}",))
-        self._say_errors(d)
-        return d
+        def done(d: Discovery | None, exc: BaseException | None) -> None:
+            if exc is not None:  # a source must not raise; if one does, report it, never zeros
+                log.error("the GPU source failed; reporting the error instead of readings",
+                          exc_info=(type(exc), exc, exc.__traceback__))
+                d = Discovery(facts=NodeFacts(hostname=socket.gethostname(), agent_version=__version__),
+                              errors=(f"GPU source failed: {type(exc).__name__}: {exc}",))
+            assert d is not None
+            self._say_errors(d)
+            self._last, self._last_at = d, time.monotonic()
+            if not fut.done():
+                fut.set_result(d)
+
+        def work() -> None:
+            try:
+                d, exc = source.read(), None
+            except Exception as e:
+                d, exc = None, e
+            try:
+                loop.call_soon_threadsafe(done, d, exc)
+            except RuntimeError:  # (the loop closed while the read ran: nobody waits for it)
+                pass
+
+        threading.Thread(target=work, name="llmgw-gpu-read", daemon=True).start()
+        return fut
+
+    async def _read(self, registering: bool = False) -> Discovery:
+        """A reading for the next call: a fresh one when the source answers within :data:`READ_WAIT`
+        seconds (capped at half an interval; a registration with no reading yet: :data:`FIRST_READ_WAIT`),
+        else the last one (:meth:`_late`). A slow source never delays a beat by more than that, so a
+        live node never looks silent because nvidia-smi is slow."""
+        wait = FIRST_READ_WAIT if registering and self._last is None else min(READ_WAIT, self.interval / 2)
+        fut = self._start_read()
+        try:
+            return await asyncio.wait_for(asyncio.shield(fut), wait)
+        except asyncio.TimeoutError:
+            return self._late()
+
+    def _late(self) -> Discovery:
+        """What a beat sends while a read is overdue: the last reading while it is recent (within
+        :data:`STALE_AFTER`, or three intervals if longer); past that, its GPUs by what does not
+        change (uuid, name, bus id, memory size) without their readings, and an error saying why:
+        an old utilisation passed off as a live one would mislead as much as a zero would."""
+        now = time.monotonic()
+        last, running = self._last, now - self._read_started
+        if last is not None and now - self._last_at <= max(STALE_AFTER, 3 * self.interval):
+            return last
+        msg = (f"the GPU source has not answered for {running:.0f} s (a read is still running: "
+               "a hung driver, or nvidia-smi stuck?)")
+        if last is None:
+            return Discovery(facts=NodeFacts(hostname=socket.gethostname(), agent_version=__version__), errors=(msg,))
+        if msg != self._late_said:
+            log.warning("GPU discovery: %s; reporting the GPUs last read %.0f s ago without their readings",
+                        msg, now - self._last_at)
+            self._late_said = msg
+        gpus = tuple(
+            GPU(uuid=g.uuid, index=g.index, name=g.name, pci_bus_id=g.pci_bus_id, parent_uuid=g.parent_uuid,
+                memory_total_bytes=g.memory_total_bytes, mig_mode=g.mig_mode, health=g.health, errors=g.errors)
+            for g in last.gpus
+        )
+        return Discovery(facts=last.facts, gpus=gpus, source=last.source,
+                         errors=(*last.errors, f"{msg}; the GPUs as last read {now - self._last_at:.0f} s ago, "
+                                 "without their readings"))
 
     def _say_errors(self, d: Discovery) -> None:
         """Log what discovery failed on (NVML not initialising, a GPU fallen off the bus) when it
@@ -286,7 +366,7 @@ class AgentClient:
 
     async def register(self) -> pb.RegisterResponse:
         """One Register call (raises :class:`grpc.aio.AioRpcError` or :class:`AgentRefused`)."""
-        discovery = await self._read()
+        discovery = await self._read(registering=True)
         req = pb.RegisterRequest(
             node_name=self.name, agent_version=__version__,
             protocol=pb.ProtocolVersion(major=self.protocol[0], minor=self.protocol[1]),
@@ -643,9 +723,14 @@ class AgentClient:
             for t in [*self._tasks, *([self._applier] if self._applier is not None else [])]:
                 t.cancel()
             await self._disconnect()
-            try:
-                self.source.close()
-            except Exception:
-                log.exception("closing the GPU source failed")
+            if self._reading is not None and not self._reading.done():
+                # (a read still running in its thread uses the source: closing NVML under it is not safe;
+                # the process is ending, and the thread with it)
+                log.warning("a GPU read is still running: the GPU source is left open")
+            else:
+                try:
+                    self.source.close()
+                except Exception:
+                    log.exception("closing the GPU source failed")
 
 

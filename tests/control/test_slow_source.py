@@ -1,0 +1,139 @@
+"""A GPU source that stops answering (a hung driver, nvidia-smi stuck) does not make a live node look dead.
+
+A real agent (:class:`AgentClient`) against a real control plane over gRPC on 127.0.0.1, heartbeat
+every 0.2 s, grace 0.6 s; the source's reads block on an event the test holds. The beats go on (the
+node stays up, beat by beat), with the last reading while it is recent and, past
+``STALE_AFTER``, with the GPUs by identity only and an error saying why: absent, not an old number
+shown as live. The source answering again brings the readings back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+import time
+
+import pytest
+from cp_helpers import TOKEN, api, control_plane, control_runtime, free_port, wait_for
+from scenario import discovery_of, h100s
+
+from llmgw.agent import client as agent_client
+from llmgw.agent.client import AgentClient
+from llmgw.agent.model import Discovery
+
+pytestmark = pytest.mark.timeout(60)
+
+
+class HeldSource:
+    """Reads answer at once until :meth:`hold`; then each waits (bounded) for :meth:`release`."""
+
+    def __init__(self) -> None:
+        self.d = discovery_of({"hostname": "slow-host", "gpus": h100s(2, "s")})
+        self.open = threading.Event()
+        self.open.set()
+        self.reads = 0
+        self.closed = False
+
+    def hold(self) -> None:
+        self.open.clear()
+
+    def release(self) -> None:
+        self.open.set()
+
+    def read(self) -> Discovery:
+        self.reads += 1
+        self.open.wait(20)
+        return self.d
+
+    def close(self) -> None:
+        self.closed = True
+
+
+async def _node(rt) -> dict:  # type: ignore[no-untyped-def]
+    status, body = await api(rt, "GET", "/admin/v1/nodes/node-slow")
+    assert status == 200, body
+    return body
+
+
+async def test_a_held_source_keeps_the_node_up_and_its_numbers_go_absent_when_old(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(agent_client, "STALE_AFTER", 1.5)
+    port = free_port()
+    source = HeldSource()
+    async with control_runtime(port) as rt:
+        cp = control_plane(rt)
+        a = AgentClient(f"127.0.0.1:{port}", "node-slow", TOKEN, source)
+        stop = asyncio.Event()
+        task = asyncio.create_task(a.run(stop))
+        try:
+            await wait_for(lambda: a.heartbeats >= 2, what="two beats")
+            node = await _node(rt)
+            assert node["state"] == "up" and [g["utilization_gpu_ratio"] for g in node["gpus"]] == [0.0, 0.5]
+
+            source.hold()
+            held_at, beats, reads = time.monotonic(), a.heartbeats, source.reads
+            recent_seen = False
+            while time.monotonic() - held_at < 3.0:  # (past the grace five times, past STALE_AFTER twice)
+                st = cp.nodes.get("node-slow")
+                assert st is not None and cp.nodes.state(st) == "up", "a live node went unhealthy: its source is slow"
+                node = await _node(rt)
+                if time.monotonic() - held_at < 1.0:
+                    # the last reading, while recent, as it was
+                    assert [g["utilization_gpu_ratio"] for g in node["gpus"]] == [0.0, 0.5]
+                    recent_seen = True
+                await asyncio.sleep(0.05)
+            assert recent_seen and a.heartbeats >= beats + 8, (beats, a.heartbeats)
+            assert source.reads <= reads + 1  # (one read in flight at a time: no thread piled on a hung one)
+
+            # past STALE_AFTER: the GPUs are still there (identity, memory size), their readings absent
+            node = await _node(rt)
+            gpus = node["gpus"]
+            assert [g["uuid"] for g in gpus] == [g.uuid for g in source.d.gpus]
+            assert [g["memory_total_bytes"] for g in gpus] == [85899345920, 85899345920]
+            for g in gpus:
+                for k in ("utilization_gpu_ratio", "memory_used_bytes", "memory_free_bytes", "temperature_celsius",
+                          "power_watts"):
+                    assert g.get(k) is None, (k, g)
+            assert any("has not answered for" in e and "without their readings" in e for e in node["errors"]), node
+
+            source.release()  # answering again: the readings come back, the error goes
+            await wait_for(lambda: _fresh(rt), 10, "the readings back")
+        finally:
+            source.release()
+            stop.set()
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(task, 10)
+    assert task.done() and source.closed
+
+
+async def _fresh(rt) -> bool:  # type: ignore[no-untyped-def]
+    node = await _node(rt)
+    return [g.get("utilization_gpu_ratio") for g in node["gpus"]] == [0.0, 0.5] and node["errors"] == []
+
+
+async def test_a_source_that_never_answers_still_registers_the_node_with_the_reason(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(agent_client, "FIRST_READ_WAIT", 0.5)
+    port = free_port()
+    source = HeldSource()
+    source.hold()
+    async with control_runtime(port) as rt:
+        a = AgentClient(f"127.0.0.1:{port}", "node-slow", TOKEN, source)
+        stop = asyncio.Event()
+        task = asyncio.create_task(a.run(stop))
+        try:
+            await wait_for(lambda: a.heartbeats >= 2, what="beats from a node whose source never answered")
+            node = await _node(rt)
+            # no GPUs read: none reported (not zero of anything), and why
+            assert node["state"] == "up" and node["gpus"] == []
+            assert any("has not answered for" in e for e in node["errors"]), node
+            source.release()
+            await wait_for(lambda: _fresh(rt), 10, "the first readings")
+        finally:
+            source.release()
+            stop.set()
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(task, 10)
