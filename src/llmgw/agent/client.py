@@ -43,6 +43,7 @@ import random
 import socket
 import threading
 import time
+import uuid
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
@@ -149,6 +150,7 @@ class AgentClient:
         credentials: TLS channel credentials; ``None``: plaintext.
         protocol: the wire protocol to announce (tests announce others).
         backoff_initial: the first reconnect delay, seconds (doubles up to one interval).
+        instance: this agent's identity (``agent_instance``; ``None``: a new one for this object).
     """
 
     def __init__(
@@ -167,6 +169,7 @@ class AgentClient:
         labels: Mapping[str, str] | None = None,
         advertise: str | None = None,
         engine_checker: Callable[[pb.EngineCheckRequest], Awaitable[Sequence[Mapping[str, Any]]]] | None = None,
+        instance: str | None = None,
     ) -> None:
         self.targets = [target] if isinstance(target, str) else list(target)
         if not self.targets:
@@ -174,6 +177,9 @@ class AgentClient:
         self.target = self.targets[0]
         """The control plane this agent talks to now."""
         self.name = name
+        self.instance = instance or uuid.uuid4().hex
+        """This agent's identity (``agent_instance``): kept in the state directory by ``llmgw agent``, so a
+        restarted agent takes its node straight back; while the node is up, another one is refused its name."""
         self.token = token
         self.source = source
         self.credentials = credentials
@@ -370,7 +376,7 @@ class AgentClient:
         req = pb.RegisterRequest(
             node_name=self.name, agent_version=__version__,
             protocol=pb.ProtocolVersion(major=self.protocol[0], minor=self.protocol[1]),
-            discovery=discovery_to_proto(discovery), labels=self.labels,
+            discovery=discovery_to_proto(discovery), labels=self.labels, agent_instance=self.instance,
         )
         if self.advertise is not None:
             req.advertise_address = self.advertise
@@ -427,7 +433,8 @@ class AgentClient:
         self.sequence += 1
         self._wake.clear()  # (before the statuses are read: a change after this beats again)
         req = pb.HeartbeatRequest(
-            node_id=self.node_id, node_name=self.name, sequence=self.sequence, discovery=discovery_to_proto(discovery)
+            node_id=self.node_id, node_name=self.name, sequence=self.sequence, discovery=discovery_to_proto(discovery),
+            agent_instance=self.instance,
         )
         sup = self.supervisor
         if sup is not None:
@@ -622,7 +629,7 @@ class AgentClient:
         if self.node_id is None:
             return False
         self._end_stream()
-        req = pb.DeregisterRequest(node_id=self.node_id, node_name=self.name, reason=reason)
+        req = pb.DeregisterRequest(node_id=self.node_id, node_name=self.name, reason=reason, agent_instance=self.instance)
         try:
             resp = await self._connect().Deregister(req, metadata=self._metadata, timeout=timeout)
         except grpc.aio.AioRpcError as exc:

@@ -83,6 +83,88 @@ def open_gpu_source(kind: str) -> Any:
     return open_source(kind, agent_version=__version__)
 
 
+def check_tls_files(ca: str | None, cert: str | None, key: str | None) -> None:
+    """Parse the TLS files the way a TLS library would use them: a file that is not PEM, or a key that
+    is not the certificate's, fails here in one line, not as a handshake retried for ever.
+
+    Raises:
+        Fail: the file and what is wrong with it.
+    """
+    import ssl
+
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    if ca:
+        try:
+            ctx.load_verify_locations(cafile=ca)
+        except (ssl.SSLError, ValueError) as exc:
+            raise Fail(f"--tls-ca {ca}: not a PEM CA certificate ({getattr(exc, 'reason', None) or exc})") from None
+    if cert and key:
+        try:
+            ctx.load_cert_chain(cert, key, password=lambda: b"")  # (gRPC takes no encrypted key: none asked for)
+        except (ssl.SSLError, ValueError) as exc:
+            raise Fail(f"--tls-cert {cert} / --tls-key {key}: not a PEM certificate and its unencrypted private "
+                       f"key, or the key is not the certificate's ({getattr(exc, 'reason', None) or exc})") from None
+
+
+INSTANCE_FILE = "agent-instance"
+LOCK_FILE = "agent.lock"
+
+
+def claim_state_dir(path: str) -> tuple[str, int]:
+    """Make the state directory (mode 0700) and hold it for this process: ``(instance, lock fd)``.
+
+    The lock (``flock`` on ``agent.lock``, released when the process ends, however it ends) keeps a
+    second agent off the directory the first one's replicas live in. The instance is this agent's
+    identity towards the control plane (``agent_instance``), made once and kept here, so an agent
+    restarted after a crash takes its node straight back, while an agent elsewhere given the same
+    ``--name`` is refused it.
+
+    Raises:
+        Fail: the directory cannot be made or written, or another agent holds it.
+    """
+    import fcntl
+    import uuid
+
+    def unusable(exc: OSError) -> Fail:
+        return Fail(f"--state-dir {path}: cannot use it ({exc.strerror or exc}): give a directory this user "
+                    "can write (under systemd: StateDirectory=llmgw-agent, as deploy/systemd/llmgw-agent.service has)")
+
+    try:
+        os.makedirs(path, mode=0o700, exist_ok=True)
+        fd = os.open(os.path.join(path, LOCK_FILE), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    except OSError as exc:
+        raise unusable(exc) from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.read(fd, 32).decode("ascii", "replace").strip()
+        os.close(fd)
+        raise Fail(f"another llmgw agent{f' (pid {holder})' if holder.isdigit() else ''} runs with --state-dir "
+                   f"{path}: stop it, or give this agent its own --state-dir (and its own --name)") from None
+    except OSError as exc:
+        os.close(fd)
+        raise unusable(exc) from None
+    ipath = os.path.join(path, INSTANCE_FILE)
+    try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        try:
+            with open(ipath, encoding="ascii") as f:
+                instance = f.read().strip()
+        except (FileNotFoundError, UnicodeDecodeError):
+            instance = ""
+        if not (0 < len(instance) <= 64 and instance.isalnum()):
+            instance = uuid.uuid4().hex
+            tmp = f"{ipath}.{os.getpid()}.tmp"
+            with open(tmp, "w", encoding="ascii") as f:
+                f.write(instance + "\n")
+            os.replace(tmp, ipath)
+    except OSError as exc:
+        os.close(fd)
+        raise unusable(exc) from None
+    return instance, fd
+
+
 def _target(hp: tuple[str, int]) -> str:
     host, port = hp
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
@@ -127,11 +209,13 @@ async def run_agent(
     protocol: tuple[int, int] | None = None,
     node: NodeOptions | None = None,
     supervisor: Any = None,
+    instance: str | None = None,
 ) -> int:
     """Run the agent until SIGTERM/SIGINT (then deregister and stop the replicas); the exit status.
 
     ``node``: run replicas with a :class:`~llmgw.launch.supervisor.ReplicaSupervisor` made from it
-    (``supervisor``: that one instead); neither: only report the node.
+    (``supervisor``: that one instead); neither: only report the node. ``instance``: this agent's
+    identity (:func:`claim_state_dir`; ``None``: a new one for this run).
 
     Raises:
         Fail: the control plane refused the agent (wrong token, incompatible version).
@@ -177,7 +261,7 @@ async def run_agent(
     client = AgentClient(
         targets, name, token, source, credentials=credentials, protocol=protocol or PROTOCOL, supervisor=supervisor,
         labels=node.labels if node is not None else None, advertise=node.advertise if node is not None else None,
-        on_registered=registered, engine_checker=check if node is not None else None,
+        on_registered=registered, engine_checker=check if node is not None else None, instance=instance,
     )
     holder.append(client)
     stopped = False
@@ -296,6 +380,7 @@ def agent(
             credentials = channel_credentials(TLSFiles(ca=tls_ca, cert=tls_cert, key=tls_key))
         except OSError as exc:
             raise Fail(f"cannot read a TLS file: {exc}") from None
+        check_tls_files(tls_ca, tls_cert, tls_key)
     elif not all(is_loopback(c[0]) for c in control) and not insecure:
         off = next(c[0] for c in control if not is_loopback(c[0]))
         raise Fail(
@@ -304,6 +389,7 @@ def agent(
         )
     node = NodeOptions(state_dir or default_state_dir(), engines=engines, labels=labels, advertise=advertise,
                        gpu_source=gpu_source or "auto")
+    instance, _lock = claim_state_dir(node.state_dir)  # (held until the process ends)
     source = open_gpu_source(gpu_source or "auto")
     sys.exit(run_loop(run_agent(control, name or socket.gethostname(), token, source, credentials=credentials,
-                                node=node)))
+                                node=node, instance=instance)))

@@ -80,8 +80,12 @@ _ADVERTISE = _Rule(_host, {"type": "string", "examples": ["10.0.0.5", "gpu-node-
 
 def default_state_dir() -> str:
     """Where the agent keeps its replicas' state, logs and models when ``state_dir:`` is not set:
-    ``$XDG_STATE_HOME/llmgw-agent`` when that is set, else ``/var/lib/llmgw-agent`` as root, else
+    ``$STATE_DIRECTORY`` (systemd's ``StateDirectory=``) when that is set, else
+    ``$XDG_STATE_HOME/llmgw-agent``, else ``/var/lib/llmgw-agent`` as root, else
     ``~/.local/state/llmgw-agent``."""
+    systemd = os.environ.get("STATE_DIRECTORY", "").split(":")[0]
+    if systemd:
+        return systemd
     xdg = os.environ.get("XDG_STATE_HOME")
     if xdg:
         return os.path.join(xdg, "llmgw-agent")

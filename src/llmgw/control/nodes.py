@@ -80,6 +80,9 @@ class NodeState:
     """The replica statuses its latest heartbeat carried (agents of protocol 1.2 or later)."""
     token: bytes = field(default=b"", repr=False)
     """SHA-256 of the join token its registration used: only calls with that token speak for it."""
+    instance: str = ""
+    """The identity of the agent that registered it (``agent_instance``; empty: an older agent): while the
+    node is up, only that agent speaks for it."""
     _model: Discovery | None = field(default=None, repr=False)
     _wire: pb.Discovery | None = field(default=None, repr=False)
 

@@ -55,7 +55,7 @@ from . import limits
 from .credentials import NodeCredentials
 from .follow import FollowCollector, FollowHub, RouterService
 from .follow import attach as attach_follow
-from .nodes import NodeMap, NodeState
+from .nodes import NodeMap, NodeState, peer_host
 from .thread import ControlThread, MainHop
 from .tokens import JoinTokens
 
@@ -636,6 +636,10 @@ class AgentService(agent_pb2_grpc.AgentServiceServicer):
                 f"discovery over the control plane's limits: {over}",
             )
         await self._leader_only(context, "Register")
+        instance = request.agent_instance[:limits.MAX_TEXT]
+        taken = await self._on_main(self._taken, name, _digest(given), instance)
+        if taken is not None:
+            await self._refuse_taken(context, name, peer, taken)
         if self.on_register is not None:
             from .db import DatabaseError
             from .leader import NotLeader
@@ -645,19 +649,12 @@ class AgentService(agent_pb2_grpc.AgentServiceServicer):
             except (NotLeader, DatabaseError) as exc:
                 await self._refuse_write(context, "Register", exc)
         registered = await self._on_main(
-            self._register, name, peer, request.agent_version, theirs, discovery, labels, advertise, _digest(given)
+            self._register, name, peer, request.agent_version, theirs, discovery, labels, advertise, _digest(given),
+            instance,
         )
-        if registered is None:
-            self.stats.refuse("node_taken")
-            log.warning("refused Register of node %r from %s: the node is up, registered with another join token",
-                        name, peer)
-            await self._abort(
-                context, "Register", grpc.StatusCode.ALREADY_EXISTS,
-                f"node {name!r} is up, registered with another join token: another agent runs under this name "
-                "(give this one another --name), or this one restarted with a new token: it is taken back once "
-                "the node has been silent for heartbeat_grace",
-            )
-        assert registered is not None
+        if isinstance(registered, str):
+            await self._refuse_taken(context, name, peer, registered)
+        assert registered is not None and not isinstance(registered, str)
         st, created, access = registered
         if self.api_tokens is not None:  # (the name is valid and registered: the token's nodes, for its revocation)
             self.api_tokens.joined(name, given)
@@ -680,19 +677,50 @@ class AgentService(agent_pb2_grpc.AgentServiceServicer):
             resp.mirror_url, resp.mirror_credential = access  # SECURITY: the credential is never logged
         return resp
 
+    def _taken(self, name: str, token: bytes, instance: str) -> str | None:
+        """Why a registration of ``name`` is refused while the node is up (``None``: it is not): the node
+        was registered with another join token, or by another agent (``agent_instance``)."""
+        known = self.nodes.get(name)
+        if known is None or not self.nodes.is_up(known):
+            return None
+        if token and not _same(known.token, token):
+            return "token"
+        if instance and known.instance and instance != known.instance:
+            return f"instance {peer_host(known.peer)}"
+        return None
+
+    async def _refuse_taken(self, context: Any, name: str, peer: str, why: str) -> None:
+        self.stats.refuse("node_taken")
+        grace = self.control().heartbeat_grace
+        if why == "token":
+            log.warning("refused Register of node %r from %s: the node is up, registered with another join token",
+                        name, peer)
+            msg = (f"node {name!r} is up, registered with another join token: another agent runs under this name "
+                   "(give this one another --name), or this one restarted with a new token: it is taken back once "
+                   f"the node has been silent for heartbeat_grace ({grace:g}s)")
+        else:
+            where = why.partition(" ")[2]
+            log.warning("refused Register of node %r from %s: the node is up, run by another agent (at %s)",
+                        name, peer, where)
+            msg = (f"node {name!r} is up, run by another agent (at {where}): two agents were given one name; give "
+                   f"this one another --name, or stop the other (a node silent for heartbeat_grace, {grace:g}s, is "
+                   "taken over)")
+        await self._abort(context, "Register", grpc.StatusCode.ALREADY_EXISTS, msg)
+
     def _register(
         self, name: str, peer: str, agent_version: str, protocol: tuple[int, int], discovery: Any,
-        labels: dict[str, str] | None = None, advertise: str | None = None, token: bytes = b"",
-    ) -> tuple[NodeState, bool, tuple[str, str] | None] | None:
-        """The registration (``None``: refused, the node is up under another join token)."""
-        known = self.nodes.get(name)
-        if known is not None and token and not _same(known.token, token) and self.nodes.is_up(known):
-            return None
+        labels: dict[str, str] | None = None, advertise: str | None = None, token: bytes = b"", instance: str = "",
+    ) -> tuple[NodeState, bool, tuple[str, str] | None] | str:
+        """The registration, or why it is refused (:meth:`_taken`: the node is up, another agent's)."""
+        taken = self._taken(name, token, instance)
+        if taken is not None:
+            return taken
         st, created = self.nodes.register(
             name, peer=peer, agent_version=agent_version, protocol=protocol, discovery=discovery, labels=labels,
             advertise=advertise,
         )
         st.token = token
+        st.instance = instance
         self.stats.registrations += 1
         if not created:
             self.stats.reregistrations += 1
@@ -708,6 +736,8 @@ class AgentService(agent_pb2_grpc.AgentServiceServicer):
         known = self.nodes.by_id(hb.node_id)
         if known is not None and token and not _same(known.token, token):
             raise _NotYours(known.name)
+        if known is not None and known.instance and hb.agent_instance and hb.agent_instance != known.instance:
+            return None  # (the node is another agent's now: this one registers again, and is told so)
         discovery = hb.discovery
         over = limits.trim(discovery)
         st = self.nodes.heartbeat(hb.node_id, hb.sequence, discovery, peer=peer, at=at)
@@ -854,6 +884,10 @@ class AgentService(agent_pb2_grpc.AgentServiceServicer):
         known = self.nodes.by_id(request.node_id)  # (a read of a dict from this thread: no change is made)
         if known is not None and not _same(known.token, _digest(given)):
             await self._not_yours(context, "Deregister", known.name)  # (before anything is written)
+        if known is not None and known.instance and request.agent_instance and request.agent_instance != known.instance:
+            log.info("Deregister of node %s from %s not applied: the node is another agent's (it took the name over)",
+                     known.name, context.peer())
+            return pb.DeregisterResponse(removed=False)
         if self.on_deregister is not None:
             from .db import DatabaseError
             from .leader import NotLeader

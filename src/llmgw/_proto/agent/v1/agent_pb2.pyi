@@ -97,6 +97,7 @@ class RegisterRequest(_message.Message):
     DISCOVERY_FIELD_NUMBER: _builtins.int
     LABELS_FIELD_NUMBER: _builtins.int
     ADVERTISE_ADDRESS_FIELD_NUMBER: _builtins.int
+    AGENT_INSTANCE_FIELD_NUMBER: _builtins.int
     node_name: _builtins.str
     """The node's name in the cluster (default: its host name); the key."""
     agent_version: _builtins.str
@@ -104,6 +105,11 @@ class RegisterRequest(_message.Message):
     advertise_address: _builtins.str
     """Where the node's replicas are reached (agent config `advertise:`, a host
     name or IP); absent: the address the control plane sees the agent at.
+    """
+    agent_instance: _builtins.str
+    """This agent's identity (random, kept in its state directory; empty: an older agent). While the
+    node is up, a registration under its name from another identity is refused (ALREADY_EXISTS):
+    two agents given one --name would otherwise take turns being the node.
     """
     @_builtins.property
     def protocol(self) -> Global___ProtocolVersion:
@@ -128,10 +134,11 @@ class RegisterRequest(_message.Message):
         discovery: Global___Discovery | None = ...,
         labels: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
         advertise_address: _builtins.str | None = ...,
+        agent_instance: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_advertise_address", b"_advertise_address", "advertise_address", b"advertise_address", "discovery", b"discovery", "protocol", b"protocol"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_advertise_address", b"_advertise_address", "advertise_address", b"advertise_address", "agent_version", b"agent_version", "discovery", b"discovery", "labels", b"labels", "node_name", b"node_name", "protocol", b"protocol"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_advertise_address", b"_advertise_address", "advertise_address", b"advertise_address", "agent_instance", b"agent_instance", "agent_version", b"agent_version", "discovery", b"discovery", "labels", b"labels", "node_name", b"node_name", "protocol", b"protocol"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__advertise_address: _TypeAlias = _typing.Literal["advertise_address"]  # noqa: Y015
     _WhichOneofArgType__advertise_address: _TypeAlias = _typing.Literal["_advertise_address", b"_advertise_address"]  # noqa: Y015
@@ -212,6 +219,7 @@ class HeartbeatRequest(_message.Message):
     DISCOVERY_FIELD_NUMBER: _builtins.int
     APPLIED_GENERATION_FIELD_NUMBER: _builtins.int
     REPLICAS_FIELD_NUMBER: _builtins.int
+    AGENT_INSTANCE_FIELD_NUMBER: _builtins.int
     node_id: _builtins.str
     """The id Register answered."""
     node_name: _builtins.str
@@ -223,6 +231,10 @@ class HeartbeatRequest(_message.Message):
     none yet: it is sent the set whatever its generation). Set by every agent
     that runs replicas (protocol 1.2); absent from older agents, which are
     sent no replicas.
+    """
+    agent_instance: _builtins.str
+    """The agent_instance it registered with (empty: an older agent). A beat from another instance than
+    the node's is answered NOT_FOUND: the node is another agent's now.
     """
     @_builtins.property
     def discovery(self) -> Global___Discovery:
@@ -243,10 +255,11 @@ class HeartbeatRequest(_message.Message):
         discovery: Global___Discovery | None = ...,
         applied_generation: _builtins.int | None = ...,
         replicas: _abc.Iterable[Global___ReplicaStatus] | None = ...,
+        agent_instance: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_applied_generation", b"_applied_generation", "applied_generation", b"applied_generation", "discovery", b"discovery"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_applied_generation", b"_applied_generation", "applied_generation", b"applied_generation", "discovery", b"discovery", "node_id", b"node_id", "node_name", b"node_name", "replicas", b"replicas", "sequence", b"sequence"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_applied_generation", b"_applied_generation", "agent_instance", b"agent_instance", "applied_generation", b"applied_generation", "discovery", b"discovery", "node_id", b"node_id", "node_name", b"node_name", "replicas", b"replicas", "sequence", b"sequence"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__applied_generation: _TypeAlias = _typing.Literal["applied_generation"]  # noqa: Y015
     _WhichOneofArgType__applied_generation: _TypeAlias = _typing.Literal["_applied_generation", b"_applied_generation"]  # noqa: Y015
@@ -706,22 +719,26 @@ class DeregisterRequest(_message.Message):
     NODE_ID_FIELD_NUMBER: _builtins.int
     NODE_NAME_FIELD_NUMBER: _builtins.int
     REASON_FIELD_NUMBER: _builtins.int
+    AGENT_INSTANCE_FIELD_NUMBER: _builtins.int
     node_id: _builtins.str
     """The id Register answered."""
     node_name: _builtins.str
     """The node's name (for the control plane's logs)."""
     reason: _builtins.str
     """Why, for the log (e.g. "SIGTERM")."""
+    agent_instance: _builtins.str
+    """The agent_instance it registered with (empty: an older agent): another instance's node is not removed."""
     def __init__(
         self,
         *,
         node_id: _builtins.str = ...,
         node_name: _builtins.str = ...,
         reason: _builtins.str = ...,
+        agent_instance: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["node_id", b"node_id", "node_name", b"node_name", "reason", b"reason"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_instance", b"agent_instance", "node_id", b"node_id", "node_name", b"node_name", "reason", b"reason"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
