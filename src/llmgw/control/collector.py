@@ -139,8 +139,9 @@ def node_samples(st: NodeState, is_up: bool) -> list[Sample]:
                                  f.cuda_driver_version or "", d.source), 1.0),
         (_I["llmgw_node_up"], (n,), 1.0 if is_up else 0.0),
         (_I["llmgw_node_cordoned"], (n,), 1.0 if st.cordoned else 0.0),
-        (_I["llmgw_node_last_heartbeat_timestamp_seconds"], (n,), st.last_heartbeat),
     ]
+    if st.heard:  # (a node known from the database only: never heard from, no time to give)
+        out.append((_I["llmgw_node_last_heartbeat_timestamp_seconds"], (n,), st.last_heartbeat))
     if not is_up:
         return out  # push expiry: the readings of a node past its grace are not current
     add = out.append
@@ -244,8 +245,9 @@ def node_text(st: NodeState, is_up: bool) -> dict[int, bytes]:
             _escape(f.cuda_driver_version), _escape(d.source or "none"), "1.0")).encode(),
         _NODE_UP: f"{op[_NODE_UP]}{nl}{'1.0' if is_up else '0.0'}\n".encode(),
         _NODE_CORDONED: f"{op[_NODE_CORDONED]}{nl}{'1.0' if st.cordoned else '0.0'}\n".encode(),
-        _NODE_HEARTBEAT: f"{op[_NODE_HEARTBEAT]}{nl}{_num(st.last_heartbeat)}\n".encode(),
     }
+    if st.heard:
+        out[_NODE_HEARTBEAT] = f"{op[_NODE_HEARTBEAT]}{nl}{_num(st.last_heartbeat)}\n".encode()
     if is_up:
         for i, text in zip(_SLOT_FAMILY, _nodetext.render_message(d, st.name, _SLOT_OPENS), strict=True):
             if text:
@@ -309,7 +311,8 @@ class ClusterCollector(Collector):
         for st in nodes:
             for idx, labels, v in node_samples(st, nodes.is_up(st, now)):
                 fams[idx].add_metric(list(labels), v)  # type: ignore[attr-defined]
-            fams[AGE].add_metric([st.name], st.age(now))  # type: ignore[attr-defined]
+            if st.heard:
+                fams[AGE].add_metric([st.name], st.age(now))  # type: ignore[attr-defined]
         yield from fams
         yield from self._self()
         yield self._duration(time.perf_counter() - t0)
@@ -345,7 +348,8 @@ class ClusterCollector(Collector):
                 chunks = hit[1]
             for idx, text in chunks.items():
                 per_family[idx].append(text)
-            ages.append(_TEMPLATES[AGE] % (_escape(st.name), _num(st.age(now))))
+            if st.heard:
+                ages.append(_TEMPLATES[AGE] % (_escape(st.name), _num(st.age(now))))
             seen.add(st.name)
             if time.perf_counter() - slice0 > self.slice_s:
                 await asyncio.sleep(0)  # let the data path run; the node map may change meanwhile (fine)

@@ -753,6 +753,8 @@ class DeploymentController:
         mono = nodes.monotonic()
         health = self._health
         for st in nodes:
+            if not st.heard:  # (known from the database only: gone until it registers, as far as replicas go)
+                continue
             name = st.name
             present.add(name)
             up = nodes.is_up(st, mono)

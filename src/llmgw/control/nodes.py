@@ -80,6 +80,10 @@ class NodeState:
     """The replica statuses its latest heartbeat carried (agents of protocol 1.2 or later)."""
     token: bytes = field(default=b"", repr=False)
     """SHA-256 of the join token its registration used: only calls with that token speak for it."""
+    heard: bool = True
+    """Heard from since this control plane took over. ``False``: known from the database only (it was
+    registered under an earlier leader or before a restart, and has not registered since): shown
+    ``unhealthy``, its heartbeat times absent, its GPUs by UUID only, until its agent registers."""
     instance: str = ""
     """The identity of the agent that registered it (``agent_instance``; empty: an older agent): while the
     node is up, only that agent speaks for it."""
@@ -118,7 +122,7 @@ class NodeState:
         return self.advertise or peer_host(self.peer)
 
     def age(self, now: float) -> float:
-        """Seconds since it was last heard from (``now``: monotonic)."""
+        """Seconds since it was last heard from (``now``: monotonic; infinite for a node not :attr:`heard`)."""
         return max(0.0, now - self.last_seen)
 
 
@@ -177,6 +181,7 @@ class NodeMap:
             return st, True
         st.peer, st.agent_version, st.protocol = peer, agent_version, protocol
         st.labels, st.advertise = dict(labels or {}), advertise
+        st.heard = True
         st.set_reading(discovery)
         st.registered_at = st.last_heartbeat = wall
         st.last_seen = mono
@@ -195,8 +200,8 @@ class NodeMap:
         recorded later than that (the control thread hands heartbeats over in batches).
         """
         st = self.by_id(node_id)
-        if st is None:
-            return None
+        if st is None or not st.heard:
+            return None  # (a node known from the database only registers first)
         st.set_reading(discovery)
         if at is None:
             st.last_heartbeat, st.last_seen = self.clock(), self.monotonic()
@@ -207,6 +212,31 @@ class NodeMap:
         if peer is not None:
             st.peer = peer
         st.generation += 1
+        return st
+
+    def remember(self, name: str, node_id: str, hostname: str | None, agent_version: str | None,
+                 gpu_uuids: list[str]) -> NodeState:
+        """A node the database knows that has not registered here yet (:attr:`NodeState.heard` false):
+        ``unhealthy`` from the start (never heard from), so that a node whose agent died with the last
+        control plane is still listed, counted down (``llmgw_node_up 0``) and can be forgotten, rather
+        than vanishing. Its agent's registration turns it into an ordinary node."""
+        from ..agent.model import GPU, NodeFacts
+
+        st = self._nodes.get(name)
+        if st is not None:
+            return st
+        reading = Discovery(
+            facts=NodeFacts(hostname=hostname or ""), gpus=tuple(GPU(uuid=u, health="unknown") for u in gpu_uuids),
+            errors=("not heard from since this control plane took over: known from the database; its readings "
+                    "come when its agent registers",),
+        )
+        st = NodeState(
+            node_id=node_id, name=name, peer="", agent_version=agent_version or "", protocol=(0, 0), reading=reading,
+            registered_at=0.0, last_heartbeat=0.0, last_seen=float("-inf"), registrations=0,
+            cordoned=name in self.cordoned, heard=False,
+        )
+        self._nodes[name] = st
+        self._by_id[node_id] = name
         return st
 
     def clear(self) -> None:

@@ -734,6 +734,8 @@ class AgentService(agent_pb2_grpc.AgentServiceServicer):
             _NotYours: the node was registered with another join token.
         """
         known = self.nodes.by_id(hb.node_id)
+        if known is not None and not known.heard:
+            return None  # (known from the database only: it registers first, and is told so by NOT_FOUND)
         if known is not None and token and not _same(known.token, token):
             raise _NotYours(known.name)
         if known is not None and known.instance and hb.agent_instance and hb.agent_instance != known.instance:
@@ -882,7 +884,7 @@ class AgentService(agent_pb2_grpc.AgentServiceServicer):
         given = await self._authenticate(context, "Deregister", request.node_name)
         await self._leader_only(context, "Deregister")
         known = self.nodes.by_id(request.node_id)  # (a read of a dict from this thread: no change is made)
-        if known is not None and not _same(known.token, _digest(given)):
+        if known is not None and known.heard and not _same(known.token, _digest(given)):
             await self._not_yours(context, "Deregister", known.name)  # (before anything is written)
         if known is not None and known.instance and request.agent_instance and request.agent_instance != known.instance:
             log.info("Deregister of node %s from %s not applied: the node is another agent's (it took the name over)",
@@ -912,7 +914,7 @@ class AgentService(agent_pb2_grpc.AgentServiceServicer):
 
     def _deregister(self, node_id: str, reason: str, token: bytes = b"") -> bool:
         known = self.nodes.by_id(node_id)
-        if known is not None and token and not _same(known.token, token):
+        if known is not None and known.heard and token and not _same(known.token, token):
             raise _NotYours(known.name)
         st = self.nodes.deregister(node_id)
         if st is None:
@@ -1254,6 +1256,14 @@ class ControlPlane:
         self.nodes.clear()
         self.nodes.restore_cordons(cordons)
         self._node_records = records
+        for name, (node_id, hostname, agent_version, gpus) in records.items():
+            # listed (unhealthy, never heard from) until its agent registers: a node whose agent died
+            # with the last term does not vanish, and can be forgotten
+            try:
+                uuids = [u for u in json.loads(gpus) if isinstance(u, str)]
+            except (ValueError, TypeError):
+                uuids = []
+            self.nodes.remember(name, node_id, hostname, agent_version, uuids)
         await self._record_tokens()
         await self._load_api_tokens()  # (revocations made under the last leader hold from this term's first call)
         await self._lead_deployments(epoch)

@@ -2,7 +2,8 @@
 
 Absent readings are ``null``, never 0. A node past its grace keeps its last
 readings here, marked by ``state: unhealthy`` and ``heartbeat_age_s`` (``llmgw ctl``
-blanks them; ``/metrics`` stops exporting them).
+blanks them; ``/metrics`` stops exporting them). A node known from the database that has
+not registered since this control plane took over has ``null`` heartbeat times.
 """
 
 from __future__ import annotations
@@ -42,9 +43,9 @@ def node_view(nodes: NodeMap, st: NodeState, *, gpus: bool) -> dict[str, Any]:
         "protocol": f"{st.protocol[0]}.{st.protocol[1]}",
         "peer": st.peer,
         "address": st.address,
-        "registered_at": round(st.registered_at, 3),
-        "last_heartbeat": round(st.last_heartbeat, 3),
-        "heartbeat_age_s": round(st.age(now), 3),
+        "registered_at": round(st.registered_at, 3) if st.heard else None,
+        "last_heartbeat": round(st.last_heartbeat, 3) if st.heard else None,
+        "heartbeat_age_s": round(st.age(now), 3) if st.heard else None,
         "heartbeats": st.heartbeats,
         "registrations": st.registrations,
         "gpu_source": d.source,
@@ -66,7 +67,8 @@ def gpu_rows(nodes: NodeMap) -> list[dict[str, Any]]:
     for st in nodes:
         state = nodes.state(st, now)
         for g in st.discovery.gpus:
-            row = {"node": st.name, "node_state": state, "heartbeat_age_s": round(st.age(now), 3)}
+            row = {"node": st.name, "node_state": state,
+                   "heartbeat_age_s": round(st.age(now), 3) if st.heard else None}
             row.update(gpu_view(g))
             rows.append(row)
     return rows
