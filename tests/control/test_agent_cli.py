@@ -153,3 +153,11 @@ async def test_an_agent_going_round_control_planes_that_are_away_logs_each_answe
     assert sum("moving to" in line for line in lines) <= sum("UNAVAILABLE" in line for line in lines), lines
     assert any(f"connected to the control plane at 127.0.0.1:{ports[1]}" in line
                or f"control plane at 127.0.0.1:{ports[1]} reachable again" in line for line in err.splitlines()), err
+
+
+def test_control_port_0_is_a_usage_error() -> None:
+    r = subprocess.run([sys.executable, "-m", "llmgw", "agent", "--control", "127.0.0.1:0", "--token-env", "JOIN",
+                        "--gpu-source", "none"], capture_output=True, text=True, timeout=30,
+                       env={**os.environ, "JOIN": TOKEN})
+    assert r.returncode == 1 and "--control 127.0.0.1:0: port 0 is no address to call" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr

@@ -95,3 +95,23 @@ async def test_a_heartbeats_replica_statuses_are_cut_to_the_limits() -> None:
             assert len(reps) <= limits.MAX_REPLICAS
             assert all(len(r["id"]) <= limits.MAX_TEXT and len(r.get("message") or "") <= limits.MAX_REPLICA_MESSAGE
                        for r in reps), [len(str(r)) for r in reps][:3]
+
+
+async def test_node_names_follow_the_agents_rule_on_the_control_plane_too() -> None:
+    """A name ``llmgw agent --name`` refuses is refused by Register as well (a hand-made client, an older
+    agent): node names end up in metric labels, URLs and deployments' ``nodes:``."""
+    port = free_port()
+    async with control_runtime(port) as rt, grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+        stub = agent_pb2_grpc.AgentServiceStub(ch)
+        for bad in ("a b", "node\n", "-x", ".hidden", "ünï", "x/y", "x" * 129, ""):
+            try:
+                await stub.Register(_register(bad), metadata=_md(TOKEN))
+            except grpc.aio.AioRpcError as exc:
+                assert exc.code() == grpc.StatusCode.INVALID_ARGUMENT, bad
+                assert "letters, digits, '.', '_' or '-'" in (exc.details() or "")
+            else:
+                raise AssertionError(f"{bad!r} registered")
+        for good in ("n", "gpu-7.rack_2", "x" * 128):
+            assert await _code(stub.Register(_register(good), metadata=_md(TOKEN))) == grpc.StatusCode.OK
+        status, body = await api(rt, "GET", "/admin/v1/nodes")
+        assert status == 200 and sorted(n["name"] for n in body["nodes"]) == sorted(["n", "gpu-7.rack_2", "x" * 128])

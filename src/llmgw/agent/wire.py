@@ -11,6 +11,7 @@ GPU's or node's errors rather than sent as something else.
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Any
 
 from .._proto.agent.v1 import agent_pb2 as pb
@@ -19,6 +20,7 @@ from .model import GPU, Discovery, InfinibandPort, NodeFacts
 
 __all__ = [
     "CLIENT_OPTIONS",
+    "NODE_NAME",
     "PROTOCOL",
     "SERVER_OPTIONS",
     "TOKEN_METADATA",
@@ -41,6 +43,10 @@ __all__ = [
 # otherwise. 1.2 added replicas: the desired set in heartbeat answers, replica statuses in
 # heartbeats, node labels and the advertise address in Register, the mirror credential in
 # its answer, and log tails (LogRequest, ReplicaLogs). An older agent runs no replicas.
+NODE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+"""A node's name (``fullmatch``): the agent refuses any other ``--name`` before it calls, and the
+control plane any other ``node_name`` (the rule of a deployment's node names, ``config._rules._ID``)."""
+
 PROTOCOL: tuple[int, int] = (1, 2)
 
 # The join token travels as call metadata: ``authorization: Bearer <token>``.

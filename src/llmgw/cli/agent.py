@@ -356,10 +356,14 @@ def agent(
         raise click.UsageError(str(exc)) from None
     if control is None:
         raise click.UsageError("--control HOST:PORT is required (or control: in --config FILE)")
+    zero = next((h for h, p in control if p == 0), None)
+    if zero is not None:
+        raise click.UsageError(f"--control {zero}:0: port 0 is no address to call; give the control plane's "
+                               "port (its control.listen)")
     if name is not None:
-        from ..config._rules import _ID
+        from ..agent.wire import NODE_NAME
 
-        if not _ID.match(name):  # (the rule name: has in the agent's file)
+        if NODE_NAME.fullmatch(name) is None:  # (the rule name: has in the agent's file, and the control plane's)
             raise click.UsageError(f"--name {name!r}: use letters, digits, '.', '_' or '-' (at most 128), "
                                    "starting with a letter or digit")
     if token_env is not None:

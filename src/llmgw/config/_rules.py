@@ -194,20 +194,33 @@ def _num(lo: float | None = None, hi: float | None = None) -> _Rule:
     return _Rule(check, schema)
 
 
-def _duration(min_s: float = 0.0) -> _Rule:
+def _duration(min_s: float = 0.0, max_s: float | None = None) -> _Rule:
     def check(v: Any) -> float:
         seconds = parse_duration(v)
         if seconds < min_s:
             raise _Bad(f"must be at least {min_s * 1000:g}ms, got {v!r}")
+        if max_s is not None and seconds > max_s:
+            raise _Bad(f"must be at most {_human(max_s)}, got {v!r}")
         return seconds
 
+    number: dict[str, Any] = {"type": "number", "minimum": min_s}
+    if max_s is not None:
+        number["maximum"] = max_s
     return _Rule(
         check,
         {
-            "anyOf": [{"type": "number", "minimum": min_s}, {"type": "string", "pattern": _DURATION.pattern}],
-            "description": "a duration: 500ms, 2s, 1.5m, 1h, or a number of seconds",
+            "anyOf": [number, {"type": "string", "pattern": _DURATION.pattern}],
+            "description": "a duration: 500ms, 2s, 1.5m, 1h, or a number of seconds"
+                           + (f" (at most {_human(max_s)})" if max_s is not None else ""),
         },
     )
+
+
+def _human(seconds: float) -> str:
+    for unit, size in (("h", 3600), ("m", 60)):
+        if seconds >= size and seconds % size == 0:
+            return f"{seconds / size:g}{unit}"
+    return f"{seconds:g}s"
 
 
 def _size(lo: int = 0) -> _Rule:

@@ -595,9 +595,9 @@ class _ControlIn(_In):
     """Token(s) a router with follow: must present to receive the replica table (prefer router_token_env)."""
     router_token_env: Annotated[tuple[_EnvValue, ...], _envs("router_token")] | None = None
     """Environment variable(s) holding the router token(s)."""
-    heartbeat_interval: Annotated[float, _duration(0.1)] = _default(ControlConfig, "heartbeat_interval")
+    heartbeat_interval: Annotated[float, _duration(0.1, 3600.0)] = _default(ControlConfig, "heartbeat_interval")
     """How often a node agent reports."""
-    heartbeat_grace: Annotated[float, _duration(0.1)] | None = None
+    heartbeat_grace: Annotated[float, _duration(0.1, 86400.0)] | None = None
     """A node silent this long is lost (default: three heartbeat intervals)."""
     database: Annotated[str, _SECRET] | None = Field(default=None, repr=False)
     """Where the control plane keeps all its state: postgresql://USER@HOST:PORT/DB (several llmgw serve processes share

@@ -37,6 +37,7 @@ from .. import __version__
 from .._proto.agent.v1 import agent_pb2_grpc
 from .._proto.router.v1 import router_pb2_grpc
 from ..agent.wire import (
+    NODE_NAME,
     PROTOCOL,
     SERVER_OPTIONS,
     TOKEN_METADATA,
@@ -68,7 +69,7 @@ if TYPE_CHECKING:
 
 __all__ = ["LEADER_METADATA", "LEASE_METADATA", "ControlPlane", "ControlStats", "ReplicaLogsError"]
 
-MAX_NAME = 253
+MAX_NAME = 128
 MAX_LABELS = 64
 MAX_LABEL = 253
 MAX_LOG_LINES = 10_000
@@ -602,11 +603,12 @@ class AgentService(agent_pb2_grpc.AgentServiceServicer):
             )
             log.error("refused Register from node %r at %s: %s", name, peer, msg)
             await self._abort(context, "Register", grpc.StatusCode.FAILED_PRECONDITION, msg)
-        if not name or len(name) > MAX_NAME or not name.isprintable() or any(c.isspace() for c in name):
+        if NODE_NAME.fullmatch(name) is None:  # (the rule the agent's --name and a deployment's node: have)
             self.stats.refuse("invalid_request")
             await self._abort(
                 context, "Register", grpc.StatusCode.INVALID_ARGUMENT,
-                f"node_name must be 1-{MAX_NAME} printable characters without spaces, got {name[:60]!r}",
+                f"node_name must be 1-{MAX_NAME} letters, digits, '.', '_' or '-', starting with a letter or digit; "
+                f"got {name[:60]!r}",
             )
         labels = dict(request.labels)
         bad = [k for k, v in labels.items() if not k or len(k) > MAX_LABEL or len(v) > MAX_LABEL
