@@ -95,3 +95,36 @@ async def test_nodes_without_a_control_plane_says_so() -> None:
         assert res.exit_code == 1 and "no control plane" in res.output
     finally:
         await rt.stop()
+
+
+async def test_tables_never_cut_a_cell_piped_or_in_a_narrow_terminal() -> None:
+    """A long node name and big numbers: piped, every row is one whole line; in a 100-column terminal
+    the line runs long (the terminal wraps it) rather than ending a value in an ellipsis."""
+    import os
+    import sys
+
+    port = free_port()
+    long_name = "rack-17.row-b.dc-eu-west-3.gpu-node-with-a-very-long-name-" + "x" * 40
+    async with control_runtime(port, heartbeat_interval="10s", heartbeat_grace="60s") as rt:
+        assert rt.admin_addr is not None
+        url = f"http://127.0.0.1:{rt.admin_addr[1]}"
+        gpus = h100s(2)
+        gpus[0]["memory_used_bytes"] = 81_604_378_624  # 76.0 GiB
+        await _register(port, long_name, {"hostname": "h-" + "y" * 60, "facts": {"driver_version": "550.90.07"},
+                                          "gpus": gpus})
+        for cmd in ("nodes", "gpus"):
+            for env in ({}, {"COLUMNS": "100", "FORCE_COLOR": "0", "TTY_COMPATIBLE": "1", "TTY_INTERACTIVE": "1"}):
+                proc = await asyncio.create_subprocess_exec(
+                    sys.executable, "-m", "llmgw", "ctl", "--admin", url, cmd, stdout=asyncio.subprocess.PIPE,
+                    stderr=asyncio.subprocess.PIPE, env={**os.environ, **env},
+                )
+                out, err = await asyncio.wait_for(proc.communicate(), 30)
+                text = out.decode()
+                assert proc.returncode == 0, err
+                assert "…" not in text, text
+                rows = [line for line in text.splitlines() if line.startswith(long_name)]
+                assert rows, text
+                if cmd == "nodes":
+                    assert "h-" + "y" * 60 in rows[0] and "550.90.07" in rows[0]
+                else:
+                    assert len(rows) == 2 and "76.0" in rows[0] and "80.0" in rows[0], text

@@ -13,7 +13,8 @@ import click
 from ..config import parse_hostport
 from ..errors import ConfigError
 
-__all__ = ["Fail", "apply_logging", "echo_err", "hostport", "json_mode_for", "report_error", "run_loop"]
+__all__ = ["Fail", "apply_logging", "echo_err", "hostport", "json_mode_for", "print_table", "report_error",
+           "run_loop"]
 
 
 class Fail(click.ClickException):
@@ -117,6 +118,29 @@ def hostports(ctx: click.Context, param: click.Parameter, value: str | None) -> 
         except ConfigError as exc:
             raise click.BadParameter(exc.message) from None
     return tuple(out)
+
+
+def print_table(console: Any, table: Any) -> None:
+    """Print a rich table without ever cutting a cell: a column that may not wrap (names, numbers) is
+    shown whole, the line longer than the terminal if need be (the terminal wraps it, nothing is lost);
+    off a terminal (piped, captured) each row is one whole line, however long. rich's own fitting
+    would end a long node name or a number with an ellipsis: "8…" for 80 GiB reads as a wrong value."""
+    from rich.measure import Measurement
+
+    opts = console.options.update_width(1 << 16)
+    if not console.is_terminal:
+        need = Measurement.get(console, opts, table).maximum
+    else:  # the columns that may not wrap whole, the others at their longest word
+        need = 2 * max(0, len(table.columns) - 1)  # (padding between columns: box=None, pad_edge=False)
+        for col in table.columns:
+            ms = [Measurement.get(console, opts, c) for c in (col.header, *col.cells)]
+            need += max(m.maximum for m in ms) if col.no_wrap else max(m.minimum for m in ms)
+    width = console.width
+    console.width = max(width, need)  # (print's own width= is capped at the console's)
+    try:
+        console.print(table, crop=False)
+    finally:
+        console.width = width
 
 
 def run_loop(coro: Any) -> Any:

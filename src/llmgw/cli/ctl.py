@@ -172,6 +172,12 @@ def _console() -> Any:
     return console
 
 
+def print_table(console: Any, table: Any) -> None:
+    from ._common import print_table as show
+
+    show(console, table)
+
+
 def _fmt(value: Any, kind: str = "") -> str:
     if value is None:
         return ABSENT
@@ -257,7 +263,7 @@ def endpoints(ctx: click.Context, admin: str | None, token: str | None, as_json:
     if not eps:
         console.print("no endpoints (add them to the config file and run llmgw ctl reload)")
         return
-    console.print(table)
+    print_table(console, table)
 
 
 def _drain(ctx: click.Context, endpoint_id: str, draining: bool, t: Target) -> None:
@@ -345,7 +351,7 @@ def queues(ctx: click.Context, admin: str | None, token: str | None, as_json: bo
             *(_fmt(d.get(k, 0)) for k in ("admitted", "queued", "rejected")),
         )
     console = _console()
-    console.print(table)
+    print_table(console, table)
     sat = data.get("pool_saturation") or {}
     if sat:
         console.print("saturation: " + ", ".join(f"{m} {v * 100:.0f}%" for m, v in sat.items()))
@@ -402,7 +408,7 @@ def nodes(ctx: click.Context, admin: str | None, token: str | None, as_json: boo
             str(facts.get("driver_version") or ABSENT), str(facts.get("cuda_driver_version") or ABSENT),
             _fmt(len(n.get("errors") or [])),
         )
-    console.print(table)
+    print_table(console, table)
 
 
 @ctl.command()
@@ -444,7 +450,7 @@ def gpus(ctx: click.Context, admin: str | None, token: str | None, as_json: bool
             _fmt(cur("utilization_gpu_ratio"), "pct") if cur("utilization_gpu_ratio") is not None else ABSENT,
             _unit(cur("temperature_celsius"), "°C"), _unit(cur("power_watts"), " W"), health,
         )
-    console.print(table)
+    print_table(console, table)
 
 
 def _cordon(ctx: click.Context, node: str, cordoned: bool, t: Target) -> None:
@@ -668,7 +674,7 @@ def deployments(ctx: click.Context, show_secrets: bool, admin: str | None, token
             str(d.get("name")), str(d.get("model")), str(d.get("engine")), _fmt(d.get("ready")), desired,
             str(d.get("source")), ", ".join(d.get("nodes") or []) or ABSENT, escape(why) if why else ABSENT,
         )
-    console.print(table)
+    print_table(console, table)
     reps = [r for d in rows for r in d.get("replicas", [])]
     if reps:
         rt = Table(box=None, pad_edge=False, header_style="bold")
@@ -688,7 +694,7 @@ def deployments(ctx: click.Context, show_secrets: bool, admin: str | None, token
                 row.append(str(r.get("api_key") or ABSENT))
             rt.add_row(*row)
         console.print()
-        console.print(rt)
+        print_table(console, rt)
     if any(d.get("scaled") for d in rows):
         console.print("* scaled with llmgw ctl scale: holds until the deployment's entry in the config file changes")
 
@@ -865,7 +871,7 @@ def tokens_list(ctx: click.Context, admin: str | None, token: str | None, as_jso
             table.add_row(str(r.get("id")), escape(str(r.get("name") or ABSENT)),
                           f"[{_TOKEN_STYLE.get(state, 'white')}]{state}[/]", _when(r.get("created_at")),
                           _when(r.get("expires_at")), _when(r.get("last_used_at")))
-        console.print(table)
+        print_table(console, table)
     if n_config is not None:
         console.print(f"and {n_config} token(s) from the configuration (control.join_token_env / join_token; "
                       "the demo makes its own)")

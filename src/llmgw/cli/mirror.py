@@ -19,7 +19,7 @@ from typing import IO, Any, TypeVar
 import click
 
 from ..mirror.errors import MirrorError, ModelNotFoundError
-from ._common import echo_err
+from ._common import echo_err, print_table
 
 __all__ = ["mirror"]
 
@@ -348,7 +348,7 @@ def ls_cmd(ctx: click.Context, as_json: bool, sub_root: Path | None) -> None:
             _cell(m.source_kind),
             _cell(m.created_at.replace("T", " ").rstrip("Z")),
         )
-    _console().print(table)
+    print_table(_console(), table)
 
 
 def _get(store: Any, ref: str) -> Any:
@@ -526,7 +526,7 @@ def verify_cmd(
                     _cell(c.status.upper() if not c.ok else c.status),
                     _cell(", ".join(c.models)),
                 )
-            _console().print(table)
+            print_table(_console(), table)
         if not bad and not quiet:
             click.echo(f"{len(checks)} blob(s) verified, all intact")
     for c in bad:
@@ -570,7 +570,7 @@ def gc_cmd(ctx: click.Context, dry_run: bool, as_json: bool, sub_root: Path | No
             table.add_row(_cell("blob"), _cell(_human(size)), _cell(digest))
         for path, size in report.temp_files:
             table.add_row(_cell("partial"), _cell(_human(size)), _cell(path))
-        _console().print(table)
+        print_table(_console(), table)
     click.echo(
         f"{verb} {len(report.blobs)} unused blob(s) and {len(report.temp_files)} partial file(s),"
         f" {_human(report.reclaimed)}"
