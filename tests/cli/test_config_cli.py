@@ -144,3 +144,64 @@ def test_help_lists_the_config_commands() -> None:
     assert "check-config" in res.output and "config " in res.output
     res = CliRunner().invoke(main, ["config", "schema", "--help"])
     assert res.exit_code == 0 and "yaml-language-server" in res.output
+
+
+def _free_ports(n: int) -> list[int]:
+    import socket
+
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def test_check_config_refuses_what_serve_refuses_before_it_binds(tmp_path: Path) -> None:
+    """Colliding listeners and TLS files that are missing, not PEM, or a key not the certificate's:
+    check-config said OK and serve refused them; now both refuse, in the same words, before binding."""
+    gw, admin, grpc_port = _free_ports(3)
+    garbage = tmp_path / "garbage.pem"
+    garbage.write_text("not a certificate\n")
+    pki = tmp_path / "pki"
+    pki.mkdir()
+    for n in ("one", "two"):
+        subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
+                        "-nodes", "-days", "1", "-subj", f"/CN={n}", "-keyout", str(pki / f"{n}.key"),
+                        "-out", str(pki / f"{n}.pem")], check=True, capture_output=True, timeout=60)
+    base = f"listen: 127.0.0.1:{gw}\nadmin: 127.0.0.1:{admin}\n"
+    control = f"control:\n  listen: 127.0.0.1:{grpc_port}\n  join_token_env: JOIN\n"
+    cases = {
+        "same-admin": (f"listen: 127.0.0.1:{gw}\nadmin: 127.0.0.1:{gw}\n"
+                       "endpoints:\n  - {id: a, url: 'http://127.0.0.1:9', models: [m]}\n",
+                       f"admin: the client and admin listeners are both 127.0.0.1:{gw}"),
+        "control-on-admin": (base + f"control:\n  listen: 127.0.0.1:{admin}\n  join_token_env: JOIN\n",
+                             f"control.listen: 127.0.0.1:{admin} is also the admin: address"),
+        "control-on-listen": (base + f"control:\n  listen: 0.0.0.0:{gw}\n  join_token_env: JOIN\n  allow_insecure: true\n",
+                              f"control.listen: 0.0.0.0:{gw} is also the listen: address"),
+        "missing-tls": (base + control + "  tls_cert: /nonexistent/cert.pem\n  tls_key: /nonexistent/key.pem\n",
+                        "control.tls_cert: cannot read /nonexistent/cert.pem: No such file or directory"),
+        "not-pem": (base + control + f"  tls_cert: {garbage}\n  tls_key: {pki / 'one.key'}\n",
+                    f"control.tls_cert: {garbage} with {pki / 'one.key'}: not a PEM certificate"),
+        "wrong-key": (base + control + f"  tls_cert: {pki / 'one.pem'}\n  tls_key: {pki / 'two.key'}\n",
+                      "the key is not the certificate's"),
+        "bad-client-ca": (base + control + f"  tls_cert: {pki / 'one.pem'}\n  tls_key: {pki / 'one.key'}\n"
+                          f"  tls_client_ca: {garbage}\n", f"control.tls_client_ca: {garbage}: not a PEM CA"),
+    }
+    env = {"JOIN": "join-token-for-the-check", "XDG_STATE_HOME": str(tmp_path / "state")}
+    for name, (text, fragment) in cases.items():
+        f = tmp_path / f"{name}.yaml"
+        f.write_text(text)
+        check = run("check-config", str(f), env=env)
+        serve = run("serve", "-c", str(f), env=env)
+        assert check.returncode == serve.returncode == 1, (name, check.stdout, serve.stderr)
+        assert fragment in check.stderr, (name, check.stderr)
+        assert check.stderr.strip().splitlines() == serve.stderr.strip().splitlines(), (name, serve.stderr)
+        assert "Traceback" not in serve.stderr
+    good = tmp_path / "good.yaml"
+    good.write_text(base + control + f"  tls_cert: {pki / 'one.pem'}\n  tls_key: {pki / 'one.key'}\n"
+                    f"  tls_client_ca: {pki / 'two.pem'}\n")
+    check = run("check-config", str(good), env=env)
+    assert check.returncode == 0 and f"{good}: OK" in check.stdout, check.stderr

@@ -383,11 +383,70 @@ def serve_problems(cfg: Config, line: int | None = None) -> list[ConfigProblem]:
                 "endpoints", "no endpoints configured; add at least one (see docs/config.md)", cfg.source, line
             )
         ]
+    found: list[ConfigProblem] = []
+    if cfg.listen == cfg.admin and cfg.listen[1] != 0:
+        host, port = cfg.listen
+        found.append(ConfigProblem("admin", f"the client and admin listeners are both {host}:{port}: give them "
+                                   "different ports (--listen / --admin, or listen: / admin: in the config)",
+                                   cfg.source, None))
     if cfg.control is not None:
         why = plaintext_off_loopback(cfg.control)
         if why is not None:
-            return [ConfigProblem("control.listen", why, cfg.source, None)]
-    return []
+            found.append(ConfigProblem("control.listen", why, cfg.source, None))
+        for other, addr in (("listen", cfg.listen), ("admin", cfg.admin)):
+            if _overlap(cfg.control.listen, addr):
+                h, p = cfg.control.listen
+                found.append(ConfigProblem("control.listen", f"{h}:{p} is also the {other}: address: give the "
+                                           "control plane's gRPC listener its own port", cfg.source, None))
+        found.extend(ConfigProblem(f"control.{key}", why, cfg.source, None) for key, why in _tls_problems(
+            cfg.control.tls_cert, cfg.control.tls_key, cfg.control.tls_client_ca, server=True))
+    if cfg.follow is not None:
+        f = cfg.follow
+        found.extend(ConfigProblem(f"follow.{key}", why, cfg.source, None)
+                     for key, why in _tls_problems(f.tls_cert, f.tls_key, f.tls_ca, server=False))
+    return found
+
+
+_ANY = ("", "0.0.0.0", "::", "[::]")
+
+
+def _overlap(a: tuple[str, int], b: tuple[str, int]) -> bool:
+    """Whether two listeners would want one socket: the same non-zero port, the hosts equal or one a wildcard."""
+    return a[1] == b[1] and a[1] != 0 and (a[0] == b[0] or a[0] in _ANY or b[0] in _ANY)
+
+
+def _tls_problems(cert: str | None, key: str | None, ca: str | None, *, server: bool) -> list[tuple[str, str]]:
+    """The TLS files as a TLS library would take them: readable, PEM, the key the certificate's.
+    ``[(key, what is wrong)]``; the CA's key is ``tls_client_ca`` (``server``) or ``tls_ca``."""
+    import ssl
+
+    out: list[tuple[str, str]] = []
+    ca_key = "tls_client_ca" if server else "tls_ca"
+    unreadable = False
+    for k, path in (("tls_cert", cert), ("tls_key", key), (ca_key, ca)):
+        if path is None:
+            continue
+        try:
+            with open(path, "rb"):
+                pass
+        except OSError as exc:
+            out.append((k, f"cannot read {path}: {exc.strerror or exc}"))
+            unreadable = True
+    if unreadable:
+        return out
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER if server else ssl.PROTOCOL_TLS_CLIENT)
+    if cert is not None and key is not None:
+        try:
+            ctx.load_cert_chain(cert, key, password=lambda: b"")  # (gRPC takes no encrypted key: none asked for)
+        except (ssl.SSLError, ValueError) as exc:
+            out.append(("tls_cert", f"{cert} with {key}: not a PEM certificate and its unencrypted private key, or "
+                        f"the key is not the certificate's ({getattr(exc, 'reason', None) or exc})"))
+    if ca is not None:
+        try:
+            ctx.load_verify_locations(cafile=ca)
+        except (ssl.SSLError, ValueError) as exc:
+            out.append((ca_key, f"{ca}: not a PEM CA certificate ({getattr(exc, 'reason', None) or exc})"))
+    return out
 
 
 def validate_for_serve(cfg: Config) -> None:
