@@ -84,3 +84,14 @@ def test_bad_listen_flag() -> None:
     assert "HOST:PORT" in res.output
     assert len(res.stderr.strip().splitlines()) == 1 and res.stderr.startswith("llmgw: error: ")
     assert "serve --help')" in res.stderr
+
+
+def test_ctl_help_overview_names_every_command_in_one_column() -> None:
+    from llmgw.cli.ctl import ctl
+
+    res = CliRunner().invoke(main, ["ctl", "--help"])
+    assert res.exit_code == 0
+    overview = [ln for ln in res.output.splitlines() if ln.lstrip().startswith("llmgw ctl ")]
+    assert {len(ln) - len(ln.lstrip()) for ln in overview} == {4}, overview  # (one indentation: one column)
+    named = {ln.split()[2] for ln in overview} | {w for ln in overview for w in ln.split() if w in ctl.commands}
+    assert set(ctl.commands) <= named, sorted(set(ctl.commands) - named)

@@ -128,3 +128,15 @@ async def test_tables_never_cut_a_cell_piped_or_in_a_narrow_terminal() -> None:
                     assert "h-" + "y" * 60 in rows[0] and "550.90.07" in rows[0]
                 else:
                     assert len(rows) == 2 and "76.0" in rows[0] and "80.0" in rows[0], text
+
+
+async def test_ctl_pointed_at_the_grpc_port_says_so_in_one_line() -> None:
+    """``--admin`` given the control plane's gRPC address (an easy slip: both are "the control plane"):
+    one line naming the mistake, never the HTTP/2 bytes the gRPC server answered."""
+    port = free_port()
+    async with control_runtime(port):
+        res = await invoke("--admin", f"http://127.0.0.1:{port}", "nodes")
+        assert res.exit_code == 1
+        lines = res.output.strip().splitlines()
+        assert len(lines) == 1 and "a gRPC port, such as control.listen, not the admin listener" in lines[0], res.output
+        assert "\\x00" not in res.output and "\x00" not in res.output

@@ -98,6 +98,10 @@ class Target:
                 reason = f"no answer within {self.timeout:g}s"
             elif isinstance(exc, socket.gaierror):
                 reason = f"unknown host {parts.hostname}"
+            elif isinstance(exc, http.client.BadStatusLine):  # (its message is the bytes that came: never shown)
+                h2 = str(getattr(exc, "line", "")).startswith("\x00")  # (an HTTP/2 frame header: a length's high byte)
+                reason = ("it answered in HTTP/2 frames: that is a gRPC port, such as control.listen, not the admin "
+                          "listener (admin: in the config)" if h2 else "what it answered is not HTTP")
             else:
                 reason = str(exc) or type(exc).__name__
             raise CtlError(
@@ -211,9 +215,11 @@ def ctl(ctx: click.Context, admin: str | None, token: str | None, as_json: bool 
       llmgw ctl queues                admission queues per priority band
       llmgw ctl nodes / gpus          the control plane's nodes and their GPUs
       llmgw ctl cordon NODE           no new replicas to a node (uncordon NODE: again)
-    llmgw ctl forget NODE           remove a node nothing hears from (unhealthy)
+      llmgw ctl forget NODE           remove a node nothing hears from (unhealthy)
       llmgw ctl deploy NAME --model M run a model on the cluster (scale NAME N, undeploy NAME)
       llmgw ctl deployments           desired/ready replicas, where they run, why one is not placed
+      llmgw ctl logs REPLICA          the end of a replica's engine log, from its node
+      llmgw ctl engine-check ENGINE   can this node (or --node NODE) run ENGINE as llmgw launches it
       llmgw ctl tokens create / list / revoke ID   join tokens for agents
     """
     ctx.obj = Target(admin or DEFAULT_ADMIN, token or None, bool(as_json))
