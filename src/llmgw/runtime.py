@@ -169,6 +169,11 @@ def components_for(config: Config) -> list[ComponentFactory]:
     return [follower] if config.follow is not None else []
 
 
+_CONTROL_AT_START = ("listen", "database", "lease", "advertise", "state_file", "tls_cert", "tls_key",
+                     "tls_client_ca", "allow_insecure")
+"""``control:`` keys the control plane reads once, at start: a reload that changes one says a restart is needed."""
+
+
 class GatewayRuntime:
     """Builds, starts and stops everything ``llmgw serve`` runs (see the module docstring).
 
@@ -306,9 +311,10 @@ class GatewayRuntime:
 
         Endpoints are added, removed or replaced by id; models, aliases, keys and
         limits that the request path reads are swapped in; the control plane applies
-        the file's ``deployments:`` on its next pass. ``listen``/``admin``
-        and ``admission.header`` changes need a restart and are reported, not
-        applied. Counted in :attr:`reloads`, whatever the ``trigger`` (``api``,
+        the file's ``deployments:`` on its next pass. ``listen``/``admin``,
+        ``admission.header``, ``follow`` and the ``control:`` keys read at start
+        (:data:`_CONTROL_AT_START`; a ``control:`` section added or removed) need a
+        restart and are reported, not applied. Counted in :attr:`reloads`, whatever the ``trigger`` (``api``,
         ``sighup``, ...: for the log).
 
         Returns:
@@ -370,8 +376,21 @@ class GatewayRuntime:
             not_applied.append("admission.header")  # read by the client listener's connections
         if _without_token(config.follow) != _without_token(self.config.follow):
             not_applied.append("follow")  # (its token is read on every call: a new one is presented next time)
+        control = config.control
+        if (config.control is None) != (self.config.control is None):
+            not_applied.append("control")  # (a control plane is started, or stopped, with the process)
+            control = self.config.control
+        elif config.control is not None and self.config.control is not None:
+            # read once, at start: the listener, its TLS, the database and the lease (join and router
+            # tokens, heartbeat_interval and heartbeat_grace are read on every call: applied)
+            fixed = [f for f in _CONTROL_AT_START if getattr(config.control, f) != getattr(self.config.control, f)]
+            not_applied.extend(f"control.{f}" for f in fixed)
+            if fixed:
+                control = dataclasses.replace(config.control, **{f: getattr(self.config.control, f) for f in fixed})
         # what was not applied stays as the process runs it: the next reload compares with that
         running: dict[str, Any] = {k: getattr(self.config, k) for k in ("listen", "admin") if k in not_applied}
+        if control is not config.control:
+            running["control"] = control
         if "admission.header" in not_applied:
             running["admission"] = dataclasses.replace(config.admission, header=self.config.admission.header)
         deployments = _deployments_changed(self.config.deployments, config.deployments)

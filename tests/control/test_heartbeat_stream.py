@@ -182,3 +182,24 @@ async def test_discovery_errors_are_logged_when_they_change(caplog: pytest.LogCa
         f"GPU discovery: GPU 0 ({lost.uuid}): GPU is lost (reported to the control plane as an error, not as readings)",
         "GPU discovery: no errors now",
     ], said
+
+
+async def test_a_reload_says_which_control_keys_need_a_restart_and_applies_the_rest(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """control.listen, its database (and TLS, lease, advertise) are read at start: a reload that changes
+    them says a restart is needed, and keeps saying so (the process runs the old ones); join tokens and
+    the heartbeat interval are applied (the agents hear the new interval in the next answer)."""
+    port, other = free_port(), free_port()
+    async with control_runtime(port) as rt:
+        a = AgentClient(f"127.0.0.1:{port}", "node-r", TOKEN, Source("host-r"))
+        async with running(a):
+            await wait_for(lambda: a.heartbeats >= 2, what="beats")
+            new = control_config(other, database=f"sqlite:///{tmp_path / 'other.sqlite3'}", heartbeat_interval="0.3s",
+                                 heartbeat_grace="0.9s")
+            for _ in range(2):  # (and again: still not applied)
+                summary = rt.reload(new)
+                assert summary["restart_needed_for"] == ["control.listen", "control.database"], summary
+            assert rt.config.control is not None and rt.config.control.listen == ("127.0.0.1", port)
+            assert rt.config.control.heartbeat_interval == 0.3
+            await wait_for(lambda: a.interval == 0.3, what="the new interval reaching the agent")
+            beats = a.heartbeats
+            await wait_for(lambda: a.heartbeats >= beats + 2, what="beats on the old address")
