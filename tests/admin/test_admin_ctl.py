@@ -68,7 +68,7 @@ async def test_drain_undrain_queues() -> None:
         assert not rt.registry.endpoints["a"].draining
         res = await invoke("--admin", url(rt), "drain", "nope")
         assert res.exit_code == 1
-        assert res.output == "llmgw: error: no endpoint 'nope'; GET /admin/v1/endpoints lists them\n"
+        assert res.output == "llmgw: error: no endpoint 'nope'; llmgw ctl endpoints (GET /admin/v1/endpoints) lists them\n"
         res = await invoke("--admin", url(rt), "queues")
         assert res.exit_code == 0, res.output
         lines = res.output.splitlines()

@@ -140,3 +140,26 @@ async def test_ctl_pointed_at_the_grpc_port_says_so_in_one_line() -> None:
         lines = res.output.strip().splitlines()
         assert len(lines) == 1 and "a gRPC port, such as control.listen, not the admin listener" in lines[0], res.output
         assert "\\x00" not in res.output and "\x00" not in res.output
+
+
+async def test_ctl_nodes_node_shows_its_errors_labels_and_gpus() -> None:
+    port = free_port()
+    async with control_runtime(port, heartbeat_interval="10s", heartbeat_grace="60s") as rt:
+        assert rt.admin_addr is not None
+        url = f"http://127.0.0.1:{rt.admin_addr[1]}"
+        gpus = h100s(2)
+        gpus[1]["errors"] = ["GPU is lost"]
+        await _register(port, "node-e", {"hostname": "host-e", "source": "nvml", "gpus": gpus,
+                                         "errors": ["nvidia-smi did not answer within 10 s"]})
+        res = await invoke("--admin", url, "nodes")
+        assert "llmgw ctl nodes NODE shows a node's errors" in res.output
+        res = await invoke("--admin", url, "nodes", "node-e")
+        assert res.exit_code == 0, res.output
+        out = res.output
+        assert "nvidia-smi did not answer within 10 s" in out and "GPU 1 (GPU-a0000001" in out and "GPU is lost" in out
+        assert "host-e" in out and "nvml" in out and "NVIDIA H100 80GB HBM3" in out
+        assert "80.0" in out  # (the GPUs table: memory total)
+        res = await invoke("--admin", url, "nodes", "node-e", "--json")
+        assert json.loads(res.stdout)["errors"] == ["nvidia-smi did not answer within 10 s"]
+        res = await invoke("--admin", url, "nodes", "nope")
+        assert res.exit_code == 1 and "nope" in res.output

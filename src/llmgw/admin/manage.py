@@ -369,7 +369,7 @@ class ManagementAPI:
         ep: Endpoint | None = self.registry.endpoints.get(endpoint_id)
         if ep is None:
             raise NotFoundError(
-                f"no endpoint {endpoint_id!r}; GET /admin/v1/endpoints lists them", param="id", code="endpoint_not_found"
+                f"no endpoint {endpoint_id!r}; llmgw ctl endpoints (GET /admin/v1/endpoints) lists them", param="id", code="endpoint_not_found"
             )
         return ep
 
@@ -442,7 +442,7 @@ class ManagementAPI:
             return None
         name = unquote(parts[1].decode("latin-1"))
         missing = NotFoundError(
-            f"no node {name!r}; GET /admin/v1/nodes lists them", param="name", code="node_not_found"
+            f"no node {name!r}; llmgw ctl nodes (GET /admin/v1/nodes) lists them", param="name", code="node_not_found"
         )
         if len(parts) == 2:
             if method == b"DELETE":
@@ -643,7 +643,7 @@ class ManagementAPI:
     async def _revoke_token(tokens: TokenControl, token_id: str, w: ResponseWriter) -> None:
         view = await tokens.revoke_token(token_id)
         if view is None:
-            raise NotFoundError(f"no join token {token_id[:40]!r}; GET /admin/v1/join-tokens lists them",
+            raise NotFoundError(f"no join token {token_id[:40]!r}; llmgw ctl tokens list (GET /admin/v1/join-tokens) lists them",
                                 param="id", code="token_not_found")
         w.send_json(200, view)
 

@@ -380,14 +380,19 @@ def _unit(v: Any, unit: str, digits: int = 0) -> str:
 
 
 @ctl.command()
+@click.argument("node", required=False)
 @_options(group=False)
 @click.pass_context
-def nodes(ctx: click.Context, admin: str | None, token: str | None, as_json: bool | None) -> None:
-    """List the control plane's nodes: state, heartbeat age, GPUs, versions.
+def nodes(ctx: click.Context, node: str | None, admin: str | None, token: str | None, as_json: bool | None) -> None:
+    """List the control plane's nodes: state, heartbeat age, GPUs, versions; with NODE, that
+    node whole: its errors (what discovery failed on), labels, GPUs and replicas.
 
     A node is unhealthy when nothing was heard from it within the heartbeat grace.
     """
     t = _target(ctx, admin, token, as_json)
+    if node is not None:
+        _one_node(t, node)
+        return
     data = t.call("GET", "/admin/v1/nodes")
     if t.as_json:
         _print_json(data)
@@ -415,6 +420,50 @@ def nodes(ctx: click.Context, admin: str | None, token: str | None, as_json: boo
             _fmt(len(n.get("errors") or [])),
         )
     print_table(console, table)
+    if any(n.get("errors") for n in rows):
+        console.print("(llmgw ctl nodes NODE shows a node's errors)", style="dim")
+
+
+def _one_node(t: Target, name: str) -> None:
+    data = t.call("GET", f"/admin/v1/nodes/{quote(name, safe='')}")
+    if t.as_json:
+        _print_json(data)
+        return
+    from rich.markup import escape
+
+    console = _console()
+    state = str(data.get("state", "?"))
+    facts = data.get("facts") or {}
+    labels = ", ".join(f"{k}={v}" for k, v in sorted((data.get("labels") or {}).items())) or ABSENT
+    lines = [
+        ("state", f"[{_NODE_STYLE.get(state, 'white')}]{state}[/]" + (" [yellow]cordoned[/]" if data.get("cordoned")
+                                                                       else "")),
+        ("host", escape(str(data.get("hostname") or ABSENT))),
+        ("address", escape(str(data.get("address") or ABSENT))),
+        ("heartbeat", f"{_age(data.get('heartbeat_age_s'))} ago" if data.get("heartbeat_age_s") is not None
+         else f"{ABSENT} (not heard from since this control plane took over)"),
+        ("agent", f"{escape(str(data.get('agent_version') or ABSENT))} (protocol {data.get('protocol')})"),
+        ("gpu source", escape(str(data.get("gpu_source") or ABSENT))),
+        ("driver", f"{facts.get('driver_version') or ABSENT} (CUDA {facts.get('cuda_driver_version') or ABSENT})"),
+        ("labels", escape(labels)),
+    ]
+    console.print(f"[bold]{escape(str(data.get('name')))}[/]")
+    for k, v in lines:
+        console.print(f"  {k + ':':<12}{v}", highlight=False)
+    errors = list(data.get("errors") or [])
+    errors += [f"GPU {g.get('index')} ({g.get('uuid')}): {e}" for g in data.get("gpus") or [] for e in g.get("errors") or []]
+    console.print(f"  {'errors:':<12}{ABSENT if not errors else ''}")
+    for e in errors:
+        console.print(f"    [red]{escape(e)}[/]", soft_wrap=True)
+    gpus = [{**g, "node": data.get("name"), "node_state": state} for g in data.get("gpus") or []]
+    if gpus:
+        console.print()
+        print_table(console, _gpu_table(gpus))
+    reps = data.get("replicas") or []
+    if reps:
+        console.print()
+        console.print("  replicas: " + ", ".join(f"{escape(str(r.get('id')))} ({escape(str(r.get('state')))})"
+                                                for r in reps), soft_wrap=True)
 
 
 @ctl.command()
@@ -431,13 +480,19 @@ def gpus(ctx: click.Context, admin: str | None, token: str | None, as_json: bool
     if t.as_json:
         _print_json(data)
         return
-    from rich.table import Table
 
     rows = data.get("gpus", [])
     console = _console()
     if not rows:
         console.print("no GPUs reported (no nodes, or nodes without GPUs)")
         return
+    print_table(console, _gpu_table(rows))
+
+
+def _gpu_table(rows: list[dict[str, Any]]) -> Any:
+    """The GPUs table of ``ctl gpus`` (and of ``ctl nodes NODE``): a node past its grace shows no readings."""
+    from rich.table import Table
+
     table = Table(box=None, pad_edge=False, header_style="bold")
     for col, justify in (("NODE", "left"), ("IDX", "right"), ("UUID", "left"), ("MODEL", "left"),
                          ("MEM USED GiB", "right"), ("MEM TOTAL GiB", "right"), ("UTIL", "right"),
@@ -456,7 +511,7 @@ def gpus(ctx: click.Context, admin: str | None, token: str | None, as_json: bool
             _fmt(cur("utilization_gpu_ratio"), "pct") if cur("utilization_gpu_ratio") is not None else ABSENT,
             _unit(cur("temperature_celsius"), "°C"), _unit(cur("power_watts"), " W"), health,
         )
-    print_table(console, table)
+    return table
 
 
 def _cordon(ctx: click.Context, node: str, cordoned: bool, t: Target) -> None:

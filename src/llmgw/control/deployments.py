@@ -503,7 +503,7 @@ class DeploymentController:
         dep = self.deployments.get(name)
         if dep is None:
             raise DeploymentError(
-                f"no deployment {name!r}; GET /admin/v1/deployments lists them", status=404,
+                f"no deployment {name!r}; llmgw ctl deployments (GET /admin/v1/deployments) lists them", status=404,
                 code="deployment_not_found", param="name",
             )
         return dep
