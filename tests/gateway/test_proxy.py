@@ -402,8 +402,15 @@ async def test_unknown_route_and_method() -> None:
     async with gateway([FakeEngine("a")]) as rt:
         status, _, data = await request(port_of(rt), b"", path=b"/nope", method=b"GET")
         assert status == 404 and orjson.loads(data)["error"]["code"] == "not_found"
-        status, _, data = await request(port_of(rt), b"", path=b"/v1/chat/completions", method=b"GET")
-        assert status == 405
+        status, headers, data = await request(port_of(rt), b"", path=b"/v1/chat/completions", method=b"GET")
+        assert status == 405 and headers[b"allow"] == b"POST"
+        # a path that is no route: 404 as OpenAI answers it, not a 405 promising that a POST would do
+        status, _, data = await request(port_of(rt), b"", path=b"/v1/nothing", method=b"GET")
+        err = orjson.loads(data)["error"]
+        assert status == 404 and err["code"] == "not_found", data
+        assert err["message"].startswith("Invalid URL (GET /v1/nothing)")
+        status, _, data = await request(port_of(rt), b"", path=b"/v1/embeddings", method=b"DELETE")
+        assert status == 405 and orjson.loads(data)["error"]["code"] == "method_not_allowed"
 
 
 @pytest.mark.parametrize(
@@ -726,10 +733,19 @@ async def test_access_log_is_one_json_line_per_request(caplog: pytest.LogCapture
             port_of(rt), chat(), headers=b"authorization: Bearer " + key + b"\r\nx-request-id: rid-9\r\n"
         )
         assert status == 200
-        status, _, _ = await request(port_of(rt), b'{"model": "nope"}', headers=b"authorization: Bearer " + key + b"\r\n")
+        status, _, refused_body = await request(port_of(rt), b'{"model": "nope"}',
+                                                headers=b"authorization: Bearer " + key + b"\r\n")
+        assert status == 404
+        # the gateway's own error answers: their body's bytes, not 0 (a 400 before routing, a 404 route)
+        status, _, bad_body = await request(port_of(rt), b"not json", headers=b"authorization: Bearer " + key + b"\r\n")
+        assert status == 400
+        status, _, route_body = await request(port_of(rt), b"", path=b"/v1/nothing", method=b"GET",
+                                              headers=b"authorization: Bearer " + key + b"\r\n")
         assert status == 404
     lines = [r.getMessage() for r in caplog.records if r.name == "llmgw.access"]
-    assert len(lines) == 2
+    assert len(lines) == 4
+    assert [orjson.loads(ln)["bytes"] for ln in lines[1:]] == [len(refused_body), len(bad_body), len(route_body)]
+    assert all(len(b) > 50 for b in (refused_body, bad_body, route_body))
     entry = orjson.loads(lines[0])
     assert entry["id"] == "rid-9" and entry["model"] == "m" and entry["replica"] == "a"
     assert entry["status"] == 200 and entry["bytes"] > 0

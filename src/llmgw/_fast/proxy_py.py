@@ -334,6 +334,14 @@ def _no_model(body: bytes) -> BadRequestError:
     return BadRequestError("You must provide a model parameter.", param="model", code="missing_model")
 
 
+_POST_ROUTES = frozenset({
+    b"/v1/chat/completions", b"/v1/completions", b"/v1/embeddings", b"/v1/responses", b"/v1/moderations",
+    b"/v1/audio/transcriptions", b"/v1/audio/translations", b"/v1/audio/speech", b"/v1/images/generations",
+    b"/v1/rerank", b"/v1/score", b"/v1/tokenize", b"/v1/detokenize",
+})
+"""The POST routes of the OpenAI API and of the engines' extensions: another method there is a 405."""
+
+
 def _origin_form(target: bytes) -> bytes | None:
     """The origin-form (path and query) of an absolute-form ``http(s)://authority/path?query``
     request target; ``None`` for any other target."""
@@ -1132,7 +1140,8 @@ class Call(Exchange):
         """Answer ``error`` (if the client is still there) and finish."""
         w = self.w
         if error is not None and not w.started and not w.disconnected:
-            w.send_error(error, ((b"x-request-id", self.rid),))
+            # (nothing went out before: the access log's bytes are the error's body)
+            self.sent_bytes = w.send_error(error, ((b"x-request-id", self.rid),))
         elif not w.finished and w.started:
             w.abort()
         if self.retrying:
@@ -1492,6 +1501,11 @@ class Gateway(App):
                     self._answer_local(req, w, 200, orjson.dumps(card))
                     return None
             raise ModelNotFoundError(f"The model `{name}` does not exist or you do not have access to it.")
+        if not models and path not in _POST_ROUTES:
+            # (POSTs to any /v1/ path are passed on: the engine knows its routes; another method on a path
+            # that is no known route is OpenAI's 404, not a 405 promising that a POST would do)
+            raise NotFoundError(f"Invalid URL ({method.decode('latin-1')} {path.decode('latin-1')[:200]}): llmgw "
+                                "serves GET /v1/models and the OpenAI API's POST routes under /v1/")
         raise MethodNotAllowedError(
             f"method {method.decode('latin-1')} is not allowed on {path.decode('latin-1')[:200]}",
             ("GET", "HEAD", "POST") if models else ("POST",),
@@ -1504,8 +1518,8 @@ class Gateway(App):
         req = w.request
         rid_line = self._request_id(req)
         rid = rid_line[14 : len(rid_line) - 2]
-        w.send_error(exc, ((b"x-request-id", rid), (b"date", _http_date())))
-        self._local_done(req, w, rid, None, -1.0)
+        nbytes = w.send_error(exc, ((b"x-request-id", rid), (b"date", _http_date())))
+        self._local_done(req, w, rid, None, -1.0, nbytes if req.method != b"HEAD" else 0)
 
     def _answer_local(self, req: Request, w: ResponseWriter, status: int, body: bytes) -> None:
         """An answer the gateway gives itself (models, health): with a request id, counted, logged."""
@@ -1587,8 +1601,8 @@ class Gateway(App):
             call = self._prepare(req, w, rid_line, key, started)
         except HTTPError as exc:
             rid = rid_line[14 : len(rid_line) - 2]
-            w.send_error(exc, ((b"x-request-id", rid),))
-            self._local_done(req, w, rid, self._served_model(req.body), started)
+            nbytes = w.send_error(exc, ((b"x-request-id", rid),))
+            self._local_done(req, w, rid, self._served_model(req.body), started, nbytes)
             return
         self.active_calls += 1
         w.watch(call)  # (PERF: one slot, not an on_disconnect callback)

@@ -77,7 +77,7 @@ cdef class ResponseWriter:
     cpdef end(self, trailer=*)
     cpdef send(self, int status, body=*, headers=*, raw=*)
     cpdef send_json(self, int status, obj, headers=*)
-    cpdef send_error(self, exc, headers=*)
+    cpdef Py_ssize_t send_error(self, exc, headers=*) except -1
     cpdef abort(self)
     cpdef add_flow_listener(self, listener)
     cpdef watch(self, watcher)

@@ -422,11 +422,13 @@ class ResponseWriter:
         """Send ``obj`` serialised as JSON."""
         self.send(status, orjson.dumps(obj), (*_JSON_CT, *headers))
 
-    def send_error(self, exc: HTTPError, headers: tuple[tuple[bytes, bytes], ...] = ()) -> None:
-        """Answer ``exc`` as an OpenAI-shaped JSON error (closing if it says so)."""
+    def send_error(self, exc: HTTPError, headers: tuple[tuple[bytes, bytes], ...] = ()) -> int:
+        """Answer ``exc`` as an OpenAI-shaped JSON error (closing if it says so); the body's length."""
         if exc.close:
             self.keep_alive = False
-        self.send(exc.status, error_body(exc), _error_headers(exc, headers))
+        body = error_body(exc)
+        self.send(exc.status, body, _error_headers(exc, headers))
+        return len(body)
 
     def abort(self) -> None:
         """Cut the connection now (a response that cannot be finished honestly)."""
