@@ -165,9 +165,11 @@ async def test_health_on_the_client_port_and_allow_on_405() -> None:
         assert status == 200
         status, h, _ = await http(port, "POST", "/health")
         assert status == 405 and h["allow"] == "GET, HEAD"
-        status, h, body = await http(port, "GET", "/v1/health")
+        status, h, body = await http(port, "GET", "/v1/chat/completions")
         assert status == 405 and h["allow"] == "POST" and h["x-request-id"]
         assert orjson.loads(body)["error"]["code"] == "method_not_allowed"
+        status, h, body = await http(port, "GET", "/v1/health")  # (no route: OpenAI's 404, not a 405)
+        assert status == 404 and h["x-request-id"] and orjson.loads(body)["error"]["code"] == "not_found"
         status, h, _ = await http(port, "DELETE", "/v1/models")
         assert status == 405 and h["allow"] == "GET, HEAD, POST"
         await wait_for(lambda: True)

@@ -774,3 +774,41 @@ async def test_the_gateways_own_answers_carry_date() -> None:
             assert status == want
             when = parsedate_to_datetime(hdrs[b"date"].decode())
             assert abs(when.timestamp() - time.time()) < 5
+
+
+async def test_expect_100_continue_is_refused_on_the_head_when_the_head_decides() -> None:
+    """RFC 9110 §10.1.1: a client that asks for 100 Continue waits before sending its body. A missing or
+    wrong key, or no such route, is decided by the head: answered at once (and the connection closed,
+    the body unread) rather than a 100 that makes the client upload a body for nothing."""
+    key = secret("continue-key").encode()
+    async with gateway([FakeEngine("a")], auth={"api_keys": [{"key": key.decode()}]}) as rt:
+        body = chat()
+
+        async def head(path: bytes, auth: bytes) -> tuple[bytes, asyncio.StreamReader, asyncio.StreamWriter]:
+            r, w = await asyncio.open_connection("127.0.0.1", port_of(rt))
+            w.write(b"POST %s HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n%sexpect: 100-continue\r\n"
+                    b"content-length: %d\r\n\r\n" % (path, auth, len(body)))
+            first = await asyncio.wait_for(r.readuntil(b"\r\n\r\n"), 5)
+            return first, r, w
+
+        for path, auth, status in ((b"/v1/chat/completions", b"", b"401"),
+                                   (b"/v1/chat/completions", b"authorization: Bearer wrong\r\n", b"401"),
+                                   (b"/nope", b"authorization: Bearer " + key + b"\r\n", b"404")):
+            first, r, w = await head(path, auth)
+            try:
+                assert first.startswith(b"HTTP/1.1 " + status), first
+                assert b"connection: close" in first.lower()
+                rest = await asyncio.wait_for(r.read(), 5)  # the error's body, then the close
+                err = orjson.loads(rest)["error"]
+                assert err["type"] == "invalid_request_error" and key not in rest
+            finally:
+                w.close()
+        # the right key: 100 Continue, then the answer
+        first, r, w = await head(b"/v1/chat/completions", b"authorization: Bearer " + key + b"\r\n")
+        try:
+            assert first == b"HTTP/1.1 100 Continue\r\n\r\n"
+            w.write(body)
+            answer = await asyncio.wait_for(r.readuntil(b"\r\n\r\n"), 5)
+            assert answer.startswith(b"HTTP/1.1 200"), answer
+        finally:
+            w.close()

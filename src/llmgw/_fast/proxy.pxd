@@ -192,6 +192,8 @@ cdef class Gateway(App):
     @cython.locals(path=bytes)
     cpdef handle(self, Request req, ResponseWriter w)
     cpdef answer_error(self, ResponseWriter w, exc)
+    @cython.locals(path=bytes)
+    cpdef precheck(self, Request req)
     cdef _answer_local(self, Request req, ResponseWriter w, int status, bytes body)
     @cython.locals(duration=double)
     cdef _local_done(self, Request req, ResponseWriter w, bytes rid, model, double started, Py_ssize_t nbytes=*)

@@ -334,6 +334,10 @@ def _no_model(body: bytes) -> BadRequestError:
     return BadRequestError("You must provide a model parameter.", param="model", code="missing_model")
 
 
+def _no_route(path: bytes) -> NotFoundError:
+    return NotFoundError(f"no route for {path.decode('latin-1')[:200]}; llmgw serves the OpenAI API under /v1/")
+
+
 _POST_ROUTES = frozenset({
     b"/v1/chat/completions", b"/v1/completions", b"/v1/embeddings", b"/v1/responses", b"/v1/moderations",
     b"/v1/audio/transcriptions", b"/v1/audio/translations", b"/v1/audio/speech", b"/v1/images/generations",
@@ -1476,7 +1480,7 @@ class Gateway(App):
                 # llmgw for a proxy); routed as its path and query, sent on in origin-form
                 req.target = origin
                 return self.handle(req, w)
-            raise NotFoundError(f"no route for {path.decode('latin-1')[:200]}; llmgw serves the OpenAI API under /v1/")
+            raise _no_route(path)
         # PERF: one-byte tests (memchr, compiled: path is bytes); the exact test only when one hits
         if (b"." in path or b"%" in path or b"\\" in path) and _dot_segments(path):
             # An engine (or a proxy in front of it) that resolves dot segments would serve
@@ -1510,6 +1514,22 @@ class Gateway(App):
             f"method {method.decode('latin-1')} is not allowed on {path.decode('latin-1')[:200]}",
             ("GET", "HEAD", "POST") if models else ("POST",),
         )
+
+    def precheck(self, req: Request) -> HTTPError | None:
+        """A head asking for ``100 Continue``: what :meth:`handle` would refuse from the head alone
+        (no such route, a missing or wrong key) is answered before the client sends its body."""
+        target = req.target
+        path = target if b"?" not in target else req.path
+        if path[:4] != b"/v1/":
+            if path == b"/health" or _origin_form(target) is not None:
+                return None  # (routed as handle routes them, body and all)
+            return _no_route(path)
+        if self.auth:
+            try:
+                self._authenticate(req)
+            except HTTPError as exc:
+                return exc
+        return None
 
     def answer_error(self, w: ResponseWriter, exc: HTTPError) -> None:
         """Every error the server answers for this app (what :meth:`handle` raised, a

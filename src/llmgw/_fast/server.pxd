@@ -45,6 +45,7 @@ cdef class App:
     # raised, a 500, a refused request), on a writer not yet started.
     cpdef handle(self, Request request, ResponseWriter writer)
     cpdef answer_error(self, ResponseWriter writer, exc)
+    cpdef precheck(self, Request request)
 
 
 # (not final: Cython refuses a final class that overrides its base in a .py)
@@ -117,6 +118,7 @@ cdef class HTTPProtocol(RequestSink):
     cdef bint _lingering_due          # close by _linger_close: input was left unread
     cdef object _failure              # an HTTPError answered after the requests before it
     cdef bint _continue_due           # a 100 Continue owed once the connection is free
+    cdef Request _refused_head        # a head precheck refused, answered by _send_failure
 
     @cython.locals(cur=ResponseWriter)
     cpdef connection_lost(self, exc)

@@ -243,6 +243,12 @@ class App:
         does) sees those too."""
         writer.send_error(exc)
 
+    def precheck(self, request: Request) -> HTTPError | None:
+        """A head that asks for ``100 Continue`` (its body not read yet): the error the head alone
+        decides (no such route, a missing or wrong key), answered at once with a close, so the
+        client does not send a body for nothing (RFC 9110 §10.1.1); ``None``: go on."""
+        return None
+
 
 class _ObjectApp(App):
     """An app that is not an :class:`App`: any object with ``handle``."""
@@ -550,6 +556,7 @@ class HTTPProtocol(RequestSink):
         self._lingering_due = False  # close by _linger_close: input was left unread
         self._failure: HTTPError | None = None  # answered after the requests read before it
         self._continue_due = False  # a 100 Continue owed once the connection is free
+        self._refused_head: Request | None = None  # a head precheck refused (answered by _send_failure)
         if LLMGW_DEBUG:
             _live.made("connections")
 
@@ -683,6 +690,10 @@ class HTTPProtocol(RequestSink):
         if self._closed:
             return
         if self._current is None and not self._pipeline and self.transport is not None:
+            refused = self._app.precheck(request)
+            if refused is not None:
+                self._refused_head = request
+                raise refused  # (through the reader: _fail answers it and closes; the body is not read)
             self._transport_write(_CONTINUE)
         else:
             # NOTE: sent when the requests before it are answered (_response_done),
@@ -838,7 +849,9 @@ class HTTPProtocol(RequestSink):
     def _send_failure(self, exc: HTTPError) -> None:
         self._lingering_due = True  # the client may still be sending what was refused
         writer = ResponseWriter.__new__(ResponseWriter)
-        writer._init(self, Request())  # (no request: its method is empty)
+        head, self._refused_head = self._refused_head, None
+        # (no request, its method empty: but a head refused before its body, which is known)
+        writer._init(self, head if head is not None else Request())
         writer.keep_alive = False
         self._current = writer
         self._app.answer_error(writer, exc)
