@@ -7,7 +7,9 @@ and a wait in C code that does not return to the interpreter never sees the sign
 whole run until CI's own limit, with nothing in the log to say where.
 
 This watchdog is one thread for the session. Each test's protocol (setup, call, teardown together)
-gets a deadline: its pytest-timeout limit plus ``GRACE`` seconds. Past it, the watchdog prints every
+gets a deadline: its pytest-timeout limit (read as pytest-timeout reads it: marker, ``--timeout``,
+``PYTEST_TIMEOUT``, ini; none, or 0, is none) plus ``GRACE`` seconds; while a debugger is attached it
+waits. Past it, the watchdog prints every
 thread's stack and the test's id on the terminal (global capture suspended first), kills the
 processes this run started (its descendants, so that no engine or server is left holding a port or
 the CI log open), and ends the run with exit status 3. A run that would have hung fails, naming the
@@ -32,16 +34,33 @@ GRACE = 120.0
 
 
 def _timeout_of(item: pytest.Item) -> float | None:
-    mark = item.get_closest_marker("timeout")
-    if mark is not None:
-        value = mark.args[0] if mark.args else mark.kwargs.get("timeout")
-    else:
-        value = item.config.getini("timeout")
+    """The test's pytest-timeout limit as pytest-timeout itself reads it (marker, ``--timeout``,
+    ``PYTEST_TIMEOUT``, the ini), falling back to the marker and the ini; ``None``: no limit."""
     try:
-        t = float(value)
+        from pytest_timeout import _get_item_settings
+
+        value: object = _get_item_settings(item).timeout
+    except Exception:  # (a pytest-timeout without that function, or none loaded)
+        mark = item.get_closest_marker("timeout")
+        if mark is not None:
+            value = mark.args[0] if mark.args else mark.kwargs.get("timeout")
+        else:
+            value = item.config.getini("timeout")
+    try:
+        t = float(value)  # type: ignore[arg-type]
     except (TypeError, ValueError):
         return None
     return t if t > 0 else None
+
+
+def _debugging() -> bool:
+    """A debugger is attached (``--pdb``, ``breakpoint()``): a person is looking, nothing is hung."""
+    try:
+        from pytest_timeout import is_debugging
+
+        return bool(is_debugging())
+    except Exception:
+        return False
 
 
 def _descendants(root: int) -> list[int]:
@@ -99,6 +118,9 @@ class Watchdog:
                     self._cond.wait(left)
                     continue
                 item, limit = self._item, self._limit
+                if _debugging():
+                    self._deadline = time.monotonic() + GRACE  # (looked at again later)
+                    continue
             self._fire(item, limit)
 
     def _fire(self, item: str, limit: float) -> None:

@@ -200,6 +200,14 @@ def test_check_config_refuses_what_serve_refuses_before_it_binds(tmp_path: Path)
         assert fragment in check.stderr, (name, check.stderr)
         assert check.stderr.strip().splitlines() == serve.stderr.strip().splitlines(), (name, serve.stderr)
         assert "Traceback" not in serve.stderr
+    # a small RSA key gRPC takes is not refused by the check (OpenSSL's security level is for handshakes)
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:1024", "-nodes", "-days", "1", "-subj", "/CN=small",
+                    "-keyout", str(pki / "small.key"), "-out", str(pki / "small.pem")], check=True, capture_output=True,
+                   timeout=60)
+    small = tmp_path / "small.yaml"
+    small.write_text(base + control + f"  tls_cert: {pki / 'small.pem'}\n  tls_key: {pki / 'small.key'}\n")
+    check = run("check-config", str(small), env=env)
+    assert check.returncode == 0, check.stderr
     good = tmp_path / "good.yaml"
     good.write_text(base + control + f"  tls_cert: {pki / 'one.pem'}\n  tls_key: {pki / 'one.key'}\n"
                     f"  tls_client_ca: {pki / 'two.pem'}\n")

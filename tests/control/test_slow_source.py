@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import threading
 import time
 
@@ -53,12 +54,13 @@ class HeldSource:
 async def _node(rt) -> dict:  # type: ignore[no-untyped-def]
     status, body = await api(rt, "GET", "/admin/v1/nodes/node-slow")
     assert status == 200, body
-    return body
+    return body  # type: ignore[no-any-return]
 
 
 async def test_a_held_source_keeps_the_node_up_and_its_numbers_go_absent_when_old(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
 ) -> None:
+    caplog.set_level(logging.INFO, logger="llmgw")
     monkeypatch.setattr(agent_client, "STALE_AFTER", 1.5)
     port = free_port()
     source = HeldSource()
@@ -100,6 +102,9 @@ async def test_a_held_source_keeps_the_node_up_and_its_numbers_go_absent_when_ol
 
             source.release()  # answering again: the readings come back, the error goes
             await wait_for(lambda: _fresh(rt), 10, "the readings back")
+            said = [r.getMessage() for r in caplog.records if "has not answered for" in r.getMessage()]
+            assert len(said) == 1, said  # (once for the stall, not on every beat)
+            assert any("answered again" in r.getMessage() for r in caplog.records)
         finally:
             source.release()
             stop.set()
@@ -134,6 +139,52 @@ async def test_a_source_that_never_answers_still_registers_the_node_with_the_rea
             await wait_for(lambda: _fresh(rt), 10, "the first readings")
         finally:
             source.release()
+            stop.set()
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(task, 10)
+
+
+class OddSource:
+    """A source that breaks its contract (returns None, then raises), then reads properly."""
+
+    def __init__(self) -> None:
+        self.d = discovery_of({"hostname": "odd-host", "gpus": h100s(1, "o")})
+        self.mode = "none"
+
+    def read(self) -> Discovery:
+        if self.mode == "none":
+            return None  # type: ignore[return-value]
+        if self.mode == "raise":
+            raise RuntimeError("driver said no")
+        return self.d
+
+    def close(self) -> None:
+        pass
+
+
+async def test_a_source_that_returns_no_reading_or_raises_is_an_error_and_reads_go_on() -> None:
+    port = free_port()
+    source = OddSource()
+    async with control_runtime(port) as rt:
+        a = AgentClient(f"127.0.0.1:{port}", "node-odd", TOKEN, source)
+        stop = asyncio.Event()
+        task = asyncio.create_task(a.run(stop))
+        try:
+            async def says(fragment: str) -> bool:
+                status, body = await api(rt, "GET", "/admin/v1/nodes/node-odd")
+                return status == 200 and any(fragment in e for e in body["errors"])
+
+            await wait_for(lambda: says("returned NoneType, not a reading"), 10, "the None reported")
+            source.mode = "raise"
+            await wait_for(lambda: says("RuntimeError: driver said no"), 10, "the exception reported")
+            source.mode = "ok"
+
+            async def fine() -> bool:
+                status, body = await api(rt, "GET", "/admin/v1/nodes/node-odd")
+                return status == 200 and body["errors"] == [] and len(body["gpus"]) == 1
+
+            await wait_for(fine, 10, "readings again")
+        finally:
             stop.set()
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(task, 10)

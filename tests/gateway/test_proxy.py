@@ -793,7 +793,8 @@ async def test_expect_100_continue_is_refused_on_the_head_when_the_head_decides(
 
         for path, auth, status in ((b"/v1/chat/completions", b"", b"401"),
                                    (b"/v1/chat/completions", b"authorization: Bearer wrong\r\n", b"401"),
-                                   (b"/nope", b"authorization: Bearer " + key + b"\r\n", b"404")):
+                                   (b"/nope", b"authorization: Bearer " + key + b"\r\n", b"404"),
+                                   (b"/v1/../admin", b"", b"400")):  # (handle's order: the path before the key)
             first, r, w = await head(path, auth)
             try:
                 assert first.startswith(b"HTTP/1.1 " + status), first

@@ -334,6 +334,13 @@ def _no_model(body: bytes) -> BadRequestError:
     return BadRequestError("You must provide a model parameter.", param="model", code="missing_model")
 
 
+def _bad_path(path: bytes) -> BadRequestError:
+    return BadRequestError(
+        f"the path {path.decode('latin-1')[:200]} has a '.' or '..' segment (maybe percent-encoded): "
+        "llmgw forwards only plain /v1/ paths", code="invalid_path",
+    )
+
+
 def _no_route(path: bytes) -> NotFoundError:
     return NotFoundError(f"no route for {path.decode('latin-1')[:200]}; llmgw serves the OpenAI API under /v1/")
 
@@ -1485,10 +1492,7 @@ class Gateway(App):
         if (b"." in path or b"%" in path or b"\\" in path) and _dot_segments(path):
             # An engine (or a proxy in front of it) that resolves dot segments would serve
             # /v1/../admin as /admin, with the replica's own key: never forwarded.
-            raise BadRequestError(
-                f"the path {path.decode('latin-1')[:200]} has a '.' or '..' segment (maybe percent-encoded): "
-                "llmgw forwards only plain /v1/ paths", code="invalid_path",
-            )
+            raise _bad_path(path)
         key = self._authenticate(req) if self.auth else None
         if method == b"POST":
             self._proxy(req, w, key)
@@ -1524,6 +1528,8 @@ class Gateway(App):
             if path == b"/health" or _origin_form(target) is not None:
                 return None  # (routed as handle routes them, body and all)
             return _no_route(path)
+        if (b"." in path or b"%" in path or b"\\" in path) and _dot_segments(path):
+            return _bad_path(path)  # (handle's 400, in handle's order: before the key)
         if self.auth:
             try:
                 self._authenticate(req)

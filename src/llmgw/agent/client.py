@@ -211,7 +211,8 @@ class AgentClient:
         self._last: Discovery | None = None
         """The latest reading the source gave, and when (monotonic)."""
         self._last_at = 0.0
-        self._late_said = ""
+        self._late_said = -1.0
+        """When the stalled read that was last logged began (one warning per stall)."""
         self._wake = asyncio.Event()
         """Set when the heartbeat stream ended between beats: the loop acts at once, not an interval later."""
         self._channel: grpc.aio.Channel | None = None
@@ -266,20 +267,36 @@ class AgentClient:
             return fut
         loop = asyncio.get_running_loop()
         fut = self._reading = loop.create_future()
-        self._read_started = time.monotonic()
+        self._read_started = started = time.monotonic()
         source = self.source
 
-        def done(d: Discovery | None, exc: BaseException | None) -> None:
-            if exc is not None:  # a source must not raise; if one does, report it, never zeros
-                log.error("the GPU source failed; reporting the error instead of readings",
-                          exc_info=(type(exc), exc, exc.__traceback__))
-                d = Discovery(facts=NodeFacts(hostname=socket.gethostname(), agent_version=__version__),
-                              errors=(f"GPU source failed: {type(exc).__name__}: {exc}",))
-            assert d is not None
-            self._say_errors(d)
-            self._last, self._last_at = d, time.monotonic()
-            if not fut.done():
-                fut.set_result(d)
+        def failed(why: str) -> Discovery:
+            return Discovery(facts=NodeFacts(hostname=socket.gethostname(), agent_version=__version__),
+                             errors=(f"GPU source failed: {why}",))
+
+        def done(d: Any, exc: BaseException | None) -> None:
+            # (the future is resolved whatever happens here: one left pending would stop every later read)
+            try:
+                if exc is not None:  # a source must not raise; if one does, report it, never zeros
+                    log.error("the GPU source failed; reporting the error instead of readings",
+                              exc_info=(type(exc), exc, exc.__traceback__))
+                    d = failed(f"{type(exc).__name__}: {exc}")
+                elif not isinstance(d, Discovery):
+                    log.error("the GPU source returned %s, not a reading; reporting the error instead",
+                              type(d).__name__)
+                    d = failed(f"it returned {type(d).__name__}, not a reading")
+                self._say_errors(d)
+            except Exception as e:  # (the errors' logging itself failed: the reading still goes)
+                log.exception("reporting the GPU source's errors failed")
+                if not isinstance(d, Discovery):
+                    d = failed(f"{type(e).__name__}: {e}")
+            finally:
+                if isinstance(d, Discovery):
+                    self._last, self._last_at = d, time.monotonic()
+                if self._late_said == started:
+                    log.info("GPU discovery: the GPU source answered again, after %.0f s", time.monotonic() - started)
+                if not fut.done():
+                    fut.set_result(d if isinstance(d, Discovery) else failed("no reading"))
 
         def work() -> None:
             try:
@@ -319,10 +336,10 @@ class AgentClient:
                "a hung driver, or nvidia-smi stuck?)")
         if last is None:
             return Discovery(facts=NodeFacts(hostname=socket.gethostname(), agent_version=__version__), errors=(msg,))
-        if msg != self._late_said:
-            log.warning("GPU discovery: %s; reporting the GPUs last read %.0f s ago without their readings",
-                        msg, now - self._last_at)
-            self._late_said = msg
+        if self._late_said != self._read_started:  # (said once per stalled read, not on every beat)
+            log.warning("GPU discovery: %s; reporting the GPUs last read %.0f s ago without their readings "
+                        "until it answers", msg, now - self._last_at)
+            self._late_said = self._read_started
         gpus = tuple(
             GPU(uuid=g.uuid, index=g.index, name=g.name, pci_bus_id=g.pci_bus_id, parent_uuid=g.parent_uuid,
                 memory_total_bytes=g.memory_total_bytes, mig_mode=g.mig_mode, health=g.health, errors=g.errors)

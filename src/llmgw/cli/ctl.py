@@ -98,6 +98,8 @@ class Target:
                 reason = f"no answer within {self.timeout:g}s"
             elif isinstance(exc, socket.gaierror):
                 reason = f"unknown host {parts.hostname}"
+            elif isinstance(exc, http.client.RemoteDisconnected):
+                reason = "it closed the connection without an answer"
             elif isinstance(exc, http.client.BadStatusLine):  # (its message is the bytes that came: never shown)
                 h2 = str(getattr(exc, "line", "")).startswith("\x00")  # (an HTTP/2 frame header: a length's high byte)
                 reason = ("it answered in HTTP/2 frames: that is a gRPC port, such as control.listen, not the admin "

@@ -443,6 +443,9 @@ class AgentService(agent_pb2_grpc.AgentServiceServicer):
         st = self.nodes.get(node)
         if st is None:
             raise ReplicaLogsError(f"no node {node!r}; llmgw ctl nodes lists them", 404, "node_not_found")
+        if not st.heard:
+            raise ReplicaLogsError(f"node {node} has not registered since this control plane took over: its agent "
+                                   "is not connected (llmgw ctl nodes shows it unhealthy)", 409, "node_not_connected")
         if not runs_replicas(st.protocol):
             raise ReplicaLogsError(
                 f"node {node}'s agent speaks protocol {st.protocol[0]}.{st.protocol[1]}: it cannot run engine checks "
@@ -637,8 +640,12 @@ class AgentService(agent_pb2_grpc.AgentServiceServicer):
                 context, "Register", grpc.StatusCode.INVALID_ARGUMENT,
                 f"discovery over the control plane's limits: {over}",
             )
+        instance = request.agent_instance
+        if len(instance) > 64 or not instance.isprintable() or any(c.isspace() for c in instance):
+            self.stats.refuse("invalid_request")
+            await self._abort(context, "Register", grpc.StatusCode.INVALID_ARGUMENT,
+                              "agent_instance: at most 64 printable characters without spaces")
         await self._leader_only(context, "Register")
-        instance = request.agent_instance[:limits.MAX_TEXT]
         taken = await self._on_main(self._taken, name, _digest(given), instance)
         if taken is not None:
             await self._refuse_taken(context, name, peer, taken)
@@ -888,6 +895,9 @@ class AgentService(agent_pb2_grpc.AgentServiceServicer):
         known = self.nodes.by_id(request.node_id)  # (a read of a dict from this thread: no change is made)
         if known is not None and known.heard and not _same(known.token, _digest(given)):
             await self._not_yours(context, "Deregister", known.name)  # (before anything is written)
+        if known is not None and not known.heard:
+            # (known from the database only: no agent has spoken for it in this term; llmgw ctl forget removes it)
+            return pb.DeregisterResponse(removed=False)
         if known is not None and known.instance and request.agent_instance and request.agent_instance != known.instance:
             log.info("Deregister of node %s from %s not applied: the node is another agent's (it took the name over)",
                      known.name, context.peer())
@@ -902,7 +912,8 @@ class AgentService(agent_pb2_grpc.AgentServiceServicer):
                 except (NotLeader, DatabaseError) as exc:
                     await self._refuse_write(context, "Deregister", exc)
         try:
-            removed = await self._on_main(self._deregister, request.node_id, request.reason, _digest(given))
+            removed = await self._on_main(self._deregister, request.node_id, request.reason, _digest(given),
+                                          request.agent_instance)
         except _NotYours as exc:
             await self._not_yours(context, "Deregister", str(exc))
             raise AssertionError("unreachable") from None
@@ -914,10 +925,12 @@ class AgentService(agent_pb2_grpc.AgentServiceServicer):
                     context.peer())
         await self._abort(context, method, grpc.StatusCode.PERMISSION_DENIED, _not_yours_message(node))
 
-    def _deregister(self, node_id: str, reason: str, token: bytes = b"") -> bool:
+    def _deregister(self, node_id: str, reason: str, token: bytes = b"", instance: str = "") -> bool:
         known = self.nodes.by_id(node_id)
         if known is not None and known.heard and token and not _same(known.token, token):
             raise _NotYours(known.name)
+        if known is not None and instance and ((known.instance and instance != known.instance) or not known.heard):
+            return False  # (another agent's node since the check on the gRPC thread, or one not heard from)
         st = self.nodes.deregister(node_id)
         if st is None:
             return False
