@@ -213,3 +213,32 @@ def test_check_config_refuses_what_serve_refuses_before_it_binds(tmp_path: Path)
                     f"  tls_client_ca: {pki / 'two.pem'}\n")
     check = run("check-config", str(good), env=env)
     assert check.returncode == 0 and f"{good}: OK" in check.stdout, check.stderr
+
+
+def test_serve_checks_the_listeners_its_flags_give(tmp_path: Path) -> None:
+    """--listen/--admin are set over the file's before the check: a clash they resolve is none, and one
+    they make (with control.listen) is refused like the file's own."""
+    import signal
+    import time
+
+    gw, admin, grpc_port = _free_ports(3)
+    env = {"JOIN": "join-token-for-the-check", "XDG_STATE_HOME": str(tmp_path / "state")}
+    f = tmp_path / "cp.yaml"
+    f.write_text(f"listen: 127.0.0.1:{gw}\nadmin: 127.0.0.1:{gw}\n"
+                 f"control:\n  listen: 127.0.0.1:{grpc_port}\n  join_token_env: JOIN\n")
+    made = run("serve", "-c", str(f), "--admin", f"127.0.0.1:{grpc_port}", env=env)
+    assert made.returncode == 1
+    assert f"control.listen: 127.0.0.1:{grpc_port} is also the admin: address" in made.stderr, made.stderr
+    log = tmp_path / "serve.log"
+    with open(log, "wb") as err:
+        p = subprocess.Popen([sys.executable, "-m", "llmgw", "serve", "-c", str(f), "--admin", f"127.0.0.1:{admin}"],
+                             stdout=subprocess.DEVNULL, stderr=err, env={**os.environ, **env})
+    try:
+        deadline = time.monotonic() + 30
+        while "gateway listening" not in log.read_text():
+            assert p.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.1)
+    finally:
+        p.send_signal(signal.SIGTERM)
+        p.wait(20)
+    assert p.returncode == 0, log.read_text()

@@ -29,13 +29,17 @@ DEMO_MODELS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
 )
 
 
-def _load(config_path: str | None) -> tuple[Config | None, Path | None]:
+def _load(config_path: str | None, listen: tuple[str, int] | None = None,
+          admin: tuple[str, int] | None = None) -> tuple[Config | None, Path | None]:
     path = find_config(config_path)
     if path is None:
         return None, None
+    # (the flags over the file's listeners before the check: a clash they resolve is none)
+    overrides = {k: f"[{h}]:{p}" if ":" in h else f"{h}:{p}" for k, v in (("listen", listen), ("admin", admin))
+                 if v is not None for h, p in (v,)}
     try:
         # serve=True: refuse what check-config refuses (they share the check).
-        return load_file(path, serve=True), path
+        return load_file(path, serve=True, overrides=overrides), path
     except ConfigError as exc:
         raise Fail(str(exc)) from None
 
@@ -276,7 +280,7 @@ def serve(config_path: str | None, listen: tuple[str, int] | None, admin: tuple[
     one local agent on simulated GPUs (llmgw ctl nodes / gpus show them).
     """
     _grpc_defaults()
-    cfg, _path = _load(config_path)
+    cfg, _path = _load(config_path, listen, admin)
     demo = cfg is None
     if cfg is None:
         cfg = load({})

@@ -473,15 +473,20 @@ def load(data: Any, source: str | None = None, *, serve: bool = False) -> Config
     return _build(data, _Problems(source), serve=serve)
 
 
-def load_file(path: str | os.PathLike[str], *, serve: bool = False) -> Config:
+def load_file(path: str | os.PathLike[str], *, serve: bool = False,
+              overrides: Mapping[str, Any] | None = None) -> Config:
     """Read, parse and validate a YAML config file.
 
-    ``serve``: also refuse what ``llmgw serve`` would (:func:`serve_problems`).
+    ``serve``: also refuse what ``llmgw serve`` would (:func:`serve_problems`). ``overrides``:
+    top-level keys set over the file's before it is checked (``serve --listen/--admin``: a clash
+    the flags resolve is none, one they make is one).
 
     Raises:
         ConfigError: unreadable file, invalid YAML, or every invalid key.
     """
     data, problems = _read_yaml(path)
+    if overrides and isinstance(data, Mapping):
+        data = {**data, **overrides}
     return _build(data, problems, serve=serve)
 
 
