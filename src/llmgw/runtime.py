@@ -393,6 +393,10 @@ class GatewayRuntime:
             running["control"] = control
         if "admission.header" in not_applied:
             running["admission"] = dataclasses.replace(config.admission, header=self.config.admission.header)
+        if "follow" in not_applied:  # (the follower runs the old one; a new token is presented from now on)
+            old_follow = self.config.follow
+            running["follow"] = (dataclasses.replace(old_follow, token=config.follow.token)
+                                 if old_follow is not None and config.follow is not None else old_follow)
         deployments = _deployments_changed(self.config.deployments, config.deployments)
         self.config = dataclasses.replace(config, **running) if running else config
         return {"added": added, "removed": removed, "changed": changed, "deployments": deployments,

@@ -307,8 +307,12 @@ async def test_a_standby_sends_the_router_to_the_leader(tmp_path: Path) -> None:
             same = {"listen": "127.0.0.1:0", "admin": "127.0.0.1:0"}
             got = rt.reload(load({**same, "follow": {"control": f"127.0.0.1:{p_standby}", "token": "rotated"}}))
             assert got["restart_needed_for"] == [] and follower._metadata()[0][1] == "Bearer rotated"
-            got = rt.reload(load({**same, "follow": {"control": f"127.0.0.1:{p_leader}", "token": "rotated"}}))
-            assert got["restart_needed_for"] == ["follow"]
+            moved = load({**same, "follow": {"control": f"127.0.0.1:{p_leader}", "token": "rotated-again"}})
+            for _ in range(2):  # (and again: the process still follows the old addresses)
+                got = rt.reload(moved)
+                assert got["restart_needed_for"] == ["follow"]
+            assert rt.config.follow is not None and rt.config.follow.control == (("127.0.0.1", p_standby),)
+            assert follower._metadata()[0][1] == "Bearer rotated-again"  # (the token applied all the same)
         finally:
             await rt.stop()
 
