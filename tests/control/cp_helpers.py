@@ -117,6 +117,20 @@ async def wait_for(cond: Callable[[], Any], timeout: float = 10.0, what: str = "
         await asyncio.sleep(0.05)
 
 
+@contextlib.asynccontextmanager
+async def running(client: Any) -> AsyncIterator[asyncio.Task[None]]:
+    """An in-process agent (:class:`~llmgw.agent.client.AgentClient`) running for the block: stopped
+    (deregistering) after it, bounded."""
+    stop = asyncio.Event()
+    task = asyncio.create_task(client.run(stop))
+    try:
+        yield task
+    finally:
+        stop.set()
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(task, 10)
+
+
 class AgentProc:
     """``agent_proc.py`` as a child process (stderr to ``log``)."""
 

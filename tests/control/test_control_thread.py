@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import threading
-from collections.abc import AsyncIterator
 
 import pytest
-from cp_helpers import TOKEN, control_plane, control_runtime, free_port, wait_for
+from cp_helpers import TOKEN, control_plane, control_runtime, free_port, running, wait_for
 from scenario import discovery_of, h100s
 
 from llmgw.agent.client import AgentClient
@@ -27,18 +25,6 @@ class Source:
 
     def close(self) -> None:
         pass
-
-
-@contextlib.asynccontextmanager
-async def running(client: AgentClient) -> AsyncIterator[None]:
-    stop = asyncio.Event()
-    task = asyncio.create_task(client.run(stop))
-    try:
-        yield
-    finally:
-        stop.set()
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(task, 10)
 
 
 async def test_hand_overs_run_on_the_main_loop_in_order_and_batched(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
 
 import grpc
 import pytest
@@ -20,6 +19,7 @@ from cp_helpers import (
     free_port,
     metrics,
     pick,
+    running,
     wait_for,
 )
 from scenario import discovery_of, h100s
@@ -42,18 +42,6 @@ class Source:
 
     def close(self) -> None:
         pass
-
-
-@contextlib.asynccontextmanager
-async def running(client: AgentClient) -> AsyncIterator[asyncio.Task[None]]:
-    stop = asyncio.Event()
-    task = asyncio.create_task(client.run(stop))
-    try:
-        yield task
-    finally:
-        stop.set()
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(task, 10)
 
 
 async def test_agents_heartbeat_on_one_stream_each() -> None:

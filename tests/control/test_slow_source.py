@@ -10,13 +10,12 @@ shown as live. The source answering again brings the readings back.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import threading
 import time
 
 import pytest
-from cp_helpers import TOKEN, api, control_plane, control_runtime, free_port, wait_for
+from cp_helpers import TOKEN, api, control_plane, control_runtime, free_port, running, wait_for
 from scenario import discovery_of, h100s
 
 from llmgw.agent import client as agent_client
@@ -41,6 +40,12 @@ class HeldSource:
 
     def release(self) -> None:
         self.open.set()
+
+    def __enter__(self) -> HeldSource:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
 
     def read(self) -> Discovery:
         self.reads += 1
@@ -67,49 +72,43 @@ async def test_a_held_source_keeps_the_node_up_and_its_numbers_go_absent_when_ol
     async with control_runtime(port) as rt:
         cp = control_plane(rt)
         a = AgentClient(f"127.0.0.1:{port}", "node-slow", TOKEN, source)
-        stop = asyncio.Event()
-        task = asyncio.create_task(a.run(stop))
-        try:
-            await wait_for(lambda: a.heartbeats >= 2, what="two beats")
-            node = await _node(rt)
-            assert node["state"] == "up" and [g["utilization_gpu_ratio"] for g in node["gpus"]] == [0.0, 0.5]
-
-            source.hold()
-            held_at, beats, reads = time.monotonic(), a.heartbeats, source.reads
-            recent_seen = False
-            while time.monotonic() - held_at < 3.0:  # (past the grace five times, past STALE_AFTER twice)
-                st = cp.nodes.get("node-slow")
-                assert st is not None and cp.nodes.state(st) == "up", "a live node went unhealthy: its source is slow"
+        async with running(a) as task:
+            with source:  # (released before the agent stops: its last read ends)
+                await wait_for(lambda: a.heartbeats >= 2, what="two beats")
                 node = await _node(rt)
-                if time.monotonic() - held_at < 1.0:
-                    # the last reading, while recent, as it was
-                    assert [g["utilization_gpu_ratio"] for g in node["gpus"]] == [0.0, 0.5]
-                    recent_seen = True
-                await asyncio.sleep(0.05)
-            assert recent_seen and a.heartbeats >= beats + 8, (beats, a.heartbeats)
-            assert source.reads <= reads + 1  # (one read in flight at a time: no thread piled on a hung one)
+                assert node["state"] == "up" and [g["utilization_gpu_ratio"] for g in node["gpus"]] == [0.0, 0.5]
 
-            # past STALE_AFTER: the GPUs are still there (identity, memory size), their readings absent
-            node = await _node(rt)
-            gpus = node["gpus"]
-            assert [g["uuid"] for g in gpus] == [g.uuid for g in source.d.gpus]
-            assert [g["memory_total_bytes"] for g in gpus] == [85899345920, 85899345920]
-            for g in gpus:
-                for k in ("utilization_gpu_ratio", "memory_used_bytes", "memory_free_bytes", "temperature_celsius",
-                          "power_watts"):
-                    assert g.get(k) is None, (k, g)
-            assert any("has not answered for" in e and "without their readings" in e for e in node["errors"]), node
+                source.hold()
+                held_at, beats, reads = time.monotonic(), a.heartbeats, source.reads
+                recent_seen = False
+                while time.monotonic() - held_at < 3.0:  # (past the grace five times, past STALE_AFTER twice)
+                    st = cp.nodes.get("node-slow")
+                    assert st is not None and cp.nodes.state(st) == "up", "a live node went unhealthy: its source is slow"
+                    node = await _node(rt)
+                    if time.monotonic() - held_at < 1.0:
+                        # the last reading, while recent, as it was
+                        assert [g["utilization_gpu_ratio"] for g in node["gpus"]] == [0.0, 0.5]
+                        recent_seen = True
+                    await asyncio.sleep(0.05)
+                assert recent_seen and a.heartbeats >= beats + 8, (beats, a.heartbeats)
+                assert source.reads <= reads + 1  # (one read in flight at a time: no thread piled on a hung one)
 
-            source.release()  # answering again: the readings come back, the error goes
-            await wait_for(lambda: _fresh(rt), 10, "the readings back")
-            said = [r.getMessage() for r in caplog.records if "has not answered for" in r.getMessage()]
-            assert len(said) == 1, said  # (once for the stall, not on every beat)
-            assert any("answered again" in r.getMessage() for r in caplog.records)
-        finally:
-            source.release()
-            stop.set()
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(task, 10)
+                # past STALE_AFTER: the GPUs are still there (identity, memory size), their readings absent
+                node = await _node(rt)
+                gpus = node["gpus"]
+                assert [g["uuid"] for g in gpus] == [g.uuid for g in source.d.gpus]
+                assert [g["memory_total_bytes"] for g in gpus] == [85899345920, 85899345920]
+                for g in gpus:
+                    for k in ("utilization_gpu_ratio", "memory_used_bytes", "memory_free_bytes", "temperature_celsius",
+                              "power_watts"):
+                        assert g.get(k) is None, (k, g)
+                assert any("has not answered for" in e and "without their readings" in e for e in node["errors"]), node
+
+                source.release()  # answering again: the readings come back, the error goes
+                await wait_for(lambda: _fresh(rt), 10, "the readings back")
+                said = [r.getMessage() for r in caplog.records if "has not answered for" in r.getMessage()]
+                assert len(said) == 1, said  # (once for the stall, not on every beat)
+                assert any("answered again" in r.getMessage() for r in caplog.records)
     assert task.done() and source.closed
 
 
@@ -127,21 +126,15 @@ async def test_a_source_that_never_answers_still_registers_the_node_with_the_rea
     source.hold()
     async with control_runtime(port) as rt:
         a = AgentClient(f"127.0.0.1:{port}", "node-slow", TOKEN, source)
-        stop = asyncio.Event()
-        task = asyncio.create_task(a.run(stop))
-        try:
-            await wait_for(lambda: a.heartbeats >= 2, what="beats from a node whose source never answered")
-            node = await _node(rt)
-            # no GPUs read: none reported (not zero of anything), and why
-            assert node["state"] == "up" and node["gpus"] == []
-            assert any("has not answered for" in e for e in node["errors"]), node
-            source.release()
-            await wait_for(lambda: _fresh(rt), 10, "the first readings")
-        finally:
-            source.release()
-            stop.set()
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(task, 10)
+        async with running(a):
+            with source:  # (released before the agent stops: its last read ends)
+                await wait_for(lambda: a.heartbeats >= 2, what="beats from a node whose source never answered")
+                node = await _node(rt)
+                # no GPUs read: none reported (not zero of anything), and why
+                assert node["state"] == "up" and node["gpus"] == []
+                assert any("has not answered for" in e for e in node["errors"]), node
+                source.release()
+                await wait_for(lambda: _fresh(rt), 10, "the first readings")
 
 
 class OddSource:
@@ -167,9 +160,7 @@ async def test_a_source_that_returns_no_reading_or_raises_is_an_error_and_reads_
     source = OddSource()
     async with control_runtime(port) as rt:
         a = AgentClient(f"127.0.0.1:{port}", "node-odd", TOKEN, source)
-        stop = asyncio.Event()
-        task = asyncio.create_task(a.run(stop))
-        try:
+        async with running(a):
             async def says(fragment: str) -> bool:
                 status, body = await api(rt, "GET", "/admin/v1/nodes/node-odd")
                 return status == 200 and any(fragment in e for e in body["errors"])
@@ -184,7 +175,3 @@ async def test_a_source_that_returns_no_reading_or_raises_is_an_error_and_reads_
                 return status == 200 and body["errors"] == [] and len(body["gpus"]) == 1
 
             await wait_for(fine, 10, "readings again")
-        finally:
-            stop.set()
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(task, 10)

@@ -1545,7 +1545,7 @@ class Gateway(App):
         rid_line = self._request_id(req)
         rid = rid_line[14 : len(rid_line) - 2]
         nbytes = w.send_error(exc, ((b"x-request-id", rid), (b"date", _http_date())))
-        self._local_done(req, w, rid, None, -1.0, nbytes if req.method != b"HEAD" else 0)
+        self._local_done(req, w, rid, None, -1.0, nbytes)
 
     def _answer_local(self, req: Request, w: ResponseWriter, status: int, body: bytes) -> None:
         """An answer the gateway gives itself (models, health): with a request id, counted, logged."""

@@ -429,12 +429,13 @@ class ResponseWriter:
         self.send(status, orjson.dumps(obj), (*_JSON_CT, *headers))
 
     def send_error(self, exc: HTTPError, headers: tuple[tuple[bytes, bytes], ...] = ()) -> int:
-        """Answer ``exc`` as an OpenAI-shaped JSON error (closing if it says so); the body's length."""
+        """Answer ``exc`` as an OpenAI-shaped JSON error (closing if it says so); the body bytes sent
+        (0 for a HEAD request)."""
         if exc.close:
             self.keep_alive = False
         body = error_body(exc)
         self.send(exc.status, body, _error_headers(exc, headers))
-        return len(body)
+        return 0 if self._head_only else len(body)
 
     def abort(self) -> None:
         """Cut the connection now (a response that cannot be finished honestly)."""

@@ -275,28 +275,20 @@ class AgentClient:
                              errors=(f"GPU source failed: {why}",))
 
         def done(d: Any, exc: BaseException | None) -> None:
-            # (the future is resolved whatever happens here: one left pending would stop every later read)
-            try:
-                if exc is not None:  # a source must not raise; if one does, report it, never zeros
-                    log.error("the GPU source failed; reporting the error instead of readings",
-                              exc_info=(type(exc), exc, exc.__traceback__))
-                    d = failed(f"{type(exc).__name__}: {exc}")
-                elif not isinstance(d, Discovery):
-                    log.error("the GPU source returned %s, not a reading; reporting the error instead",
-                              type(d).__name__)
-                    d = failed(f"it returned {type(d).__name__}, not a reading")
-                self._say_errors(d)
-            except Exception as e:  # (the errors' logging itself failed: the reading still goes)
-                log.exception("reporting the GPU source's errors failed")
-                if not isinstance(d, Discovery):
-                    d = failed(f"{type(e).__name__}: {e}")
-            finally:
-                if isinstance(d, Discovery):
-                    self._last, self._last_at = d, time.monotonic()
-                if self._late_said == started:
-                    log.info("GPU discovery: the GPU source answered again, after %.0f s", time.monotonic() - started)
-                if not fut.done():
-                    fut.set_result(d if isinstance(d, Discovery) else failed("no reading"))
+            if exc is not None:  # a source must not raise; if one does, report it, never zeros
+                log.error("the GPU source failed; reporting the error instead of readings",
+                          exc_info=(type(exc), exc, exc.__traceback__))
+                d = failed(f"{type(exc).__name__}: {exc}")
+            elif not isinstance(d, Discovery):
+                log.error("the GPU source returned %s, not a reading; reporting the error instead", type(d).__name__)
+                d = failed(f"it returned {type(d).__name__}, not a reading")
+            self._last, self._last_at = d, time.monotonic()
+            # (resolved before anything else can fail: a future left pending would stop every later read)
+            if not fut.done():
+                fut.set_result(d)
+            if self._late_said == started:
+                log.info("GPU discovery: the GPU source answered again, after %.0f s", time.monotonic() - started)
+            self._say_errors(d)
 
         def work() -> None:
             try:

@@ -90,21 +90,13 @@ def check_tls_files(ca: str | None, cert: str | None, key: str | None) -> None:
     Raises:
         Fail: the file and what is wrong with it.
     """
-    import ssl
+    from ..config.loading import tls_pem_problems
 
-    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
-    ctx.set_ciphers("DEFAULT:@SECLEVEL=0")  # (parsing only: a small key gRPC takes is not refused here)
-    if ca:
-        try:
-            ctx.load_verify_locations(cafile=ca)
-        except (ssl.SSLError, ValueError) as exc:
-            raise Fail(f"--tls-ca {ca}: not a PEM CA certificate ({getattr(exc, 'reason', None) or exc})") from None
-    if cert and key:
-        try:
-            ctx.load_cert_chain(cert, key, password=lambda: b"")  # (gRPC takes no encrypted key: none asked for)
-        except (ssl.SSLError, ValueError) as exc:
-            raise Fail(f"--tls-cert {cert} / --tls-key {key}: not a PEM certificate and its unencrypted private "
-                       f"key, or the key is not the certificate's ({getattr(exc, 'reason', None) or exc})") from None
+    pair, ca_why = tls_pem_problems(cert or None, key or None, ca or None, server=False)
+    if ca_why is not None:
+        raise Fail(f"--tls-ca {ca}: {ca_why}")
+    if pair is not None:
+        raise Fail(f"--tls-cert {cert} / --tls-key {key}: {pair}")
 
 
 INSTANCE_FILE = "agent-instance"

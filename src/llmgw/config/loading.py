@@ -418,11 +418,8 @@ def _overlap(a: tuple[str, int], b: tuple[str, int]) -> bool:
 def _tls_problems(cert: str | None, key: str | None, ca: str | None, *, server: bool) -> list[tuple[str, str]]:
     """The TLS files as a TLS library would take them: readable, PEM, the key the certificate's.
     ``[(key, what is wrong)]``; the CA's key is ``tls_client_ca`` (``server``) or ``tls_ca``."""
-    import ssl
-
     out: list[tuple[str, str]] = []
     ca_key = "tls_client_ca" if server else "tls_ca"
-    unreadable = False
     for k, path in (("tls_cert", cert), ("tls_key", key), (ca_key, ca)):
         if path is None:
             continue
@@ -431,24 +428,39 @@ def _tls_problems(cert: str | None, key: str | None, ca: str | None, *, server: 
                 pass
         except OSError as exc:
             out.append((k, f"cannot read {path}: {exc.strerror or exc}"))
-            unreadable = True
-    if unreadable:
+    if out:
         return out
+    pair, ca_why = tls_pem_problems(cert, key, ca, server=server)
+    if pair is not None:
+        out.append(("tls_cert", f"{cert} with {key}: {pair}"))
+    if ca_why is not None:
+        out.append((ca_key, f"{ca}: {ca_why}"))
+    return out
+
+
+def tls_pem_problems(cert: str | None, key: str | None, ca: str | None, *,
+                     server: bool) -> tuple[str | None, str | None]:
+    """Parse readable TLS files as OpenSSL will: what is wrong with the certificate and its key (both
+    given), and with the CA file; ``None`` for each that is fine or not given. (``llmgw agent``'s
+    flags are checked with it too.)"""
+    import ssl
+
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER if server else ssl.PROTOCOL_TLS_CLIENT)
     # (parsing only: OpenSSL's security level would refuse a small key gRPC itself takes)
     ctx.set_ciphers("DEFAULT:@SECLEVEL=0")
+    pair = ca_why = None
     if cert is not None and key is not None:
         try:
             ctx.load_cert_chain(cert, key, password=lambda: b"")  # (gRPC takes no encrypted key: none asked for)
         except (ssl.SSLError, ValueError) as exc:
-            out.append(("tls_cert", f"{cert} with {key}: not a PEM certificate and its unencrypted private key, or "
-                        f"the key is not the certificate's ({getattr(exc, 'reason', None) or exc})"))
+            pair = ("not a PEM certificate and its unencrypted private key, or the key is not the certificate's "
+                    f"({getattr(exc, 'reason', None) or exc})")
     if ca is not None:
         try:
             ctx.load_verify_locations(cafile=ca)
         except (ssl.SSLError, ValueError) as exc:
-            out.append((ca_key, f"{ca}: not a PEM CA certificate ({getattr(exc, 'reason', None) or exc})"))
-    return out
+            ca_why = f"not a PEM CA certificate ({getattr(exc, 'reason', None) or exc})"
+    return pair, ca_why
 
 
 def validate_for_serve(cfg: Config) -> None:

@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from ..agent.model import Discovery
+from ..agent.model import GPU, Discovery, NodeFacts
 from ..agent.wire import discovery_from_proto, discovery_to_proto, node_id_for, pb
 
 if TYPE_CHECKING:
@@ -121,6 +121,11 @@ class NodeState:
         """Where the node's replicas are reached: the advertised address, else the host gRPC saw the agent at."""
         return self.advertise or peer_host(self.peer)
 
+    def another_agent(self, instance: str) -> bool:
+        """Whether ``instance`` is not the agent that registered this node (both known: an older agent
+        sends none, and is not told apart)."""
+        return bool(instance and self.instance and instance != self.instance)
+
     def age(self, now: float) -> float:
         """Seconds since it was last heard from (``now``: monotonic; infinite for a node not :attr:`heard`)."""
         return max(0.0, now - self.last_seen)
@@ -220,8 +225,6 @@ class NodeMap:
         ``unhealthy`` from the start (never heard from), so that a node whose agent died with the last
         control plane is still listed, counted down (``llmgw_node_up 0``) and can be forgotten, rather
         than vanishing. Its agent's registration turns it into an ordinary node."""
-        from ..agent.model import GPU, NodeFacts
-
         st = self._nodes.get(name)
         if st is not None:
             return st

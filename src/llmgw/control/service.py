@@ -29,7 +29,7 @@ import socket
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import grpc
 
@@ -164,6 +164,13 @@ def server_credentials(c: ControlConfig) -> grpc.ServerCredentials | None:
     return grpc.ssl_server_credentials(
         [pair], root_certificates=_read(c.tls_client_ca, "tls_client_ca"), require_client_auth=True
     )
+
+
+class _Taken(NamedTuple):
+    """A registration refused while the node is up: ``why`` for the log, ``message`` for the agent."""
+
+    why: str
+    message: str
 
 
 class _NotYours(Exception):
@@ -661,9 +668,9 @@ class AgentService(agent_pb2_grpc.AgentServiceServicer):
             self._register, name, peer, request.agent_version, theirs, discovery, labels, advertise, _digest(given),
             instance,
         )
-        if isinstance(registered, str):
+        if isinstance(registered, _Taken):
             await self._refuse_taken(context, name, peer, registered)
-        assert registered is not None and not isinstance(registered, str)
+        assert not isinstance(registered, _Taken)
         st, created, access = registered
         if self.api_tokens is not None:  # (the name is valid and registered: the token's nodes, for its revocation)
             self.api_tokens.joined(name, given)
@@ -686,40 +693,39 @@ class AgentService(agent_pb2_grpc.AgentServiceServicer):
             resp.mirror_url, resp.mirror_credential = access  # SECURITY: the credential is never logged
         return resp
 
-    def _taken(self, name: str, token: bytes, instance: str) -> str | None:
+    def _taken(self, name: str, token: bytes, instance: str) -> _Taken | None:
         """Why a registration of ``name`` is refused while the node is up (``None``: it is not): the node
         was registered with another join token, or by another agent (``agent_instance``)."""
         known = self.nodes.get(name)
         if known is None or not self.nodes.is_up(known):
             return None
+        grace = self.control().heartbeat_grace
         if token and not _same(known.token, token):
-            return "token"
-        if instance and known.instance and instance != known.instance:
-            return f"instance {peer_host(known.peer)}"
+            return _Taken(
+                "the node is up, registered with another join token",
+                f"node {name!r} is up, registered with another join token: another agent runs under this name "
+                "(give this one another --name), or this one restarted with a new token: it is taken back once "
+                f"the node has been silent for heartbeat_grace ({grace:g}s)",
+            )
+        if known.another_agent(instance):
+            where = peer_host(known.peer)
+            return _Taken(
+                f"the node is up, run by another agent (at {where})",
+                f"node {name!r} is up, run by another agent (at {where}): two agents were given one name; give "
+                f"this one another --name, or stop the other (a node silent for heartbeat_grace, {grace:g}s, is "
+                "taken over)",
+            )
         return None
 
-    async def _refuse_taken(self, context: Any, name: str, peer: str, why: str) -> None:
+    async def _refuse_taken(self, context: Any, name: str, peer: str, taken: _Taken) -> None:
         self.stats.refuse("node_taken")
-        grace = self.control().heartbeat_grace
-        if why == "token":
-            log.warning("refused Register of node %r from %s: the node is up, registered with another join token",
-                        name, peer)
-            msg = (f"node {name!r} is up, registered with another join token: another agent runs under this name "
-                   "(give this one another --name), or this one restarted with a new token: it is taken back once "
-                   f"the node has been silent for heartbeat_grace ({grace:g}s)")
-        else:
-            where = why.partition(" ")[2]
-            log.warning("refused Register of node %r from %s: the node is up, run by another agent (at %s)",
-                        name, peer, where)
-            msg = (f"node {name!r} is up, run by another agent (at {where}): two agents were given one name; give "
-                   f"this one another --name, or stop the other (a node silent for heartbeat_grace, {grace:g}s, is "
-                   "taken over)")
-        await self._abort(context, "Register", grpc.StatusCode.ALREADY_EXISTS, msg)
+        log.warning("refused Register of node %r from %s: %s", name, peer, taken.why)
+        await self._abort(context, "Register", grpc.StatusCode.ALREADY_EXISTS, taken.message)
 
     def _register(
         self, name: str, peer: str, agent_version: str, protocol: tuple[int, int], discovery: Any,
         labels: dict[str, str] | None = None, advertise: str | None = None, token: bytes = b"", instance: str = "",
-    ) -> tuple[NodeState, bool, tuple[str, str] | None] | str:
+    ) -> tuple[NodeState, bool, tuple[str, str] | None] | _Taken:
         """The registration, or why it is refused (:meth:`_taken`: the node is up, another agent's)."""
         taken = self._taken(name, token, instance)
         if taken is not None:
@@ -747,7 +753,7 @@ class AgentService(agent_pb2_grpc.AgentServiceServicer):
             return None  # (known from the database only: it registers first, and is told so by NOT_FOUND)
         if known is not None and token and not _same(known.token, token):
             raise _NotYours(known.name)
-        if known is not None and known.instance and hb.agent_instance and hb.agent_instance != known.instance:
+        if known is not None and known.another_agent(hb.agent_instance):
             return None  # (the node is another agent's now: this one registers again, and is told so)
         discovery = hb.discovery
         over = limits.trim(discovery)
@@ -898,7 +904,7 @@ class AgentService(agent_pb2_grpc.AgentServiceServicer):
         if known is not None and not known.heard:
             # (known from the database only: no agent has spoken for it in this term; llmgw ctl forget removes it)
             return pb.DeregisterResponse(removed=False)
-        if known is not None and known.instance and request.agent_instance and request.agent_instance != known.instance:
+        if known is not None and known.another_agent(request.agent_instance):
             log.info("Deregister of node %s from %s not applied: the node is another agent's (it took the name over)",
                      known.name, context.peer())
             return pb.DeregisterResponse(removed=False)
@@ -929,7 +935,7 @@ class AgentService(agent_pb2_grpc.AgentServiceServicer):
         known = self.nodes.by_id(node_id)
         if known is not None and known.heard and token and not _same(known.token, token):
             raise _NotYours(known.name)
-        if known is not None and instance and ((known.instance and instance != known.instance) or not known.heard):
+        if known is not None and instance and (known.another_agent(instance) or not known.heard):
             return False  # (another agent's node since the check on the gRPC thread, or one not heard from)
         st = self.nodes.deregister(node_id)
         if st is None:
