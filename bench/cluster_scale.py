@@ -232,6 +232,7 @@ async def main_async(a: argparse.Namespace) -> dict[str, Any]:
         f"listen: 127.0.0.1:{lport}\nadmin: 127.0.0.1:{aport}\n"
         f"endpoints:\n  - {{id: e0, url: 'http://127.0.0.1:{eport}', model: m, engine: vllm}}\n"
         f"control:\n  listen: 127.0.0.1:{cport}\n  join_token_env: BENCH_JOIN\n  heartbeat_interval: {a.interval}s\n"
+        f"  grpc_server: {a.grpc_server}\n"
     )
     ecmd = [sys.executable, "-m", "llmgw", "--log-level", "warning", "sim-engine", "--listen", f"127.0.0.1:{eport}",
             "--model", "m", "--ttft-ms", "0", "--tokens-per-second", "100000", "--slots", "64"]
@@ -369,6 +370,8 @@ def main() -> None:
     ap.add_argument("--scrapes", type=int, default=10)
     ap.add_argument("--alone-scrapes", type=int, default=4, help="scrapes, an interval apart, for the CPU per scrape")
     ap.add_argument("--pin", action="store_true", help="serve on core 0, the agents on the rest")
+    ap.add_argument("--grpc-server", choices=("llmgw", "grpcio"), default="llmgw",
+                    help="control.grpc_server: llmgw's own gRPC server or grpc.aio's")
     ap.add_argument("--json", type=Path)
     ap.add_argument("--plain", action="store_true", help="scrape as text 0.0.4 (default: as Prometheus asks)")
     ap.add_argument("--fleet-only", metavar="HOST:PORT", help="only run the agents against this control plane")

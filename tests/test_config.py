@@ -430,6 +430,7 @@ def test_reserved_control_plane_sections(monkeypatch: pytest.MonkeyPatch) -> Non
         ({"control": {"listen": ":1", "database": "sqlite:///x", "database_env": "B"}}, "control.database_env",
          "not both"),
         ({"control": {"listen": ":1", "lease": "100ms"}}, "control.lease", "at least 300ms"),
+        ({"control": {"listen": ":1", "grpc_server": "grpclib"}}, "control.grpc_server", "choose one of llmgw, grpcio"),
         ({"control": {"listen": ":1", "database": "sqlite:///x", "state_file": "s.json"}}, "control.state_file",
          "not used with control.database"),
         ({"control": {"listen": ":1", "database": "/var/lib/llmgw/cp.db"}}, "control.database",
@@ -552,3 +553,9 @@ def test_the_consumed_headers_are_the_client_listeners() -> None:
     from llmgw.config.loading import CONSUMED_HEADERS
 
     assert {k.decode() for k in httpproto_py._KINDS} == CONSUMED_HEADERS
+
+
+def test_control_grpc_server_defaults_to_llmgws_own() -> None:
+    assert load({"control": {"listen": "127.0.0.1:1", "join_token": "t"}}).control.grpc_server == "llmgw"
+    c = load({"control": {"listen": "127.0.0.1:1", "join_token": "t", "grpc_server": "grpcio"}}).control
+    assert c is not None and c.grpc_server == "grpcio"

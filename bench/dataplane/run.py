@@ -368,8 +368,10 @@ class Llmgw(Proxy):
 
     def __init__(self, port: int, admin: int, cmd: str, name: str = "llmgw", cluster: tuple[int, int, int] | None = None,
                  fleet_core: int = 1, scrape_every: float = 15.0, follow: tuple[int, int] | None = None,
-                 strategy: str | None = None) -> None:
+                 strategy: str | None = None, grpc_server: str | None = None) -> None:
         super().__init__(port)
+        self.grpc_server = grpc_server
+        """control.grpc_server (None: llmgw's default, its own)."""
         self.admin = admin
         self.cmd = cmd
         self.name = name
@@ -416,6 +418,9 @@ class Llmgw(Proxy):
             env = {**os.environ, "BENCH_ROUTER": "bench-router-token"}
         elif self.cluster is not None:
             text += f"control:\n  listen: 127.0.0.1:{self.cluster[0]}\n  join_token_env: BENCH_JOIN\n"
+            text += f"  database: sqlite:///{d}/{self.name}.sqlite3\n"  # (one SQLite file a process)
+            if self.grpc_server:
+                text += f"  grpc_server: {self.grpc_server}\n"
             env = {**os.environ, "BENCH_JOIN": "bench-join-token"}
         conf.write_text(text)
         self.proc = start(["taskset", "-c", str(core), self.cmd, "serve", "-c", str(conf)], d / f"{self.name}.out", env)
@@ -552,6 +557,9 @@ def main() -> None:
     ap.add_argument("--follow-cluster", action="store_true",
                     help="with --cluster, also run proxy 'follower': llmgw following (follow:) a control plane in a "
                          "process of its own on the load core, with the same agents and scrapes")
+    ap.add_argument("--cluster-grpcio", action="store_true",
+                    help="with --cluster, also run proxy 'cluster-grpcio': the same with control.grpc_server: grpcio "
+                         "(grpc.aio's server instead of llmgw's own), in the same rounds")
     ap.add_argument("--cluster-scrape-every", type=float, default=15.0, metavar="S",
                     help="--cluster: seconds between the fleet's scrapes of /metrics (0: none)")
     ap.add_argument("--prefix", action="store_true",
@@ -572,6 +580,10 @@ def main() -> None:
         all_proxies["cluster"] = Llmgw(base + 84, base + 94, args.llmgw, name="cluster",
                                        cluster=(base + 95, args.cluster, 8), fleet_core=args.load_core,
                                        scrape_every=args.cluster_scrape_every)
+    if args.cluster and args.cluster_grpcio:
+        all_proxies["cluster-grpcio"] = Llmgw(base + 87, base + 89, args.llmgw, name="cluster-grpcio",
+                                              cluster=(base + 88, args.cluster, 8), fleet_core=args.load_core,
+                                              scrape_every=args.cluster_scrape_every, grpc_server="grpcio")
     if args.cluster and args.follow_cluster:
         all_proxies["follower"] = Llmgw(base + 85, base + 96, args.llmgw, name="follower",
                                         cluster=(base + 97, args.cluster, 8), fleet_core=args.load_core,
@@ -585,6 +597,8 @@ def main() -> None:
         names.append("baseline")
     if args.cluster and "cluster" not in names:
         names.append("cluster")
+    if args.cluster and args.cluster_grpcio and "cluster-grpcio" not in names:
+        names.append("cluster-grpcio")
     if args.cluster and args.follow_cluster and "follower" not in names:
         names.append("follower")
     proxies = [all_proxies[n] for n in names]

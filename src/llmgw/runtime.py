@@ -170,7 +170,7 @@ def components_for(config: Config) -> list[ComponentFactory]:
 
 
 _CONTROL_AT_START = ("listen", "database", "lease", "advertise", "state_file", "tls_cert", "tls_key",
-                     "tls_client_ca", "allow_insecure")
+                     "tls_client_ca", "allow_insecure", "grpc_server")
 """``control:`` keys the control plane reads once, at start: a reload that changes one says a restart is needed."""
 
 

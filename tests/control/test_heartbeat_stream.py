@@ -182,11 +182,13 @@ async def test_a_reload_says_which_control_keys_need_a_restart_and_applies_the_r
         async with running(a):
             await wait_for(lambda: a.heartbeats >= 2, what="beats")
             new = control_config(other, database=f"sqlite:///{tmp_path / 'other.sqlite3'}", heartbeat_interval="0.3s",
-                                 heartbeat_grace="0.9s")
+                                 heartbeat_grace="0.9s", grpc_server="grpcio")
             for _ in range(2):  # (and again: still not applied)
                 summary = rt.reload(new)
-                assert summary["restart_needed_for"] == ["control.listen", "control.database"], summary
+                assert summary["restart_needed_for"] == ["control.listen", "control.database",
+                                                         "control.grpc_server"], summary
             assert rt.config.control is not None and rt.config.control.listen == ("127.0.0.1", port)
+            assert rt.config.control.grpc_server == "llmgw"
             assert rt.config.control.heartbeat_interval == 0.3
             await wait_for(lambda: a.interval == 0.3, what="the new interval reaching the agent")
             beats = a.heartbeats

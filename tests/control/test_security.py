@@ -66,9 +66,15 @@ async def _up(rt, name: str) -> bool:  # type: ignore[no-untyped-def]
     return any(n["name"] == name and n["state"] == "up" for n in body["nodes"])
 
 
-async def test_tls_agent_trusting_the_ca_joins_plaintext_does_not(pki: dict[str, Path], tmp_path: Path) -> None:
+SERVERS = pytest.mark.parametrize("server", ["llmgw", "grpcio"])  # control.grpc_server: both serve TLS alike
+
+
+@SERVERS
+async def test_tls_agent_trusting_the_ca_joins_plaintext_does_not(pki: dict[str, Path], tmp_path: Path,
+                                                                   server: str) -> None:
     port = free_port()
-    async with control_runtime(port, tls_cert=str(pki["server.pem"]), tls_key=str(pki["server.key"])) as rt:
+    async with control_runtime(port, tls_cert=str(pki["server.pem"]), tls_key=str(pki["server.key"]),
+                               grpc_server=server) as rt:
         a = _agent(tmp_path, port, "tls-node", "--tls-ca", str(pki["ca.pem"]))
         try:
             await wait_for(lambda: _up(rt, "tls-node"), what="the TLS agent up")
@@ -83,10 +89,12 @@ async def test_tls_agent_trusting_the_ca_joins_plaintext_does_not(pki: dict[str,
         assert e.value.code() == grpc.StatusCode.UNAVAILABLE
 
 
-async def test_mutual_tls_needs_a_client_certificate(pki: dict[str, Path], tmp_path: Path) -> None:
+@SERVERS
+async def test_mutual_tls_needs_a_client_certificate(pki: dict[str, Path], tmp_path: Path, server: str) -> None:
     port = free_port()
     async with control_runtime(
-        port, tls_cert=str(pki["server.pem"]), tls_key=str(pki["server.key"]), tls_client_ca=str(pki["ca.pem"])
+        port, tls_cert=str(pki["server.pem"]), tls_key=str(pki["server.key"]), tls_client_ca=str(pki["ca.pem"]),
+        grpc_server=server,
     ) as rt:
         a = _agent(tmp_path, port, "mtls-node", "--tls-ca", str(pki["ca.pem"]),
                    "--tls-cert", str(pki["client.pem"]), "--tls-key", str(pki["client.key"]))

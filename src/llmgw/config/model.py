@@ -26,6 +26,7 @@ from ._rules import (
     _ENGINE,
     _ENV_MAP,
     _FLAG,
+    _GRPC_SERVER,
     _HEADER_NAME,
     _HOSTPORT,
     _IDENT,
@@ -356,6 +357,8 @@ class ControlConfig:
     tls_key: str | None = None
     tls_client_ca: str | None = None
     allow_insecure: Annotated[bool, _FLAG] = False
+    grpc_server: str = "llmgw"
+    """``llmgw``: the control plane's own gRPC server (:mod:`llmgw.control.grpcserver`); ``grpcio``: grpc.aio's."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -620,6 +623,9 @@ class _ControlIn(_In):
     """PEM CA bundle: agents must present a certificate it signed (mutual TLS)."""
     allow_insecure: Annotated[bool, _FLAG] = _default(ControlConfig, "allow_insecure")
     """true: allow plaintext gRPC on a non-loopback address (join tokens travel in the clear)."""
+    grpc_server: Annotated[str, _GRPC_SERVER] = _default(ControlConfig, "grpc_server")
+    """What serves control.listen: llmgw (its own gRPC server, a quarter of grpcio's CPU per heartbeat) or grpcio
+    (grpc.aio's server, as before 2026-12)."""
 
 
 class _FollowIn(_In):

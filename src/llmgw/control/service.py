@@ -1,7 +1,8 @@
 """The control plane's gRPC service and the :class:`ControlPlane` component ``llmgw serve`` plugs in.
 
 ``AgentService`` (``proto/llmgw/agent/v1/agent.proto``) on ``control.listen``,
-served by ``grpc.aio`` on the control plane's own thread and loop
+served by llmgw's own gRPC server (:mod:`.grpcserver`; ``control.grpc_server: grpcio``:
+by ``grpc.aio``'s) on the control plane's own thread and loop
 (:mod:`.thread`): the handlers read and write the wire there, and hand what
 changes state (the node map, the counters the scrape reads) to the main loop. Every call carries the join token as
 ``authorization: Bearer <token>`` metadata; tokens are kept as SHA-256 digests and
@@ -9,7 +10,7 @@ compared in constant time. A refusal is logged with the node name and the peer
 address, never the token.
 
 Security (docs/control-plane.md): TLS with ``control.tls_cert``/``tls_key``, mutual
-TLS when ``control.tls_client_ca`` is set too (then, and only then,
+TLS when ``control.tls_client_ca`` is set too (on grpc.aio's server then, and only then,
 ``require_client_auth=True``: with roots but without it gRPC would not even ask
 for a client certificate). Plaintext is refused off loopback unless
 ``control.allow_insecure``.
@@ -26,6 +27,7 @@ import itertools
 import json
 import re
 import socket
+import ssl
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -56,6 +58,7 @@ from . import limits
 from .credentials import NodeCredentials
 from .follow import FollowCollector, FollowHub, RouterService
 from .follow import attach as attach_follow
+from .grpcserver import Limits, Server, server_ssl_context
 from .nodes import NodeMap, NodeState, peer_host
 from .thread import ControlThread, MainHop
 from .tokens import JoinTokens
@@ -146,7 +149,7 @@ def _read(path: str, what: str) -> bytes:
 
 
 def server_credentials(c: ControlConfig) -> grpc.ServerCredentials | None:
-    """TLS (or mutual TLS) credentials from the config; ``None`` for plaintext.
+    """TLS (or mutual TLS) credentials for grpc.aio's server (``control.grpc_server: grpcio``); ``None`` for plaintext.
 
     Raises:
         ConfigError: a file cannot be read, or plaintext off loopback without ``allow_insecure``.
@@ -164,6 +167,28 @@ def server_credentials(c: ControlConfig) -> grpc.ServerCredentials | None:
     return grpc.ssl_server_credentials(
         [pair], root_certificates=_read(c.tls_client_ca, "tls_client_ca"), require_client_auth=True
     )
+
+
+def server_tls(c: ControlConfig) -> ssl.SSLContext | None:
+    """The TLS (or mutual TLS: a client certificate required) context of llmgw's own gRPC server; ``None`` for
+    plaintext.
+
+    Raises:
+        ConfigError: a file cannot be read or is not a certificate and its key, or plaintext off loopback
+            without ``allow_insecure``.
+    """
+    if c.tls_cert is None or c.tls_key is None:
+        why = plaintext_off_loopback(c)
+        if why is not None:
+            raise ConfigError("control.listen", why)
+        return None
+    for path, what in ((c.tls_cert, "tls_cert"), (c.tls_key, "tls_key"), (c.tls_client_ca, "tls_client_ca")):
+        if path is not None:
+            _read(path, what)
+    try:
+        return server_ssl_context(c.tls_cert, c.tls_key, c.tls_client_ca)
+    except ssl.SSLError as exc:
+        raise ConfigError("control.tls_cert", f"cannot use {c.tls_cert} with {c.tls_key}: {exc.reason or exc}") from None
 
 
 class _Taken(NamedTuple):
@@ -742,8 +767,12 @@ class AgentService(agent_pb2_grpc.AgentServiceServicer):
         access = self.mirror_access(name) if self.mirror_access is not None and runs_replicas(protocol) else None
         return st, created, access
 
-    def _beat(self, hb: Any, peer: str, at: tuple[float, float] | None = None, token: bytes = b"") -> NodeState | None:
+    def _beat(self, hb: Any, peer: str, at: tuple[float, float] | None = None, token: bytes = b"",
+              over: str | bool | None = True) -> NodeState | None:
         """A heartbeat, on the main loop: the node (its statuses reported), ``None`` when not registered here.
+
+        ``over``: what :func:`limits.trim` said of the reading, when the control thread trimmed it
+        already (``True``: not trimmed yet, done here).
 
         Raises:
             _NotYours: the node was registered with another join token.
@@ -756,11 +785,12 @@ class AgentService(agent_pb2_grpc.AgentServiceServicer):
         if known is not None and known.another_agent(hb.agent_instance):
             return None  # (the node is another agent's now: this one registers again, and is told so)
         discovery = hb.discovery
-        over = limits.trim(discovery)
+        if over is True:
+            over = limits.trim(discovery)
         st = self.nodes.heartbeat(hb.node_id, hb.sequence, discovery, peer=peer, at=at)
         if st is None:
             return None
-        if over is not None:
+        if isinstance(over, str):
             self._told_trim(st.name, peer, over)
         self.stats.heartbeats += 1
         if hb.HasField("applied_generation") and runs_replicas(st.protocol):
@@ -861,7 +891,10 @@ class AgentService(agent_pb2_grpc.AgentServiceServicer):
                 if hop is None:
                     self._stream_beat(stream, hb, peer, None)
                 else:  # recorded with the time it arrived; answered (when the answer changes) from there
-                    hop.submit(self._stream_beat, stream, hb, peer, (nodes.clock(), nodes.monotonic()))
+                    # (PERF: the reading is brought within the limits here, off the data path's loop: its
+                    # size alone is a walk over the message, 5 us of a 1.5 KB one)
+                    hop.submit(self._stream_beat, stream, hb, peer, (nodes.clock(), nodes.monotonic()),
+                               limits.trim(hb.discovery))
                 msg = await context.read()
         finally:
             writer.cancel()
@@ -870,10 +903,11 @@ class AgentService(agent_pb2_grpc.AgentServiceServicer):
             else:
                 hop.submit(self._unlink, stream)
 
-    def _stream_beat(self, stream: _Stream, hb: Any, peer: str, at: tuple[float, float] | None) -> None:
+    def _stream_beat(self, stream: _Stream, hb: Any, peer: str, at: tuple[float, float] | None,
+                     over: str | bool | None = True) -> None:
         """A streamed heartbeat, on the main loop: recorded, and answered when the answer changed."""
         try:
-            st = self._beat(hb, peer, at, stream.token)
+            st = self._beat(hb, peer, at, stream.token, over)
         except _NotYours as exc:
             self.stats.refuse("not_this_node")
             log.warning("refused StreamHeartbeats for node %r from %s: it was registered with another join token",
@@ -1019,7 +1053,7 @@ class ControlPlane:
         self.api_tokens = JoinTokens()
         self.service.api_tokens = self.api_tokens
         self._tokens_task: asyncio.Task[None] | None = None
-        self.server: grpc.aio.Server | None = None
+        self.server: Server | grpc.aio.Server | None = None
         self.thread: ControlThread | None = None
         """The thread gRPC runs on (:mod:`.thread`), while the control plane runs."""
         self.address: tuple[str, int] | None = None
@@ -1069,7 +1103,7 @@ class ControlPlane:
                 "control.join_token",
                 "the control plane needs a join token for agents (control.join_token_env: NAME, or join_token)",
             )
-        creds = server_credentials(c)
+        creds: Any = server_credentials(c) if c.grpc_server == "grpcio" else server_tls(c)
         self.tls = creds is not None
         from .db import DatabaseError, open_database
         from .dburl import default_database, redact
@@ -1169,17 +1203,37 @@ class ControlPlane:
             ", mutual TLS" if c.tls_client_ca else "",
         )
 
-    async def _serve(self, addr: str, creds: grpc.ServerCredentials | None) -> tuple[grpc.aio.Server, int]:
-        """On the control loop: the gRPC server, bound and started."""
-        server = grpc.aio.server(options=list(SERVER_OPTIONS))
+    async def _serve(self, addr: str, creds: Any) -> tuple[Any, int]:
+        """On the control loop: the gRPC server (llmgw's own, or grpc.aio's), bound and started."""
+        c = self._control()
+        if c.grpc_server == "grpcio":
+            server: Any = grpc.aio.server(options=list(SERVER_OPTIONS))
+        else:
+            opts = dict(SERVER_OPTIONS)
+            server = Server(Limits(
+                max_receive_message_length=opts["grpc.max_receive_message_length"],
+                keepalive_time=opts["grpc.keepalive_time_ms"] / 1000,
+                keepalive_timeout=opts["grpc.keepalive_timeout_ms"] / 1000,
+                min_ping_interval_without_data=opts["grpc.http2.min_ping_interval_without_data_ms"] / 1000,
+                max_ping_strikes=opts["grpc.http2.max_ping_strikes"],
+            ))
         agent_pb2_grpc.add_AgentServiceServicer_to_server(self.service, server)
         router_pb2_grpc.add_RouterServiceServicer_to_server(self.router_service, server)
-        try:
-            bound = server.add_secure_port(addr, creds) if creds is not None else server.add_insecure_port(addr)
-        except RuntimeError as exc:
-            raise StartupError(f"control.listen: cannot bind {addr} ({exc}): choose another control.listen") from None
-        if not bound:
-            raise StartupError(f"control.listen: cannot bind {addr} (in use?): choose another control.listen")
+        if isinstance(server, Server):
+            host, _, port = addr.rpartition(":")
+            try:
+                bound = await server.bind(host.strip("[]"), int(port), creds)
+            except OSError as exc:
+                raise StartupError(
+                    f"control.listen: cannot bind {addr} ({exc.strerror or exc}): choose another control.listen"
+                ) from None
+        else:
+            try:
+                bound = server.add_secure_port(addr, creds) if creds is not None else server.add_insecure_port(addr)
+            except RuntimeError as exc:
+                raise StartupError(f"control.listen: cannot bind {addr} ({exc}): choose another control.listen") from None
+            if not bound:
+                raise StartupError(f"control.listen: cannot bind {addr} (in use?): choose another control.listen")
         await server.start()
         return server, bound
 
