@@ -532,3 +532,20 @@ async def test_many_calls_share_one_connection() -> None:
         for call in calls:
             await call.done_writing()
         assert {await call.code() for call in calls} == {grpc.StatusCode.OK}
+
+
+async def test_a_client_goaway_closes_the_connection_and_cancels_its_calls() -> None:
+    async with serving() as (server, echo, port):
+        c = RawClient(port)
+        try:
+            sid = c.headers("Bidi")
+            c.conn.send_data(sid, b"\x00\x00\x00\x00\x02hi")
+            c.send()
+            await asyncio.wait_for(echo.started.wait(), 5)
+            c.sock.sendall(b"\x00\x00\x08\x07\x00\x00\x00\x00\x00" + bytes(8))  # GOAWAY, last stream 0
+            ev = await asyncio.to_thread(c.events, 3.0)
+            assert "closed" in ev
+            await asyncio.wait_for(echo.cancelled.wait(), 5)
+            assert not server.connections
+        finally:
+            c.close()

@@ -164,7 +164,7 @@ def _metadata_headers(md: Iterable[tuple[str, str | bytes]]) -> list[tuple[bytes
             raw = value if isinstance(value, bytes) else value.encode()
             out.append((k, base64.b64encode(raw).rstrip(b"=")))
         else:
-            out.append((k, value.encode("ascii") if isinstance(value, str) else value))
+            out.append((k, value.encode("ascii", "replace") if isinstance(value, str) else value))
     return out
 
 
@@ -655,8 +655,11 @@ class _Connection(asyncio.Protocol):
                 call = self.calls.get(ev.stream_id)
                 if call is not None and ev.stream_ended:
                     self._end_input(call)
-            elif isinstance(ev, h2.events.ConnectionTerminated) and not self.calls:
-                self.close()  # (the client opens no more streams; with some open, they finish first)
+            elif isinstance(ev, h2.events.ConnectionTerminated):
+                # (h2 sends nothing more once the peer said GOAWAY, not even on the streams it lets
+                # finish: their handlers are cancelled and the connection closed; a grpcio client says
+                # it only as its channel closes)
+                self.close()
         return not self.closed
 
     # -- inbound --
