@@ -549,3 +549,143 @@ async def test_a_client_goaway_closes_the_connection_and_cancels_its_calls() -> 
             assert not server.connections
         finally:
             c.close()
+
+
+# -- flow control, bounds and leaks (found by a review of the server) --
+
+async def test_a_handler_behind_its_client_gets_every_message_once_it_reads() -> None:
+    """More than the read-ahead queued on a call holds its credit back; reading gives it back, so a burst
+    larger than the windows arrives whole (it stalled for good when held credit was never returned)."""
+    got: list[int] = []
+
+    async def late_reader(request_iterator: Any, context: Any) -> bytes:
+        await asyncio.sleep(0.5)  # (the client's burst queues meanwhile)
+        n = 0
+        async for m in request_iterator:
+            n += len(m)
+            got.append(len(m))
+        return str(n).encode()
+
+    server = Server(Limits(initial_window_size=65_535))
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, {
+        "Late": grpc.stream_unary_rpc_method_handler(late_reader, _ident, _ident)}),))
+    port = await server.bind("127.0.0.1", 0)
+    await server.start()
+    try:
+        async with _channel(port) as ch:
+            async def burst() -> AsyncIterator[bytes]:
+                for _ in range(400):
+                    yield b"m" * 4000  # 1.6 MB: 25 times the stream's window
+            assert await ch.stream_unary(f"/{SERVICE}/Late")(burst(), timeout=20) == b"1600000"
+        assert len(got) == 400
+    finally:
+        await server.stop(0)
+
+
+async def test_calls_reset_before_they_start_leave_nothing_behind() -> None:
+    """HEADERS with a long grpc-timeout and RST_STREAM in one write: the call's deadline timer went with it
+    (it kept the call and its connection alive until the deadline)."""
+    import gc
+
+    from llmgw.control import grpcserver
+
+    async with serving() as (server, _, port):
+        for _ in range(3):
+            c = RawClient(port)
+            for _ in range(100):
+                sid = c.headers("Bidi", extra=((b"grpc-timeout", b"99999999H"),))
+                c.conn.reset_stream(sid)
+            c.send()
+            await asyncio.sleep(0.2)
+            c.close()
+        for _ in range(100):
+            if not server.connections:
+                break
+            await asyncio.sleep(0.02)
+        await asyncio.sleep(0.1)
+        gc.collect()
+        assert not server.connections
+        assert [o for o in gc.get_objects() if isinstance(o, grpcserver._Call)] == []
+
+
+async def test_a_peer_that_does_not_read_is_not_read_from() -> None:
+    """SETTINGS frames each ask for an ACK: a peer that sends them without reading stops being read once the
+    answers fill its connection's buffer, instead of the buffer growing with what it sends."""
+    async with serving() as (server, _, port):
+        sock = socket.create_connection(("127.0.0.1", port))
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n")
+        frame = b"\x00\x00\x00\x04\x00\x00\x00\x00\x00" * 1000  # 1,000 empty SETTINGS
+        sock.setblocking(False)
+        sent = 0
+        t0 = time.monotonic()
+        while sent < 30_000_000 and time.monotonic() - t0 < 10:
+            try:
+                sent += sock.send(frame)
+            except BlockingIOError:
+                await asyncio.sleep(0.05)
+                try:
+                    sent += sock.send(frame)
+                except BlockingIOError:
+                    break  # the server stopped reading: the kernel buffers are full
+            await asyncio.sleep(0)
+        await asyncio.sleep(0.2)
+        conn = next(iter(server.connections))
+        assert conn.paused
+        assert conn.transport.get_write_buffer_size() < 4 * 1024 * 1024
+        assert sent < 30_000_000
+        sock.close()
+
+
+async def test_unfinished_messages_have_a_budget_per_connection() -> None:
+    async with serving(Limits(max_unfinished=1_000_000)) as (_, _, port):
+        c = RawClient(port)
+        try:
+            await asyncio.to_thread(c.events, 0.3)  # (the server's SETTINGS and window: 1 MiB a stream)
+            sids = []
+            for _ in range(3):  # each says 900 kB and sends 400 kB of it
+                sid = c.headers("Bidi")
+                c.conn.send_data(sid, b"\x00" + (900_000).to_bytes(4, "big") + b"x" * 16_379)
+                for _ in range(24):
+                    c.conn.send_data(sid, b"x" * 16_384)
+                sids.append(sid)
+            c.send()
+            ev = await asyncio.to_thread(c.events, 1.5)
+            status = {e.stream_id: dict(e.headers).get(b"grpc-status") for e in ev
+                      if isinstance(e, h2.events.TrailersReceived | h2.events.ResponseReceived)
+                      and b"grpc-status" in dict(e.headers)}
+            assert status.get(sids[2]) == b"8"  # RESOURCE_EXHAUSTED: the third is over the budget
+            assert sids[0] not in status and sids[1] not in status  # the first two are within it, waiting
+        finally:
+            c.close()
+
+
+async def test_a_header_value_with_spaces_at_its_end_is_a_value_not_a_protocol_error(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """grpc sends metadata values with surrounding spaces (a token read from a file with a trailing blank):
+    the call is served, and nothing of the value reaches the log."""
+    caplog.set_level("DEBUG")
+    async with serving() as (_, echo, port), _channel(port) as ch:
+        got = await _m(ch, "unary_unary", "Unary")(b"sp", metadata=[("authorization", "Bearer s3cr3t-token ")],
+                                                   timeout=5)
+        assert got == b"echo:sp"
+        assert ("authorization", "Bearer s3cr3t-token ") in echo.seen_metadata
+    assert "s3cr3t" not in caplog.text
+
+
+async def test_resets_of_answered_calls_do_not_count_as_a_flood() -> None:
+    """A client resets a stream it had not ended once its status has come (grpcio does): no rapid reset."""
+    async with serving(Limits(max_resets=20)) as (server, _, port):
+        c = RawClient(port)
+        try:
+            for _ in range(60):
+                sid = c.headers("Nope")  # (answered UNIMPLEMENTED at once, trailers-only)
+                c.send()
+                ev = await asyncio.to_thread(c.events, 0.05)
+                assert any(isinstance(e, h2.events.ResponseReceived) for e in ev), ev
+                c.conn.reset_stream(sid)
+                c.send()
+            assert _goaway(await asyncio.to_thread(c.events, 0.3)) is None
+            assert len(server.connections) == 1
+        finally:
+            c.close()

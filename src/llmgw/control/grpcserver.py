@@ -75,6 +75,8 @@ _EOF = grpc.aio.EOF
 # How many complete messages a call keeps unread before it stops handing flow-control credit back
 # (the peer then waits for the handler instead of filling the process's memory).
 _READ_AHEAD = 8
+# How long a closed connection may take to write what it has left before it is aborted.
+_CLOSE_S = 2.0
 _PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 
 
@@ -83,6 +85,9 @@ class Limits:
     """What one server allows its peers (the defaults are gRPC's, or the control plane's own settings)."""
 
     max_receive_message_length: int = 16 * 1024 * 1024
+    max_unfinished: int = 32 * 1024 * 1024
+    """Bytes of messages begun and not finished yet, over a connection's calls (flow control hands
+    their window back as they arrive: without it a connection could hold calls x messages)."""
     max_concurrent_streams: int = 1024
     max_header_list_size: int = 16 * 1024
     initial_window_size: int = 1024 * 1024
@@ -200,7 +205,7 @@ class _Call:
         self.trailing_md: Sequence[tuple[str, str | bytes]] = ()
         self.code: grpc.StatusCode | None = None
         self.details = ""
-        self.pending: collections.deque[bytes] = collections.deque()  # DATA waiting for flow-control window
+        self.pending: collections.deque[memoryview] = collections.deque()  # DATA waiting for flow-control window
         self.trailers: list[tuple[bytes, bytes]] | None = None  # sent once pending is
         self.drained: asyncio.Future[None] | None = None
         self.ended = False  # trailers sent, or the stream reset / the connection lost
@@ -276,7 +281,7 @@ class _Call:
             finally:
                 self.waiter = None
         data = self.messages.popleft()
-        if self.unacked and len(self.messages) < _READ_AHEAD:
+        if (self.unacked or self.held) and len(self.messages) < _READ_AHEAD:
             self.conn.credit(self)
         try:
             return self.handler.request_deserializer(data) if self.handler.request_deserializer else data
@@ -291,7 +296,7 @@ class _Call:
         ser = self.handler.response_serializer
         data = ser(message) if ser is not None else message
         self._send_headers()
-        self.pending.append(b"\x00" + len(data).to_bytes(4, "big") + data)
+        self.pending.append(memoryview(b"\x00" + len(data).to_bytes(4, "big") + data))
         self.conn.pump(self)
         self.conn.flush()
         if self.pending or self.conn.paused:
@@ -418,11 +423,28 @@ class _Call:
         self.conn.pump(self)
         self.conn.flush()
 
+    def ran(self, task: asyncio.Task[None]) -> None:
+        """The handler's task is over (its end, however it came, even cancelled before its first step)."""
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+        if not self.ended and self.trailers is None:  # (run() never got to say it)
+            why = self.why_cancelled
+            if why == "deadline":
+                self.finish(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
+            elif why == "shutdown":
+                self.finish(grpc.StatusCode.UNAVAILABLE, "the control plane is stopping")
+            elif why not in ("reset", "lost", "answered"):
+                self.finish(grpc.StatusCode.CANCELLED, "the call was cancelled by the server")
+
     def cancel(self, why: str) -> None:
         if self.why_cancelled is None:
             self.why_cancelled = why
         if why in ("reset", "lost"):  # (the stream is gone: nothing more is sent on it)
             self.ended = True
+        if why != "deadline" and self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
         task = self.task
         if task is not None and not task.done():
             task.cancel()
@@ -450,7 +472,9 @@ class _Connection(asyncio.Protocol):
         self.loop = server.loop
         self.transport: Any = None
         self.peer = "unknown"
-        cfg = h2.config.H2Configuration(client_side=False, header_encoding=None)
+        # (h2's own checks of header values refuse some grpc sends, a value with a space at either end,
+        # as a protocol error of the whole connection; the call's checks are _request's)
+        cfg = h2.config.H2Configuration(client_side=False, header_encoding=None, validate_inbound_headers=False)
         self.h2 = h2.connection.H2Connection(config=cfg)
         self.calls: dict[int, _Call] = {}
         self.paused = False
@@ -464,6 +488,8 @@ class _Connection(asyncio.Protocol):
         self.timer: asyncio.TimerHandle | None = None
         self.inbuf = bytearray()  # the start of a frame not whole yet
         self.prefaced = False
+        self.lost = False  # connection_lost came
+        self.partial = 0  # bytes of messages not whole yet, over the connection's calls
         self.out: list[bytes] = []  # frames of our own (WINDOW_UPDATE) for the next flush
         self.window = 16 * self.limits.initial_window_size  # the connection's receive window, for DATA taken here
         self.used = 0  # bytes taken here and read, not yet handed back
@@ -543,6 +569,7 @@ class _Connection(asyncio.Protocol):
         self._lost()
 
     def _lost(self) -> None:
+        self.lost = True
         self.closed = True
         self.server.connections.discard(self)
         if self.timer is not None:
@@ -553,10 +580,16 @@ class _Connection(asyncio.Protocol):
         self.calls.clear()
 
     def pause_writing(self) -> None:
+        # (a peer that does not read what it is sent is not read from either: whatever it sends that
+        # asks for an answer, a SETTINGS, a PING, a call, would otherwise pile up answers here)
         self.paused = True
+        if self.transport is not None and not self.closed:
+            self.transport.pause_reading()
 
     def resume_writing(self) -> None:
         self.paused = False
+        if self.transport is not None and not self.closed:
+            self.transport.resume_reading()
         for call in list(self.calls.values()):
             if call.drained is not None and not call.pending:
                 call.wake()
@@ -621,7 +654,8 @@ class _Connection(asyncio.Protocol):
         try:
             events = self.h2.receive_data(data)
         except h2.exceptions.ProtocolError as exc:
-            log.debug("closing the connection from %s: %s", self.peer, exc)
+            # SECURITY: the exception's text may quote a header (the join token's): its kind only
+            log.debug("closing the connection from %s: HTTP/2 protocol error (%s)", self.peer, type(exc).__name__)
             self.flush()
             self.close()
             return False
@@ -720,19 +754,21 @@ class _Connection(asyncio.Protocol):
         if deadline is not None:
             call.timer = self.loop.call_later(max(0.0, deadline - time.monotonic()), call.cancel, "deadline")
         call.task = self.loop.create_task(call.run(), name=f"gRPC {name}")
+        call.task.add_done_callback(call.ran)
 
     def _take(self, call: _Call, chunk: bytes) -> bool:
         """A DATA frame's payload into its call's messages (and the handler woken); False if it broke a rule."""
         buf = call.buf
         messages = call.messages
         size = len(chunk)
+        limit = self.limits.max_receive_message_length
         if not buf and size >= 5 and not chunk[0] and int.from_bytes(chunk[1:5], "big") == size - 5:
-            if size - 5 > self.limits.max_receive_message_length:
+            if size - 5 > limit:
                 return self._too_large(call, size - 5)
             messages.append(chunk[5:])  # (the common case: one message, one frame)
         else:
             buf += chunk
-            limit = self.limits.max_receive_message_length
+            self.partial += size  # (every byte in a call's buf is counted here, until cut out or dropped)
             while len(buf) >= 5:
                 size = int.from_bytes(buf[1:5], "big")
                 if size > limit:
@@ -745,6 +781,11 @@ class _Connection(asyncio.Protocol):
                     break
                 messages.append(bytes(buf[5:5 + size]))
                 del buf[:5 + size]
+                self.partial -= 5 + size
+            if self.partial > self.limits.max_unfinished:
+                self._refuse_input(call, grpc.StatusCode.RESOURCE_EXHAUSTED, f"more than "
+                                   f"{self.limits.max_unfinished} bytes of unfinished messages on this connection")
+                return False
         w = call.waiter
         if messages and w is not None and not w.done():
             w.set_result(None)
@@ -796,30 +837,31 @@ class _Connection(asyncio.Protocol):
     def _refuse_input(self, call: _Call, code: grpc.StatusCode, details: str) -> None:
         """The client's input broke a rule: the call is answered ``code`` now, its handler cancelled."""
         call.failed = (code, details)
+        self.partial -= len(call.buf)
         call.buf.clear()
         call.messages.clear()
+        self.credit(call)
         call.finish(code, details)
         call.cancel("answered")
 
     def credit(self, call: _Call) -> None:
-        """Hand back the flow-control credit held while the call's handler was behind."""
+        """Hand back the flow-control credit held while the call's handler was behind (the connection's
+        only, for a call that has ended)."""
         n, call.unacked = call.unacked, 0
         held, call.held = call.held, 0
-        if call.ended:
-            return
         if held:
-            self._consumed(call, held)
+            self._consumed(call, held)  # (a stream update only while the call is open)
         if n:
             try:
-                self.h2.acknowledge_received_data(n, call.stream_id)
+                self.h2.acknowledge_received_data(n, call.stream_id)  # (h2: the connection's alone once closed)
             except h2.exceptions.ProtocolError:
-                return
-        self.flush()
+                pass
+        if not self.closed:
+            self.flush()
 
     def _end_input(self, call: _Call) -> None:
         call.half_closed = True
         if call.buf:  # a message cut short by the end of the stream
-            call.buf.clear()
             self._refuse_input(call, grpc.StatusCode.INTERNAL, "the request ended inside a message")
             return
         w = call.waiter
@@ -828,8 +870,10 @@ class _Connection(asyncio.Protocol):
 
     def _reset(self, sid: int) -> None:
         call = self.calls.pop(sid, None)
-        if call is not None:
-            call.cancel("reset")
+        if call is None:
+            return  # (a stream this server has answered: grpcio resets those it had not ended; no flood)
+        call.cancel("reset")
+        self._release(call)
         now = time.monotonic()
         resets = self.resets
         resets.append(now)
@@ -876,10 +920,10 @@ class _Connection(asyncio.Protocol):
                     break
                 chunk = pending[0]
                 if len(chunk) <= window:
-                    conn.send_data(sid, chunk)
+                    conn.send_data(sid, bytes(chunk))
                     pending.popleft()
                 else:
-                    conn.send_data(sid, chunk[:window])
+                    conn.send_data(sid, bytes(chunk[:window]))
                     pending[0] = chunk[window:]
                 self.sent_something()
             if not pending and call.trailers is not None:
@@ -905,9 +949,18 @@ class _Connection(asyncio.Protocol):
             if call.pending:
                 self.pump(call)
 
+    def _release(self, call: _Call) -> None:
+        """A call that is done with: the bytes it still holds, and the credit for them, given back."""
+        self.partial -= len(call.buf)
+        call.buf.clear()
+        call.messages.clear()
+        if call.unacked or call.held:
+            self.credit(call)
+
     def forget(self, call: _Call) -> None:
         if self.calls.get(call.stream_id) is call:
             del self.calls[call.stream_id]
+            self._release(call)
         if self.server.stopping and not self.calls:
             self.goaway(h2.errors.ErrorCodes.NO_ERROR, b"")
 
@@ -942,9 +995,18 @@ class _Connection(asyncio.Protocol):
                 self._tls_out()
             self.closed = True
             self.transport.close()
+            if self.paused:  # (its buffer would wait for a peer that does not read: not kept for it)
+                self.transport.abort()
+            else:
+                self.loop.call_later(_CLOSE_S, self._abort)
         for call in list(self.calls.values()):
             call.cancel("lost")
+            self._release(call)
         self.calls.clear()
+
+    def _abort(self) -> None:
+        if self.transport is not None and not self.lost:
+            self.transport.abort()
 
     # -- timers --
 

@@ -268,7 +268,8 @@ class _Stream:
             if isinstance(item, tuple):
                 code, message = item
                 self.stats.error("StreamHeartbeats", code)
-                await self.context.abort(code, message)  # the handler's pending read ends with it
+                with contextlib.suppress(grpc.aio.AbortError):  # (raised here, in the writer: nobody awaits it)
+                    await self.context.abort(code, message)  # the handler's pending read ends with it
                 return
             await self.context.write(item)
 
