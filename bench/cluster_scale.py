@@ -71,6 +71,17 @@ def cpu_seconds(pid: int, tid: int | None = None) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def control_tid(pid: int) -> int | None:
+    """The ``llmgw-control`` thread of process ``pid``, if it has one."""
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            if task.joinpath("comm").read_text().strip() == "llmgw-control":
+                return int(task.name)
+        except OSError:
+            continue
+    return None
+
+
 class ChangingSource:
     """G GPUs whose utilisation and memory change on every read."""
 
@@ -269,9 +280,12 @@ async def main_async(a: argparse.Namespace) -> dict[str, Any]:
         await asyncio.sleep(a.interval * 1.5)  # steady heartbeats
         # the main thread runs the data path's loop (and the node map the heartbeats update);
         # gRPC and its handlers run on the control thread and grpc's own threads
+        ctl = control_tid(serve.pid)
         c0, m0, w0 = cpu_seconds(serve.pid), cpu_seconds(serve.pid, serve.pid), time.monotonic()
+        t0 = cpu_seconds(serve.pid, ctl) if ctl else 0.0
         await asyncio.sleep(a.window)
         wall = time.monotonic() - w0
+        ctl_pct = 100 * (cpu_seconds(serve.pid, ctl) - t0) / wall if ctl else None
         cpu_pct = 100 * (cpu_seconds(serve.pid) - c0) / wall
         main_pct = 100 * (cpu_seconds(serve.pid, serve.pid) - m0) / wall
         beats = sum(c.heartbeats for c in clients)
@@ -317,6 +331,7 @@ async def main_async(a: argparse.Namespace) -> dict[str, Any]:
             "agents": a.agents, "gpus_per_agent": a.gpus, "interval_s": a.interval, "register_all_s": round(reg_s, 2),
             "control_plane_cpu_pct_of_a_core": round(cpu_pct, 2), "heartbeats_total": beats,
             "main_thread_cpu_pct_of_a_core": round(main_pct, 2),
+            "control_thread_cpu_pct_of_a_core": None if ctl_pct is None else round(ctl_pct, 2),
             "main_thread_cpu_ms_per_scrape": round(1000 * main_per_scrape, 1),
             "process_cpu_ms_per_scrape": round(1000 * proc_per_scrape, 1),
             "scrape_samples": samples,

@@ -255,6 +255,54 @@ async def test_stop_ends_open_calls_unavailable() -> None:
         pass
 
 
+async def test_stop_says_goaway_first_and_serves_the_open_calls_through_the_grace() -> None:
+    """A graceful stop tells each client at once (GOAWAY NO_ERROR naming the last call taken), serves
+    the calls open until they end, then closes; a connection with no call closes at once."""
+    echo = Echo()
+    server = Server()
+    server.add_generic_rpc_handlers((echo.handler(),))
+    port = await server.bind("127.0.0.1", 0)
+    await server.start()
+    busy, idle = RawClient(port), RawClient(port)
+    stopping: asyncio.Task[None] | None = None
+    try:
+        sid = busy.headers("Bidi")
+        busy.conn.send_data(sid, b"\x00\x00\x00\x00\x02hi")
+        busy.send()
+        await asyncio.wait_for(echo.started.wait(), 5)
+        ev = await asyncio.to_thread(busy.events, 0.5)
+        assert any(isinstance(e, h2.events.DataReceived) for e in ev)
+        await asyncio.to_thread(idle.events, 0.2)  # (its SETTINGS in and out)
+        t0 = time.monotonic()
+        stopping = asyncio.create_task(server.stop(10.0))
+        ev = await asyncio.to_thread(busy.events, 0.5)
+        said = _goaway(ev)
+        assert said is not None and said.error_code == h2.errors.ErrorCodes.NO_ERROR
+        assert said.last_stream_id == sid
+        assert "closed" not in ev
+        assert "closed" in await asyncio.to_thread(idle.events, 2.0)  # nothing open: closed at once
+        # the open call goes on (h2's client neither sends nor reads after a GOAWAY: frames by hand)
+        busy.sock.sendall(b"\x00\x00\x07\x00\x00" + sid.to_bytes(4, "big") + b"\x00\x00\x00\x00\x02yo")
+        got = await asyncio.to_thread(_frames, busy.sock, 1.0)
+        assert (0, 0, sid, b"\x00\x00\x00\x00\x05re:yo") in got
+        busy.sock.sendall(b"\x00\x00\x00\x00\x01" + sid.to_bytes(4, "big"))  # END_STREAM: the client is done
+        got = await asyncio.to_thread(_frames, busy.sock, 3.0)
+        trailers = [f[3] for f in got if f != "closed" and f[0] == 1 and f[2] == sid and f[1] & 0x01]
+        assert trailers and (b"grpc-status", b"0") in busy.conn.decoder.decode(trailers[0], raw=True)
+        assert got[-1] == "closed"
+        await asyncio.wait_for(stopping, 5)
+        assert time.monotonic() - t0 < 5.0  # (not the grace: the call ended)
+        assert not server.connections
+        assert not echo.cancelled.is_set()
+    finally:
+        busy.close()
+        idle.close()
+        if stopping is None:
+            await server.stop(0)
+        elif not stopping.done():
+            await stopping
+
+
 async def test_a_port_in_use_is_an_oserror() -> None:
     async with serving() as (_, _, port):
         with pytest.raises(OSError):
@@ -363,6 +411,30 @@ class RawClient:
 
     def close(self) -> None:
         self.sock.close()
+
+
+def _frames(sock: socket.socket, timeout: float) -> list[Any]:
+    """The raw frames (kind, flags, stream, payload) that arrive within ``timeout``; "closed" last if it closed."""
+    out: list[Any] = []
+    buf = b""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        sock.settimeout(max(0.01, end - time.monotonic()))
+        try:
+            data = sock.recv(65536)
+        except TimeoutError:
+            break
+        except ConnectionResetError:
+            data = b""
+        if not data:
+            out.append("closed")
+            break
+        buf += data
+        while len(buf) >= 9 and len(buf) >= 9 + int.from_bytes(buf[:3], "big"):
+            n = int.from_bytes(buf[:3], "big")
+            out.append((buf[3], buf[4], int.from_bytes(buf[5:9], "big") & 0x7FFFFFFF, buf[9:9 + n]))
+            buf = buf[9 + n:]
+    return out
 
 
 def _goaway(events: list[Any]) -> Any:

@@ -978,6 +978,20 @@ class _Connection(asyncio.Protocol):
             else:
                 self.transport.write(data)
 
+    def going_away(self) -> None:
+        """The first GOAWAY of a graceful stop (RFC 9113 §6.8): NO_ERROR with the last stream this server
+        took, and the calls open served on; the connection closes once they end (:meth:`forget`).
+
+        Written past h2, which once told would send nothing more on the calls still open."""
+        if self.closed:
+            return
+        if not self.calls or not self.started:
+            self.goaway(h2.errors.ErrorCodes.NO_ERROR, b"")
+            return
+        last = self.h2.highest_inbound_stream_id
+        self.out.append(b"\x00\x00\x08\x07\x00\x00\x00\x00\x00" + last.to_bytes(4, "big") + bytes(4))
+        self.flush()
+
     def goaway(self, code: int, debug: bytes) -> None:
         """Say GOAWAY and close (the calls still open are ended: their handlers cancelled)."""
         if self.closed:
@@ -1114,10 +1128,16 @@ class Server:
             await srv.start_serving()
 
     async def stop(self, grace: float | None = None) -> None:
-        """Stop listening; calls still open get ``grace`` seconds to end, then end UNAVAILABLE; connections close."""
+        """Stop listening; calls still open get ``grace`` seconds to end, then end UNAVAILABLE; connections close.
+
+        Every connection is told at once (GOAWAY, NO_ERROR, naming the last call taken): its client sends
+        new calls elsewhere while those open finish; one with no call open closes now.
+        """
         self.stopping = True
         for srv in self.listeners:
             srv.close()
+        for conn in list(self.connections):
+            conn.going_away()
         if grace:
             deadline = time.monotonic() + grace
             while any(c.calls for c in self.connections) and time.monotonic() < deadline:
