@@ -465,7 +465,11 @@ class ConsoleApp(App[None]):
 
     def _render(self) -> None:
         try:
-            table = self.screen_stack[0].query_one(FleetTable)
+            main = self.screen_stack[0]
+            table = main.query_one(FleetTable)
+            # (every widget drawn, looked up before anything is: closing down, the screen's widgets go
+            # one by one, and a poll that ended meanwhile found the table but not the line under it)
+            lines = {s: main.query_one(s, Static) for s in ("#status", "#crumbs", "#message", "#summary")}
         except (NoMatches, IndexError):
             return  # (starting, or closing down: nothing to draw on)
         view = self.view
@@ -505,13 +509,13 @@ class ConsoleApp(App[None]):
             status = Text.assemble(("llmgw console", "bold"), "  ", self.label, "  ", conn)
         if self.read_only:
             status.append("  [read-only]", style="bold yellow")
-        self._show("#status", status)
+        self._show(lines, "#status", status)
         crumbs = " › ".join([*(_crumb(p) for p in self.stack), _crumb(place)])
         count = f"{len(rows)}/{total}" if len(rows) != total else f"{total}"
         extra = f"  filter /{place.filter}" if place.filter else ""
-        self._show("#crumbs", f"{crumbs} ({count}){extra}  sort {view.columns[sort].label}"
+        self._show(lines, "#crumbs", f"{crumbs} ({count}){extra}  sort {view.columns[sort].label}"
                               f"{'↓' if place.reverse else '↑'}")
-        msg = self.main.query_one("#message", Static)
+        msg = lines["#message"]
         problem = self.auth_error or self._api_problem()
         text = ""
         if problem is not None:
@@ -521,18 +525,18 @@ class ConsoleApp(App[None]):
         elif self.polls and not rows and total:
             text = "no rows match the filter (esc clears it)"
         msg.set_class(problem is not None, "error")
-        self._show("#message", text)
+        self._show(lines, "#message", text)
         msg.display = bool(text)
         self.message_text = text
         summary = view.summary(self.data) if problem is None else ""
-        self._show("#summary", summary)
+        self._show(lines, "#summary", summary)
 
-    def _show(self, selector: str, content: str | Text) -> None:
+    def _show(self, lines: dict[str, Static], selector: str, content: str | Text) -> None:
         # PERF: a Static's update lays the screen out again; skip it when nothing changed
         key = content.markup if isinstance(content, Text) else content
         if self._shown.get(selector) != key:
             self._shown[selector] = key
-            self.main.query_one(selector, Static).update(content)
+            lines[selector].update(content)
 
     # -- keys --
 
