@@ -40,6 +40,7 @@ from .errors import LlmgwError
 __all__ = [
     "FORMATS",
     "LEVELS",
+    "QUIET",
     "JsonFormatter",
     "LogConfigError",
     "accel_logger",
@@ -53,6 +54,7 @@ __all__ = [
     "engine_logger",
     "load_log_config",
     "mirror_logger",
+    "quiet_protocol_loggers",
     "scrape_logger",
     "server_logger",
     "setup",
@@ -197,6 +199,25 @@ def load_log_config(path: str | Path) -> None:
         ) from None
 
 
+QUIET = ("hpack", "h2")
+"""Loggers never below WARNING. SECURITY: hpack logs every header it encodes or decodes at DEBUG (an
+agent's join token in its authorization header among them), h2 every frame."""
+
+
+def quiet_protocol_loggers() -> None:
+    """Hold :data:`QUIET` and every logger under them at WARNING or above, whatever a ``--log-config`` or
+    ``--log-level debug`` asked (a level set on ``hpack.hpack`` itself would pass the parent's)."""
+    for name in QUIET:
+        top = logging.getLogger(name)
+        if top.level < logging.WARNING:
+            top.setLevel(logging.WARNING)
+    under = tuple(q + "." for q in QUIET)
+    for name, lg in list(logging.root.manager.loggerDict.items()):
+        if (isinstance(lg, logging.Logger) and name.startswith(under)
+                and logging.NOTSET < lg.level < logging.WARNING):
+            lg.setLevel(logging.WARNING)
+
+
 def setup(level: str | int = "INFO", fmt: str = "text", config: str | Path | None = None) -> None:
     """Send logs to stderr as ``fmt`` (``text`` or ``json``), llmgw's at ``level``; then apply ``config``.
 
@@ -252,3 +273,4 @@ def setup(level: str | int = "INFO", fmt: str = "text", config: str | Path | Non
         if not root.handlers:
             # The file configured the root without handlers: keep llmgw's stderr one (and its format).
             root.addHandler(handler)
+    quiet_protocol_loggers()

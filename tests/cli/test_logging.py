@@ -255,3 +255,37 @@ def test_log_config_does_not_silence_llmgw(tmp_path: Path) -> None:
     assert res.returncode == 1
     (rec,) = json_lines(res.stderr)
     assert rec["logger"] == "llmgw.cli" and "nope.yaml" in rec["message"]
+
+
+def test_a_log_config_cannot_open_hpack_or_h2_at_debug(tmp_path: Path) -> None:
+    """SECURITY: hpack logs every header it decodes at DEBUG, an agent's join token among them: a
+    ``--log-config`` naming hpack (or one of its modules) at DEBUG, with the root at DEBUG, still logs
+    none of it, while other loggers do log at DEBUG."""
+    from canary import secret
+
+    token = secret("join-token-hpack-77")
+    out = tmp_path / "all.log"
+    cfg = tmp_path / "log.yaml"
+    cfg.write_text(
+        "version: 1\n"
+        f"handlers:\n  file: {{class: logging.FileHandler, filename: '{out}', level: DEBUG}}\n"
+        "root: {level: DEBUG, handlers: [file]}\n"
+        "loggers:\n  hpack: {level: DEBUG}\n  hpack.hpack: {level: DEBUG}\n  h2: {level: DEBUG}\n"
+    )
+    code = (
+        "import logging, sys, hpack, h2.connection, h2.config\n"
+        "from llmgw import log\n"
+        "log.setup('debug', config=sys.argv[1])\n"
+        "tok = sys.argv[2].encode()\n"
+        "block = hpack.Encoder().encode([(b':path', b'/x'), (b'authorization', b'Bearer ' + tok)], huffman=False)\n"
+        "hpack.Decoder().decode(block)\n"
+        "c = h2.connection.H2Connection(h2.config.H2Configuration(client_side=False))\n"
+        "c.initiate_connection()\n"
+        "logging.getLogger('llmgw.test').debug('the other loggers still log at DEBUG')\n"
+    )
+    res = subprocess.run([sys.executable, "-c", code, str(cfg), token], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+    text = out.read_text()
+    assert "the other loggers still log at DEBUG" in text
+    assert token not in text and token not in res.stderr
+    assert "hpack" not in text and "Decoded" not in text

@@ -59,13 +59,14 @@ import h2.events
 import h2.exceptions
 import h2.settings
 
+from ..log import quiet_protocol_loggers
+
 __all__ = ["Limits", "Server", "server_ssl_context"]
 
 log = logging.getLogger("llmgw.control.grpc")
 # SECURITY: hpack logs every header it decodes at DEBUG (the join token's authorization header among
 # them), and h2 the frames: never below WARNING, whatever level the root logger or a --log-config sets.
-for _name in ("hpack", "h2"):
-    logging.getLogger(_name).setLevel(logging.WARNING)
+quiet_protocol_loggers()
 
 _TIMEOUT_UNITS = {"H": 3600.0, "M": 60.0, "S": 1.0, "m": 1e-3, "u": 1e-6, "n": 1e-9}
 # Request headers that are the protocol's, not the call's metadata (invocation_metadata leaves them out).
