@@ -202,9 +202,10 @@ async def test_sigterm_deregisters_and_exits_0(agents) -> None:  # type: ignore[
 
 async def test_control_plane_restart_agents_come_back_nothing_duplicated(agents) -> None:  # type: ignore[no-untyped-def]
     port = free_port()
+    procs = []
     async with control_runtime(port) as rt:
         for name in ("n1", "n2", "n3"):
-            agents(port, name, _spec(name))
+            procs.append(agents(port, name, _spec(name)))
         await wait_for(lambda: _up(rt, "n1", "n2", "n3"), what="three up")
         ids = {k: v["id"] for k, v in (await _nodes(rt)).items()}
     async with control_runtime(port) as rt2:
@@ -217,6 +218,11 @@ async def test_control_plane_restart_agents_come_back_nothing_duplicated(agents)
         s = await metrics(rt2)
         assert pick(s, "llmgw_control_registrations_total", kind="re") == [3.0]
         assert pick(s, "llmgw_control_registrations_total", kind="new") == [0.0]
+    # the stop said why each stream ended, in the agents' own logs
+    for a in procs:
+        text = a.stderr()
+        assert "UNAVAILABLE: this control plane no longer leads" in text, text
+        assert "cancelled by the server" not in text
 
 
 async def test_wrong_token_is_refused_and_never_logged(agents, caplog: pytest.LogCaptureFixture) -> None:  # type: ignore[no-untyped-def]

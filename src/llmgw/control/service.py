@@ -210,6 +210,10 @@ def _same(a: bytes, b: bytes) -> bool:
     return not a or hmac.compare_digest(a, b)  # (b"": a node recorded before tokens were kept: anyone's)
 
 
+NOT_LEADING = ("this control plane no longer leads (it is stopping, or another took over): "
+               "the agent registers with the leader")
+
+
 class _Tokens:
     """The join tokens as SHA-256 digests, rebuilt when a reload changes them."""
 
@@ -299,6 +303,7 @@ class AgentService(agent_pb2_grpc.AgentServiceServicer):
         self.lease_ms: int | None = None
         """With a database: the lease (answers on a heartbeat stream come at least every third of it)."""
         self.streams: set[asyncio.Task[Any]] = set()
+        self._handed_over: set[asyncio.Task[Any]] = set()  # streams cancel_streams ended
         """The heartbeat streams' handler tasks (control loop; cancelled when this process stops leading)."""
         # (the rest: main loop only)
         self.controller: ReplicaController | None = None
@@ -546,8 +551,10 @@ class AgentService(agent_pb2_grpc.AgentServiceServicer):
         return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(fn(*args), hop.loop))  # type: ignore[arg-type]
 
     def cancel_streams(self) -> None:
-        """End every heartbeat stream (on the control loop): the agents go to the new leader."""
+        """End every heartbeat stream (on the control loop), UNAVAILABLE with :data:`NOT_LEADING`: the
+        agents go to the new leader."""
         for task in list(self.streams):
+            self._handed_over.add(task)
             task.cancel()
 
     async def _leader_only(self, context: Any, method: str) -> None:
@@ -872,10 +879,16 @@ class AgentService(agent_pb2_grpc.AgentServiceServicer):
             self.streams.add(task)
         try:
             await self._stream_beats(context, method, msg, given, peer)
+        except asyncio.CancelledError:
+            if task is None or task not in self._handed_over:
+                raise
+            # (said as what it is, for the agent's log: not a bare "cancelled by the server")
+            await self._abort(context, method, grpc.StatusCode.UNAVAILABLE, NOT_LEADING)
         finally:
             stats.streams_open -= 1
             if task is not None:
                 self.streams.discard(task)
+                self._handed_over.discard(task)
 
     async def _stream_beats(self, context: Any, method: str, msg: Any, given: str, peer: str) -> None:
         stream = _Stream(context, asyncio.get_running_loop(), self.stats)
