@@ -514,7 +514,7 @@ class ConsoleApp(App[None]):
         count = f"{len(rows)}/{total}" if len(rows) != total else f"{total}"
         extra = f"  filter /{place.filter}" if place.filter else ""
         self._show(lines, "#crumbs", f"{crumbs} ({count}){extra}  sort {view.columns[sort].label}"
-                              f"{'↓' if place.reverse else '↑'}")
+                                     f"{'↓' if place.reverse else '↑'}")
         msg = lines["#message"]
         problem = self.auth_error or self._api_problem()
         text = ""

@@ -303,8 +303,8 @@ class AgentService(agent_pb2_grpc.AgentServiceServicer):
         self.lease_ms: int | None = None
         """With a database: the lease (answers on a heartbeat stream come at least every third of it)."""
         self.streams: set[asyncio.Task[Any]] = set()
-        self._handed_over: set[asyncio.Task[Any]] = set()  # streams cancel_streams ended
         """The heartbeat streams' handler tasks (control loop; cancelled when this process stops leading)."""
+        self._handed_over: set[asyncio.Task[Any]] = set()  # those cancel_streams ended (they end NOT_LEADING)
         # (the rest: main loop only)
         self.controller: ReplicaController | None = None
         self._links: dict[str, _Stream] = {}
