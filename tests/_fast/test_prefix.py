@@ -6,6 +6,7 @@ fixtures; the hashing is checked against a reference built from a real JSON pars
 
 from __future__ import annotations
 
+import math
 import struct
 from types import ModuleType
 from typing import Any
@@ -298,7 +299,8 @@ def test_session_replica_gone_moves(score: ModuleType) -> None:
 
 def test_independent_routers_agree_on_unseen_prefixes(score: ModuleType) -> None:
     """Rendezvous hashing on the first block (or the session) over replica tags: routers
-    that share nothing, with their replicas listed in different orders, agree."""
+    that share nothing, with their replicas listed in different orders, agree (while
+    prompts are used again: each one here is sent a second time)."""
     tags = [score.default_tag(100 + i) for i in range(6)]
     a, b = fleet(score, 6), fleet(score, 6)
     for x, t in zip(a, tags, strict=True):
@@ -313,11 +315,55 @@ def test_independent_routers_agree_on_unseen_prefixes(score: ModuleType) -> None
         ib = pb.pick_prefix(b, 0.0, STALE, chain, 0)
         assert a[ia].tag == b[ib].tag
         spread.add(a[ia].tag)
+        assert pa.pick_prefix(a, 0.0, STALE, chain, 0) == ia  # (used again: a hit)
+        assert pb.pick_prefix(b, 0.0, STALE, chain, 0) == ib
         sa = pa.pick_prefix(a, 0.0, STALE, b"", 77 + k)
         sb = pb.pick_prefix(b, 0.0, STALE, b"", 77 + k)
         assert a[sa].tag == b[sb].tag
     assert len(spread) == 6  # and they spread over the fleet
-    assert pa.decisions() == pb.decisions() == (0, 0, 0, 400)
+    assert pa.decisions() == pb.decisions() == (200, 0, 0, 400)
+    assert pa.reuse > score.REUSE_MIN
+
+
+def test_a_pool_that_reuses_nothing_places_first_turns_as_score(score: ModuleType) -> None:
+    """Placing an unseen prompt by its hash pays only when prompts come back. Where none
+    does, first turns without a session go where ``score`` sends them (the same picks, drawn
+    from the same seed) once under REUSE_MIN of the requests continued anything; later turns
+    and sessions are still placed by their hash, and reuse turns the hashing back on."""
+    states = fleet(score, 4, slots=8.0)
+    for x, n in zip(states, (0, 2, 3, 3), strict=True):
+        load(x, n)  # (score's pick: replica 0, alone within its near-tie band)
+    p = score.Picker("prefix", seed=21)
+    q = score.Picker("score", seed=21)
+    assert math.isnan(p.reuse)  # (nothing measured yet: the gate presumes reuse)
+    p.pick_prefix(states, 0.0, STALE, b"", 0)
+    assert math.isnan(p.reuse)  # (a request with no key measures nothing)
+    q.pick(states, 0.0, STALE)
+    early = []
+    for k in range(400):
+        i = p.pick_prefix(states, 0.0, STALE, pack([70_000 + k, 9, 9]), 0)
+        assert q.pick(states, 0.0, STALE) == 0
+        if k < 20:
+            early.append(i)
+        elif k >= 300:
+            assert i == 0, k
+    assert set(early) != {0}  # (while reuse was presumed: placed by the hash, over the pool)
+    assert p.reuse < score.REUSE_MIN
+    assert p.decisions() == (0, 0, 0, 401)
+    # a later turn no router has seen goes to its conversation's home, as at every router
+    anchor = 0xC0FFEE
+    home = max(range(4), key=lambda i: _rendezvous(score, anchor, states[i].tag))
+    assert home != 0
+    assert p.pick_prefix(states, 0.0, STALE, pack([80_001, 80_002], anchor=anchor, shallow=1), 0) == home
+    # a new session too
+    sess = next(s for s in range(1, 100) if max(range(4), key=lambda i: _rendezvous(score, s, states[i].tag)) != 0)
+    assert p.pick_prefix(states, 0.0, STALE, b"", sess) != 0
+    # prompts coming back (hits): first turns are hashed again
+    for _ in range(8):
+        p.pick_prefix(states, 0.0, STALE, pack([70_399, 9, 9]), 0)
+    assert p.reuse >= score.REUSE_MIN
+    placed = {p.pick_prefix(states, 0.0, STALE, pack([90_000 + k, 9, 9]), 0) for k in range(20)}
+    assert placed != {0}
 
 
 def test_a_shared_system_prompt_does_not_decide(score: ModuleType) -> None:

@@ -95,18 +95,23 @@ async def test_a_conversation_stays_on_its_replica() -> None:
             await e.stop()
     decisions = {}
     entries = {}
+    reuse = []
     for fam in text_string_to_metric_families(page):
         for s in fam.samples:
             if s.name == "llmgw_routing_decisions_total":
                 decisions[s.labels["reason"]] = s.value
             elif s.name == "llmgw_routing_index_entries":
                 entries[s.labels["table"]] = s.value
+            elif s.name == "llmgw_routing_reuse_ratio":
+                reuse.append((s.labels, s.value))
     # turn 1 and the session's first request: blind (consistent hashing on the
     # conversation's anchor); turn 2 by its anchor (what it shares with turn 1 ends
     # inside the anchor, which the index keeps as the conversation's last replica);
     # turns 3-6 by their prefix; the session's next three by the session
     assert decisions == {"prefix_hit": 5, "session": 3, "load_fallback": 0, "blind": 2}
     assert entries["prefix"] > 10 and entries["session"] == 1
+    # 8 of the 10 continued something (turns 2-6, the session's last three): the hashing stays on
+    assert len(reuse) == 1 and reuse[0][0] == {"model": "m"} and 0.95 < reuse[0][1] < 1.0, reuse
     need_tool("promtool", install="apt-get install prometheus")
     res = subprocess.run(["promtool", "check", "metrics"], input=page, capture_output=True, text=True, timeout=30)
     assert res.returncode == 0 and not res.stdout.strip() and not res.stderr.strip(), res.stdout + res.stderr

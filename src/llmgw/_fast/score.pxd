@@ -125,6 +125,8 @@ cdef class Picker:
     cdef Table _sessions                  # prefix: session hash -> replica
     cdef long long _counts[4]             # prefix: picks per R_* (metrics, read at scrape time)
     cdef double _mean_blocks              # prefix: EWMA of the chain's blocks per request (0: none yet)
+    cdef double _reuse                    # prefix: EWMA of keyed requests continuing something known
+    cdef bint _reuse_seen                 # prefix: a keyed request came (reuse measured, not presumed)
     cdef public bint shared               # prefix: other routers' routes reach learn() (see the twin)
 
     cdef uint64_t _next(self) noexcept

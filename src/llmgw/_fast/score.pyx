@@ -34,6 +34,8 @@ SLOWER = 3.0
 BLIND_SHARE = 0.2
 PREFILL_WEIGHT = 0.2
 MEAN_BLOCKS_WEIGHT = 1.0 / 64
+REUSE_MIN = 0.05
+REUSE_WEIGHT = 1.0 / 64
 SHORT_SHARED = 12
 SHARED_FLEET = 0.75
 KNOWN_TURN = 4
@@ -61,6 +63,8 @@ cdef double C_SLOWER = 3.0
 cdef double C_BLIND_SHARE = 0.2
 cdef double C_PREFILL_WEIGHT = 0.2
 cdef double C_MEAN_BLOCKS_WEIGHT = 1.0 / 64
+cdef double C_REUSE_MIN = 0.05
+cdef double C_REUSE_WEIGHT = 1.0 / 64
 cdef long long C_SHORT_SHARED = 12
 cdef double C_SHARED_FLEET = 0.75
 cdef long long C_KNOWN_TURN = 4
@@ -481,6 +485,8 @@ cdef class Picker:
         self._bound = load_bound
         self._counts[0] = self._counts[1] = self._counts[2] = self._counts[3] = 0
         self._mean_blocks = 0.0
+        self._reuse = 1.0
+        self._reuse_seen = False
         self.shared = False
         _table_free(&self._index)
         _table_free(&self._sessions)
@@ -510,6 +516,13 @@ cdef class Picker:
     def index_size(self, double now):
         """``(prefix entries, session entries)`` live now (0, 0 for other strategies)."""
         return (_table_live(&self._index, now), _table_live(&self._sessions, now))
+
+    @property
+    def reuse(self):
+        """``prefix``: the share of keyed requests (an EWMA) that continued something this router
+        knew; under ``REUSE_MIN`` the blind rule places first turns as ``score`` does (see the twin).
+        NaN until the first keyed request."""
+        return self._reuse if self._reuse_seen else NAN
 
     def index_capacity(self):
         """``(prefix slots, session slots)`` allocated (24 bytes each)."""
@@ -610,7 +623,7 @@ cdef class Picker:
         cdef uint64_t h, t, key, w, best_w, tag, anchor = 0, last = 0
         cdef Py_ssize_t home
         cdef long long shallow = -1, anchor_blocks = 0
-        cdef bint new_session = False, b_free
+        cdef bint new_session = False, b_free, known
         cdef uint64_t hits[4]
         cdef Py_ssize_t depths[4]
         cdef EndpointState st
@@ -729,6 +742,10 @@ cdef class Picker:
                             pick = i
                 if pick < 0:
                     pick = b
+        if nblocks or session:  # (the reuse gate: see the twin)
+            known = matched > 0 or reason != R_BLIND or shallow >= 0 or (session and not new_session)
+            self._reuse += ((1.0 if known else 0.0) - self._reuse) * C_REUSE_WEIGHT
+            self._reuse_seen = True
         if pick < 0:
             blind_limit = limit - self._bound * (1.0 - C_BLIND_SHARE)
             key = session
@@ -736,6 +753,8 @@ cdef class Picker:
                 key = anchor
             if not key and nblocks:
                 memcpy(&key, chain, 8)
+            if not (session or shallow >= 0 or self._reuse >= C_REUSE_MIN):
+                key = 0  # (nothing is used again here: a first turn is placed as score places it)
             if key:
                 best_w = 0
                 for i in range(n):

@@ -183,6 +183,15 @@ BLIND_SHARE = 0.2
 # pool's mean chain length (an EWMA over requests, MEAN_BLOCKS_WEIGHT), pro rata.
 PREFILL_WEIGHT = 0.2
 MEAN_BLOCKS_WEIGHT = 1.0 / 64
+# Placing an unseen prompt by its hash pays only when prompts are used again (the hash
+# sends a conversation's later turns, or the next request with the same start, where
+# every router sends them); where they are not, it only costs (TTFT p50 +4-7 % on a
+# workload with no reuse, bench/routing_sim.py). So the blind rule hashes a first turn
+# (no session, no later-turn bit) only while at least REUSE_MIN of the pool's keyed
+# requests continued something known: a session, a later turn, a chain whose first
+# block the index had (an EWMA over requests, REUSE_WEIGHT; it starts at 1).
+REUSE_MIN = 0.05
+REUSE_WEIGHT = 1.0 / 64
 # A first turn whose only match is a shared start (a system prompt) of at most this many
 # blocks goes where its anchor hashes, as its later turns will at routers that never saw
 # it: recomputing a short system prompt costs less than a conversation that moves.
@@ -713,7 +722,7 @@ class Picker:
     """
 
     __slots__ = (
-        "_bound", "_counts", "_index", "_mean_blocks", "_rng", "_rr", "_sessions", "_settings", "_strategy", "shared",
+        "_bound", "_counts", "_index", "_mean_blocks", "_reuse", "_reuse_seen", "_rng", "_rr", "_sessions", "_settings", "_strategy", "shared",
     )
 
     def __init__(
@@ -746,6 +755,8 @@ class Picker:
         self._bound = load_bound
         self._counts = [0, 0, 0, 0]
         self._mean_blocks = 0.0  # prefix: EWMA of the chain's blocks per request
+        self._reuse = 1.0  # prefix: EWMA of the keyed requests that continued something known (REUSE_MIN)
+        self._reuse_seen = False  # ... and whether a keyed request came yet (until then: presumed, not measured)
         self.shared = False
         """Whether the other routers' conversation routes reach this picker (:meth:`learn`): a
         conversation it knows of is then where it knows, not first at its home (:meth:`pick_prefix`)."""
@@ -774,6 +785,14 @@ class Picker:
         if self._index is None or self._sessions is None:
             return (0, 0)
         return (self._index.live(now), self._sessions.live(now))
+
+    @property
+    def reuse(self) -> float:
+        """``prefix``: the share of keyed requests (an EWMA) that continued something this
+        router knew (a session, a later turn, a chain the index had the start of); while it is
+        under ``REUSE_MIN`` the blind rule places first turns as ``score`` does. NaN until the
+        first keyed request (the gate presumes reuse until then: it is open)."""
+        return self._reuse if self._reuse_seen else _NAN
 
     def index_capacity(self) -> tuple[int, int]:
         """``(prefix slots, session slots)`` allocated (24 bytes each)."""
@@ -842,7 +861,9 @@ class Picker:
            its anchor hashes, as its later turns will at routers that never saw it);
         3. otherwise: rendezvous hashing of the session (else the anchor, else the
            first block) over the allowed replicas' tags, so that routers that share
-           nothing agree (``blind``); no key at all: ``b`` (``blind``).
+           nothing agree (``blind``); no key at all, or a first turn with no session
+           while under ``REUSE_MIN`` of the keyed requests continue something known
+           (:attr:`reuse`): ``b`` (``blind``).
 
         The chosen replica is then recorded for the session and for every block of
         the chain. Other strategies ignore the key.
@@ -931,10 +952,10 @@ class Picker:
                     else:
                         pick = b
                         reason = _R_LOAD
+        matched = 0  # blocks of the chain found in the index, in order
         if pick < 0 and blocks and not new_session:
             hits: list[int] = []  # the last _HITS_KEPT tags met along the cached prefix, deepest last
             depths: list[int] = []  # ... and how deep each was met
-            matched = 0
             last = 0  # the deepest matched block
             for h in blocks:
                 slot = index.find(h, now)
@@ -1005,9 +1026,16 @@ class Picker:
                             pick = i
                 if pick < 0:
                     pick = b
+        if nb or session:
+            known = matched > 0 or reason != _R_BLIND or shallow >= 0 or (session and not new_session)
+            ru = self._reuse
+            self._reuse = ru + ((1.0 if known else 0.0) - ru) * REUSE_WEIGHT
+            self._reuse_seen = True
         if pick < 0:
             blind_limit = limit - self._bound * (1.0 - BLIND_SHARE)
             h = session or anchor or (blocks[0] if blocks else 0)
+            if not (session or shallow >= 0 or self._reuse >= REUSE_MIN):
+                h = 0  # (nothing is used again here: a first turn is placed as score places it)
             if h:
                 best_w = -1
                 for i, st in enumerate(states):

@@ -484,6 +484,13 @@ def routing_families(registry: Registry) -> Iterator[Metric]:
         "llmgw_routing_index_slots", "Slots allocated for those tables (24 bytes each), per model.",
         labels=["model", "table"],
     )
+    reuse = GaugeMetricFamily(
+        "llmgw_routing_reuse_ratio",
+        "Share of the prefix strategy's keyed requests (a moving average over about 64) that continued something "
+        "this router knew: a session, a later turn, a known prompt start. Under 0.05 a first turn nothing is known "
+        "of goes where score sends it, not where its hash does. No sample before the first keyed request.",
+        labels=["model"],
+    )
     now = time.monotonic()
     for model, pool in list(registry.pools.items()):
         if not pool.keyed or not pool.endpoints:
@@ -496,7 +503,10 @@ def routing_families(registry: Registry) -> Iterator[Metric]:
         for k, table in enumerate(("prefix", "session")):
             entries.add_metric([model, table], live[k])
             slots.add_metric([model, table], cap[k])
-    yield from (decisions, entries, slots)
+        r = picker.reuse
+        if r == r:  # (absent until measured)
+            reuse.add_metric([model], r)
+    yield from (decisions, entries, slots, reuse)
 
 
 class LoopLagMonitor:
