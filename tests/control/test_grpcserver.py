@@ -514,6 +514,39 @@ async def test_rapid_resets_end_the_connection() -> None:
             c.close()
 
 
+async def test_a_stream_over_the_limit_is_refused_and_the_connection_goes_on() -> None:
+    """RFC 9113 §5.1.2: a stream over MAX_CONCURRENT_STREAMS is a stream error. The client opens
+    three calls before it has read the server's SETTINGS (limit 2): the third is reset
+    REFUSED_STREAM, the first two are served, the header blocks after it still decode (HPACK
+    in step), and a call opened once one has ended is served too."""
+    async with serving(Limits(max_concurrent_streams=2, max_resets=50)) as (_, _, port):
+        c = RawClient(port)
+        try:
+            sids = [c.headers("Bidi") for _ in range(3)]
+            for sid in sids:
+                c.conn.send_data(sid, b"\x00\x00\x00\x00\x02m%d" % (sid % 10))
+            c.send()
+            ev = await asyncio.to_thread(c.events, 1.0)
+            assert "closed" not in ev and _goaway(ev) is None
+            reset = [e for e in ev if isinstance(e, h2.events.StreamReset)]
+            assert [(e.stream_id, e.error_code) for e in reset] == [(sids[2], h2.errors.ErrorCodes.REFUSED_STREAM)]
+            echoed = {e.stream_id for e in ev if isinstance(e, h2.events.DataReceived)}
+            assert echoed == set(sids[:2])
+            # one call ends; a new one is taken (and answered) on the same connection
+            c.conn.end_stream(sids[0])
+            c.send()
+            ev = await asyncio.to_thread(c.events, 1.0)
+            assert any(isinstance(e, h2.events.StreamEnded) and e.stream_id == sids[0] for e in ev)
+            sid = c.headers("Unary", extra=((b"x-after", b"refused"),))
+            c.conn.send_data(sid, b"\x00\x00\x00\x00\x02ok", end_stream=True)
+            c.send()
+            ev = await asyncio.to_thread(c.events, 1.0)
+            got = [e.data for e in ev if isinstance(e, h2.events.DataReceived) and e.stream_id == sid]
+            assert got == [b"\x00\x00\x00\x00\x07echo:ok"]
+        finally:
+            c.close()
+
+
 async def test_a_compressed_message_or_encoding_is_unimplemented() -> None:
     async with serving() as (_, _, port):
         c = RawClient(port)

@@ -24,7 +24,9 @@ handler's task); flow control both ways (a slow reader holds its writer, not the
 loop); no compression (a compressed request is refused UNIMPLEMENTED, as a server
 without that codec must); TLS with ALPN ``h2``, mutual TLS.
 
-What protects it: at most ``max_concurrent_streams`` calls a connection, headers
+What protects it: at most ``max_concurrent_streams`` calls a connection (a call over
+it is refused, RST_STREAM ``REFUSED_STREAM``: a client may retry it; the connection
+goes on), headers
 of at most ``max_header_list_size`` bytes, messages of at most
 ``max_receive_message_length`` (RESOURCE_EXHAUSTED, as gRPC says it), a TLS
 handshake and HTTP/2 preface within ``handshake_timeout``, ping strikes as gRPC
@@ -460,6 +462,30 @@ class _Call:
             d.set_result(None)
 
 
+class _H2Connection(h2.connection.H2Connection):
+    """h2's connection, less its count of open streams against ``max_concurrent_streams``:
+    :meth:`_Connection._request` refuses a stream over the limit itself.
+
+    RFC 9113 §5.1.2 makes such a stream a stream error (REFUSED_STREAM: the client may retry
+    it). h2 raised a connection error before the header block was decoded, and an undecoded
+    block leaves HPACK's state (the connection's) behind: the whole connection had to close.
+    """
+
+    _counting = True
+
+    def _receive_headers_frame(self, frame: Any) -> Any:
+        self._counting = False
+        try:
+            return super()._receive_headers_frame(frame)
+        finally:
+            self._counting = True
+
+    @property
+    def open_inbound_streams(self) -> int:
+        n: int = super().open_inbound_streams  # (h2 also forgets its closed streams here)
+        return n if self._counting else 0
+
+
 class _Connection(asyncio.Protocol):
     """One client connection: HTTP/2 through ``h2``, its calls, its timers."""
 
@@ -476,7 +502,7 @@ class _Connection(asyncio.Protocol):
         # (h2's own checks of header values refuse some grpc sends, a value with a space at either end,
         # as a protocol error of the whole connection; the call's checks are _request's)
         cfg = h2.config.H2Configuration(client_side=False, header_encoding=None, validate_inbound_headers=False)
-        self.h2 = h2.connection.H2Connection(config=cfg)
+        self.h2 = _H2Connection(config=cfg)
         self.calls: dict[int, _Call] = {}
         self.paused = False
         self.closed = False
@@ -701,6 +727,14 @@ class _Connection(asyncio.Protocol):
 
     def _request(self, ev: h2.events.RequestReceived) -> None:
         sid = ev.stream_id
+        if self._over_limit(sid):
+            # (a client that opened it before our SETTINGS came, or one that ignores them: refused
+            # streams count as resets do, so that refusing them cannot be a flood)
+            log.debug("refused stream %d from %s: over max_concurrent_streams", sid, self.peer)
+            with contextlib.suppress(h2.exceptions.ProtocolError):
+                self.h2.reset_stream(sid, h2.errors.ErrorCodes.REFUSED_STREAM)
+            self._count_reset()
+            return
         headers = ev.headers or []
         method = path = ctype = None
         encoding = b"identity"
@@ -756,6 +790,15 @@ class _Connection(asyncio.Protocol):
             call.timer = self.loop.call_later(max(0.0, deadline - time.monotonic()), call.cancel, "deadline")
         call.task = self.loop.create_task(call.run(), name=f"gRPC {name}")
         call.task.add_done_callback(call.ran)
+
+    def _over_limit(self, sid: int) -> bool:
+        """Whether stream ``sid`` is over ``max_concurrent_streams``: counted with the streams open
+        before it (h2 has made every stream of the bytes read when the first one's event comes)."""
+        n = 0
+        for k, stream in self.h2.streams.items():
+            if k <= sid and k & 1 and stream.open:
+                n += 1
+        return n > self.h2.local_settings.max_concurrent_streams
 
     def _take(self, call: _Call, chunk: bytes) -> bool:
         """A DATA frame's payload into its call's messages (and the handler woken); False if it broke a rule."""
@@ -875,6 +918,10 @@ class _Connection(asyncio.Protocol):
             return  # (a stream this server has answered: grpcio resets those it had not ended; no flood)
         call.cancel("reset")
         self._release(call)
+        self._count_reset()
+
+    def _count_reset(self) -> None:
+        """A stream reset (by the client, or refused here): too many within ``reset_window`` end the connection."""
         now = time.monotonic()
         resets = self.resets
         resets.append(now)
