@@ -225,6 +225,55 @@ async def _rolls_over(ctl_: DeploymentController, cfg: list[Any], entry: dict[st
     assert (d["ready"], d["placed"], d["outdated"], d["message"]) == (2, 2, 0, None), d
 
 
+async def test_a_rolling_update_goes_on_across_a_control_plane_restart() -> None:
+    """Halfway through a rolling update the control plane restarts: the one that loads the rows hands
+    the old replicas the same specs (their agents do not restart them in the new form, which would stop
+    them all at once) and the update goes on to its end, never fewer ready than before."""
+    entry: dict[str, Any] = {"name": "c", "model": "m", "engine": "vllm", "replicas": 2, "gpu_memory": "10GiB",
+                             "env": {"A": "1"}}
+    cfg = [load({"deployments": [entry]})]
+    nodes = NodeMap(lambda: 60.0)
+    hw = tuple(GPU(f"GPU-{i}", i, "NVIDIA H100 80GB HBM3", memory_total_bytes=80 << 30, memory_used_bytes=0)
+               for i in range(4))
+    nodes.register("n", peer="p", agent_version="t", protocol=(1, 2), discovery=Discovery(NodeFacts("h"), hw))
+    db, store = await _memory_store()
+    ctl_ = DeploymentController(nodes=nodes, store=store, router=None, config=lambda: cfg[0], resolver=lambda m: None)
+    try:
+        await _sync(ctl_)
+        old_specs = {s.id: s for s in ctl_.desired("n")[1]}
+        await _ready(ctl_, "n", set(old_specs))
+        cfg[0] = load({"deployments": [{**entry, "args": ["--enforce-eager"], "env": {"A": "2"}}]})
+        await _sync(ctl_)
+        before = {s.id: s for s in ctl_.desired("n")[1]}
+        assert ctl_.view("c")["outdated"] == 2 and len(before) == 4
+    finally:
+        await ctl_.stop()
+    store2 = DesiredStore(db, unfenced(db))  # (the next control plane: the same database, loaded afresh)
+    await store2.load()
+    ctl2 = DeploymentController(nodes=nodes, store=store2, router=None, config=lambda: cfg[0], resolver=lambda m: None)
+    try:
+        await _sync(ctl2)
+        after = {s.id: s for s in ctl2.desired("n")[1]}
+        assert after == before  # every spec as it was: the old replicas' too, equal to what their agent runs
+        assert all(after[i] == old_specs[i] for i in old_specs)
+        assert all(after[i].args == () and after[i].env == {"A": "1"} for i in old_specs)
+        d = ctl2.view("c")
+        assert (d["outdated"], d["placed"]) == (2, 2), d
+        new = set(after) - set(old_specs)
+        assert all(after[i].args == ("--enforce-eager",) and after[i].env == {"A": "2"} for i in new)
+        await _ready(ctl2, "n", set(old_specs))  # the agent reports what it runs: the old ones ready
+        for _ in range(4):  # the new ones ready: the old ones leave, one for each
+            await _ready(ctl2, "n", {s.id for s in ctl2.desired("n")[1]})
+            assert sum(1 for r in ctl2.view("c")["replicas"] if r["state"] == "ready") >= 2
+        final = ctl2.desired("n")[1]
+        assert {s.id for s in final} == new
+        d = ctl2.view("c")
+        assert (d["ready"], d["placed"], d["outdated"]) == (2, 2, 0), d
+    finally:
+        await ctl2.stop()
+        await db.close()
+
+
 async def test_a_changed_entry_ends_a_scale_and_replaces_replicas(tmp_path: Path) -> None:
     entry: dict[str, Any] = {"name": "c", "model": "m", "engine": "llamacpp", "replicas": 1}
     cfg = [load({"deployments": [entry]})]

@@ -62,6 +62,7 @@ from ..launch.spec import (
     LOG_TAIL,
     READY,
     STARTING,
+    ModelBlob,
     ReplicaSpec,
     ReplicaStatus,
     log_tail,
@@ -193,6 +194,9 @@ class Replica:
     durable: bool = True
     """Its row is committed: only then is it in its node's desired set (a leader killed before that
     never had it launched; the next one, loading the rows, cannot launch it a second time)."""
+    reported: bool = True
+    """Its node has reported since this control plane has known it (a replica loaded from the database is
+    not until its node's first heartbeat: until then nothing is known of whether it runs)."""
     crash: str | None = None
     """The agent's message from its last crash (``exited with status 1; restarting in 8s; its log ends:...``),
     kept while the agent starts it again (its message is then ``started: ...``); ``None`` once ready."""
@@ -208,18 +212,42 @@ class Replica:
                      self.cpu_cores, loaded=self.state == READY)
 
     def stored(self) -> StoredReplica:
+        """Its row. An outdated replica's row also keeps the form it runs (``form``: its deployment's
+        entry has changed since, so a control plane that loads the row could not make its spec again)."""
+        form: dict[str, Any] = {}
+        if self.outdated and self.spec is not None:
+            sp = self.spec
+            form = {"form": {
+                "engine": sp.engine, "model": sp.model, "served_name": sp.served_name,
+                "blobs": [[b.digest, b.size, b.role] for b in sp.blobs], "slots": sp.slots, "context": sp.context,
+                "args": list(sp.args), "env": dict(sp.env),
+            }}
         return StoredReplica(self.id, self.deployment, self.node, {
             "gpus": list(self.gpus), "gpu_memory": self.gpu_memory, "exclusive": self.exclusive, "memory": self.memory,
             "cpu_cores": self.cpu_cores, "fraction": self.fraction, "api_key": self.api_key,
-            **({"outdated": True} if self.outdated else {}),
+            **({"outdated": True} if self.outdated else {}), **form,
         }, self.created_at)
 
     @classmethod
     def from_stored(cls, r: StoredReplica) -> Replica:
         s = r.spec
-        return cls(r.id, r.deployment, r.node, tuple(s.get("gpus", ())), int(s.get("gpu_memory", 0)),
-                   bool(s.get("exclusive", True)), int(s.get("memory", 0)), float(s.get("cpu_cores", 0.0)),
-                   s.get("fraction"), str(s.get("api_key", "")), r.created_at, outdated=bool(s.get("outdated")))
+        rep = cls(r.id, r.deployment, r.node, tuple(s.get("gpus", ())), int(s.get("gpu_memory", 0)),
+                  bool(s.get("exclusive", True)), int(s.get("memory", 0)), float(s.get("cpu_cores", 0.0)),
+                  s.get("fraction"), str(s.get("api_key", "")), r.created_at, outdated=bool(s.get("outdated")),
+                  reported=False)
+        form = s.get("form")
+        if rep.outdated and isinstance(form, Mapping):
+            # (the spec it was given, equal to the one its agent runs: a rolling update goes on where
+            # it was, its old replicas serving until new ones are ready, not restarted in the new form)
+            rep.spec = ReplicaSpec(
+                id=rep.id, deployment=rep.deployment, engine=str(form["engine"]), model=str(form["model"]),
+                served_name=str(form["served_name"]),
+                blobs=tuple(ModelBlob(str(d), int(n), str(role)) for d, n, role in form.get("blobs", ())),
+                gpus=rep.gpus, gpu_memory_fraction=rep.fraction, slots=form.get("slots"),
+                context=form.get("context"), args=tuple(map(str, form.get("args", ()))),
+                env={str(k): str(v) for k, v in dict(form.get("env", {})).items()}, api_key=rep.api_key,
+            )
+        return rep
 
 
 @dataclass
@@ -589,11 +617,14 @@ class DeploymentController:
 
     def _retire(self, live: list[Replica], old: list[Replica], want: int) -> None:
         """A rolling update's step: outdated replicas that serve nothing drain now; of those that serve,
-        as many stay as the new form's ready replicas do not yet replace (oldest go first)."""
+        as many stay as the new form's ready replicas do not yet replace (oldest go first).
+
+        One its node has not reported since this control plane loaded it (a restart halfway through the
+        update) is neither: it waits for the report (a node silent for long loses its replicas anyway)."""
         ready_new = sum(1 for r in live if r.state == READY)
         serving = sorted((r for r in old if r.state == READY), key=lambda r: r.created_at)
         for r in old:
-            if r.state != READY:
+            if r.state != READY and r.reported:
                 self._start_drain(r)
         for r in serving[: max(0, len(serving) - max(0, want - ready_new))]:
             self._start_drain(r)
@@ -877,6 +908,8 @@ class DeploymentController:
         """The statuses a heartbeat from ``node`` carried: the router follows what is ready."""
         seen: set[str] = set()
         changed = False
+        for r in self._by_node.get(node, {}).values():
+            r.reported = True
         for s in statuses:
             r = self.replicas.get(s.id)
             if r is None or r.node != node:
