@@ -392,13 +392,20 @@ def test_reserved_control_plane_sections(monkeypatch: pytest.MonkeyPatch) -> Non
     assert followed.tls and followed.tls_ca == "/etc/ca.pem"
     for secret in ("join-secret-1", "follow-secret-1", "hf-secret-1"):
         assert secret not in repr(cfg) + repr(followed)
-    assert load({"control": {"listen": ":1", "heartbeat_interval": "2s"}}).control.heartbeat_grace == 6.0  # type: ignore[union-attr]
+    tok = {"listen": ":1", "join_token": "t"}
+    assert load({"control": {**tok, "heartbeat_interval": "2s"}}).control.heartbeat_grace == 6.0  # type: ignore[union-attr]
     assert load({"control": {"listen": ":1", "join_token": ["a", "b"]}}).control.join_tokens == ("a", "b")  # type: ignore[union-attr]
     assert load({}).control is None and load({}).deployments == () and load({}).follow is None
-    c = load({"control": {"listen": ":1", "database": "postgresql://u:pw-secret-1@db/x", "lease": "5s",
+    c = load({"control": {**tok, "database": "postgresql://u:pw-secret-1@db/x", "lease": "5s",
                           "advertise": "cp0.example"}}).control
     assert c is not None and (c.database, c.lease, c.advertise) == ("postgresql://u:pw-secret-1@db/x", 5.0, "cp0.example")
-    assert "pw-secret-1" not in repr(c) and load({"control": {"listen": ":1"}}).control.lease == 15.0  # type: ignore[union-attr]
+    assert "pw-secret-1" not in repr(c) and load({"control": tok}).control.lease == 15.0  # type: ignore[union-attr]
+    # a control plane agents cannot join is refused with the file (check-config, a reload), not at start only
+    for no_token in ({"listen": ":1"}, {"listen": ":1", "join_token": []}):
+        with pytest.raises(ConfigError, match=r"control(\.join_token)?: "):
+            load({"control": no_token})
+    with pytest.raises(ConfigError, match=r"needs a join token for agents: set control\.join_token_env"):
+        load({"control": {"listen": ":1"}})
 
 
 @pytest.mark.parametrize(

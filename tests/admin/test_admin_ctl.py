@@ -109,6 +109,11 @@ async def test_reload(tmp_path: Path) -> None:
             assert lines[0].startswith("llmgw: error: reload failed, the running configuration is kept: ")
             assert sum("modle: unknown key" in line for line in lines) == 1
             assert sum("max_body_sise: unknown key" in line for line in lines) == 1
+            # a control plane no agent could join (its last join token removed) is refused like any problem
+            conf.write_text(yaml.safe_dump({**config_for([a]), "control": {"listen": "127.0.0.1:1"}}))
+            res = await invoke("--admin", url(rt), "reload")
+            assert res.exit_code == 1 and "the running configuration is kept" in res.output
+            assert "needs a join token for agents" in res.output and len(res.output.splitlines()) == 1, res.output
     finally:
         await a.stop()
         await b.stop()

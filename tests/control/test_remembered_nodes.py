@@ -61,6 +61,8 @@ async def test_a_node_whose_agent_died_with_the_control_plane_is_listed_unhealth
             assert d["state"] == "unhealthy" and d["hostname"] == "host-node-d"
             assert d["last_heartbeat"] is None and d["heartbeat_age_s"] is None and d["registered_at"] is None
             assert d["heartbeats"] == 0 and d["gpu_count"] == 2
+            # what its agent has not said is not known: no GPU source ("none" is a node without GPUs), no protocol
+            assert d["gpu_source"] is None and d["protocol"] is None, d
             assert any("not heard from since this control plane took over" in e for e in d["errors"])
             status, one = await api(rt, "GET", "/admin/v1/nodes/node-d")
             assert status == 200 and [g["uuid"] for g in one["gpus"]] == uuids
@@ -75,7 +77,10 @@ async def test_a_node_whose_agent_died_with_the_control_plane_is_listed_unhealth
             assert pick(m, "llmgw_node_last_heartbeat_timestamp_seconds", node="node-d") == []
             assert pick(m, "llmgw_node_heartbeat_age_seconds", node="node-d") == []
             assert pick(m, "llmgw_gpu_memory_used_bytes", node="node-d") == []
-            assert 'llmgw_node_up{node="node-d"} 0.0' in await metrics_text(rt)
+            text = await metrics_text(rt)
+            assert 'llmgw_node_up{node="node-d"} 0.0' in text
+            info = [ln for ln in text.splitlines() if ln.startswith('llmgw_node_info{node="node-d"')]
+            assert len(info) == 1 and 'gpu_source=""' in info[0], info
 
             # llmgw ctl forget, as an operator runs it
             admin = rt.admin.listeners.admin.sockets[0].getsockname()[1]  # type: ignore[union-attr]

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+import os
 import subprocess
+import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -87,6 +91,54 @@ async def test_tls_agent_trusting_the_ca_joins_plaintext_does_not(pki: dict[str,
         with pytest.raises(grpc.aio.AioRpcError) as e:
             await _register(port, grpc.ssl_channel_credentials(root_certificates=pki["client.pem"].read_bytes()))
         assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+async def _agent_says(port: int, tmp_path: Path, *extra: str) -> str:
+    """What a real ``llmgw agent`` writes until its first retry warning (at most 20 s), then stopped."""
+    env = {k: v for k, v in os.environ.items() if k != "GRPC_VERBOSITY"}
+    env["LLMGW_JOIN_TOKEN"] = TOKEN
+    proc = await asyncio.create_subprocess_exec(  # (the control plane runs on this loop)
+        sys.executable, "-m", "llmgw", "agent", "--control", f"127.0.0.1:{port}", "--token-env", "LLMGW_JOIN_TOKEN",
+        "--name", "tls-probe", "--gpu-source", "none", "--state-dir", str(tmp_path / "probe-state"), *extra,
+        stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE, env=env,
+    )
+    assert proc.stderr is not None
+    lines: list[str] = []
+    try:
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and not any("retrying with backoff" in ln for ln in lines):
+            try:
+                raw = await asyncio.wait_for(proc.stderr.readline(), max(0.1, deadline - time.monotonic()))
+            except asyncio.TimeoutError:
+                break
+            if not raw:
+                break
+            lines.append(raw.decode(errors="replace"))
+        await asyncio.sleep(1.0)  # (a few more tries: gRPC's own lines, if any, would come with each)
+    finally:
+        proc.terminate()
+        rest = await asyncio.wait_for(proc.stderr.read(), 10)
+        await asyncio.wait_for(proc.wait(), 10)
+    return "".join(lines) + rest.decode(errors="replace")
+
+
+async def test_a_tls_mismatch_is_said_once_with_the_fix(pki: dict[str, Path], tmp_path: Path) -> None:
+    """A plaintext agent against TLS, an agent trusting the wrong CA, a TLS agent against plaintext:
+    each says what to change in its warning, and none of gRPC's own per-handshake lines reach stderr."""
+    port = free_port()
+    async with control_runtime(port, tls_cert=str(pki["server.pem"]), tls_key=str(pki["server.key"])):
+        plain = await _agent_says(port, tmp_path)
+        wrong_ca = await _agent_says(port, tmp_path, "--tls-ca", str(pki["client.pem"]))
+    port = free_port()
+    async with control_runtime(port):
+        tls_to_plain = await _agent_says(port, tmp_path, "--tls")
+    for text, fix in ((plain, "if the control plane serves TLS, add --tls"),
+                      (wrong_ca, "give the CA that signed it with --tls-ca"),
+                      (tls_to_plain, "does not serve TLS: drop --tls")):
+        said = [ln for ln in text.splitlines() if "retrying with backoff" in ln]
+        assert said and all(fix in ln for ln in said), text
+        assert "ssl_transport_security" not in text and "Handshake failed" not in text, text
+        assert TOKEN not in text
 
 
 @SERVERS

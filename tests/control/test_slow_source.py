@@ -15,7 +15,7 @@ import threading
 import time
 
 import pytest
-from cp_helpers import TOKEN, api, control_plane, control_runtime, free_port, running, wait_for
+from cp_helpers import TOKEN, api, control_plane, control_runtime, free_port, metrics_text, running, wait_for
 from scenario import discovery_of, h100s
 
 from llmgw.agent import client as agent_client
@@ -28,8 +28,11 @@ pytestmark = pytest.mark.timeout(60)
 class HeldSource:
     """Reads answer at once until :meth:`hold`; then each waits (bounded) for :meth:`release`."""
 
+    name = "nvml"
+
     def __init__(self) -> None:
-        self.d = discovery_of({"hostname": "slow-host", "gpus": h100s(2, "s")})
+        self.d = discovery_of({"hostname": "slow-host", "gpus": h100s(2, "s"), "source": "nvml",  # (GPU 1 degraded)
+                               "facts": {"memory_total_bytes": 64 << 30, "memory_available_bytes": 40 << 30}})
         self.open = threading.Event()
         self.open.set()
         self.reads = 0
@@ -100,8 +103,16 @@ async def test_a_held_source_keeps_the_node_up_and_its_numbers_go_absent_when_ol
                 assert [g["memory_total_bytes"] for g in gpus] == [85899345920, 85899345920]
                 for g in gpus:
                     for k in ("utilization_gpu_ratio", "memory_used_bytes", "memory_free_bytes", "temperature_celsius",
-                              "power_watts"):
+                              "power_watts", "mig_mode"):
                         assert g.get(k) is None, (k, g)
+                    # health is a reading too: unknown now, not the last one passed off as current
+                    assert g["health"] == "unknown" and g["xid_errors"] == {}, g
+                assert node["facts"]["memory_available_bytes"] is None and node["facts"]["memory_total_bytes"] == 64 << 30
+                text = await metrics_text(rt)
+                u1 = source.d.gpus[1].uuid
+                assert f'llmgw_gpu_health_state{{node="node-slow",gpu_uuid="{u1}",gpu_index="1",state="unknown"}} 1.0' \
+                    in text, text
+                assert 'state="degraded"} 1.0' not in text and "llmgw_node_memory_available_bytes{" not in text
                 assert any("has not answered for" in e and "without their readings" in e for e in node["errors"]), node
 
                 source.release()  # answering again: the readings come back, the error goes
@@ -130,8 +141,8 @@ async def test_a_source_that_never_answers_still_registers_the_node_with_the_rea
             with source:  # (released before the agent stops: its last read ends)
                 await wait_for(lambda: a.heartbeats >= 2, what="beats from a node whose source never answered")
                 node = await _node(rt)
-                # no GPUs read: none reported (not zero of anything), and why
-                assert node["state"] == "up" and node["gpus"] == []
+                # no GPUs read: none reported (not zero of anything), and why; the source is the one it reads
+                assert node["state"] == "up" and node["gpus"] == [] and node["gpu_source"] == "nvml", node
                 assert any("has not answered for" in e for e in node["errors"]), node
                 source.release()
                 await wait_for(lambda: _fresh(rt), 10, "the first readings")

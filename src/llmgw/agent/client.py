@@ -45,7 +45,7 @@ import threading
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Protocol
 
 import grpc
@@ -96,6 +96,20 @@ def leader_hint(exc: grpc.aio.AioRpcError) -> str | None:
         if key == LEADER_METADATA and isinstance(value, str) and value:
             return value
     return None
+def tls_hint(details: str, tls: bool) -> str | None:
+    """What to change when a connection failed on TLS (gRPC's words in ``details``), or ``None``."""
+    if "WRONG_VERSION_NUMBER" in details:
+        return "the control plane there does not serve TLS: drop --tls/--tls-ca, or give the address of one that does"
+    if "CERTIFICATE_VERIFY_FAILED" in details:
+        return ("its certificate is not signed by a CA this agent trusts: give the CA that signed it with --tls-ca; "
+                "without it, the system's CAs are trusted")
+    if "not in peer certificate" in details or "Peer name" in details:
+        return "its certificate does not name the address given: connect by a name or IP its certificate has"
+    if not tls and ("Socket closed" in details or "End of TCP stream" in details):
+        return "if the control plane serves TLS, add --tls, and --tls-ca for a private CA"
+    return None
+
+
 _FATAL = (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.INVALID_ARGUMENT,
           grpc.StatusCode.PERMISSION_DENIED)
 
@@ -108,6 +122,12 @@ class GPUSource(Protocol):
 
     def close(self) -> None:
         """Release the library/handles."""
+
+
+def _source_name(source: Any) -> str:
+    """The name a source gives itself (``nvml``...); ``""`` (unknown) for one that gives none."""
+    name = getattr(source, "name", "")
+    return name if isinstance(name, str) else ""
 
 
 class AgentRefused(Exception):
@@ -272,7 +292,7 @@ class AgentClient:
 
         def failed(why: str) -> Discovery:
             return Discovery(facts=NodeFacts(hostname=socket.gethostname(), agent_version=__version__),
-                             errors=(f"GPU source failed: {why}",))
+                             source=_source_name(source), errors=(f"GPU source failed: {why}",))
 
         def done(d: Any, exc: BaseException | None) -> None:
             if exc is not None:  # a source must not raise; if one does, report it, never zeros
@@ -326,18 +346,22 @@ class AgentClient:
             return last
         msg = (f"the GPU source has not answered for {running:.0f} s (a read is still running: "
                "a hung driver, or nvidia-smi stuck?)")
-        if last is None:
-            return Discovery(facts=NodeFacts(hostname=socket.gethostname(), agent_version=__version__), errors=(msg,))
+        if last is None:  # (the source is known, what it would read is not: no GPUs claimed, none denied)
+            return Discovery(facts=NodeFacts(hostname=socket.gethostname(), agent_version=__version__),
+                             source=_source_name(self.source), errors=(msg,))
         if self._late_said != self._read_started:  # (said once per stalled read, not on every beat)
             log.warning("GPU discovery: %s; reporting the GPUs last read %.0f s ago without their readings "
                         "until it answers", msg, now - self._last_at)
             self._late_said = self._read_started
+        # (health, MIG mode, the node's free memory and its InfiniBand counters are readings too: absent,
+        # health "unknown", not the last ones passed off as current; a hung driver is when they matter)
         gpus = tuple(
             GPU(uuid=g.uuid, index=g.index, name=g.name, pci_bus_id=g.pci_bus_id, parent_uuid=g.parent_uuid,
-                memory_total_bytes=g.memory_total_bytes, mig_mode=g.mig_mode, health=g.health, errors=g.errors)
+                memory_total_bytes=g.memory_total_bytes, health="unknown")
             for g in last.gpus
         )
-        return Discovery(facts=last.facts, gpus=gpus, source=last.source,
+        facts = replace(last.facts, memory_available_bytes=None, infiniband=())
+        return Discovery(facts=facts, gpus=gpus, source=last.source,
                          errors=(*last.errors, f"{msg}; the GPUs as last read {now - self._last_at:.0f} s ago, "
                                  "without their readings"))
 
@@ -696,6 +720,9 @@ class AgentClient:
                         registered = False
                         continue
                     msg = f"{code.name}: {exc.details()}"
+                    why = tls_hint(exc.details() or "", self.credentials is not None)
+                    if why is not None:
+                        msg = f"{msg} ({why})"
                     hint = leader_hint(exc)
                     said_now = f"{self.target} {msg}" not in said
                     if said_now:  # (an outage that goes round the addresses logs each answer once)

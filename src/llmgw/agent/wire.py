@@ -191,7 +191,7 @@ def discovery_from_proto(m: pb.Discovery) -> Discovery:
     return Discovery(
         facts=NodeFacts(**kw),
         gpus=tuple(_gpu_from_proto(g) for g in m.gpus),
-        source=m.source or "none",
+        source=m.source,  # ("": a source that has not read yet, known by none of its readings)
         errors=tuple(m.errors),
     )
 

@@ -444,7 +444,7 @@ def _one_node(t: Target, name: str) -> None:
         ("address", escape(str(data.get("address") or ABSENT))),
         ("heartbeat", f"{_age(data.get('heartbeat_age_s'))} ago" if data.get("heartbeat_age_s") is not None
          else f"{ABSENT} (not heard from since this control plane took over)"),
-        ("agent", f"{escape(str(data.get('agent_version') or ABSENT))} (protocol {data.get('protocol')})"),
+        ("agent", f"{escape(str(data.get('agent_version') or ABSENT))} (protocol {data.get('protocol') or ABSENT})"),
         ("gpu source", escape(str(data.get("gpu_source") or ABSENT))),
         ("driver", f"{facts.get('driver_version') or ABSENT} (CUDA {facts.get('cuda_driver_version') or ABSENT})"),
         ("labels", escape(labels)),

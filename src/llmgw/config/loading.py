@@ -215,6 +215,11 @@ def _control(problems: _Problems, c: Any, raw: Any) -> ControlConfig | None:
         if why is not None:
             problems.add(("control", "database_env" if c.database_env else "database"), why)
     tokens = tuple(e.value for e in c.join_token_env) if c.join_token_env else (c.join_token or ())
+    if not tokens:
+        # (checked with the rest of the file, so that a reload that drops the last token is refused with the
+        # running configuration kept, instead of every agent being refused at its next heartbeat)
+        problems.add(("control",), "the control plane needs a join token for agents: set control.join_token_env "
+                     "(the name of an environment variable holding it) or control.join_token")
     routers = tuple(e.value for e in c.router_token_env) if c.router_token_env else (c.router_token or ())
     return ControlConfig(
         listen=c.listen, join_tokens=tokens, router_tokens=routers, heartbeat_interval=c.heartbeat_interval,

@@ -242,7 +242,7 @@ def node_text(st: NodeState, is_up: bool) -> dict[int, bytes]:
     out: dict[int, bytes] = {
         _NODE_INFO: (_TEMPLATES[_NODE_INFO] % (
             n, _escape(f.hostname), _escape(st.agent_version or f.agent_version), _escape(f.driver_version),
-            _escape(f.cuda_driver_version), _escape(d.source or "none"), "1.0")).encode(),
+            _escape(f.cuda_driver_version), _escape(d.source), "1.0")).encode(),
         _NODE_UP: f"{op[_NODE_UP]}{nl}{'1.0' if is_up else '0.0'}\n".encode(),
         _NODE_CORDONED: f"{op[_NODE_CORDONED]}{nl}{'1.0' if st.cordoned else '0.0'}\n".encode(),
     }

@@ -908,8 +908,8 @@ class DeploymentController:
         """The statuses a heartbeat from ``node`` carried: the router follows what is ready."""
         seen: set[str] = set()
         changed = False
-        for r in self._by_node.get(node, {}).values():
-            r.reported = True
+        for placed in self._by_node.get(node, {}).values():
+            placed.reported = True
         for s in statuses:
             r = self.replicas.get(s.id)
             if r is None or r.node != node:

@@ -228,8 +228,9 @@ class NodeMap:
         st = self._nodes.get(name)
         if st is not None:
             return st
-        reading = Discovery(
+        reading = Discovery(  # (source "": not known until its agent says; "none" would claim a node without GPUs)
             facts=NodeFacts(hostname=hostname or ""), gpus=tuple(GPU(uuid=u, health="unknown") for u in gpu_uuids),
+            source="",
             errors=("not heard from since this control plane took over: known from the database; its readings "
                     "come when its agent registers",),
         )

@@ -710,7 +710,7 @@ class AgentService(agent_pb2_grpc.AgentServiceServicer):
         log.info(
             "node %s %sregistered from %s (agent %s, protocol %d.%d, %d GPU(s), source %s)",
             name, "" if created else "re-", peer, request.agent_version or "?", *theirs, len(discovery.gpus),
-            discovery.source or "none",
+            discovery.source or "unknown",
         )
         c = self.control()
         if self.lease_ms is not None:

@@ -40,7 +40,7 @@ def node_view(nodes: NodeMap, st: NodeState, *, gpus: bool) -> dict[str, Any]:
         "labels": dict(st.labels),
         "hostname": f.hostname,
         "agent_version": st.agent_version or None,
-        "protocol": f"{st.protocol[0]}.{st.protocol[1]}",
+        "protocol": f"{st.protocol[0]}.{st.protocol[1]}" if st.heard else None,  # (not said before its agent did)
         "peer": st.peer,
         "address": st.address,
         "registered_at": round(st.registered_at, 3) if st.heard else None,
@@ -48,7 +48,7 @@ def node_view(nodes: NodeMap, st: NodeState, *, gpus: bool) -> dict[str, Any]:
         "heartbeat_age_s": round(st.age(now), 3) if st.heard else None,
         "heartbeats": st.heartbeats,
         "registrations": st.registrations,
-        "gpu_source": d.source,
+        "gpu_source": d.source or None,
         "gpu_count": len(d.gpus),
         "errors": list(d.errors),
         "facts": facts,
