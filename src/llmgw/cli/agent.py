@@ -92,6 +92,13 @@ def check_tls_files(ca: str | None, cert: str | None, key: str | None) -> None:
     """
     from ..config.loading import tls_pem_problems
 
+    for option, path in (("--tls-ca", ca), ("--tls-cert", cert), ("--tls-key", key)):
+        if path:
+            try:
+                with open(path, "rb"):
+                    pass
+            except OSError as exc:
+                raise Fail(f"{option} {path}: cannot read it ({exc.strerror or exc})") from None
     pair, ca_why = tls_pem_problems(cert or None, key or None, ca or None, server=False)
     if ca_why is not None:
         raise Fail(f"--tls-ca {ca}: {ca_why}")
@@ -103,7 +110,7 @@ INSTANCE_FILE = "agent-instance"
 LOCK_FILE = "agent.lock"
 
 
-def claim_state_dir(path: str) -> tuple[str, int]:
+def claim_state_dir(path: str, where: str = "--state-dir") -> tuple[str, int]:
     """Make the state directory (mode 0700) and hold it for this process: ``(instance, lock fd)``.
 
     The lock (``flock`` on ``agent.lock``, released when the process ends, however it ends) keeps a
@@ -119,7 +126,7 @@ def claim_state_dir(path: str) -> tuple[str, int]:
     import uuid
 
     def unusable(exc: OSError) -> Fail:
-        return Fail(f"--state-dir {path}: cannot use it ({exc.strerror or exc}): give a directory this user "
+        return Fail(f"{where} {path}: cannot use it ({exc.strerror or exc}): give a directory this user "
                     "can write (under systemd: StateDirectory=llmgw-agent, as deploy/systemd/llmgw-agent.service has)")
 
     try:
@@ -314,7 +321,10 @@ def agent(
     token: str | None = None
     engines: Mapping[str, Any] = {}
     labels: dict[str, str] = {}
+    state_flag = state_dir is not None
     if config_path is not None:
+        if not config_path:
+            raise Fail('--config: the path is empty (-c "$VAR" with VAR unset?): give the file')
         from ..config.agent import load_agent_file
         from ..errors import ConfigError
 
@@ -365,6 +375,11 @@ def agent(
             raise Fail(f"--token-env {token_env}: the environment variable is not set (it holds the join token)")
         if not token.strip():
             raise Fail(f"--token-env {token_env}: the environment variable is empty (it holds the join token)")
+        from ..config._rules import _unsendable
+
+        why = _unsendable(token)
+        if why is not None:  # SECURITY: never the token itself (gRPC's error would quote it)
+            raise Fail(f"--token-env {token_env}: the join token {why}")
     if not token:
         raise Fail("the agent needs the join token: --token-env NAME (or token_env: in --config FILE)")
     if (tls_cert is None) != (tls_key is None):
@@ -373,11 +388,11 @@ def agent(
     if use_tls or tls_ca or tls_cert:
         from ..agent.client import TLSFiles, channel_credentials
 
+        check_tls_files(tls_ca, tls_cert, tls_key)  # (first: its errors name the option and the file)
         try:
             credentials = channel_credentials(TLSFiles(ca=tls_ca, cert=tls_cert, key=tls_key))
         except OSError as exc:
             raise Fail(f"cannot read a TLS file: {exc}") from None
-        check_tls_files(tls_ca, tls_cert, tls_key)
     elif not all(is_loopback(c[0]) for c in control) and not insecure:
         off = next(c[0] for c in control if not is_loopback(c[0]))
         raise Fail(
@@ -386,7 +401,9 @@ def agent(
         )
     node = NodeOptions(state_dir or default_state_dir(), engines=engines, labels=labels, advertise=advertise,
                        gpu_source=gpu_source or "auto")
-    instance, _lock = claim_state_dir(node.state_dir)  # (held until the process ends)
+    where = ("--state-dir" if state_flag else "state_dir: in --config FILE" if state_dir
+             else "the default state directory")
+    instance, _lock = claim_state_dir(node.state_dir, where)  # (held until the process ends)
     source = open_gpu_source(gpu_source or "auto")
     sys.exit(run_loop(run_agent(control, name or socket.gethostname(), token, source, credentials=credentials,
                                 node=node, instance=instance)))

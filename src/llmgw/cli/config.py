@@ -44,7 +44,10 @@ def _summary(cfg: Config) -> dict[str, Any]:
 
 
 def _check(path: str | None) -> tuple[Path | None, Config | None, tuple[ConfigProblem, ...]]:
-    p = find_config(path)
+    try:
+        p = find_config(path)
+    except ConfigError as exc:
+        return None, None, exc.problems
     if p is None:
         return None, None, (ConfigProblem("", "no config file: pass FILE or create ./llmgw.yaml"),)
     try:

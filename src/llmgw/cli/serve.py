@@ -16,6 +16,7 @@ import click
 
 from .. import __version__
 from ..config import Config, EndpointConfig, ModelConfig, find_config, load, load_file
+from ..config.loading import listeners_overlap
 from ..errors import ConfigError, StartupError
 from ..log import current_format, server_logger
 from ._common import Fail, echo_err, hostport, run_loop
@@ -31,13 +32,13 @@ DEMO_MODELS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
 
 def _load(config_path: str | None, listen: tuple[str, int] | None = None,
           admin: tuple[str, int] | None = None) -> tuple[Config | None, Path | None]:
-    path = find_config(config_path)
-    if path is None:
-        return None, None
     # (the flags over the file's listeners before the check: a clash they resolve is none)
     overrides = {k: f"[{h}]:{p}" if ":" in h else f"{h}:{p}" for k, v in (("listen", listen), ("admin", admin))
                  if v is not None for h, p in (v,)}
     try:
+        path = find_config(config_path)
+        if path is None:
+            return None, None
         # serve=True: refuse what check-config refuses (they share the check).
         return load_file(path, serve=True, overrides=overrides), path
     except ConfigError as exc:
@@ -170,7 +171,11 @@ async def _serve(cfg: Config, demo: bool) -> int:
         except (ConfigError, StartupError) as exc:
             raise Fail(str(exc)) from None
         except OSError as exc:
-            raise Fail(f"{exc.strerror or exc} (choose another address with --listen / --admin)") from None
+            said = str(exc.strerror or exc)
+            ours = [f"{h}:{p}" for h, p in (cfg.listen, cfg.admin)]
+            # (an address in use is named in the error; a name that does not resolve is not)
+            where = "" if any(a in said for a in ours) else f"listening on {' and '.join(ours)}: "
+            raise Fail(f"{said} ({where}choose another address with --listen / --admin)") from None
         assert runtime.listen_addr is not None and runtime.admin_addr is not None
         # PERF: what start-up made (modules, config schemas, grpc, the fleet) lives as long as the
         # process: out of the collector's sight, a full collection scans only what came since, so
@@ -288,8 +293,7 @@ def serve(config_path: str | None, listen: tuple[str, int] | None, admin: tuple[
         cfg = dataclasses.replace(cfg, listen=listen)
     if admin is not None:
         cfg = dataclasses.replace(cfg, admin=admin)
-    if cfg.listen == cfg.admin and cfg.listen[1] != 0:
-        host, port = cfg.listen
-        raise Fail(f"the client and admin listeners are both {host}:{port}: give them different ports "
-                   "(--listen / --admin, or listen: / admin: in the config)")
+    why = listeners_overlap(cfg.listen, cfg.admin)
+    if why is not None:
+        raise Fail(why)
     sys.exit(run_loop(_serve(cfg, demo)))

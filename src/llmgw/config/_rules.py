@@ -299,6 +299,9 @@ def _env(inline: str | None) -> _Rule:
             raise _Bad(f"environment variable {var} is not set (export it{instead})")
         if not value:
             raise _Bad(f"environment variable {var} is empty")
+        why = _unsendable(value)
+        if why is not None:  # SECURITY: the value is never quoted
+            raise _Bad(f"environment variable {var} {why}")
         return _EnvValue(var, value)
 
     return _Rule(check, {"type": "string", "pattern": _ENV.pattern, "description": "an environment variable name"})
@@ -330,11 +333,28 @@ def _envs(inline: str) -> _Rule:
     return _Rule(check, {"anyOf": [items, {"type": "array", "items": items, "minItems": 1}]})
 
 
+def _unsendable(secret: str) -> str | None:
+    """Why a secret cannot be what a client sends (a header value, a URL): a line break or another
+    control character, or whitespace at either end; ``None`` when it can. Every client would be
+    refused, or one that sent it would fail with the secret in its traceback."""
+    if any(not c.isprintable() for c in secret):
+        return "holds a line break or another control character (a trailing newline from a file?): remove it"
+    if secret != secret.strip():
+        return "starts or ends with whitespace: remove it"
+    return None
+
+
 def _secret(v: Any) -> str:
-    s = _text(v)
-    if not s:
+    if not isinstance(v, str):
+        # (YAML reads 0777 as 511, 0x1F as 31, 1_000 as 1000: the secret would not be the one written)
+        raise _Bad(f"expected a string, got {'a boolean' if isinstance(v, bool) else type(v).__name__}: "
+                   "quote it (YAML reads an unquoted 0777 or 0x1F as a number)")
+    if not v:
         raise _Bad("is empty")
-    return s
+    why = _unsendable(v)
+    if why is not None:  # SECURITY: the value is never quoted
+        raise _Bad(why)
+    return v
 
 
 class _Url(NamedTuple):
@@ -345,23 +365,38 @@ class _Url(NamedTuple):
     base_path: str
 
 
+def _shown(url: str) -> str:
+    """A URL to quote in an error: what is before an ``@`` in its authority (credentials) replaced."""
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        scheme, rest = "", url
+    authority, slash, path = rest.partition("/")
+    if "@" in authority:
+        authority = "***@" + authority.rpartition("@")[2]
+    return f"{scheme}{sep}{authority}{slash}{path}"
+
+
 def _url(v: Any) -> _Url:
     url = _text(v)
     if any(c.isspace() or not c.isprintable() for c in url):
         # (urlsplit drops CR, LF and tab silently: the request line would differ from the URL shown)
-        raise _Bad(f"must not contain spaces or control characters (percent-encode them), got {url[:80]!r}")
-    parts = urlsplit(url)
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise _Bad(f"not a URL (expected http://host:port), got {url!r}")
+        raise _Bad(f"must not contain spaces or control characters (percent-encode them), got {_shown(url)[:80]!r}")
+    try:
+        parts = urlsplit(url)
+        hostname = parts.hostname
+    except ValueError:  # (an unclosed "[" of an IPv6 address)
+        raise _Bad(f"not a URL (expected http://host:port), got {_shown(url)!r}") from None
+    if parts.scheme not in ("http", "https") or not hostname:
+        raise _Bad(f"not a URL (expected http://host:port), got {_shown(url)!r}")
     if parts.scheme == "https":
         raise _Bad("https upstreams are not supported yet; put the replica on a private network and use http://")
-    if parts.query or parts.fragment or parts.username:
+    if parts.query or parts.fragment or "@" in parts.netloc:  # (a password with no user name is credentials too)
         raise _Bad("must not contain credentials, a query or a fragment")
     try:
         port = parts.port or 80
     except ValueError:
         raise _Bad(f"not a valid port in {url!r}") from None
-    return _Url(url.rstrip("/"), parts.scheme, parts.hostname, port, parts.path.rstrip("/"))
+    return _Url(url.rstrip("/"), parts.scheme, hostname, port, parts.path.rstrip("/"))
 
 
 def _model_list(v: Any) -> tuple[str, ...]:

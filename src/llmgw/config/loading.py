@@ -389,11 +389,12 @@ def serve_problems(cfg: Config, line: int | None = None) -> list[ConfigProblem]:
             )
         ]
     found: list[ConfigProblem] = []
-    if cfg.listen == cfg.admin and cfg.listen[1] != 0:
-        host, port = cfg.listen
-        found.append(ConfigProblem("admin", f"the client and admin listeners are both {host}:{port}: give them "
-                                   "different ports (--listen / --admin, or listen: / admin: in the config)",
-                                   cfg.source, None))
+    why = listeners_overlap(cfg.listen, cfg.admin)
+    if why is not None:
+        found.append(ConfigProblem("admin", why, cfg.source, None))
+    if cfg.deployments and cfg.control is None:
+        found.append(ConfigProblem("deployments", "needs control: (the control plane places and launches them on its "
+                                   "nodes' agents); add a control: section, or remove deployments:", cfg.source, None))
     if cfg.control is not None:
         why = plaintext_off_loopback(cfg.control)
         if why is not None:
@@ -413,6 +414,18 @@ def serve_problems(cfg: Config, line: int | None = None) -> list[ConfigProblem]:
 
 
 _ANY = ("", "0.0.0.0", "::", "[::]")
+
+
+def listeners_overlap(listen: tuple[str, int], admin: tuple[str, int]) -> str | None:
+    """Why the client and admin listeners cannot both bind (one address, or a wildcard over the
+    other's port), or ``None``."""
+    if not _overlap(listen, admin):
+        return None
+    fix = "give them different ports (--listen / --admin, or listen: / admin: in the config)"
+    if listen == admin:
+        return f"the client and admin listeners are both {listen[0]}:{listen[1]}: {fix}"
+    return (f"the client and admin listeners ({listen[0]}:{listen[1]} and {admin[0]}:{admin[1]}) want one port, a "
+            f"wildcard address taking it on every address: {fix}")
 
 
 def _overlap(a: tuple[str, int], b: tuple[str, int]) -> bool:
@@ -508,8 +521,16 @@ def load_file(path: str | os.PathLike[str], *, serve: bool = False,
 
 
 def find_config(explicit: str | None) -> Path | None:
-    """The config file to use: ``explicit``, else ``./llmgw.yaml`` if present."""
-    if explicit:
+    """The config file to use: ``explicit`` (given, even empty: an unset ``-c "$VAR"`` is no reason to run
+    something else), else ``./llmgw.yaml`` if anything is there by that name (a dangling link or a
+    directory is an error to report, not a reason to run the demo).
+
+    Raises:
+        ConfigError: ``explicit`` is empty.
+    """
+    if explicit is not None:
+        if not explicit:
+            raise ConfigError("", 'the config file\'s path is empty (-c "$VAR" with VAR unset?): give the file')
         return Path(explicit)
     local = Path("llmgw.yaml")
-    return local if local.is_file() else None
+    return local if local.is_file() or local.is_symlink() or local.exists() else None

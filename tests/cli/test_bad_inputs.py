@@ -1,0 +1,115 @@
+"""Inputs an operator gets wrong, run as the real ``llmgw`` command: each is one line that names the
+fix, exit status 1, and never quotes a secret (a token with a trailing newline from a file, a number
+YAML read for a secret, a password in an upstream URL, listeners that share a port, deployments with
+no control plane, an empty ``-c``, a ``./llmgw.yaml`` that is not a file)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ENDPOINT = '  - {id: a, url: "http://127.0.0.1:9", model: m}\n'
+
+
+def run(*args: str, env: dict[str, str] | None = None, cwd: Path | None = None,
+        timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "llmgw", *args], capture_output=True, text=True, timeout=timeout,
+                          cwd=cwd, env={**os.environ, **(env or {})})
+
+
+def one_error(res: subprocess.CompletedProcess[str], *secrets: str) -> str:
+    """The single ``llmgw: error:`` line of a failed run (no traceback), checked free of ``secrets``."""
+    assert res.returncode == 1, res
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("llmgw: error: "), res.stderr
+    for s in secrets:
+        assert s not in res.stderr and s not in res.stdout
+    return lines[0]
+
+
+@pytest.mark.parametrize("key", ["admin_token_env", "join_token_env", "api_key_env"])
+@pytest.mark.parametrize("value", ["tok-SECRET-1\n", "tok-SECRET-1\r", " tok-SECRET-1", "tok\x1bSECRET-1"])
+def test_a_secret_from_the_environment_no_client_can_send_is_refused(tmp_path: Path, key: str, value: str) -> None:
+    doc = "listen: 127.0.0.1:0\nadmin: 127.0.0.1:0\n"
+    if key == "admin_token_env":
+        doc += "admin_token_env: XSEC\nendpoints:\n" + ENDPOINT
+    elif key == "join_token_env":
+        doc += "control: {listen: '127.0.0.1:0', join_token_env: XSEC}\n"
+    else:
+        doc += 'endpoints:\n  - {id: a, url: "http://127.0.0.1:9", model: m, api_key_env: XSEC}\n'
+    f = tmp_path / "c.yaml"
+    f.write_text(doc)
+    line = one_error(run("check-config", str(f), env={"XSEC": value}), "SECRET")
+    assert "environment variable XSEC " in line and "remove it" in line, line
+
+
+def test_an_inline_secret_yaml_reads_as_a_number_or_with_a_line_break(tmp_path: Path) -> None:
+    f = tmp_path / "c.yaml"
+    f.write_text("admin_token: 0777\nendpoints:\n" + ENDPOINT)
+    line = one_error(run("check-config", str(f)))
+    assert "admin_token: expected a string, got int: quote it" in line, line
+    f.write_text('admin_token: "adm-SECRET-1\\n"\nendpoints:\n' + ENDPOINT)
+    line = one_error(run("check-config", str(f)), "SECRET")
+    assert "admin_token: holds a line break" in line, line
+    f.write_text("admin_token: '0777'\nendpoints:\n" + ENDPOINT)  # (quoted: the string it says)
+    assert run("check-config", str(f)).returncode == 0
+
+
+@pytest.mark.parametrize("url, says", [
+    ("http://:PW-SECRET@127.0.0.1:9", "must not contain credentials"),
+    ("http://user:PW-SECRET@127.0.0.1:9", "must not contain credentials"),
+    ("ftp://user:PW-SECRET@127.0.0.1/x", "not a URL (expected http://host:port), got 'ftp://***@127.0.0.1/x'"),
+    ("http://[::1:9", "not a URL (expected http://host:port)"),
+])
+def test_an_upstream_url_with_credentials_is_refused_without_quoting_them(tmp_path: Path, url: str, says: str) -> None:
+    f = tmp_path / "c.yaml"
+    f.write_text(f"endpoints:\n  - {{id: a, url: '{url}', model: m}}\n")
+    assert says in one_error(run("check-config", str(f)), "PW-SECRET")
+
+
+def test_listeners_that_share_a_port_through_a_wildcard(tmp_path: Path) -> None:
+    f = tmp_path / "c.yaml"
+    f.write_text("listen: 0.0.0.0:20584\nadmin: 127.0.0.1:20584\nendpoints:\n" + ENDPOINT)
+    want = "the client and admin listeners (0.0.0.0:20584 and 127.0.0.1:20584) want one port"
+    assert want in one_error(run("check-config", str(f)))
+    g = tmp_path / "g.yaml"
+    g.write_text("endpoints:\n" + ENDPOINT)
+    line = one_error(run("serve", "-c", str(g), "--listen", "[::]:20585", "--admin", "127.0.0.1:20585"))
+    assert "([::]:20585 and 127.0.0.1:20585) want one port" in line or "(:::20585" in line, line
+
+
+def test_deployments_without_a_control_plane_are_refused(tmp_path: Path) -> None:
+    f = tmp_path / "c.yaml"
+    f.write_text("endpoints:\n" + ENDPOINT + "deployments: [{name: d, model: x}]\n")
+    assert "deployments: needs control:" in one_error(run("check-config", str(f)))
+
+
+def test_an_empty_config_path_or_a_local_file_that_is_none_never_runs_the_demo(tmp_path: Path) -> None:
+    for args in (("serve", "-c", "", "--listen", "127.0.0.1:0", "--admin", "127.0.0.1:0"), ("check-config", "")):
+        assert "the config file's path is empty" in one_error(run(*args, cwd=tmp_path, timeout=20))
+    (tmp_path / "llmgw.yaml").symlink_to(tmp_path / "gone.yaml")  # a dangling link
+    line = one_error(run("serve", "--listen", "127.0.0.1:0", "--admin", "127.0.0.1:0", cwd=tmp_path, timeout=20))
+    assert "config file 'llmgw.yaml' does not exist" in line, line
+    (tmp_path / "llmgw.yaml").unlink()
+    (tmp_path / "llmgw.yaml").mkdir()  # a directory
+    assert "Is a directory" in one_error(run("check-config", cwd=tmp_path))
+
+
+def test_the_agent_names_what_is_wrong_with_its_token_and_files(tmp_path: Path) -> None:
+    base = ("agent", "--control", "127.0.0.1:9", "--token-env", "XJOIN", "--gpu-source", "none")
+    res = run(*base, "--state-dir", str(tmp_path / "s"), env={"XJOIN": "join-SECRET-1\n"}, timeout=20)
+    assert "--token-env XJOIN: the join token holds a line break" in one_error(res, "SECRET")
+    res = run(*base, "--tls-ca", str(tmp_path / "nope.pem"), env={"XJOIN": "t"}, timeout=20)
+    assert one_error(res) == f"llmgw: error: --tls-ca {tmp_path / 'nope.pem'}: cannot read it (No such file or directory)"
+    res = run("agent", "-c", "", env={"XJOIN": "t"}, timeout=20)
+    assert "--config: the path is empty" in one_error(res)
+    blocked = tmp_path / "file"
+    blocked.write_text("")
+    cfg = tmp_path / "agent.yaml"
+    cfg.write_text(f"control: 127.0.0.1:9\ntoken_env: XJOIN\nstate_dir: {blocked}/sub\n")
+    res = run("agent", "-c", str(cfg), "--gpu-source", "none", env={"XJOIN": "t"}, timeout=20)
+    assert one_error(res).startswith(f"llmgw: error: state_dir: in --config FILE {blocked}/sub: cannot use it"), res
