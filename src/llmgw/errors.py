@@ -36,6 +36,7 @@ __all__ = [
     "StartupError",
     "UnauthorizedError",
     "UpstreamAuthError",
+    "unsendable_secret",
 ]
 
 
@@ -314,3 +315,16 @@ class GatewayTimeoutError(HTTPError):
     status = 504
     type = "server_error"
     code = "gateway_timeout"
+
+
+def unsendable_secret(secret: str) -> str | None:
+    """Why a secret cannot be sent as it is (in an ``Authorization`` header, a gRPC metadata value): a
+    line break or another control character, or whitespace at either end (HTTP strips it from a header
+    value); ``None`` when it can. Said of a secret from a file or an environment variable, where a
+    trailing newline is common: every client would be refused, or one that sent it would fail with the
+    secret in its traceback. The words never quote the secret."""
+    if not secret.isprintable():
+        return "holds a line break or another control character (a trailing newline from a file?): remove it"
+    if secret != secret.strip():
+        return "starts or ends with whitespace: remove it"
+    return None

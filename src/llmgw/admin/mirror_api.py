@@ -10,8 +10,9 @@ Routes (under the admin token like the rest of ``/admin/v1``)::
     GET  /admin/v1/mirror/imports        every recent job
     GET  /admin/v1/mirror/imports/{id}   one job: state, progress, the error or the model imported
 
-The mirror is the gateway's (``mirror.root`` in the config, else ``$LLMGW_MIRROR``, else the
-default); the Ollama store is found the way ``llmgw mirror import-ollama`` finds it
+The mirror is the gateway's (``mirror.root`` in the config, else
+:func:`llmgw.mirror.store.default_root`: ``$LLMGW_MIRROR``, ``$XDG_DATA_HOME/llmgw/mirror``,
+``~/.local/share/llmgw/mirror``); the Ollama store is found the way ``llmgw mirror import-ollama`` finds it
 (``$OLLAMA_MODELS``, ``~/.ollama/models``, the Linux service's). The caller never names a
 path: the API reads and writes only those two places, as the user the gateway runs as.
 

@@ -300,8 +300,9 @@ async def run_agent(
 @click.option("--tls-key", metavar="FILE", help="PEM key of --tls-cert.")
 @click.option("--insecure", is_flag=True, help="Allow plaintext to a non-loopback control plane.")
 @click.option("--state-dir", metavar="DIR",
-              help="Where replicas' records, logs and models are kept (default $XDG_STATE_HOME/llmgw-agent, "
-                   "/var/lib/llmgw-agent as root, else ~/.local/state/llmgw-agent).")
+              help="Where replicas' records, logs and models are kept (default $STATE_DIRECTORY, systemd's, "
+                   "else $XDG_STATE_HOME/llmgw-agent, /var/lib/llmgw-agent as root, else "
+                   "~/.local/state/llmgw-agent).")
 @click.option("--label", "label_flags", metavar="KEY=VALUE", multiple=True,
               help="A node label (repeatable; added to the config file's labels:).")
 @click.option("--advertise", metavar="HOST", help="Where this node's replicas are reached (default: the address "
@@ -375,9 +376,9 @@ def agent(
             raise Fail(f"--token-env {token_env}: the environment variable is not set (it holds the join token)")
         if not token.strip():
             raise Fail(f"--token-env {token_env}: the environment variable is empty (it holds the join token)")
-        from ..config._rules import _unsendable
+        from ..errors import unsendable_secret
 
-        why = _unsendable(token)
+        why = unsendable_secret(token)
         if why is not None:  # SECURITY: never the token itself (gRPC's error would quote it)
             raise Fail(f"--token-env {token_env}: the join token {why}")
     if not token:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import math
 import socket
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -33,6 +34,8 @@ from typing import Any
 from urllib.parse import quote, urlsplit
 
 import click
+
+from ..errors import unsendable_secret
 
 __all__ = ["ctl"]
 
@@ -59,6 +62,7 @@ class Target:
     token: str | None
     as_json: bool
     timeout: float = 30.0
+    token_from: str = "--token"  # where the token came from, for its errors (never the token)
 
     def call(self, method: str, path: str, body: Any = None) -> Any:
         """One API call; the decoded JSON answer.
@@ -78,13 +82,18 @@ class Target:
             conn = conn_cls(parts.hostname, port, timeout=self.timeout)
         except (ValueError, http.client.InvalidURL):  # spaces, control characters
             raise CtlError(f"--admin {self.admin!r} is not a URL like {DEFAULT_ADMIN}") from None
-        headers = {"accept": "application/json"}
+        headers: dict[str, str | bytes] = {"accept": "application/json"}
         data = None
         if body is not None:
             data = json.dumps(body).encode()
             headers["content-type"] = "application/json"
         if self.token:
-            headers["authorization"] = f"Bearer {self.token}"
+            why = unsendable_secret(self.token)
+            if why is not None:
+                # SECURITY: refused before sending: http.client's error would quote the header, token and all
+                raise CtlError(f"{self.token_from} {why}")
+            # (UTF-8, the bytes the gateway compares admin_token by; http.client would encode latin-1, or fail)
+            headers["authorization"] = f"Bearer {self.token}".encode()
         base = parts.path.rstrip("/")
         where = f"{parts.scheme}://{parts.netloc}{base}"
         try:
@@ -161,7 +170,21 @@ def _target(ctx: click.Context, admin: str | None, token: str | None, as_json: b
         admin=admin or base.admin,
         token=token if token is not None else base.token,
         as_json=as_json if as_json is not None else base.as_json,
+        token_from="--token" if token is not None else base.token_from,
     )
+
+
+class _FiniteFloat(click.FloatRange):
+    """A float option that must be a number: click's ``float`` takes ``nan`` and ``inf`` (and ``FloatRange``'s
+    bounds let ``nan`` through), which JSON cannot carry and a timeout cannot be."""
+
+    name = "float"  # (FloatRange's "float range" reads oddly in "'abc' is not a valid float range")
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        rv = super().convert(value, param, ctx)
+        if not math.isfinite(rv):
+            self.fail(f"{value!r} is not a finite number", param, ctx)
+        return rv
 
 
 def _print_json(obj: Any) -> None:
@@ -224,7 +247,9 @@ def ctl(ctx: click.Context, admin: str | None, token: str | None, as_json: bool 
       llmgw ctl engine-check ENGINE   can this node (or --node NODE) run ENGINE as llmgw launches it
       llmgw ctl tokens create / list / revoke ID   join tokens for agents
     """
-    ctx.obj = Target(admin or DEFAULT_ADMIN, token or None, bool(as_json))
+    from_env = ctx.get_parameter_source("token") is click.core.ParameterSource.ENVIRONMENT
+    ctx.obj = Target(admin or DEFAULT_ADMIN, token or None, bool(as_json),
+                     token_from="LLMGW_ADMIN_TOKEN" if from_env else "--token")
 
 
 @ctl.command()
@@ -362,7 +387,17 @@ def queues(ctx: click.Context, admin: str | None, token: str | None, as_json: bo
     print_table(console, table)
     sat = data.get("pool_saturation") or {}
     if sat:
-        console.print("saturation: " + ", ".join(f"{m} {v * 100:.0f}%" for m, v in sat.items()))
+        console.print("saturation: " + ", ".join(f"{m} {_saturation(v)}" for m, v in sat.items()))
+
+
+def _saturation(v: Any) -> str:
+    """A pool's saturation as ``ctl queues`` shows it. JSON has no +Inf, the state of a pool without a usable
+    replica, so the API sends null for it (a model with no estimate at all is left out of the mapping)."""
+    if v is None or v == math.inf:
+        return "no usable replica"
+    if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):
+        return ABSENT
+    return f"{v * 100:.0f}%"
 
 
 _NODE_STYLE = {"up": "green", "unhealthy": "red"}
@@ -614,7 +649,7 @@ def _kv_pairs(values: tuple[str, ...], what: str) -> dict[str, str]:
 @click.option("--slots", type=click.IntRange(1, 4096), default=None, help="Parallel sequences (llama.cpp -np).")
 @click.option("--context", type=click.IntRange(1), default=None, help="Context length in tokens (llama.cpp -c).")
 @click.option("--memory", metavar="SIZE", default=None, help="Node memory a CPU replica needs.")
-@click.option("--cpu-cores", type=float, default=None, help="CPU cores a CPU replica claims.")
+@click.option("--cpu-cores", type=_FiniteFloat(0, 4096), default=None, help="CPU cores a CPU replica claims.")
 @click.option("--served-name", default=None, help="The model name clients use (default NAME).")
 @click.option("--arg", "args", multiple=True, metavar="ARG", help="An extra engine argument (repeat).")
 @click.option("--env", "envs", multiple=True, metavar="KEY=VALUE", help="An engine environment variable (repeat).")
@@ -801,7 +836,7 @@ def _engine_check_on(ctx: click.Context, node: str, engine: str, model: str | No
 @click.option("--python", metavar="PATH", help="The engine's interpreter (overrides engines.<engine>.python).")
 @click.option("--gpu-source", type=click.Choice(["auto", "nvml", "nvidia-smi", "none", "simulated"]),
               default="auto", show_default=True, help="Where GPUs are read from.")
-@click.option("--timeout", type=click.FloatRange(1, 86_400), default=600.0, show_default=True,
+@click.option("--timeout", type=_FiniteFloat(1, 86_400), default=600.0, show_default=True,
               help="Seconds the engine may take to become ready.")
 @click.option("--node", metavar="NODE", help="Run the check on that node, through the control plane.")
 @click.option("--json", "as_json", is_flag=True, default=None, help="Print the checks as JSON.")

@@ -23,7 +23,7 @@ from pydantic_core import PydanticCustomError, core_schema
 # The routing kernel's pure module owns the strategy names (it imports nothing of llmgw's).
 from .._fast.score_py import STRATEGIES
 from ..engines import ENGINE_NAMES
-from ..errors import ConfigError
+from ..errors import ConfigError, unsendable_secret
 
 # Engines llmgw could start itself (deployments, the node agent): not the
 # proxy-only dialects.
@@ -299,7 +299,7 @@ def _env(inline: str | None) -> _Rule:
             raise _Bad(f"environment variable {var} is not set (export it{instead})")
         if not value:
             raise _Bad(f"environment variable {var} is empty")
-        why = _unsendable(value)
+        why = unsendable_secret(value)
         if why is not None:  # SECURITY: the value is never quoted
             raise _Bad(f"environment variable {var} {why}")
         return _EnvValue(var, value)
@@ -333,17 +333,6 @@ def _envs(inline: str) -> _Rule:
     return _Rule(check, {"anyOf": [items, {"type": "array", "items": items, "minItems": 1}]})
 
 
-def _unsendable(secret: str) -> str | None:
-    """Why a secret cannot be what a client sends (a header value, a URL): a line break or another
-    control character, or whitespace at either end; ``None`` when it can. Every client would be
-    refused, or one that sent it would fail with the secret in its traceback."""
-    if any(not c.isprintable() for c in secret):
-        return "holds a line break or another control character (a trailing newline from a file?): remove it"
-    if secret != secret.strip():
-        return "starts or ends with whitespace: remove it"
-    return None
-
-
 def _secret(v: Any) -> str:
     if not isinstance(v, str):
         # (YAML reads 0777 as 511, 0x1F as 31, 1_000 as 1000: the secret would not be the one written)
@@ -351,7 +340,7 @@ def _secret(v: Any) -> str:
                    "quote it (YAML reads an unquoted 0777 or 0x1F as a number)")
     if not v:
         raise _Bad("is empty")
-    why = _unsendable(v)
+    why = unsendable_secret(v)
     if why is not None:  # SECURITY: the value is never quoted
         raise _Bad(why)
     return v

@@ -156,7 +156,8 @@ class _AgentIn(_In):
     """Per engine, how to start it."""
     state_dir: Annotated[str, _TEXT] | None = _default(AgentConfig, "state_dir")
     """Where the agent keeps its replicas' records, their log files and the models fetched from the control
-    plane's mirror (default $XDG_STATE_HOME/llmgw-agent when set, else /var/lib/llmgw-agent as root, else
+    plane's mirror (default $STATE_DIRECTORY, systemd's, when set, else $XDG_STATE_HOME/llmgw-agent when set,
+    else /var/lib/llmgw-agent as root, else
     ~/.local/state/llmgw-agent). A restarted agent
     finds the replicas still running there and adopts them."""
     labels: Annotated[Mapping[str, str], _LABELS] = Field(default_factory=dict)

@@ -580,7 +580,8 @@ class _MirrorIn(_In):
     """The model mirror (llmgw mirror)."""
 
     root: Annotated[str, _TEXT] | None = None
-    """The mirror's directory (~ is expanded); default $LLMGW_MIRROR, else ~/.local/share/llmgw/mirror."""
+    """The mirror's directory (~ is expanded); default $LLMGW_MIRROR, else $XDG_DATA_HOME/llmgw/mirror, else
+    ~/.local/share/llmgw/mirror."""
 
 
 class _ControlIn(_In):

@@ -9,12 +9,15 @@ console shows; the token is sent, never shown.
 from __future__ import annotations
 
 import asyncio
+import os
 import socket
 import ssl
 from typing import Any
 from urllib.parse import quote, urlsplit
 
 import orjson
+
+from ..errors import unsendable_secret
 
 __all__ = ["APIError", "AdminClient", "AuthError", "ClientError", "Unreachable", "quote_id"]
 
@@ -57,7 +60,8 @@ class AdminClient:
         timeout: seconds one call may take, connection included.
 
     Raises:
-        ValueError: ``admin`` is not a usable URL.
+        ValueError: ``admin`` is not a usable URL, or ``token`` cannot be sent (a line break, a control
+            character, whitespace at either end; the message names where it came from, never the token).
     """
 
     def __init__(self, admin: str, token: str | None = None, timeout: float = 5.0) -> None:
@@ -74,6 +78,14 @@ class AdminClient:
         self.base = parts.path.rstrip("/")
         self.url = f"{parts.scheme}://{parts.netloc}{self.base}"
         self.timeout = timeout
+        if token:
+            why = unsendable_secret(token)
+            if why is not None:
+                # SECURITY: refused at start, never quoted: sent, its line break would split the request
+                # (the API then answers "malformed HTTP request" to every call). Where it came from:
+                # LLMGW_ADMIN_TOKEN when that holds it (llmgw console's --token falls back to it), else --token.
+                where = "LLMGW_ADMIN_TOKEN" if os.environ.get("LLMGW_ADMIN_TOKEN") == token else "--token"
+                raise ValueError(f"{where} {why}")
         self._token = token or None
         self._ssl: ssl.SSLContext | None = ssl.create_default_context() if self.https else None
         self._host_header = parts.netloc.rsplit("@", 1)[-1]
@@ -139,9 +151,11 @@ class AdminClient:
                     "accept: application/json", f"content-length: {len(data)}"]
             if body is not None:
                 head.append("content-type: application/json")
+            auth = b""
             if self._token:
-                head.append(f"authorization: Bearer {self._token}")
-            writer.write(("\r\n".join(head) + "\r\n\r\n").encode("latin-1") + data)
+                # (UTF-8, the bytes the gateway compares admin_token by; latin-1 would fail on a non-latin-1 one)
+                auth = f"authorization: Bearer {self._token}\r\n".encode()
+            writer.write(("\r\n".join(head) + "\r\n").encode("latin-1") + auth + b"\r\n" + data)
             status_line = await reader.readline()
             bits = status_line.split(b" ", 2)
             if len(bits) < 2 or not bits[0].startswith(b"HTTP/1."):

@@ -348,10 +348,12 @@ class ModelsView(View):
             d = per[m]
             depths = [(str(b.get("band")), int((b.get("models") or {}).get(m, 0))) for b in bands]
             queued: int | None = sum(n for _, n in depths) if admission else None
-            s = num(sat.get(m))
+            # (JSON has no +Inf: a pool with no usable replica is null in the mapping; a model with no
+            # estimate at all is not in it)
+            s = math.inf if m in sat and sat[m] is None else num(sat.get(m))
             cells = (
                 m, ",".join(sorted(d["pools"])) or ABSENT, f"{d['usable']}/{d['total']}",
-                bar(s if s is None or s != math.inf else 1.0, 8, fmt_pct(s)),
+                bar(s if s is None or s != math.inf else 1.0, 8, "no usable replica" if s == math.inf else fmt_pct(s)),
                 ABSENT if queued is None else str(queued),
                 " ".join(f"{b}:{n}" for b, n in depths) if admission else ABSENT,
             )

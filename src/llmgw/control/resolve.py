@@ -89,7 +89,7 @@ def resolve_mirror(root: str | os.PathLike[str], model: str) -> MirrorModel | No
 
 
 def mirror_resolver(root: str | os.PathLike[str] | None) -> Resolver:
-    """A resolver over the mirror at ``root`` (default: ``$LLMGW_MIRROR``, else the user's mirror)."""
+    """A resolver over the mirror at ``root`` (default: :func:`llmgw.mirror.store.default_root`)."""
     import importlib
 
     from ..mirror.store import default_root
