@@ -566,3 +566,13 @@ def test_control_grpc_server_defaults_to_llmgws_own() -> None:
     assert load({"control": {"listen": "127.0.0.1:1", "join_token": "t"}}).control.grpc_server == "llmgw"
     c = load({"control": {"listen": "127.0.0.1:1", "join_token": "t", "grpc_server": "grpcio"}}).control
     assert c is not None and c.grpc_server == "grpcio"
+
+
+def test_every_api_key_problem_is_said_in_one_pass() -> None:
+    """One entry's bad key fails the section's validation; another entry's unknown band is still said."""
+    with pytest.raises(ConfigError) as ei:
+        load({"auth": {"api_keys": [{"key": ""}, {"key": "k-SECRET", "band": "nosuchband"}]}})
+    found = {p.key: p.message for p in ei.value.problems}
+    assert found.get("auth.api_keys[0].key") == "is empty", found
+    assert "unknown band 'nosuchband'" in found.get("auth.api_keys[1].band", ""), found
+    assert "k-SECRET" not in str(ei.value)

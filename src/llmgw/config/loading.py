@@ -164,6 +164,11 @@ def _auth(problems: _Problems, validated: Any, raw: Any, bands: tuple[str, ...] 
     for i, item in enumerate(raw_keys if isinstance(raw_keys, list) else ()):
         if isinstance(item, Mapping) and sum(k in item for k in ("key", "key_env", "key_sha256")) != 1:
             problems.add(("auth", "api_keys", i, "key"), "give exactly one of key, key_env or key_sha256")
+        # (read from the file as written: one entry's bad key fails the whole section's validation, and
+        # every problem is said in one pass)
+        band = item.get("band") if isinstance(item, Mapping) else None
+        if isinstance(band, str) and bands is not None and band not in bands:
+            problems.add(("auth", "api_keys", i, "band"), f"unknown band {band!r}; admission.bands is {', '.join(bands)}")
     if validated is _FAILED:
         return AuthConfig()
     keys: list[ClientKey] = []
@@ -182,8 +187,6 @@ def _auth(problems: _Problems, validated: Any, raw: Any, bands: tuple[str, ...] 
         if digest in seen:
             problems.add((*loc, given[0]), "the same key is listed twice")
         seen.add(digest)
-        if k.band is not None and bands is not None and k.band not in bands:
-            problems.add((*loc, "band"), f"unknown band {k.band!r}; admission.bands is {', '.join(bands)}")
         keys.append(ClientKey(name=k.name or f"key{i}", sha256=digest, band=k.band))
     return AuthConfig(keys=tuple(keys))
 
