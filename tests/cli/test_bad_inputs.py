@@ -113,3 +113,12 @@ def test_the_agent_names_what_is_wrong_with_its_token_and_files(tmp_path: Path) 
     cfg.write_text(f"control: 127.0.0.1:9\ntoken_env: XJOIN\nstate_dir: {blocked}/sub\n")
     res = run("agent", "-c", str(cfg), "--gpu-source", "none", env={"XJOIN": "t"}, timeout=20)
     assert one_error(res).startswith(f"llmgw: error: state_dir: in --config FILE {blocked}/sub: cannot use it"), res
+
+
+def test_a_deployed_model_path_with_a_space_says_what_to_do(tmp_path: Path) -> None:
+    f = tmp_path / "c.yaml"
+    f.write_text('control: {listen: "127.0.0.1:0", join_token: t}\n'
+                 'deployments: [{name: d, model: "/m/my model.gguf", engine: llamacpp}]\n')
+    line = one_error(run("check-config", str(f)))
+    assert "deployments[0].model: invalid model '/m/my model.gguf': no whitespace" in line
+    assert "give it a path without, e.g. a symbolic link" in line

@@ -151,6 +151,67 @@ async def test_a_mirror_reference_brings_blobs_and_its_memory_need(tmp_path: Pat
         await db.close()
 
 
+async def test_a_restart_hands_replicas_the_specs_they_run_whatever_the_mirror_says_now(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Replicas of a mirror model run on while the control plane restarts after the model left the
+    mirror (or was imported again under its name): the next control plane hands each node the specs
+    its replicas run (a spec made again would restart them, as an engine name they crash on). A model
+    whose blob is missing is refused by ``ctl deploy`` and placed by no entry, naming the blob, with no
+    traceback."""
+    from llmgw.control.deployments import DeploymentError
+    from llmgw.mirror.errors import CorruptBlobError
+    from llmgw.mirror.importer import import_file
+    from llmgw.mirror.store import MirrorStore
+    from llmgw.testing.gguf_model import write_tiny_llama
+
+    root = tmp_path / "mirror"
+    with MirrorStore(root) as ms:
+        import_file(ms, write_tiny_llama(tmp_path / "tiny.gguf", ctx=2048), name="tiny:1b")
+    nodes = NodeMap(lambda: 60.0)
+    nodes.register("cpu-1", peer="ipv4:127.0.0.1:1", agent_version="t", protocol=(1, 2), discovery=Discovery(
+        NodeFacts("h", cpu_cores=8, memory_total_bytes=64 * GIB, memory_available_bytes=64 * GIB)))
+    cfg = load({"deployments": [{"name": "tiny", "model": "tiny:1b", "engine": "llamacpp", "context": 1024,
+                                 "replicas": 2}]})
+    db, store = await _memory_store()
+    ctl_ = DeploymentController(nodes=nodes, store=store, router=None, config=lambda: cfg, resolver=mirror_resolver(root))
+    try:
+        await _sync(ctl_)
+        before = ctl_.desired("cpu-1")[1]
+        assert len(before) == 2 and all(s.blobs and s.model == "tiny:1b" for s in before)
+    finally:
+        await ctl_.stop()
+    for resolver in (lambda m: None, mirror_resolver(tmp_path / "another-mirror")):  # gone from the mirror
+        store2 = DesiredStore(db, unfenced(db))
+        await store2.load()
+        ctl2 = DeploymentController(nodes=nodes, store=store2, router=None, config=lambda: cfg, resolver=resolver)
+        try:
+            await _sync(ctl2)
+            assert ctl2.desired("cpu-1")[1] == before  # the same specs: no engine restarted
+        finally:
+            await ctl2.stop()
+
+    def corrupt(model: str) -> Any:
+        raise CorruptBlobError("its model blob sha256:abc is missing; run llmgw mirror verify and import the model again")
+
+    cfg2 = load({"deployments": [{"name": "broken", "model": "tiny:1b", "engine": "llamacpp", "replicas": 1}]})
+    ctl3 = DeploymentController(nodes=nodes, store=(await _memory_store())[1], router=None, config=lambda: cfg2,
+                                resolver=corrupt)
+    try:
+        caplog.clear()
+        await _sync(ctl3)
+        d = ctl3.view("broken")
+        assert d["placed"] == 0 and "is in the mirror but cannot be used" in d["message"], d
+        assert "blob sha256:abc is missing" in d["message"] and not ctl3.desired("cpu-1")[1]
+        assert not any(r.exc_info for r in caplog.records), [r.getMessage() for r in caplog.records]
+        with pytest.raises(DeploymentError) as e:
+            ctl3.create(parse_deployment({"name": "again", "model": "tiny:1b", "engine": "llamacpp"}))
+        assert e.value.code == "model_not_usable" and "blob sha256:abc is missing" in e.value.message
+    finally:
+        await ctl3.stop()
+        await db.close()
+
+
 async def _ready(ctl_: DeploymentController, node: str, ids: set[str]) -> None:
     """``node``'s heartbeat: these replicas ready, the rest of its set starting."""
     ctl_.report(node, "127.0.0.1", [ReplicaStatus(s.id, "ready" if s.id in ids else "starting", port=9000 + i)

@@ -266,3 +266,15 @@ def test_real_process(root: Path, model_file: Path) -> None:
     )
     assert p.returncode == 1
     assert p.stderr == "llmgw: error: /nonexistent.gguf does not exist\n"
+
+
+def test_a_projector_given_twice_is_refused(root: Path, model_file: Path, projector_file: Path, tmp_path: Path) -> None:
+    """The same file twice (by any path: a link is the same file) is one line, and nothing is recorded."""
+    link = tmp_path / "again.gguf"
+    link.symlink_to(projector_file)
+    for second in (projector_file, link):
+        result = run("--root", root, "import", model_file, "--projector", projector_file, "--projector", second,
+                     "--name", "dup", "-q")
+        _one_error_line(result, "is given twice", "give each file once")
+        assert result.exit_code == 1
+    assert "dup" not in run("--root", root, "ls").output

@@ -121,15 +121,18 @@ def test_kill_9_between_model_and_projector_of_an_ollama_import(root: Path, tmp_
     assert ollama.snapshot() == before
 
 
-def test_ctrl_c_cleans_up_and_says_so(root: Path, tmp_path: Path, big_model: Path) -> None:
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP])
+def test_ctrl_c_cleans_up_and_says_so(root: Path, tmp_path: Path, big_model: Path, sig: int) -> None:
+    """Ctrl-C, and SIGTERM or SIGHUP (timeout, systemd, a closed terminal) alike."""
     marker = tmp_path / "marker"
     args = ["mirror", "--root", str(root), "import", str(big_model), "-q"]
     proc = _spawn(args, MIRROR_TEST_PAUSE="copy", MIRROR_TEST_MARKER=str(marker))
     _wait_for(marker, proc)
-    rc, err = _kill(proc, signal.SIGINT)
-    assert rc == 130
+    rc, err = _kill(proc, sig)
+    assert rc == 128 + sig
+    said = "interrupted" if sig == signal.SIGINT else f"stopped by {signal.Signals(sig).name}"
     assert err.strip().splitlines() == [
-        "llmgw: error: interrupted; nothing was recorded and no partial file is left in the mirror."
+        f"llmgw: error: {said}; nothing was recorded and no partial file is left in the mirror."
         " Run the same command again to finish"
     ]
     assert temp_files(root) == [] and blob_files(root) == []

@@ -144,6 +144,17 @@ def test_ollama_dir_may_be_the_dot_ollama_directory(
     assert import_ollama(store, "tiny", ollama_dir=ollama.root.parent).created
 
 
+def test_a_relative_ollama_dir_is_recorded_absolute(
+    ollama: OllamaStore, store: MirrorStore, tiny: bytes, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The record's store and manifest paths mean the same from any directory."""
+    ollama.add_model("tiny", gguf=tiny)
+    monkeypatch.chdir(ollama.root.parent)
+    info = import_ollama(store, "tiny", ollama_dir=Path(ollama.root.name)).record.info["ollama"]
+    assert info["store"] == str(ollama.root) and Path(info["manifest"]).is_absolute()
+    assert info["manifest"].startswith(str(ollama.root) + os.sep)
+
+
 def test_no_store_anywhere(store: MirrorStore, tmp_path: Path) -> None:
     with pytest.raises(OllamaStoreNotFoundError, match="no Ollama model store found"):
         import_ollama(store, "tiny", roots=[tmp_path / "a", tmp_path / "b"])

@@ -10,7 +10,9 @@ from __future__ import annotations
 import errno
 import functools
 import json
+import signal
 import sys
+import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -39,9 +41,13 @@ class MirrorCliError(click.ClickException):
 
 
 class MirrorInterruptedError(MirrorCliError):
-    """Ctrl-C: exit 130, as a shell does for SIGINT."""
+    """Ctrl-C: exit 130, as a shell does for SIGINT (128 + the signal for SIGTERM or SIGHUP)."""
 
     exit_code = EXIT_INTERRUPTED
+
+    def __init__(self, message: str, signum: int = signal.SIGINT) -> None:
+        super().__init__(message)
+        self.exit_code = 128 + signum  # type: ignore[misc]  # (click reads it from the instance)
 
 
 def _os_error_message(exc: OSError) -> str:
@@ -57,11 +63,26 @@ def _os_error_message(exc: OSError) -> str:
     return f"{what}{where}{hint}"
 
 
+class _Stopped(KeyboardInterrupt):
+    """SIGTERM or SIGHUP (``timeout``, systemd, a closed terminal): stopped as Ctrl-C stops, cleaned up."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
 def _errors(func: F) -> F:
-    """Turn the mirror's errors, OS errors and Ctrl-C into one-line messages."""
+    """Turn the mirror's errors, OS errors and Ctrl-C (or SIGTERM, SIGHUP) into one-line messages."""
 
     @functools.wraps(func)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
+        def stop(signum: int, frame: Any) -> None:
+            raise _Stopped(signum)
+
+        held = {}
+        if threading.current_thread() is threading.main_thread():
+            # (without this a SIGTERM ended the process at once, a partial copy left under tmp/)
+            held = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGHUP)}
         try:
             return func(*args, **kwargs)
         except MirrorError as exc:
@@ -69,10 +90,16 @@ def _errors(func: F) -> F:
         except OSError as exc:
             raise MirrorCliError(_os_error_message(exc)) from exc
         except KeyboardInterrupt as exc:
+            signum = exc.signum if isinstance(exc, _Stopped) else signal.SIGINT
             raise MirrorInterruptedError(
-                "interrupted; nothing was recorded and no partial file is left in the mirror."
-                " Run the same command again to finish"
+                f"{'interrupted' if signum == signal.SIGINT else 'stopped by ' + signal.Signals(signum).name}"
+                "; nothing was recorded and no partial file is left in the mirror. Run the same command again to "
+                "finish",
+                signum,
             ) from exc
+        finally:
+            for sig, old in held.items():
+                signal.signal(sig, old)
 
     return wrapper  # type: ignore[return-value]
 

@@ -447,6 +447,9 @@ _FLAG = _Rule(_flag, {"type": "boolean"})
 _HOSTPORT = _Rule(_hostport_value, {"type": "string", "pattern": _HOSTPORT_PATTERN, "examples": ["127.0.0.1:8080"]})
 _IDENT = _matching(_ID, "use letters, digits, '.', '_' or '-' (at most 128), starting with a letter or digit")
 _MODEL_NAME = _matching(_MODEL, "invalid model name {value!r}")
+# A deployment's model: a mirror reference, a file path on the nodes or an engine's model id, said so
+_DEPLOYED_MODEL = _matching(_MODEL, "invalid model {value!r}: no whitespace or control characters (a file whose path "
+                            "has a space: give it a path without, e.g. a symbolic link)")
 _ENGINE = _choice("engine", ENGINE_NAMES)
 _RUNNABLE_ENGINE = _choice("engine", RUNNABLE_ENGINES)
 _STRATEGY = _choice("strategy", STRATEGIES)

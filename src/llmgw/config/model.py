@@ -23,6 +23,7 @@ from ._rules import (
     _ADDRESSES,
     _ALIASES,
     _BANDS,
+    _DEPLOYED_MODEL,
     _ENGINE,
     _ENV_MAP,
     _FLAG,
@@ -367,7 +368,7 @@ class DeploymentConfig:
 
     name: Annotated[str, _IDENT]
     """Unique name of the deployment."""
-    model: Annotated[str, _MODEL_NAME]
+    model: Annotated[str, _DEPLOYED_MODEL]
     """The model: a mirror reference (tiny:1b), a file path on the nodes, or an id the engine downloads itself."""
     engine: Annotated[str, _RUNNABLE_ENGINE] = "vllm"
     """The engine that runs it."""

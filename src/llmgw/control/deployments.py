@@ -69,6 +69,7 @@ from ..launch.spec import (
     reason_line,
 )
 from ..log import control_logger as log
+from ..mirror.errors import MirrorError
 from .db import DesiredStore, StoredDeployment, StoredReplica
 from .placement import Choice, Claim, GpuInfo, Need, NodeInfo, Unplaceable, place
 from .resolve import MirrorModel, Resolver, is_model_path, memory_need
@@ -212,10 +213,12 @@ class Replica:
                      self.cpu_cores, loaded=self.state == READY)
 
     def stored(self) -> StoredReplica:
-        """Its row. An outdated replica's row also keeps the form it runs (``form``: its deployment's
-        entry has changed since, so a control plane that loads the row could not make its spec again)."""
+        """Its row, with the form it runs (``form``: engine, model and its blobs, args...), so that a control
+        plane that loads the row hands its node the same spec: the deployment's entry may have changed since
+        (an outdated replica), or the mirror's answer for its model (a model removed, or imported again
+        under the same name), and a spec made again would restart the engine."""
         form: dict[str, Any] = {}
-        if self.outdated and self.spec is not None:
+        if self.spec is not None:
             sp = self.spec
             form = {"form": {
                 "engine": sp.engine, "model": sp.model, "served_name": sp.served_name,
@@ -236,9 +239,9 @@ class Replica:
                   s.get("fraction"), str(s.get("api_key", "")), r.created_at, outdated=bool(s.get("outdated")),
                   reported=False)
         form = s.get("form")
-        if rep.outdated and isinstance(form, Mapping):
-            # (the spec it was given, equal to the one its agent runs: a rolling update goes on where
-            # it was, its old replicas serving until new ones are ready, not restarted in the new form)
+        if isinstance(form, Mapping):
+            # (the spec it was given, equal to the one its agent runs: not restarted because the mirror
+            # or the entry changed while no control plane ran; a rolling update goes on where it was)
             rep.spec = ReplicaSpec(
                 id=rep.id, deployment=rep.deployment, engine=str(form["engine"]), model=str(form["model"]),
                 served_name=str(form["served_name"]),
@@ -263,6 +266,8 @@ class Deployment:
     model: MirrorModel | None = None
     resolved: bool = False
     resolved_at: float = 0.0
+    model_error: str | None = None
+    """Why its mirror model cannot be used (a blob missing or corrupt), looked up again now and then."""
 
     @property
     def desired(self) -> int:
@@ -469,6 +474,11 @@ class DeploymentController:
             # every replica would crash-loop on 'failed to open GGUF file'
             try:
                 found = self.resolver(cfg.model)
+            except MirrorError as exc:
+                raise DeploymentError(
+                    f"model {cfg.model!r} is in the control plane's mirror but cannot be used: {exc}",
+                    status=400, code="model_not_usable", param="model",
+                ) from None
             except Exception:
                 found = None
             if found is None:
@@ -651,8 +661,13 @@ class DeploymentController:
         now = self.clock()
         if not dep.resolved or (dep.model is None and now - dep.resolved_at >= RESOLVE_AGAIN_S):
             # (a model not in the mirror is looked up again now and then: it may be imported later)
+            dep.model_error = None
             try:
                 dep.model = self.resolver(cfg.model)
+            except MirrorError as exc:  # (in the mirror, but a blob is missing or corrupt: nothing to launch)
+                dep.model = None
+                dep.model_error = f"model {cfg.model!r} is in the mirror but cannot be used: {exc}"  # (logged
+                # by _converge as the reason no replica is placed, once while it stays the same)
             except Exception:
                 log.exception("resolving %s in the mirror failed; treating it as a name the engine knows", cfg.model)
                 dep.model = None
@@ -698,6 +713,8 @@ class DeploymentController:
 
     def _place_one(self, dep: Deployment) -> Replica | Unplaceable:
         need = self._need(dep)
+        if dep.model_error is not None:
+            return Unplaceable(dep.model_error)
         if self._pass_nodes is None:  # (once per pass: reading a node's GPUs converts its last heartbeat)
             self._pass_nodes = self.node_infos()
         if self._claims is None:
@@ -714,6 +731,7 @@ class DeploymentController:
             rid, dep.cfg.name, got.node, got.gpus, need.gpu_memory or 0, not need.share, need.memory or 0,
             need.cpu_cores or 0.0, frac, secrets.token_urlsafe(32), time.time(), durable=False,
         )
+        self._spec(r)  # (made now, so that its row keeps the form it will run)
         # its node is told once the row is committed (_durable), never before
         self.store.put_replica(r.stored(), then=lambda: self._durable(r))
         self._add(r)

@@ -260,6 +260,9 @@ def import_file(
                     raise NotGGUFError(
                         f"{exc}; import GGUF files, or pass --raw to store it unchecked"
                     ) from exc
+            same = next((o for o in sources[:-1] if (o.stat.st_dev, o.stat.st_ino) == (st.st_dev, st.st_ino)), None)
+            if same is not None:  # (the same file twice would be recorded twice, counted twice in the size)
+                raise SourceError(f"{label} is given twice (as {same.label} too): give each file once")
             src.label = f"{role} {p.name}"
         return import_sources(
             store, mname, tag, sources, source_kind="file", source=str(model_path), progress=progress

@@ -588,8 +588,8 @@ def import_ollama(
     oname = parse_ollama_name(ref)
     if name is not None:
         mname, mtag = parse_ref(name)
-    root, manifest_path = find_manifest(
-        oname, ollama_dir=Path(ollama_dir).expanduser() if ollama_dir is not None else None, roots=roots
+    root, manifest_path = find_manifest(  # (absolute: the record's paths mean something from anywhere)
+        oname, ollama_dir=Path(ollama_dir).expanduser().absolute() if ollama_dir is not None else None, roots=roots
     )
     # the name as the store has it (found case-insensitively): what `ollama list` shows
     with contextlib.suppress(ValueError):
