@@ -14,7 +14,7 @@ import grpc
 import orjson
 import pytest
 from click.testing import CliRunner, Result
-from cp_helpers import TOKEN, control_plane, control_runtime, free_port, metrics, pick, wait_for
+from cp_helpers import TOKEN, api, control_plane, control_runtime, free_port, metrics, pick, wait_for
 from scenario import discovery_of, h100s
 
 from llmgw._proto.agent.v1 import agent_pb2_grpc
@@ -360,3 +360,18 @@ async def test_reload_says_which_deployments_changed(tmp_path: Path) -> None:
                        what="the reload applied")
     finally:
         await rt.stop()
+
+
+async def test_a_deployment_not_ready_keeps_the_control_plane_ready_as_one(tmp_path: Path) -> None:
+    """/ready asks every model a deployment wants of the data path (503 while none is ready);
+    /ready?role=control asks only whether this process is the control plane to talk to (the
+    Kubernetes Service of the management API probes that), so a deployment still loading, or
+    broken, does not take the management API away."""
+    port = free_port()
+    async with control_runtime(port, database=f"sqlite:///{tmp_path}/cp.sqlite3") as rt:
+        status, d = await admin(rt, "POST", "/admin/v1/deployments", {"name": "waits", "model": "m", "replicas": 1})
+        assert status == 201, d
+        status, body = await api(rt, "GET", "/ready")
+        assert status == 503 and "waits" in body["models_unavailable"], body
+        status, body = await api(rt, "GET", "/ready?role=control")
+        assert (status, body) == (200, {"ready": True, "role": "leader"})

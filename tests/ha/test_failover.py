@@ -50,11 +50,20 @@ async def test_kill_the_leader_a_standby_takes_over_and_nothing_is_lost(tmp_path
         # a standby: /ready says so and names the leader; the management API answers 503 naming it
         status, _, ready = await standby.api("GET", "/ready")
         assert status == 503 and ready["reason"] == "standby"
+        assert (await standby.api("GET", "/ready?role=control"))[0] == 503  # (the management API's probe)
+        assert (await leader.api("GET", "/ready?role=control"))[0] == 200
         assert ready["leader"]["admin"] == f"http://127.0.0.1:{leader.admin}" and ready["leader"]["grpc"] == leader.address
         status, headers, err = await standby.api("POST", "/admin/v1/nodes/node-1/cordon")
         assert status == 503 and err["error"]["code"] == "not_leader"
         assert headers["llmgw-leader"] == f"http://127.0.0.1:{leader.admin}"
         assert (await standby.api("GET", "/health"))[0] == 200
+        # a standby's node map is not the cluster's: no node counts, no table version (absent, not 0)
+        said = await standby.metrics()
+        assert said is not None and 'llmgw_control_nodes{state="up"}' not in said, said
+        assert "\nllmgw_control_replica_table_version " not in said
+        said = await leader.metrics()
+        assert said is not None and 'llmgw_control_nodes{state="up"} 2.0' in said
+        assert "\nllmgw_control_replica_table_version " in said
         epoch = await leader.epoch()
         assert epoch is not None and await standby.epoch() == epoch
 

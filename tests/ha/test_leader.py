@@ -173,6 +173,11 @@ def test_a_database_password_is_never_shown() -> None:
         ("postgres//u:pw-9f@db/d", "postgres//u:***@db/d"),
         ("postgresql://u:pw@9f-x:9f@db:5432/d", "postgresql://u:***@db:5432/d"),
         ("u:pw-9f@db/d", "***@db/d"),
+        # the password as a query parameter, as libpq and asyncpg take it too
+        ("postgresql://llmgw@db/llmgw?password=pw-9f", "postgresql://llmgw@db/llmgw?password=***"),
+        ("postgresql://llmgw@db/llmgw?sslmode=require&Password=pw-9f&x=1",
+         "postgresql://llmgw@db/llmgw?sslmode=require&Password=***&x=1"),
+        ("postgresql://u:pw-9f@db/d?sslpassword=pw-9f", "postgresql://u:***@db/d?sslpassword=***"),
     ]:
         assert redact(url) == shown, url
         with contextlib.suppress(ConfigError):
@@ -227,3 +232,32 @@ async def test_what_one_term_queued_is_never_written_by_the_next(pg_dsn: str) ->
         await lead.stop()
     finally:
         await db.close()
+
+
+async def test_two_processes_under_one_name_do_not_lead_in_turn(pg_dsn: str, caplog: pytest.LogCaptureFixture) -> None:
+    """Two control planes with one holder name (one host name, one advertised address and port: two
+    bind addresses, or containers given one host name) took the lease from each other on every renew,
+    both leading in turn. The one that finds its name on a term it never won stays a standby, and says
+    why; the other leads on."""
+    db_a, db_b = open_database(pg_dsn), open_database(pg_dsn)
+    await db_a.open()
+    await db_b.open()
+    a = b = None
+    try:
+        await db_a.migrate()
+        a = Leadership(db_a, holder="host/cp:7070", lease=LEASE, grpc_address="cp:7070", admin_address="http://cp:9090")
+        a.start()
+        await wait_for(a.acting, what="a leads")
+        b = Leadership(db_b, holder="host/cp:7070", lease=LEASE, grpc_address="cp:7070", admin_address="http://cp:9090")
+        b.start()  # (a restart looks the same to it: it takes the lease at once)
+        await wait_for(b.acting, timeout=5 * LEASE, what="b takes the lease in its name")
+        await asyncio.sleep(6 * LEASE)  # (18 renews: before, as many changes of leader)
+        assert b.acting() and not a.acting() and b.terms == 1 and a.terms == 1, (a.terms, b.terms)
+        said = [r.getMessage() for r in caplog.records if "another control plane campaigns as host/cp:7070" in r.getMessage()]
+        assert len(said) == 1 and "give each process its own control.advertise" in said[0], said
+    finally:
+        for lead in (a, b):
+            if lead is not None:
+                await lead.stop()
+        await db_a.close()
+        await db_b.close()

@@ -9,7 +9,9 @@ route                              token   what
 ``GET /health``                    no      the process is up
 ``GET /ready``                     no      config loaded, listeners bound, every model
                                            has a usable replica (503 + which not); a
-                                           control-plane standby: 503 ``standby``
+                                           control-plane standby: 503 ``standby``;
+                                           ``?role=control``: the leader's 200 asks
+                                           nothing of its models
 ``GET /metrics``                   no      Prometheus text or OpenMetrics (``Accept``)
 ``/admin/v1/...``                  yes     the management API (:mod:`.manage`)
 ``/admin/v1/mirror/...``           yes     the mirror and Ollama imports (:mod:`.mirror_api`)
@@ -322,7 +324,7 @@ class AdminApp:
             if path == b"/health":
                 w.send_json(200, {"status": "ok"})
             elif path == b"/ready":
-                self._ready(w)
+                self._ready(w, control=_query(req).get("role") == "control")
             else:
                 return self._metrics(req, w)
             return None
@@ -353,7 +355,10 @@ class AdminApp:
             "or /debug/pprof/"
         )
 
-    def _ready(self, w: ResponseWriter) -> None:
+    def _ready(self, w: ResponseWriter, control: bool = False) -> None:
+        """``control``: readiness as a control plane (a Service that reaches the leader alone): 200 while
+        this process leads, whatever its deployments' replicas are doing (a deployment still loading, or
+        broken, must not take the management API away with it); a standby's 503 as ever."""
         if self.listeners.client_closing():
             w.send_json(503, {"ready": False, "reason": "shutting down"})
             return
@@ -361,6 +366,12 @@ class AdminApp:
         standby = role() if role is not None else None
         if standby is not None:
             w.send_json(503, standby)
+            return
+        if control:
+            if role is None:
+                w.send_json(503, {"ready": False, "reason": "no_control_plane"})
+            else:
+                w.send_json(200, {"ready": True, "role": "leader"})
             return
         ready, body = self.fleet.readiness()
         w.send_json(200 if ready else 503, body)

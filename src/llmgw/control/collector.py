@@ -26,7 +26,7 @@ from __future__ import annotations
 import asyncio
 import time
 from bisect import bisect_left
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from itertools import accumulate
 from typing import TYPE_CHECKING
@@ -281,14 +281,18 @@ class ClusterCollector(Collector):
             replicas hold (``llmgw_gpu_memory_allocated_bytes``: every GPU of every node
             that is up, 0 where nothing is placed; a claim on a GPU its node no longer
             reports is exported too, with ``gpu_index=""``).
+        leading: whether this process leads (several control planes on one database): a
+            standby's node map is not the cluster's, so it exports no node counts (absent,
+            not 0: an alert on ``llmgw_control_nodes{state="up"}`` fired on every standby).
     """
 
     def __init__(
         self, nodes: NodeMap, stats: ControlStats, slice_s: float = 0.002,
-        deployments: DeploymentController | None = None,
+        deployments: DeploymentController | None = None, leading: Callable[[], bool] = lambda: True,
     ) -> None:
         self.nodes = nodes
         self.stats = stats
+        self.leading = leading
         self.deployments = deployments
         self.slice_s = slice_s
         self._cache: dict[str, tuple[tuple[int, bool, str], dict[int, bytes]]] = {}
@@ -420,12 +424,13 @@ class ClusterCollector(Collector):
     def _self(self, allocated: bool = True) -> list[Metric]:
         s = self.stats
         nodes = GaugeMetricFamily("llmgw_control_nodes", "Registered nodes by state", labels=["state"])
-        counts = {"up": 0, "unhealthy": 0}
-        now = self.nodes.monotonic()
-        for st in self.nodes:
-            counts[self.nodes.state(st, now)] += 1
-        for k, v in counts.items():
-            nodes.add_metric([k], float(v))
+        if self.leading():
+            counts = {"up": 0, "unhealthy": 0}
+            now = self.nodes.monotonic()
+            for st in self.nodes:
+                counts[self.nodes.state(st, now)] += 1
+            for k, v in counts.items():
+                nodes.add_metric([k], float(v))
         reg = CounterMetricFamily(
             "llmgw_control_registrations", "Registrations accepted (first ones and re-registrations)", labels=["kind"]
         )

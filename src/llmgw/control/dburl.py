@@ -49,6 +49,8 @@ def redact(url: str) -> str:
     Whatever stands between the scheme and the last ``@`` is the user information; what
     follows its first ``:`` is masked.
     """
+    # (libpq and asyncpg take the password as a query parameter too: ?password=..., ?sslpassword=...)
+    url = _QUERY_PASSWORD.sub(r"\g<1>***", url)
     m = _USERINFO.match(url)
     if m is None:
         scheme = _SCHEME.match(url)
@@ -61,6 +63,7 @@ def redact(url: str) -> str:
     return f"{m.group('scheme')}{user}:***@{m.group('rest')}"
 
 
+_QUERY_PASSWORD = re.compile(r"(?i)([?&](?:ssl)?password=)[^&#]*")
 # the scheme (its colon and slashes, mistyped or not), the user information up to the last "@", the rest
 _SCHEME = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*)(?::/*|/+)")
 _USERINFO = re.compile(rf"(?P<scheme>{_SCHEME.pattern})(?P<userinfo>[^/:@]*:.*)@(?P<rest>[^@]*)\Z", re.S)

@@ -112,8 +112,9 @@ class FollowStats:
 class FollowCollector:
     """The router service's families on the control plane's ``/metrics``."""
 
-    def __init__(self, stats: FollowStats) -> None:
+    def __init__(self, stats: FollowStats, leading: Callable[[], bool] = lambda: True) -> None:
         self.stats = stats
+        self.leading = leading  # (a standby sends no table: its version is absent, not 0)
 
     def describe(self) -> list[Metric]:
         return []
@@ -133,7 +134,8 @@ class FollowCollector:
         yield r
         v = GaugeMetricFamily("llmgw_control_replica_table_version", "The version of the replica table routers "
                               "are sent (rises on every change).")
-        v.add_metric([], s.version)
+        if self.leading():
+            v.add_metric([], s.version)
         yield v
         sh = GaugeMetricFamily("llmgw_control_route_sharers", "Routers sharing conversation routes through this "
                                "control plane now (ShareRoutes streams open).")

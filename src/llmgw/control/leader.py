@@ -121,6 +121,8 @@ class Leadership:
         """The holder as last read (this process while it leads)."""
         self.terms = 0
         self.stepped_down = 0
+        self._last_won: int | None = None  # the last epoch this process won (None: none yet in this run)
+        self._twin_said = False
         self._task: asyncio.Task[None] | None = None
         self._watchdog: asyncio.TimerHandle | None = None
         self._stop = asyncio.Event()
@@ -243,9 +245,18 @@ class Leadership:
                 row = await self._lock_row(tx)
                 assert row is not None
             holder, epoch, expires_at, now, grpc_addr, admin_addr = row
+            # A live lease in this process's name with a term it never won: another process runs under
+            # the same name (one host name, one advertised address and port): it is left to lead, and said,
+            # rather than each taking the lease from the other on every renew, two leaders in turn
+            twin = (holder == self.holder and self._last_won is not None and int(epoch) > self._last_won)
+            if twin and expires_at > now and self.db.shared and not self._twin_said:
+                log.error("another control plane campaigns as %s (the same host name and advertised address) "
+                          "and leads (epoch %d); this one stays a standby: give each process its own "
+                          "control.advertise (or host name)", self.holder, int(epoch))
+                self._twin_said = True
             # (SQLite is one process's, under a file lock: whatever holder the file names is a previous
             # run of this one, so it takes the lease at once rather than waiting a crash's lease out)
-            if expires_at > now and holder and holder != self.holder and self.db.shared:
+            if expires_at > now and holder and (holder != self.holder or twin) and self.db.shared:
                 self.leader = LeaderInfo(holder, int(epoch), grpc_addr, admin_addr)
                 self._until_expiry = (float(expires_at) - float(now), self.clock())
                 self._leader_until = self.clock() + float(expires_at) - float(now)
@@ -260,7 +271,8 @@ class Leadership:
         self.deadline = sent + self.renew_deadline
         if self.clock() >= self.deadline:
             return  # it took so long that the term would already be over: campaign again
-        self.epoch = won
+        self.epoch = self._last_won = won
+        self._twin_said = False
         self.leader = LeaderInfo(self.holder, won, self.grpc_address, self.admin_address)
         self.terms += 1
         self._arm()

@@ -1195,11 +1195,12 @@ class ControlPlane:
             from .collector import ClusterCollector
             from .ha import LeaderCollector
 
-            self._collector = ClusterCollector(self.nodes, self.stats)  # (its deployments: the leader's, _lead)
+            self._collector = ClusterCollector(self.nodes, self.stats, leading=self.leading)  # (its deployments:
+            # the leader's, _lead)
             self.admin.register_text_collector(self._collector)
             self._leader_collector = LeaderCollector(self)
             self.admin.register_collector(self._leader_collector)
-            self._follow_collector = FollowCollector(self.follow_hub.stats)
+            self._follow_collector = FollowCollector(self.follow_hub.stats, leading=self.leading)
             self.admin.register_collector(self._follow_collector)
             if self.route_share is not None:
                 from ..fleet.share import ShareCollector
