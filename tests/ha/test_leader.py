@@ -261,3 +261,34 @@ async def test_two_processes_under_one_name_do_not_lead_in_turn(pg_dsn: str, cap
                 await lead.stop()
         await db_a.close()
         await db_b.close()
+
+
+async def test_a_database_that_does_not_answer_is_named_to_api_clients(pg_dsn: str) -> None:
+    """While no campaign reaches the database, a management write is not told "no leader is known yet,
+    retry in a few seconds" (as if an election were under way) but that the database does not answer."""
+    from types import SimpleNamespace
+
+    from llmgw.control.db import DatabaseError
+    from llmgw.control.service import ControlPlane
+
+    db = open_database(pg_dsn)
+    await db.open()
+    lead = None
+    try:
+        await db.migrate()
+
+        def away(*args: object, **kwargs: object) -> object:
+            raise DatabaseError("connection refused (127.0.0.1:5)")
+
+        db.transaction = away  # type: ignore[method-assign]
+        lead = Leadership(db, holder="h/x:1", lease=LEASE, grpc_address="x:1", admin_address="http://x:2")
+        lead.start()
+        await wait_for(lambda: lead.database_error is not None, what="a failed campaign")
+        cp = SimpleNamespace(leading=lambda: False, leadership=lead)
+        said = ControlPlane.not_leader(cp)  # type: ignore[arg-type]
+        assert said is not None and said.startswith("no control plane leads: the control-plane database does not "
+                                                   "answer (DatabaseError: connection refused"), said
+    finally:
+        if lead is not None:
+            await lead.stop(release=False)
+        await db.close()

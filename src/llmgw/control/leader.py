@@ -194,6 +194,12 @@ class Leadership:
             except (DatabaseError, asyncio.TimeoutError, OSError) as exc:
                 log.warning("could not release the control-plane lease (%s); a successor waits it out", exc)
 
+    @property
+    def database_error(self) -> str | None:
+        """Why the last campaign or renew failed (the database away, a timeout), as logged; ``None`` once
+        it answers again."""
+        return self._last_error
+
     async def _attempt(self) -> None:
         """One renew (leading) or campaign (not), its failure logged once: it never gives up."""
         try:

@@ -1673,6 +1673,10 @@ class ControlPlane:
         lead = self.leadership
         li = lead.other_leader() if lead is not None else None
         if li is None:
+            why = lead.database_error if lead is not None else None
+            if why is not None:  # (as the election's warning logs it: the database's password never in it)
+                return (f"no control plane leads: the control-plane database does not answer ({why}); "
+                        "retry once it does")
             return "this control plane is a standby and no leader is known yet: retry in a few seconds"
         return f"this control plane is a standby; the leader is at {li.admin_address or li.grpc_address} (epoch {li.epoch})"
 
