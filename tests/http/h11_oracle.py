@@ -207,6 +207,15 @@ def classify(data: bytes, ours: Outcome, theirs: Outcome) -> str | None:
         between = theirs.detail == "no request line received" or theirs.detail.startswith("illegal request line")
         if between and len(ours.requests) == len(theirs.requests) and data.rstrip(b"\r\n") != data:
             return "leading-empty-line"  # (between two requests: after a body)
+        if between and len(ours.requests) == len(theirs.requests):
+            # the same between two requests, the next one begun and not whole yet: without that one empty
+            # line (CRLF or a bare LF) h11 reads the same requests and waits for the rest
+            theirs_fields = [fields(r)[:4] for r in theirs.requests]
+            for m in re.finditer(rb"\r?\n", data):
+                for start in {m.start(), m.end() - 1}:
+                    again = h11_read(data[:start] + data[m.end():])
+                    if again.end is None and [fields(r)[:4] for r in again.requests] == theirs_fields:
+                        return "leading-empty-line"
         if any(b"  " in seg[0] for seg in segs):
             return "request-line-spaces"
         return None
