@@ -96,6 +96,8 @@ def leader_hint(exc: grpc.aio.AioRpcError) -> str | None:
         if key == LEADER_METADATA and isinstance(value, str) and value:
             return value
     return None
+
+
 def tls_hint(details: str, tls: bool) -> str | None:
     """What to change when a connection failed on TLS (gRPC's words in ``details``), or ``None``."""
     if "WRONG_VERSION_NUMBER" in details:

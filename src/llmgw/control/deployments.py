@@ -52,7 +52,9 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
-from ..agent.wire import runs_replicas
+from google.protobuf.json_format import MessageToDict, ParseDict
+
+from ..agent.wire import pb, runs_replicas, spec_from_proto, spec_to_proto
 from ..config import DeploymentConfig, EndpointConfig, load
 from ..engines import get as get_engine
 from ..errors import ConfigError
@@ -62,7 +64,6 @@ from ..launch.spec import (
     LOG_TAIL,
     READY,
     STARTING,
-    ModelBlob,
     ReplicaSpec,
     ReplicaStatus,
     log_tail,
@@ -213,18 +214,13 @@ class Replica:
                      self.cpu_cores, loaded=self.state == READY)
 
     def stored(self) -> StoredReplica:
-        """Its row, with the form it runs (``form``: engine, model and its blobs, args...), so that a control
-        plane that loads the row hands its node the same spec: the deployment's entry may have changed since
-        (an outdated replica), or the mirror's answer for its model (a model removed, or imported again
-        under the same name), and a spec made again would restart the engine."""
+        """Its row, with the spec it runs (``form``: the wire's message as JSON, engine, model and its blobs,
+        args...), so that a control plane that loads the row hands its node the same spec: the deployment's
+        entry may have changed since (an outdated replica), or the mirror's answer for its model (a model
+        removed, or imported again under the same name), and a spec made again would restart the engine."""
         form: dict[str, Any] = {}
         if self.spec is not None:
-            sp = self.spec
-            form = {"form": {
-                "engine": sp.engine, "model": sp.model, "served_name": sp.served_name,
-                "blobs": [[b.digest, b.size, b.role] for b in sp.blobs], "slots": sp.slots, "context": sp.context,
-                "args": list(sp.args), "env": dict(sp.env),
-            }}
+            form = {"form": MessageToDict(spec_to_proto(self.spec), preserving_proto_field_name=True)}
         return StoredReplica(self.id, self.deployment, self.node, {
             "gpus": list(self.gpus), "gpu_memory": self.gpu_memory, "exclusive": self.exclusive, "memory": self.memory,
             "cpu_cores": self.cpu_cores, "fraction": self.fraction, "api_key": self.api_key,
@@ -242,14 +238,7 @@ class Replica:
         if isinstance(form, Mapping):
             # (the spec it was given, equal to the one its agent runs: not restarted because the mirror
             # or the entry changed while no control plane ran; a rolling update goes on where it was)
-            rep.spec = ReplicaSpec(
-                id=rep.id, deployment=rep.deployment, engine=str(form["engine"]), model=str(form["model"]),
-                served_name=str(form["served_name"]),
-                blobs=tuple(ModelBlob(str(d), int(n), str(role)) for d, n, role in form.get("blobs", ())),
-                gpus=rep.gpus, gpu_memory_fraction=rep.fraction, slots=form.get("slots"),
-                context=form.get("context"), args=tuple(map(str, form.get("args", ()))),
-                env={str(k): str(v) for k, v in dict(form.get("env", {})).items()}, api_key=rep.api_key,
-            )
+            rep.spec = spec_from_proto(ParseDict(dict(form), pb.ReplicaSpec(), ignore_unknown_fields=True))
         return rep
 
 

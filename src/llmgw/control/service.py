@@ -1195,8 +1195,8 @@ class ControlPlane:
             from .collector import ClusterCollector
             from .ha import LeaderCollector
 
-            self._collector = ClusterCollector(self.nodes, self.stats, leading=self.leading)  # (its deployments:
-            # the leader's, _lead)
+            # (its deployments: the leader's, _lead)
+            self._collector = ClusterCollector(self.nodes, self.stats, leading=self.leading)
             self.admin.register_text_collector(self._collector)
             self._leader_collector = LeaderCollector(self)
             self.admin.register_collector(self._leader_collector)
