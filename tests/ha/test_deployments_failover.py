@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import asyncpg
+import orjson
 import pytest
 from cp_helpers import TOKEN
 from serve_helpers import TOKEN_ENV, Serve, free_port, http, the_leader, wait_until
@@ -153,6 +154,16 @@ async def _chat(port: int, model: str, key: str | None = None) -> int:
     return status
 
 
+async def _standby_unavailable(p: Serve, model: str) -> bool:
+    body = {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    try:
+        status, _, raw = await http(p.gateway, "POST", "/v1/chat/completions", 10.0, body)
+    except (OSError, asyncio.TimeoutError):
+        return False
+    err = orjson.loads(raw)
+    return status == 503 and err["error"]["code"] == "model_unavailable" and "standby" in err["error"]["message"]
+
+
 async def _gateway_up(p: Serve) -> bool:
     try:
         status, _, _ = await http(p.admin, "GET", "/health", 2.0)
@@ -203,6 +214,10 @@ async def test_kill_the_leader_while_scaling_nothing_is_lost_and_no_replica_laun
         router = Router(tmp_path, [standby.address, leader.address], env)
         await wait_until(lambda: _ok(router.port, "chat"), 30, "the router routing chat")
         load = Load(router.port, "chat")
+        # a standby's own client port routes to no deployment's replicas: their models are unavailable
+        # there (503, retry), not unknown (404); a model nobody serves is still 404
+        await wait_until(lambda: _standby_unavailable(standby, "chat"), LEASE * 2, "the standby answering chat 503")
+        assert await _chat(standby.gateway, "nope") == 404
         # a standby holds no deployments: it names the leader
         status, headers, err = await standby.api("POST", "/admin/v1/deployments/chat/scale", {"replicas": 1})
         assert status == 503 and err["error"]["code"] == "not_leader"
@@ -270,6 +285,7 @@ async def test_kill_the_leader_while_scaling_nothing_is_lost_and_no_replica_laun
         standby.signal(signal.SIGCONT)
         await wait_until(lambda: _no_replicas(standby), LEASE * 4, "the stepped-down process dropping its replicas")
         assert "stops routing to the" in standby.stderr()
+        assert await _standby_unavailable(standby, "late")
         await wait_until(lambda: _ready(leader, "chat", want), 60, f"chat at {want} on the leader again")
         assert await _chat(leader.gateway, "chat") == 200
     finally:

@@ -798,6 +798,20 @@ class DesiredStore:
                              for n, s, spec, o, of in deps]
         self._replicas = [StoredReplica(i, d, n, json.loads(s), float(c)) for i, d, n, s, c in reps]
 
+    @staticmethod
+    async def served_models(db: Database) -> frozenset[str]:
+        """The model names the deployments in ``db`` serve (a standby's data path answers them 503)."""
+        async with db.transaction() as tx:
+            rows = await tx.fetch("SELECT name, spec FROM llmgw_deployments")
+        out: set[str] = set()
+        for name, spec in rows:
+            try:
+                served = json.loads(spec).get("served_name")
+            except (ValueError, AttributeError):
+                served = None
+            out.add(served if isinstance(served, str) and served else name)
+        return frozenset(out)
+
     # -- what the controller calls (synchronous) --
 
     def deployments(self) -> list[StoredDeployment]:

@@ -1017,6 +1017,13 @@ def _no_blobs(node: str, digest: str) -> bool:
     return False
 
 
+class _StandbyHeld(frozenset[str]):
+    """The deployments' models on a standby's data path: 503, and why (the gateway reads ``reason``)."""
+
+    reason = ("this gateway is a standby control plane, which routes to no deployment's replicas "
+              "(the leader and the routers that follow it do): retry, through another address if this persists")
+
+
 def _never() -> bool:
     return False
 
@@ -1415,6 +1422,7 @@ class ControlPlane:
                 if not self.leading():
                     if self.db is not None and self.db.shared:
                         await self._load_api_tokens()
+                        await self._hold_deployed_models()
                 elif self.leadership is not None and self.db is not None:
                     used = self.api_tokens.unflushed()
                     if used:
@@ -1440,6 +1448,19 @@ class ControlPlane:
                     else:
                         log.error("join tokens: %s (retrying every %.1fs)", msg, every, exc_info=True)
                     failed = msg
+
+    async def _hold_deployed_models(self) -> None:
+        """A standby's data path answers the deployments' models 503 ``model_unavailable`` (saying why),
+        not 404 as models nobody serves: a client that reached the wrong process is told to retry."""
+        from .db import DesiredStore
+
+        assert self.db is not None
+        models = await DesiredStore.served_models(self.db)
+        models |= {d.model_name for d in self.config().deployments}
+        router = self.router
+        if router is None or self.leading() or self.deployments is not None:
+            return  # (leading since the read began: the term's controller holds what it serves)
+        router.hold(_StandbyHeld(models), frozenset())
 
     def _write_error(self, exc: Exception, what: str, topic: str = "join tokens") -> HTTPError:
         """The admin API's 503 for a write the database refused (``exc``: not the leader, or it failed)."""
