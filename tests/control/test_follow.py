@@ -19,6 +19,7 @@ import sys
 import time
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import grpc
 import orjson
@@ -115,9 +116,12 @@ async def test_router_follows_survives_and_catches_up(tmp_path: Path) -> None:
     )
     bin_dir = standins.install(tmp_path / "bin")
     agent_cfg = tmp_path / "agent.yaml"
+    ports = free_port()
+    ports = range(ports, min(ports + 50, 32768))  # (the replicas listen in the agent's replica_ports only)
     agent_cfg.write_text(
         f"control: 127.0.0.1:{cp_grpc}\ntoken_env: JOIN\nname: node-f\ngpu_source: simulated\nadvertise: 127.0.0.1\n"
         f"state_dir: {tmp_path}/agent-state\nengines:\n  vllm:\n    binary: {bin_dir / 'vllm'}\n"
+        f"replica_ports: {ports[0]}-{ports[-1]}\n"
     )
     env = {"JOIN": TOKEN, "ROUTER": ROUTER_TOKEN, "LLMGW_MIRROR": str(tmp_path / "mirror"), "PYTHONUNBUFFERED": "1"}
     cp = Proc(["serve", "-c", str(cp_cfg)], tmp_path / "cp.log", env)
@@ -188,6 +192,7 @@ async def test_router_follows_survives_and_catches_up(tmp_path: Path) -> None:
         await wait_for(lambda: len(_tiny(rt)) == 2, 60, "two replicas in the router")
         assert [await _chat(rt) for _ in range(6)] == [200] * 6
         assert follower.state.connects == 2
+        assert all(urlsplit(ep.cfg.url).port in ports for ep in _tiny(rt)), [ep.cfg.url for ep in _tiny(rt)]
 
         # -- 2 -> 1 with requests in flight through the router: the control plane waits for them --
         assert rt.registry is not None and rt.listen_addr is not None

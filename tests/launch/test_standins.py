@@ -198,3 +198,42 @@ async def test_asked_again_while_stopping_it_comes_back(tmp_path: Path) -> None:
         assert first.pid is not None and gone(first.pid) and again.restarts == 0
     finally:
         await w.sup.close()
+
+
+def _two_free_ports() -> int:
+    """``lo`` such that ``lo`` and ``lo + 1`` are both free on 127.0.0.1 now."""
+    import socket
+
+    from ports import free_port
+
+    for _ in range(50):
+        lo = free_port()
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", lo + 1))
+            except OSError:
+                continue
+        return lo
+    raise AssertionError("no two adjacent free ports")
+
+
+@pytest.mark.usefixtures("standin_env")
+async def test_replica_ports_only_in_the_range_given(tmp_path: Path) -> None:
+    import socket
+
+    lo = _two_free_ports()
+    w = Watched(tmp_path / "state", engines=ENGINES, port_range=(lo, lo + 1), strict_ports=True)
+    busy = socket.socket()
+    busy.bind(("127.0.0.1", lo))  # (another process's listener on the range's first port)
+    busy.listen()
+    try:
+        await w.sup.apply([spec("vllm", id="a")])
+        assert (await w.wait_state("a", READY)).port == lo + 1
+        # the range is full: the next replica fails saying so, never listening outside it
+        await w.sup.apply([spec("vllm", id="a"), spec("vllm", id="b")])
+        st = await w.wait_state("b", FAILED)
+        assert f"no free port in replica_ports {lo}-{lo + 1}" in st.message and "widen the range" in st.message
+        assert st.port is None
+    finally:
+        busy.close()
+        await w.sup.close()

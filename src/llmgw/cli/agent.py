@@ -46,6 +46,8 @@ class NodeOptions:
     advertise: str | None = None
     gpu_source: str = "auto"
     """Where engine checks read GPUs (the agent's own ``gpu_source``)."""
+    replica_ports: tuple[int, int] | None = None
+    """Where replicas listen (only there); None: any free port, preferably below the ephemeral range."""
 
     @property
     def bind(self) -> str:
@@ -244,8 +246,10 @@ async def run_agent(
     if supervisor is None and node is not None:
         from ..launch.supervisor import ReplicaSupervisor
 
+        ports: dict[str, Any] = ({"port_range": node.replica_ports, "strict_ports": True}
+                                 if node.replica_ports is not None else {})
         supervisor = ReplicaSupervisor(node.state_dir, host=node.bind_towards(controls[0]), engines=node.engines,
-                                       on_change=changed)
+                                       on_change=changed, **ports)
     fetchers: list[Any] = []
     registered = mirror_access(supervisor, node.state_dir, fetchers) if node is not None else None
     async def check(req: Any) -> list[dict[str, Any]]:
@@ -307,10 +311,13 @@ async def run_agent(
               help="A node label (repeatable; added to the config file's labels:).")
 @click.option("--advertise", metavar="HOST", help="Where this node's replicas are reached (default: the address "
                                                    "the control plane sees).")
+@click.option("--replica-ports", metavar="LOW-HIGH", help="The ports this node's replicas listen on, only these "
+                                                           "(default: any free port, preferably in 20000-32767).")
 def agent(
     control: tuple[tuple[str, int], ...] | None, token_env: str | None, name: str | None, gpu_source: str | None,
     config_path: str | None, use_tls: bool, tls_ca: str | None, tls_cert: str | None, tls_key: str | None,
     insecure: bool, state_dir: str | None, label_flags: tuple[str, ...], advertise: str | None,
+    replica_ports: str | None,
 ) -> None:
     """Run the node agent: report this node's GPUs to a control plane and run the replicas it places here.
 
@@ -322,6 +329,7 @@ def agent(
     token: str | None = None
     engines: Mapping[str, Any] = {}
     labels: dict[str, str] = {}
+    ports: tuple[int, int] | None = None
     state_flag = state_dir is not None
     if config_path is not None:
         if not config_path:
@@ -346,7 +354,8 @@ def agent(
         engines = file_cfg.engines
         labels.update(file_cfg.labels)
         advertise = advertise or file_cfg.advertise
-    from ..config.agent import _host, _labels, default_state_dir
+        ports = file_cfg.replica_ports
+    from ..config.agent import _host, _labels, _port_range, default_state_dir
 
     for item in label_flags:
         key, eq, value = item.partition("=")
@@ -358,6 +367,11 @@ def agent(
         advertise = _host(advertise) if advertise is not None else None
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
+    if replica_ports is not None:
+        try:
+            ports = _port_range(replica_ports)
+        except ValueError as exc:
+            raise click.UsageError(f"--replica-ports {exc}") from None
     if control is None:
         raise click.UsageError("--control HOST:PORT is required (or control: in --config FILE)")
     zero = next((h for h, p in control if p == 0), None)
@@ -401,7 +415,7 @@ def agent(
             "use TLS (--tls-ca FILE, or --tls) or pass --insecure on a network you trust"
         )
     node = NodeOptions(state_dir or default_state_dir(), engines=engines, labels=labels, advertise=advertise,
-                       gpu_source=gpu_source or "auto")
+                       gpu_source=gpu_source or "auto", replica_ports=ports)
     where = ("--state-dir" if state_flag else "state_dir: in --config FILE" if state_dir
              else "the default state directory")
     instance, _lock = claim_state_dir(node.state_dir, where)  # (held until the process ends)

@@ -5,7 +5,8 @@
 rules and problem collection. ``engines:`` says where each engine is,
 ``state_dir:`` where the agent keeps its replicas' records, logs and models
 (:func:`default_state_dir`), ``labels:`` what deployments' node selectors match,
-``advertise:`` where the node's replicas are reached.
+``advertise:`` where the node's replicas are reached, ``replica_ports:`` the ports
+they listen on.
 """
 
 from __future__ import annotations
@@ -73,6 +74,19 @@ def _host(v: Any) -> str:
     return s
 
 
+def _port_range(v: Any) -> tuple[int, int]:
+    s = _text(v).strip()
+    lo_s, dash, hi_s = s.partition("-")
+    if not dash or not lo_s.strip().isdigit() or not hi_s.strip().isdigit():
+        raise _Bad(f"{s!r}: expected a port range LOW-HIGH, e.g. 20000-20999")
+    lo, hi = int(lo_s), int(hi_s)
+    if not 1 <= lo <= hi <= 65535:
+        raise _Bad(f"{s!r}: expected 1 <= LOW <= HIGH <= 65535")
+    return lo, hi
+
+
+_PORT_RANGE = _Rule(_port_range, {"type": "string", "pattern": r"^\s*[0-9]{1,5}\s*-\s*[0-9]{1,5}\s*$",
+                                  "examples": ["20000-20999"]})
 _LABELS = _Rule(_labels, {"type": "object", "additionalProperties": {"type": "string", "maxLength": 253},
                           "maxProperties": 64})
 _ADVERTISE = _Rule(_host, {"type": "string", "examples": ["10.0.0.5", "gpu-node-3.example.net"]})
@@ -124,6 +138,7 @@ class AgentConfig:
     state_dir: str | None = None  # None: default_state_dir()
     labels: Mapping[str, str] = field(default_factory=dict)
     advertise: str | None = None  # None: the address the control plane sees the agent at
+    replica_ports: tuple[int, int] | None = None  # None: the supervisor's default, loosely
     source: str | None = None
 
 
@@ -165,6 +180,10 @@ class _AgentIn(_In):
     advertise: Annotated[str, _ADVERTISE] | None = _default(AgentConfig, "advertise")
     """The host name or IP where this node's replicas are reached (the engines listen there); default: the
     address the control plane sees the agent at, with the engines listening on every interface."""
+    replica_ports: Annotated[tuple[int, int], _PORT_RANGE] | None = _default(AgentConfig, "replica_ports")
+    """The ports this node's replicas listen on, LOW-HIGH (a firewall's opening between routers and nodes): only
+    these are used, a replica failing to start when none is free. Default: any free port, preferably in
+    20000-32767 (below the kernel's ephemeral ports)."""
 
 
 def load_agent(data: Any, source: str | None = None, require_control: bool = True) -> AgentConfig:
@@ -205,6 +224,7 @@ def _build_agent(data: Any, problems: _Problems, require_control: bool = True) -
         state_dir=v["state_dir"],
         labels=v["labels"] or {},
         advertise=v["advertise"],
+        replica_ports=v["replica_ports"],
         source=problems.source,
     )
 

@@ -150,14 +150,24 @@ def _bindable(host: str, port: int) -> bool:
         return True
 
 
-def _free_port(host: str, span: tuple[int, int] | None = PORT_RANGE, taken: frozenset[int] = frozenset()) -> int:
-    """A port ``host`` can bind now: random in ``span`` (skipping ``taken``), else one the kernel picks."""
+def _free_port(host: str, span: tuple[int, int] | None = PORT_RANGE, taken: frozenset[int] = frozenset(),
+               strict: bool = False) -> int:
+    """A port ``host`` can bind now: random in ``span`` (skipping ``taken``), else one the kernel picks;
+    ``strict``: in ``span`` or none (every port of it tried before :class:`LaunchError`)."""
     if span is not None:
         lo, hi = span
         for _ in range(64):
             port = random.randint(lo, hi)
             if port not in taken and _bindable(host, port):
                 return port
+        if strict:
+            start = random.randint(lo, hi)  # (then each in turn from a random start: small ranges fill up)
+            for i in range(hi - lo + 1):
+                port = lo + (start - lo + i) % (hi - lo + 1)
+                if port not in taken and _bindable(host, port):
+                    return port
+            raise LaunchError(f"no free port in replica_ports {lo}-{hi} on {host} ({len(taken)} taken by this "
+                              "node's replicas, the rest by other processes): widen the range")
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     with socket.socket(family, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
@@ -245,6 +255,8 @@ class ReplicaSupervisor:
         base_env: the environment engines start from (default: the agent's).
         poll_interval: the longest wait between readiness probes.
         port_range: where replica ports are picked (None: any free port the kernel gives).
+        strict_ports: only in ``port_range`` (the operator's ``replica_ports``): a replica fails to start
+            when none is free there, rather than taking one the kernel gives.
     """
 
     def __init__(
@@ -267,6 +279,7 @@ class ReplicaSupervisor:
         base_env: Mapping[str, str] | None = None,
         poll_interval: float = 0.2,
         port_range: tuple[int, int] | None = PORT_RANGE,
+        strict_ports: bool = False,
     ) -> None:
         self.state_dir = Path(state_dir)
         self.host = host
@@ -285,6 +298,7 @@ class ReplicaSupervisor:
         self.base_env = dict(base_env) if base_env is not None else None
         self.poll_interval = poll_interval
         self.port_range = port_range
+        self.strict_ports = strict_ports and port_range is not None
         self._records = self.state_dir / "replicas"
         self._logs = self.state_dir / "logs"
         self._run = self.state_dir / "run"
@@ -586,7 +600,7 @@ class ReplicaSupervisor:
         work.mkdir(parents=True, exist_ok=True, mode=0o700)
         try:
             taken = frozenset(r.port for r in self._reps.values() if r.port is not None and r is not rep)
-            port = _free_port(self.host, self.port_range, taken)
+            port = _free_port(self.host, self.port_range, taken, self.strict_ports)
             plan = launcher_for(spec.engine)(spec, model, host=self.host, port=port,
                                              engine=self.engines.get(spec.engine), work_dir=work)
         except (LaunchError, OSError) as exc:
