@@ -150,6 +150,38 @@ def test_latency_does_not_depend_on_traffic_volume(score: ModuleType) -> None:
     assert busy.drain_rate > 5 * idle.drain_rate
 
 
+def test_the_drain_rate_decays_while_nothing_completes(score: ModuleType) -> None:
+    """A replica that stops answering does not keep its last rate (read on /metrics, ctl endpoints and
+    Retry-After): as of a time, it is what the next completion would find, less one."""
+    s = score.EndpointState()
+    end = serve(s, 0.0, 1.0, 100, 0.0)
+    assert s.rate_at(end) == s.drain_rate == pytest.approx(1.0, rel=0.06)
+    assert s.rate_at(end - 1.0) == s.drain_rate  # (no going back)
+    later = s.rate_at(end + score.DRAIN_TAU)
+    assert later == pytest.approx(s.drain_rate / math.e, rel=0.1)
+    assert s.rate_at(end + 10 * score.DRAIN_TAU) < 1e-3 * s.drain_rate
+    assert s.drain_rate == pytest.approx(1.0, rel=0.06)  # (reading changes nothing)
+    # the next completion's rate is the decayed one plus its own
+    s.on_complete(end + score.DRAIN_TAU)
+    assert s.drain_rate == pytest.approx(later + 1.0 / score.DRAIN_TAU, rel=0.05)
+    # never measured: NaN at any time; set by hand with no history: as set
+    fresh_ = score.EndpointState()
+    assert math.isnan(fresh_.rate_at(100.0))
+    fresh_.drain_rate = 2.5
+    assert fresh_.rate_at(100.0) == 2.5
+
+
+def test_retry_after_reads_the_rate_now(score: ModuleType) -> None:
+    s = score.EndpointState()
+    s.on_scrape(0.0, 0.0, 0.0, None)
+    end = serve(s, 0.0, 0.1, 200, 0.0)  # ~10 completions a second
+    s.on_scrape(end, 0.0, 0.0, None)
+    assert score.retry_after([s], 9, end) == pytest.approx(1.0, rel=0.2)
+    s.on_scrape(end + 20.0, 0.0, 0.0, None)
+    # 20 s (two time constants) without a completion: the pool drains ~e^2 slower than it did
+    assert score.retry_after([s], 9, end + 20.0) == pytest.approx(math.e ** 2, rel=0.2)
+
+
 def test_stalled_replica_latency_grows(score: ModuleType) -> None:
     s = score.EndpointState()
     end = serve(s, 0.0, 1.0, 20, 0.0)

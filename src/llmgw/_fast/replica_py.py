@@ -194,7 +194,8 @@ class Endpoint:
 
     @property
     def drain_rate(self) -> float | None:
-        return _opt(self.state.drain_rate)
+        """Requests per second this replica finished for this router, now (decaying while none finish)."""
+        return _opt(self.state.rate_at(monotonic()))
 
     @property
     def latency(self) -> float | None:

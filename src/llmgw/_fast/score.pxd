@@ -108,6 +108,7 @@ cdef class EndpointState:
     cpdef on_abort(self, double now)
     cpdef bint half_open(self)
     cpdef bint breaker_settled(self)
+    cpdef double rate_at(self, double now)
 
 
 cdef class Picker:

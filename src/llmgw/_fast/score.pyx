@@ -346,6 +346,19 @@ cdef class EndpointState:
         self._estimate()
         self._settled = self.latency
 
+    cpdef double rate_at(self, double now):
+        """``drain_rate`` as of ``now`` (see score_py.EndpointState.rate_at)."""
+        cdef double rate = self.drain_rate, last = self._t_last, done = self._done, window = self._window
+        cdef double x, decay
+        if isnan(rate) or isnan(last) or not window > 0.0:
+            return rate
+        if now > last:
+            x = -(now - last) / C_DRAIN_TAU
+            decay = exp(x)
+            done = done * decay
+            window = window * decay - C_DRAIN_TAU * expm1(x)
+        return done / (window if window > C_MIN_WINDOW else C_MIN_WINDOW)
+
     cpdef bint breaker_settled(self):
         """Whether the breaker is closed with no failure counted (a success would change nothing)."""
         return self._breaker._state == BS_CLOSED and self._breaker.consecutive_failures == 0
@@ -1042,7 +1055,7 @@ def retry_after(list states not None, queued, double now):
     cdef EndpointState st
     for i in range(PyList_GET_SIZE(states)):
         st = _state_at(states, i)
-        r = st.drain_rate
+        r = st.rate_at(now)
         if r > 0.0 and st._usable(now):
             rate += r
     if not rate > 0.0:

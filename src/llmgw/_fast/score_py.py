@@ -15,7 +15,9 @@ itself: ``dispatched_since_scrape`` and ``completed_since_scrape`` (reset by
 on when the poller says when it sent the scrape). From its own requests the router also measures
 
 * ``drain_rate``: completions per second, an exponentially weighted rate with time
-  constant ``DRAIN_TAU`` over the router's own completions (NaN until the first);
+  constant ``DRAIN_TAU`` over the router's own completions (NaN until the first), as of
+  the last completion; :meth:`EndpointState.rate_at` is the rate now (it decays while
+  nothing completes);
 * ``latency``: the mean time the router's requests spend on the replica (Little's
   law over the same window: time-weighted requests in flight divided by
   completions; NaN until the first completion). Unlike the completion rate it does
@@ -605,6 +607,19 @@ class EndpointState:
         self.drain_rate = self._done / max(self._window, _MIN_WINDOW)
         self._estimate()
         self._settled = self.latency
+
+    def rate_at(self, now: float) -> float:
+        """``drain_rate`` as of ``now``: it decays while no request completes (a replica that stopped
+        answering does not keep its last rate), as the next completion would find it; NaN: never measured."""
+        rate, last, done, window = self.drain_rate, self._t_last, self._done, self._window
+        if rate != rate or last != last or not window > 0.0:
+            return rate
+        if now > last:
+            x = -(now - last) / DRAIN_TAU
+            decay = math.exp(x)
+            done = done * decay
+            window = window * decay - DRAIN_TAU * math.expm1(x)
+        return done / max(window, _MIN_WINDOW)
 
     def breaker_settled(self) -> bool:
         """Whether the breaker is closed with no failure counted (a success would change nothing)."""
@@ -1244,7 +1259,7 @@ def retry_after(states: Sequence[EndpointState], queued: int, now: float) -> flo
     """
     rate = 0.0
     for st in states:
-        r = st.drain_rate
+        r = st.rate_at(now)
         if r > 0.0 and st.usable(now):
             rate += r
     if not rate > 0.0:
