@@ -29,7 +29,7 @@ def _configmap(name: str) -> dict[str, Any]:
 
 
 def test_the_configmaps_hold_valid_llmgw_configs(monkeypatch: pytest.MonkeyPatch) -> None:
-    for var in ("LLMGW_JOIN_TOKEN", "LLMGW_ADMIN_TOKEN"):
+    for var in ("LLMGW_JOIN_TOKEN", "LLMGW_ADMIN_TOKEN", "LLMGW_ROUTER_TOKEN"):
         monkeypatch.setenv(var, "x" * 20)
     monkeypatch.setenv("LLMGW_DATABASE_URL", "postgresql://llmgw:pw@llmgw-postgres:5432/llmgw")
     control = load(yaml.safe_load(_configmap("llmgw-control")["data"]["llmgw.yaml"]))
@@ -37,13 +37,20 @@ def test_the_configmaps_hold_valid_llmgw_configs(monkeypatch: pytest.MonkeyPatch
     assert control.control.database.startswith("postgresql://") and control.control.lease == 15.0
     assert control.control.tls_cert is not None  # off loopback: TLS, never plaintext
     router = load(yaml.safe_load(_configmap("llmgw-router")["data"]["llmgw.yaml"]))
-    assert router.control is None and router.endpoints
+    assert router.control is None and router.follow is not None
+    assert control.control.router_tokens and router.follow.tls_ca is not None  # (the table carries replica keys)
     agent = load_agent(yaml.safe_load(_configmap("llmgw-agent")["data"]["agent.yaml"]))
     assert len(agent.control) == 3 and agent.tls_ca is not None
     # every control-plane pod is named (the StatefulSet's replicas, through its headless Service)
     sts = next(d for d in _docs() if d["kind"] == "StatefulSet" and d["metadata"]["name"] == "llmgw-control")
-    assert [h for h, _ in agent.control] == [
-        f"llmgw-control-{i}.llmgw-control.llmgw.svc.cluster.local" for i in range(sts["spec"]["replicas"])]
+    pods = [f"llmgw-control-{i}.llmgw-control.llmgw.svc.cluster.local" for i in range(sts["spec"]["replicas"])]
+    assert [h for h, _ in agent.control] == pods and [h for h, _ in router.follow.control] == pods
+    # the agent's state (fetched models, the replicas it runs) is on the host: a new pod adopts them
+    ds = next(d for d in _docs() if d["kind"] == "DaemonSet" and d["metadata"]["name"] == "llmgw-agent")
+    pod = ds["spec"]["template"]["spec"]
+    on_host = {v["name"] for v in pod["volumes"] if "hostPath" in v}
+    mounts = {m["mountPath"]: m["name"] for c in pod["containers"] for m in c.get("volumeMounts", [])}
+    assert agent.state_dir is not None and mounts.get(agent.state_dir) in on_host, (agent.state_dir, mounts)
 
 
 def test_the_servicemonitor_fits_its_schema() -> None:

@@ -41,7 +41,12 @@ GIB = 1024**3
 def test_database_urls(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """SQLAlchemy's forms; the default where the earlier deployments store was (an upgrade finds it)."""
     monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "xdg"))
+    monkeypatch.delenv("STATE_DIRECTORY", raising=False)
     assert default_database(None).path == str(tmp_path / "xdg" / "llmgw" / "control.sqlite3")
+    # under systemd's StateDirectory= (ProtectHome: the home is not writable), there
+    monkeypatch.setenv("STATE_DIRECTORY", f"{tmp_path / 'sd'}:{tmp_path / 'other'}")
+    assert default_database(None).path == str(tmp_path / "sd" / "control.sqlite3")
+    monkeypatch.delenv("STATE_DIRECTORY")
     assert default_database(str(tmp_path / "s" / "control.json")).path == str(tmp_path / "s" / "deployments.sqlite3")
     assert parse_database_url("sqlite:///var/lib/llmgw/cp.db").path == "var/lib/llmgw/cp.db"  # (relative)
     assert parse_database_url("sqlite:////var/lib/llmgw/cp.db").path == "/var/lib/llmgw/cp.db"

@@ -375,3 +375,6 @@ async def test_a_deployment_not_ready_keeps_the_control_plane_ready_as_one(tmp_p
         assert status == 503 and "waits" in body["models_unavailable"], body
         status, body = await api(rt, "GET", "/ready?role=control")
         assert (status, body) == (200, {"ready": True, "role": "leader"})
+        # a probe's typo is an error, not plain /ready's answer taken for the control plane's
+        status, body = await api(rt, "GET", "/ready?role=contrl")
+        assert status == 400 and body["error"]["param"] == "role" and "contrl" in body["error"]["message"], body

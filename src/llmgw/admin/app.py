@@ -324,7 +324,10 @@ class AdminApp:
             if path == b"/health":
                 w.send_json(200, {"status": "ok"})
             elif path == b"/ready":
-                self._ready(w, control=_query(req).get("role") == "control")
+                role = _query(req).get("role")
+                if role not in (None, "control"):  # (a probe's typo would otherwise pass as plain /ready)
+                    raise BadRequestError(f"role must be control (or left out), got {role[:50]!r}", param="role")
+                self._ready(w, control=role == "control")
             else:
                 return self._metrics(req, w)
             return None

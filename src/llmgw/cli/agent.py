@@ -78,11 +78,12 @@ class NodeOptions:
         return "::" if local.startswith("fe80:") else local  # (a link-local source needs its scope: any)
 
 
-def open_gpu_source(kind: str) -> Any:
-    """The GPU source ``kind`` (:func:`llmgw.agent.discovery.open_source`), reporting this agent's version."""
+def open_gpu_source(kind: str, node: str | None = None) -> Any:
+    """The GPU source ``kind`` (:func:`llmgw.agent.discovery.open_source`) of node ``node``, reporting this
+    agent's version."""
     from ..agent.discovery import open_source
 
-    return open_source(kind, agent_version=__version__)
+    return open_source(kind, agent_version=__version__, node=node)
 
 
 def check_tls_files(ca: str | None, cert: str | None, key: str | None) -> None:
@@ -419,6 +420,7 @@ def agent(
     where = ("--state-dir" if state_flag else "state_dir: in --config FILE" if state_dir
              else "the default state directory")
     instance, _lock = claim_state_dir(node.state_dir, where)  # (held until the process ends)
-    source = open_gpu_source(gpu_source or "auto")
-    sys.exit(run_loop(run_agent(control, name or socket.gethostname(), token, source, credentials=credentials,
+    name = name or socket.gethostname()
+    source = open_gpu_source(gpu_source or "auto", node=name)
+    sys.exit(run_loop(run_agent(control, name, token, source, credentials=credentials,
                                 node=node, instance=instance)))

@@ -113,7 +113,7 @@ async def _start_demo_agent(
     if thread is None:
         return None
     # (llmgw.agent.discovery's simulated source: every display says it is simulated)
-    source = open_gpu_source("simulated")
+    source = open_gpu_source("simulated", node="demo-node")
     state = tempfile.mkdtemp(prefix="llmgw-demo-node-")
     holder: list[AgentClient] = []
     supervisor = ReplicaSupervisor(state, on_change=lambda: holder[0].poke() if holder else None)

@@ -135,7 +135,7 @@ class ServerConfig:
     shutdown_timeout: Annotated[float, _duration()] = 10.0
     """On SIGINT/SIGTERM in-flight requests get this long, then are cut."""
     expose_replica: Annotated[bool, _FLAG] = True
-    """Proxied answers carry ``x-llmgw-replica: <id>``; false keeps replica names from clients
+    """Proxied answers carry x-llmgw-replica: <id>; false keeps replica names from clients
     (the access log and metrics name them anyway)."""
 
     __pydantic_config__ = _SECTION

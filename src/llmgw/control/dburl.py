@@ -10,6 +10,8 @@ SQLAlchemy's forms, so a URL written for other tools means the same here:
 
 Unset: an SQLite file where llmgw's earlier deployments store was, so an upgrade finds
 it: ``deployments.sqlite3`` beside ``control.state_file`` when that is set, else
+``$STATE_DIRECTORY/control.sqlite3`` under systemd's ``StateDirectory=`` (the unit in
+``deploy/systemd`` sets it: its home is not writable there), else
 ``$XDG_STATE_HOME/llmgw/control.sqlite3`` (``~/.local/state/llmgw/``).
 
 Pure (stdlib only): the config loader checks a URL with it before anything starts.
@@ -127,8 +129,11 @@ def _state_home() -> Path:
 
 def default_database(state_file: str | None) -> DatabaseURL:
     """The SQLite file used when ``control.database`` is unset (module docstring)."""
+    systemd = os.environ.get("STATE_DIRECTORY", "").split(":")[0]
     if state_file:
         path = Path(state_file).expanduser().absolute().parent / "deployments.sqlite3"
+    elif systemd:
+        path = (Path(systemd) / "control.sqlite3").absolute()
     else:
         path = (_state_home() / "llmgw" / "control.sqlite3").absolute()
     return DatabaseURL("sqlite", f"sqlite:///{path}", str(path))

@@ -120,6 +120,14 @@ def test_simulated_says_so_and_moves():
         SimulatedSource(0)
 
 
+def test_simulated_gpus_of_two_nodes_never_share_a_uuid():
+    """GPUs are keyed by UUID (the dashboard, placement): two agents on one machine are two nodes."""
+    a = [g.uuid for g in open_source("simulated", node="node-a").read().gpus]
+    b = [g.uuid for g in open_source("simulated", node="node-b").read().gpus]
+    assert len(set(a)) == 2 and not set(a) & set(b)
+    assert a == [g.uuid for g in SimulatedSource(2, node="node-a").read().gpus]  # (stable across restarts)
+
+
 def test_stand_in_errors_are_the_real_classes():
     nvml = FakeNvml(SCENARIOS / "old_driver.yaml")
     assert nvml.NVMLError is pynvml.NVMLError

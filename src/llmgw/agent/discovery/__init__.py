@@ -88,6 +88,7 @@ def open_source(
     smi_timeout: float = 10.0,
     root: str | os.PathLike[str] = "/",
     simulated_gpus: int = 2,
+    node: str | None = None,
 ) -> DiscoverySource:
     """Open a discovery source.
 
@@ -103,6 +104,7 @@ def open_source(
         smi_timeout: seconds one ``nvidia-smi`` run may take.
         root: where the node's ``/etc``, ``/proc`` and ``/sys`` are read from.
         simulated_gpus: how many GPUs ``simulated`` shows.
+        node: the node's name (``simulated`` derives its GPUs' UUIDs from it; default the host name).
 
     Returns:
         A source with ``read() -> Discovery`` and ``close()``.
@@ -115,7 +117,7 @@ def open_source(
     if kind == "none":
         return NoneSource(facts=facts)
     if kind == "simulated":
-        return SimulatedSource(simulated_gpus, facts=facts)
+        return SimulatedSource(simulated_gpus, facts=facts, node=node)
     if kind == "nvidia-smi":
         return SmiSource(smi_path, facts=facts, timeout=smi_timeout)
     if kind == "nvml":

@@ -8,8 +8,10 @@ tables move without pretending to be a real card.
 
 from __future__ import annotations
 
+import hashlib
 import math
 import random
+import socket
 import time
 from collections.abc import Callable
 
@@ -29,6 +31,8 @@ class SimulatedSource:
         facts: called on every read for the node's facts.
         clock: seconds (monotonic); tests pass their own.
         seed: for the jitter (readings are reproducible for a given clock and seed).
+        node: the node's name: its GPUs' UUIDs are derived from it, so the simulated GPUs of two
+            nodes (several agents on one machine) never share a UUID; default: the host name.
     """
 
     name = "simulated"
@@ -40,9 +44,12 @@ class SimulatedSource:
         facts: Callable[[], NodeFacts] | None = None,
         clock: Callable[[], float] = time.monotonic,
         seed: int = 17,
+        node: str | None = None,
     ) -> None:
         if not 1 <= gpus <= 16:
             raise ValueError(f"gpus={gpus}: 1 to 16 simulated GPUs")
+        tag = hashlib.sha256((node if node is not None else socket.gethostname()).encode()).hexdigest()[:12]
+        self._uuids = [f"GPU-simulated-{tag}-{i:04d}" for i in range(gpus)]
         self._n = gpus
         self._facts = facts or (lambda: NodeFacts(hostname=""))
         self._clock = clock
@@ -69,7 +76,7 @@ class SimulatedSource:
             self._energy[i] += power * dt
             gpus.append(
                 GPU(
-                    uuid=f"GPU-simulated-{i:04d}-llmgw-demo",
+                    uuid=self._uuids[i],
                     index=i,
                     name=SIMULATED_NAME,
                     memory_total_bytes=total,
