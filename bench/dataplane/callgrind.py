@@ -14,6 +14,7 @@ space only (kernel time is not seen), plus the top functions.
     .venv/bin/python bench/dataplane/callgrind.py --stream --requests 300
     .venv/bin/python bench/dataplane/callgrind.py --metrics off    # the data path's observer off
     .venv/bin/python bench/dataplane/callgrind.py --strategy prefix  # routing.strategy (default: llmgw's, score)
+    .venv/bin/python bench/dataplane/callgrind.py --stream --api-key   # replicas with keys (redaction's checks)
 
 Needs valgrind (``callgrind_control``, ``callgrind_annotate``) and nginx with the
 echo module, as ``run.py`` does.
@@ -134,6 +135,9 @@ def main() -> None:
     ap.add_argument("--engine", default="vllm",
                     help="the endpoints' engine; external: never scraped, so the poller's scrapes, which "
                     "come with wall time and not with requests, stay out of the figure (bench/guard.py)")
+    ap.add_argument("--api-key", action="store_true",
+                    help="give the endpoints an api_key (as every replica an agent runs has): the paths that "
+                    "look for it in what the engine sends (redaction) run too")
     args = ap.parse_args()
 
     base = args.port_base
@@ -149,13 +153,14 @@ def main() -> None:
     upstream = dp.start_engine(d, up, gap=args.sse_gap_ms / 1000.0)
 
     port, admin = base + 81, base + 91
+    key = ', api_key: "replica-key-for-the-callgrind-run-0123456789"' if args.api_key else ""
     (d / "llmgw.yaml").write_text(
         f"listen: 127.0.0.1:{port}\nadmin: 127.0.0.1:{admin}\n"
         + (f"scrape: {{interval: {args.scrape_interval:g}}}\n" if args.scrape_interval else "")
         + (f"routing: {{strategy: {args.strategy}}}\n" if args.strategy else "")
         + "endpoints:\n"
-        f'  - {{id: up0, url: "http://127.0.0.1:{up[0]}", model: m, engine: {args.engine}}}\n'
-        f'  - {{id: up1, url: "http://127.0.0.1:{up[1]}", model: m, engine: {args.engine}}}\n'
+        f'  - {{id: up0, url: "http://127.0.0.1:{up[0]}", model: m, engine: {args.engine}{key}}}\n'
+        f'  - {{id: up1, url: "http://127.0.0.1:{up[1]}", model: m, engine: {args.engine}{key}}}\n'
     )
     out = Path(args.out) if args.out else d / "callgrind.out"
     if args.metrics == "on":

@@ -6,6 +6,7 @@ checked against ``orjson.loads`` as the reference, by example and by hypothesis.
 
 from __future__ import annotations
 
+import importlib
 import json
 from types import ModuleType
 
@@ -315,3 +316,45 @@ def test_compiled_httpproto_still_exports_the_answer_scans() -> None:
 
     assert httpproto.sse_cut is jsonscan.sse_cut
     assert httpproto.usage_counts is jsonscan.usage_counts
+
+
+def test_a_needle_is_found_where_it_stands(jsonscan: ModuleType) -> None:
+    key = b"replica-key-0123456789abcdef"
+    n = jsonscan.Needle(key)
+    text = b'data: {"error":{"message":"bad auth Bearer ' + key + b'"}}\n\n'
+    assert n.needle == key and n.within(text, 0, len(text))
+    at = text.index(key)
+    assert n.within(text, at, at + len(key)) and not n.within(text, at + 1, len(text))
+    assert not n.within(text, 0, at + len(key) - 1)
+    assert n.within(text, -5, 10 ** 9)  # (bounds clamped)
+    assert not n.within(b"", 0, 0) and not n.within(key[:-1], 0, 100)
+    assert jsonscan.Needle(b"x").within(b"abcx", 0, 4) and not jsonscan.Needle(b"x").within(b"abc", 0, 3)
+    with pytest.raises(ValueError):
+        jsonscan.Needle(b"")
+
+
+@pytest.mark.c_extension
+@settings(max_examples=300, deadline=None)
+@given(st.binary(min_size=1, max_size=12), st.binary(max_size=200), st.integers(-5, 220), st.integers(-5, 220))
+def test_needle_twins_agree(needle: bytes, data: bytes, start: int, end: int) -> None:
+    from llmgw._fast import jsonscan as compiled
+    from llmgw._fast import jsonscan_py
+
+    hay = data[: len(data) // 2] + needle + data[len(data) // 2 :] if start % 2 else data
+    assert compiled.Needle(needle).within(hay, start, end) == jsonscan_py.Needle(needle).within(hay, start, end)
+
+
+@pytest.mark.parametrize("name", [
+    "llmgw._fast.proxy_py", pytest.param("llmgw._fast.proxy", marks=pytest.mark.c_extension)])
+def test_an_event_end_split_between_reads_is_found(name: str) -> None:
+    """The data path scans each read once; the blank line ending an event may straddle two reads
+    (the pending bytes, in one piece or several, and the new read)."""
+    straddle = importlib.import_module(name)._straddle
+    assert straddle(b"data: x\n", None, b"\nnext") == 1
+    assert straddle(b"data: x", [b"\n"], b"\n") == 1
+    assert straddle(b"data: x", [b"y", b"\n"], b"\n") == 1
+    assert straddle(b"data: x\n", None, b"\r\ndata") == 2
+    assert straddle(b"data: x\n\r", None, b"\n") == 1
+    assert straddle(b"data: x", [b"\n", b"\r"], b"\n") == 1
+    assert straddle(b"data: x\n", None, b"data") == 0
+    assert straddle(b"data: x", None, b"y") == 0

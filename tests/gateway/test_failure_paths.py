@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import re
 import socket
 import time
@@ -649,13 +650,97 @@ async def test_non_retryable_5xx_is_relayed_normalised_and_not_retried() -> None
             assert await metric(rt, "llmgw_upstream_errors_total", replica="bad", kind="status_5xx") == 1
             assert await metric(rt, "llmgw_retries_total") == 0
             assert await metric(rt, "llmgw_requests_total", replica="bad", status_class="5xx") == 1
-            # a replica failure for its breaker
-            assert await metric(rt, "llmgw_endpoint_consecutive_failures", replica="bad") == 1
+            # no other replica had answered since: no verdict on the replica yet
+            assert await metric(rt, "llmgw_endpoint_consecutive_failures", replica="bad") == 0
             status, hdrs, _ = await post(rt.listen_addr[1], chat())  # type: ignore[index]
             assert status == 200 and hdrs[b"x-llmgw-replica"] == b"good"
+            # bad fails what good serves: now a replica failure for its breaker
+            assert (await post(rt.listen_addr[1], chat()))[0] == 500  # type: ignore[index]
+            assert await metric(rt, "llmgw_endpoint_consecutive_failures", replica="bad") == 1
     finally:
         await bad.stop()
         await good.stop()
+
+
+async def poisoned(e: RawEngine, r: asyncio.StreamReader, w: asyncio.StreamWriter, body: bytes) -> bool:
+    """A healthy engine that answers 500 to a request it cannot take (as llama-server answers an
+    image sent to a text model), 501 to one it does not implement, and 200 to the rest."""
+    if b"poison" in body or b"unimplemented" in body:
+        status = b"500 Internal Server Error" if b"poison" in body else b"501 Not Implemented"
+        err = b'{"error":{"code":500,"message":"image input is not supported","type":"server_error"}}'
+        w.write(b"HTTP/1.1 %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s"
+                % (status, len(err), err))
+        return True
+    return await ok(e, r, w, body)
+
+
+def poison(what: str = "poison") -> bytes:
+    return orjson.dumps({"model": "m", "messages": [{"role": "user", "content": what}]})
+
+
+async def test_one_clients_bad_requests_open_no_healthy_replicas_breaker() -> None:
+    """Requests every replica answers 500 (the requests' fault: the replicas serve the rest) open no
+    breaker however many come, and a 501 counts for nothing; a replica answering 500 to what its
+    siblings serve still opens its breaker."""
+    a, b = RawEngine(poisoned), RawEngine(poisoned)
+    await a.start()
+    await b.start()
+    try:
+        replicas = [("a", a.port, "vllm"), ("b", b.port, "vllm")]
+        async with gateway(replicas, routing={"strategy": "round_robin"}, breaker={"failures": 3}) as rt:
+            port = rt.listen_addr[1]  # type: ignore[index]
+            assert [(await post(port, chat()))[0] for _ in range(4)] == [200] * 4  # (both have answered)
+            for _ in range(12):  # (four breakers' worth each)
+                status, hdrs, _ = await post(port, poison())
+                assert status == 500 and b"x-should-retry" not in hdrs  # (a 500 may be the replica's: retried)
+            status, hdrs, _ = await post(port, poison("unimplemented"))
+            assert status == 501 and hdrs[b"x-should-retry"] == b"false"
+            for rid in ("a", "b"):
+                assert await metric(rt, "llmgw_endpoint_breaker_open", replica=rid) == 0
+                assert await metric(rt, "llmgw_endpoint_consecutive_failures", replica=rid) == 0
+                assert await metric(rt, "llmgw_upstream_errors_total", replica=rid, kind="status_5xx") >= 6
+            assert [(await post(port, chat()))[0] for _ in range(4)] == [200] * 4
+            # b turns bad (500 to everything) while a serves: b's breaker opens, a takes the model
+            b.script = server_error
+            statuses = [(await post(port, chat()))[0] for _ in range(12)]
+            # (its first 500 is no verdict yet: a had not answered since; the next three are, and open it)
+            assert statuses.count(500) == 4 and await metric(rt, "llmgw_endpoint_breaker_open", replica="b") == 1
+            assert statuses[-4:] == [200] * 4
+    finally:
+        await a.stop()
+        await b.stop()
+
+
+async def engine_waits(e: RawEngine, r: asyncio.StreamReader, w: asyncio.StreamWriter, body: bytes) -> bool:
+    """429 with retry-after: 7, 500 with retry-after-ms: 2500, by the request."""
+    err = b'{"error":{"message":"slow down","type":"rate_limit","code":429}}'
+    head = (b"429 Too Many Requests\r\nretry-after: 7" if b"limit" in body
+            else b"400 Bad Request" if b"bad" in body
+            else b"500 Internal Server Error\r\nRetry-After-Ms: 2500")
+    w.write(b"HTTP/1.1 %s\r\ncontent-length: %d\r\n\r\n%s" % (head, len(err), err))
+    return True
+
+
+async def test_the_engines_retry_after_reaches_the_client(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="llmgw.access")
+    e = RawEngine(engine_waits)
+    await e.start()
+    try:
+        async with gateway([("a", e.port, "vllm")], access_log=True) as rt:
+            port = rt.listen_addr[1]  # type: ignore[index]
+            status, hdrs, _ = await post(port, poison("limit"))
+            assert status == 429 and hdrs[b"retry-after"] == b"7" and hdrs[b"retry-after-ms"] == b"7000"
+            assert b"x-should-retry" not in hdrs  # (the SDK waits the 7 s, then retries)
+            status, hdrs, _ = await post(port, poison("other"))
+            assert status == 500 and hdrs[b"retry-after"] == b"3" and hdrs[b"retry-after-ms"] == b"2500"
+            # an engine's 400 would be refused again: not to be retried (the SDKs obey the header)
+            status, hdrs, data = await post(port, poison("bad"))
+            assert status == 400 and hdrs[b"x-should-retry"] == b"false" and b"retry-after" not in hdrs
+            # the access log's bytes are what the client got (the normalized error), not the engine's
+            logged = [orjson.loads(r.getMessage()) for r in caplog.records if r.name == "llmgw.access"]
+            assert logged[-1]["status"] == 400 and logged[-1]["bytes"] == len(data) == int(hdrs[b"content-length"])
+    finally:
+        await e.stop()
 
 
 # -- eviction of a lower band by a higher one --
@@ -719,8 +804,10 @@ async def test_half_open_probe_is_released(how: str) -> None:
     mode = {"v": "fail"}
 
     async def scripted(e: RawEngine, r: asyncio.StreamReader, w: asyncio.StreamWriter, body: bytes) -> bool:
-        if mode["v"] == "fail":
-            return await server_error(e, r, w, body)
+        if mode["v"] == "fail":  # (a 502: a lone replica's answered 500 is no verdict on it)
+            err = b'{"error":{"message":"upstream of the engine failed","type":"server_error","code":502}}'
+            w.write(b"HTTP/1.1 502 Bad Gateway\r\ncontent-length: %d\r\n\r\n%s" % (len(err), err))
+            return True
         if mode["v"] == "hang":
             return await e.until_closed(r)
         if mode["v"] == "4xx":
@@ -738,7 +825,7 @@ async def test_half_open_probe_is_released(how: str) -> None:
             ep = rt.registry.endpoints["a"]
             port = rt.listen_addr[1]  # type: ignore[index]
             status, _, _ = await post(port, chat())
-            assert status == 500 and ep.breaker_state == "open"
+            assert status == 502 and ep.breaker_state == "open"
             await until(lambda: ep.state.breaker.available(time.monotonic()), 3)
             if how == "client_leaves":
                 mode["v"] = "hang"
@@ -760,6 +847,6 @@ async def test_half_open_probe_is_released(how: str) -> None:
             assert ep.breaker_state == "closed"
             assert await metric(rt, "llmgw_breaker_transitions_total", replica="a", state="half_open") == 1
             assert await metric(rt, "llmgw_breaker_transitions_total", replica="a", state="closed") == 1
-            assert await metric(rt, "llmgw_upstream_errors_total", replica="a") == 1  # the 500 alone
+            assert await metric(rt, "llmgw_upstream_errors_total", replica="a") == 1  # the 502 alone
     finally:
         await e.stop()

@@ -18,13 +18,14 @@ import asyncio
 import contextlib
 import logging
 import re
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
 import orjson
 import pytest
 
-from canary import MARK, secret
+from canary import MARK, MARK_BYTES, secret
 from llmgw.config import load
 from llmgw.gateway.proxy import config_secrets, redact
 from llmgw.http.server import HTTPServer
@@ -91,6 +92,8 @@ class Engine:
             w.send(200, orjson.dumps({"served_by": self.name}),
                    ((b"content-type", b"application/json"), (b"x-engine-key", b"k=" + key)))
             return None
+        if mode in ("stream_echo", "stream_huge"):
+            return self._stream(w, mode, key)
         if mode in ("big_cl", "cut_cl", "big_error"):
             return self._big_cl(w, mode)
         if mode in ("big_chunked", "cut_chunked"):
@@ -114,6 +117,29 @@ class Engine:
         if mode == "cut_cl":
             w.abort()
             return
+        w.end()
+
+    async def _stream(self, w: Any, mode: str, key: bytes) -> None:
+        w.start(200, [(b"content-type", b"text/event-stream")])
+        w.write(b'data: {"choices":[{"delta":{"content":"hi"}}]}\n\n')
+        await w.drain()
+        if mode == "stream_huge":  # one event that never ends: 256 KiB at a time
+            w.write(b'data: {"choices":[{"delta":{"content":"')
+            for _ in range(64):
+                w.write(b"x" * (256 * 1024))
+                await w.drain()
+            w.end()
+            return
+        # an error event echoing the key, whole in one chunk; another split across three
+        w.write(b'data: {"error":{"message":"bad auth header Bearer %s"}}\n\n' % key)
+        await w.drain()
+        event = b'data: {"error":{"message":"key %s refused","code":500}}\n\n' % key
+        for part in (event[:20], event[20:30], event[30:]):
+            w.write(part)
+            await w.drain()
+        for part in (b"data: [DONE]\n", b"\n"):  # (the blank line that ends it split between two reads)
+            w.write(part)
+            await w.drain()
         w.end()
 
     async def _big_chunked(self, w: Any, mode: str) -> None:
@@ -217,6 +243,18 @@ async def fetch(
 def admin(rt: GatewayRuntime) -> int:
     assert rt.admin_addr is not None
     return rt.admin_addr[1]
+
+
+async def metric_value(rt: GatewayRuntime, name: str, **labels: str) -> float | None:
+    """The sum of ``name``'s samples with ``labels`` on the admin /metrics; None: no sample."""
+    assert rt.admin_addr is not None
+    _, _, text, _ = await fetch(rt.admin_addr[1], path=b"/metrics", method=b"GET", headers=b"")
+    total = None
+    for m in re.finditer(rb"^%s\{([^}]*)\} (\S+)$" % re.escape(name.encode()), text, re.M):
+        got = dict(re.findall(r'(\w+)="([^"]*)"', m.group(1).decode()))
+        if all(got.get(k) == v for k, v in labels.items()):
+            total = (total or 0.0) + float(m.group(2))
+    return total
 
 
 def client(rt: GatewayRuntime) -> int:
@@ -376,6 +414,41 @@ async def test_words_inside_a_replica_key_stay_in_its_errors() -> None:
         assert orjson.loads(data)["error"]["message"] == "engine failure: the context length is 4096 tokens"
 
 
+async def test_a_streamed_error_event_echoing_the_replicas_key_is_redacted() -> None:
+    key = secret("engine-key-a")
+    a = Engine("a", key)
+    a.mode = "stream_echo"
+    async with running([(a, key)]) as rt:
+        for _ in range(2):  # (and on the reused connection)
+            status, hdrs, data, complete = await fetch(client(rt), orjson.dumps(
+                {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True}))
+            assert status == 200 and complete and hdrs[b"content-type"] == b"text/event-stream"
+            assert MARK_BYTES not in data and data.count(b"[redacted]") == 2, data
+            assert data.startswith(b'data: {"choices":[{"delta":{"content":"hi"}}]}\n\n')
+            assert data.endswith(b'"code":500}}\n\ndata: [DONE]\n\n')
+
+
+async def test_an_sse_event_that_never_ends_is_cut_at_the_buffer_limit() -> None:
+    """Memory per stream stays bounded (upstream.max_buffered_body), and each read is scanned once."""
+    a = Engine("a", None)
+    a.mode = "stream_huge"
+    async with running([(a, None)], upstream={"max_buffered_body": "1MiB"}) as rt:
+        t0 = time.monotonic()
+        status, _, data, complete = await fetch(client(rt), orjson.dumps(
+            {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True}))
+        assert status == 200 and complete  # (the stream's framing ended cleanly)
+        assert time.monotonic() - t0 < 5.0
+        first, _, rest = data.partition(b"\n\n")
+        assert first == b'data: {"choices":[{"delta":{"content":"hi"}}]}'
+        err = orjson.loads(rest.strip()[len(b"data: "):])["error"]
+        assert err["code"] == "upstream_bad_response" and "max_buffered_body" in err["message"], err
+        assert len(data) < 4096  # (the event's start never reached the client)
+        assert await metric_value(rt, "llmgw_upstream_errors_total", replica="a", kind="bad_response") == 1
+        assert all(ep.inflight == 0 for ep in rt.registry.endpoints.values())  # type: ignore[union-attr]
+        a.mode = "ok"
+        assert (await fetch(client(rt)))[0] == 200
+
+
 def test_redact_whole_pieces_and_digests() -> None:
     import hashlib
 
@@ -462,8 +535,9 @@ async def test_an_answer_under_the_limit_cut_is_a_502_never_a_short_200() -> Non
     a.mode = "cut_cl"
     a.size = 600 * 1024
     async with running([(a, None)], upstream={"max_buffered_body": "1MiB"}, retries={"attempts": 0}) as rt:
-        status, _, data, complete = await fetch(client(rt))
+        status, hdrs, data, complete = await fetch(client(rt))
         assert status == 502 and complete and orjson.loads(data)["error"]["code"] == "bad_gateway"
+        assert hdrs[b"x-llmgw-replica"] == b"a"  # (the gateway's answer about a replica's attempt names it)
 
 
 async def test_an_error_answer_over_the_limit_is_a_502() -> None:

@@ -19,4 +19,10 @@ cpdef uint64_t header_hash(bytes lines, bytes name) except? 0
 # of the last "usage" object in an answer or its last events (None: none, or not
 # integers). Moved here from httpproto, which still declares them by cimport.
 cpdef Py_ssize_t sse_cut(bytes data) except -1
+# ... and whether a replica's key is in what it sends (redaction; a shift table made once per key)
+cdef class Needle:
+    cdef readonly bytes needle
+    cdef Py_ssize_t _m
+    cdef Py_ssize_t _shift[256]
+    cpdef bint within(self, bytes data, Py_ssize_t start, Py_ssize_t end) except -1
 cpdef usage_counts(bytes data)

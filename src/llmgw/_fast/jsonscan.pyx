@@ -930,6 +930,42 @@ cpdef Py_ssize_t sse_cut(bytes data) except -1:
     return 0
 
 
+@cython.final
+cdef class Needle:
+    """One fixed byte string (a replica's key) looked for in many texts (see the twin): Horspool's
+    shift table is made once, so a look costs a few steps for a short text, not a search's setup."""
+
+    def __cinit__(self, bytes needle not None):
+        cdef Py_ssize_t m = PyBytes_GET_SIZE(needle), i
+        cdef const unsigned char* p = <const unsigned char*>PyBytes_AS_STRING(needle)
+        if m == 0:
+            raise ValueError("an empty needle")
+        self.needle = needle
+        self._m = m
+        for i in range(256):
+            self._shift[i] = m
+        for i in range(m - 1):
+            self._shift[p[i]] = m - 1 - i
+
+    cpdef bint within(self, bytes data, Py_ssize_t start, Py_ssize_t end) except -1:
+        """Whether the needle is in ``data[start:end]``."""
+        cdef Py_ssize_t n = PyBytes_GET_SIZE(data), m = self._m, i
+        cdef const unsigned char* h = <const unsigned char*>PyBytes_AS_STRING(data)
+        cdef const unsigned char* p = <const unsigned char*>PyBytes_AS_STRING(self.needle)
+        cdef unsigned char last = p[m - 1], c
+        if end > n:
+            end = n
+        if start < 0:
+            start = 0
+        i = start + m - 1
+        while i < end:
+            c = h[i]
+            if c == last and memcmp(h + i - m + 1, p, m - 1) == 0:
+                return True
+            i += self._shift[c]
+        return False
+
+
 cdef Py_ssize_t _find(const char* s, Py_ssize_t start, Py_ssize_t end, const char* pat, Py_ssize_t m) noexcept nogil:
     # memchr for the second byte (the first of a JSON key is a quote, and quotes
     # are everywhere), then compare: the keys searched for here are near (a

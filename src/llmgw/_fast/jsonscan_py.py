@@ -64,6 +64,7 @@ __all__ = [
     "MAX_DEPTH",
     "ROUTE_MAX_BYTES",
     "JSONScanError",
+    "Needle",
     "header_hash",
     "json_model",
     "json_route",
@@ -338,6 +339,29 @@ def sse_cut(data: bytes) -> int:
     lf = data.rfind(b"\n\n")
     crlf = data.rfind(b"\n\r\n")
     return max(lf + 2 if lf >= 0 else 0, crlf + 3 if crlf >= 0 else 0)
+
+
+class Needle:
+    """One fixed byte string (a replica's key) looked for in many texts: the data path asks whether
+    the key an engine holds is in what it streams (a chunk, an event), chunk after chunk.
+
+    Args:
+        needle: the bytes looked for (not empty).
+
+    Raises:
+        ValueError: an empty needle.
+    """
+
+    __slots__ = ("needle",)
+
+    def __init__(self, needle: bytes) -> None:
+        if not needle:
+            raise ValueError("an empty needle")
+        self.needle = needle
+
+    def within(self, data: bytes, start: int, end: int) -> bool:
+        """Whether the needle is in ``data[start:end]`` (bounds clamped as slicing does)."""
+        return data.find(self.needle, max(0, start), max(0, end)) >= 0
 
 
 _USAGE_KEY = b'"usage"'

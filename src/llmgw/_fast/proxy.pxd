@@ -21,7 +21,7 @@ from llmgw._fast.debug cimport LLMGW_DEBUG
 from llmgw._fast.counters cimport TrafficCounters
 from llmgw._fast.httpproto cimport Request, Response, id_line, monotonic, upstream_head
 from libc.stdint cimport uint64_t
-from llmgw._fast.jsonscan cimport header_hash, json_model, json_route, model_span, sse_cut, usage_counts
+from llmgw._fast.jsonscan cimport Needle, header_hash, json_model, json_route, model_span, sse_cut, usage_counts
 from llmgw._fast.replica cimport Endpoint, ModelPool
 from llmgw._fast.score cimport EndpointState
 from llmgw._fast.server cimport App, ResponseWriter
@@ -84,6 +84,8 @@ cdef class Call(Exchange):
     cdef readonly bint relaying       # a non-streamed answer above max_buffered, relayed as it comes
     cdef list _buf                    # a non-streamed answer's body so far
     cdef bytes _pending               # a stream's bytes short of a whole SSE event
+    cdef list _more                   # ... more pieces of it, not joined yet (None: none)
+    cdef Py_ssize_t _held             # ... their length in all
     cdef readonly Py_ssize_t sent_bytes
     cdef readonly double ttfb         # monotonic time the answer's head arrived; -1.0 before
     cdef readonly double sent_at      # monotonic time the request went upstream; -1.0 before
@@ -109,20 +111,26 @@ cdef class Call(Exchange):
     cdef _attempt_failed(self, error, kind, bint counts=*, bint sent=*)
     cdef bint _fresh_retry(self, exc, bint written) except -1
     cpdef on_response_head(self, Response resp)
+    @cython.locals(needle=Needle)
     cdef bytes _forward(self, Response resp)
+    @cython.locals(needle=Needle, cut=Py_ssize_t)
     cpdef on_response_body(self, data)
     cpdef on_response_chunk(self, bytes buf, Py_ssize_t chunk_start, Py_ssize_t start, Py_ssize_t end)
+    @cython.locals(needle=Needle)
     cpdef on_response_end(self)
     @cython.locals(conn=UpstreamConnection, written=bint)
     cpdef on_upstream_lost(self, exc)
     cpdef on_read_end(self)
     cdef flush_chunks(self)
+    cdef _hold(self, bytes data)
     cdef _cut_stream(self, why, code)
     cdef expired(self)
     cdef stop_now(self)
     cpdef client_gone(self)
     @cython.locals(now=double, ep=Endpoint, state=EndpointState)
     cdef _completed(self, bint success)
+    @cython.locals(now=double, ep=Endpoint)
+    cdef _answered_5xx(self, int status)
     cdef _finish(self, error)
     @cython.locals(ttfb=double, upstream=double, now=double)
     cdef _done(self, error)
@@ -187,6 +195,8 @@ cdef class Gateway(App):
     @cython.locals(call=Call)
     cpdef bint cut(self, ResponseWriter w) except -1
     cdef breaker_outcome(self, Endpoint ep, bint success, double now)
+    @cython.locals(state=EndpointState, other=EndpointState, since=double)
+    cdef bint answered_5xx_counts(self, ModelPool pool, Endpoint ep, int status, double now) except -1
     cdef _ensure_sweep(self)
     cpdef on_scrape(self, ep)
     @cython.locals(path=bytes)

@@ -159,6 +159,56 @@ _UNKNOWN = "(unknown)"  # the model label for requests naming no served model (b
 _TICK = 0.05  # seconds between deadline sweeps
 
 _JSON_CT = ((b"content-type", b"application/json"),)
+_NO_RETRY_LINE = b"x-should-retry: false\r\n"
+
+
+def _engine_retry_after(lines: bytes) -> float:
+    """Seconds the engine's ``retry-after-ms`` (or else ``retry-after``, in seconds) header line
+    in ``lines`` asks a client to wait (at most an hour); -1: none given (or not a number)."""
+    if b"retry-after" not in lines.lower():
+        return -1.0
+    ms = -1.0
+    seconds = -1.0
+    for line in lines.split(b"\n"):
+        name, sep, value = line.partition(b":")
+        if not sep:
+            continue
+        name = name.strip().lower()
+        if name != b"retry-after" and name != b"retry-after-ms":
+            continue
+        try:
+            v = float(value.strip())
+        except ValueError:
+            continue  # (an HTTP date: not followed)
+        if not 0.0 <= v < math.inf:
+            continue
+        if name == b"retry-after-ms":
+            ms = v / 1000.0
+        else:
+            seconds = v
+    wait = ms if ms >= 0.0 else seconds
+    return min(wait, 3600.0) if wait >= 0.0 else -1.0
+
+
+def _straddle(pending: bytes, more: list[bytes] | None, data: bytes) -> int:
+    """Where in ``data`` an SSE event's end that began in the pending bytes ends (0: none): the
+    blank line split between reads. ``pending`` (and ``more``) hold no event end of their own."""
+    last = more[len(more) - 1] if more else pending
+    tail = last[max(0, len(last) - 2):]
+    if len(tail) < 2 and more:
+        prev = more[len(more) - 2] if len(more) >= 2 else pending
+        tail = prev[max(0, len(prev) - 1):] + tail
+    head = data[:2]
+    cut = sse_cut(tail + head)
+    return cut - len(tail) if cut > len(tail) else 0
+
+
+def _retry_lines(wait: float) -> bytes:
+    """``Retry-After`` (whole seconds, at least 1) and ``retry-after-ms`` header lines for ``wait``
+    seconds, as the gateway's own answers carry them; none for a negative ``wait``."""
+    if wait < 0.0:
+        return b""
+    return b"retry-after: %d\r\nretry-after-ms: %d\r\n" % (max(1, int(wait + 0.999)), max(1, int(wait * 1000)))
 
 
 def _last_events(data: bytes) -> bytes:
@@ -402,6 +452,8 @@ class Call(Exchange):
 
     __slots__ = (
         "_buf",
+        "_held",
+        "_more",
         "_pending",
         "_run",
         "_run_end",
@@ -490,6 +542,8 @@ class Call(Exchange):
         self.relaying = False  # a non-streamed answer too large to buffer, relayed as it comes
         self._buf: list[bytes] = []
         self._pending = b""
+        self._more: list[bytes] | None = None  # more pieces of the pending event, not joined yet
+        self._held = 0  # bytes of the pending event (_pending and _more)
         self.sent_bytes = 0
         self.ttfb = -1.0  # when the answer's head arrived (monotonic); -1: not yet
         self.sent_at = -1.0  # when the request went upstream; -1: not yet
@@ -753,8 +807,8 @@ class Call(Exchange):
         replicas that have a key; every other secret is looked for in error answers.
         """
         fwd = resp.forward
-        key = self.ep.api_key  # type: ignore[union-attr]
-        if key is not None and key in fwd:
+        needle = self.ep.key_needle  # type: ignore[union-attr]
+        if needle is not None and needle.within(fwd, 0, len(fwd)):
             fwd = self.gw.redact(fwd, self.ep)
         return fwd
 
@@ -788,18 +842,36 @@ class Call(Exchange):
             # PERF: no clock read per event; the sweep moves the read deadline on.
             self.progress = True
             # Relay whole SSE events only, so a cut never leaves half an event.
-            if self._pending:
-                data = self._pending + data
-            cut = sse_cut(data)
-            if cut == 0:
+            cut = sse_cut(data)  # (the new bytes only: an event arriving in many reads is scanned once)
+            pending = self._pending
+            if pending:
+                if cut == 0:
+                    cut = _straddle(pending, self._more, data)
+                    if cut == 0:
+                        self._hold(data)
+                        return
+                if self._more is not None:
+                    self._more.append(data)
+                    data = b"".join([pending, *self._more])
+                    self._more = None
+                else:
+                    data = pending + data
+                cut += self._held
+                self._held = 0
+            elif cut == 0:
                 self._pending = data
+                self._held = len(data)
                 return
             if cut == len(data):
                 self._pending = b""
                 out = data
             else:
                 self._pending = data[cut:]
+                self._held = len(data) - cut
                 out = data[:cut]
+            needle = self.ep.key_needle  # type: ignore[union-attr]
+            if needle is not None and needle.within(out, 0, len(out)):  # SECURITY: an error event echoing it
+                out = self.gw.redact(out, self.ep)
             self.sent_bytes += len(out)
             self.w.write(out)
             # Usage comes in the last events (with vLLM's continuous usage stats every
@@ -828,6 +900,31 @@ class Call(Exchange):
                     "bad_response", True, True,  # (the engine had the request: not resent, at most once)
                 )
 
+    def _hold(self, data: bytes) -> None:
+        """``data`` is more of an SSE event not whole yet: kept (one more piece, not copied), unless the
+        event outgrows ``upstream.max_buffered_body``: the stream is then cut (memory stays bounded)."""
+        held = self._held + len(data)
+        gw = self.gw
+        if held > gw.max_buffered:
+            ep = self.ep
+            assert ep is not None
+            conn, self.conn = self.conn, None
+            if conn is not None:
+                conn.abort()
+            self._pending = b""
+            self._more = None
+            self._held = 0
+            gw.observer.upstream_error(ep.id, "bad_response")
+            self._cut_stream(f"the replica sent an event larger than {gw.max_buffered} bytes "
+                             "(upstream.max_buffered_body)", "upstream_bad_response")
+            self._completed(False)
+            return
+        self._held = held
+        if self._more is None:
+            self._more = [data]
+        else:
+            self._more.append(data)
+
     def on_response_chunk(self, buf: bytes, chunk_start: int, start: int, end: int) -> None:
         """A whole chunk as the replica framed it: ``buf[chunk_start:end + 2]`` (size
         line, data, CRLF) in the read ``buf``; its data is ``buf[start:end]``.
@@ -845,6 +942,8 @@ class Call(Exchange):
             and buf[end - 1] == 10
             and (buf[end - 2] == 10 or (buf[end - 2] == 13 and end - start >= 3 and buf[end - 3] == 10))
             and self.w.chunked
+            # SECURITY: a chunk with the replica's key in it (an error event echoing it) is redacted below
+            and (self.ep.key_needle is None or not self.ep.key_needle.within(buf, start, end))  # type: ignore[union-attr]
         ):
             self.progress = True
             self.sent_bytes += end - start
@@ -890,9 +989,15 @@ class Call(Exchange):
             if self._run is not None:
                 self.flush_chunks()
             if self._pending:
-                w.write(self._pending)
-                self.sent_bytes += len(self._pending)
+                rest = self._pending if self._more is None else b"".join([self._pending, *self._more])
+                needle = ep.key_needle
+                if needle is not None and needle.within(rest, 0, len(rest)):
+                    rest = self.gw.redact(rest, ep)
+                w.write(rest)
+                self.sent_bytes += len(rest)
                 self._pending = b""
+                self._more = None
+                self._held = 0
             if conn is not None:
                 # (llama-server closes after a stream while it says keep-alive:
                 # pooled, the connection would meet the next request with its close)
@@ -923,6 +1028,8 @@ class Call(Exchange):
             # SECURITY: redacted before and after, as normalizing may decode an escaped secret)
             gw = self.gw
             normalized = gw.redact(gw._normalize_error(status, gw.redact(body, ep), ep.engine), ep)
+            # the engine's Retry-After (a 429's, a 503's) is the client's to honour, as the engine said it
+            wait = _engine_retry_after(resp.forward) if status == 429 or status >= 500 else -1.0
             if status >= 500:
                 if status in _RETRYABLE_STATUS:
                     message = orjson.loads(normalized)["error"]["message"]
@@ -931,13 +1038,24 @@ class Call(Exchange):
                         status=status,
                         type="service_unavailable_error" if status == 503 else "server_error",
                         code="service_unavailable" if status == 503 else "bad_gateway",
-                        retry_after=1 if status == 503 else None,
+                        retry_after=wait if wait >= 0.0 else (1 if status == 503 else None),
                     )
                     self._attempt_failed(err, "status_5xx")
                     return
-                self.gw.observer.upstream_error(ep.id, "status_5xx")
-            w.send(status, normalized, _JSON_CT, self.rid_line + self.gw.replica_line(ep))
-            self._completed(status < 500)
+                gw.observer.upstream_error(ep.id, "status_5xx")
+                lines = self.rid_line + gw.replica_line(ep) + _retry_lines(wait)
+                if status == 501:  # (what the engine does not implement, a retry asks again in vain)
+                    lines += _NO_RETRY_LINE
+                w.send(status, normalized, _JSON_CT, lines)
+                self.sent_bytes = len(normalized)  # (the access log's bytes: what the client got)
+                self._answered_5xx(status)
+                return
+            lines = self.rid_line + gw.replica_line(ep) + _retry_lines(wait)
+            if status != 408 and status != 409 and status != 429:
+                lines += _NO_RETRY_LINE  # (the same request would be refused again; SDKs retry only those three)
+            w.send(status, normalized, _JSON_CT, lines)
+            self.sent_bytes = len(normalized)
+            self._completed(True)
             return
         w.send(status, body, (), self._forward(resp) + self.rid_line + self.gw.replica_line(ep))
         if self.gw.count_tokens:
@@ -1147,12 +1265,34 @@ class Call(Exchange):
             self.retrying = False
         self._done(None)
 
+    def _answered_5xx(self, status: int) -> None:
+        """The replica answered 500 (or another 5xx not retried), whole: it is there, and said the
+        request failed. Whether that counts against its breaker: :meth:`Gateway.answered_5xx_counts`."""
+        ep = self.ep
+        assert ep is not None
+        now = monotonic()
+        gw = self.gw
+        ep.state.on_abort(now)
+        ep.failures += 1
+        if ep.auth_failed or gw.answered_5xx_counts(self.pool, ep, status, now):
+            gw.breaker_outcome(ep, False, now)
+        elif self.probe:
+            ep.state.breaker.release()  # (no verdict on the replica: another request probes)
+        if self.retrying:
+            gw.budget.done_retry()
+            self.retrying = False
+        self._done(None)
+
     def _finish(self, error: HTTPError | None) -> None:
         """Answer ``error`` (if the client is still there) and finish."""
         w = self.w
         if error is not None and not w.started and not w.disconnected:
-            # (nothing went out before: the access log's bytes are the error's body)
-            self.sent_bytes = w.send_error(error, ((b"x-request-id", self.rid),))
+            # (nothing went out before: the access log's bytes are the error's body; an answer about a
+            # replica's attempt names it, as a relayed one does)
+            ep = self.ep
+            extra = ((b"x-request-id", self.rid),) if ep is None or not self.gw.expose_replica else (
+                (b"x-request-id", self.rid), (b"x-llmgw-replica", ep.id.encode()))
+            self.sent_bytes = w.send_error(error, extra)
         elif not w.finished and w.started:
             w.abort()
         if self.retrying:
@@ -1389,6 +1529,27 @@ class Gateway(App):
         call = watcher  # (typed in proxy.pxd)
         call.stop_now()
         return True
+
+    def answered_5xx_counts(self, pool: ModelPool, ep: Endpoint, status: int, now: float) -> bool:
+        """Whether ``ep``'s answer ``status`` (a 5xx it answered, not 502/503) counts against its breaker.
+        A 504 and the other 5xx do; a 501 never; a 500 as follows.
+
+        A 500 the engine answers whole is as often a verdict on the request as on the engine (an
+        input it cannot take: llama-server answers 500 to an image for a text model), and one
+        client repeating such requests (its SDK retries each 500 twice) would open the breakers
+        of healthy replicas and take the model away from everyone. So it counts only while
+        another replica of the model answers (2xx/4xx) since ``ep``'s first 5xx of the streak:
+        a replica failing what its siblings serve is the replica; every replica failing alike is
+        the requests (and opening every breaker would only turn their 500s into 503s). A 501
+        (not implemented) never counts.
+        """
+        if status != 500:
+            return status != 501  # (504 and the rest: the replica's path failed)
+        state = ep.state
+        since = state.erring_since
+        if since != since:
+            state.erring_since = since = now
+        return any(other is not state and other.answered_at > since for other in pool.states)
 
     def breaker_outcome(self, ep: Endpoint, success: bool, now: float) -> None:
         """Tell ``ep``'s breaker how an attempt ended; report a state change."""

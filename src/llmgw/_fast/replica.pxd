@@ -9,7 +9,7 @@
 cimport cython
 
 from llmgw._fast.httpproto cimport monotonic
-from llmgw._fast.jsonscan cimport key_hash
+from llmgw._fast.jsonscan cimport Needle, key_hash
 from libc.stdint cimport uint64_t
 from llmgw._fast.score cimport Breaker, EndpointState, Picker, pool_saturation
 from llmgw._fast.upstream cimport UpstreamPool
@@ -47,6 +47,7 @@ cdef class Endpoint:
     cdef readonly bint auth_failed
     cdef readonly Breaker breaker         # the replica's own circuit breaker (views read this one)
     cdef readonly bytes api_key           # its key (redaction; None: none), never shown
+    cdef readonly Needle key_needle       # ... looked for in what it sends (None: no key)
     cdef double _auth_cooldown            # seconds between the gate's probes (breaker.cooldown)
 
     cpdef bytes target(self, bytes path)

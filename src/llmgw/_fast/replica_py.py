@@ -63,6 +63,7 @@ if not cython.compiled:
     pool_saturation = _score.pool_saturation
     monotonic = _hp.monotonic
     key_hash = _js.key_hash
+    Needle = _js.Needle
     UpstreamPool = _up.UpstreamPool
 
 __all__ = ["UNUSABLE_REASONS", "Endpoint", "ModelPool"]
@@ -106,6 +107,7 @@ class Endpoint:
         "half_opened_seen",
         "host_header",
         "id",
+        "key_needle",
         "metrics_path",
         "models",
         "pool",
@@ -144,6 +146,8 @@ class Endpoint:
         self.breaker = Breaker(b.failures, b.cooldown, b.max_cooldown)
         self.state = EndpointState(0, self.breaker)
         self.api_key = cfg.api_key.encode() if cfg.api_key else None
+        # (what the data path looks for in what the engine sends: an engine echoing its key)
+        self.key_needle = Needle(self.api_key) if self.api_key else None
         self.auth_failed = False
         self._auth_cooldown = b.cooldown
         self.state.draining = cfg.draining

@@ -83,6 +83,8 @@ cdef class EndpointState:
                                           #   of its id, the same in every router; never 0)
     cdef public bint down                 # the poller found it down (unreachable, or scrapes failing
                                           #   past stale_after): not usable until a scrape reaches it
+    cdef public double answered_at        # its last answer (2xx/4xx) to this router (monotonic; NaN: none)
+    cdef public double erring_since       # its first 5xx answer since then (NaN: none)
     cdef Breaker _breaker                 # never None (the property setter checks)
     cdef double _t_last                   # last event (NaN: none yet)
     cdef double _area                     # EWMA sums, time constant DRAIN_TAU:

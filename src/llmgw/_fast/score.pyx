@@ -251,6 +251,8 @@ cdef class EndpointState:
         self.seen_full = False
         self.draining = False
         self.down = False
+        self.answered_at = NAN
+        self.erring_since = NAN
         if breaker is None:
             self._breaker = Breaker()
         else:
@@ -341,6 +343,8 @@ cdef class EndpointState:
         if self.inflight > 0:
             self.inflight -= 1
         self.completed_since_scrape += 1
+        self.answered_at = now
+        self.erring_since = NAN
         self._done += 1.0
         self.drain_rate = self._done / (self._window if self._window > C_MIN_WINDOW else C_MIN_WINDOW)
         self._estimate()

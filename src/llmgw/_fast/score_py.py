@@ -466,11 +466,13 @@ class EndpointState:
         "_settled",
         "_t_last",
         "_window",
+        "answered_at",
         "completed_since_scrape",
         "dispatched_since_scrape",
         "down",
         "drain_rate",
         "draining",
+        "erring_since",
         "index",
         "inflight",
         "kv_cache_usage",
@@ -501,6 +503,8 @@ class EndpointState:
         self.seen_full = False
         self.draining = False
         self.down = False
+        self.answered_at = _NAN  # its last answer (2xx/4xx) to this router (monotonic; NaN: none)
+        self.erring_since = _NAN  # its first 5xx answer since then (NaN: none): see Gateway.answered_5xx
         self._breaker = Breaker() if breaker is None else breaker
         # Exponentially weighted sums (time constant DRAIN_TAU) of requests in flight
         # over time, of completions, and of observed time; NaN: no event yet.
@@ -603,6 +607,8 @@ class EndpointState:
         if self.inflight > 0:
             self.inflight -= 1
         self.completed_since_scrape += 1
+        self.answered_at = now
+        self.erring_since = _NAN
         self._done += 1.0
         self.drain_rate = self._done / max(self._window, _MIN_WINDOW)
         self._estimate()

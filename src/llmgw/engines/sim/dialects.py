@@ -98,7 +98,8 @@ def _type_name(status: int) -> str:
         phrase = HTTPStatus(status).phrase
     except ValueError:
         return "InternalServerError" if status >= 500 else "BadRequestError"
-    return phrase.replace(" ", "").replace("-", "") + "Error"
+    name = phrase.replace(" ", "").replace("-", "")
+    return name if name.endswith("Error") else name + "Error"  # (500's phrase ends in Error already)
 
 
 class Dialect:
