@@ -517,3 +517,25 @@ async def test_a_transaction_cancelled_at_its_begin_leaves_none_open(tmp_path: P
                 assert await tx.execute("SELECT 1") is not None
     finally:
         await db.close()
+
+
+async def test_no_replica_is_placed_on_a_gpu_whose_health_is_unknown() -> None:
+    """A GPU its node keeps by identity while the GPU source fails (health unknown: no reading, not
+    even whether it works) takes no new replica; once its source answers again it does."""
+    entry: dict[str, Any] = {"name": "c", "model": "m", "engine": "vllm", "replicas": 1, "gpu_memory": "10GiB"}
+    cfg = load({"deployments": [entry]})
+    nodes = NodeMap(lambda: 60.0)
+    kept = (GPU("GPU-0", 0, "NVIDIA H100 80GB HBM3", memory_total_bytes=80 << 30, health="unknown"),)
+    nodes.register("n", peer="p", agent_version="t", protocol=(1, 2), discovery=Discovery(NodeFacts("h"), kept))
+    db, store = await _memory_store()
+    ctl_ = DeploymentController(nodes=nodes, store=store, router=None, config=lambda: cfg, resolver=lambda m: None)
+    try:
+        await _sync(ctl_)
+        assert ctl_.desired("n")[1] == () and "unhealthy" in ctl_.view("c")["message"], ctl_.view("c")
+        well = (GPU("GPU-0", 0, "NVIDIA H100 80GB HBM3", memory_total_bytes=80 << 30, memory_used_bytes=0),)
+        nodes.register("n", peer="p", agent_version="t", protocol=(1, 2), discovery=Discovery(NodeFacts("h"), well))
+        await _sync(ctl_)
+        assert len(ctl_.desired("n")[1]) == 1
+    finally:
+        await ctl_.stop()
+        await db.close()

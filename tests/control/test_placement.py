@@ -38,8 +38,12 @@ def test_down_cordoned_and_labels_are_filtered_and_named() -> None:
     c = chosen(place(Need("d", gpus=1, labels={"zone": "us"}), nodes, []))
     assert c.node == "n-us" and c.gpus == ("GPU-n-us-0",)
     r = why(place(Need("d", gpus=1, labels={"zone": "ap"}), nodes, []))
-    assert "n-down is down" in r and "n-cord is cordoned" in r
-    assert "n-eu has label zone=eu, not ap" in r and "n-us has label zone=us, not ap" in r
+    # (down and cordoned without the label: they could not take it either, counted, not named)
+    assert r.endswith("; and 2 more (1 down, 1 cordoned)"), r
+    assert "n-eu has label zone=eu, not ap (no node has it)" in r and "n-us has label zone=us, not ap" in r
+    r = why(place(Need("d", gpus=2, labels={"zone": "us"}), [*nodes, node("n-us-down", 1, up=False,
+                                                                          labels={"zone": "us"})], []))
+    assert "the largest free set is 1 on n-us; n-us-down is down; n-eu has label zone=eu, not us" in r, r
     r = why(place(Need("d", gpus=1, labels={"rack": "7"}), [node("n", 1)], []))
     assert "n lacks label rack=7" in r
 
@@ -158,3 +162,84 @@ def test_kv_cache_estimate(ctx: int | None, expect: int) -> None:
     assert kv_cache_bytes(MirrorModel("t:1", (), 1000), ctx) is None
     assert memory_need(MirrorModel("t:1", (), 1000), ctx) == 1000 + 256 * 2**20
     assert compute_margin(40 * GIB) == 4 * GIB  # a large one: a tenth of its files
+
+
+# -- the explanation names the closest node and stays short at a thousand nodes -------------------------
+
+A100 = "NVIDIA A100-SXM4-80GB"
+
+
+def _fleet(down: int = 40) -> list[NodeInfo]:
+    """The tester's cluster: a GPU-less node first, H100 nodes, one A100 node with 52 GiB free on its
+    best GPU, and many nodes down."""
+    return [
+        node("cpu-node", 0, cpu_cores=16, memory_total=64 * GIB, memory_available=60 * GIB),
+        node("h100-node-1", gpus=(gpu("h1", 0), gpu("h2", 1))),
+        node("mig-node-3", gpus=(gpu("a1", 0, name=A100, used=28 * GIB), gpu("a2", 1, name=A100, used=60 * GIB))),
+        node("mig-node-4", gpus=(gpu("a3", 0, name=A100, used=40 * GIB),)),
+        *(node(f"rack-2-node-{i:02d}", 2, up=False) for i in range(down)),
+    ]
+
+
+def test_the_closest_node_of_the_model_is_named_not_a_gpu_less_one() -> None:
+    r = why(place(Need("d", gpus=1, gpu_model="A100", gpu_memory=70 * GIB), _fleet(), []))
+    assert r.startswith("needs 1 GPU (A100) with 70.0 GiB free; the largest free set is 0 on mig-node-3 "
+                        "(others: 2 too little free memory (at most 52.0 GiB))"), r
+    assert "cpu-node" not in r and "h100-node-1" not in r
+    # the down nodes (H100 nodes: no help) counted, not named
+    assert " is down" not in r and r.endswith("; 40 nodes down"), r
+    # without a model: the node whose GPU comes closest, GPU-less nodes never
+    r = why(place(Need("d", gpus=1, gpu_memory=79 * GIB), _fleet(), [Claim("x", "o", "h100-node-1", ("h1", "h2"))]))
+    assert "the largest free set is 0 on mig-node-3 (others: 2 too little free memory (at most 52.0 GiB))" in r, r
+    # on a tie, the first by name
+    twins = [node("b", gpus=(gpu("b0", 0, used=50 * GIB),)), node("a", gpus=(gpu("a0", 0, used=50 * GIB),))]
+    assert "the largest free set is 0 on a " in why(place(Need("d", gpus=1, gpu_memory=79 * GIB), twins, []))
+
+
+def test_a_model_no_node_has_is_said_and_down_nodes_are_not_listed() -> None:
+    r = why(place(Need("d", gpus=1, gpu_model="B200", gpu_memory=70 * GIB), _fleet(), []))
+    assert r == ("needs 1 GPU (B200) with 70.0 GiB free; no node has a GPU matching B200 "
+                 f"(the GPUs there: {A100}, NVIDIA H100 80GB HBM3)"), r
+    r = why(place(Need("d", gpus=1), [node("cpu-1"), node("cpu-2", up=False)], []))
+    assert r == "needs 1 GPU nobody else holds; no node has a GPU", r
+
+
+def test_a_model_only_on_nodes_left_out_names_those_first() -> None:
+    nodes = [node("cpu-node"), *(node(f"n-{i:03d}", 1, up=False) for i in range(900)),
+             node("a100-node", gpus=(gpu("a", 0, name=A100),), cordoned=True)]
+    r = why(place(Need("d", gpus=1, gpu_model="A100"), nodes, []))
+    assert r == ("needs 1 GPU (A100) nobody else holds; no eligible node has a GPU matching A100; "
+                 "a100-node is cordoned; and 900 more down"), r
+
+
+def test_a_thousand_nodes_left_out_give_a_short_line() -> None:
+    nodes = [*(node(f"n-{i:04d}", 8, up=False) for i in range(990)),
+             *(node(f"c-{i}", 8, cordoned=True) for i in range(8)), node("old", 8, launch_protocol=(1, 1))]
+    r = why(place(Need("d", gpus=8, gpu_memory=40 * GIB), nodes, []))
+    assert r.startswith("needs 8 GPUs with 40.0 GiB free each; no node is eligible; n-0000 is down"), r
+    assert r.endswith("; and 994 more (985 down, 8 cordoned, 1 with an agent too old to launch replicas)"), r
+    assert len(r) < 400, len(r)
+    # CPU replicas too
+    cpu = [NodeInfo(f"cpu-{i}", cpu_cores=4, memory_total=8 * GIB, memory_available=GIB) for i in range(1000)]
+    r = why(place(Need("c", memory=4 * GIB), cpu, []))
+    assert r.startswith("needs 4.0 GiB of node memory; no node is eligible; cpu-0 has 1.0 GiB of memory free"), r
+    assert r.endswith("; and 995 more with too little memory free") and len(r) < 400, r
+
+
+def test_a_label_no_node_has_is_said() -> None:
+    nodes = [node(f"n-{i}", 1, labels={"zone": "eu"}) for i in range(20)]
+    r = why(place(Need("d", gpus=1, labels={"pool": "cpu"}), nodes, []))
+    assert r.startswith("needs 1 GPU nobody else holds; no node is eligible; n-0 lacks label pool=cpu "
+                        "(no node has it); n-1 lacks label pool=cpu;"), r
+    assert r.endswith("; and 15 more without label pool=cpu"), r
+    # one node has it (down): not said
+    r = why(place(Need("d", gpus=1, labels={"zone": "us"}), [*nodes, node("us-1", 1, up=False, labels={"zone": "us"})],
+                  []))
+    assert "(no node has it)" not in r and "; no node is eligible; us-1 is down; n-0 has label zone=eu, not us" in r, r
+
+
+def test_a_gpu_whose_memory_in_use_is_absent_has_no_free_memory_known() -> None:
+    # (a GPU kept by its identity while its source fails: total known, every reading absent)
+    kept = node("n", gpus=(gpu("g", 0, used=None, healthy=True),))
+    assert "1 memory not reported" in why(place(Need("d", gpus=1, gpu_memory=GIB), [kept], []))
+    assert chosen(place(Need("d", gpus=1), [kept], [])).gpus == ("g",)  # no stated need: as an unknown total

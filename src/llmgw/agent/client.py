@@ -53,7 +53,7 @@ import grpc
 from .. import __version__
 from .._proto.agent.v1 import agent_pb2_grpc
 from ..log import agent_logger as log
-from .model import GPU, Discovery, NodeFacts
+from .model import Discovery, NodeFacts
 from .wire import (
     CLIENT_OPTIONS,
     PROTOCOL,
@@ -293,7 +293,13 @@ class AgentClient:
         source = self.source
 
         def failed(why: str) -> Discovery:
-            return Discovery(facts=NodeFacts(hostname=socket.gethostname(), agent_version=__version__),
+            # (the GPUs last read stay listed by what does not change, their readings absent, as a source
+            # keeps them through a failed read of its own: a GPU node never reads as one without GPUs)
+            last = self._last
+            facts = NodeFacts(hostname=socket.gethostname(), agent_version=__version__)
+            if last is not None:
+                facts = replace(last.facts, memory_available_bytes=None, infiniband=())
+            return Discovery(facts=facts, gpus=tuple(g.identity() for g in last.gpus) if last is not None else (),
                              source=_source_name(source), errors=(f"GPU source failed: {why}",))
 
         def done(d: Any, exc: BaseException | None) -> None:
@@ -357,11 +363,7 @@ class AgentClient:
             self._late_said = self._read_started
         # (health, MIG mode, the node's free memory and its InfiniBand counters are readings too: absent,
         # health "unknown", not the last ones passed off as current; a hung driver is when they matter)
-        gpus = tuple(
-            GPU(uuid=g.uuid, index=g.index, name=g.name, pci_bus_id=g.pci_bus_id, parent_uuid=g.parent_uuid,
-                memory_total_bytes=g.memory_total_bytes, health="unknown")
-            for g in last.gpus
-        )
+        gpus = tuple(g.identity() for g in last.gpus)
         facts = replace(last.facts, memory_available_bytes=None, infiniband=())
         return Discovery(facts=facts, gpus=gpus, source=last.source,
                          errors=(*last.errors, f"{msg}; the GPUs as last read {now - self._last_at:.0f} s ago, "

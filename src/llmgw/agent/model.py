@@ -32,7 +32,11 @@ SOURCES = ("nvml", "nvidia-smi", "none", "simulated")
 #   degraded     it answers, but with uncorrected ECC errors, rows pending remap,
 #                a remap failure, XID events or a fabric that is not healthy
 #   error        it no longer answers (fallen off the bus, GPU_IS_LOST, NVML
-#                Unknown Error): the last readings are dropped, not zeroed
+#                Unknown Error, left out of nvidia-smi's answer): the last readings
+#                are dropped, not zeroed
+# and, on a GPU kept listed by its identity (GPU.identity) while the source itself
+# does not answer (nvidia-smi timing out, NVML failing to initialise, a read in
+# flight for too long): "unknown".
 GPU_HEALTH = ("ok", "degraded", "error")
 
 
@@ -83,6 +87,19 @@ class GPU:
     errors: tuple[str, ...] = ()
     """What failed on this GPU (e.g. ``nvmlDeviceGetPowerUsage: NotSupported`` is *not* an error;
     ``GPU is lost`` is)."""
+
+    def identity(self, health: str = "unknown", errors: tuple[str, ...] = ()) -> GPU:
+        """This GPU by what does not change (uuid, index, name, PCI bus id, parent, memory total),
+        every reading absent: how a GPU is kept listed when it, or the source, stops answering.
+
+        Args:
+            health: ``unknown`` (the source did not answer: nothing is known of the GPU now) or
+                ``error`` (the source answered, without this GPU).
+            errors: what failed, for :attr:`errors`.
+        """
+        return GPU(uuid=self.uuid, index=self.index, name=self.name, pci_bus_id=self.pci_bus_id,
+                   parent_uuid=self.parent_uuid, memory_total_bytes=self.memory_total_bytes,
+                   health=health, errors=errors)
 
 
 @dataclass(frozen=True, slots=True)

@@ -688,7 +688,8 @@ class DeploymentController:
             d = st.discovery
             gpus = tuple(
                 GpuInfo(g.uuid, g.index, g.name, g.memory_total_bytes, g.memory_used_bytes,
-                        g.health in ("ok", "degraded", "unknown", ""), bool(g.mig_mode))
+                        # (not "unknown": its node's GPU source is failing now; no new replica there)
+                        g.health in ("ok", "degraded", ""), bool(g.mig_mode))
                 for g in d.gpus
             )
             f = d.facts

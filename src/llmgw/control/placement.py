@@ -21,14 +21,21 @@ Filter (a node is out when any fails):
 Free memory is the total less every claim on it and less what something else
 uses: the memory the node reported in use beyond the claims of replicas that are
 ready (a ready replica's memory is in that reading; one still loading may not be
-yet, so its claim counts whole). A GPU whose total was not reported can take only
-a replica that states no memory need (absent is not zero).
+yet, so its claim counts whole). A GPU whose total or memory in use was not reported
+(a GPU kept by its identity while its source fails) can take only a replica that
+states no memory need (absent is not zero).
 
 Score (the lowest wins): fewest replicas of the same deployment already on the node
 (spreading is a preference, not a rule: several replicas share a node when it is
 the only one that fits), then the most GPUs left that nobody holds, then the most
 memory left free, then the name (so the choice is deterministic). On the chosen
 node the GPUs with the most free memory are taken, lowest index first on a tie.
+
+The explanation (:func:`_explain`) stays one short line on a thousand nodes: for a GPU
+replica, the eligible node with GPUs of the asked model that came closest (most GPUs
+that fit, then the most free memory on one short of it); or that no node has such a GPU
+(or a label asked for); then at most :data:`MAX_EXCLUDED_NAMED` nodes left out that
+could have helped, by name, and the rest counted by why ("and 37 more down").
 """
 
 from __future__ import annotations
@@ -160,11 +167,12 @@ def _gpu_uses(claims: Iterable[Claim]) -> dict[tuple[str, str], _GpuUse]:
     return out
 
 
-def _label_miss(node: NodeInfo, want: Mapping[str, str]) -> str | None:
+def _label_miss(node: NodeInfo, want: Mapping[str, str]) -> tuple[tuple[str, str], str] | None:
+    """The first label asked for that the node lacks, and how it lacks it."""
     for k, v in want.items():
         got = node.labels.get(k)
         if got != v:
-            return f"lacks label {k}={v}" if got is None else f"has label {k}={got}, not {v}"
+            return (k, v), (f"lacks label {k}={v}" if got is None else f"has label {k}={got}, not {v}")
     return None
 
 
@@ -180,13 +188,24 @@ def _gpu_need_text(need: Need) -> str:
     return what
 
 
+@dataclass(slots=True)
+class _Short:
+    """Why a node's GPUs could not take a replica: reason -> GPUs, the most free memory among those
+    with too little, and how many are of the asked model (all of them when none is asked)."""
+
+    why: dict[str, int] = field(default_factory=dict)
+    most_free: int | None = None
+    of_model: int = 0
+
+
 def _fits_gpus(
     node: NodeInfo, need: Need, uses: Mapping[tuple[str, str], _GpuUse]
-) -> tuple[list[tuple[int, GpuInfo]], dict[str, int], int]:
+) -> tuple[list[tuple[int, GpuInfo]], _Short, int]:
     """The node's GPUs that could take the replica, as ``(free bytes, gpu)``; why others could not
-    (reason -> GPUs); and how many of its GPUs nobody holds."""
+    (:class:`_Short`); and how many of its GPUs nobody holds."""
     fit: list[tuple[int, GpuInfo]] = []
-    why: dict[str, int] = {}
+    short = _Short()
+    why = short.why
     unheld = 0
     model = need.gpu_model.lower() if need.gpu_model else None
     name = node.name
@@ -199,26 +218,34 @@ def _fits_gpus(
         if model is not None and model not in (g.name or "").lower():
             why["another model"] = why.get("another model", 0) + 1
             continue
+        short.of_model += 1
         if not g.healthy:
             why["unhealthy"] = why.get("unhealthy", 0) + 1
             continue
         if use is not None and (use.exclusive or not need.share):
             why["held by another replica"] = why.get("held by another replica", 0) + 1
             continue
-        free = _free(g.memory_total, use.claimed if use else 0, use.loaded if use else 0, g.memory_used)
+        # (memory in use not reported, e.g. a GPU kept by its identity while its source fails: its free
+        # memory is not known either, not its total)
+        free = None if g.memory_used is None else _free(g.memory_total, use.claimed if use else 0,
+                                                          use.loaded if use else 0, g.memory_used)
         if need.gpu_memory is not None:
             if free is None:
                 why["memory not reported"] = why.get("memory not reported", 0) + 1
                 continue
             if free < need.gpu_memory:
                 why["too little free memory"] = why.get("too little free memory", 0) + 1
+                if short.most_free is None or free > short.most_free:
+                    short.most_free = free
                 continue
         fit.append((free if free is not None else 0, g))
-    return fit, why, unheld
+    return fit, short, unheld
 
 
-def _why_text(why: Mapping[str, int]) -> str:
-    return ", ".join(f"{n} {w}" for w, n in why.items())
+def _why_text(short: _Short) -> str:
+    return ", ".join(f"{n} {w}" + (f" (at most {fmt_bytes(short.most_free)})"
+                                   if w == "too little free memory" and short.most_free is not None else "")
+                     for w, n in short.why.items())
 
 
 def _order_key(item: tuple[int, GpuInfo]) -> tuple[int, int, str]:
@@ -253,30 +280,37 @@ def place(need: Need, nodes: Sequence[NodeInfo], claims: Sequence[Claim]) -> Cho
         if c.loaded:
             mem_loaded[c.node] = mem_loaded.get(c.node, 0) + c.memory
         cores_claimed[c.node] = cores_claimed.get(c.node, 0.0) + c.cpu_cores
-    excluded: list[str] = []
-    best_partial: tuple[int, str, dict[str, int]] | None = None  # (usable GPUs, node, why the rest are not)
+    excluded: list[_Excluded] = []
+    # (the GPU node that came closest: the most GPUs that fit, then the most free memory on a GPU short of
+    # it, then the most GPUs of the asked model; nodes with none of that model are no candidates)
+    best_partial: tuple[tuple[int, int, int], str, _Short, int] | None = None  # (rank, node, why, fits)
     best: tuple[tuple[int, int, int, str], NodeInfo, list[tuple[int, GpuInfo]]] | None = None
     for node in nodes:
         if not node.up:
-            excluded.append(f"{node.name} is down")
+            excluded.append(_Excluded(node, "down", f"{node.name} is down"))
             continue
         if node.cordoned:
-            excluded.append(f"{node.name} is cordoned")
+            excluded.append(_Excluded(node, "cordoned", f"{node.name} is cordoned"))
             continue
         if node.launch_protocol is not None:
             major, minor = node.launch_protocol
-            excluded.append(f"{node.name}'s agent speaks protocol {major}.{minor}, which cannot launch replicas "
-                            f"(upgrade its llmgw)")
+            excluded.append(_Excluded(node, "with an agent too old to launch replicas",
+                                      f"{node.name}'s agent speaks protocol {major}.{minor}, which cannot launch "
+                                      f"replicas (upgrade its llmgw)"))
             continue
         miss = _label_miss(node, need.labels)
         if miss is not None:
-            excluded.append(f"{node.name} {miss}")
+            (k, v), text = miss
+            excluded.append(_Excluded(node, f"without label {k}={v}", f"{node.name} {text}", (k, v)))
             continue
         if need.gpus > 0:
-            fit, why, unheld = _fits_gpus(node, need, uses)
+            fit, short, unheld = _fits_gpus(node, need, uses)
             if len(fit) < need.gpus:
-                if best_partial is None or len(fit) > best_partial[0]:
-                    best_partial = (len(fit), node.name, why)
+                if fit or short.of_model:
+                    rank = (len(fit), -1 if short.most_free is None else short.most_free, short.of_model)
+                    if best_partial is None or rank > best_partial[0] or (
+                            rank == best_partial[0] and node.name < best_partial[1]):
+                        best_partial = (rank, node.name, short, len(fit))
                 continue
             # (scored without sorting its GPUs: only the winner's are sorted. The GPUs nobody holds
             # have the most free memory, so the replica takes those first.)
@@ -292,18 +326,21 @@ def place(need: Need, nodes: Sequence[NodeInfo], claims: Sequence[Claim]) -> Cho
                      else node.memory_total - node.memory_available)
         if need.memory:
             if free is None:
-                excluded.append(f"{node.name} did not report its memory")
+                excluded.append(_Excluded(node, "not reporting their memory", f"{node.name} did not report its memory"))
                 continue
             if free < need.memory:
-                excluded.append(f"{node.name} has {fmt_bytes(free)} of memory free")
+                excluded.append(_Excluded(node, "with too little memory free",
+                                          f"{node.name} has {fmt_bytes(free)} of memory free"))
                 continue
         if need.cpu_cores:
             if node.cpu_cores is None:
-                excluded.append(f"{node.name} did not report its CPU cores")
+                excluded.append(_Excluded(node, "not reporting their CPU cores",
+                                          f"{node.name} did not report its CPU cores"))
                 continue
             spare = node.cpu_cores - cores_claimed.get(node.name, 0.0)
             if spare < need.cpu_cores:
-                excluded.append(f"{node.name} has {spare:g} CPU cores unclaimed")
+                excluded.append(_Excluded(node, "with too few CPU cores unclaimed",
+                                          f"{node.name} has {spare:g} CPU cores unclaimed"))
                 continue
         left_mem = (free or 0) - (need.memory or 0)
         key = (same.get(node.name, 0), 0, -left_mem, node.name)
@@ -319,12 +356,56 @@ def place(need: Need, nodes: Sequence[NodeInfo], claims: Sequence[Claim]) -> Cho
         if need.gpu_memory is not None and all(g.memory_total for _, g in chosen):
             fractions = tuple(need.gpu_memory / g.memory_total for _, g in chosen if g.memory_total)
         return Choice(node.name, tuple(g.uuid for _, g in chosen), fractions)
+    return Unplaceable(_explain(need, nodes, excluded, best_partial))
+
+
+MAX_EXCLUDED_NAMED = 5
+"""An explanation names at most this many excluded nodes, then counts the rest by why ("and 37 more down")."""
+MAX_MODELS_NAMED = 4
+"""... and at most this many GPU models when none matches the one asked."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Excluded:
+    """A node that was not considered, and why (``kind``: how the rest are counted)."""
+
+    node: NodeInfo
+    kind: str
+    text: str
+    label: tuple[str, str] | None = None
+
+
+def _has_model(node: NodeInfo, model: str | None) -> bool:
+    """Whether the node reports a GPU of ``model`` (any GPU when ``None``)."""
+    m = model.lower() if model else None
+    return any(not g.mig_parent and (m is None or m in (g.name or "").lower()) for g in node.gpus)
+
+
+def _explain(need: Need, nodes: Sequence[NodeInfo], excluded: list[_Excluded],
+             best_partial: tuple[tuple[int, int, int], str, _Short, int] | None) -> str:
+    """Why no node fits, in one line that stays short on a thousand nodes: what is needed; the GPU node
+    that came closest, or that no node has a GPU (of the model) or a label asked for; then the nodes
+    left out that could have helped (a GPU of the model, the labels or only the labels missing), at most
+    :data:`MAX_EXCLUDED_NAMED` of them by name, the others counted by why."""
+    model = need.gpu_model
+    nowhere = [kv for kv in need.labels.items() if not any(n.labels.get(kv[0]) == kv[1] for n in nodes)]
     if need.gpus > 0:
         head = f"needs {_gpu_need_text(need)}"
+        what = f"a GPU matching {model}" if model else "a GPU"
         if best_partial is not None:
-            n, where, why_ = best_partial
-            others = _why_text(why_)
+            _, where, short, n = best_partial
+            others = _why_text(short)
             tail = f"the largest free set is {n} on {where}" + (f" (others: {others})" if others else "")
+        elif not nowhere and not any(_has_model(x, model) for x in nodes):
+            tail = f"no node has {what}"
+            if model:
+                names = sorted({g.name for x in nodes for g in x.gpus if g.name and not g.mig_parent})
+                if names:
+                    tail += " (the GPUs there: " + _capped(names, MAX_MODELS_NAMED, "more models") + ")"
+            if not model or not any(g.name is None for x in nodes for g in x.gpus):
+                return f"{head}; {tail}"  # (which nodes are down or cordoned cannot help: none has one)
+        elif len(excluded) < len(nodes):
+            tail = f"no eligible node has {what}"
         else:
             tail = "no node is eligible"
     else:
@@ -333,6 +414,39 @@ def place(need: Need, nodes: Sequence[NodeInfo], claims: Sequence[Claim]) -> Cho
             head += f" and {need.cpu_cores:g} CPU cores"
         tail = "no node is eligible"
     parts = [head, tail]
-    if excluded:
-        parts.append("; ".join(excluded))
-    return Unplaceable("; ".join(parts))
+
+    def could_help(e: _Excluded) -> bool:
+        if need.gpus > 0 and not _has_model(e.node, model):
+            return False
+        return e.label is not None or _label_miss(e.node, need.labels) is None
+
+    # (first those left out only for being down, cordoned or too old: back, they would take it)
+    named = sorted((e for e in excluded if could_help(e)), key=lambda e: e.label is not None)[:MAX_EXCLUDED_NAMED]
+    said: set[tuple[str, str]] = set()
+    for e in named:
+        text = e.text
+        if e.label is not None and e.label in nowhere and e.label not in said:
+            said.add(e.label)
+            text += " (no node has it)"
+        parts.append(text)
+    rest: dict[str, int] = {}
+    skip = {id(e) for e in named}
+    for e in excluded:
+        if id(e) not in skip:
+            rest[e.kind] = rest.get(e.kind, 0) + 1
+    if rest:
+        total = sum(rest.values())
+        lead = f"and {total} more" if named else f"{total} node{'s' if total != 1 else ''}"
+        if len(rest) == 1:
+            parts.append(f"{lead} {next(iter(rest))}")
+        else:
+            parts.append(f"{lead} {'left out ' if not named else ''}(" + ", ".join(f"{n} {k}" for k, n in rest.items())
+                         + ")")
+    parts.extend(f"no node has label {k}={v}" for k, v in nowhere if (k, v) not in said)
+    return "; ".join(parts)
+
+
+def _capped(items: Sequence[str], cap: int, more: str) -> str:
+    """``a, b, c and 4 more models``: at most ``cap`` items named."""
+    out = ", ".join(items[:cap])
+    return out + (f" and {len(items) - cap} {more}" if len(items) > cap else "")

@@ -165,9 +165,10 @@ def test_gpu_lost_mid_run_is_an_error_then_read_again(fake_nvml):
         assert lost.uuid == "GPU-bbbbbbbb-1111-4222-8333-444444444444"
         assert lost.health == "error"
         assert any("GPU is lost" in e for e in lost.errors)
-        # Identity as last known; every measurement absent, never zero.
+        # Identity and memory total as last known (what does not change); every measurement absent, never zero.
         assert lost.index == 1 and lost.name == "NVIDIA L40S" and lost.pci_bus_id == "00000000:02:00.0"
-        assert all(getattr(lost, m) is None for m in MEASUREMENTS)
+        assert lost.memory_total_bytes == 48305799168
+        assert all(getattr(lost, m) is None for m in MEASUREMENTS if m != "memory_total_bytes")
     back = source.read()  # read 5: the GPU answers again
     assert [g.health for g in back.gpus] == ["ok", "ok"]
     assert back.gpus[1].uuid == "GPU-bbbbbbbb-1111-4222-8333-444444444444"
@@ -200,7 +201,11 @@ def test_uninitialized_midway_reinitialises(fake_nvml):
     source.read()
     nvml.nvmlShutdown()  # someone else in the process shut NVML down
     d = source.read()
-    assert d.gpus == () and d.errors and "Uninitialized" in d.errors[0]
+    assert d.errors and "Uninitialized" in d.errors[0]
+    # the GPUs seen stay listed by what does not change, their readings absent (not a node without GPUs)
+    assert len(d.gpus) == 8 and {g.health for g in d.gpus} == {"unknown"}
+    assert all(getattr(g, m) is None for g in d.gpus for m in MEASUREMENTS if m != "memory_total_bytes")
+    assert d.facts.driver_version == "550.54.15"
     d = source.read()
     assert len(d.gpus) == 8 and d.errors == ()
     source.close()
@@ -251,3 +256,27 @@ def test_format_cuda_version():
     assert format_cuda_version(12040) == "12.4"
     assert format_cuda_version(11080) == "11.8"
     assert format_cuda_version(13000) == "13.0"
+
+
+def test_a_gpu_lost_across_a_reinitialisation_stays_listed(fake_nvml):
+    nvml = fake_nvml("gpu_lost")  # GPU 1 lost from the third read to the fourth
+    source = NvmlSource(nvml)
+    seen = source.read()
+    source.read()
+    nvml.nvmlShutdown()  # NVML went away: initialised again on the next read, which forgets the handles
+    d = source.read()
+    assert d.errors and "Uninitialized" in d.errors[0]
+    assert [g.uuid for g in d.gpus] == [g.uuid for g in seen.gpus] and {g.health for g in d.gpus} == {"unknown"}
+    for _ in range(2):  # initialised again, GPU 1 fails at its index: known by no handle, still listed
+        d = source.read()
+        assert d.errors == ()  # (said on the GPU)
+        ok, lost = d.gpus
+        assert ok.health == "ok" and ok.utilization_gpu_ratio == 0.12
+        assert lost.uuid == seen.gpus[1].uuid and lost.health == "error"
+        assert lost.errors == ("GPU at index 1: GPU is lost",)
+        assert (lost.index, lost.name, lost.pci_bus_id, lost.memory_total_bytes) == (
+            1, "NVIDIA L40S", "00000000:02:00.0", 48305799168)
+        assert all(getattr(lost, m) is None for m in MEASUREMENTS if m != "memory_total_bytes")
+    back = source.read()  # it answers again: enumerated again, read again
+    assert [g.health for g in back.gpus] == ["ok", "ok"] and back.gpus[1].memory_used_bytes == 20971520000
+    source.close()

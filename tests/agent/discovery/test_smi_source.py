@@ -133,3 +133,118 @@ def test_missing_executable_and_timeout(smi_scenario, tmp_path, monkeypatch):
 def test_absent_markers(value):
     rows, _ = parse_rows(f"GPU-x, {value}\n", ("uuid", "temperature.gpu"))
     assert rows[0]["temperature.gpu"] is None
+
+
+# -- a failed read keeps the GPUs seen (docs/agent.md, "Absent is not zero") --------------------------
+
+READINGS = ("memory_used_bytes", "memory_free_bytes", "utilization_gpu_ratio", "utilization_memory_ratio",
+            "temperature_celsius", "power_watts", "power_limit_watts", "sm_clock_mhz", "ecc_corrected_volatile",
+            "ecc_uncorrected_volatile", "mig_mode")
+
+
+def _scenario(monkeypatch, tmp_path, base, **changes):
+    """The stand-in answers from ``base`` (a scenario dict) with ``changes``, from now on."""
+    path = tmp_path / f"scenario-{len(list(tmp_path.iterdir()))}.json"
+    path.write_text(json.dumps({**base, **changes}))
+    monkeypatch.setenv("LLMGW_FAKE_SMI_SCENARIO", str(path))
+
+
+def _assert_kept(seen, kept, health):
+    """``kept`` lists the GPUs ``seen`` lists, by what does not change, every reading absent."""
+    assert [g.uuid for g in kept] == [g.uuid for g in seen]
+    for s, k in zip(seen, kept, strict=True):
+        assert (k.index, k.name, k.pci_bus_id, k.memory_total_bytes) == (s.index, s.name, s.pci_bus_id,
+                                                                         s.memory_total_bytes)
+        assert all(getattr(k, m) is None for m in READINGS), k  # absent, never the last number nor 0
+        assert k.health == health, k
+
+
+@pytest.mark.parametrize(
+    ("changes", "said"),
+    [
+        ({"sleep": 5}, "did not answer within 0.5 s"),  # hung past its timeout
+        ({"fail": {"message": "Failed to initialize NVML: Unknown Error", "exit": 255}},
+         "nvidia-smi: Failed to initialize NVML: Unknown Error"),  # an exit status
+        ({"gpus": [], "extra_lines": ["\x1b[?garbage 0x0 ###"]}, "garbage"),  # garbage, exit 0
+        ({"gpus": []}, "nvidia-smi listed no GPUs"),  # nothing at all, exit 0
+    ],
+    ids=["timeout", "exit-status", "garbage", "empty"],
+)
+def test_a_failed_run_keeps_the_gpus_seen_with_readings_absent(smi_scenario, tmp_path, monkeypatch, changes, said):
+    base = json.loads(smi_scenario("smi_h100x8").read_text())
+    source = SmiSource(str(FAKE_SMI), timeout=0.5)
+    seen = source.read()
+    assert len(seen.gpus) == 8 and seen.errors == ()
+
+    _scenario(monkeypatch, tmp_path, base, **changes)
+    d = source.read()
+    # a GPU node does not read as a CPU node: its GPUs stay listed, nothing known of them now
+    _assert_kept(seen.gpus, d.gpus, "unknown")
+    assert any(said in e for e in d.errors), d.errors  # the failure: the node's
+    assert all(g.errors == () for g in d.gpus)
+    assert d.facts.driver_version == "550.54.15"  # as last read (the node's list shows it, not "–")
+    assert source.read().gpus == d.gpus  # and on every failed read after
+
+    _scenario(monkeypatch, tmp_path, base)  # answering again: the readings come back
+    back = source.read()
+    assert back == seen
+
+
+def test_a_gpu_lost_keeps_its_row_with_health_error_and_the_line(smi_scenario, tmp_path, monkeypatch):
+    base = json.loads(smi_scenario("smi_h100x8").read_text())
+    source = SmiSource(str(FAKE_SMI))
+    seen = source.read()
+    line = "Unable to determine the device handle for GPU0000:5D:00.0: GPU is lost.  Reboot the system to recover this GPU"
+    _scenario(monkeypatch, tmp_path, base, gpus=[g for g in base["gpus"] if g["index"] != 3], extra_lines=[line],
+              exit=15)
+    d = source.read()
+    assert len(d.gpus) == 8 and [g.index for g in d.gpus] == list(range(8))  # 8, not 7; in its place
+    lost = d.gpus[3]
+    _assert_kept([seen.gpus[3]], [lost], "error")
+    assert lost.errors == (line,)  # said on the GPU, as NVML says a GPU fallen off the bus
+    assert [g for i, g in enumerate(d.gpus) if i != 3] == [g for i, g in enumerate(seen.gpus) if i != 3]
+    assert d.errors == ("nvidia-smi: exit status 15",)
+    assert d.facts.driver_version == "550.54.15"
+
+    # left out without a word: the same, with the reason
+    _scenario(monkeypatch, tmp_path, base, gpus=[g for g in base["gpus"] if g["index"] != 5])
+    d = source.read()
+    assert len(d.gpus) == 8 and d.gpus[5].health == "error" and d.errors == ()
+    assert d.gpus[5].errors == ("nvidia-smi no longer lists this GPU (seen before)",)
+
+    _scenario(monkeypatch, tmp_path, base)  # back (a reset): read again
+    assert source.read() == seen
+
+
+def test_the_only_gpu_lost_keeps_its_row(smi_scenario, tmp_path, monkeypatch):
+    base = json.loads(smi_scenario("smi_gpu_lost").read_text())
+    base["extra_lines"], base["exit"] = [], 0
+    _scenario(monkeypatch, tmp_path, base)
+    source = SmiSource(str(FAKE_SMI))
+    (seen,) = source.read().gpus
+    bus = seen.pci_bus_id[4:]  # (nvidia-smi's error lines write a shorter domain than its rows)
+    line = f"Unable to determine the device handle for GPU{bus}: GPU is lost.  Reboot the system to recover this GPU"
+    _scenario(monkeypatch, tmp_path, base, gpus=[], extra_lines=[line], exit=15)
+    d = source.read()
+    (lost,) = d.gpus
+    _assert_kept([seen], [lost], "error")
+    assert lost.errors == (f"nvidia-smi: {line}",)
+    assert d.errors == ("nvidia-smi listed no GPUs",)
+
+
+def test_a_gpu_lost_before_it_was_seen_is_a_node_error(smi_scenario):
+    smi_scenario("smi_gpu_lost")  # GPU 0000:02:00.0 lost from the first read: no UUID to list it by
+    d = SmiSource(str(FAKE_SMI)).read()
+    assert len(d.gpus) == 1 and any("GPU is lost" in e for e in d.errors)
+
+
+def test_a_board_replaced_at_the_same_bus_id_is_not_kept(smi_scenario, tmp_path, monkeypatch):
+    base = json.loads(smi_scenario("smi_h100x8").read_text())
+    source = SmiSource(str(FAKE_SMI))
+    source.read()
+    gpus = [dict(g) for g in base["gpus"]]
+    gpus[2]["uuid"] = "GPU-99999999-0b2a-4c7d-9e1f-000000000002"
+    _scenario(monkeypatch, tmp_path, base, gpus=gpus)
+    d = source.read()
+    assert [g.uuid for g in d.gpus] == [g["uuid"] for g in gpus] and d.errors == ()
+    assert {g.health for g in d.gpus} == {"ok", "degraded"}

@@ -12,12 +12,14 @@ What it does with failures (``docs/agent.md``, "Absent is not zero"):
   readings still report. ``FunctionNotFound`` is remembered per function: the
   installed driver will not grow the symbol while the agent runs.
 * ``GpuIsLost``/``Unknown``/``ResetRequired`` on a handle mean the GPU no longer
-  answers: it is reported with ``health="error"``, its identity as last known and
-  every measurement absent; its handle is dropped and looked up again by UUID on
-  the next read.
+  answers: it is reported with ``health="error"``, its identity as last known (and
+  its memory total) and every measurement absent; its handle is dropped and looked
+  up again by UUID on the next read. One NVML no longer enumerates at all (after a
+  re-initialisation) is kept the same way (:class:`~llmgw.agent.discovery.seen.SeenGPUs`).
 * A failed ``nvmlInit`` ("Failed to initialize NVML: Unknown Error", a container
   that lost its devices) is a node-level error in :attr:`Discovery.errors`, never
-  an empty GPU list read as "no GPUs"; the next read initialises again.
+  an empty GPU list read as "no GPUs": the GPUs seen before are kept by their
+  identity with ``health="unknown"``; the next read initialises again.
 
 Readings are synchronous C calls (a few ms for eight GPUs); the agent calls
 :meth:`NvmlSource.read` from a worker thread, never on its event loop.
@@ -33,6 +35,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..model import GPU, Discovery, NodeFacts
+from .seen import SeenGPUs
 
 __all__ = ["NvmlSource", "format_cuda_version"]
 
@@ -100,6 +103,7 @@ class _Known:
     handle: Any  # None: lost, look it up again by UUID on the next read
     name: str | None = None
     pci_bus_id: str | None = None
+    memory_total: int | None = None
     events_registered: bool = False
 
 
@@ -132,6 +136,8 @@ class NvmlSource:
         self._not_found = self._classes(("NVMLError_NotFound",))
         self._function_not_found = self._classes(("NVMLError_FunctionNotFound",))
         self._error = getattr(nvml, "NVMLError", Exception)
+        self._seen = SeenGPUs("NVML")  # (outlives a re-initialisation, which forgets _known)
+        self._index_failures: dict[int, str] = {}  # this read's: "GPU at index N: …" by N
 
     def _classes(self, names: tuple[str, ...]) -> tuple[type[BaseException], ...]:
         return tuple(c for n in names if isinstance(c := getattr(self._nvml, n, None), type))
@@ -189,12 +195,25 @@ class NvmlSource:
 
         Returns:
             The node's facts and GPUs with ``source="nvml"``. NVML failing to
-            initialise gives no GPUs and the failure in ``errors`` (retried next read).
+            initialise has the failure in ``errors`` (retried next read) and the GPUs
+            seen before by their identity, ``health="unknown"`` (none when none were seen).
         """
         with self._lock:
-            return self._read()
+            self._index_failures = {}
+            d, answered = self._read()
+            if not answered:
+                return self._seen.failed(d)
+            # A GPU seen before (then re-initialised) that fails at its index: said on it, not the node.
+            present = {g.uuid for g in d.gpus}
+            lost = {g.uuid: self._index_failures[g.index] for g in self._seen.gpus
+                    if g.parent_uuid is None and g.index in self._index_failures and g.uuid not in present}
+            if lost:
+                said = set(lost.values())
+                d = dataclasses.replace(d, errors=tuple(e for e in d.errors if e not in said))
+            return self._seen.answered(d, lost)
 
-    def _read(self) -> Discovery:
+    def _read(self) -> tuple[Discovery, bool]:
+        """One reading, and whether NVML answered (False: initialising failed or NVML went away)."""
         facts = self._facts()
         errors: list[str] = []
         self._sink = errors
@@ -202,7 +221,7 @@ class NvmlSource:
             self._init()
         except self._error as exc:
             # nvidia-smi's own words for the same failure, so both sources read alike.
-            return Discovery(facts=facts, source=self.name, errors=(f"Failed to initialize NVML: {exc}",))
+            return Discovery(facts=facts, source=self.name, errors=(f"Failed to initialize NVML: {exc}",)), False
         try:
             driver, cuda = self._versions()
             self._enumerate(errors)
@@ -219,9 +238,9 @@ class NvmlSource:
         except _ReinitError as exc:
             # NVML went away under us: report it, initialise again next read.
             self._shutdown()
-            return Discovery(facts=facts, source=self.name, errors=(*errors, f"NVML: {exc}"))
+            return Discovery(facts=facts, source=self.name, errors=(*errors, f"NVML: {exc}")), False
         facts = dataclasses.replace(facts, driver_version=driver, cuda_driver_version=cuda)
-        return Discovery(facts=facts, gpus=tuple(gpus), source=self.name, errors=tuple(errors))
+        return Discovery(facts=facts, gpus=tuple(gpus), source=self.name, errors=tuple(errors)), True
 
     def _call(self, fn: str, *args: Any, symbol: str | None = None, **kwargs: Any) -> Any:
         """Call one NVML function; ``None`` when that reading is not available.
@@ -280,6 +299,7 @@ class NvmlSource:
             return
         if count == self._count and all(k.handle is not None for k in self._known.values()):
             return
+        complete = True
         for index in range(count):
             try:
                 handle = self._nvml.nvmlDeviceGetHandleByIndex(index)
@@ -290,14 +310,16 @@ class NvmlSource:
                 # Nothing known by UUID yet at this index: a node-level error; a GPU
                 # already known is reported lost below when its own handle fails.
                 if not any(k.index == index for k in self._known.values()):
-                    errors.append(f"GPU at index {index}: {exc}")
+                    errors.append(msg := f"GPU at index {index}: {exc}")
+                    self._index_failures[index] = msg
+                complete = False  # (enumerate again next read: it may answer then)
                 continue
             known = self._known.get(uuid)
             if known is None:
                 self._known[uuid] = _Known(uuid=uuid, index=index, handle=handle)
             elif known.handle is None:
                 known.handle, known.index, known.events_registered = handle, index, False
-        self._count = count
+        self._count = count if complete else None
 
     def _drain_events(self) -> None:
         """Count the XID events queued since the last read (non-blocking wait)."""
@@ -347,6 +369,7 @@ class NvmlSource:
                     index=known.index,
                     name=known.name,
                     pci_bus_id=known.pci_bus_id,
+                    memory_total_bytes=known.memory_total,
                     xid_errors=self._xid_tuple(known.uuid),
                     health="error",
                     errors=(str(exc),),
@@ -372,6 +395,8 @@ class NvmlSource:
 
         values: dict[str, Any] = {}
         values.update(self._memory(h))
+        if values.get("memory_total_bytes") is not None:
+            known.memory_total = values["memory_total_bytes"]
         values.update(self._utilization(h))
         temp = self._call("nvmlDeviceGetTemperatureV", h, nv.NVML_TEMPERATURE_GPU)
         if temp is None and "nvmlDeviceGetTemperatureV" in self._missing:

@@ -17,6 +17,12 @@ upgrade of llmgw never stops discovering GPUs on such a node:
 
 ``[N/A]``, ``[Not Supported]``, ``N/A`` and any other bracketed answer are absent
 (``None``), never 0.
+
+**Failures keep the GPUs listed** (:class:`~llmgw.agent.discovery.seen.SeenGPUs`): a run
+that fails as a whole (timeout, an exit status without rows, no GPU rows at all) reports
+the GPUs of the last answer by their identity, ``health="unknown"``, the failure in the
+node's errors; a GPU seen before and missing from an answer is ``health="error"``, with
+the line naming its PCI bus id ("… GPU is lost …") in its own errors when there is one.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..model import GPU, Discovery, NodeFacts
+from .seen import SeenGPUs
 
 __all__ = ["FIELDS", "REQUIRED_FIELDS", "SmiSource", "parse_rows"]
 
@@ -62,6 +69,9 @@ REQUIRED_FIELDS = ("uuid", "index", "name", "pci.bus_id", "memory.total", "memor
 
 _ABSENT = {"n/a", "not supported", "unknown error", "insufficient permissions", ""}
 _INVALID_FIELD = re.compile(r'Field "([^"]+)" is not a valid field to query')
+# A PCI bus id as nvidia-smi writes it: "00000000:3B:00.0" in rows, "0000:3B:00.0" in its error lines
+# (the domain is always written: a time such as 10:45:12.3 is not a bus id).
+_BUS_ID = re.compile(r"([0-9a-f]{4,8}):([0-9a-f]{2}):([0-9a-f]{2})\.([0-7])", re.IGNORECASE)
 _MAX_OUTPUT = 1 << 20  # 1 MiB: a few hundred GPUs' rows; more is not nvidia-smi answering
 _MAX_ERROR_TEXT = 500
 
@@ -122,6 +132,7 @@ class SmiSource:
         self._timeout = timeout
         self._dropped: set[str] = set()  # optional fields this driver does not know
         self._probed = False
+        self._seen = SeenGPUs(self.name)
         self._lock = threading.Lock()
 
     @property
@@ -140,14 +151,36 @@ class SmiSource:
         """Run ``nvidia-smi`` once.
 
         Returns:
-            The node's GPUs with ``source="nvidia-smi"``; a failed run (missing
-            executable, timeout, "Failed to initialize NVML: Unknown Error") gives no
-            GPUs and the failure in ``errors``, retried on the next read.
+            The node's GPUs with ``source="nvidia-smi"``. A failed run (missing
+            executable, timeout, "Failed to initialize NVML: Unknown Error", no GPU rows)
+            has the failure in ``errors``, retried on the next read, and the GPUs seen
+            before by their identity (``health="unknown"``; none when none were seen); a
+            GPU seen before and missing from an answer is kept with ``health="error"``.
         """
         with self._lock:
-            return self._read()
+            d = self._query()
+            lost = self._lost(d)
+            if lost:  # (said on the GPU it names, not the node)
+                d = dataclasses.replace(d, errors=tuple(e for e in d.errors if e not in lost.values()))
+            if d.gpus:
+                return self._seen.answered(d, lost)
+            if self._seen.gpus and not d.errors:
+                d = dataclasses.replace(d, errors=("nvidia-smi listed no GPUs",))
+            return self._seen.failed(d, lost)
 
-    def _read(self) -> Discovery:
+    def _lost(self, d: Discovery) -> dict[str, str]:
+        """The GPUs seen before that an error line names by PCI bus id ("Unable to determine the
+        device handle for GPU0000:3B:00.0: GPU is lost"), and the line, by UUID."""
+        by_bus = {k: g.uuid for g in self._seen.gpus if g.pci_bus_id and (k := _pci_key(g.pci_bus_id))}
+        lost: dict[str, str] = {}
+        for e in d.errors:
+            for m in _BUS_ID.finditer(e):
+                uuid = by_bus.get(_pci_match_key(m))
+                if uuid is not None and uuid not in {g.uuid for g in d.gpus}:
+                    lost.setdefault(uuid, e)
+        return lost
+
+    def _query(self) -> Discovery:
         facts = self._facts()
         for _ in range(len(FIELDS)):  # at most one retry per optional field
             fields = self.fields
@@ -170,11 +203,12 @@ class SmiSource:
             # and ask again; a row still short after that has its tail absent.
             self._probed = True
             if self._probe(fields):
-                return self._read()
+                return self._query()
         errors = list(line_errors)
         if rc != 0 and not rows:
-            text = (out.strip() or err.strip() or f"exit status {rc}")[:_MAX_ERROR_TEXT]
-            return Discovery(facts=facts, source=self.name, errors=(f"nvidia-smi: {text}",))
+            # (one error a line: a line naming a GPU's bus id is said on that GPU, see read)
+            lines = line_errors or [(err.strip() or f"exit status {rc}")[:_MAX_ERROR_TEXT]]
+            return Discovery(facts=facts, source=self.name, errors=tuple(f"nvidia-smi: {t}" for t in lines))
         if rc != 0:
             errors.append(f"nvidia-smi: exit status {rc}")
         gpus = [_gpu(row, errors) for row in rows]
@@ -217,6 +251,17 @@ class SmiSource:
         if len(stdout) > _MAX_OUTPUT:
             return None, "", f"nvidia-smi answered more than {_MAX_OUTPUT} bytes"
         return proc.returncode, stdout.decode(errors="replace"), stderr.decode(errors="replace")
+
+
+def _pci_match_key(m: re.Match[str]) -> tuple[int, int, int, int]:
+    domain, bus, dev, fn = m.groups()
+    return int(domain, 16), int(bus, 16), int(dev, 16), int(fn)
+
+
+def _pci_key(bus_id: str) -> tuple[int, int, int, int] | None:
+    """A PCI bus id, whatever its zero padding and case: ``00000000:3B:00.0`` = ``0000:3b:00.0``."""
+    m = _BUS_ID.fullmatch(bus_id.strip())
+    return _pci_match_key(m) if m else None
 
 
 def _raw_rows(text: str) -> list[list[str]]:
