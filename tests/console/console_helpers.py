@@ -83,7 +83,7 @@ class Gateway:
 
 
 def write_config(path: Path, engines: list[tuple[str, int]], *, admin_port: int = 0, control_port: int | None = None,
-                 mirror: Path | None = None, admin_token: str | None = None) -> Path:
+                 mirror: Path | None = None, admin_token: str | None = None, grace: str = "60s") -> Path:
     doc: dict[str, Any] = {
         "listen": "127.0.0.1:0",
         "admin": f"127.0.0.1:{admin_port}",
@@ -93,7 +93,7 @@ def write_config(path: Path, engines: list[tuple[str, int]], *, admin_port: int 
     }
     if control_port is not None:
         doc["control"] = {"listen": f"127.0.0.1:{control_port}", "join_token": TOKEN,
-                          "heartbeat_interval": "10s", "heartbeat_grace": "60s"}
+                          "heartbeat_interval": "10s" if grace == "60s" else "0.1s", "heartbeat_grace": grace}
     if mirror is not None:
         doc["mirror"] = {"root": str(mirror)}
     if admin_token is not None:
@@ -104,8 +104,12 @@ def write_config(path: Path, engines: list[tuple[str, int]], *, admin_port: int 
 
 @contextlib.asynccontextmanager
 async def gateway(tmp: Path, *, control: bool = True, admin_port: int = 0, nodes: bool = True,
-                  admin_token: str | None = None) -> AsyncIterator[Gateway]:
-    """Two simulated vLLM replicas behind a gateway (config from a file, so reload works)."""
+                  admin_token: str | None = None, grace: str = "60s") -> AsyncIterator[Gateway]:
+    """Two simulated vLLM replicas behind a gateway (config from a file, so reload works).
+
+    ``grace``: the control plane's heartbeat grace (the nodes registered here send no heartbeat: a
+    short one puts them past it, unhealthy, soon after).
+    """
     engines: list[SimEngine] = []
     rt: GatewayRuntime | None = None
     try:
@@ -118,7 +122,7 @@ async def gateway(tmp: Path, *, control: bool = True, admin_port: int = 0, nodes
             ports.append((name, port))
         cport = free_port() if control else None
         path = write_config(tmp / "llmgw.yaml", ports, admin_port=admin_port, control_port=cport,
-                            mirror=tmp / "mirror", admin_token=admin_token)
+                            mirror=tmp / "mirror", admin_token=admin_token, grace=grace)
         cfg = load_file(path)
         rt = GatewayRuntime(cfg, components=components_for(cfg))
         await rt.start()

@@ -87,3 +87,39 @@ def test_console_in_a_real_terminal(session: str) -> None:
             time.sleep(0.1)
         else:
             raise AssertionError("q did not quit the console")
+
+
+CRASHING = """\
+import sys
+
+from llmgw.console.app import ConsoleApp
+
+
+def crash(self: ConsoleApp) -> None:
+    raise RuntimeError("a bug in the console")
+
+
+ConsoleApp.action_help = crash  # (? runs it: an exception nothing in the app handles)
+from llmgw.cli import main  # noqa: E402
+
+main(["console", "--admin", sys.argv[1], "--refresh", "500ms"])
+"""
+
+
+def test_a_console_that_crashed_exits_non_zero(session: str, tmp_path: Path) -> None:
+    """Textual ends the app on an unhandled exception and prints it; the console's exit status says so
+    (it was 0: a script or a supervisor took the crash for a quit)."""
+    script = tmp_path / "crashing.py"
+    script.write_text(CRASHING)
+    status = tmp_path / "status"
+    with serve_in_thread(ReplayAPI(fleet(endpoints=2, nodes=1, gpus_per_node=1))) as port:
+        tmux("new-session", "-d", "-s", session, "-x", "80", "-y", "24",
+             f"{sys.executable} {script} http://127.0.0.1:{port}; echo $? > {status}; sleep 60")
+        screen_until(session, lambda t: "vllm-0000" in t)
+        tmux("send-keys", "-t", session, "?")
+        deadline = time.monotonic() + 20
+        while not (status.exists() and status.read_text().strip()):
+            assert time.monotonic() < deadline, tmux("capture-pane", "-p", "-t", session)
+            time.sleep(0.1)
+        assert status.read_text().strip() == "1", tmux("capture-pane", "-p", "-t", session)
+        assert "a bug in the console" in tmux("capture-pane", "-p", "-S", "-200", "-t", session)

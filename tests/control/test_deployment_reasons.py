@@ -142,6 +142,10 @@ async def test_a_restarting_replica_says_why_from_its_first_crash(tmp_path: Path
         res = await invoke("--admin", url, "scale", "crash", "1")  # (its warning is the same one line)
         assert res.exit_code == 0 and f"crash: replica {rid} failed on node-1" in res.output
         assert "--- llmgw" not in res.output and len(res.output.splitlines()) == 2, res.output
+        # scaled to 0: nothing is placed again, so nothing says it will be
+        res = await invoke("--admin", url, "scale", "crash", "0")
+        assert res.exit_code == 0, res.output
+        assert await message() is None
 
 
 async def test_a_placement_reason_and_a_crash_are_both_said(tmp_path: Path) -> None:

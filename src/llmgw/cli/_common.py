@@ -5,16 +5,21 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import re
 from collections.abc import Sequence
 from typing import Any
+from urllib.parse import urlsplit
 
 import click
 
 from ..config import parse_hostport
 from ..errors import ConfigError
 
-__all__ = ["Fail", "apply_logging", "echo_err", "hostport", "json_mode_for", "print_table", "report_error",
-           "run_loop"]
+__all__ = ["DEFAULT_ADMIN", "MAX_REPLICAS", "AdminURL", "Fail", "admin_url", "apply_logging", "echo_err", "hostport",
+           "json_mode_for", "print_table", "printable", "replica_count", "report_error", "run_loop", "tls_mismatch"]
+
+DEFAULT_ADMIN = "http://127.0.0.1:9090"
+MAX_REPLICAS = 1024  # (a deployment's replicas: llmgw ctl scale / deploy --replicas, the console's s)
 
 
 class Fail(click.ClickException):
@@ -95,6 +100,95 @@ def report_error(exc: click.ClickException, args: Sequence[str]) -> int:
         return exc.exit_code or 1
     exc.show()
     return exc.exit_code
+
+
+def printable(value: Any, *, lines: bool = False) -> str:
+    """Text an agent, an engine or the API reported, safe to show on a terminal: as is when printable,
+    else each control character (ESC, BEL, a carriage return, a bidi override, ...) written as its Python
+    escape (``\\x1b``), so nothing it holds can move the cursor, clear the screen or retitle the window.
+    ``lines``: line breaks (``\\n``, ``\\r\\n``) and tabs are kept (a log's tail).
+
+    One helper for ``llmgw ctl`` and ``llmgw console``; neither reads markup in what it returns (rich
+    tables get it as ``Text``), so ``[/link]`` in a GPU's name is shown as written.
+    """
+    text = value if isinstance(value, str) else str(value)
+    if text.isprintable():
+        return text
+    if lines:
+        text = text.replace("\r\n", "\n")
+    return "".join(c if c.isprintable() or (lines and c in "\n\t") else repr(c)[1:-1] for c in text)
+
+
+class AdminURL:
+    """``--admin``'s value taken apart: how to reach the admin API, and what to call it in messages."""
+
+    __slots__ = ("base", "host", "https", "netloc", "port", "url")
+
+    def __init__(self, https: bool, host: str, port: int, base: str, netloc: str) -> None:
+        self.https, self.host, self.port, self.base, self.netloc = https, host, port, base, netloc
+        self.url = f"{'https' if https else 'http'}://{netloc}{base}"
+
+
+def admin_url(value: str) -> AdminURL:
+    """``--admin URL`` (``http://host:port``; a bare ``host:port`` means http), for ``llmgw ctl`` and the console.
+
+    Raises:
+        ValueError: one line naming ``--admin`` and the fix (an empty value, another scheme, a broken IPv6
+            address, a bad port, the admin API's own path /admin/v1 at its end).
+    """
+    like = f"is not a URL like {DEFAULT_ADMIN}"
+    # SECURITY: a user:password@ in it is no business of the admin API (its token is a header): never quoted
+    shown = re.sub(r"^([^/]*//)?[^/@]*@", lambda m: f"{m.group(1) or ''}…@", value)
+    try:
+        parts = urlsplit(value if "://" in value else f"http://{value}")
+    except ValueError:  # ("Invalid IPv6 URL": an unclosed [)
+        raise ValueError(f"--admin {shown!r} {like} (an IPv6 address goes in brackets: http://[::1]:9090)") from None
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"--admin {shown!r} {like}")
+    try:
+        port = parts.port
+    except ValueError:
+        port = 0
+    if port == 0:
+        raise ValueError(f"--admin {shown!r} has an invalid port (a number from 1 to 65535)")
+    netloc = parts.netloc.rsplit("@", 1)[-1]
+    base = parts.path.rstrip("/")
+    if base.endswith("/admin/v1") or "/admin/v1/" in base:
+        # (every call adds /admin/v1/...: under this one, nothing answers but "no admin route")
+        root = f"{parts.scheme}://{netloc}{base[: base.index('/admin/v1')]}"
+        raise ValueError(f"--admin {shown!r} holds the admin API's path /admin/v1, which llmgw adds itself: drop it "
+                         f"(--admin {root})")
+    https = parts.scheme == "https"
+    return AdminURL(https, parts.hostname, port or (443 if https else 80), base, netloc)
+
+
+_NOT_TLS = frozenset({"WRONG_VERSION_NUMBER", "HTTP_REQUEST", "PACKET_LENGTH_TOO_LONG", "RECORD_LAYER_FAILURE",
+                      "UNKNOWN_PROTOCOL"})
+
+
+def tls_mismatch(exc: BaseException, url: AdminURL) -> str | None:
+    """The one-line error for an ``https://`` call answered by something that does not speak TLS (llmgw's admin
+    listener speaks plain HTTP); ``None`` for any other failure (a certificate that does not verify says so)."""
+    import ssl
+
+    if not url.https or not isinstance(exc, ssl.SSLError) or isinstance(exc, ssl.SSLCertVerificationError):
+        return None
+    if getattr(exc, "reason", None) not in _NOT_TLS:
+        return None
+    return (f"the admin API at {url.url} speaks plain HTTP, not TLS: pass --admin http://{url.netloc}{url.base} "
+            "(llmgw's admin listener has no TLS of its own; https:// is for a TLS proxy in front of it)")
+
+
+def replica_count(text: str) -> int:
+    """A replica count as typed: ASCII digits, 0 to :data:`MAX_REPLICAS` (``int()`` would take ``٣`` or ``1_0``).
+
+    Raises:
+        ValueError: one line saying what a replica count is.
+    """
+    s = text.strip()
+    if not (s.isascii() and s.isdigit()) or int(s) > MAX_REPLICAS:
+        raise ValueError(f"{text!r} is not a replica count: a whole number from 0 to {MAX_REPLICAS}")
+    return int(s)
 
 
 def hostport(ctx: click.Context, param: click.Parameter, value: str | None) -> tuple[str, int] | None:

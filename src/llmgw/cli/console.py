@@ -12,8 +12,7 @@ import click
 
 from ..config import parse_duration
 from ..errors import ConfigError
-from ._common import Fail
-from .ctl import DEFAULT_ADMIN
+from ._common import DEFAULT_ADMIN, Fail
 
 __all__ = ["console"]
 
@@ -63,4 +62,8 @@ def console(admin: str, token: str | None, refresh: float, timeout: float, read_
         # (drawn into a pipe, the screen is escapes nobody reads, and keys never come)
         raise Fail("llmgw console needs a terminal on stdin and stdout; "
                    "from a script, use llmgw ctl (endpoints, nodes, gpus, deployments, ... --json)")
-    ConsoleApp(client, refresh=refresh, read_only=read_only, name=name, start=view).run()
+    app = ConsoleApp(client, refresh=refresh, read_only=read_only, name=name, start=view)
+    app.run()
+    if app.return_code:
+        # (Textual has printed what went wrong; a script or a supervisor must see that it did)
+        sys.exit(app.return_code)

@@ -20,6 +20,9 @@
 ``--token`` (``$LLMGW_ADMIN_TOKEN``) pick the gateway; ``--json`` prints the API's
 JSON instead of a table. Only the standard library speaks HTTP here, so the
 command starts fast and works wherever llmgw is installed.
+
+What agents and engines report (a GPU's name, a node's errors, a log) is shown as
+written: never read as rich markup, its control characters escaped (``printable``).
 """
 
 from __future__ import annotations
@@ -31,15 +34,15 @@ import socket
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import quote, urlsplit
+from urllib.parse import quote
 
 import click
 
 from ..errors import unsendable_secret
+from ._common import DEFAULT_ADMIN, MAX_REPLICAS, admin_url, printable, replica_count, tls_mismatch
 
 __all__ = ["ctl"]
 
-DEFAULT_ADMIN = "http://127.0.0.1:9090"
 ABSENT = "–"  # an en dash: absent is not 0
 
 
@@ -51,7 +54,8 @@ class CtlError(click.ClickException):
         from ._common import echo_err
 
         for line in self.message.splitlines() or [""]:
-            echo_err(f"llmgw: error: {line}", level="error")
+            # (a message may quote what a node reported: never a raw control character on the terminal)
+            echo_err(f"llmgw: error: {printable(line)}", level="error")
 
 
 @dataclass
@@ -70,18 +74,15 @@ class Target:
         Raises:
             CtlError: the API cannot be reached or answered an error (the message says what to do).
         """
-        parts = urlsplit(self.admin if "://" in self.admin else f"http://{self.admin}")
-        if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise CtlError(f"--admin {self.admin!r} is not a URL like {DEFAULT_ADMIN}")
-        conn_cls = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
         try:
-            port = parts.port
-        except ValueError:
-            raise CtlError(f"--admin {self.admin!r} has an invalid port") from None
+            parts = admin_url(self.admin)
+        except ValueError as exc:
+            raise CtlError(str(exc)) from None
+        conn_cls = http.client.HTTPSConnection if parts.https else http.client.HTTPConnection
         try:
-            conn = conn_cls(parts.hostname, port, timeout=self.timeout)
+            conn = conn_cls(parts.host, parts.port, timeout=self.timeout)
         except (ValueError, http.client.InvalidURL):  # spaces, control characters
-            raise CtlError(f"--admin {self.admin!r} is not a URL like {DEFAULT_ADMIN}") from None
+            raise CtlError(f"--admin {parts.url!r} is not a URL like {DEFAULT_ADMIN}") from None
         headers: dict[str, str | bytes] = {"accept": "application/json"}
         data = None
         if body is not None:
@@ -94,19 +95,22 @@ class Target:
                 raise CtlError(f"{self.token_from} {why}")
             # (UTF-8, the bytes the gateway compares admin_token by; http.client would encode latin-1, or fail)
             headers["authorization"] = f"Bearer {self.token}".encode()
-        base = parts.path.rstrip("/")
-        where = f"{parts.scheme}://{parts.netloc}{base}"
+        base = parts.base
+        where = parts.url
         try:
             conn.request(method, base + path, body=data, headers=headers)
             resp = conn.getresponse()
             raw = resp.read()
         except (OSError, http.client.HTTPException) as exc:
+            tls = tls_mismatch(exc, parts)
+            if tls is not None:
+                raise CtlError(tls) from None
             if isinstance(exc, ConnectionRefusedError):
                 reason = "connection refused"
             elif isinstance(exc, TimeoutError):
                 reason = f"no answer within {self.timeout:g}s"
             elif isinstance(exc, socket.gaierror):
-                reason = f"unknown host {parts.hostname}"
+                reason = f"unknown host {parts.host}"
             elif isinstance(exc, http.client.RemoteDisconnected):
                 reason = "it closed the connection without an answer"
             elif isinstance(exc, http.client.BadStatusLine):  # (its message is the bytes that came: never shown)
@@ -167,7 +171,7 @@ def _options(group: bool) -> Callable[[Any], Any]:
 def _target(ctx: click.Context, admin: str | None, token: str | None, as_json: bool | None) -> Target:
     base: Target = ctx.obj if isinstance(ctx.obj, Target) else Target(DEFAULT_ADMIN, None, False)
     return Target(
-        admin=admin or base.admin,
+        admin=admin if admin is not None else base.admin,  # ('' is refused as the console refuses it, not the default)
         token=token if token is not None else base.token,
         as_json=as_json if as_json is not None else base.as_json,
         token_from="--token" if token is not None else base.token_from,
@@ -187,8 +191,31 @@ class _FiniteFloat(click.FloatRange):
         return rv
 
 
+class _ReplicaCount(click.ParamType):
+    """A replica count: ASCII digits, 0 to 1024, as the console's ``s`` takes it (click's ``int`` would take
+    ``٣``); with ``ignore_unknown_options`` on the command, ``-1`` is a bad count, not an unknown option."""
+
+    name = "count"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        try:
+            return replica_count(str(value))
+        except ValueError as exc:
+            self.fail(str(exc), param, ctx)
+
+
+# (json.dumps escapes C0 controls; these it leaves raw in a string without ensure_ascii: DEL and the C1
+# controls, 0x9b among them a CSI to some terminals, and the invisible and bidi ones that reorder a line)
+_JSON_UNSAFE = {c: f"\\u{c:04x}" for c in (*range(0x7F, 0xA0), *range(0x200B, 0x2010), *range(0x202A, 0x202F),
+                                            *range(0x2066, 0x206A), 0xFEFF)}
+
+
 def _print_json(obj: Any) -> None:
-    click.echo(json.dumps(obj, indent=2, ensure_ascii=False))
+    """The API's JSON, UTF-8 as it came but for the characters that would act on a terminal (``\\u`` escaped:
+    still the same JSON)."""
+    click.echo(json.dumps(obj, indent=2, ensure_ascii=False).translate(_JSON_UNSAFE))
 
 
 def _console() -> Any:
@@ -205,6 +232,19 @@ def print_table(console: Any, table: Any) -> None:
     from ._common import print_table as show
 
     show(console, table)
+
+
+def _text(value: Any, style: str = "") -> Any:
+    """What the API said, for rich: shown as written (``[/link]`` in a GPU's name is no markup to rich),
+    control characters escaped (:func:`~llmgw.cli._common.printable`)."""
+    from rich.text import Text
+
+    return Text(printable(value), style=style)
+
+
+def _add_row(table: Any, *cells: Any) -> None:
+    """A table row whose ``str`` cells are shown as written (styled ones come as ``Text``)."""
+    table.add_row(*(_text(c) if isinstance(c, str) else c for c in cells))
 
 
 def _fmt(value: Any, kind: str = "") -> str:
@@ -248,7 +288,7 @@ def ctl(ctx: click.Context, admin: str | None, token: str | None, as_json: bool 
       llmgw ctl tokens create / list / revoke ID   join tokens for agents
     """
     from_env = ctx.get_parameter_source("token") is click.core.ParameterSource.ENVIRONMENT
-    ctx.obj = Target(admin or DEFAULT_ADMIN, token or None, bool(as_json),
+    ctx.obj = Target(admin if admin is not None else DEFAULT_ADMIN, token or None, bool(as_json),
                      token_from="LLMGW_ADMIN_TOKEN" if from_env else "--token")
 
 
@@ -278,14 +318,15 @@ def endpoints(ctx: click.Context, admin: str | None, token: str | None, as_json:
     ):
         table.add_column(col, justify=justify, no_wrap=True)
     for ep in eps:
-        state = ep.get("state", "?")
-        table.add_row(
+        state = str(ep.get("state", "?"))
+        _add_row(
+            table,
             str(ep.get("id")),
-            ",".join(ep.get("models", [])),
+            ",".join(map(str, ep.get("models") or [])),
             str(ep.get("engine") or ABSENT),
             str(ep.get("pool") or ABSENT),
             *((str(ep.get("deployment") or ABSENT),) if deployed else ()),
-            f"[{_STATE_STYLE.get(state, 'white')}]{state}[/]",
+            _text(state, _STATE_STYLE.get(state, "white")),
             _fmt(ep.get("inflight")),
             _fmt(ep.get("waiting")),
             _fmt(ep.get("running")),
@@ -312,7 +353,7 @@ def _drain(ctx: click.Context, endpoint_id: str, draining: bool, t: Target) -> N
         click.echo(f"{endpoint_id}: {what}: no new requests{tail}")
     else:
         what = "undrained" if data.get("changed") else "was not draining"
-        click.echo(f"{endpoint_id}: {what}: taking requests (state {data.get('state')})")
+        click.echo(f"{endpoint_id}: {what}: taking requests (state {printable(data.get('state'))})")
 
 
 @ctl.command()
@@ -352,11 +393,12 @@ def reload(ctx: click.Context, admin: str | None, token: str | None, as_json: bo
     if t.as_json:
         _print_json(data)
         return
-    click.echo(reload_summary(data))
+    click.echo(printable(reload_summary(data), lines=True))
     if data.get("restart_needed_for"):
         from ._common import echo_err
 
-        echo_err(f"note: {', '.join(data['restart_needed_for'])} changed; that needs a restart", level="warning")
+        echo_err(f"note: {printable(', '.join(map(str, data['restart_needed_for'])))} changed; that needs a restart",
+                 level="warning")
 
 
 @ctl.command()
@@ -379,15 +421,15 @@ def queues(ctx: click.Context, admin: str | None, token: str | None, as_json: bo
         table.add_column(col, justify="left" if col == "BAND" else "right", no_wrap=True)
     for b in data.get("bands", []):
         d = b.get("decisions", {})
-        table.add_row(
-            str(b.get("band")), _fmt(b.get("depth")),
+        _add_row(
+            table, str(b.get("band")), _fmt(b.get("depth")),
             *(_fmt(d.get(k, 0)) for k in ("admitted", "queued", "rejected")),
         )
     console = _console()
     print_table(console, table)
     sat = data.get("pool_saturation") or {}
     if sat:
-        console.print("saturation: " + ", ".join(f"{m} {_saturation(v)}" for m, v in sat.items()))
+        console.print(_text("saturation: " + ", ".join(f"{m} {_saturation(v)}" for m, v in sat.items())))
 
 
 def _saturation(v: Any) -> str:
@@ -421,10 +463,11 @@ def _unit(v: Any, unit: str, digits: int = 0) -> str:
 @_options(group=False)
 @click.pass_context
 def nodes(ctx: click.Context, node: str | None, admin: str | None, token: str | None, as_json: bool | None) -> None:
-    """List the control plane's nodes: state, heartbeat age, GPUs, versions; with NODE, that
+    """List the control plane's nodes: state, heartbeat age, GPUs, versions, errors; with NODE, that
     node whole: its errors (what discovery failed on), labels, GPUs and replicas.
 
-    A node is unhealthy when nothing was heard from it within the heartbeat grace.
+    A node is unhealthy when nothing was heard from it within the heartbeat grace. ERRORS counts
+    the node's own errors and its GPUs' (as the console's Nodes view does).
     """
     t = _target(ctx, admin, token, as_json)
     if node is not None:
@@ -441,24 +484,36 @@ def nodes(ctx: click.Context, node: str | None, admin: str | None, token: str | 
     if not rows:
         console.print("no nodes registered (start llmgw agent on a node)")
         return
+    # (a node's GPUs' errors are in /gpus: the node list carries only the node's own)
+    gpu_errors: dict[str, int] = {}
+    for g in t.call("GET", "/admin/v1/gpus").get("gpus") or []:
+        gpu_errors[str(g.get("node"))] = gpu_errors.get(str(g.get("node")), 0) + len(g.get("errors") or [])
     table = Table(box=None, pad_edge=False, header_style="bold")
     for col, justify in (("NODE", "left"), ("STATE", "left"), ("HOST", "left"), ("GPUS", "right"),
                          ("SOURCE", "left"), ("HEARTBEAT", "right"), ("AGENT", "left"), ("DRIVER", "left"),
                          ("CUDA", "left"), ("ERRORS", "right")):
         table.add_column(col, justify=justify, no_wrap=True)  # type: ignore[arg-type]
+    errors = 0
     for n in rows:
-        state = str(n.get("state", "?"))
-        shown = f"[{_NODE_STYLE.get(state, 'white')}]{state}[/]" + (" [yellow]cordoned[/]" if n.get("cordoned") else "")
         facts = n.get("facts") or {}
-        table.add_row(
-            str(n.get("name")), shown, str(n.get("hostname") or ABSENT), _fmt(n.get("gpu_count")),
+        count = len(n.get("errors") or []) + gpu_errors.get(str(n.get("name")), 0)
+        errors += count
+        _add_row(
+            table, str(n.get("name")), _node_state(n), str(n.get("hostname") or ABSENT), _fmt(n.get("gpu_count")),
             str(n.get("gpu_source") or ABSENT), _age(n.get("heartbeat_age_s")), str(n.get("agent_version") or ABSENT),
-            str(facts.get("driver_version") or ABSENT), str(facts.get("cuda_driver_version") or ABSENT),
-            _fmt(len(n.get("errors") or [])),
+            str(facts.get("driver_version") or ABSENT), str(facts.get("cuda_driver_version") or ABSENT), _fmt(count),
         )
     print_table(console, table)
-    if any(n.get("errors") for n in rows):
+    if errors:
         console.print("(llmgw ctl nodes NODE shows a node's errors)", style="dim")
+
+
+def _node_state(n: dict[str, Any]) -> Any:
+    state = str(n.get("state", "?"))
+    shown = _text(state, _NODE_STYLE.get(state, "white"))
+    if n.get("cordoned"):
+        shown.append(" cordoned", style="yellow")
+    return shown
 
 
 def _one_node(t: Target, name: str) -> None:
@@ -466,32 +521,32 @@ def _one_node(t: Target, name: str) -> None:
     if t.as_json:
         _print_json(data)
         return
-    from rich.markup import escape
+    from rich.text import Text
 
     console = _console()
     state = str(data.get("state", "?"))
     facts = data.get("facts") or {}
     labels = ", ".join(f"{k}={v}" for k, v in sorted((data.get("labels") or {}).items())) or ABSENT
+    age = data.get("heartbeat_age_s")
     lines = [
-        ("state", f"[{_NODE_STYLE.get(state, 'white')}]{state}[/]" + (" [yellow]cordoned[/]" if data.get("cordoned")
-                                                                       else "")),
-        ("host", escape(str(data.get("hostname") or ABSENT))),
-        ("address", escape(str(data.get("address") or ABSENT))),
-        ("heartbeat", f"{_age(data.get('heartbeat_age_s'))} ago" if data.get("heartbeat_age_s") is not None
+        ("state", _node_state(data)),
+        ("host", data.get("hostname") or ABSENT),
+        ("address", data.get("address") or ABSENT),
+        ("heartbeat", f"{_age(age)} ago" if age is not None
          else f"{ABSENT} (not heard from since this control plane took over)"),
-        ("agent", f"{escape(str(data.get('agent_version') or ABSENT))} (protocol {data.get('protocol') or ABSENT})"),
-        ("gpu source", escape(str(data.get("gpu_source") or ABSENT))),
+        ("agent", f"{data.get('agent_version') or ABSENT} (protocol {data.get('protocol') or ABSENT})"),
+        ("gpu source", data.get("gpu_source") or ABSENT),
         ("driver", f"{facts.get('driver_version') or ABSENT} (CUDA {facts.get('cuda_driver_version') or ABSENT})"),
-        ("labels", escape(labels)),
+        ("labels", labels),
     ]
-    console.print(f"[bold]{escape(str(data.get('name')))}[/]")
+    console.print(_text(data.get("name"), "bold"))
     for k, v in lines:
-        console.print(f"  {k + ':':<12}{v}", highlight=False)
-    errors = list(data.get("errors") or [])
+        console.print(Text.assemble(f"  {k + ':':<12}", v if isinstance(v, Text) else _text(v)), highlight=False)
+    errors = [str(e) for e in data.get("errors") or []]
     errors += [f"GPU {g.get('index')} ({g.get('uuid')}): {e}" for g in data.get("gpus") or [] for e in g.get("errors") or []]
     console.print(f"  {'errors:':<12}{ABSENT if not errors else ''}")
     for e in errors:
-        console.print(f"    [red]{escape(e)}[/]", soft_wrap=True)
+        console.print(Text.assemble("    ", _text(e, "red")), soft_wrap=True)
     gpus = [{**g, "node": data.get("name"), "node_state": state} for g in data.get("gpus") or []]
     if gpus:
         console.print()
@@ -499,8 +554,8 @@ def _one_node(t: Target, name: str) -> None:
     reps = data.get("replicas") or []
     if reps:
         console.print()
-        console.print("  replicas: " + ", ".join(f"{escape(str(r.get('id')))} ({escape(str(r.get('state')))})"
-                                                for r in reps), soft_wrap=True)
+        console.print(_text("  replicas: " + ", ".join(f"{r.get('id')} ({r.get('state')})" for r in reps)),
+                      soft_wrap=True)
 
 
 @ctl.command()
@@ -510,7 +565,8 @@ def gpus(ctx: click.Context, admin: str | None, token: str | None, as_json: bool
     """List every GPU of every node with its latest readings.
 
     Readings not reported (e.g. utilisation on a MIG-enabled GPU) show as –, never 0; so do
-    those of a node past its heartbeat grace (its last readings are not current).
+    those of a node past its heartbeat grace (its last readings are not current: --json has
+    them null, its GPUs' health too).
     """
     t = _target(ctx, admin, token, as_json)
     data = t.call("GET", "/admin/v1/gpus")
@@ -541,9 +597,9 @@ def _gpu_table(rows: list[dict[str, Any]]) -> Any:
         def cur(key: str, g: dict[str, Any] = g, current: bool = current) -> Any:
             return g.get(key) if current else None
 
-        health = str(g.get("health") or ABSENT) if current else f"[red]node {g.get('node_state')}[/]"
-        table.add_row(
-            str(g.get("node")), _fmt(g.get("index")), str(g.get("uuid")), str(g.get("name") or ABSENT),
+        health = str(g.get("health") or ABSENT) if current else _text(f"node {g.get('node_state')}", "red")
+        _add_row(
+            table, str(g.get("node")), _fmt(g.get("index")), str(g.get("uuid")), str(g.get("name") or ABSENT),
             _gib(cur("memory_used_bytes")), _gib(g.get("memory_total_bytes")),
             _fmt(cur("utilization_gpu_ratio"), "pct") if cur("utilization_gpu_ratio") is not None else ABSENT,
             _unit(cur("temperature_celsius"), "°C"), _unit(cur("power_watts"), " W"), health,
@@ -598,7 +654,8 @@ def forget(ctx: click.Context, node: str, admin: str | None, token: str | None, 
         _print_json(data)
         return
     gone = data.get("forgotten") or {}
-    click.echo(f"{node}: forgotten (it was {gone.get('state', 'not up')}); its agent, started again, registers it anew")
+    click.echo(f"{node}: forgotten (it was {printable(gone.get('state', 'not up'))}); its agent, started again, "
+               "registers it anew")
 
 
 @ctl.command()
@@ -618,6 +675,8 @@ def logs(
         return
     text = data.get("text") if isinstance(data, dict) else None
     if isinstance(text, str):
+        # (the engine's own output: its line breaks kept, any other control character escaped)
+        text = printable(text, lines=True)
         click.echo(text, nl=not text.endswith("\n") and bool(text))
 # -- deployments --
 
@@ -640,7 +699,7 @@ def _kv_pairs(values: tuple[str, ...], what: str) -> dict[str, str]:
 @click.option("--model", required=True, help="A mirror reference (tiny:1b), a file path on the nodes, or an id the "
               "engine downloads itself.")
 @click.option("--engine", default=None, help="vllm (default), llamacpp, trtllm or sglang.")
-@click.option("--replicas", type=click.IntRange(0, 1024), default=None, help="How many (default 1).")
+@click.option("--replicas", type=_ReplicaCount(), default=None, help=f"How many, 0 to {MAX_REPLICAS} (default 1).")
 @click.option("--gpus", type=click.IntRange(0, 64), default=None, help="GPUs per replica (default 1; 0 for llamacpp).")
 @click.option("--gpu-memory", metavar="SIZE", default=None, help="GPU memory each replica needs per GPU (40GiB).")
 @click.option("--gpu-model", default=None, help="Only GPUs whose name contains this (H100).")
@@ -690,23 +749,23 @@ def deploy(ctx: click.Context, name: str, model: str, engine: str | None, replic
 def _say_deployment(d: dict[str, Any], verb: str) -> None:
     from ..launch.spec import reason_line
 
-    click.echo(f"{d.get('name')}: {verb}: {d.get('placed', 0)} of {d.get('desired')} replica(s) placed"
-               + (f" on {', '.join(d['nodes'])}" if d.get("nodes") else ""))
+    click.echo(printable(f"{d.get('name')}: {verb}: {d.get('placed', 0)} of {d.get('desired')} replica(s) placed"
+                         + (f" on {', '.join(map(str, d['nodes']))}" if d.get("nodes") else "")))
     why = reason_line(d.get("message") if isinstance(d.get("message"), str) else None)
     if why:
         from ._common import echo_err
 
-        echo_err(f"{d.get('name')}: {why}", level="warning")
+        echo_err(printable(f"{d.get('name')}: {why}"), level="warning")
 
 
-@ctl.command()
+@ctl.command(context_settings={"ignore_unknown_options": True})  # (-1: a bad REPLICAS, said so; not an option)
 @click.argument("name")
-@click.argument("replicas", type=click.IntRange(0, 1024))
+@click.argument("replicas", type=_ReplicaCount())
 @_options(group=False)
 @click.pass_context
 def scale(ctx: click.Context, name: str, replicas: int, admin: str | None, token: str | None,
           as_json: bool | None) -> None:
-    """Set deployment NAME to REPLICAS replicas (0: none; requests then get 503 model_unavailable).
+    """Set deployment NAME to REPLICAS replicas, 0 to 1024 (0: none; requests then get 503 model_unavailable).
 
     Scaling down drains the replicas it removes first: their requests in flight finish. On a
     deployment from the config file the scale holds until that entry changes in the file.
@@ -751,7 +810,6 @@ def deployments(ctx: click.Context, show_secrets: bool, admin: str | None, token
     if t.as_json:
         _print_json(data)
         return
-    from rich.markup import escape
     from rich.table import Table
 
     from ..launch.spec import reason_line
@@ -768,9 +826,9 @@ def deployments(ctx: click.Context, show_secrets: bool, admin: str | None, token
     for d in rows:
         desired = _fmt(d.get("desired")) + ("*" if d.get("scaled") else "")
         why = reason_line(str(d["message"])) if d.get("message") else None
-        table.add_row(
-            str(d.get("name")), str(d.get("model")), str(d.get("engine")), _fmt(d.get("ready")), desired,
-            str(d.get("source")), ", ".join(d.get("nodes") or []) or ABSENT, escape(why) if why else ABSENT,
+        _add_row(
+            table, str(d.get("name")), str(d.get("model")), str(d.get("engine")), _fmt(d.get("ready")), desired,
+            str(d.get("source")), ", ".join(map(str, d.get("nodes") or [])) or ABSENT, why or ABSENT,
         )
     print_table(console, table)
     reps = [r for d in rows for r in d.get("replicas", [])]
@@ -785,12 +843,12 @@ def deployments(ctx: click.Context, show_secrets: bool, admin: str | None, token
             state = str(r.get("state"))
             addr = f"{r['address']}:{r['port']}" if r.get("address") and r.get("port") else ABSENT
             row = [str(r.get("id")), str(r.get("deployment")), str(r.get("node")),
-                   f"[{_DEPLOY_STATE_STYLE.get(state, 'white')}]{state}[/]", addr,
+                   _text(state, _DEPLOY_STATE_STYLE.get(state, "white")), addr,
                    str(len(r.get("gpus") or [])) if r.get("gpus") else "cpu", _fmt(r.get("restarts")),
                    "yes" if r.get("in_router") else "no"]
             if show_secrets:
                 row.append(str(r.get("api_key") or ABSENT))
-            rt.add_row(*row)
+            _add_row(rt, *row)
         console.print()
         print_table(console, rt)
     if any(d.get("scaled") for d in rows):
@@ -817,8 +875,9 @@ def _engine_check_on(ctx: click.Context, node: str, engine: str, model: str | No
     if t.as_json:
         _print_json(data)
     else:
-        checks = [Check(str(c.get("check", "")), str(c.get("status", "")), str(c.get("detail", "")),
-                        str(c.get("fix") or "")) for c in data.get("checks") or []]
+        # (the node's agent wrote them: shown as written, control characters escaped)
+        checks = [Check(printable(c.get("check", "")), printable(c.get("status", "")), printable(c.get("detail", "")),
+                        printable(c.get("fix") or "")) for c in data.get("checks") or []]
         click.echo(f"on node {node}:")
         click.echo(render(checks))
     if not data.get("ok", False):
@@ -937,7 +996,7 @@ def tokens_create(ctx: click.Context, name: str | None, expires: str | None, adm
     from ._common import echo_err
 
     click.echo(data["token"])
-    echo_err(f"join token {data.get('id')}{f' ({name})' if name else ''} made"
+    echo_err(f"join token {printable(data.get('id'))}{f' ({name})' if name else ''} made"
              + (f", expires {_when(data.get('expires_at'))}" if data.get("expires_at") else ", never expires")
              + ": give it to agents (llmgw agent --token-env NAME); it is not shown again", level="info")
 
@@ -952,7 +1011,6 @@ def tokens_list(ctx: click.Context, admin: str | None, token: str | None, as_jso
     if t.as_json:
         _print_json(data)
         return
-    from rich.markup import escape
     from rich.table import Table
 
     rows = data.get("tokens", [])
@@ -966,9 +1024,9 @@ def tokens_list(ctx: click.Context, admin: str | None, token: str | None, as_jso
             table.add_column(col, no_wrap=True)
         for r in rows:
             state = str(r.get("state"))
-            table.add_row(str(r.get("id")), escape(str(r.get("name") or ABSENT)),
-                          f"[{_TOKEN_STYLE.get(state, 'white')}]{state}[/]", _when(r.get("created_at")),
-                          _when(r.get("expires_at")), _when(r.get("last_used_at")))
+            _add_row(table, str(r.get("id")), str(r.get("name") or ABSENT),
+                     _text(state, _TOKEN_STYLE.get(state, "white")), _when(r.get("created_at")),
+                     _when(r.get("expires_at")), _when(r.get("last_used_at")))
         print_table(console, table)
     if n_config is not None:
         console.print(f"and {n_config} token(s) from the configuration (control.join_token_env / join_token; "

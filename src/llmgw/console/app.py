@@ -5,12 +5,15 @@ One layer polls (:meth:`ConsoleApp._poll`: the current view's API paths, every
 answers; the table only renders them (:mod:`.views` makes the rows), and actions
 go back through the same client. Keys are declared once (:data:`KEYS`): the
 bindings, the footer and the ``?`` help screen are all made from that list.
+
+Nothing the API sends is read as markup: every line on screen is a ``Text`` (or a
+table cell, plain text too), what agents and engines reported passed through
+:func:`~llmgw.cli._common.printable` (their control characters escaped).
 """
 
 from __future__ import annotations
 
 import asyncio
-import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -27,9 +30,21 @@ from textual.suggester import SuggestFromList
 from textual.widgets import Footer, Input, ProgressBar, Static
 
 from ..admin.summary import reload_summary
-from .client import AdminClient, APIError, AuthError, ClientError, Unreachable, quote_id
+from ..cli._common import MAX_REPLICAS, printable, replica_count
+from .client import AdminClient, APIError, AuthError, ClientError, NotAdminAPI, Unreachable, quote_id
 from .table import FleetTable
-from .views import ABSENT, VIEWS, Row, View, apply_filter, column_widths, fmt_bytes, sort_rows
+from .views import (
+    ABSENT,
+    VIEWS,
+    Row,
+    View,
+    apply_filter,
+    column_widths,
+    details,
+    fmt_age,
+    fmt_bytes,
+    sort_rows,
+)
 
 __all__ = ["KEYS", "ConsoleApp", "Key"]
 
@@ -52,14 +67,16 @@ KEYS: tuple[Key, ...] = (
     Key("slash", "filter", "filter", "filter the rows (a regular expression; !text keeps the rows that do not match)"),
     Key("question_mark", "help", "help", "this help"),
     Key("escape", "go_back", "back", "clear the filter, or go back to the previous view", show=False),
-    Key("enter", "select", "enter", "drill down: an endpoint's details, a node's GPUs, a model's endpoints", show=False),
+    Key("enter", "select", "enter", "drill down: an endpoint's or GPU's details, a node's GPUs (its own errors "
+        "above them), a model's endpoints, a deployment's replicas", show=False),
     Key("less_than_sign", "sort(-1)", "<", "sort by the previous column", show=False),
     Key("greater_than_sign", "sort(1)", "sort", "sort by the next column", show=False),
     Key("equals_sign", "reverse", "=", "reverse the sort order", show=False),
     Key("d", "drain", "drain", "drain the endpoint (no new requests; asks first)", ("endpoints",), True),
     Key("u", "undrain", "undrain", "undrain the endpoint (take requests again)", ("endpoints",), True),
     Key("c", "cordon", "cordon", "cordon the node (no new replicas; asks first), or uncordon it", ("nodes",), True),
-    Key("s", "scale", "scale", "scale the deployment (asks for the replica count)", ("deployments",), True),
+    Key("s", "scale", "scale", f"scale the deployment (asks for the replica count, 0-{MAX_REPLICAS})", ("deployments",),
+        True),
     Key("I", "import_ollama", "import", "import a model from the gateway machine's Ollama store", ("mirror",), True),
     Key("r", "reload", "reload", "reload the gateway's config file (asks first)", (), True),
     Key("q", "quit", "quit", "quit"),
@@ -106,7 +123,9 @@ class ConfirmScreen(ModalScreen[bool]):
         self.question = question
 
     def compose(self) -> ComposeResult:
-        yield Static(f"{self.question}\n\n[b]y[/b] yes    [b]n[/b] / esc no", id="question")
+        # (the question names what the API sent, a node's name: text, never markup)
+        yield Static(Text.assemble(printable(self.question), "\n\n", ("y", "bold"), " yes    ", ("n", "bold"),
+                                   " / esc no"), id="question")
 
     def action_answer(self, yes: bool) -> None:
         self.dismiss(yes)
@@ -127,7 +146,7 @@ class AskScreen(ModalScreen[str | None]):
 
     def compose(self) -> ComposeResult:
         with Vertical():
-            yield Static(self.question)
+            yield Static(Text(printable(self.question)))
             yield Input(value=self.value, id="answer")
 
     @on(Input.Submitted)
@@ -150,11 +169,13 @@ class TextScreen(ModalScreen[None]):
 
     def __init__(self, title: str, body: str | Text) -> None:
         super().__init__()
-        self.title_text, self.body = title, body
+        # (a str is text as written, never markup: a GPU named "NVIDIA H100 [/link]" is shown as such)
+        self.title_text = title
+        self.body = body if isinstance(body, Text) else Text(printable(body, lines=True))
 
     def compose(self) -> ComposeResult:
         with VerticalScroll() as v:
-            v.border_title = self.title_text
+            v.border_title = Text(printable(self.title_text))
             v.border_subtitle = "esc closes"
             yield Static(self.body, id="text")
 
@@ -198,8 +219,9 @@ class ImportScreen(ModalScreen[None]):
         self.run_worker(self._load(), exclusive=True, group="ollama-list")
 
     def _status(self, text: str | Text) -> None:
-        self.status_text = text.plain if isinstance(text, Text) else text
-        self.query_one("#import-status", Static).update(text)
+        shown = text if isinstance(text, Text) else Text(printable(text))  # (model names, paths: never markup)
+        self.status_text = shown.plain
+        self.query_one("#import-status", Static).update(shown)
 
     async def _load(self) -> None:
         from .views import Column, _row
@@ -207,7 +229,7 @@ class ImportScreen(ModalScreen[None]):
         try:
             doc = await self.client.get("/admin/v1/mirror/ollama")
         except ClientError as exc:
-            self._status(Text(f"cannot list the Ollama store: {exc}", style="red"))
+            self._status(Text(printable(f"cannot list the Ollama store: {exc}"), style="red"))
             self.loaded.set()
             return
         cols = (Column("name", "OLLAMA MODEL"), Column("size", "SIZE", True), Column("format", "FORMAT"),
@@ -241,7 +263,7 @@ class ImportScreen(ModalScreen[None]):
         try:
             job = await self.client.post("/admin/v1/mirror/imports", {"ollama": name})
         except ClientError as exc:
-            self._status(Text(f"refused: {exc}", style="bold red"))
+            self._status(Text(printable(f"refused: {exc}"), style="bold red"))
             self.done.set()
             return
         self.job = job
@@ -257,14 +279,14 @@ class ImportScreen(ModalScreen[None]):
                 job = await self.client.get(f"/admin/v1/mirror/imports/{quote_id(job['id'])}")
             except APIError as exc:
                 if exc.status == 404:  # (the gateway restarted: its jobs are gone)
-                    self._status(Text(f"the gateway no longer knows this import ({exc}); look in the mirror view",
-                                      style="bold red"))
+                    self._status(Text(printable(f"the gateway no longer knows this import ({exc}); look in the "
+                                                "mirror view"), style="bold red"))
                     self.done.set()
                     return
-                self._status(Text(f"lost the import's progress: {exc}; retrying", style="yellow"))
+                self._status(Text(printable(f"lost the import's progress: {exc}; retrying"), style="yellow"))
                 continue
             except ClientError as exc:
-                self._status(Text(f"lost the import's progress: {exc}; retrying", style="yellow"))
+                self._status(Text(printable(f"lost the import's progress: {exc}; retrying"), style="yellow"))
                 continue
             self.job = job
             p = job.get("progress")
@@ -277,14 +299,14 @@ class ImportScreen(ModalScreen[None]):
             bar.update(progress=100)
             m = job.get("model") or {}
             what = "imported" if m.get("created", True) else "already in the mirror:"
-            self._status(Text(f"{what} {m.get('ref')} ({fmt_bytes(m.get('size'))})", style="bold green"))
+            self._status(Text(printable(f"{what} {m.get('ref')} ({fmt_bytes(m.get('size'))})"), style="bold green"))
             self.app.notify(f"{what} {m.get('ref')}")
             if isinstance(self.app, ConsoleApp):
                 self.app.wake()
         else:
             bar.display = False
             err = job.get("error") or {}
-            self._status(Text(f"refused ({err.get('code')}): {err.get('message')}", style="bold red"))
+            self._status(Text(printable(f"refused ({err.get('code')}): {err.get('message')}"), style="bold red"))
         self.done.set()
 
     def action_close(self) -> None:
@@ -310,6 +332,7 @@ class ConsoleApp(App[None]):
     #crumbs { height: 1; padding: 0 1; color: $text-muted; }
     #message { height: auto; max-height: 3; padding: 0 1; }
     #message.error { color: $error; text-style: bold; }
+    #message.warn { color: $warning; }
     #summary { height: 1; padding: 0 1; color: $text-muted; }
     #promptbar { height: 1; display: none; background: $boost; }
     #prompt-label { width: 2; padding: 0 0 0 1; }
@@ -382,6 +405,9 @@ class ConsoleApp(App[None]):
         self._wake.set()
 
     def notify(self, message: str, *args: Any, **kw: Any) -> None:
+        # (a notification names what the API sent, a node, an error: text, never markup)
+        message = printable(message, lines=True)
+        kw.setdefault("markup", False)
         self.told.append(message)
         del self.told[:-200]
         super().notify(message, *args, **kw)
@@ -399,10 +425,11 @@ class ConsoleApp(App[None]):
 
     async def poll_once(self) -> None:
         view = self.view
-        results = await asyncio.gather(*(self.client.get(p) for p in view.paths), return_exceptions=True)
+        paths = view.paths_for(self.place.scope)
+        results = await asyncio.gather(*(self.client.get(p) for p in paths), return_exceptions=True)
         unreachable: str | None = None
         auth: str | None = None
-        for path, res in zip(view.paths, results, strict=True):
+        for path, res in zip(paths, results, strict=True):
             if isinstance(res, Unreachable):
                 unreachable = str(res)
             elif isinstance(res, AuthError):
@@ -453,14 +480,22 @@ class ConsoleApp(App[None]):
     # -- rendering --
 
     def _api_problem(self) -> str | None:
-        for p in self.view.paths:
+        for p in self.view.paths_for(self.place.scope):
             err = self.errors.get(p)
             if err is None:
                 continue
             if self.view.name == "deployments" and err.status == 404 and err.code != "no_control_plane":
                 return ("the control plane has no deployments API (this gateway's llmgw has no "
                         "/admin/v1/deployments; deployments come with a newer llmgw)")
-            return str(err)
+            return printable(str(err))
+        return None
+
+    def _not_admin(self) -> str | None:
+        """Why what answers is no admin API (the client port), while it says so."""
+        for p in self.view.paths_for(self.place.scope):
+            err = self.errors.get(p)
+            if isinstance(err, NotAdminAPI):
+                return str(err)
         return None
 
     def _render(self) -> None:
@@ -492,16 +527,18 @@ class ConsoleApp(App[None]):
         self.rendered_rows = rows
         # the header: where, what, how fresh
         if self.disconnected is not None:
-            conn = Text(f"✖ disconnected, retrying ({self.disconnected})", style="bold red")
+            conn = Text(printable(f"✖ disconnected, retrying ({self.disconnected})"), style="bold red")
             if self.last_ok is not None and self.show_ages:
                 conn.append(f"; data {time.monotonic() - self.last_ok:.0f}s old")
         elif self.auth_error is not None:
             conn = Text("✖ unauthorized", style="bold red")
         elif self.polls == 0:
             conn = Text("… connecting")
+        elif self._not_admin() is not None:  # (it answers, but as the client port: the message says which)
+            conn = Text("✖ not an admin API", style="bold red")
         else:
             conn = Text("● connected", style="green")
-        if self.disconnected is not None or self.auth_error is not None:
+        if self.disconnected is not None or self.auth_error is not None or self._not_admin() is not None:
             # (first: on a narrow terminal the end of the line is cut, and an empty table must not
             # read as an empty fleet)
             status = Text.assemble(conn, "  ", ("llmgw console", "bold"), "  ", self.label)
@@ -517,14 +554,17 @@ class ConsoleApp(App[None]):
                                      f"{'↓' if place.reverse else '↑'}")
         msg = lines["#message"]
         problem = self.auth_error or self._api_problem()
-        text = ""
+        note = view.note(self.data, place.scope) if problem is None else ""  # (a node's own errors, over its GPUs)
+        said = [note] if note else []
         if problem is not None:
-            text = problem
+            said = [problem]
         elif self.polls and total == 0 and self.disconnected is None:
-            text = view.empty(self.data)
+            said.append(view.empty(self.data, self.read_only))
         elif self.polls and not rows and total:
-            text = "no rows match the filter (esc clears it)"
+            said.append("no rows match the filter (esc clears it)")
+        text = "\n".join(said)
         msg.set_class(problem is not None, "error")
+        msg.set_class(problem is None and bool(note), "warn")
         self._show(lines, "#message", text)
         msg.display = bool(text)
         self.message_text = text
@@ -536,7 +576,8 @@ class ConsoleApp(App[None]):
         key = content.markup if isinstance(content, Text) else content
         if self._shown.get(selector) != key:
             self._shown[selector] = key
-            lines[selector].update(content)
+            # (a str is text: an API's message, a typed filter, a node's name in the crumbs; never markup)
+            lines[selector].update(content if isinstance(content, Text) else Text(printable(content, lines=True)))
 
     # -- keys --
 
@@ -687,7 +728,17 @@ class ConsoleApp(App[None]):
             self.run_worker(self._replica_logs(row), group="action")
         else:
             self.push_screen(TextScreen(f"{self.view.title[:-1] if name != 'gpus' else 'GPU'} {row.key}",
-                                        _details(row.record)))
+                                        self._details(row.record)))
+
+    def _details(self, record: dict[str, Any]) -> str:
+        head = ""
+        state = record.get("node_state")
+        if state is not None and state != "up":  # (a GPU of a node past its heartbeat grace)
+            age = record.get("heartbeat_age_s")
+            heard = (f"its last heartbeat {fmt_age(age, self.show_ages)} ago" if age is not None
+                     else "not heard from since this control plane took over")
+            head = f"node {state}: no current readings ({heard})\n\n"
+        return head + details(record, show_ages=self.show_ages)
 
     # -- actions (each through the admin API; destructive ones ask first) --
 
@@ -762,18 +813,16 @@ class ConsoleApp(App[None]):
             if value is None:
                 return
             try:
-                n = int(value)
-                if n < 0:
-                    raise ValueError
-            except ValueError:
-                self.notify(f"{value!r} is not a replica count (0 or more)", severity="error")
+                n = replica_count(value)  # (0-1024, ASCII digits: as llmgw ctl scale takes it)
+            except ValueError as exc:
+                self.notify(str(exc), severity="error")
                 return
             self._confirm(f"Scale {name} to {n} replica(s)?",
                           lambda: self._act("POST", f"/admin/v1/deployments/{quote_id(name)}/scale",
                                             {"replicas": n}, lambda r: f"{name}: scaling to {n}"))
 
-        self.push_screen(AskScreen(f"Replicas for {name}:", "" if not isinstance(current, int) else str(current)),
-                         answered)
+        self.push_screen(AskScreen(f"Replicas for {name} (0-{MAX_REPLICAS}):",
+                                   "" if not isinstance(current, int) else str(current)), answered)
 
     def action_import_ollama(self) -> None:
         if self.read_only:
@@ -797,8 +846,9 @@ class ConsoleApp(App[None]):
                 continue
             text = res.get("text") if isinstance(res, dict) else None
             lines.append(f"{head}\n{text or '(empty)'}")
-        body = "\n\n".join(lines) if lines else _details(row.record)
-        self.push_screen(TextScreen(f"Deployment {row.key}: replicas and their log tails", Text(body)))
+        body = "\n\n".join(lines) if lines else self._details(row.record)
+        # (the engines' own output: line breaks kept, any other control character escaped)
+        self.push_screen(TextScreen(f"Deployment {row.key}: replicas and their log tails", body))
 
 
 def _in_scope(value: Any, wanted: str) -> bool:
@@ -810,28 +860,6 @@ def _in_scope(value: Any, wanted: str) -> bool:
 def _crumb(p: _Place) -> str:
     title = VIEWS[p.view].title
     return f"{title} of {p.scope[1]}" if p.scope else title
-
-
-def _details(record: dict[str, Any], indent: str = "") -> str:
-    lines = []
-    for k, v in record.items():
-        if isinstance(v, dict) and v:
-            lines.append(f"{indent}{k}:")
-            lines.append(_details(v, indent + "  "))
-        elif isinstance(v, list) and v and all(isinstance(x, dict) for x in v):
-            lines.append(f"{indent}{k}:")
-            for i, x in enumerate(v):
-                lines.append(f"{indent}  [{i}]")
-                lines.append(_details(x, indent + "    "))
-        else:
-            if v is None or (isinstance(v, float) and math.isnan(v)):
-                shown = ABSENT
-            elif isinstance(v, list):
-                shown = ", ".join(map(str, v)) if v else "none"
-            else:
-                shown = str(v)
-            lines.append(f"{indent}{k}: {shown}")
-    return "\n".join(lines)
 
 
 def help_text(read_only: bool) -> Text:

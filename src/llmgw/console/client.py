@@ -13,13 +13,14 @@ import os
 import socket
 import ssl
 from typing import Any
-from urllib.parse import quote, urlsplit
+from urllib.parse import quote
 
 import orjson
 
+from ..cli._common import admin_url, tls_mismatch
 from ..errors import unsendable_secret
 
-__all__ = ["APIError", "AdminClient", "AuthError", "ClientError", "Unreachable", "quote_id"]
+__all__ = ["APIError", "AdminClient", "AuthError", "ClientError", "NotAdminAPI", "Unreachable", "quote_id"]
 
 _BIG = 512 * 1024
 MAX_BODY = 256 * 1024 * 1024  # 8,000 GPUs are ~10 MB of JSON; this only stops a runaway answer
@@ -46,6 +47,10 @@ class APIError(ClientError):
         self.code = code
 
 
+class NotAdminAPI(APIError):
+    """What answered is an llmgw, but not its admin API (the client port): the header says so."""
+
+
 def quote_id(s: str) -> str:
     """A path segment (ids may hold ``/`` or spaces)."""
     return quote(s, safe="")
@@ -65,18 +70,12 @@ class AdminClient:
     """
 
     def __init__(self, admin: str, token: str | None = None, timeout: float = 5.0) -> None:
-        parts = urlsplit(admin if "://" in admin else f"http://{admin}")
-        if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise ValueError(f"--admin {admin!r} is not a URL like http://127.0.0.1:9090")
-        try:
-            port = parts.port
-        except ValueError:
-            raise ValueError(f"--admin {admin!r} has an invalid port") from None
-        self.https = parts.scheme == "https"
-        self.host = parts.hostname
-        self.port = port or (443 if self.https else 80)
-        self.base = parts.path.rstrip("/")
-        self.url = f"{parts.scheme}://{parts.netloc}{self.base}"
+        parts = self._parts = admin_url(admin)  # (ValueError: one line naming --admin and the fix, as llmgw ctl's)
+        self.https = parts.https
+        self.host = parts.host
+        self.port = parts.port
+        self.base = parts.base
+        self.url = parts.url
         self.timeout = timeout
         if token:
             why = unsendable_secret(token)
@@ -88,7 +87,7 @@ class AdminClient:
                 raise ValueError(f"{where} {why}")
         self._token = token or None
         self._ssl: ssl.SSLContext | None = ssl.create_default_context() if self.https else None
-        self._host_header = parts.netloc.rsplit("@", 1)[-1]
+        self._host_header = parts.netloc
 
     @property
     def has_token(self) -> bool:
@@ -116,7 +115,7 @@ class AdminClient:
         except socket.gaierror:
             raise Unreachable(f"unknown host {self.host}") from None
         except (OSError, asyncio.IncompleteReadError, ValueError) as exc:
-            raise Unreachable(str(exc) or type(exc).__name__) from None
+            raise Unreachable(tls_mismatch(exc, self._parts) or str(exc) or type(exc).__name__) from None
         try:
             if len(raw) > _BIG:
                 # PERF: 8,000 GPUs are megabytes of JSON: decoded in a thread, the UI keeps its turns
@@ -134,7 +133,8 @@ class AdminClient:
                     raise AuthError("the admin API needs a token: pass --token or set LLMGW_ADMIN_TOKEN")
                 raise AuthError("the admin API refused the token: check --token or LLMGW_ADMIN_TOKEN")
             if status == 404 and message and "OpenAI API" in message:
-                raise APIError(status, f"{self.url} is the client port, not the admin port; pass --admin URL", code)
+                raise NotAdminAPI(status, f"{self.url} is the client port, not the admin port; pass the admin "
+                                  "address with --admin URL", code if isinstance(code, str) else None)
             raise APIError(status, message or f"the admin API answered HTTP {status}", code if isinstance(code, str)
                            else None)
         if payload is None:

@@ -3,7 +3,8 @@
 No Textual here: a view turns the admin API's JSON into rows of text plus sort
 keys, so what the screen shows can be checked (and timed) without a terminal.
 Absent numbers are ``–``, never 0; every state is a word (a colour only repeats it);
-bars carry their number beside them.
+bars carry their number beside them. What agents and engines report is shown as written:
+cells are plain text (never markup), their control characters escaped (:func:`printable`).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Any
 
 from rich.text import Text
 
+from ..cli._common import printable
 from ..launch.spec import reason_line
 
 __all__ = [
@@ -40,7 +42,7 @@ _BAD = "red"
 _STATE_STYLE = {
     "ok": _GOOD, "up": _GOOD, "closed": _GOOD, "ready": _GOOD, "running": _GOOD,
     "draining": _WARN, "stale": _WARN, "half-open": _WARN, "half_open": _WARN, "degraded": _WARN,
-    "cordoned": _WARN, "pending": _WARN, "starting": _WARN,
+    "cordoned": _WARN, "pending": _WARN, "starting": _WARN, "unknown": _WARN,
     "unreachable": _BAD, "open": _BAD, "auth_failed": _BAD, "unhealthy": _BAD, "failed": _BAD, "fatal": _BAD,
     "lost": _BAD,
 }
@@ -182,6 +184,73 @@ def bar(ratio: float | None, width: int = 8, label: str | None = None) -> CellTy
                    style, full, width)
 
 
+def fmt_ibytes(v: Any) -> str:
+    """Bytes in binary units (GiB, as the GPUs view shows memory)."""
+    x = num(v)
+    if x is None:
+        return ABSENT
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if x < 1024 or unit == "TiB":
+            return f"{x:.0f} {unit}" if unit == "B" else f"{x:.1f} {unit}"
+        x /= 1024
+    return ABSENT  # pragma: no cover
+
+
+def fmt_value(key: str, v: Any, show_ages: bool = True) -> str:
+    """One value of a details screen, as the tables show it: yes/no, – when absent, numbers in their units
+    (a ratio as a percentage, bytes, °C, W, an age, a parameter count), text as written (control
+    characters escaped)."""
+    if isinstance(v, bool):
+        return "yes" if v else "no"
+    if isinstance(v, int | float):
+        if num(v) is None:
+            return ABSENT
+        if key.endswith("_ratio") or key == "kv_cache_usage":
+            return fmt_pct(v)
+        if key.endswith("_bytes"):
+            return fmt_ibytes(v)
+        if key == "size":
+            return fmt_bytes(v)
+        if key == "parameter_count":
+            return _params(num(v))
+        if key.endswith("_celsius"):
+            return fmt_float(v, 0, "°C")
+        if key.endswith("_watts"):
+            return fmt_float(v, 0, " W")
+        if key.endswith("_age_s"):
+            return fmt_age(v, show_ages)
+        if isinstance(v, float):
+            return str(int(v)) if v.is_integer() else f"{v:.2f}"
+        return str(v)
+    if v is None:
+        return ABSENT
+    return printable(v)
+
+
+def details(record: dict[str, Any], indent: str = "", show_ages: bool = True) -> str:
+    """An item's details (enter): every field of its record, one a line, each value as the tables show it
+    (:func:`fmt_value`); empty lists and mappings are ``none``; nothing is read as markup."""
+    lines = []
+    for k, v in record.items():
+        key = printable(k)
+        if isinstance(v, dict) and v:
+            lines.append(f"{indent}{key}:")
+            lines.append(details(v, indent + "  ", show_ages))
+        elif isinstance(v, list) and v and all(isinstance(x, dict) for x in v):
+            lines.append(f"{indent}{key}:")
+            for i, x in enumerate(v):
+                lines.append(f"{indent}  [{i}]")
+                lines.append(details(x, indent + "    ", show_ages))
+        elif isinstance(v, list | dict) and len(v) != 1:
+            lines.append(f"{indent}{key}: none" if not v else f"{indent}{key}:")
+            lines.extend(f"{indent}  - {fmt_value(str(k), x, show_ages)}" for x in v)
+        elif isinstance(v, list):
+            lines.append(f"{indent}{key}: {fmt_value(str(k), v[0], show_ages)}")
+        else:
+            lines.append(f"{indent}{key}: {fmt_value(str(k), v, show_ages)}")
+    return "\n".join(lines)
+
+
 def short_digest(d: Any) -> str:
     return ABSENT if not d else str(d).removeprefix("sha256:")[:12]
 
@@ -193,10 +262,20 @@ def _sortval(v: Any) -> Any:
 # -- rows --
 
 
+def _safe(c: CellType) -> CellType:
+    """A cell whose text holds no control character (an agent's ESC would reach the terminal)."""
+    if isinstance(c, str):
+        return c if c.isprintable() else printable(c)
+    return c if c.plain.isprintable() or isinstance(c, BarCell) else Cell(printable(c.plain), c.style)
+
+
 def _row(key: str, cells: Sequence[CellType], sort: Sequence[Any], record: dict[str, Any]) -> Row:
+    plain = [c if isinstance(c, str) else c.plain for c in cells]
+    if not "".join(plain).isprintable():  # PERF: one check a row; a cell at a time only when one needs it
+        cells = [_safe(c) for c in cells]
+        plain = [c if isinstance(c, str) else c.plain for c in cells]
     # one cell a line: ^ and $ (re.MULTILINE) anchor at a cell's start and end
-    text = "\n".join(c if isinstance(c, str) else c.plain for c in cells).lower()
-    return Row(key, tuple(cells), tuple(sort), record, text)
+    return Row(key, tuple(cells), tuple(sort), record, "\n".join(plain).lower())
 
 
 def column_widths(columns: Sequence[Column], rows: Sequence[Row], cap: int = 48) -> list[int]:
@@ -271,7 +350,16 @@ class View:
     def summary(self, data: dict[str, Any]) -> str:
         return ""
 
-    def empty(self, data: dict[str, Any]) -> str:
+    def paths_for(self, scope: tuple[str, str] | None) -> tuple[str, ...]:
+        """The API paths to poll for this view scoped to ``scope`` (a drill-down may need more)."""
+        return self.paths
+
+    def note(self, data: dict[str, Any], scope: tuple[str, str] | None) -> str:
+        """What a drill-down's scope says of itself, shown above the table (``""``: nothing)."""
+        return ""
+
+    def empty(self, data: dict[str, Any], read_only: bool = False) -> str:
+        """What an empty table means, and how to fill it (a key only where it is not hidden by --read-only)."""
         return f"no {self.name}"
 
 
@@ -316,8 +404,9 @@ class EndpointsView(View):
             states[str(ep.get("state"))] = states.get(str(ep.get("state")), 0) + 1
         return ", ".join(f"{n} {s}" for s, n in sorted(states.items()))
 
-    def empty(self, data: dict[str, Any]) -> str:
-        return "no endpoints (add them to the config file and press r to reload)"
+    def empty(self, data: dict[str, Any], read_only: bool = False) -> str:
+        how = "llmgw ctl reload" if read_only else "press r"
+        return f"no endpoints (add them to the config file and {how} to reload)"
 
 
 class ModelsView(View):
@@ -371,7 +460,7 @@ class ModelsView(View):
             shed.append(f"{b.get('band')} {int(d.get('rejected', 0))}")
         return "shed so far (per band): " + (", ".join(shed) if shed else "none")
 
-    def empty(self, data: dict[str, Any]) -> str:
+    def empty(self, data: dict[str, Any], read_only: bool = False) -> str:
         return "no models (no endpoints are configured)"
 
 
@@ -398,12 +487,13 @@ class NodesView(View):
             name = str(n.get("name"))
             up = n.get("state") == "up"
             gs = agg.get(name, [])
+            # both over the GPUs that report it (a MIG GPU has no utilisation; one may lack memory
+            # readings): – only when none does, and never for a node past its grace
             utils = [u for g in gs if (u := num(g.get("utilization_gpu_ratio"))) is not None] if up else []
-            used = [num(g.get("memory_used_bytes")) for g in gs] if up else []
-            total = [num(g.get("memory_total_bytes")) for g in gs]
+            mems = [(u, t) for g in gs if (u := num(g.get("memory_used_bytes"))) is not None
+                    and (t := num(g.get("memory_total_bytes")))] if up else []
             util = sum(utils) / len(utils) if utils else None
-            mem_ok = up and gs and all(u is not None for u in used) and all(t for t in total)
-            mem = sum(u or 0 for u in used) / sum(t or 0 for t in total) if mem_ok else None
+            mem = sum(u for u, _ in mems) / sum(t for _, t in mems) if mems else None
             errors = len(n.get("errors") or []) + sum(len(g.get("errors") or []) for g in gs)
             age = num(n.get("heartbeat_age_s"))
             cells = (
@@ -416,8 +506,16 @@ class NodesView(View):
             out.append(_row(name, cells, sort, n))
         return out
 
-    def empty(self, data: dict[str, Any]) -> str:
+    def empty(self, data: dict[str, Any], read_only: bool = False) -> str:
         return "no nodes registered (start llmgw agent on a node)"
+
+
+# A GPU's identity (and its node's), kept for a node past its heartbeat grace: every other field is a
+# reading that is no longer current then, absent, its health unknown (as the admin API sends it, and as
+# /metrics stops exporting it; an older gateway's last readings are blanked here the same way)
+GPU_IDENTITY = frozenset({"node", "node_state", "heartbeat_age_s", "uuid", "index", "name", "pci_bus_id",
+                          "parent_uuid", "memory_total_bytes", "errors"})
+_NODE_ERRORS_SHOWN = 2  # (the message line holds three lines: the rest are counted)
 
 
 class GPUsView(View):
@@ -435,6 +533,8 @@ class GPUsView(View):
         out = []
         for g in (data.get("/admin/v1/gpus") or {}).get("gpus", []):
             current = g.get("node_state") == "up"
+            if not current:  # (enter's details too: the last readings are not current, whoever sent them)
+                g = {k: v if k in GPU_IDENTITY else "unknown" if k == "health" else None for k, v in g.items()}
 
             def cur(k: str, g: dict[str, Any] = g, current: bool = current) -> Any:
                 return g.get(k) if current else None
@@ -460,7 +560,27 @@ class GPUsView(View):
             out.append(_row(key, cells, sort, g))
         return out
 
-    def empty(self, data: dict[str, Any]) -> str:
+    def paths_for(self, scope: tuple[str, str] | None) -> tuple[str, ...]:
+        # a node's GPUs (enter on a node): the node too, for its own errors above them
+        return (*self.paths, "/admin/v1/nodes") if scope is not None and scope[0] == "node" else self.paths
+
+    def note(self, data: dict[str, Any], scope: tuple[str, str] | None) -> str:
+        """A node's GPUs: the node's own errors (what discovery failed on: nvidia-smi did not answer, NVML
+        did not load), which no GPU row carries."""
+        if scope is None or scope[0] != "node":
+            return ""
+        nodes = (data.get("/admin/v1/nodes") or {}).get("nodes") or []
+        node = next((n for n in nodes if str(n.get("name")) == scope[1]), None)
+        errors = [str(e) for e in (node or {}).get("errors") or []]
+        if not errors:
+            return ""
+        name = printable(scope[1])
+        lines = [f"{name}: {printable(e)}" for e in errors[:_NODE_ERRORS_SHOWN]]
+        if len(errors) > _NODE_ERRORS_SHOWN:
+            lines.append(f"… and {len(errors) - _NODE_ERRORS_SHOWN} more error(s): llmgw ctl nodes {name} lists them")
+        return "\n".join(lines)
+
+    def empty(self, data: dict[str, Any], read_only: bool = False) -> str:
         return "no GPUs reported (no nodes, or nodes without GPUs)"
 
 
@@ -499,8 +619,8 @@ class DeploymentsView(View):
             out.append(_row(name, cells, sort, d))
         return out
 
-    def empty(self, data: dict[str, Any]) -> str:
-        return "no deployments (add them to the config's deployments: section)"
+    def empty(self, data: dict[str, Any], read_only: bool = False) -> str:
+        return "no deployments (add them to the config's deployments: section, or run llmgw ctl deploy)"
 
 
 class MirrorView(View):
@@ -535,7 +655,10 @@ class MirrorView(View):
         doc = data.get("/admin/v1/mirror/models") or {}
         return f"mirror at {doc['root']}" if doc.get("root") else ""
 
-    def empty(self, data: dict[str, Any]) -> str:
+    def empty(self, data: dict[str, Any], read_only: bool = False) -> str:
+        if read_only:
+            return ("the mirror is empty (llmgw mirror import-ollama, on the gateway's machine, imports a model; "
+                    "I does too, without --read-only)")
         return "the mirror is empty: press I to import a model from Ollama"
 
 

@@ -584,6 +584,9 @@ class DeploymentController:
         live = [r for r in mine if not r.outdated]
         old = [r for r in mine if r.outdated]
         want = dep.desired
+        if want == 0 and dep.message is not None and not live and not old:
+            # (scaled to 0: nothing is to be placed, so no "placing again"; the backoff starts anew)
+            dep.message, dep.failures, dep.retry_at = None, 0, 0.0
         if old:
             self._retire(live, old, want)
         if len(live) < want:

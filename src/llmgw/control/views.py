@@ -1,9 +1,11 @@
 """Nodes and GPUs as the management API shows them (JSON-ready dicts).
 
-Absent readings are ``null``, never 0. A node past its grace keeps its last
-readings here, marked by ``state: unhealthy`` and ``heartbeat_age_s`` (``llmgw ctl``
-blanks them; ``/metrics`` stops exporting them). A node known from the database that has
-not registered since this control plane took over has ``null`` heartbeat times.
+Absent readings are ``null``, never 0. A node past its grace (``state: unhealthy``,
+its ``heartbeat_age_s``) has no current readings: its GPUs are listed by what they are
+(uuid, index, name, PCI bus id, parent, memory total) and their last errors, every reading
+``null`` and ``health: unknown``, as ``/metrics`` stops exporting them. A node known from
+the database that has not registered since this control plane took over has ``null``
+heartbeat times.
 """
 
 from __future__ import annotations
@@ -17,11 +19,22 @@ from .nodes import NodeMap, NodeState
 __all__ = ["gpu_rows", "gpu_view", "node_view"]
 
 
-def gpu_view(g: GPU) -> dict[str, Any]:
-    """One GPU: every field of :class:`~llmgw.agent.model.GPU` (``xid_errors`` as ``{code: count}``)."""
+# What a GPU is, kept when its node is past its grace (every other field is a reading then not current)
+_IDENTITY = frozenset({"uuid", "index", "name", "pci_bus_id", "parent_uuid", "memory_total_bytes", "errors"})
+
+
+def gpu_view(g: GPU, current: bool = True) -> dict[str, Any]:
+    """One GPU: every field of :class:`~llmgw.agent.model.GPU` (``xid_errors`` as ``{code: count}``).
+
+    ``current``: ``False`` for a GPU of a node past its grace: its identity and last errors, every
+    reading ``null`` (``xid_errors`` too) and ``health`` ``unknown``: its last readings are not current.
+    """
     out = {f.name: getattr(g, f.name) for f in dataclasses.fields(g)}
     out["xid_errors"] = {str(x): n for x, n in g.xid_errors}
     out["errors"] = list(g.errors)
+    if not current:
+        out = {k: v if k in _IDENTITY else None for k, v in out.items()}
+        out["health"] = "unknown"
     return out
 
 
@@ -55,7 +68,7 @@ def node_view(nodes: NodeMap, st: NodeState, *, gpus: bool) -> dict[str, Any]:
         "replica_count": len(st.replicas),
     }
     if gpus:
-        view["gpus"] = [gpu_view(g) for g in d.gpus]
+        view["gpus"] = [gpu_view(g, view["state"] == "up") for g in d.gpus]
         view["replicas"] = [dataclasses.asdict(r) for r in st.replicas]
     return view
 
@@ -69,6 +82,6 @@ def gpu_rows(nodes: NodeMap) -> list[dict[str, Any]]:
         for g in st.discovery.gpus:
             row = {"node": st.name, "node_state": state,
                    "heartbeat_age_s": round(st.age(now), 3) if st.heard else None}
-            row.update(gpu_view(g))
+            row.update(gpu_view(g, state == "up"))
             rows.append(row)
     return rows
