@@ -27,6 +27,7 @@ def _env_flag(name: str) -> bool:
 NO_EXTENSIONS: bool = _env_flag("LLMGW_NO_EXTENSIONS") or sys.implementation.name != "cpython"
 
 _loaded: dict[str, str] = {}
+_chosen: dict[str, ModuleType] = {}
 _log = logging.getLogger("llmgw.accel")
 
 
@@ -40,6 +41,9 @@ def select(name: str) -> ModuleType:
         the compiled module, or its ``<name>_py`` twin under ``NO_EXTENSIONS`` or
         when the compiled one is missing (logged as a warning).
     """
+    chosen = _chosen.get(name)
+    if chosen is not None:
+        return chosen  # (decided once: the warning of a missing compiled module is said once)
     if not NO_EXTENSIONS:
         try:
             module = importlib.import_module(f"llmgw._fast.{name}")
@@ -53,9 +57,11 @@ def select(name: str) -> ModuleType:
             )
         else:
             _loaded[name] = "compiled"
+            _chosen[name] = module
             return module
     module = importlib.import_module(f"llmgw._fast.{name}_py")
     _loaded[name] = "pure"
+    _chosen[name] = module
     return module
 
 
