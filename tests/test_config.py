@@ -203,7 +203,7 @@ def test_every_problem_in_one_pass_with_file_line_and_key(tmp_path: Path, monkey
         f"{p}:10: server.max_body_sise: unknown key; did you mean 'max_body_size'?",
         f"{p}:11: server.header_timeout: expected a duration like 2s or 500ms, got 'soon'",
         f"{p}:14: scrape.timeout: must be shorter than scrape.interval (1s)",
-        f"{p}:15: bogus: unknown key; known keys: access_log, admin, admin_token, admin_token_env, admission, auth, breaker, "
+        f"{p}:15: bogus: unknown key; known keys: access_log, admin, admin_allow_unauthenticated, admin_token, admin_token_env, admission, auth, breaker, "
         "control, deployments, endpoints, follow, listen, mirror, models, retries, routing, saturation, scrape, "
         "server, upstream",
     ]

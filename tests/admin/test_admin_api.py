@@ -311,6 +311,33 @@ async def test_reload_from_disk_and_sighup(tmp_path: Path) -> None:
         await b.stop()
 
 
+async def test_a_replica_changed_by_a_reload_is_scraped_and_served(tmp_path: Path) -> None:
+    """A reload that changes an endpoint (its URL here, the same engine) replaces the replica under its
+    id: the new one is scraped and takes requests, and the old one's scrape task is gone (it scraped
+    the old replica for good, the new one never: the model stayed stale, its requests shed)."""
+    a = Engine("a")
+    await a.start()
+    conf = tmp_path / "llmgw.yaml"
+    _write(conf, config_for([a]))
+    try:
+        async with running([], config=load_file(conf)) as rt:
+            assert rt.registry is not None
+            assert await chat(client_port(rt)) == 200
+            tasks = len(asyncio.all_tasks())
+            data = config_for([a])
+            data["endpoints"][0]["url"] = f"http://localhost:{a.port}"
+            for change in (data, config_for([a])):
+                _write(conf, change)
+                status, body = await api(rt, "POST", "/admin/v1/reload")
+                assert status == 200 and body["changed"] == ["a"], body
+                new = rt.registry.endpoints["a"]
+                await wait_for(lambda new=new: new.scrape_ok > 0)  # (the new replica, scraped)
+                assert not new.stale and await chat(client_port(rt)) == 200
+            assert len(asyncio.all_tasks()) <= tasks  # (the old replicas' scrape tasks stopped)
+    finally:
+        await a.stop()
+
+
 async def test_reload_without_a_file_is_refused() -> None:
     a = Engine("a")
     async with running([a]) as rt:

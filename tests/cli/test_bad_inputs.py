@@ -82,6 +82,33 @@ def test_listeners_that_share_a_port_through_a_wildcard(tmp_path: Path) -> None:
     assert "([::]:20585 and 127.0.0.1:20585) want one port" in line or "(:::20585" in line, line
 
 
+def test_an_admin_api_off_loopback_needs_a_token_or_an_explicit_allowance(tmp_path: Path) -> None:
+    """Anyone who reaches an open admin API can add an endpoint that receives clients' requests (and,
+    with a control plane, mint join tokens and read replicas' keys): off loopback it needs a token."""
+    from ports import free_port
+
+    f = tmp_path / "c.yaml"
+    f.write_text("admin: 0.0.0.0:20586\nendpoints:\n" + ENDPOINT)
+    line = one_error(run("check-config", str(f)))
+    assert "admin: 0.0.0.0 is not a loopback address and there is no admin_token" in line, line
+    assert "admin_allow_unauthenticated: true" in line and "mint join tokens" not in line
+    f.write_text("admin: 0.0.0.0:20586\ncontrol: {listen: 127.0.0.1:20587, join_token: a-join-token-of-length}\n")
+    assert "mint join tokens" in one_error(run("check-config", str(f)))
+    # the flag over a file, and over the demo, alike
+    g = tmp_path / "g.yaml"
+    g.write_text("endpoints:\n" + ENDPOINT)
+    port = free_port()
+    for args in (("-c", str(g)), ()):
+        line = one_error(run("serve", *args, "--listen", "127.0.0.1:0", "--admin", f"0.0.0.0:{port}",
+                             cwd=tmp_path, timeout=30))
+        assert "is not a loopback address and there is no admin_token" in line, line
+    # a token, or the explicit allowance, and it is served
+    for extra in ("admin_token_env: T\n", "admin_allow_unauthenticated: true\n"):
+        f.write_text(f"admin: 0.0.0.0:20586\n{extra}endpoints:\n" + ENDPOINT)
+        res = run("check-config", str(f), env={**os.environ, "T": "an-admin-token-for-the-test"})
+        assert res.returncode == 0, res.stdout + res.stderr
+
+
 def test_deployments_without_a_control_plane_are_refused(tmp_path: Path) -> None:
     f = tmp_path / "c.yaml"
     f.write_text("endpoints:\n" + ENDPOINT + "deployments: [{name: d, model: x}]\n")

@@ -74,6 +74,20 @@ async def _chat(rt: GatewayRuntime) -> int:
     return status
 
 
+def _children(pid: int) -> list[int]:
+    """The processes whose parent is ``pid``."""
+    out = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                stat = (d / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rpartition(")")[2].split()[1]) == pid:
+                out.append(int(d.name))
+    return out
+
+
 class Proc:
     def __init__(self, args: list[str], log: Path, env: dict[str, str]) -> None:
         self.args, self.log, self.env = args, log, env
@@ -193,6 +207,13 @@ async def test_router_follows_survives_and_catches_up(tmp_path: Path) -> None:
         assert [await _chat(rt) for _ in range(6)] == [200] * 6
         assert follower.state.connects == 2
         assert all(urlsplit(ep.cfg.url).port in ports for ep in _tiny(rt)), [ep.cfg.url for ep in _tiny(rt)]
+        # the join token is not handed down to the engines the agent starts (nor is its variable)
+        assert agent.proc is not None
+        engines = _children(agent.proc.pid)
+        assert len(engines) >= 2
+        for pid in engines:
+            environ = Path(f"/proc/{pid}/environ").read_bytes()
+            assert TOKEN.encode() not in environ and b"\0JOIN=" not in b"\0" + environ, pid
 
         # -- 2 -> 1 with requests in flight through the router: the control plane waits for them --
         assert rt.registry is not None and rt.listen_addr is not None

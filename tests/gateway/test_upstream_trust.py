@@ -89,7 +89,7 @@ class Engine:
             w.send(503, orjson.dumps({"error": {"message": f"overloaded ({key.decode()})", "code": 503}}))
             return None
         if mode == "echo_header":
-            w.send(200, orjson.dumps({"served_by": self.name}),
+            w.send(200, orjson.dumps({"served_by": self.name, "content": f"your key is {key.decode()}"}),
                    ((b"content-type", b"application/json"), (b"x-engine-key", b"k=" + key)))
             return None
         if mode in ("stream_echo", "stream_huge"):
@@ -400,8 +400,9 @@ async def test_secrets_in_an_engine_error_are_redacted(caplog: pytest.LogCapture
         assert status == 503 and "[redacted]" in orjson.loads(data)["error"]["message"]
         assert any("[redacted]" in r.getMessage() for r in caplog.records if r.name == "llmgw.upstream")
         a.mode = "echo_header"
-        status, hdrs, _, _ = await fetch(client(rt))
+        status, hdrs, data, _ = await fetch(client(rt))
         assert status == 200 and hdrs[b"x-engine-key"] == b"k=[redacted]"
+        assert orjson.loads(data)["content"] == "your key is [redacted]"  # (an answer's body too)
 
 
 async def test_words_inside_a_replica_key_stay_in_its_errors() -> None:

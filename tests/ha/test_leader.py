@@ -182,10 +182,17 @@ def test_a_database_password_is_never_shown() -> None:
         assert redact(url) == shown, url
         with contextlib.suppress(ConfigError):
             open_database(url)
-    for url, says in [("postgresql://u:pw@9f-x@db/d", "percent-encode"), ("postgresql://u:pw-9f@db:x9f/d", "no port")]:
+    for url, says in [("postgresql://u:pw@9f-x@db/d", "percent-encode"), ("postgresql://u:pw-9f@db:x9f/d", "no port"),
+                      # unencoded '/', '?', '#': the URL's host and port end early, inside the password
+                      ("postgresql://u:9fPW/9fPW@db:5432/d", "no port"),
+                      ("postgresql://u:9fPW?9fPW@db:5432/d", "no port"),
+                      ("postgresql://u:9fPW#9fPW@db:5432/d", "no port"),
+                      # a '[' or ']' in it: urlsplit refuses the URL, quoting it (a traceback before)
+                      ("postgresql://u:[9fPW]@db:5432/d", "percent-encoded"),
+                      ("postgresql://u:9f[PW@db:5432/d", "percent-encoded")]:
         with pytest.raises(ConfigError, match=says) as ei:
             open_database(url)
-        assert "9f" not in str(ei.value).replace("x9f", ""), str(ei.value)
+        assert "9f" not in str(ei.value).replace("db:x9f", ""), str(ei.value)
 
 
 async def test_a_database_that_does_not_exist_says_to_create_it(pg_dsn: str) -> None:

@@ -126,3 +126,19 @@ async def test_a_probe_of_a_port_that_resets_every_connection_answers_none() -> 
         t.join(5)
         srv.close()
     assert answers == [None] * 400
+
+
+async def test_a_log_tail_never_shows_a_key_an_engine_printed(tmp_path: Path) -> None:
+    """SGLang prints its settings, key included: the tail of a replica no longer known (or adopted
+    from before a restart, with no spec to say its key) shows none of it either."""
+    w = Watched(tmp_path / "state")
+    try:
+        log = w.sup._log_path("gone-1")
+        log.write_text(f"server_args=ServerArgs(model_path='m', api_key='{KEY}', port=30000)\n"
+                       f"--- llmgw: starting gone-1: python -m sglang.launch_server --api-key {KEY} --port 1\n"
+                       '{"api_key": "' + KEY + '", "x": 1}\n')
+        tail = w.sup.log_tail("gone-1", 10)
+        assert KEY not in tail and tail.count("***") == 3, tail
+        assert "api_key='***'" in tail and "--port 1" in tail
+    finally:
+        await w.sup.close()

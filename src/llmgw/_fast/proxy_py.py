@@ -1057,6 +1057,9 @@ class Call(Exchange):
             self.sent_bytes = len(normalized)
             self._completed(True)
             return
+        needle = ep.key_needle
+        if needle is not None and needle.within(body, 0, len(body)):  # SECURITY: an answer echoing the key
+            body = self.gw.redact(body, ep)
         w.send(status, body, (), self._forward(resp) + self.rid_line + self.gw.replica_line(ep))
         if self.gw.count_tokens:
             self.usage = usage_counts(body)

@@ -220,9 +220,9 @@ class AdminApp:
         host = cfg.admin[0]
         if not _is_loopback(host) and not cfg.admin_token:
             log.warning(
-                "the admin listener is bound to %s without admin_token: anyone who can reach it can drain "
-                "replicas and read profiles; set admin_token (or admin_token_env) or bind it to 127.0.0.1",
-                host,
+                "the admin listener is bound to %s without admin_token (admin_allow_unauthenticated): anyone who "
+                "can reach it can change the fleet%s; set admin_token (or admin_token_env) or bind it to 127.0.0.1",
+                host, ", mint join tokens and read replicas' keys" if cfg.control is not None else "",
             )
 
     @property

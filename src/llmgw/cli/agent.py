@@ -33,6 +33,9 @@ from ._common import Fail, hostports, run_loop
 __all__ = ["NodeOptions", "agent", "open_gpu_source", "run_agent"]
 
 GPU_SOURCE_CHOICES = ("auto", "nvml", "nvidia-smi", "none", "simulated")
+# (SIGHUP: the terminal or SSH session it ran in went away: a clean stop, not a death that leaves the
+# node registered and its engines running)
+_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
 @dataclass(frozen=True)
@@ -234,7 +237,7 @@ async def run_agent(
         why["reason"] = signame
         stop.set()
 
-    for sig in (signal.SIGINT, signal.SIGTERM):
+    for sig in _STOP_SIGNALS:
         loop.add_signal_handler(sig, on_signal, sig.name)
     controls: tuple[tuple[str, int], ...] = (control,) if isinstance(control[0], str) else control
     targets = [_target(hp) for hp in controls]
@@ -286,7 +289,7 @@ async def run_agent(
             await supervisor.close(stop=stopped)
         for f in fetchers:
             await f.close()
-        for sig in (signal.SIGINT, signal.SIGTERM):
+        for sig in _STOP_SIGNALS:
             loop.remove_signal_handler(sig)
     return 0
 
@@ -332,6 +335,7 @@ def agent(
     labels: dict[str, str] = {}
     ports: tuple[int, int] | None = None
     state_flag = state_dir is not None
+    secret_envs: set[str] = set()  # (the variables that hold the join token)
     if config_path is not None:
         if not config_path:
             raise Fail('--config: the path is empty (-c "$VAR" with VAR unset?): give the file')
@@ -344,6 +348,8 @@ def agent(
             raise Fail(str(exc)) from None
         control = control or file_cfg.control or None
         token = file_cfg.token
+        if file_cfg.token_env is not None:
+            secret_envs.add(file_cfg.token_env)
         name = name or file_cfg.name
         gpu_source = gpu_source or file_cfg.gpu_source
         use_tls = use_tls or file_cfg.tls
@@ -386,6 +392,7 @@ def agent(
             raise click.UsageError(f"--name {name!r}: use letters, digits, '.', '_' or '-' (at most 128), "
                                    "starting with a letter or digit")
     if token_env is not None:
+        secret_envs.add(token_env)
         token = os.environ.get(token_env)
         if token is None:
             raise Fail(f"--token-env {token_env}: the environment variable is not set (it holds the join token)")
@@ -398,6 +405,9 @@ def agent(
             raise Fail(f"--token-env {token_env}: the join token {why}")
     if not token:
         raise Fail("the agent needs the join token: --token-env NAME (or token_env: in --config FILE)")
+    for name_ in secret_envs:
+        # SECURITY: read once; not handed down to the engines it starts, nvidia-smi, or anything else
+        os.environ.pop(name_, None)
     if (tls_cert is None) != (tls_key is None):
         raise click.UsageError("--tls-cert and --tls-key go together")
     credentials = None

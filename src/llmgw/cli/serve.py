@@ -16,7 +16,7 @@ import click
 
 from .. import __version__
 from ..config import Config, EndpointConfig, ModelConfig, find_config, load, load_file
-from ..config.loading import listeners_overlap
+from ..config.loading import admin_unprotected, listeners_overlap
 from ..errors import ConfigError, StartupError
 from ..log import current_format, server_logger
 from ._common import Fail, echo_err, hostport, run_loop
@@ -293,7 +293,7 @@ def serve(config_path: str | None, listen: tuple[str, int] | None, admin: tuple[
         cfg = dataclasses.replace(cfg, listen=listen)
     if admin is not None:
         cfg = dataclasses.replace(cfg, admin=admin)
-    why = listeners_overlap(cfg.listen, cfg.admin)
+    why = listeners_overlap(cfg.listen, cfg.admin) or (admin_unprotected(cfg) if admin is not None else None)
     if why is not None:
-        raise Fail(why)
+        raise Fail(f"--admin {why}" if admin is not None and not why.startswith("the client") else why)
     sys.exit(run_loop(_serve(cfg, demo)))

@@ -127,6 +127,7 @@ class AgentConfig:
     control: tuple[tuple[str, int], ...]
     """Every control plane's address (one, or all of an HA set: the agent follows the leader)."""
     token: str | None = field(default=None, repr=False)
+    token_env: str | None = None  # the variable that held it (the agent takes it out of its environment)
     name: str | None = None  # None: the host name
     gpu_source: str = "auto"
     tls: Annotated[bool, _FLAG] = False
@@ -213,6 +214,7 @@ def _build_agent(data: Any, problems: _Problems, require_control: bool = True) -
     return AgentConfig(
         control=v["control"] or (),
         token=v["token_env"].value if v["token_env"] is not None else None,
+        token_env=v["token_env"].name if v["token_env"] is not None else None,
         name=v["name"],
         gpu_source=v["gpu_source"],
         tls=v["tls"],

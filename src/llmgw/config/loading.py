@@ -333,6 +333,7 @@ def _build(data: Any, problems: _Problems, *, serve: bool = False) -> Config:
         access_log=AccessLogConfig(enabled=ok("access_log", AccessLogConfig().enabled)),
         mirror_root=mirror_root,
         admin_token=admin_token,
+        admin_allow_unauthenticated=ok("admin_allow_unauthenticated", False),
         source=problems.source,
         control=control,
         deployments=deployments,
@@ -377,6 +378,19 @@ def plaintext_off_loopback(c: Any) -> str | None:
     return None
 
 
+def admin_unprotected(cfg: Config) -> str | None:
+    """Why the admin API must not listen as configured: off loopback with no token (and not allowed
+    explicitly); ``None``: it may."""
+    host = cfg.admin[0]
+    if is_loopback(host) or cfg.admin_token or cfg.admin_allow_unauthenticated:
+        return None
+    more = ", mint join tokens, read replicas' keys and deploy" if cfg.control is not None else ""
+    return (f"{host} is not a loopback address and there is no admin_token: anyone who reaches it could change "
+            f"the fleet (add an endpoint that receives clients' requests, drain, reload{more}); set admin_token_env "
+            "(or admin_token), bind admin to 127.0.0.1, or set admin_allow_unauthenticated: true on a network "
+            "you trust")
+
+
 def serve_problems(cfg: Config, line: int | None = None) -> list[ConfigProblem]:
     """What ``llmgw serve`` refuses in a configuration that is otherwise valid.
 
@@ -393,6 +407,9 @@ def serve_problems(cfg: Config, line: int | None = None) -> list[ConfigProblem]:
         ]
     found: list[ConfigProblem] = []
     why = listeners_overlap(cfg.listen, cfg.admin)
+    if why is not None:
+        found.append(ConfigProblem("admin", why, cfg.source, None))
+    why = admin_unprotected(cfg)
     if why is not None:
         found.append(ConfigProblem("admin", why, cfg.source, None))
     if cfg.deployments and cfg.control is None:

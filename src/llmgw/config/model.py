@@ -453,6 +453,7 @@ class Config:
     access_log: AccessLogConfig = field(default_factory=AccessLogConfig)
     mirror_root: str | None = None
     admin_token: str | None = field(default=None, repr=False)
+    admin_allow_unauthenticated: bool = False
     source: str | None = None
     control: ControlConfig | None = None
     deployments: tuple[DeploymentConfig, ...] = ()
@@ -679,6 +680,8 @@ class _ConfigIn(_In):
     """Protects /admin/v1 and /debug/pprof (prefer admin_token_env)."""
     admin_token_env: Annotated[_EnvValue, _env("admin_token")] | None = None
     """The environment variable holding the admin token."""
+    admin_allow_unauthenticated: Annotated[bool, _FLAG] = _default(Config, "admin_allow_unauthenticated")
+    """true: serve the admin API off loopback without admin_token (a network you trust); refused otherwise."""
     mirror: _MirrorIn = Field(default_factory=_MirrorIn)
     control: _ControlIn | None = None
     deployments: tuple[DeploymentConfig, ...] = ()

@@ -81,7 +81,14 @@ def parse_database_url(url: str) -> DatabaseURL:
     if scheme in ("postgresql", "postgres"):
         if not url[len(scheme):].startswith("://"):
             raise ConfigError("control.database", f"{redact(url)[:80]!r}: write postgresql://USER@HOST:PORT/DB")
-        netloc = urlsplit(url).netloc
+        try:
+            netloc = urlsplit(url).netloc
+        except ValueError:  # ("Invalid IPv6 URL", or a host it cannot take: never its words, they quote the URL)
+            raise ConfigError(
+                "control.database",
+                f"{redact(url)[:80]!r}: not a URL of the form postgresql://USER:PASSWORD@HOST:PORT/DB; a password "
+                "with special characters must be percent-encoded ('[' is %5B, ']' %5D, '/' %2F, '@' %40)",
+            ) from None
         if netloc.count("@") > 1:
             raise ConfigError(
                 "control.database",
@@ -95,8 +102,10 @@ def parse_database_url(url: str) -> DatabaseURL:
             if not (digits.isdigit() and 0 < int(digits) < 65536):
                 raise ConfigError(
                     "control.database",
-                    f"{redact(url)[:80]!r}: the port {digits[:20]!r} is no port number (1-65535); a password with "
-                    "special characters must be percent-encoded (%40 for '@', %2F for '/')",
+                    # SECURITY: not the "port" itself: with an unencoded '/' or '?' in the password, it is a
+                    # piece of the password
+                    f"{redact(url)[:80]!r}: the port is no port number (1-65535); a password with special "
+                    "characters must be percent-encoded (%40 for '@', %2F for '/', %3F for '?', %23 for '#')",
                 )
         return DatabaseURL("postgresql", url)
     if scheme == "sqlite":

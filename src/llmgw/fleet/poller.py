@@ -167,6 +167,7 @@ class Poller:
         self.cfg = cfg
         self._rewrites = model_rewrites or {}
         self._tasks: dict[str, asyncio.Task[None]] = {}
+        self._scraped: dict[str, Endpoint] = {}  # (the replica each task scrapes)
         self._closed = False
         self._rng = random.Random()
         self._loop = asyncio.get_running_loop()
@@ -179,13 +180,16 @@ class Poller:
         first scrape no request goes to it, and a deployment's replica should serve as soon as it
         is ready).
         """
-        current = {eid for eid, ep in self.registry.endpoints.items() if ep.engine.scraped}
+        current = {eid: ep for eid, ep in self.registry.endpoints.items() if ep.engine.scraped}
         for eid in list(self._tasks):
-            if eid not in current:
+            # (a replica replaced under its id, a reload that changed it, is a new one: its task scraped
+            # the old object, whose pool is closed, and the new one was never scraped)
+            if current.get(eid) is not self._scraped.get(eid):
                 self._tasks.pop(eid).cancel()
-        for eid in current:
+                del self._scraped[eid]
+        for eid, ep in current.items():
             if eid not in self._tasks:
-                ep = self.registry.endpoints[eid]
+                self._scraped[eid] = ep
                 self._tasks[eid] = self._loop.create_task(self._run(ep, spread), name=f"llmgw-scrape-{eid}")
 
     @property
@@ -197,6 +201,7 @@ class Poller:
         self._closed = True
         tasks = list(self._tasks.values())
         self._tasks.clear()
+        self._scraped.clear()
         for t in tasks:
             t.cancel()
         if tasks:

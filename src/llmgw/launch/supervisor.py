@@ -135,6 +135,10 @@ def _probe_host(host: str) -> str:
     return host
 
 
+_KEY_SHOWN = re.compile(r"""(?i)((?:api[_-]?key|--api-key)['"]?(?:\s*[=:]\s*|\s+)['"]?)[^'"\s,)]{6,}""")
+"""A key as engines print one in their settings or command line: ``api_key='…'`` (SGLang's server_args),
+``--api-key …``, ``"api_key": "…"``."""
+
 PORT_RANGE = (20000, 32767)
 """Where replica ports are picked by default: below Linux's ephemeral range (32768-60999), so that
 no outgoing connection of the node takes the port between the pick and the engine's bind."""
@@ -395,8 +399,9 @@ class ReplicaSupervisor:
         if rep is None and not path.is_file():
             raise KeyError(replica_id)
         text = _tail(path, lines, max(_TAIL_CHARS, lines * 400))
-        # NOTE: some engines print their whole configuration, key included (SGLang's server_args).
-        return self._redact(rep, text) if rep is not None else text
+        # NOTE: some engines print their whole configuration, key included (SGLang's server_args); a
+        # replica adopted from before a restart, or one no longer known, has no spec to say its key
+        return _KEY_SHOWN.sub(r"\1***", self._redact(rep, text) if rep is not None else text)
 
     async def close(self, *, stop: bool = True) -> None:
         self._closed = True
