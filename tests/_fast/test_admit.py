@@ -162,6 +162,22 @@ def test_full_band_evicts_the_newest_of_the_lowest_band(admit: ModuleType) -> No
     assert names(q.clear()) == ["c0", "c1", "c2", "c3", "s0", "s1"]
 
 
+def test_a_full_band_makes_room_for_a_tenant_with_fewer_waiting(admit: ModuleType) -> None:
+    """With nothing lower to evict, a full band takes a newcomer whose tenant holds at least two
+    fewer than the band's biggest tenant: that tenant's newest makes room (a tenant with many
+    clients kept the band full, and the others were refused at the door)."""
+    q = admit.AdmissionQueue(1, 4)
+    big = [Waiter(f"a{i}") for i in range(4)]
+    for w in big:
+        assert q.push(0, "a", w) is None
+    b0 = Waiter("b0")
+    assert q.push(0, "b", b0) is big[3]  # (a: 4, b: 0 -> a gives up its newest)
+    assert q.push(0, "b", Waiter("b1")) is big[2]  # (a: 3, b: 1)
+    assert q.push(0, "b", Waiter("b2")) is False  # (a: 2, b: 2: even, b waits its turn elsewhere)
+    assert q.push(0, "c", Waiter("c0")) is big[1]  # (a: 2, c: 0: the first of the biggest in turn)
+    assert [q.pop().name for _ in range(4)] == ["a0", "b0", "c0", "b1"]
+
+
 def test_the_whole_queue_never_exceeds_bands_times_size(admit: ModuleType) -> None:
     q = admit.AdmissionQueue(3, 4)
     pushed = 0
@@ -315,15 +331,26 @@ def test_model_invariants(bands: int, size: int, ops: list[tuple[Any, ...]]) -> 
             made.append(w)
             before = {b: q.depth(b) for b in range(bands)}
             r = q.push(op[1], f"t{op[2]}", w)
+            def held(band: int, tenant: str) -> int:
+                return sum(1 for i in model if info[i][0] == band and info[i][1] == tenant)
+
             if r is False:
                 assert before[op[1]] >= size or len(model) >= bands * size
                 assert all(before[b] == 0 for b in range(op[1] + 1, bands))
+                # nothing lower, and no tenant of the band holds two more than the newcomer's
+                mine = held(op[1], f"t{op[2]}")
+                assert all(held(op[1], info[i][1]) < mine + 2 for i in model if info[i][0] == op[1])
                 continue
             if r is not None:
-                rb = info[id(r)][0]
-                assert rb > op[1]
+                rb, rt = info[id(r)][0], info[id(r)][1]
+                assert rb >= op[1]
                 assert all(before[b] == 0 for b in range(rb + 1, bands))
-                newest = max((s for i, (b, _, s) in info.items() if b == rb and i in model))
+                if rb == op[1]:  # (the band's fair share: its biggest tenant gave up its newest)
+                    assert held(rb, rt) >= held(rb, f"t{op[2]}") + 2
+                    assert held(rb, rt) == max(held(rb, info[i][1]) for i in model if info[i][0] == rb)
+                    newest = max(s for i, (b, t, s) in info.items() if b == rb and t == rt and i in model)
+                else:
+                    newest = max(s for i, (b, _, s) in info.items() if b == rb and i in model)
                 assert info[id(r)][2] == newest
                 del model[id(r)]
             model[id(w)] = w

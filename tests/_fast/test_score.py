@@ -171,15 +171,21 @@ def test_the_drain_rate_decays_while_nothing_completes(score: ModuleType) -> Non
     assert fresh_.rate_at(100.0) == 2.5
 
 
-def test_retry_after_reads_the_rate_now(score: ModuleType) -> None:
+def test_retry_after_reads_what_the_pool_drains(score: ModuleType) -> None:
+    """Retry-After is what the pool drains: the recent completions' rate now, but never less than
+    what its replicas finish when full (capacity / latency): a burst after an idle spell (a rate
+    decayed towards 0) is not told to wait a minute for a pool that drains in seconds."""
     s = score.EndpointState()
-    s.on_scrape(0.0, 0.0, 0.0, None)
-    end = serve(s, 0.0, 0.1, 200, 0.0)  # ~10 completions a second
-    s.on_scrape(end, 0.0, 0.0, None)
+    s.on_scrape(0.0, 0.0, 1.0, None)
+    end = serve(s, 0.0, 0.1, 200, 0.0)  # one at a time, 0.1 s each: ~10 completions a second
+    s.on_scrape(end, 0.0, 1.0, None)
     assert score.retry_after([s], 9, end) == pytest.approx(1.0, rel=0.2)
-    s.on_scrape(end + 20.0, 0.0, 0.0, None)
-    # 20 s (two time constants) without a completion: the pool drains ~e^2 slower than it did
-    assert score.retry_after([s], 9, end + 20.0) == pytest.approx(math.e ** 2, rel=0.2)
+    s.on_scrape(end + 20.0, 0.0, 1.0, None)
+    # 20 s (two time constants) without a completion: the recent rate is ~e^2 lower ...
+    assert s.rate_at(end + 20.0) == pytest.approx(s.drain_rate / math.e ** 2, rel=0.2)
+    # ... but a full replica still finishes one per latency (0.1 s): ten requests, one second
+    assert s.latency == pytest.approx(0.1, rel=0.1)
+    assert score.retry_after([s], 9, end + 20.0) == pytest.approx(1.0, rel=0.2)
 
 
 def test_stalled_replica_latency_grows(score: ModuleType) -> None:
@@ -496,10 +502,22 @@ def test_score_skips_draining_open_and_stale(score: ModuleType) -> None:
     assert picks(score.Picker("score", seed=1), states, 20) == {3: 20}
 
 
-def test_score_never_takes_a_blind_replica_for_an_idle_one(score: ModuleType) -> None:
+def test_score_routes_a_blind_replica_on_its_own_requests(score: ModuleType) -> None:
+    """A replica read without gauges (llama-server without --metrics, a failing metrics page) is
+    routed on this router's requests in flight there: never taken for an idle one (it fills up like
+    any, to the pool's capacity), never left idle while its siblings queue (it took nothing)."""
     states = fresh(score, 2, waiting=3, running=8)
     states[0].on_scrape(0.0, None, None, None)  # fresh, no numbers
-    assert picks(score.Picker("score", seed=1), states, 20) == {1: 20}
+    p = score.Picker("score", seed=1)
+    order = []
+    for _ in range(40):
+        i = p.pick(states, 1.0, STALE)
+        order.append(i)
+        states[i].on_dispatch(1.0)
+    got = Counter(order)
+    assert order[:8] == [0] * 8, order  # (its free slots first: the other queues)
+    assert got[1] >= 10 and got[0] <= 30, got  # (then its own queue counts: never taken for an idle one)
+    assert states[0].inflight == got[0]
 
 
 def test_score_falls_back_to_least_inflight_when_nothing_is_fresh(score: ModuleType) -> None:

@@ -79,11 +79,11 @@ cdef class AdmissionQueue:
     def push(self, Py_ssize_t band, tenant, item, double now=NAN):
         """Queue ``item`` for ``tenant`` in ``band``: ``None`` queued, an item evicted, ``False`` refused."""
         cdef Py_ssize_t bi = self._check_band(band)
-        cdef Py_ssize_t lower
+        cdef Py_ssize_t lower, most
         cdef object key = id(item)
         cdef object evicted = None
         cdef _Band b
-        cdef _Tenant t
+        cdef _Tenant t, mine, biggest
         cdef _Entry e, victim
         if key in self._entries:
             raise ValueError("item is already queued")
@@ -92,9 +92,22 @@ cdef class AdmissionQueue:
             lower = self._nbands - 1
             while lower > bi and _band_at(self._bands, lower).count == 0:
                 lower -= 1
-            if lower <= bi:
-                return False
-            victim = _band_at(self._bands, lower).tail
+            if lower > bi:
+                victim = _band_at(self._bands, lower).tail
+            else:
+                # nothing lower: the tenant with the most waiting here gives up its newest (see the twin)
+                mine = b.tenants.get(tenant)
+                most = (mine.count if mine is not None else 0) + 1
+                biggest = None
+                t = b.ring_head
+                while t is not None:
+                    if t.count > most:
+                        biggest = t
+                        most = t.count
+                    t = t.next
+                if biggest is None:
+                    return False
+                victim = biggest.tail
             self._unlink(victim)
             evicted = victim.item
         t = b.tenants.get(tenant)

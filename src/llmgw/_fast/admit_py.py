@@ -138,10 +138,11 @@ class AdmissionQueue:
         """Queue ``item`` for ``tenant`` in ``band``; ``now`` (monotonic s) dates it for :meth:`oldest_age`.
 
         Returns:
-            ``None``: queued. An item: queued, and that item (the newest of the
-            lowest non-empty band below ``band``) was evicted to make room; the
-            caller answers it 429. ``False``: not queued (full, nothing lower to
-            evict); the caller answers 429.
+            ``None``: queued. An item: queued, and that item was evicted to make room
+            (the newest of the lowest non-empty band below ``band``; or, with nothing
+            lower, the newest of the tenant with the most waiting in ``band``, when it
+            holds at least two more than ``tenant``); the caller answers it 429.
+            ``False``: not queued (full, nothing to evict); the caller answers 429.
 
         Raises:
             ValueError: ``band`` out of range, or ``item`` is already queued.
@@ -155,9 +156,25 @@ class AdmissionQueue:
             lower = self._nbands - 1
             while lower > band and self._bands[lower].count == 0:
                 lower -= 1
-            if lower <= band:
-                return False
-            victim = self._bands[lower].tail
+            if lower > band:
+                victim = self._bands[lower].tail
+            else:
+                # nothing lower: the tenant with the most waiting in this band gives up its newest,
+                # if it holds at least two more than the newcomer's tenant (a tenant with many
+                # clients kept the band full, and others were refused at the door)
+                b = self._bands[band]
+                mine = b.tenants.get(tenant)
+                most = (mine.count if mine is not None else 0) + 1
+                biggest = None
+                t = b.ring_head
+                while t is not None:
+                    if t.count > most:
+                        biggest = t
+                        most = t.count
+                    t = t.next
+                if biggest is None:
+                    return False
+                victim = biggest.tail
             assert victim is not None
             self._unlink(victim)
             evicted = victim.item

@@ -607,7 +607,10 @@ class Call(Exchange):
             assert isinstance(evicted, Call)
             victim = evicted  # (typed in proxy.pxd)
             gw.observer.admission(victim.band_name, "rejected", "evicted")
-            victim.shed("evicted", f"the {self.model} pool is saturated; a higher-priority request took this slot")
+            victim.shed("evicted", f"the {self.model} pool is saturated; a higher-priority request took this slot"
+                        if victim.band != self.band else f"the {self.model} pool is saturated and its "
+                        f"{self.band_name} queue is full; this key had the most requests waiting there, and "
+                        "another key's took this slot")
         # A pool that is saturated only because nothing is known yet still moves.
         gw.admit_next(pool)
 

@@ -832,7 +832,7 @@ cdef class Picker:
         # pass 1: the usable fresh replicas' numbers, the pool's largest capacity and
         # the mean of the known latencies; pass 2: costs; pass 3: draw among near-ties
         cdef Py_ssize_t i, k, m, n = PyList_GET_SIZE(states)
-        cdef Py_ssize_t cnt = 0, known = 0
+        cdef Py_ssize_t cnt = 0, known = 0, gauged = 0
         cdef double known_sum = 0.0, prior = 1.0
         cdef double fill, w, r, kv, kvf, t, c, full, slots_now, ahead, wait, x, best, limit
         cdef double *load
@@ -854,8 +854,8 @@ cdef class Picker:
                 continue
             w = st.waiting
             r = st.running
-            if isnan(w) and isnan(r):
-                continue  # fresh but blind: no queue or running gauge
+            if not (isnan(w) and isnan(r)):  # (blind: a candidate on its own requests, see the twin)
+                gauged += 1
             kv = st.kv_cache_usage
             kvf = 1.0 + C_KV_WEIGHT * (kv - C_KV_KNEE) / (1.0 - C_KV_KNEE) if kv > C_KV_KNEE else 1.0
             c = st._capacity()
@@ -877,7 +877,7 @@ cdef class Picker:
             kvfs[cnt] = kvf
             lat[cnt] = t
             cnt += 1
-        if cnt == 0:
+        if gauged == 0:
             return self._least_inflight(states, now)
         fill = known_sum / <double>known if known else 1.0
         best = INFINITY
@@ -1055,12 +1055,18 @@ cpdef double pool_saturation(list states, double now, double stale_after, double
 def retry_after(list states not None, queued, double now):
     """Seconds a rejected client should wait: ``(queued + 1)`` completions at the pool's drain rate."""
     cdef Py_ssize_t i
-    cdef double rate = 0.0, r, t
+    cdef double rate = 0.0, r, t, full
     cdef EndpointState st
     for i in range(PyList_GET_SIZE(states)):
         st = _state_at(states, i)
+        if not st._usable(now):
+            continue
         r = st.rate_at(now)
-        if r > 0.0 and st._usable(now):
+        if st.latency > 0.0:  # (what a full replica finishes: see the twin)
+            full = st._capacity() / st.latency
+            if full > r:
+                r = full
+        if r > 0.0:
             rate += r
     if not rate > 0.0:
         return C_RETRY_AFTER_DEFAULT

@@ -1115,14 +1115,17 @@ class Picker:
         cand: list[tuple[int, float, float, float, float, float]] = []
         known_sum = 0.0
         known = 0
+        gauged = 0
         prior = 1.0
         for i, st in enumerate(states):
             if not st.usable(now) or st.stale(now, stale_after):
                 continue
             w = st.waiting
             r = st.running
-            if w != w and r != r:
-                continue  # fresh but blind: no queue or running gauge
+            # fresh but blind (no queue or running gauge: llama-server without --metrics, a metrics page
+            # that fails): a candidate all the same, on this router's own requests there (load()'s floor),
+            # never left idle while its siblings queue
+            gauged += w == w or r == r
             kv = st.kv_cache_usage
             kvf = 1.0 + KV_WEIGHT * (kv - KV_KNEE) / (1.0 - KV_KNEE) if kv > KV_KNEE else 1.0
             c = st.capacity()
@@ -1140,8 +1143,8 @@ class Picker:
                 t = _NAN
             cand.append((i, st.load(), c, full, kvf, t))
         n = len(cand)
-        if n == 0:
-            return self._least_inflight(states, now)
+        if gauged == 0:
+            return self._least_inflight(states, now)  # (a pool none of whose replicas is read)
         fill = known_sum / known if known else 1.0
         cost: list[float] = []
         best = math.inf
@@ -1260,13 +1263,24 @@ def pool_saturation(
 def retry_after(states: Sequence[EndpointState], queued: int, now: float) -> float:
     """Seconds a rejected client should wait: ``(queued + 1)`` completions at the pool's drain rate.
 
-    Sums ``drain_rate`` over usable replicas whose rate is known; clamped to
+    Sums the drain rate now (:meth:`EndpointState.rate_at`, at least ``capacity() / latency``,
+    what a full replica finishes) over usable replicas whose rate is known; clamped to
     ``[RETRY_AFTER_MIN, RETRY_AFTER_MAX]``; ``RETRY_AFTER_DEFAULT`` when no rate is known.
     """
     rate = 0.0
     for st in states:
+        if not st.usable(now):
+            continue
         r = st.rate_at(now)
-        if r > 0.0 and st.usable(now):
+        t = st.latency
+        if t > 0.0:
+            # a saturated pool (the only one that answers 429) drains what its replicas run at once
+            # per latency, whatever this router's recent completions were (a burst after an idle
+            # spell read a rate decayed towards 0: Retry-After 60 s for a pool that drains in 10)
+            full = st.capacity() / t
+            if full > r:
+                r = full
+        if r > 0.0:
             rate += r
     if not rate > 0.0:
         return RETRY_AFTER_DEFAULT

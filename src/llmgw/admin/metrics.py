@@ -504,8 +504,8 @@ def routing_families(registry: Registry) -> Iterator[Metric]:
             entries.add_metric([model, table], live[k])
             slots.add_metric([model, table], cap[k])
         r = picker.reuse
-        if r == r:  # (absent until measured)
-            reuse.add_metric([model], r)
+        if r == r:  # (absent until measured; a share, shown to 6 places: an average decayed
+            reuse.add_metric([model], round(r, 6))  # towards 0 read 1.6e-322)
     yield from (decisions, entries, slots, reuse)
 
 
