@@ -120,6 +120,7 @@ FULL_HEAD = (
     b"Keep-Alive: timeout=5\r\n"
     b"Proxy-Connection: keep-alive\r\n"
     b"Proxy-Authorization: Basic Zm9v\r\n"
+    b"Api-Key: azure-style-key\r\n"
     b"TE: trailers\r\n"
     b"Trailer: X-Foo\r\n"
     b"Upgrade: h2c\r\n"
@@ -152,7 +153,7 @@ def test_request_fields(httpproto: ModuleType) -> None:
     assert req["headers"][0] == (b"Host", b"gw.example")
     assert (b"x-MiXeD-CaSe", b"KeepMe") in req["headers"]
     assert len(req["headers"]) == FULL_HEAD.count(b"\r\n") - 2
-    # forwardable: no hop-by-hop, framing, credentials, host, request id, priority
+    # forwardable: no hop-by-hop, framing, credentials (Azure's api-key too), host, request id, priority
     assert req["forward"] == (
         b"Content-Type: application/json\r\n"
         b"Accept: text/event-stream\r\n"

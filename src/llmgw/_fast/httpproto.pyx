@@ -145,8 +145,8 @@ cdef int _classify(const char* s, Py_ssize_t n) noexcept nogil:
         if _ieq(s, b"te", 2):
             return H_HOP
     elif n == 7:
-        if _ieq(s, b"trailer", 7) or _ieq(s, b"upgrade", 7):
-            return H_HOP
+        if _ieq(s, b"trailer", 7) or _ieq(s, b"upgrade", 7) or _ieq(s, b"api-key", 7):
+            return H_HOP  # (api-key: Azure OpenAI's credential header, see the twin)
     elif n == 16:
         if _ieq(s, b"proxy-connection", 16):
             return H_HOP

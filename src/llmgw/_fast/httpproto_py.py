@@ -114,6 +114,9 @@ _KINDS: dict[bytes, int] = {
     # errors, events), so it asks for it uncoded (upstream_head) whatever the
     # client accepts. A client's "gzip" would come back as bytes llmgw cannot read.
     b"accept-encoding": H_HOP,
+    # SECURITY: Azure OpenAI's credential header (its SDK sends the client's key in it): never passed on,
+    # as the client's Authorization and x-api-key are not
+    b"api-key": H_HOP,
     b"expect": H_EXPECT,
     b"authorization": H_AUTHORIZATION,
     b"x-api-key": H_X_API_KEY,

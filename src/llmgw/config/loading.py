@@ -353,8 +353,8 @@ def _build(data: Any, problems: _Problems, *, serve: bool = False) -> Config:
 # hop-by-hop, credentials, the request id): no routing knob may name one.
 CONSUMED_HEADERS = frozenset({
     "content-length", "transfer-encoding", "connection", "keep-alive", "proxy-connection", "proxy-authorization",
-    "proxy-authenticate", "te", "trailer", "upgrade", "expect", "authorization", "x-api-key", "x-request-id", "host",
-    "content-type", "accept-encoding",
+    "proxy-authenticate", "te", "trailer", "upgrade", "expect", "authorization", "x-api-key", "api-key",
+    "x-request-id", "host", "content-type", "accept-encoding",
 })
 
 
