@@ -331,6 +331,10 @@ def test_a_needle_is_found_where_it_stands(jsonscan: ModuleType) -> None:
     assert jsonscan.Needle(b"x").within(b"abcx", 0, 4) and not jsonscan.Needle(b"x").within(b"abc", 0, 3)
     with pytest.raises(ValueError):
         jsonscan.Needle(b"")
+    # bounds no caller gives: never a read outside the text
+    assert not n.within(text, 2**63 - 1, 10) and not n.within(text, 5, -(2**63))
+    with pytest.raises((TypeError, AttributeError)):
+        n.within(None, 0, 10)
 
 
 @pytest.mark.c_extension

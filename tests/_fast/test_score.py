@@ -949,3 +949,60 @@ def test_differential_score_on_busy_fleets(seed: int, data: st.DataObject) -> No
 def test_seed_none_draws_from_the_os(score: ModuleType) -> None:
     a, b = score.Picker("score"), score.Picker("score")
     assert a.random() != b.random()
+
+
+def _answered_500s(p_bad: float, sick: int | None, seed: int, n: int = 3000) -> list[int]:
+    """Two replicas picked at random; a share ``p_bad`` of the requests fail on whichever gets them (one
+    client's bad input), and replica ``sick`` fails everything: the breakers' openings, by the gateway's
+    rule for answered 500s (``Gateway.answered_5xx_counts``, the pure twin's)."""
+    import random
+
+    from llmgw._fast import proxy_py
+
+    rnd = random.Random(seed)
+    states = [score_py.EndpointState(i, score_py.Breaker(5, 5.0, 60.0)) for i in range(2)]
+
+    class Pool:
+        pass
+
+    class Ep:
+        def __init__(self, st: Any) -> None:
+            self.state = st
+
+    pool = Pool()
+    pool.states = states  # type: ignore[attr-defined]
+    now = 100.0
+    for _ in range(n):
+        now += 0.05
+        up = [i for i in range(2) if states[i].breaker.available(now)]
+        if not up:
+            continue
+        i = rnd.choice(up)
+        st = states[i]
+        probe = st.breaker.state != "closed"
+        st.breaker.allow(now)
+        st.on_dispatch(now)
+        if rnd.random() < p_bad or i == sick:
+            st.on_abort(now)
+            st.answered_error(False)
+            if proxy_py.Gateway.answered_5xx_counts(None, pool, Ep(st), 500, now):  # type: ignore[arg-type]
+                st.breaker.record_failure(now)
+            elif probe:
+                st.breaker.release()
+        else:
+            st.on_complete(now)
+            st.breaker.record_success(now)
+    return [s.breaker.opened for s in states]
+
+
+@pytest.mark.parametrize("p_bad", [0.5, 0.8, 0.95])
+def test_one_clients_500s_among_good_traffic_open_no_breaker(p_bad: float) -> None:
+    """Requests every replica fails, mixed with good ones at random, err alike on both replicas: no
+    verdict on either (any sibling answer since the streak began opened a healthy replica 8-18 times)."""
+    assert _answered_500s(p_bad, None, seed=1) == [0, 0]
+
+
+@pytest.mark.parametrize("p_bad", [0.0, 0.3])
+def test_a_replica_failing_what_its_sibling_serves_opens(p_bad: float) -> None:
+    opened = _answered_500s(p_bad, 1, seed=1)
+    assert opened[0] == 0 and opened[1] >= 4, opened  # (each reopening doubles the cooldown: out most of the time)

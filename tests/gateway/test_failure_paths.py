@@ -702,9 +702,11 @@ async def test_one_clients_bad_requests_open_no_healthy_replicas_breaker() -> No
             assert [(await post(port, chat()))[0] for _ in range(4)] == [200] * 4
             # b turns bad (500 to everything) while a serves: b's breaker opens, a takes the model
             b.script = server_error
-            statuses = [(await post(port, chat()))[0] for _ in range(12)]
-            # (its first 500 is no verdict yet: a had not answered since; the next three are, and open it)
-            assert statuses.count(500) == 4 and await metric(rt, "llmgw_endpoint_breaker_open", replica="b") == 1
+            statuses = [(await post(port, chat()))[0] for _ in range(16)]
+            # (no verdict until a has answered since b's first 500 and errs at most half as often as b,
+            # whose last answers were the poisoned ones too: then three, and it opens)
+            assert 3 <= statuses.count(500) <= 8, statuses
+            assert await metric(rt, "llmgw_endpoint_breaker_open", replica="b") == 1
             assert statuses[-4:] == [200] * 4
     finally:
         await a.stop()

@@ -949,6 +949,8 @@ cdef class Needle:
 
     cpdef bint within(self, bytes data, Py_ssize_t start, Py_ssize_t end) except -1:
         """Whether the needle is in ``data[start:end]``."""
+        if data is None:
+            raise TypeError("within() needs bytes, not None")
         cdef Py_ssize_t n = PyBytes_GET_SIZE(data), m = self._m, i
         cdef const unsigned char* h = <const unsigned char*>PyBytes_AS_STRING(data)
         cdef const unsigned char* p = <const unsigned char*>PyBytes_AS_STRING(self.needle)
@@ -957,6 +959,8 @@ cdef class Needle:
             end = n
         if start < 0:
             start = 0
+        if start > end - m:  # (too short; and start + m could overflow)
+            return False
         i = start + m - 1
         while i < end:
             c = h[i]

@@ -195,7 +195,7 @@ cdef class Gateway(App):
     @cython.locals(call=Call)
     cpdef bint cut(self, ResponseWriter w) except -1
     cdef breaker_outcome(self, Endpoint ep, bint success, double now)
-    @cython.locals(state=EndpointState, other=EndpointState, since=double)
+    @cython.locals(state=EndpointState, other=EndpointState, since=double, mine=double)
     cdef bint answered_5xx_counts(self, ModelPool pool, Endpoint ep, int status, double now) except -1
     cdef _ensure_sweep(self)
     cpdef on_scrape(self, ep)

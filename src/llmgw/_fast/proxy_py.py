@@ -906,6 +906,8 @@ class Call(Exchange):
     def _hold(self, data: bytes) -> None:
         """``data`` is more of an SSE event not whole yet: kept (one more piece, not copied), unless the
         event outgrows ``upstream.max_buffered_body``: the stream is then cut (memory stays bounded)."""
+        if not data:
+            return  # (no piece held empty: _straddle reads the last two bytes held)
         held = self._held + len(data)
         gw = self.gw
         if held > gw.max_buffered:
@@ -1059,6 +1061,7 @@ class Call(Exchange):
             w.send(status, normalized, _JSON_CT, lines)
             self.sent_bytes = len(normalized)
             self._completed(True)
+            ep.state.answered_error(True)  # (an answer, and an error one: see Gateway.answered_5xx_counts)
             return
         needle = ep.key_needle
         if needle is not None and needle.within(body, 0, len(body)):  # SECURITY: an answer echoing the key
@@ -1279,6 +1282,7 @@ class Call(Exchange):
         now = monotonic()
         gw = self.gw
         ep.state.on_abort(now)
+        ep.state.answered_error(False)
         ep.failures += 1
         if ep.auth_failed or gw.answered_5xx_counts(self.pool, ep, status, now):
             gw.breaker_outcome(ep, False, now)
@@ -1541,13 +1545,13 @@ class Gateway(App):
         A 504 and the other 5xx do; a 501 never; a 500 as follows.
 
         A 500 the engine answers whole is as often a verdict on the request as on the engine (an
-        input it cannot take: llama-server answers 500 to an image for a text model), and one
-        client repeating such requests (its SDK retries each 500 twice) would open the breakers
-        of healthy replicas and take the model away from everyone. So it counts only while
-        another replica of the model answers (2xx/4xx) since ``ep``'s first 5xx of the streak:
-        a replica failing what its siblings serve is the replica; every replica failing alike is
-        the requests (and opening every breaker would only turn their 500s into 503s). A 501
-        (not implemented) never counts.
+        input it cannot take: llama-server answers 500 to an image for a text model, where vLLM
+        answers 400), and one client repeating such requests (its SDK retries each 500 twice)
+        would open the breakers of healthy replicas and take the model away from everyone. So it
+        counts only while another replica of the model answers (2xx/4xx) since ``ep``'s first 5xx
+        of the streak *and* errs (answers >= 400) at most half as often (``err_rate``, over about
+        8 answers each): a replica failing what its siblings serve is the replica; replicas failing
+        alike are failing the requests (one client's among the others' is spread over them all).
         """
         if status != 500:
             return status != 501  # (504 and the rest: the replica's path failed)
@@ -1555,7 +1559,9 @@ class Gateway(App):
         since = state.erring_since
         if since != since:
             state.erring_since = since = now
-        return any(other is not state and other.answered_at > since for other in pool.states)
+        mine = state.err_rate
+        return any(other is not state and other.answered_at > since and other.err_rate * 2.0 <= mine
+                   for other in pool.states)
 
     def breaker_outcome(self, ep: Endpoint, success: bool, now: float) -> None:
         """Tell ``ep``'s breaker how an attempt ended; report a state change."""

@@ -85,6 +85,7 @@ cdef class EndpointState:
                                           #   past stale_after): not usable until a scrape reaches it
     cdef public double answered_at        # its last answer (2xx/4xx) to this router (monotonic; NaN: none)
     cdef public double erring_since       # its first 5xx answer since then (NaN: none)
+    cdef public double err_rate           # share of its answers that were errors (>= 400), over ~8
     cdef Breaker _breaker                 # never None (the property setter checks)
     cdef double _t_last                   # last event (NaN: none yet)
     cdef double _area                     # EWMA sums, time constant DRAIN_TAU:
@@ -111,6 +112,7 @@ cdef class EndpointState:
     cpdef bint half_open(self)
     cpdef bint breaker_settled(self)
     cpdef double rate_at(self, double now)
+    cpdef answered_error(self, bint completed)
 
 
 cdef class Picker:

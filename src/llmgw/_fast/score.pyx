@@ -18,6 +18,7 @@ from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_GET_SIZE
 import os
 
 DRAIN_TAU = 10.0
+ERR_WEIGHT = 0.125
 NEAR_TIE = 0.1
 PREFILL_SHARE = 0.05
 KV_KNEE = 0.7
@@ -48,6 +49,7 @@ BREAKER_HALF_OPEN = BS_HALF_OPEN
 # The same numbers as C constants (the Python names above are the public ones).
 cdef double C_DRAIN_TAU = 10.0
 cdef double C_MIN_WINDOW = 1.0
+cdef double C_ERR_WEIGHT = 0.125
 # (score_py: _LATENCY_PRIOR) completions at the last settled latency added to the averages
 cdef double C_LATENCY_PRIOR = 0.5
 # (score_py: _LATENCY_FORGET) nothing in flight and less evidence than this: latency unknown again
@@ -80,6 +82,7 @@ __all__ = [
     "BREAKER_HALF_OPEN",
     "BREAKER_OPEN",
     "DRAIN_TAU",
+    "ERR_WEIGHT",
     "KV_KNEE",
     "KV_WEIGHT",
     "NEAR_TIE",
@@ -253,6 +256,7 @@ cdef class EndpointState:
         self.down = False
         self.answered_at = NAN
         self.erring_since = NAN
+        self.err_rate = 0.0
         if breaker is None:
             self._breaker = Breaker()
         else:
@@ -345,10 +349,18 @@ cdef class EndpointState:
         self.completed_since_scrape += 1
         self.answered_at = now
         self.erring_since = NAN
+        self.err_rate -= self.err_rate * C_ERR_WEIGHT
         self._done += 1.0
         self.drain_rate = self._done / (self._window if self._window > C_MIN_WINDOW else C_MIN_WINDOW)
         self._estimate()
         self._settled = self.latency
+
+    cpdef answered_error(self, bint completed):
+        """The replica answered with an error: a 1 in ``err_rate`` (see the twin)."""
+        if completed:
+            self.err_rate += C_ERR_WEIGHT
+        else:
+            self.err_rate += (1.0 - self.err_rate) * C_ERR_WEIGHT
 
     cpdef double rate_at(self, double now):
         """``drain_rate`` as of ``now`` (see score_py.EndpointState.rate_at)."""

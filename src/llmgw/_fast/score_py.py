@@ -107,6 +107,7 @@ __all__ = [
     "BREAKER_HALF_OPEN",
     "BREAKER_OPEN",
     "DRAIN_TAU",
+    "ERR_WEIGHT",
     "KV_KNEE",
     "KV_WEIGHT",
     "NEAR_TIE",
@@ -126,6 +127,8 @@ __all__ = [
 
 # Seconds: the time constant of the drain-rate and latency averages.
 DRAIN_TAU = 10.0
+ERR_WEIGHT = 0.125
+"""The weight of one answer in ``EndpointState.err_rate`` (an average over about 8)."""
 # A rate measured over less than this many seconds is taken over this many (the
 # first completion after a start is not a rate of 1/ms).
 _MIN_WINDOW = 1.0
@@ -472,6 +475,7 @@ class EndpointState:
         "down",
         "drain_rate",
         "draining",
+        "err_rate",
         "erring_since",
         "index",
         "inflight",
@@ -505,6 +509,7 @@ class EndpointState:
         self.down = False
         self.answered_at = _NAN  # its last answer (2xx/4xx) to this router (monotonic; NaN: none)
         self.erring_since = _NAN  # its first 5xx answer since then (NaN: none): see Gateway.answered_5xx
+        self.err_rate = 0.0  # the share of its answers that were errors (>= 400), over about 8: see answered_error
         self._breaker = Breaker() if breaker is None else breaker
         # Exponentially weighted sums (time constant DRAIN_TAU) of requests in flight
         # over time, of completions, and of observed time; NaN: no event yet.
@@ -609,10 +614,20 @@ class EndpointState:
         self.completed_since_scrape += 1
         self.answered_at = now
         self.erring_since = _NAN
+        self.err_rate -= self.err_rate * ERR_WEIGHT
         self._done += 1.0
         self.drain_rate = self._done / max(self._window, _MIN_WINDOW)
         self._estimate()
         self._settled = self.latency
+
+    def answered_error(self, completed: bool) -> None:
+        """The replica answered with an error (a 4xx but 401/403, or a 5xx): a 1 in ``err_rate`` (an
+        average over about ``1 / ERR_WEIGHT`` answers, 0 for the rest). ``completed``: right after
+        :meth:`on_complete` for the same answer (a 4xx), whose 0 it turns into the 1."""
+        if completed:
+            self.err_rate += ERR_WEIGHT
+        else:
+            self.err_rate += (1.0 - self.err_rate) * ERR_WEIGHT
 
     def rate_at(self, now: float) -> float:
         """``drain_rate`` as of ``now``: it decays while no request completes (a replica that stopped

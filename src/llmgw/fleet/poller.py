@@ -181,16 +181,20 @@ class Poller:
         is ready).
         """
         current = {eid: ep for eid, ep in self.registry.endpoints.items() if ep.engine.scraped}
+        replaced = set()
         for eid in list(self._tasks):
             # (a replica replaced under its id, a reload that changed it, is a new one: its task scraped
             # the old object, whose pool is closed, and the new one was never scraped)
             if current.get(eid) is not self._scraped.get(eid):
                 self._tasks.pop(eid).cancel()
                 del self._scraped[eid]
+                replaced.add(eid)
         for eid, ep in current.items():
             if eid not in self._tasks:
                 self._scraped[eid] = ep
-                self._tasks[eid] = self._loop.create_task(self._run(ep, spread), name=f"llmgw-scrape-{eid}")
+                # (a replaced one is scraped at once: until then it is stale, and it served a moment ago)
+                self._tasks[eid] = self._loop.create_task(self._run(ep, spread and eid not in replaced),
+                                                          name=f"llmgw-scrape-{eid}")
 
     @property
     def task_count(self) -> int:
