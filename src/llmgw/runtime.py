@@ -94,6 +94,15 @@ class Component(Protocol):
 ComponentFactory = Callable[[Parts], Component]
 
 
+class _NotLoadedYet(frozenset[str]):
+    """The models a control plane's data path holds before its deployments are loaded: any."""
+
+    reason = "this gateway's control plane is starting (its deployments are not loaded yet): retry"
+
+    def __contains__(self, item: object) -> bool:
+        return True
+
+
 class RouterPort:
     """The router as the control plane's deployments change it (:class:`llmgw.control.deployments.Router`):
     replicas join and leave through the runtime's own operations, so the poller follows."""
@@ -223,6 +232,10 @@ class GatewayRuntime:
         cfg = self.config
         self.registry = registry = Registry(cfg)
         self.gateway = gateway = Gateway(cfg, registry, normalize_error)
+        if cfg.control is not None:
+            # (the deployments are not loaded before the control plane starts, after the listeners: a model
+            # of theirs asked meanwhile is 503 and retried, not 404 as a model nobody serves)
+            gateway.held_models = _NotLoadedYet()
         self.server = HTTPServer(gateway, ServerLimits.from_config(cfg), name="gateway")
         self.listeners.client = self.server
         self.admin = admin = AdminApp(registry=registry, fleet=self, config=self._config, listeners=self.listeners)

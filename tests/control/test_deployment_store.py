@@ -539,3 +539,113 @@ async def test_no_replica_is_placed_on_a_gpu_whose_health_is_unknown() -> None:
     finally:
         await ctl_.stop()
         await db.close()
+
+
+class _BusyRouter:
+    """A router whose replicas always have a request in flight: a drain lasts (up to the grace)."""
+
+    def __init__(self) -> None:
+        self.endpoints: dict[str, Any] = {}
+        self.draining: set[str] = set()
+
+    def add(self, ep: Any) -> None:
+        self.endpoints[ep.id] = ep
+
+    def remove(self, endpoint_id: str) -> None:
+        del self.endpoints[endpoint_id]
+
+    def set_draining(self, endpoint_id: str, draining: bool) -> None:
+        (self.draining.add if draining else self.draining.discard)(endpoint_id)
+
+    def inflight(self, endpoint_id: str) -> int | None:
+        return 1 if endpoint_id in self.endpoints else None
+
+    def hold(self, models: frozenset[str], wanted: frozenset[str]) -> None:
+        pass
+
+
+async def test_a_rolling_update_with_no_room_drains_one_old_replica_at_a_time() -> None:
+    """A full cluster: each old replica drained to make room holds its GPU until its drain ends (requests
+    in flight there): the next one waits for it, never all at once (every pass drained another, and the
+    deployment went to 0 ready)."""
+    entry: dict[str, Any] = {"name": "c", "model": "m", "engine": "vllm", "replicas": 3, "gpu_memory": "70GiB"}
+    cfg = [load({"deployments": [entry]})]
+    nodes = NodeMap(lambda: 60.0)
+    hw = tuple(GPU(f"GPU-{i}", i, "NVIDIA H100 80GB HBM3", memory_total_bytes=80 << 30, memory_used_bytes=0)
+               for i in range(3))
+    nodes.register("n", peer="p", agent_version="t", protocol=(1, 2), discovery=Discovery(NodeFacts("h"), hw))
+    db, store = await _memory_store()
+    router = _BusyRouter()
+    ctl_ = DeploymentController(nodes=nodes, store=store, router=router, config=lambda: cfg[0],
+                                resolver=lambda m: None)
+    try:
+        await _sync(ctl_)
+        old = {s.id for s in ctl_.desired("n")[1]}
+        await _ready(ctl_, "n", old)
+        assert len(router.endpoints) == 3 and not router.draining
+        cfg[0] = load({"deployments": [{**entry, "args": ["--enforce-eager"]}]})
+        for _ in range(6):  # (passes while the first drain lasts: none drains another)
+            await _sync(ctl_)
+            assert len(router.draining) == 1, router.draining
+            assert len(router.draining & old) == 1 and len(set(router.endpoints) - router.draining) == 2
+    finally:
+        await ctl_.stop()
+        await db.close()
+
+
+async def test_a_forgotten_node_is_handed_a_new_generation() -> None:
+    """``ctl forget`` of a node that was only silent: its agent, back, must apply the empty set (a new
+    generation), not skip it as the one it applied (its engines ran on beside their replacements)."""
+    entry: dict[str, Any] = {"name": "c", "model": "m", "engine": "vllm", "replicas": 1, "gpu_memory": "10GiB"}
+    cfg = load({"deployments": [entry]})
+    nodes = NodeMap(lambda: 60.0)
+    hw = (GPU("GPU-0", 0, "NVIDIA H100 80GB HBM3", memory_total_bytes=80 << 30, memory_used_bytes=0),)
+    nodes.register("n", peer="p", agent_version="t", protocol=(1, 2), discovery=Discovery(NodeFacts("h"), hw))
+    db, store = await _memory_store()
+    ctl_ = DeploymentController(nodes=nodes, store=store, router=None, config=lambda: cfg, resolver=lambda m: None)
+    try:
+        await _sync(ctl_)
+        gen, specs = ctl_.desired("n")
+        assert len(specs) == 1
+        ctl_.node_gone("n")
+        again, specs = ctl_.desired("n")
+        assert specs == () and again > gen
+    finally:
+        await ctl_.stop()
+        await db.close()
+
+
+async def test_a_silent_nodes_replicas_are_not_ready_and_go_elsewhere_after_a_while() -> None:
+    """A node past its grace: its replicas are not counted ready (its last report is no evidence), and
+    once it has been silent NODE_LOST_S they are placed elsewhere (as a vanished node's are; they
+    stayed on the dead machine for as long as the control plane ran)."""
+    from llmgw.control.deployments import NODE_LOST_S
+
+    t = [1000.0]
+    entry: dict[str, Any] = {"name": "c", "model": "m", "engine": "vllm", "replicas": 1, "gpu_memory": "10GiB"}
+    cfg = load({"deployments": [entry]})
+    nodes = NodeMap(lambda: 3.0, monotonic=lambda: t[0])
+    hw = (GPU("GPU-0", 0, "NVIDIA H100 80GB HBM3", memory_total_bytes=80 << 30, memory_used_bytes=0),)
+    for name in ("a", "b"):
+        nodes.register(name, peer="p", agent_version="t", protocol=(1, 2), discovery=Discovery(NodeFacts(name), hw))
+    db, store = await _memory_store()
+    ctl_ = DeploymentController(nodes=nodes, store=store, router=None, config=lambda: cfg, resolver=lambda m: None,
+                                clock=lambda: t[0])
+    try:
+        await _sync(ctl_)
+        node = next(n for n in ("a", "b") if ctl_.desired(n)[1])
+        other = "b" if node == "a" else "a"
+        await _ready(ctl_, node, {s.id for s in ctl_.desired(node)[1]})
+        assert ctl_.view("c")["ready"] == 1
+        t[0] += 10.0  # both past the grace; the other one beats again
+        nodes.register(other, peer="p", agent_version="t", protocol=(1, 2), discovery=Discovery(NodeFacts(other), hw))
+        await _sync(ctl_)
+        assert ctl_.view("c")["ready"] == 0 and ctl_.desired(other)[1] == ()
+        t[0] += NODE_LOST_S + 1.0
+        nodes.register(other, peer="p", agent_version="t", protocol=(1, 2), discovery=Discovery(NodeFacts(other), hw))
+        await _sync(ctl_)
+        await _sync(ctl_)
+        assert ctl_.desired(node)[1] == () and len(ctl_.desired(other)[1]) == 1
+    finally:
+        await ctl_.stop()
+        await db.close()

@@ -5,6 +5,7 @@ the agent's side is driven by calling ``report()`` in-process as the agent servi
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 from pathlib import Path
@@ -14,7 +15,17 @@ import grpc
 import orjson
 import pytest
 from click.testing import CliRunner, Result
-from cp_helpers import TOKEN, api, control_plane, control_runtime, free_port, metrics, pick, wait_for
+from cp_helpers import (
+    TOKEN,
+    api,
+    control_config,
+    control_plane,
+    control_runtime,
+    free_port,
+    metrics,
+    pick,
+    wait_for,
+)
 from scenario import discovery_of, h100s
 
 from llmgw._proto.agent.v1 import agent_pb2_grpc
@@ -24,7 +35,7 @@ from llmgw.config import load
 from llmgw.control.deployments import DeploymentController
 from llmgw.engines.sim import SimConfig, SimEngine
 from llmgw.launch.spec import ReplicaSpec, ReplicaStatus
-from llmgw.runtime import GatewayRuntime
+from llmgw.runtime import GatewayRuntime, components_for
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -288,6 +299,40 @@ async def test_unplaceable_deployments_explain_and_ctl_commands(tmp_path: Path) 
         assert status == 400 and body["error"]["param"] == "gpu" and "did you mean 'gpus'" in body["error"]["message"]
         status, body = await admin(rt, "PUT", "/admin/v1/deployments/big")
         assert status == 405
+
+
+async def test_a_control_plane_starting_answers_models_503_not_404(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The client listener is bound before the control plane has loaded its deployments: a model asked
+    for meanwhile may be one of them (a restart: clients are mid-conversation), so it is 503 and
+    retried, not 404 (which SDKs do not retry); once loaded, a model nobody serves is 404 again."""
+    from llmgw.control.service import ControlPlane
+
+    started = ControlPlane.start
+    gate = asyncio.Event()
+
+    async def slow_start(self: Any) -> None:
+        await gate.wait()
+        await started(self)
+
+    monkeypatch.setattr(ControlPlane, "start", slow_start)
+    port = free_port()
+    cfg = control_config(port)
+    rt = GatewayRuntime(cfg, components=components_for(cfg))
+    starting = asyncio.ensure_future(rt.start())
+    try:
+        await wait_for(lambda: rt.listen_addr is not None, what="the client listener")
+        status, body = await chat(rt, "chat")
+        assert status == 503 and body["error"]["code"] == "model_unavailable", body
+        assert "starting" in body["error"]["message"]
+        gate.set()
+        await starting
+        status, body = await chat(rt, "nope")
+        assert status == 404 and body["error"]["code"] == "model_not_found", body
+    finally:
+        gate.set()
+        with contextlib.suppress(Exception):
+            await starting
+        await rt.stop()
 
 
 async def test_no_control_plane_no_deployments() -> None:

@@ -36,6 +36,21 @@ async def test_passes_on_the_standins(engine: str, model: str) -> None:
 
 
 @pytest.mark.usefixtures("standin_env")
+async def test_the_live_check_listens_in_the_agents_replica_ports() -> None:
+    """On a node whose replicas are confined to replica_ports (a firewall's opening), so is the check's
+    engine: it is a replica in all but name."""
+    from ports import free_port
+
+    lo = free_port()
+    checks = await engine_check("vllm", model="org/tiny", gpu_source="simulated", timeout=60,
+                                replica_ports=(lo, min(lo + 20, 32767)))
+    assert not any(c.failed for c in checks), render(checks)
+    start = next(c for c in checks if c.name == "start")
+    port = int(start.detail.rsplit("port ", 1)[1].split()[0].rstrip(",)"))
+    assert lo <= port <= lo + 20, start.detail
+
+
+@pytest.mark.usefixtures("standin_env")
 async def test_a_build_lacking_a_flag_fails_with_the_fix(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("LLMGW_STANDIN_LACKS", "--served-model-name")
     checks = await engine_check("vllm", model="org/tiny", gpu_source="simulated")

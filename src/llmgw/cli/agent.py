@@ -263,7 +263,8 @@ async def run_agent(
         assert node is not None
         kw: dict[str, Any] = {"timeout": req.timeout_seconds} if req.HasField("timeout_seconds") else {}
         checks = await engine_check(req.engine, engines=node.engines, model=req.model if req.HasField("model") else None,
-                                    live=not req.static_only, gpu_source=node.gpu_source, **kw)
+                                    live=not req.static_only, gpu_source=node.gpu_source,
+                                    replica_ports=node.replica_ports, **kw)
         return [c.as_dict() for c in checks]
 
     client = AgentClient(

@@ -486,10 +486,14 @@ class ClusterCollector(Collector):
         ready = GaugeMetricFamily("llmgw_deployment_replicas_ready", "Replicas of a deployment reported ready",
                                   labels=["deployment"])
         n_ready: dict[str, int] = {}
+        unknown: set[str] = set()
         for r in ctl.replicas.values():
-            if r.state == "ready":
+            if not r.reported:
+                unknown.add(r.deployment)  # (loaded at a start, its node not heard since: no figure yet)
+            elif ctl.ready_now(r):
                 n_ready[r.deployment] = n_ready.get(r.deployment, 0) + 1
         for name, dep in sorted(ctl.deployments.items()):
             desired.add_metric([name], float(dep.desired))
-            ready.add_metric([name], float(n_ready.get(name, 0)))
+            if name not in unknown:  # (absent, not 0: a scrape just after a restart read an outage)
+                ready.add_metric([name], float(n_ready.get(name, 0)))
         return [alloc, desired, ready] if allocated else [desired, ready]

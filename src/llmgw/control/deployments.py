@@ -633,8 +633,10 @@ class DeploymentController:
 
     def _make_room(self, dep: Deployment, live: list[Replica], old: list[Replica]) -> bool:
         """No room for a new replica beside the outdated ones: one of them drains to make room, unless a
-        new one is still on its way (then that one is waited for). Whether the update goes on."""
-        if any(r.state != READY for r in live):
+        new one is still on its way, or an old one still drains (its GPUs are held until it ends, the
+        requests in flight there finish): then that one is waited for. Whether the update goes on."""
+        if any(r.state != READY for r in live) or any(
+                r.outdated and r.draining_since is not None for r in self._of(dep.cfg.name)):
             return True
         serving = sorted((r for r in old if r.draining_since is None), key=lambda r: r.created_at)
         if not serving:
@@ -801,8 +803,11 @@ class DeploymentController:
             if not st.heard:  # (known from the database only: gone until it registers, as far as replicas go)
                 continue
             name = st.name
-            present.add(name)
             up = mono - st.last_seen <= grace  # (NodeMap.is_up)
+            if up:
+                # (an unhealthy node counts as missing: silent for NODE_LOST_S, its replicas go elsewhere,
+                # as a vanished node's do; they stayed on a dead machine for good while this process ran)
+                present.add(name)
             if health.get(name, True) != up:  # (a node registers up)
                 if up:
                     log.info("node %s is up again", name)
@@ -810,8 +815,8 @@ class DeploymentController:
                     log.warning("node %s is unhealthy: no heartbeat for %.1fs (heartbeat_grace %.1fs)", name,
                                 st.age(mono), nodes.grace())
             health[name] = up
-        if len(health) > len(present):
-            for name in [n for n in health if n not in present]:
+        if len(health) > len(nodes):
+            for name in [n for n in health if nodes.get(n) is None]:
                 del health[name]
         for node in list(self._by_node):
             if node in present:
@@ -819,7 +824,8 @@ class DeploymentController:
                 continue
             since = self._missing_since.setdefault(node, now)
             if now - since >= NODE_LOST_S:
-                log.warning("node %s has been gone %.0fs: its replicas are placed again elsewhere", node, now - since)
+                log.warning("node %s has been gone or silent %.0fs: its replicas are placed again elsewhere", node,
+                            now - since)
                 self.node_gone(node)
 
     # -- the router --
@@ -981,7 +987,9 @@ class DeploymentController:
             self._leave_router(r)
             self._forget(r)
             self.store.delete_replica(r.id)
-        self._specs.pop(node, None)
+        # (a new generation: an agent that was only silent, forgotten and back, must apply the empty
+        # set, not skip it as the one it applied: its engines ran on beside their replacements)
+        self._invalidate(node)
         self._missing_since.pop(node, None)
         self.wake()
 
@@ -1022,6 +1030,14 @@ class DeploymentController:
             out["api_key"] = r.api_key
         return out
 
+    def ready_now(self, r: Replica) -> bool:
+        """Whether ``r`` counts as ready: its node reported it so and is up (a silent node's last report
+        is no evidence that its replicas serve)."""
+        if r.state != READY:
+            return False
+        st = self.nodes.get(r.node)
+        return st is not None and self.nodes.is_up(st, self.nodes.monotonic())
+
     def view(self, name: str, *, show_secrets: bool = False) -> dict[str, Any]:
         """One deployment as the API shows it: spec, desired and ready replicas, where each runs, why one is missing."""
         dep = self._get(name)
@@ -1034,7 +1050,7 @@ class DeploymentController:
         return {
             "name": name, "source": dep.source, "model": cfg.model, "served_name": cfg.model_name,
             "engine": cfg.engine, "desired": dep.desired, "configured": cfg.replicas,
-            "scaled": dep.override is not None, "ready": sum(1 for r in reps if r.state == READY),
+            "scaled": dep.override is not None, "ready": sum(1 for r in reps if self.ready_now(r)),
             "placed": sum(1 for r in reps if r.draining_since is None and not r.outdated),
             "outdated": sum(1 for r in reps if r.draining_since is None and r.outdated),
             "nodes": sorted({r.node for r in reps if r.draining_since is None}),

@@ -261,7 +261,7 @@ async def _http(port: int, method: str, path: str, key: str | None, body: bytes 
 
 
 async def _live(engine: str, engines: Mapping[str, AgentEngineConfig], model: str, gpus: tuple[str, ...],
-                timeout: float, work: Path) -> list[Check]:
+                timeout: float, work: Path, replica_ports: tuple[int, int] | None = None) -> list[Check]:
     info = ENGINES[engine]
     key = "llmgw-check-" + secrets.token_urlsafe(18)
     spec = ReplicaSpec(id="engine-check", deployment="engine-check", engine=engine, model=model,
@@ -269,8 +269,9 @@ async def _live(engine: str, engines: Mapping[str, AgentEngineConfig], model: st
                        gpu_memory_fraction=0.2 if engine in ("vllm", "sglang") else None,
                        slots=1 if engine == "llamacpp" else None, context=1024 if engine == "llamacpp" else None)
     changed = asyncio.Event()
+    ports: dict[str, Any] = {"port_range": replica_ports, "strict_ports": True} if replica_ports else {}
     sup = ReplicaSupervisor(work / "state", engines=engines, on_change=changed.set, ready_timeout=timeout,
-                            max_crashes=1, stop_grace=30.0)
+                            max_crashes=1, stop_grace=30.0, **ports)
     checks: list[Check] = []
     t0 = time.monotonic()
     try:
@@ -347,6 +348,7 @@ async def engine_check(
     live: bool = True,
     gpu_source: str = "auto",
     timeout: float = 600.0,
+    replica_ports: tuple[int, int] | None = None,
 ) -> list[Check]:
     """Run the checks for ``engine``; see the module docstring.
 
@@ -358,6 +360,7 @@ async def engine_check(
         live: run the live checks at all.
         gpu_source: where GPUs are read from (``auto``, ``nvml``, ``nvidia-smi``, ``none``, ``simulated``).
         timeout: seconds the engine may take to become ready.
+        replica_ports: the agent's ``replica_ports``: the engine listens there, as its replicas do.
     """
     if engine not in _STATIC:
         raise ValueError(f"unknown engine {engine!r}: one of {', '.join(CHECK_ENGINES)}")
@@ -380,6 +383,6 @@ async def engine_check(
         if model is None:
             checks.append(Check("live", INFO, "skipped: no model given (--model PATH-OR-ID)"))
             return checks
-        checks += await _live(engine, engines, model, gpus[:1], timeout, work)
+        checks += await _live(engine, engines, model, gpus[:1], timeout, work, replica_ports)
     return checks
 
