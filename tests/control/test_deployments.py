@@ -335,6 +335,42 @@ async def test_a_control_plane_starting_answers_models_503_not_404(monkeypatch: 
         await rt.stop()
 
 
+async def test_the_log_of_a_replica_on_a_silent_node_says_where_it_is(tmp_path: Path) -> None:
+    """ctl logs of a replica placed on a node past its grace: its node named, and why it cannot be
+    asked (it said "no node reports a replica", while ctl deployments listed it there)."""
+    port = free_port()
+    async with control_runtime(port, heartbeat_interval="0.2s", heartbeat_grace="0.6s",
+                               database=f"sqlite:///{tmp_path}/cp.sqlite3") as rt:
+        await register(port, "node-1", {"hostname": "h1", "gpus": h100s(1)})
+        status, d = await admin(rt, "POST", "/admin/v1/deployments", {"name": "chat", "model": "w", "gpu_memory": "1GiB"})
+        assert status == 201, d
+        (spec,) = controller(rt).desired("node-1")[1]
+
+        async def silent() -> bool:
+            status, body = await api(rt, "GET", "/admin/v1/nodes")
+            return status == 200 and body["nodes"][0]["state"] == "unhealthy"
+
+        await wait_for(silent, what="node-1 past its grace")
+        status, body = await api(rt, "GET", f"/admin/v1/replicas/{spec.id}/logs")
+        err = body["error"]
+        assert status == 502 and err["code"] == "node_unavailable", body
+        assert "placed on node node-1, which has been silent for" in err["message"]
+        status, body = await api(rt, "GET", "/admin/v1/replicas/nope/logs")
+        assert status == 404 and body["error"]["code"] == "replica_not_found"
+
+
+async def test_two_deployments_of_one_served_name_are_warned_of(tmp_path: Path,
+                                                                  caplog: pytest.LogCaptureFixture) -> None:
+    port = free_port()
+    async with control_runtime(port, database=f"sqlite:///{tmp_path}/cp.sqlite3") as rt:
+        for name in ("chat", "chat-llama"):
+            status, d = await admin(rt, "POST", "/admin/v1/deployments",
+                                    {"name": name, "model": "w", "gpu_memory": "1GiB", "served_name": "chat"})
+            assert status == 201, d
+        await wait_for(lambda: any("deployments chat, chat-llama all serve model 'chat'" in r.getMessage()
+                                   for r in caplog.records), what="the warning")
+
+
 async def test_no_control_plane_no_deployments() -> None:
     rt = GatewayRuntime(load({"listen": "127.0.0.1:0", "admin": "127.0.0.1:0"}))
     await rt.start()

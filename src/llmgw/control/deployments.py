@@ -314,6 +314,7 @@ class DeploymentController:
         self._applied: tuple[DeploymentConfig, ...] | None = None
         self._missing_since: dict[str, float] = {}
         self._held: tuple[frozenset[str], frozenset[str]] | None = None
+        self._shared_seen = 0  # (how many deployments there were when a served name shared was last said)
         self._pass_nodes: list[NodeInfo] | None = None
         self._claims: list[Claim] | None = None
         """Every replica's claim, for placement; rebuilt after a replica comes, goes or turns ready."""
@@ -838,6 +839,20 @@ class DeploymentController:
         if (held, wanted) != self._held:
             self._held = (held, wanted)
             self.router.hold(held, wanted)
+        if len(held) < len(self.deployments) and len(self.deployments) != self._shared_seen:
+            self._shared_seen = len(self.deployments)  # (said again when the deployments change in number)
+            self._say_shared_names()
+
+    def _say_shared_names(self) -> None:
+        """Deployments serving one model name are one pool to the router: said, as it may be a mistake."""
+        by_name: dict[str, list[str]] = {}
+        for d in self.deployments.values():
+            by_name.setdefault(d.cfg.model_name, []).append(d.cfg.name)
+        for model, names in sorted(by_name.items()):
+            if len(names) > 1:
+                log.warning("deployments %s all serve model %r: its requests are spread over all their replicas "
+                            "(as meant for a move from one to another; else give each its own served_name)",
+                            ", ".join(sorted(names)), model)
 
     def _endpoint_config(self, r: Replica, port: int) -> EndpointConfig:
         dep = self.deployments.get(r.deployment)

@@ -1765,6 +1765,16 @@ class ControlPlane:
 
     async def replica_logs(self, replica_id: str, lines: int = 100) -> str:
         """The end of a replica's log, from its node (:meth:`AgentService.replica_logs`)."""
+        ctl = self.deployments
+        placed = ctl.replicas.get(replica_id) if ctl is not None else None
+        if placed is not None and self.service.node_of_replica(replica_id) is None:
+            # (placed there, but its node has not reported it: silent, or not back since a restart)
+            st = self.nodes.get(placed.node)
+            if st is None or not st.heard or not self.nodes.is_up(st):
+                why = ("is not connected" if st is None or not st.heard
+                       else f"has been silent for {st.age(self.nodes.monotonic()):.0f}s")
+                raise ReplicaLogsError(f"replica {replica_id!r} is placed on node {placed.node}, which {why}: its "
+                                       "log is on that node, for when its agent is back", 502, "node_unavailable")
         return await self.service.replica_logs(replica_id, lines)
 
     async def engine_check(self, node: str, engine: str, *, model: str | None = None, static_only: bool = False,
