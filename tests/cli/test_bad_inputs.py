@@ -149,3 +149,22 @@ def test_a_deployed_model_path_with_a_space_says_what_to_do(tmp_path: Path) -> N
     line = one_error(run("check-config", str(f)))
     assert "deployments[0].model: invalid model '/m/my model.gguf': no whitespace" in line
     assert "give it a path without, e.g. a symbolic link" in line
+
+
+def test_check_config_reads_the_agents_file_as_the_agent_does(tmp_path: Path) -> None:
+    import json
+
+    ok = tmp_path / "agent.yaml"
+    ok.write_text("control: 127.0.0.1:7070\ntoken_env: JOIN_FOR_CHECK\nreplica_ports: 20000-20100\n")
+    res = run("check-config", "--agent", str(ok), env={"JOIN_FOR_CHECK": "a-join-token-for-the-check"})
+    assert res.returncode == 0 and "OK (the node agent's file)" in res.stdout and "20000-20100" in res.stdout, res
+    assert "a-join-token-for-the-check" not in res.stdout + res.stderr
+    # every problem, one line each, as the agent would refuse the file (an unset token variable too)
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("control: 127.0.0.1:7070\ntoken_env: JOIN_UNSET_HERE\nreplica_ports: 9-1\nbogus: 1\n")
+    res = run("check-config", "--agent", str(bad))
+    assert res.returncode == 1 and res.stderr.count("llmgw: error: ") == 3, res.stderr
+    assert "bad.yaml:3: replica_ports" in res.stderr and "bad.yaml:4: bogus: unknown key" in res.stderr
+    doc = json.loads(run("config", "check", "--agent", "--json", str(bad)).stdout)
+    assert doc["ok"] is False and {p["key"] for p in doc["problems"]} >= {"replica_ports", "bogus"}
+    assert "give the agent's file" in one_error(run("check-config", "--agent"))

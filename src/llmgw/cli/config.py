@@ -56,6 +56,40 @@ def _check(path: str | None) -> tuple[Path | None, Config | None, tuple[ConfigPr
         return p, None, exc.problems
 
 
+def _run_agent_check(path: str | None, as_json: bool) -> None:
+    """``--agent``: the node agent's file, read as ``llmgw agent --config FILE`` reads it."""
+    from ..config.agent import load_agent_file
+
+    if not path:
+        raise Fail("--agent: give the agent's file (llmgw check-config --agent FILE)")
+    try:
+        cfg = load_agent_file(path, require_control=False)  # (llmgw agent --control may give it)
+        problems: tuple[ConfigProblem, ...] = ()
+    except ConfigError as exc:
+        cfg, problems = None, exc.problems
+    control = [] if cfg is None else [f"[{h}]:{p}" if ":" in h else f"{h}:{p}" for h, p in cfg.control]
+    summary: dict[str, Any] | None = None if cfg is None else {
+        "control": control,
+        "name": cfg.name, "gpu_source": cfg.gpu_source, "tls": bool(cfg.tls or cfg.tls_ca or cfg.tls_cert),
+        "engines": sorted(cfg.engines), "labels": dict(cfg.labels), "advertise": cfg.advertise,
+        "replica_ports": None if cfg.replica_ports is None else f"{cfg.replica_ports[0]}-{cfg.replica_ports[1]}",
+        "state_dir": cfg.state_dir,
+    }
+    if as_json:
+        click.echo(json.dumps({"ok": cfg is not None, "file": path, "problems": [pr.as_dict() for pr in problems],
+                               "summary": summary}, indent=2))
+        sys.exit(0 if cfg is not None else 1)
+    if cfg is None or summary is None:
+        raise Fail("\n".join(str(pr) for pr in problems))
+    click.echo(f"{path}: OK (the node agent's file)")
+    click.echo(f"  control {', '.join(control) or 'none here (give llmgw agent --control HOST:PORT)'}"
+               f"{', TLS' if summary['tls'] else ''}; name {cfg.name or '(the host name)'}; gpu_source {cfg.gpu_source}")
+    if cfg.engines:
+        click.echo(f"  engines {', '.join(sorted(cfg.engines))}")
+    if cfg.replica_ports is not None:
+        click.echo(f"  replica ports {summary['replica_ports']}")
+
+
 def _run_check(path: str | None, as_json: bool) -> None:
     p, cfg, problems = _check(path)
     if as_json:
@@ -79,16 +113,21 @@ def _run_check(path: str | None, as_json: bool) -> None:
 _JSON_HELP = "Print a JSON document on stdout (ok, problems, summary) instead of text."
 
 
+_AGENT_HELP = "The node agent's file (llmgw agent --config FILE) instead of llmgw.yaml."
+
+
 @click.command("check-config")
 @click.argument("path", metavar="[FILE]", required=False)
 @click.option("--json", "as_json", is_flag=True, help=_JSON_HELP)
-def check_config(path: str | None, as_json: bool) -> None:
+@click.option("--agent", is_flag=True, help=_AGENT_HELP)
+def check_config(path: str | None, as_json: bool, agent: bool) -> None:
     """Validate a config file (default ./llmgw.yaml) as `llmgw serve` would, and summarise it.
 
     Every problem is printed, one line each (FILE:LINE: KEY: what is wrong);
-    the exit status is 1 when there is any.
+    the exit status is 1 when there is any. --agent: the node agent's file, as
+    `llmgw agent --config FILE` reads it.
     """
-    _run_check(path, as_json)
+    (_run_agent_check if agent else _run_check)(path, as_json)
 
 
 @click.group("config")
@@ -99,9 +138,10 @@ def config() -> None:
 @config.command("check")
 @click.argument("path", metavar="[FILE]", required=False)
 @click.option("--json", "as_json", is_flag=True, help=_JSON_HELP)
-def check(path: str | None, as_json: bool) -> None:
+@click.option("--agent", is_flag=True, help=_AGENT_HELP)
+def check(path: str | None, as_json: bool, agent: bool) -> None:
     """The same as `llmgw check-config`."""
-    _run_check(path, as_json)
+    (_run_agent_check if agent else _run_check)(path, as_json)
 
 
 @config.command("schema")
