@@ -41,6 +41,7 @@ from .admin.ports import Listeners
 from .config import Config, DeploymentConfig, EndpointConfig, load_file
 from .engines.errors import normalize_error
 from .errors import ConfigError
+from .fleet.held import HeldModels
 from .fleet.poller import Poller
 from .fleet.registry import Registry
 from .gateway.proxy import Gateway
@@ -94,13 +95,7 @@ class Component(Protocol):
 ComponentFactory = Callable[[Parts], Component]
 
 
-class _NotLoadedYet(frozenset[str]):
-    """The models a control plane's data path holds before its deployments are loaded: any."""
-
-    reason = "this gateway's control plane is starting (its deployments are not loaded yet): retry"
-
-    def __contains__(self, item: object) -> bool:
-        return True
+_NOT_LOADED_YET = "this gateway's control plane is starting (its deployments are not loaded yet): retry"
 
 
 class RouterPort:
@@ -235,7 +230,7 @@ class GatewayRuntime:
         if cfg.control is not None:
             # (the deployments are not loaded before the control plane starts, after the listeners: a model
             # of theirs asked meanwhile is 503 and retried, not 404 as a model nobody serves)
-            gateway.held_models = _NotLoadedYet()
+            gateway.held_models = HeldModels(reason=_NOT_LOADED_YET, every=True)
         self.server = HTTPServer(gateway, ServerLimits.from_config(cfg), name="gateway")
         self.listeners.client = self.server
         self.admin = admin = AdminApp(registry=registry, fleet=self, config=self._config, listeners=self.listeners)

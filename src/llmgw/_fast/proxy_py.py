@@ -1254,8 +1254,9 @@ class Call(Exchange):
             self.retrying = False
         self._done(None)
 
-    def _completed(self, success: bool) -> None:
-        """The replica answered (fully, or a stream that was then cut)."""
+    def _completed(self, success: bool, counts: bool = True) -> None:
+        """The replica answered (fully, or a stream that was then cut); ``counts``: a failure is a verdict
+        on the replica for its breaker (else a probe it was is given back)."""
         ep = self.ep
         assert ep is not None
         now = monotonic()
@@ -1268,7 +1269,10 @@ class Call(Exchange):
         else:
             state.on_abort(now)
             ep.failures += 1
-            gw.breaker_outcome(ep, False, now)
+            if counts:
+                gw.breaker_outcome(ep, False, now)
+            elif self.probe:
+                state.breaker.release()  # (no verdict on the replica: another request probes)
         if self.retrying:
             gw.budget.done_retry()
             self.retrying = False
@@ -1279,19 +1283,8 @@ class Call(Exchange):
         request failed. Whether that counts against its breaker: :meth:`Gateway.answered_5xx_counts`."""
         ep = self.ep
         assert ep is not None
-        now = monotonic()
-        gw = self.gw
-        ep.state.on_abort(now)
         ep.state.answered_error(False)
-        ep.failures += 1
-        if ep.auth_failed or gw.answered_5xx_counts(self.pool, ep, status, now):
-            gw.breaker_outcome(ep, False, now)
-        elif self.probe:
-            ep.state.breaker.release()  # (no verdict on the replica: another request probes)
-        if self.retrying:
-            gw.budget.done_retry()
-            self.retrying = False
-        self._done(None)
+        self._completed(False, ep.auth_failed or self.gw.answered_5xx_counts(self.pool, ep, status, monotonic()))
 
     def _finish(self, error: HTTPError | None) -> None:
         """Answer ``error`` (if the client is still there) and finish."""

@@ -152,15 +152,19 @@ def fmt_age(v: Any, show: bool = True) -> str:
     return f"{x / 3600:.1f}h"
 
 
-def fmt_bytes(v: Any) -> str:
+def _fmt_units(v: Any, base: float, units: tuple[str, ...]) -> str:
     x = num(v)
     if x is None:
         return ABSENT
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if x < 1000 or unit == "TB":
+    for unit in units:
+        if x < base or unit == units[-1]:
             return f"{x:.0f} {unit}" if unit == "B" else f"{x:.1f} {unit}"
-        x /= 1000
+        x /= base
     return ABSENT  # pragma: no cover
+
+
+def fmt_bytes(v: Any) -> str:
+    return _fmt_units(v, 1000.0, ("B", "KB", "MB", "GB", "TB"))
 
 
 def fmt_gib(v: Any) -> str:
@@ -186,14 +190,7 @@ def bar(ratio: float | None, width: int = 8, label: str | None = None) -> CellTy
 
 def fmt_ibytes(v: Any) -> str:
     """Bytes in binary units (GiB, as the GPUs view shows memory)."""
-    x = num(v)
-    if x is None:
-        return ABSENT
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if x < 1024 or unit == "TiB":
-            return f"{x:.0f} {unit}" if unit == "B" else f"{x:.1f} {unit}"
-        x /= 1024
-    return ABSENT  # pragma: no cover
+    return _fmt_units(v, 1024.0, ("B", "KiB", "MiB", "GiB", "TiB"))
 
 
 def fmt_value(key: str, v: Any, show_ages: bool = True) -> str:

@@ -52,6 +52,7 @@ from ..agent.wire import (
 )
 from ..config.loading import plaintext_off_loopback
 from ..errors import ConfigError, HTTPError, StartupError
+from ..fleet.held import HeldModels
 from ..log import control_logger as log
 from ..mirror.serve import BlobServer
 from . import limits
@@ -1017,11 +1018,8 @@ def _no_blobs(node: str, digest: str) -> bool:
     return False
 
 
-class _StandbyHeld(frozenset[str]):
-    """The deployments' models on a standby's data path: 503, and why (the gateway reads ``reason``)."""
-
-    reason = ("this gateway is a standby control plane, which routes to no deployment's replicas "
-              "(the leader and the routers that follow it do): retry, through another address if this persists")
+_STANDBY = ("this gateway is a standby control plane, which routes to no deployment's replicas (the leader and "
+            "the routers that follow it do): retry, through another address if this persists")
 
 
 def _never() -> bool:
@@ -1460,7 +1458,7 @@ class ControlPlane:
         router = self.router
         if router is None or self.leading() or self.deployments is not None:
             return  # (leading since the read began: the term's controller holds what it serves)
-        router.hold(_StandbyHeld(models), frozenset())
+        router.hold(HeldModels(models, reason=_STANDBY), frozenset())
 
     def _write_error(self, exc: Exception, what: str, topic: str = "join tokens") -> HTTPError:
         """The admin API's 503 for a write the database refused (``exc``: not the leader, or it failed)."""

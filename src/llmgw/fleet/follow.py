@@ -56,6 +56,7 @@ from ..control.follow import FOLLOW_PROTOCOL, LEADER_METADATA
 from ..control.thread import ControlThread
 from ..engines import ENGINE_NAMES
 from ..log import server_logger as log
+from .held import HeldModels
 from .share import RouteShare, ShareCollector
 
 if TYPE_CHECKING:
@@ -89,13 +90,7 @@ class FollowRouter(Protocol):
     def hold(self, models: frozenset[str], wanted: frozenset[str]) -> None: ...
 
 
-class _NoTableYet(frozenset[str]):
-    """The models a router holds before its first replica table: any (see :meth:`Follower.start`)."""
-
-    reason = "this router has no replica table from its control plane yet (it is connecting)"
-
-    def __contains__(self, item: object) -> bool:
-        return True
+_NO_TABLE_YET = "this router has no replica table from its control plane yet (it is connecting)"
 
 
 def endpoint_from_proto(m: rpb.Replica) -> EndpointConfig:
@@ -279,7 +274,7 @@ class Follower:
         """Start following (in the background: the router starts whether or not a control plane answers)."""
         # until the first table, a model this router does not serve itself may well be the table's:
         # 503 with Retry-After (an SDK retries), not 404 model_not_found (it does not)
-        self.router.hold(_NoTableYet(), frozenset())
+        self.router.hold(HeldModels(reason=_NO_TABLE_YET, every=True), frozenset())
         self._loop = asyncio.get_running_loop()
         self.first_table = asyncio.Event()
         thread = ControlThread("llmgw-follow")

@@ -166,8 +166,7 @@ class Poller:
         self._on_update = on_update
         self.cfg = cfg
         self._rewrites = model_rewrites or {}
-        self._tasks: dict[str, asyncio.Task[None]] = {}
-        self._scraped: dict[str, Endpoint] = {}  # (the replica each task scrapes)
+        self._tasks: dict[str, tuple[Endpoint, asyncio.Task[None]]] = {}  # id -> the replica scraped, its task
         self._closed = False
         self._rng = random.Random()
         self._loop = asyncio.get_running_loop()
@@ -182,19 +181,18 @@ class Poller:
         """
         current = {eid: ep for eid, ep in self.registry.endpoints.items() if ep.engine.scraped}
         replaced = set()
-        for eid in list(self._tasks):
+        for eid, (scraped, task) in list(self._tasks.items()):
             # (a replica replaced under its id, a reload that changed it, is a new one: its task scraped
             # the old object, whose pool is closed, and the new one was never scraped)
-            if current.get(eid) is not self._scraped.get(eid):
-                self._tasks.pop(eid).cancel()
-                del self._scraped[eid]
+            if current.get(eid) is not scraped:
+                del self._tasks[eid]
+                task.cancel()
                 replaced.add(eid)
         for eid, ep in current.items():
             if eid not in self._tasks:
-                self._scraped[eid] = ep
                 # (a replaced one is scraped at once: until then it is stale, and it served a moment ago)
-                self._tasks[eid] = self._loop.create_task(self._run(ep, spread and eid not in replaced),
-                                                          name=f"llmgw-scrape-{eid}")
+                task = self._loop.create_task(self._run(ep, spread and eid not in replaced), name=f"llmgw-scrape-{eid}")
+                self._tasks[eid] = (ep, task)
 
     @property
     def task_count(self) -> int:
@@ -203,9 +201,8 @@ class Poller:
     async def close(self) -> None:
         """Stop every scrape task (bounded: a task that does not stop is left behind, logged)."""
         self._closed = True
-        tasks = list(self._tasks.values())
+        tasks = [t for _, t in self._tasks.values()]
         self._tasks.clear()
-        self._scraped.clear()
         for t in tasks:
             t.cancel()
         if tasks:

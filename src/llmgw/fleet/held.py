@@ -1,0 +1,29 @@
+"""Models the data path answers 503 ``model_unavailable`` rather than 404 while no replica serves them.
+
+The gateway reads ``held_models`` only on its cold path (a model with no pool, or one without
+replicas) and says ``reason`` when the container has one. Who holds what: a control plane's
+deployments (their served names), a control plane still loading them and a router before its first
+replica table (every name: any model may be one of theirs), a standby (the deployments' names).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+__all__ = ["HeldModels"]
+
+
+class HeldModels(frozenset[str]):
+    """Names held, and why (``reason``, said in the 503); ``every``: every name is held."""
+
+    reason: str
+    every: bool
+
+    def __new__(cls, names: Iterable[str] = (), *, reason: str, every: bool = False) -> HeldModels:
+        held = super().__new__(cls, names)
+        held.reason = reason
+        held.every = every
+        return held
+
+    def __contains__(self, item: object) -> bool:
+        return self.every or frozenset.__contains__(self, item)
