@@ -265,7 +265,7 @@ def test_real_process(root: Path, model_file: Path) -> None:
         [*cmd, "import", "/nonexistent.gguf"], env=env, capture_output=True, text=True, timeout=60
     )
     assert p.returncode == 1
-    assert p.stderr == "llmgw: error: /nonexistent.gguf does not exist\n"
+    assert p.stderr == "llmgw: error: /nonexistent.gguf does not exist; check the path, and give the model file itself\n"
 
 
 def test_a_projector_given_twice_is_refused(root: Path, model_file: Path, projector_file: Path, tmp_path: Path) -> None:

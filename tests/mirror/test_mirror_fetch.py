@@ -233,6 +233,41 @@ async def test_fetch_verifies_shares_one_download_and_reuses(tmp_path: Path, cap
     assert not any(m.credential in r.getMessage() for r in caplog.records)
 
 
+async def test_a_model_imported_again_on_the_control_plane_replaces_the_nodes_record(tmp_path: Path) -> None:
+    """The control plane's tiny:1b imported again with other files: the node records the new one
+    (it was logged and left, so gc on the node deleted the blob the replica ran on)."""
+    async with mirror_runtime(tmp_path) as m:
+        node_root = tmp_path / "node-mirror"
+        fetcher = MirrorFetcher(m.url, m.credential, node_root, backoff=0.01)
+        try:
+            await fetcher.ensure(m.spec("chat-1"), lambda d, t: None)
+            m.store.remove_model("tiny", "1b")
+            import_file(m.store, write_gguf(tmp_path / "src" / "tiny-v2.gguf", vocab=333), name="tiny:1b")
+            m.blobs, _ = resolve(m.store, "tiny:1b")
+            assert len(m.blobs) == 1
+            m.allowed.update(("node-a", b.digest) for b in m.blobs)
+            local = await fetcher.ensure(m.spec("chat-2"), lambda d, t: None)
+        finally:
+            await fetcher.close()
+        with MirrorStore(node_root) as node:
+            rec = node.get_model("tiny", "1b")
+            assert [f.digest for f in rec.files] == [m.blobs[0].digest] and rec.source_kind == "mirror"
+            node.gc()  # removes the old files, keeps what the replica runs on
+        assert Path(local.path).is_file() and sha(local.path) == m.blobs[0].digest
+        # a model imported on the node itself is never overwritten by a fetch
+        with MirrorStore(node_root) as node:
+            node.remove_model("tiny", "1b")
+            import_file(node, write_gguf(tmp_path / "src" / "own.gguf", vocab=334), name="tiny:1b")
+            own = [f.digest for f in node.get_model("tiny", "1b").files]
+        fetcher = MirrorFetcher(m.url, m.credential, node_root, backoff=0.01)
+        try:
+            await fetcher.ensure(m.spec("chat-3"), lambda d, t: None)
+        finally:
+            await fetcher.close()
+        with MirrorStore(node_root) as node:
+            assert [f.digest for f in node.get_model("tiny", "1b").files] == own
+
+
 async def test_interrupted_transfer_resumes_with_a_range(tmp_path: Path) -> None:
     async with mirror_runtime(tmp_path, big=600_000) as m:  # a model blob of ~2.4 MB
         model = m.blobs[0]
@@ -637,6 +672,13 @@ def test_parse_range() -> None:
             parse_range(bad, 10)
     with pytest.raises(RangeNotSatisfiableError):
         parse_range(b"bytes=0-", 0)
+
+
+def test_the_range_unit_is_case_insensitive() -> None:
+    """RFC 9110 section 14.1: "bytes", "BYTES" and "Bytes" are the same unit."""
+    for unit in (b"BYTES", b"Bytes", b"bYtEs"):
+        assert parse_range(unit + b"=3-5", 10) == (3, 6)
+        assert parse_range(unit + b" = -4", 10) == (6, 10)
 
 
 def test_credentials_issue_check_revoke() -> None:

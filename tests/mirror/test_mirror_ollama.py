@@ -488,6 +488,42 @@ def test_two_model_layers_are_malformed(
         import_ollama(store, "two", ollama_dir=ollama.root)
 
 
+def test_a_projector_as_the_model_layer_is_refused(ollama: OllamaStore, store: MirrorStore, proj: bytes) -> None:
+    """The role checks `import` makes: a clip projector is no model, whatever the manifest says."""
+    ollama.write_manifest([ollama.layer("model", proj)], model="mislabeled")
+    with pytest.raises(OllamaManifestError, match=r"model layer of mislabeled:latest is a vision projector \(clip\)"):
+        import_ollama(store, "mislabeled", ollama_dir=ollama.root)
+    _nothing_stored(store)
+
+
+def test_a_model_as_the_projector_layer_is_refused(
+    ollama: OllamaStore, store: MirrorStore, tiny: bytes, tmp_path: Path
+) -> None:
+    second = write_gguf(tmp_path / "2.gguf", vocab=301).read_bytes()
+    ollama.write_manifest([ollama.layer("model", tiny), ollama.layer("projector", second)], model="mislabeled")
+    with pytest.raises(OllamaManifestError, match="projector layer of mislabeled:latest is not a projector"):
+        import_ollama(store, "mislabeled", ollama_dir=ollama.root)
+    _nothing_stored(store)
+
+
+def test_a_layer_listed_twice_is_recorded_once(
+    ollama: OllamaStore, store: MirrorStore, tiny: bytes, proj: bytes
+) -> None:
+    twice = ollama.layer("projector", proj)
+    model = ollama.layer("model", tiny)
+    ollama.write_manifest([model, twice, model, twice], model="twice")
+    rec = import_ollama(store, "twice", ollama_dir=ollama.root).record
+    assert [(f.role, f.digest) for f in rec.files] == [("model", sha(tiny)), ("projector", sha(proj))]
+    assert rec.size == len(tiny) + len(proj)
+
+
+def test_one_blob_in_two_roles_is_malformed(ollama: OllamaStore, store: MirrorStore, proj: bytes) -> None:
+    ollama.write_manifest([ollama.layer("model", proj), ollama.layer("projector", proj)], model="both")
+    with pytest.raises(OllamaManifestError, match="as both a model and a projector layer"):
+        import_ollama(store, "both", ollama_dir=ollama.root)
+    _nothing_stored(store)
+
+
 def test_config_that_is_not_json(ollama: OllamaStore, store: MirrorStore, tiny: bytes) -> None:
     cfg = ollama.blob(b"\x00 not json")
     doc = {

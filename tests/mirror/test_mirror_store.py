@@ -382,7 +382,7 @@ def test_catalogue_from_a_newer_llmgw_is_refused(store: MirrorStore, model_file:
 def test_unreadable_catalogue_is_refused(root: Path) -> None:
     root.mkdir()
     (root / "catalogue.sqlite3").write_bytes(b"this is not a database" * 100)
-    with pytest.raises(CatalogueError, match="unreadable"):
+    with pytest.raises(CatalogueError, match=r"is damaged or not an llmgw catalogue .*Move it aside"):
         MirrorStore(root)
 
 

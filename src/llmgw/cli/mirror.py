@@ -11,6 +11,7 @@ import errno
 import functools
 import json
 import signal
+import sqlite3
 import sys
 import threading
 from collections.abc import Callable, Iterator
@@ -58,6 +59,10 @@ def _os_error_message(exc: OSError) -> str:
         errno.EPERM: "; check its permissions, or choose another mirror root with --root",
         errno.EROFS: "; the file system is read-only: choose another mirror root with --root",
         errno.ENOSPC: "; free some space (llmgw mirror gc removes unused blobs) and run it again",
+        errno.EDQUOT: "; you are over your disk quota: free some space (llmgw mirror gc removes unused blobs)"
+        " or choose another mirror root with --root",
+        errno.EFBIG: "; the file is larger than this process may write (ulimit -f) or the file system takes:"
+        " raise the limit, or choose another mirror root with --root",
         errno.EIO: "; the disk reported an I/O error: check it (dmesg) before trying again",
     }.get(exc.errno or 0, "")
     return f"{what}{where}{hint}"
@@ -89,6 +94,11 @@ def _errors(func: F) -> F:
             raise MirrorCliError(str(exc)) from exc
         except OSError as exc:
             raise MirrorCliError(_os_error_message(exc)) from exc
+        except sqlite3.Error as exc:  # (the catalogue turns these into MirrorErrors; a last resort)
+            raise MirrorCliError(
+                f"the mirror's catalogue failed: {exc}; run it again, and if it fails again check the disk"
+                " (dmesg) and the permissions of the mirror root"
+            ) from exc
         except KeyboardInterrupt as exc:
             signum = exc.signum if isinstance(exc, _Stopped) else signal.SIGINT
             raise MirrorInterruptedError(
@@ -295,6 +305,12 @@ def import_ollama_cmd(
 
 
 def _report_import(result: Any, root: Path, *, quiet: bool, as_json: bool) -> None:
+    for b in result.blobs:
+        if b.replaced:  # (on stderr, even with --quiet or --json: the mirror had a damaged blob)
+            echo_err(
+                f"llmgw: warning: blob {b.digest} ({b.path}) was corrupt; replaced it with the verified copy",
+                level="warning",
+            )
     if as_json:
         _print_json(result.to_json())
         return
@@ -529,6 +545,7 @@ def verify_cmd(
     root = _resolve_root(ctx, sub_root)
     from ..mirror import MirrorStore
 
+    unrecorded: Exception | None = None
     if not MirrorStore.exists(root):
         checks: list[Any] = []
         if name is not None:
@@ -537,7 +554,12 @@ def verify_cmd(
         with _open_store(root, create=False) as store:
             models = [_get(store, name)] if name is not None else None
             with make_progress(quiet=quiet) as progress:
-                checks = store.verify(models, progress=progress)
+                checks = store.verify(models, progress=progress, record=False)
+            # The results are shown even when they cannot be recorded (a read-only mirror).
+            try:
+                store.record_verified(checks)
+            except MirrorError as exc:
+                unrecorded = exc
     bad = [c for c in checks if not c.ok]
     if as_json:
         _print_json({"ok": not bad, "blobs": [c.to_json() for c in checks]})
@@ -558,13 +580,29 @@ def verify_cmd(
             click.echo(f"{len(checks)} blob(s) verified, all intact")
     for c in bad:
         detail = f" (it hashes to {c.actual})" if c.status == "corrupt" else ""
+        what = _not_a_file(c.path) if c.status == "not-a-file" else c.status
+        fix = "move it out of the mirror and import" if c.status == "not-a-file" else "import"
         echo_err(
-            f"llmgw: error: blob {c.digest} ({c.path}) is {c.status}{detail}, used by"
-            f" {', '.join(c.models) or 'no model'}; import the model again from its source to replace it",
+            f"llmgw: error: blob {c.digest} ({c.path}) is {what}{detail}, used by"
+            f" {', '.join(c.models) or 'no model'}; {fix} the model again from its source to replace it",
             level="error",
         )
+    if unrecorded is not None:
+        echo_err(f"llmgw: warning: {unrecorded}", level="warning")
     if bad:
         ctx.exit(EXIT_ERROR)
+
+
+def _not_a_file(path: Path) -> str:
+    import stat
+
+    try:
+        mode = path.lstat().st_mode
+    except OSError:
+        return "not a regular file"
+    kind = ("a directory" if stat.S_ISDIR(mode) else "a symbolic link" if stat.S_ISLNK(mode)
+            else "a device, pipe or socket")
+    return f"not a regular file ({kind})"
 
 
 @mirror.command("gc", short_help="Delete unused blobs and leftovers of interrupted imports.")
@@ -602,3 +640,9 @@ def gc_cmd(ctx: click.Context, dry_run: bool, as_json: bool, sub_root: Path | No
         f"{verb} {len(report.blobs)} unused blob(s) and {len(report.temp_files)} partial file(s),"
         f" {_human(report.reclaimed)}"
     )
+    if report.busy:
+        echo_err(
+            f"llmgw: note: an import (or a fetch) into {root} is running now: gc would refuse until it has"
+            " finished; the list leaves out its files in progress",
+            level="warning",
+        )

@@ -8,11 +8,21 @@ blob is in place, so a reader never sees a model whose files are missing.
 The database runs in WAL mode with ``synchronous=FULL`` (a committed import
 survives a power cut) and a busy timeout, so concurrent imports queue rather than
 fail.
+
+A mirror this user cannot write (``chmod -R a-w``, a root directory without ``w``, a
+read-only mount) is opened read-only, so ``ls``, ``show``, ``verify`` and ``gc --dry-run``
+still work: with ``mode=ro``, or, when SQLite cannot create the ``-shm`` file WAL mode
+reads through (a read-only directory), with ``immutable=1``, which is only right when no
+``-wal`` file holds changes (then the catalogue refuses with what to do). Every SQLite
+error becomes one of the mirror's errors: :class:`CatalogueAccessError` (cannot write;
+fix the permissions or run as the owner), :class:`NoSpaceError` (disk full),
+:class:`MirrorBusyError` or :class:`CatalogueError`.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sqlite3
 import time
 from collections.abc import Iterator, Sequence
@@ -22,7 +32,15 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from .errors import CatalogueError, ModelExistsError, ModelNotFoundError
+from .errors import (
+    CatalogueAccessError,
+    CatalogueError,
+    MirrorBusyError,
+    MirrorError,
+    ModelExistsError,
+    ModelNotFoundError,
+    NoSpaceError,
+)
 from .names import format_ref
 
 __all__ = ["SCHEMA_VERSION", "Catalogue", "FileEntry", "ModelRecord", "StoredFile", "utc_now"]
@@ -67,6 +85,25 @@ CREATE TABLE files (
 );
 CREATE INDEX files_digest ON files(digest);
 """
+
+
+# SQLite's primary result codes (the low byte of an extended code) that mean "this
+# process may not write (or open) the file": the read-only fallback, and the message
+# that names permissions rather than corruption.
+_CANNOT_WRITE = frozenset({sqlite3.SQLITE_READONLY, sqlite3.SQLITE_CANTOPEN, sqlite3.SQLITE_PERM})
+
+
+def _code(exc: sqlite3.Error) -> int:
+    return getattr(exc, "sqlite_errorcode", 0) & 0xFF
+
+
+def _owner(path: Path) -> str | None:
+    try:
+        import pwd
+
+        return pwd.getpwuid(os.stat(path).st_uid).pw_name
+    except (ImportError, KeyError, OSError):
+        return None
 
 
 def utc_now() -> str:
@@ -190,22 +227,186 @@ class Catalogue:
     def __init__(self, path: Path, blob_path: Any, *, create: bool = True) -> None:
         self.path = path
         self._blob_path = blob_path
+        # Opened read-only (the file or its directory is not writable here): reads work, writes
+        # raise CatalogueAccessError.
+        self.read_only = False
         if not create and not path.exists():
             raise CatalogueError(f"no catalogue at {path}; import a model first (llmgw mirror import FILE)")
         try:
             self._db = sqlite3.connect(path, timeout=_BUSY_TIMEOUT_S, isolation_level=None)
         except sqlite3.Error as exc:
-            raise CatalogueError(f"cannot open the catalogue {path}: {exc}") from exc
+            raise self._error(exc, "nothing was read or changed") from exc
         try:
             self._setup()
-        except sqlite3.DatabaseError as exc:
+        except sqlite3.Error as exc:
             self._db.close()
-            raise CatalogueError(
-                f"the catalogue {path} is unreadable ({exc}); move it aside and import the models again"
-            ) from exc
+            if _code(exc) not in _CANNOT_WRITE or not path.is_file():
+                raise self._error(exc, "nothing was read or changed") from exc
+            self._open_read_only()
         except BaseException:
             self._db.close()
             raise
+
+    def _open_read_only(self) -> None:
+        """Open the catalogue for reading only (see the module docstring); ``self._db`` is then that."""
+        uri = self.path.absolute().as_uri()
+        last: sqlite3.Error | None = None
+        for options in ("mode=ro", "immutable=1"):
+            if options == "immutable=1":
+                # immutable: SQLite reads the main file only, without locks or the -shm it
+                # cannot create here. Changes still in the -wal file would be unseen (whole
+                # models missing), so then refuse; an empty or absent -wal holds nothing.
+                try:
+                    wal = os.stat(f"{self.path}-wal").st_size
+                except FileNotFoundError:
+                    wal = 0
+                except OSError:
+                    wal = 1
+                if wal:
+                    raise CatalogueAccessError(
+                        f"cannot read the catalogue {self.path}: its last changes are in {self.path}-wal,"
+                        f" which SQLite reads only with a {self.path}-shm file that this user cannot create"
+                        f" ({self._not_writable()[0]}); nothing was read. Run llmgw mirror ls once as"
+                        f" {self._owner_words()} (that folds them into the catalogue), or make"
+                        f" {self.path.parent} writable"
+                    )
+            try:
+                db = sqlite3.connect(
+                    f"{uri}?{options}", uri=True, timeout=_BUSY_TIMEOUT_S, isolation_level=None
+                )
+            except sqlite3.Error as exc:
+                last = exc
+                continue
+            try:
+                version = db.execute("PRAGMA user_version").fetchone()[0]
+                if version > SCHEMA_VERSION:
+                    raise CatalogueError(
+                        f"the catalogue {self.path} was written by a newer llmgw (schema {version}); upgrade llmgw"
+                    )
+                if version < SCHEMA_VERSION:
+                    raise CatalogueAccessError(
+                        f"the catalogue {self.path} is not set up yet and cannot be written here"
+                        f" ({self._not_writable()[0]}); nothing was read. Import a model as"
+                        f" {self._owner_words()}, or fix the permissions of {self.path.parent}"
+                    )
+                db.execute("PRAGMA foreign_keys=ON")
+                db.execute("SELECT count(*) FROM models").fetchone()  # (reads through the WAL, if any)
+            except sqlite3.Error as exc:
+                db.close()
+                if _code(exc) in _CANNOT_WRITE:
+                    last = exc
+                    continue
+                raise self._error(exc, "nothing was read") from exc
+            except BaseException:
+                db.close()
+                raise
+            self._db = db
+            self.read_only = True
+            return
+        assert last is not None
+        raise self._error(last, "nothing was read") from last
+
+    # -- errors ---------------------------------------------------------------
+
+    def _not_writable(self) -> tuple[str, str]:
+        """Why this process cannot write the catalogue, and the fix, in words (best effort)."""
+        parent = self.path.parent
+        try:
+            if os.statvfs(parent).f_flag & os.ST_RDONLY:
+                return (
+                    f"the file system holding {parent} is mounted read-only",
+                    "Mount it read-write, or use another mirror root (--root)",
+                )
+        except OSError:
+            pass
+        paths = [p for p in (self.path, Path(f"{self.path}-wal"), Path(f"{self.path}-shm")) if p.exists()]
+        denied = [p for p in paths if not os.access(p, os.W_OK)]
+        if not os.access(parent, os.W_OK | os.X_OK):
+            denied.insert(0, parent)
+        if not denied:
+            return (
+                "it is read-only for this user",
+                f"Check its permissions, or run this as {self._owner_words()}",
+            )
+        names = ", ".join(("its directory " + str(p)) if p == parent else str(p) for p in denied)
+        return (
+            f"this user may not write {names}",
+            f"Make {'them' if len(denied) > 1 else 'it'} writable (chmod u+w {' '.join(map(str, denied))}),"
+            f" or run this as {self._owner_words()}",
+        )
+
+    def _owner_words(self) -> str:
+        owner = _owner(self.path if self.path.exists() else self.path.parent)
+        return f"{owner}, who owns it" if owner else "the user who owns it"
+
+    def _access_error(self, exc: sqlite3.Error | None, consequence: str | None) -> CatalogueAccessError:
+        detail = f" ({exc})" if exc is not None else ""
+        then = f"; {consequence}" if consequence else ""
+        if self.path.exists() and not os.access(self.path, os.R_OK):
+            return CatalogueAccessError(
+                f"cannot read the catalogue {self.path}: this user may not{detail}{then}. Fix its permissions"
+                f" (chmod u+r {self.path}), or run this as {self._owner_words()}"
+            )
+        why, fix = self._not_writable()
+        return CatalogueAccessError(f"cannot write to the catalogue {self.path}: {why}{detail}{then}. {fix}")
+
+    def _error(self, exc: sqlite3.Error, consequence: str | None) -> MirrorError:
+        """The mirror's error for a failed SQLite call; ``consequence`` says what did not happen."""
+        code = _code(exc)
+        then = f"; {consequence}" if consequence else ""
+        where = f"the catalogue {self.path}"
+        if code == sqlite3.SQLITE_FULL:
+            return NoSpaceError(
+                f"the disk holding {where} is full ({exc}){then}. Free some space (llmgw mirror gc removes"
+                " unused blobs) and run it again"
+            )
+        if code in _CANNOT_WRITE or (self.read_only and code == sqlite3.SQLITE_READONLY):
+            return self._access_error(exc, consequence)
+        if code in (sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED):
+            return MirrorBusyError(
+                f"{where} stayed locked by another llmgw process for {_BUSY_TIMEOUT_S:.0f} s ({exc}){then}."
+                " Run it again when the other command has finished"
+            )
+        if code == sqlite3.SQLITE_IOERR:
+            return CatalogueError(
+                f"reading or writing {where} failed with an I/O error ({exc}){then}. Check the disk (dmesg)"
+                " before trying again"
+            )
+        # CORRUPT, NOTADB, or a database without our tables: not (or no longer) an llmgw catalogue.
+        return CatalogueError(
+            f"{where} is damaged or not an llmgw catalogue ({exc}){then}. Move it aside and import the models"
+            " again"
+        )
+
+    @contextmanager
+    def _errors(self, consequence: str | None = None) -> Iterator[None]:
+        """Turn SQLite's errors in the block into the mirror's (see :meth:`_error`)."""
+        try:
+            yield
+        except sqlite3.Error as exc:
+            raise self._error(exc, consequence) from exc
+
+    def check_writable(self, consequence: str) -> None:
+        """Raise now if this process cannot write the catalogue, before work that would then be lost.
+
+        It writes a header field in a transaction that it rolls back: SQLite says
+        ``SQLITE_READONLY`` for a file, a directory or a mount this process may not write.
+
+        Raises:
+            CatalogueAccessError: the catalogue is read-only here.
+            MirrorBusyError: another process held its write lock past the busy timeout.
+        """
+        if self.read_only:
+            raise self._access_error(None, consequence)
+        db = self._db
+        with self._errors(consequence):
+            db.execute("BEGIN IMMEDIATE")
+            try:
+                version = int(db.execute("PRAGMA user_version").fetchone()[0])
+                db.execute(f"PRAGMA user_version={version}")
+            finally:
+                if db.in_transaction:
+                    db.execute("ROLLBACK")
 
     def _setup(self) -> None:
         # SQLite answers "database is locked" at once, without waiting in its busy
@@ -258,10 +459,16 @@ class Catalogue:
         db.execute("BEGIN IMMEDIATE")
         try:
             yield db
+            db.execute("COMMIT")
         except BaseException:
-            db.execute("ROLLBACK")
+            # (SQLite rolls some failures back itself: a full disk, an I/O error. A ROLLBACK
+            # that fails too would only hide the error that says what went wrong.)
+            if db.in_transaction:
+                try:
+                    db.execute("ROLLBACK")
+                except sqlite3.Error:
+                    pass
             raise
-        db.execute("COMMIT")
 
     # -- models ---------------------------------------------------------------
 
@@ -302,15 +509,17 @@ class Catalogue:
 
     def get(self, name: str, tag: str) -> ModelRecord | None:
         """Return the model ``name:tag`` (case-insensitive) or ``None``."""
-        row = self._db.execute(
-            f"SELECT {self._MODEL_COLS} FROM models WHERE name = ? AND tag = ?", (name, tag)
-        ).fetchone()
-        return self._record(row) if row else None
+        with self._errors():
+            row = self._db.execute(
+                f"SELECT {self._MODEL_COLS} FROM models WHERE name = ? AND tag = ?", (name, tag)
+            ).fetchone()
+            return self._record(row) if row else None
 
     def models(self) -> list[ModelRecord]:
         """Return every model, sorted by name and tag."""
-        rows = self._db.execute(f"SELECT {self._MODEL_COLS} FROM models ORDER BY name, tag").fetchall()
-        return [self._record(r) for r in rows]
+        with self._errors():
+            rows = self._db.execute(f"SELECT {self._MODEL_COLS} FROM models ORDER BY name, tag").fetchall()
+            return [self._record(r) for r in rows]
 
     def add(
         self,
@@ -321,21 +530,27 @@ class Catalogue:
         source_kind: str,
         source: str,
         info: dict[str, Any],
+        replace: bool = False,
     ) -> tuple[ModelRecord, bool]:
         """Record a model and its files in one transaction.
 
         The caller has put every blob in place first. If ``name:tag`` exists with
         the same files (roles and digests), nothing changes.
 
+        Args:
+            replace: a ``name:tag`` recorded with different files is replaced (its blobs
+                stay until ``gc``) instead of refused.
+
         Returns:
             The record and whether it was created (``False``: it was already there).
 
         Raises:
-            ModelExistsError: ``name:tag`` exists with different files.
+            ModelExistsError: ``name:tag`` exists with different files (and not ``replace``).
+            CatalogueAccessError, NoSpaceError, MirrorBusyError, CatalogueError: it could not be written.
         """
         now = utc_now()
         wanted = [(f.role, f.digest) for f in files]
-        with self.transaction() as db:
+        with self._errors(f"{format_ref(name, tag)} was not recorded"), self.transaction() as db:
             row = db.execute(
                 f"SELECT {self._MODEL_COLS} FROM models WHERE name = ? AND tag = ?", (name, tag)
             ).fetchone()
@@ -343,6 +558,10 @@ class Catalogue:
                 existing = self._record(row)
                 if [(f.role, f.digest) for f in existing.files] == wanted:
                     return existing, False
+                if replace:
+                    db.execute("DELETE FROM models WHERE id = ?", (row[0],))
+                    row = None
+            if row is not None:
                 raise ModelExistsError(
                     f"{existing.ref} is already in the mirror with different files; nothing was changed."
                     f" Pick another name with --name, or remove it first (llmgw mirror rm {existing.ref})"
@@ -394,8 +613,9 @@ class Catalogue:
 
         Raises:
             ModelNotFoundError: there is no such model.
+            CatalogueAccessError, NoSpaceError, MirrorBusyError, CatalogueError: it could not be written.
         """
-        with self.transaction() as db:
+        with self._errors(f"{format_ref(name, tag)} was not removed"), self.transaction() as db:
             row = db.execute(
                 f"SELECT {self._MODEL_COLS} FROM models WHERE name = ? AND tag = ?", (name, tag)
             ).fetchone()
@@ -411,30 +631,43 @@ class Catalogue:
 
     def referenced_digests(self) -> set[str]:
         """Return the digests some model's file uses."""
-        return {r[0] for r in self._db.execute("SELECT DISTINCT digest FROM files")}
+        with self._errors():
+            return {r[0] for r in self._db.execute("SELECT DISTINCT digest FROM files")}
 
     def blob_users(self) -> dict[str, list[str]]:
         """Return, per digest, the ``name:tag`` of each model that uses it."""
         users: dict[str, list[str]] = {}
-        for digest, name, tag in self._db.execute(
-            "SELECT f.digest, m.name, m.tag FROM files f JOIN models m ON m.id = f.model_id ORDER BY m.name, m.tag"
-        ):
-            users.setdefault(digest, []).append(format_ref(name, tag))
+        with self._errors():
+            for digest, name, tag in self._db.execute(
+                "SELECT f.digest, m.name, m.tag FROM files f JOIN models m ON m.id = f.model_id"
+                " ORDER BY m.name, m.tag"
+            ):
+                users.setdefault(digest, []).append(format_ref(name, tag))
         return users
 
     def blob_sizes(self) -> dict[str, int]:
         """Return the recorded size of every blob a model uses."""
-        return {r[0]: r[1] for r in self._db.execute("SELECT DISTINCT digest, size FROM files")}
+        with self._errors():
+            return {r[0]: r[1] for r in self._db.execute("SELECT DISTINCT digest, size FROM files")}
 
     def mark_verified(self, digests: Sequence[str]) -> None:
-        """Record that ``digests`` were re-hashed and found intact just now."""
+        """Record that ``digests`` were re-hashed and found intact just now.
+
+        Raises:
+            CatalogueAccessError, NoSpaceError, MirrorBusyError, CatalogueError: it could not be written.
+        """
         now = utc_now()
-        with self.transaction() as db:
+        with self._errors("the results were not recorded"), self.transaction() as db:
             db.executemany("UPDATE blobs SET verified_at = ? WHERE digest = ?", [(now, d) for d in digests])
 
     def forget_unused_blobs(self) -> None:
-        """Delete the rows of blobs no model uses any more (after ``gc`` removed their files)."""
-        with self.transaction() as db:
+        """Delete the rows of blobs no model uses any more (after ``gc`` removed their files).
+
+        Raises:
+            CatalogueAccessError, NoSpaceError, MirrorBusyError, CatalogueError: it could not be written
+                (the rows stay; nothing reads them for a blob no model uses, and the next ``gc`` forgets them).
+        """
+        with self._errors("the removed blobs' rows stay in it until the next gc"), self.transaction() as db:
             db.execute(
                 "DELETE FROM blobs WHERE NOT EXISTS (SELECT 1 FROM files WHERE files.digest = blobs.digest)"
             )

@@ -2,8 +2,11 @@
 
 Every message is meant to be shown to a user as is, on one line: it says what is
 wrong and what to do about it. OS failures (permissions, I/O errors) stay builtin
-:class:`OSError`\\ s, except "disk full", which the mirror turns into
-:class:`NoSpaceError` because it knows the fix.
+:class:`OSError`\\ s, except "disk full" and "file too large", which the mirror turns into
+:class:`NoSpaceError` and :class:`FileTooLargeError` because it knows the fix. SQLite's
+errors never escape: the catalogue turns them into :class:`CatalogueAccessError` (cannot
+write), :class:`NoSpaceError` (disk full), :class:`MirrorBusyError` (locked too long) or
+:class:`CatalogueError`.
 """
 
 from __future__ import annotations
@@ -11,10 +14,12 @@ from __future__ import annotations
 from llmgw.errors import LlmgwError
 
 __all__ = [
+    "CatalogueAccessError",
     "CatalogueError",
     "CorruptBlobError",
     "DigestMismatchError",
     "FetchError",
+    "FileTooLargeError",
     "GGUFFormatError",
     "InvalidNameError",
     "MirrorBusyError",
@@ -32,6 +37,7 @@ __all__ = [
     "OllamaUnsupportedError",
     "SourceChangedError",
     "SourceError",
+    "StoreLayoutError",
 ]
 
 
@@ -67,12 +73,27 @@ class NoSpaceError(MirrorError, OSError):
     """The mirror's file system is full (or too small for the file)."""
 
 
+class FileTooLargeError(MirrorError, OSError):
+    """A file is larger than this process may write (``ulimit -f``) or than the file system takes."""
+
+
 class CatalogueError(MirrorError):
-    """The catalogue database is unreadable or from a newer llmgw."""
+    """The catalogue database is unreadable, damaged, from a newer llmgw, or failed (an I/O error)."""
+
+
+class CatalogueAccessError(CatalogueError, PermissionError):
+    """This user cannot write (or read) the catalogue: its file or its directory, or a read-only file system.
+
+    Commands that only read still work on a read-only mirror; this is raised when one would write.
+    """
+
+
+class StoreLayoutError(MirrorError):
+    """Something llmgw did not make is in the way inside the mirror (a directory at a blob's path)."""
 
 
 class MirrorBusyError(MirrorError):
-    """Another llmgw process holds the mirror (an import is running during ``gc``)."""
+    """Another llmgw process holds the mirror (an import is running during ``gc``), or the catalogue stayed locked."""
 
 
 class ModelNotFoundError(MirrorError, LookupError):

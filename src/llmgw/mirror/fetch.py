@@ -657,12 +657,29 @@ class MirrorFetcher:
             files.append(FileEntry(b.role, b.digest, b.size, None, self.base_url, summary))
         # (a connection of this thread: SQLite connections stay in the thread that opened them)
         with MirrorStore(self.store.root) as store:
+            # The control plane is authoritative for what it placed here: a record an earlier
+            # fetch made (source_kind mirror) of a model it has since imported again under the
+            # same name is replaced, or `llmgw mirror gc` on the node would delete the blobs
+            # the replica now runs on. A model imported on the node itself is never overwritten.
+            existing = store.catalogue.get(name, tag)
+            replace = existing is not None and existing.source_kind == "mirror"
             try:
-                store.record_model(name, tag, files, source_kind="mirror", source=self.base_url)
+                _, created = store.record_model(
+                    name, tag, files, source_kind="mirror", source=self.base_url, replace=replace
+                )
             except ModelExistsError:
+                assert existing is not None
                 log.warning(
-                    "the node's mirror already has a different %s:%s; the fetched one is not recorded"
-                    " (llmgw mirror gc may remove its blobs)", name, tag,
+                    "the node's mirror at %s has its own %s:%s (%s %s), with other files than the control"
+                    " plane's; the fetched one is not recorded, so llmgw mirror gc on this node would remove"
+                    " its blobs: remove the node's own (llmgw mirror rm %s:%s --root %s)",
+                    store.root, name, tag, existing.source_kind, existing.source, name, tag, store.root,
+                )
+                return
+            if replace and created:
+                log.info(
+                    "%s:%s in the node's mirror at %s now has the control plane's files (it was imported"
+                    " there again); the old ones stay until llmgw mirror gc", name, tag, store.root,
                 )
 
 

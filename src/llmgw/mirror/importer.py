@@ -74,13 +74,16 @@ class SourceFile:
     filename: str | None = None
 
 
-def open_source(path: Path, label: str, *, nofollow: bool = False) -> tuple[int, os.stat_result]:
+def open_source(
+    path: Path, label: str, *, nofollow: bool = False, missing_fix: str = "check the path"
+) -> tuple[int, os.stat_result]:
     """Open a file to import; refuse anything but a non-empty regular file.
 
     Args:
         path: the file.
         label: how messages name it.
         nofollow: refuse a symbolic link as the last component.
+        missing_fix: what to do about a file that does not exist, for its message.
 
     Returns:
         ``(fd, fstat)``.
@@ -94,7 +97,7 @@ def open_source(path: Path, label: str, *, nofollow: bool = False) -> tuple[int,
         fd = os.open(path, flags)
     except FileNotFoundError as exc:
         where = "" if str(path) in label else f" ({path})"
-        raise SourceError(f"{label} does not exist{where}") from exc
+        raise SourceError(f"{label} does not exist{where}; {missing_fix}") from exc
     try:
         st = os.fstat(fd)
         if stat.S_ISDIR(st.st_mode):
@@ -173,8 +176,11 @@ def import_sources(
 
     Raises:
         ModelExistsError: ``name:tag`` exists with different files.
+        CatalogueAccessError: the catalogue is read-only here (found before anything is copied).
         MirrorError: a copy failed (see :meth:`MirrorStore.add_blob`).
     """
+    # Before gigabytes are copied for nothing: a catalogue this user cannot write.
+    store.catalogue.check_writable("nothing was imported")
     existing = store.catalogue.get(name, tag)
     if existing is not None and [(f.role, f.size) for f in existing.files] != [
         (s.role, s.stat.st_size) for s in sources
@@ -250,7 +256,7 @@ def import_file(
     try:
         for role, p in wanted:
             label = f"{role} file {p}" if role != "model" else str(p)
-            fd, st = open_source(p, label)
+            fd, st = open_source(p, label, missing_fix="check the path, and give the model file itself")
             src = SourceFile(role=role, label=label, path=p, fd=fd, stat=st)
             sources.append(src)
             if not raw:

@@ -20,15 +20,21 @@ MAX_PART = 80
 _PART = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]*")
 
 
+# (every refusal ends with what to write instead)
+_FIX = "; write NAME[:TAG] like qwen2.5:7b or team/model:q4"
+
+
 def _check_part(part: str, what: str, ref: str) -> None:
     if not part:
-        raise InvalidNameError(f"model name {ref!r} has an empty {what}; write NAME[:TAG], e.g. qwen2.5:7b")
+        raise InvalidNameError(f"model name {ref!r} has an empty {what}{_FIX}")
     if len(part) > MAX_PART:
-        raise InvalidNameError(f"model name {ref!r}: the {what} is longer than {MAX_PART} characters")
+        raise InvalidNameError(
+            f"model name {ref!r}: the {what} is longer than {MAX_PART} characters; shorten it{_FIX}"
+        )
     if not _PART.fullmatch(part):
         raise InvalidNameError(
             f"model name {ref!r}: the {what} {part!r} may only hold letters, digits, '.', '_' and '-'"
-            " and must start with a letter, digit or '_'"
+            f" and must start with a letter, digit or '_'{_FIX}"
         )
 
 
@@ -50,7 +56,7 @@ def parse_ref(ref: str, *, default_tag: str = DEFAULT_TAG) -> tuple[str, str]:
         name, tag = ref, default_tag
     parts = name.split("/")
     if len(parts) > 3:
-        raise InvalidNameError(f"model name {ref!r} has more than three '/'-separated parts")
+        raise InvalidNameError(f"model name {ref!r} has more than three '/'-separated parts{_FIX}")
     for part in parts:
         _check_part(part, "name part", ref)
     _check_part(tag, "tag", ref)

@@ -473,7 +473,9 @@ class _OllamaStore:
         """Open a blob for reading and check its size against the manifest."""
         path = self.blob_path(layer)
         label = f"{layer.kind} blob {layer.blob_name} of {self.display}"
-        fd, st = open_source(path, label, nofollow=True)
+        fd, st = open_source(
+            path, label, nofollow=True, missing_fix=f"pull the model again (ollama pull {self.display})"
+        )
         try:
             self._check_size(layer, st)
         except BaseException:
@@ -621,7 +623,19 @@ def import_ollama(
             " llmgw mirror import"
         )
     config = parse_config(ostore.read_small(manifest.config), display)
-    weights = [layer for layer in manifest.layers if layer.kind in _ROLE_OF]
+    # A blob listed twice in one role is one file, kept once (`import` refuses a file given
+    # twice; here the manifest is not the user's to fix). One blob in two roles is malformed.
+    unique: dict[str, Layer] = {}
+    for layer in manifest.layers:
+        if layer.kind not in _ROLE_OF:
+            continue
+        seen = unique.setdefault(layer.digest, layer)
+        if seen.kind != layer.kind:
+            raise OllamaManifestError(
+                f"{where} lists the blob {layer.digest} as both a {seen.kind} and a {layer.kind} layer;"
+                " pull the model again"
+            )
+    weights = list(unique.values())
     models = [layer for layer in weights if layer.kind == "model"]
     if not models:
         raise OllamaUnsupportedError(f"{display} has no model layer: there are no local weights to mirror")
@@ -677,6 +691,19 @@ def import_ollama(
                 raise OllamaUnsupportedError(
                     f"the {layer.kind} layer of {display} is not GGUF ({exc}); llmgw mirrors GGUF models only"
                 ) from exc
+            # The roles `import` checks (check_gguf's), in words for a manifest rather than a command line.
+            if layer.kind == "model" and src.gguf.is_projector:
+                raise OllamaManifestError(
+                    f"the model layer of {display} is a vision projector ({src.gguf.architecture}), not a"
+                    " model; llama.cpp cannot run it. Pull the model again, or import its GGUF files with"
+                    " llmgw mirror import MODEL.gguf --projector MMPROJ.gguf"
+                )
+            if layer.kind == "projector" and not src.gguf.is_projector:
+                raise OllamaManifestError(
+                    f"the projector layer of {display} is not a projector"
+                    f" (general.architecture={src.gguf.architecture}); pull the model again, or import its"
+                    " GGUF files with llmgw mirror import MODEL.gguf --projector MMPROJ.gguf"
+                )
             src.label = f"{layer.kind} {display}"
         return import_sources(
             store,

@@ -74,7 +74,8 @@ STALL_S = 120.0
 _POLL_MS = 500
 _O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 _O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
-_RANGE = re.compile(rb"bytes[ \t]*=[ \t]*(\d*)[ \t]*-[ \t]*(\d*)[ \t]*")
+# (the unit is case-insensitive: RFC 9110 section 14.1)
+_RANGE = re.compile(rb"bytes[ \t]*=[ \t]*(\d*)[ \t]*-[ \t]*(\d*)[ \t]*", re.IGNORECASE)
 
 Authorizer = Callable[[str, str], bool]
 """``allowed(node, digest)``: whether a replica placed on ``node`` needs the blob ``digest``."""

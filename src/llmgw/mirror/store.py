@@ -52,11 +52,13 @@ from typing import Any
 from .catalogue import Catalogue, FileEntry, ModelRecord
 from .errors import (
     DigestMismatchError,
+    FileTooLargeError,
     MirrorBusyError,
     ModelNotFoundError,
     NoSpaceError,
     SourceChangedError,
     SourceError,
+    StoreLayoutError,
 )
 from .progress import NullProgress, Progress
 
@@ -128,12 +130,15 @@ class BlobResult:
         size: bytes.
         path: its path in the store.
         reused: the store already had it (verified); nothing new was written.
+        replaced: the store had a corrupt blob under that name (or a link, ...); the
+            verified copy replaced it.
     """
 
     digest: str
     size: int
     path: Path
     reused: bool
+    replaced: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,7 +150,8 @@ class BlobCheck:
         size: its recorded size.
         path: where it should be.
         status: ``ok``, ``corrupt`` (its bytes hash to something else),
-            ``wrong-size``, or ``missing``.
+            ``wrong-size``, ``not-a-file`` (a directory, a symbolic link, ... at its
+            path), or ``missing``.
         actual: the digest its bytes have, for a corrupt blob.
         models: the ``name:tag`` of each model that uses it.
     """
@@ -182,11 +188,14 @@ class GcReport:
         blobs: ``(digest, size, path)`` of each blob no model uses.
         temp_files: ``(path, size)`` of each temporary file left by an interrupted import.
         dry_run: nothing was removed.
+        busy: (``dry_run`` only) an import or a fetch holds the mirror now, so ``gc``
+            would refuse to run; the lists leave out its files in progress.
     """
 
     blobs: list[tuple[str, int, Path]] = field(default_factory=list)
     temp_files: list[tuple[Path, int]] = field(default_factory=list)
     dry_run: bool = False
+    busy: bool = False
 
     @property
     def reclaimed(self) -> int:
@@ -197,6 +206,7 @@ class GcReport:
         """Return a JSON-friendly dict."""
         return {
             "dry_run": self.dry_run,
+            "busy": self.busy,
             "reclaimed": self.reclaimed,
             "blobs": [{"digest": d, "size": s, "path": str(p)} for d, s, p in self.blobs],
             "temp_files": [{"path": str(p), "size": s} for p, s in self.temp_files],
@@ -342,11 +352,40 @@ def _free_bytes(path: Path) -> int:
 
 
 def _human(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024  # type: ignore[assignment]
+    """Bytes in decimal units (KB, MB, ...), as the CLI prints every size."""
+    size = float(n)
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if size < 1000 or unit == "TB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1000
     raise AssertionError("unreachable")  # pragma: no cover
+
+
+def _pid_alive(pid: int) -> bool:
+    """Whether a process ``pid`` exists (any user's); a reused pid makes a dead one look alive, which only
+    makes ``gc --dry-run`` list a leftover less."""
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)  # (PermissionError: another user's process, alive too)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
+
+
+def _file_too_large(root: Path, label: str, size: int) -> str:
+    import resource
+
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    if limit != resource.RLIM_INFINITY and limit < size:
+        why = f"this process may not write files over {_human(limit)} (ulimit -f)"
+        fix = "Raise the limit (ulimit -f unlimited) and run it again"
+    else:
+        why = f"the file system holding {root} does not take files that large"
+        fix = "Use a mirror root on another file system (--root)"
+    return f"cannot store {label} ({_human(size)}) in {root}: {why}; nothing was recorded. {fix}"
 
 
 class MirrorStore:
@@ -426,8 +465,20 @@ class MirrorStore:
 
     # -- locking --------------------------------------------------------------
 
-    def _open_lock(self) -> int:
-        return os.open(self.lock_path, os.O_RDWR | os.O_CREAT | _O_CLOEXEC | _O_NOFOLLOW, 0o644)
+    def _open_lock(self, *, required: bool = True) -> int | None:
+        """Open the lock file; ``None`` when it cannot be opened and not ``required`` (a read-only mirror)."""
+        try:
+            return os.open(self.lock_path, os.O_RDWR | os.O_CREAT | _O_CLOEXEC | _O_NOFOLLOW, 0o644)
+        except OSError as exc:
+            if exc.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
+                raise
+            try:
+                # flock works as well on a descriptor open for reading (a read-only mirror).
+                return os.open(self.lock_path, os.O_RDONLY | _O_CLOEXEC | _O_NOFOLLOW)
+            except OSError:
+                if required:
+                    raise exc from None
+                return None
 
     @contextmanager
     def importing(self) -> Iterator[None]:
@@ -437,6 +488,7 @@ class MirrorStore:
         interrupted imports are removed first.
         """
         fd = self._open_lock()
+        assert fd is not None
         try:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -450,8 +502,35 @@ class MirrorStore:
             os.close(fd)
 
     @contextmanager
+    def _reading(self) -> Iterator[None]:
+        """Keep ``gc`` out while reading blobs (``verify``); on a mirror whose lock file this user can
+        neither open nor create, read without it (nobody without write access can ``gc`` it either)."""
+        fd = self._open_lock(required=False)
+        try:
+            if fd is not None:
+                fcntl.flock(fd, fcntl.LOCK_SH)
+            yield
+        finally:
+            if fd is not None:
+                os.close(fd)
+
+    def _held_by_another(self) -> bool:
+        """Whether an import or a fetch holds the mirror now (so ``gc`` would refuse)."""
+        fd = self._open_lock(required=False)
+        if fd is None:
+            return False
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        finally:
+            os.close(fd)  # (closing releases the lock, if it was taken)
+        return False
+
+    @contextmanager
     def _exclusive(self) -> Iterator[None]:
         fd = self._open_lock()
+        assert fd is not None
         try:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -467,6 +546,9 @@ class MirrorStore:
         """Remove the temporary files of interrupted imports; with ``fetches``, partial fetches too.
 
         (An import sweeps only its own kind: a partial fetch is kept to be resumed; ``gc`` removes both.)
+        A dry run leaves out the files of an import or a fetch still running (a live ``<pid>-`` prefix,
+        a partial fetch under its writer's ``flock``): ``gc`` runs only when none is, and would not
+        find them.
         """
         found = []
         try:
@@ -479,7 +561,10 @@ class MirrorStore:
             path = self.tmp_dir / name
             try:
                 size = os.lstat(path).st_size
-                if not dry_run:
+                if dry_run:
+                    if self._in_progress(name, path):
+                        continue
+                else:
                     os.unlink(path)
             except FileNotFoundError:
                 continue
@@ -487,6 +572,22 @@ class MirrorStore:
         if found and not dry_run:
             log.debug("removed %d temporary file(s) left by interrupted imports", len(found))
         return found
+
+    @staticmethod
+    def _in_progress(name: str, path: Path) -> bool:
+        if _TEMP.fullmatch(name):
+            return _pid_alive(int(name.partition("-")[0]))
+        try:
+            fd = os.open(path, os.O_RDONLY | _O_CLOEXEC | _O_NOFOLLOW | getattr(os, "O_NONBLOCK", 0))
+        except OSError:
+            return False
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        finally:
+            os.close(fd)
+        return False
 
     # -- adding blobs ---------------------------------------------------------
 
@@ -561,17 +662,23 @@ class MirrorStore:
                 digest = self._copy_into(src_fd, dst_fd, st0, size, expected_digest, progress, label)
             finally:
                 os.close(dst_fd)
-            reused = self._place(tmp_path, digest, size, progress, label)
+            placed = self._place(tmp_path, digest, size, progress, label)
         except OSError as exc:
-            if exc.errno in (errno.ENOSPC, errno.EDQUOT) and not isinstance(exc, NoSpaceError):
+            if isinstance(exc, (NoSpaceError, FileTooLargeError)):
+                raise
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
                 raise NoSpaceError(
                     f"the disk holding {self.root} filled up while copying {label}; nothing was recorded."
                     " Free some space (llmgw mirror gc removes unused blobs) and run the import again",
                 ) from exc
+            if exc.errno == errno.EFBIG:
+                raise FileTooLargeError(_file_too_large(self.root, label, size)) from exc
             raise
         finally:
             _unlink_quiet(tmp_path)
-        return BlobResult(digest, size, self.blob_path(digest), reused=reused)
+        return BlobResult(
+            digest, size, self.blob_path(digest), reused=placed == "reused", replaced=placed == "replaced"
+        )
 
     # -- blobs fetched from elsewhere (llmgw.mirror.fetch) ---------------------
 
@@ -614,9 +721,11 @@ class MirrorStore:
         os.fchmod(fd, 0o444)
         os.fsync(fd)
         try:
-            self._place(partial, digest, size, NullProgress(), digest)
+            placed = self._place(partial, digest, size, NullProgress(), digest)
         finally:
             _unlink_quiet(partial)
+        if placed == "replaced":
+            log.warning("blob %s in %s was corrupt; replaced it with the verified copy fetched", digest, self.root)
         return self.blob_path(digest)
 
     def _create_temp(self) -> tuple[Path, int]:
@@ -674,28 +783,48 @@ class MirrorStore:
         os.fsync(dst_fd)
         return digest
 
-    def _place(self, tmp_path: Path, digest: str, size: int, progress: Progress, label: str) -> bool:
-        """Give the finished temporary file its blob name; return whether an existing blob was reused."""
+    def _place(self, tmp_path: Path, digest: str, size: int, progress: Progress, label: str) -> str:
+        """Give the finished temporary file its blob name.
+
+        Returns:
+            ``"new"``, ``"reused"`` (an intact blob was there) or ``"replaced"`` (a corrupt one
+            was, or something else that is not a directory: a link, a file of another size).
+
+        Raises:
+            StoreLayoutError: a directory is at the blob's path (never removed: llmgw did not make it).
+        """
         final = self.blob_path(digest)
         self._ensure_dir(final.parent)
-        reused = False
+        placed = "new"
         try:
             # link, not rename: it fails instead of replacing a blob that exists.
             os.link(tmp_path, final)
         except FileExistsError:
             if self._existing_is_good(final, digest, size, progress, label):
-                reused = True
+                placed = "reused"
             else:
-                log.warning("blob %s was corrupt; replaced it with the verified copy of %s", digest, label)
-                os.replace(tmp_path, final)
+                self._replace(tmp_path, final)
+                # (debug: the caller tells the user, in the words of its own output)
+                log.debug("blob %s was corrupt; replaced it with the verified copy of %s", digest, label)
+                placed = "replaced"
         except OSError as exc:
             if exc.errno not in (errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EMLINK, errno.ENOSYS):
                 raise
             # A file system without hard links: rename. Whatever it replaces has
             # the same digest, so nothing of value can be lost.
-            os.replace(tmp_path, final)
+            self._replace(tmp_path, final)
         _fsync_dir(final.parent)
-        return reused
+        return placed
+
+    @staticmethod
+    def _replace(tmp_path: Path, final: Path) -> None:
+        try:
+            os.replace(tmp_path, final)
+        except IsADirectoryError as exc:  # (rename(2) names neither path in its error: say which one is wrong)
+            raise StoreLayoutError(
+                f"{final} is a directory where the mirror keeps a blob; llmgw did not make it and does not"
+                " remove it. Move it out of the mirror and run the command again"
+            ) from exc
 
     def _existing_is_good(self, final: Path, digest: str, size: int, progress: Progress, label: str) -> bool:
         """Return whether a blob exists at ``final`` with the right size and digest."""
@@ -723,15 +852,20 @@ class MirrorStore:
         source_kind: str,
         source: str,
         info: dict[str, Any] | None = None,
+        replace: bool = False,
     ) -> tuple[ModelRecord, bool]:
         """Record a model whose blobs are all in place, in one transaction.
+
+        Args:
+            replace: replace a ``name:tag`` recorded with other files (see :meth:`Catalogue.add`).
 
         Returns:
             The record and whether it was created (``False``: it was already there, identical).
 
         Raises:
-            ModelExistsError: ``name:tag`` exists with different files.
+            ModelExistsError: ``name:tag`` exists with different files (and not ``replace``).
             SourceError: a blob is not in the store (a bug in the caller).
+            CatalogueAccessError, NoSpaceError, CatalogueError: the catalogue could not be written.
         """
         for f in files:
             path = self.blob_path(f.digest)
@@ -741,7 +875,9 @@ class MirrorStore:
                 raise SourceError(f"blob {f.digest} is not in the store; import it first") from exc
             if st.st_size != f.size:
                 raise SourceError(f"blob {f.digest} in the store has {st.st_size} bytes, not {f.size}")
-        return self.catalogue.add(name, tag, files, source_kind=source_kind, source=source, info=info or {})
+        return self.catalogue.add(
+            name, tag, files, source_kind=source_kind, source=source, info=info or {}, replace=replace
+        )
 
     def get_model(self, name: str, tag: str) -> ModelRecord:
         """Return the model ``name:tag``.
@@ -776,12 +912,25 @@ class MirrorStore:
     # -- verify and gc --------------------------------------------------------
 
     def verify(
-        self, models: Sequence[ModelRecord] | None = None, progress: Progress | None = None
+        self,
+        models: Sequence[ModelRecord] | None = None,
+        progress: Progress | None = None,
+        *,
+        record: bool = True,
     ) -> list[BlobCheck]:
         """Re-hash the blobs of ``models`` (all models by default).
 
+        Args:
+            models: the models whose blobs to check (default: every model's).
+            progress: where to report progress.
+            record: record the intact ones as verified now (see :meth:`record_verified`);
+                ``False`` leaves that to the caller, who can show the results first.
+
         Returns:
             One :class:`BlobCheck` per distinct blob, in digest order.
+
+        Raises:
+            CatalogueAccessError: (with ``record``) the catalogue is read-only here.
         """
         progress = progress or NullProgress()
         users = self.catalogue.blob_users()
@@ -790,7 +939,7 @@ class MirrorStore:
         else:
             sizes = {f.digest: f.size for m in models for f in m.files}
         checks: list[BlobCheck] = []
-        with self.importing():  # keeps gc out while we read
+        with self._reading():  # keeps gc out while we read
             for digest in sorted(sizes):
                 size = sizes[digest]
                 path = self.blob_path(digest)
@@ -800,7 +949,10 @@ class MirrorStore:
                 except FileNotFoundError:
                     checks.append(BlobCheck(digest, size, path, "missing", models=who))
                     continue
-                if not stat.S_ISREG(st.st_mode) or st.st_size != size:
+                if not stat.S_ISREG(st.st_mode):
+                    checks.append(BlobCheck(digest, size, path, "not-a-file", models=who))
+                    continue
+                if st.st_size != size:
                     checks.append(BlobCheck(digest, size, path, "wrong-size", models=who))
                     continue
                 progress.start(f"verifying {digest[7:19]}", size)
@@ -810,14 +962,23 @@ class MirrorStore:
                     progress.finish()
                 status = "ok" if actual == digest else "corrupt"
                 checks.append(BlobCheck(digest, size, path, status, None if status == "ok" else actual, who))
-        good = [c.digest for c in checks if c.ok]
-        if good:
-            self.catalogue.mark_verified(good)
         for c in checks:
             if not c.ok:
                 # debug, not warning: the caller reports bad blobs to the user itself.
                 log.debug("blob %s is %s (used by %s)", c.digest, c.status, ", ".join(c.models) or "no model")
+        if record:
+            self.record_verified(checks)
         return checks
+
+    def record_verified(self, checks: Sequence[BlobCheck]) -> None:
+        """Record the intact blobs of ``checks`` as verified now.
+
+        Raises:
+            CatalogueAccessError, NoSpaceError, MirrorBusyError, CatalogueError: it could not be written.
+        """
+        good = [c.digest for c in checks if c.ok]
+        if good:
+            self.catalogue.mark_verified(good)
 
     def _blobs_on_disk(self) -> Iterator[tuple[str, int, Path]]:
         try:
@@ -853,14 +1014,19 @@ class MirrorStore:
             What was (or would be) removed.
 
         Raises:
-            MirrorBusyError: an import is running (not raised with ``dry_run``).
+            MirrorBusyError: an import is running (not raised with ``dry_run``: see ``busy``).
+            CatalogueAccessError: the catalogue is read-only here (checked before anything is removed).
         """
         report = GcReport(dry_run=dry_run)
         if dry_run:
+            report.busy = self._held_by_another()
             used = self.catalogue.referenced_digests()
             report.blobs = [b for b in self._blobs_on_disk() if b[0] not in used]
             report.temp_files = self._sweep_temp(dry_run=True, fetches=True)
             return report
+        # Before anything is deleted: a catalogue this user cannot write would fail only after
+        # the blobs were gone. (A full disk passes: the files go first, then the rows.)
+        self.catalogue.check_writable("nothing was removed")
         with self._exclusive():
             used = self.catalogue.referenced_digests()
             report.blobs = [b for b in self._blobs_on_disk() if b[0] not in used]
@@ -873,5 +1039,7 @@ class MirrorStore:
                 except OSError:
                     pass
             report.temp_files = self._sweep_temp(dry_run=False, fetches=True)
+            # Last: the rows of blobs no model uses are bookkeeping only (nothing reads them), so
+            # if this fails the next gc forgets them; the blobs removed above are lost to nobody.
             self.catalogue.forget_unused_blobs()
         return report
