@@ -126,7 +126,7 @@ class HTTPError(LlmgwError):
         status: HTTP status code.
         type: OpenAI error ``type``.
         code: OpenAI error ``code`` (always a string or ``None``).
-        param: the request parameter at fault, if any.
+        param: the request parameter at fault, if any (a class may set its own default).
         retry_after: seconds for a ``Retry-After`` header, if any.
         close: whether the connection must be closed after the answer.
         headers: more header lines of the answer, ``((name, value), ...)`` as bytes
@@ -139,6 +139,7 @@ class HTTPError(LlmgwError):
     status = 500
     type = "server_error"
     code: str | None = "internal_error"
+    param: str | None = None
     close = False
     headers: tuple[tuple[bytes, bytes], ...] = ()
     should_retry: bool | None = None
@@ -158,7 +159,8 @@ class HTTPError(LlmgwError):
     ) -> None:
         super().__init__(message)
         self.message = message
-        self.param = param
+        if param is not None:
+            self.param = param
         if code is not None:
             self.code = code
         if status is not None:
@@ -225,11 +227,13 @@ class VersionNotSupportedError(HTTPError):
 
 
 class ModelNotFoundError(HTTPError):
-    """404: the fleet serves no model by that name."""
+    """404: the fleet serves no model by that name (``param`` ``model``, as OpenAI's, whether the
+    name came in a request body or in ``GET /v1/models/{model}``)."""
 
     status = 404
     type = "invalid_request_error"
     code = "model_not_found"
+    param = "model"
     should_retry = False  # the same request gets the same answer
 
 

@@ -27,14 +27,15 @@ and which lines were malformed. Both parse Prometheus text 0.0.4 and OpenMetrics
 from __future__ import annotations
 
 import enum
+from collections.abc import Iterable, Sequence
 from collections.abc import Mapping as AbcMapping
-from collections.abc import Sequence
 from types import ModuleType
 from typing import TYPE_CHECKING, Final, Literal, NamedTuple
 
 from llmgw import engines
 from llmgw._accel import select as _select_impl
 from llmgw.engines.base import EngineInfo, MetricSpec
+from llmgw.errors import PromParseError
 
 if TYPE_CHECKING:
     from llmgw._fast import promscan_py as promscan
@@ -52,6 +53,7 @@ __all__ = [
     "ScanResult",
     "Stats",
     "engine_choices",
+    "label_values",
     "mapping_for",
     "metrics_path_for",
     "missing_signals",
@@ -267,3 +269,34 @@ def missing_signals(mapping: Mapping, result: ScanResult) -> dict[str, tuple[str
         for signal, names, found in zip(mapping.signals, mapping.names, result.found, strict=True)
         if names and found is None
     }
+
+
+def label_values(page: bytes, names: Iterable[str], label: str) -> list[str]:
+    """The values ``label`` has on the samples of ``names`` on a page, in page order, each once.
+
+    For messages (which model names a page's gauges are for): a cold path that reads the lines of
+    those metrics only, each strictly; a malformed one is skipped.
+
+    Example::
+
+        >>> label_values(b'vllm:num_requests_running{engine="0",model_name="llama"} 1\\n',
+        ...              ["vllm:num_requests_running"], "model_name")
+        ['llama']
+    """
+    starts = tuple(n.encode("ascii") + b"{" for n in names)
+    seen: dict[str, None] = {}
+    if not starts:
+        return []
+    for line in page.split(b"\n"):
+        line = line.lstrip(b" \t")
+        if not line.startswith(starts):
+            continue
+        try:
+            samples = promscan.parse(line.rstrip(b"\r") + b"\n")
+        except PromParseError:
+            continue
+        for _, labels, _ in samples:
+            value = labels.get(label)
+            if value is not None:
+                seen[value] = None
+    return list(seen)

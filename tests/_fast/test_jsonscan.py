@@ -230,6 +230,15 @@ USAGE_CASES = [
     (b'{"usage":{"prompt_tokens":5,' + b" " * 2000 + b'"completion_tokens":1}}', None),
     (b"", None),
     (b'"usage"', None),
+    # /v1/responses: input/output tokens (the stream's usage in response.completed's response)
+    (b'{"object":"response","usage":{"input_tokens":36,"input_tokens_details":{"cached_tokens":0},'
+     b'"output_tokens":87,"output_tokens_details":{"reasoning_tokens":0},"total_tokens":123}}', (36, 87)),
+    (b'event: response.created\ndata: {"response":{"usage":null}}\n\nevent: response.completed\n'
+     b'data: {"type":"response.completed","response":{"usage":{"input_tokens":5,"output_tokens":7}}}\n\n', (5, 7)),
+    # /v1/embeddings: no completion (total - prompt)
+    (b'{"object":"list","data":[],"usage":{"prompt_tokens":8,"total_tokens":8}}', (8, 0)),
+    (b'{"usage":{"prompt_tokens":8,"total_tokens":5}}', None),
+    (b'{"usage":{"total_tokens":8}}', None),  # (rerank, score: no prompt count)
 ]
 
 
@@ -246,6 +255,18 @@ def test_usage_counts_twins_agree(data: bytes) -> None:
 
     blob = b'{"usage":{"prompt_tokens":' + data + b'"completion_tokens":2}}'
     for x in (data, blob, data + blob, blob + data):
+        assert compiled.usage_counts(x) == jsonscan_py.usage_counts(x)
+
+
+@pytest.mark.c_extension
+@given(st.binary(max_size=100), st.sampled_from([b'"input_tokens":3,', b'"prompt_tokens":3,', b""]),
+       st.sampled_from([b'"output_tokens":', b'"total_tokens":', b'"completion_tokens":']))
+def test_usage_counts_twins_agree_on_every_shape(data: bytes, prompt: bytes, completion: bytes) -> None:
+    from llmgw._fast import jsonscan as compiled
+    from llmgw._fast import jsonscan_py
+
+    blob = b'{"usage":{' + prompt + data + completion + data[:3] + b'}}'
+    for x in (blob, data + blob, b'{"usage":{' + prompt + completion + b"2" + data + b"}}"):
         assert compiled.usage_counts(x) == jsonscan_py.usage_counts(x)
 
 

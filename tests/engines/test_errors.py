@@ -48,13 +48,33 @@ def openai(message: str, type_: str, code: str, param: str | None = None, **extr
 CASES: list[tuple[EngineInfo | None, int, bytes, dict[str, Any]]] = [
     # vLLM since v0.10.1: nested, integer code [V15]
     (VLLM, 400, b'{"error":{"message":"bad n","type":"BadRequestError","param":null,"code":400}}',
-     openai("bad n", "BadRequestError", "invalid_request")),
+     openai("bad n", "invalid_request_error", "invalid_request")),
     # vLLM before v0.10.1: flat [V15]
     (VLLM, 404, b'{"object":"error","message":"The model `x` does not exist.","type":"NotFoundError",'
                 b'"param":"model","code":404}',
-     openai("The model `x` does not exist.", "NotFoundError", "not_found", "model")),
+     openai("The model `x` does not exist.", "invalid_request_error", "not_found", "model")),
     # vLLM's key check: not OpenAI's envelope [V9]
     (VLLM, 401, b'{"error": "Unauthorized"}', openai("Unauthorized", "invalid_request_error", "invalid_api_key")),
+    # vLLM's exception-class types, by status: OpenAI's for it (§8.3)
+    (VLLM, 404, b'{"error":{"message":"The model `zzz` does not exist.","type":"NotFoundError","param":"model",'
+                b'"code":404}}',
+     openai("The model `zzz` does not exist.", "invalid_request_error", "not_found", "model")),
+    (VLLM, 429, b'{"error":{"message":"slow down","type":"RateLimitError","param":null,"code":429}}',
+     openai("slow down", "rate_limit_exceeded", "rate_limit_exceeded")),
+    (VLLM, 500, b'{"error":{"message":"CUDA out of memory","type":"InternalServerError","param":null,"code":500}}',
+     openai("CUDA out of memory", "server_error", "internal_error")),
+    (VLLM, 503, b'{"error":{"message":"overloaded","type":"ServiceUnavailableError","param":null,"code":503}}',
+     openai("overloaded", "service_unavailable_error", "service_unavailable")),
+    # vLLM's context overflow: named only in its message; OpenAI's code for it, as llama.cpp's
+    (VLLM, 400, b'{"error":{"message":"This model\'s maximum context length is 4096 tokens. However, you '
+                b'requested 5000 tokens (4000 in the messages, 1000 in the completion).","type":"BadRequestError",'
+                b'"param":null,"code":400}}',
+     openai("This model's maximum context length is 4096 tokens. However, you requested 5000 tokens (4000 in "
+            "the messages, 1000 in the completion).", "invalid_request_error", "context_length_exceeded")),
+    (VLLM, 400, b'{"object":"error","message":"This model\'s maximum context length is 2048 tokens. However, '
+                b'your request has 3000 input tokens.","type":"BadRequestError","param":null,"code":400}',
+     openai("This model's maximum context length is 2048 tokens. However, your request has 3000 input tokens.",
+            "invalid_request_error", "context_length_exceeded")),
     # FastAPI's validation answer
     (VLLM, 422, b'{"detail":[{"loc":["body","messages"],"msg":"Field required"}]}',
      openai('[{"loc":["body","messages"],"msg":"Field required"}]', "invalid_request_error", "invalid_request")),
@@ -62,22 +82,34 @@ CASES: list[tuple[EngineInfo | None, int, bytes, dict[str, Any]]] = [
     # llama.cpp [C8]
     (LLAMACPP, 400, b'{"error":{"code":400,"message":"the request exceeds the available context size",'
                     b'"type":"exceed_context_size_error","n_prompt_tokens":100,"n_ctx":64}}',
-     openai("the request exceeds the available context size", "exceed_context_size_error",
+     openai("the request exceeds the available context size", "invalid_request_error",
             "context_length_exceeded", n_prompt_tokens=100, n_ctx=64)),
     (LLAMACPP, 503, b'{"error":{"code":503,"message":"Loading model","type":"unavailable_error"}}',
-     openai("Loading model", "unavailable_error", "service_unavailable")),
+     openai("Loading model", "service_unavailable_error", "service_unavailable")),
     (LLAMACPP, 401, b'{"error":{"code":401,"message":"Invalid API Key","type":"authentication_error"}}',
-     openai("Invalid API Key", "authentication_error", "invalid_api_key")),
+     openai("Invalid API Key", "invalid_request_error", "invalid_api_key")),
+    (LLAMACPP, 403, b'{"error":{"code":403,"message":"no","type":"permission_error"}}',
+     openai("no", "permission_error", "permission_denied")),
+    (LLAMACPP, 404, b'{"error":{"code":404,"message":"File Not Found","type":"not_found_error"}}',
+     openai("File Not Found", "invalid_request_error", "not_found")),
+    (LLAMACPP, 400, b'{"error":{"code":400,"message":"bad","type":"invalid_request_error"}}',
+     openai("bad", "invalid_request_error", "invalid_request")),
+    (LLAMACPP, 500, b'{"error":{"code":500,"message":"boom","type":"server_error"}}',
+     openai("boom", "server_error", "internal_error")),
     (LLAMACPP, 501, b'{"error":{"code":501,"message":"not supported","type":"not_supported_error"}}',
-     openai("not supported", "not_supported_error", "not_implemented")),
+     openai("not supported", "server_error", "not_implemented")),
     # TensorRT-LLM [T2]
     (TRTLLM, 400, b'{"error":"1 validation error for ChatCompletionRequest"}',
      openai("1 validation error for ChatCompletionRequest", "invalid_request_error", "invalid_request")),
     (TRTLLM, 501, b'{"object":"error","message":"no","type":"NotImplementedError","param":null,"code":501}',
-     openai("no", "NotImplementedError", "not_implemented")),
+     openai("no", "server_error", "not_implemented")),
+    (TRTLLM, 400, b'{"object":"error","message":"bad","type":"InvalidRequestError","param":null,"code":400}',
+     openai("bad", "invalid_request_error", "invalid_request")),
     # SGLang: flat, integer code; its key check as vLLM's [S6]
     (SGLANG, 400, b'{"object":"error","message":"bad","type":"BadRequestError","param":null,"code":400}',
-     openai("bad", "BadRequestError", "invalid_request")),
+     openai("bad", "invalid_request_error", "invalid_request")),
+    (SGLANG, 503, b'{"object":"error","message":"busy","type":"ServiceUnavailableError","param":null,"code":503}',
+     openai("busy", "service_unavailable_error", "service_unavailable")),
     (SGLANG, 401, b'{"error":"Unauthorized"}', openai("Unauthorized", "invalid_request_error", "invalid_api_key")),
     # a string code is the engine's and stays
     (GENERIC, 404, b'{"error":{"message":"no such model","type":"invalid_request_error","code":"model_not_found"}}',
@@ -151,7 +183,7 @@ def test_llamacpp_context_type_is_llamacpps_own() -> None:
     assert err(400, _LCPP_CONTEXT, LLAMACPP)["n_ctx"] == 64
     for info in (VLLM, TRTLLM, SGLANG, GENERIC, EXTERNAL):
         e = err(400, _LCPP_CONTEXT, info)
-        assert e == openai("too long", "exceed_context_size_error", "invalid_request"), info.name
+        assert e == openai("too long", "invalid_request_error", "invalid_request"), info.name
     # not knowing the engine: what llmgw knows of any
     assert err(400, _LCPP_CONTEXT)["code"] == "context_length_exceeded"
 
@@ -181,13 +213,49 @@ def test_knowledge_comes_from_the_engine_record() -> None:
     probe = replace(GENERIC, name="probe", error_type_codes=(("quota_error", "insufficient_quota"),),
                     error_extra_fields=("retry_in",), integer_error_code=False)
     body = b'{"error":{"message":"m","type":"quota_error","code":7,"retry_in":3,"n_ctx":1}}'
-    assert err(429, body, probe) == openai("m", "quota_error", "insufficient_quota", retry_in=3)
+    assert err(429, body, probe) == openai("m", "rate_limit_exceeded", "insufficient_quota", retry_in=3)
     assert err(429, b'{"error":{"message":"m","type":"x","code":7}}', probe)["code"] == "7"
 
 
 def test_what_any_engine_knows_is_every_engines() -> None:
     assert errors._ANY_TYPE_CODES == {"exceed_context_size_error": "context_length_exceeded"}
     assert errors._ANY_EXTRA_FIELDS == ("n_prompt_tokens", "n_ctx")
+    assert errors._ANY_MESSAGE_CODES == (("maximum context length is", "context_length_exceeded"),)
+
+
+_VLLM_CONTEXT = (b'{"error":{"message":"This model\'s maximum context length is 64 tokens. However, you requested '
+                 b'100 tokens.","type":"BadRequestError","param":null,"code":400}}')
+
+
+def test_vllm_context_message_is_vllms_own() -> None:
+    # only vLLM's module reads its message; a string code the engine sent wins; only a 400 is read so
+    assert err(400, _VLLM_CONTEXT, VLLM)["code"] == "context_length_exceeded"
+    assert err(400, _VLLM_CONTEXT)["code"] == "context_length_exceeded"
+    for info in (LLAMACPP, TRTLLM, SGLANG, GENERIC, EXTERNAL):
+        assert err(400, _VLLM_CONTEXT, info)["code"] == "invalid_request", info.name
+    assert err(500, _VLLM_CONTEXT.replace(b"400}", b"500}"), VLLM)["code"] == "internal_error"
+    coded = b'{"error":{"message":"This model\'s maximum context length is 64 tokens.","code":"too_long"}}'
+    assert err(400, coded, VLLM)["code"] == "too_long"
+
+
+@pytest.mark.parametrize("etype", sorted(errors.OPENAI_TYPES))
+def test_an_openai_type_is_kept_whatever_the_status(etype: str) -> None:
+    for status in (400, 429, 500, 503):
+        body = orjson.dumps({"error": {"message": "m", "type": etype, "code": status}})
+        assert err(status, body)["type"] == etype
+        for info in engines.ENGINES.values():
+            assert err(status, body, info)["type"] == etype, info.name
+
+
+@settings(max_examples=200, deadline=None)
+@given(status=st.integers(400, 599), etype=st.text(min_size=1, max_size=20))
+def test_any_other_type_is_openais_for_the_status(status: int, etype: str) -> None:
+    body = orjson.dumps({"error": {"message": "m", "type": etype, "code": status}})
+    want = etype if etype in errors.OPENAI_TYPES else errors.TYPE_BY_STATUS.get(
+        status, "invalid_request_error" if status < 500 else "server_error"
+    )
+    assert err(status, body)["type"] == want
+    assert want in errors.OPENAI_TYPES
 
 
 # -- the simulated engines' bodies -------------------------------------------------

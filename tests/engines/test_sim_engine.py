@@ -15,6 +15,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from canary import secret
+from llmgw import engines
 from llmgw.engines import llamacpp, sglang, trtllm, vllm
 from llmgw.engines.sim import SimConfig, SimEngine, SimFaults
 from llmgw.errors import ConfigError
@@ -609,13 +610,22 @@ async def test_trtllm_ignores_api_key(make_engine, caplog) -> None:
 async def test_startup_delay(make_engine, engine: str) -> None:
     eng = await make_engine(engine=engine, startup_delay=0.5, **FAST)
     p = port(eng)
+    metrics_path = engines.get(engine).metrics_path
     h = await request(p, "GET", "/health")
     assert h.status == 503
+    m = await request(p, "GET", metrics_path)
     if engine == "llamacpp":
-        assert h.json() == {"error": {"code": 503, "message": "Loading model", "type": "unavailable_error"}}
+        # llama-server answers /metrics as /health while it loads (engines.md §2.2)
+        loading = {"error": {"code": 503, "message": "Loading model", "type": "unavailable_error"}}
+        assert h.json() == loading
+        assert m.status == 503 and m.json() == loading
+    else:
+        # the others' metrics pages are served while /health says 503
+        assert m.status == 200
     assert (await request(p, "POST", CHAT, chat_body())).status == 503
     await wait_for(lambda: eng.ready, timeout=2.0)
     assert (await request(p, "GET", "/health")).status == 200
+    assert (await request(p, "GET", metrics_path)).status == 200
     assert (await request(p, "POST", CHAT, chat_body())).status == 200
 
 

@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import Any
 
 import pytest
 
 from canary import secret
+from llmgw.admin.manage import endpoint_state
 from llmgw.config import load
 from llmgw.fleet.poller import Poller
-from llmgw.fleet.registry import Registry
+from llmgw.fleet.registry import EngineUnavailable, Registry, unusable_reason
 from llmgw.http.server import HTTPServer
 
 VLLM_PAGE = b"""# HELP vllm:num_requests_running Number of requests in model execution batches.
@@ -37,6 +39,7 @@ class MetricsServer:
     def __init__(self) -> None:
         self.page = VLLM_PAGE
         self.status = 200
+        self.error_body = b"not found"  # what it answers with a status other than 200
         self.key: bytes | None = None
         self.hits = 0
         self.auth_seen: list[bytes | None] = []
@@ -55,7 +58,7 @@ class MetricsServer:
         if self.key is not None and req.authorization != b"Bearer " + self.key:
             w.send(401, b'{"error":{"code":401,"message":"Invalid API Key","type":"authentication_error"}}')
             return
-        w.send(self.status, self.page if self.status == 200 else b"not found", ((b"content-type", b"text/plain"),))
+        w.send(self.status, self.page if self.status == 200 else self.error_body, ((b"content-type", b"text/plain"),))
 
 
 async def _setup(server: MetricsServer, **ep: Any) -> tuple[Registry, Poller]:
@@ -118,22 +121,25 @@ async def test_llamacpp_scrape_uses_key_and_kv_is_absent() -> None:
         await _teardown(srv, reg, poller)
 
 
-async def test_a_404_warns_once_and_leaves_the_replica_blind(caplog: pytest.LogCaptureFixture) -> None:
+@pytest.mark.parametrize("status", [404, 500, 501])
+async def test_a_404_warns_once_and_leaves_the_replica_blind(caplog: pytest.LogCaptureFixture, status: int) -> None:
+    # (501: llama-server without --metrics; blind, routed on the router's own counts)
     srv = MetricsServer()
     reg, poller = await _setup(srv, engine="vllm")
     ep = reg.endpoints["r0"]
     caplog.set_level(logging.DEBUG, logger="llmgw.scrape")
     try:
         await _until(lambda: ep.last_scrape is not None)
-        srv.status = 404
+        srv.status = status
         hits = srv.hits
         await _until(lambda: srv.hits >= hits + 5)
         # up but telling nothing: fresh and blind, never 0s and never "full"
         assert not ep.stale
         assert ep.fresh() == (None, None, None)
+        assert ep.usable and not ep.down and endpoint_state(ep) == "ok"
         warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
         assert len(warnings) == 1, [r.getMessage() for r in warnings]
-        assert "r0" in warnings[0].getMessage() and "HTTP 404" in warnings[0].getMessage()
+        assert "r0" in warnings[0].getMessage() and f"HTTP {status}" in warnings[0].getMessage()
         srv.status = 200
         await _until(lambda: ep.fresh() == (2.0, 4.0, 0.25))
         infos = [r for r in caplog.records if r.levelno == logging.INFO and "readable again" in r.getMessage()]
@@ -173,6 +179,146 @@ async def test_missing_metrics_are_named_once(caplog: pytest.LogCaptureFixture) 
         assert len(msgs) == 1, msgs
         assert "llamacpp:requests_deferred" in msgs[0] and "llamacpp:requests_processing" in msgs[0]
         assert ep.fresh() == (None, None, None)
+    finally:
+        await _teardown(srv, reg, poller)
+
+
+LOADING = b'{"error":{"code":503,"message":"Loading model","type":"unavailable_error"}}'
+
+
+async def test_a_loading_llama_server_takes_nothing_until_its_scrape_succeeds(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # llama-server answers /metrics (and everything) 503 "Loading model" while it loads its model
+    # (engines.md §2.2): not usable, "loading" where people look, logged once each way
+    srv = MetricsServer()
+    srv.page = LLAMA_PAGE
+    srv.status = 503
+    srv.error_body = LOADING
+    caplog.set_level(logging.DEBUG, logger="llmgw.scrape")
+    reg, poller = await _setup(srv, engine="llamacpp")
+    ep = reg.endpoints["r0"]
+    pool = reg.pools["m"]
+    try:
+        await _until(lambda: srv.hits >= 1 and ep.down)
+        hits = srv.hits
+        await _until(lambda: srv.hits >= hits + 5)  # (it says so for good: still out, logged once)
+        now = time.monotonic()
+        assert ep.down and not ep.unreachable and not ep.usable
+        assert unusable_reason(ep, now) == "loading" and endpoint_state(ep) == "loading"
+        assert isinstance(ep.scrape_problem, EngineUnavailable) and "Loading model" in ep.scrape_problem
+        assert pool.pick(now, 0.3) is None
+        why = pool.unavailable(now)  # every replica loading: the pool is down (503 model_unavailable)
+        assert why is not None and sum(why[0].values()) == 1 and 0 < why[1] <= 0.05
+        msgs = [r.getMessage() for r in caplog.records if r.levelno >= logging.INFO]
+        assert len(msgs) == 1 and "r0" in msgs[0] and "is loading" in msgs[0] and "Loading model" in msgs[0], msgs
+        assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+        # loaded: the first good scrape routes to it again
+        srv.status = 200
+        await _until(lambda: ep.usable)
+        assert ep.fresh() == (5.0, 2.0, None) and ep.scrape_problem is None
+        assert unusable_reason(ep, time.monotonic()) is None and endpoint_state(ep) == "ok"
+        assert pool.pick(time.monotonic(), 0.3) is ep
+        msgs = [r.getMessage() for r in caplog.records if r.levelno >= logging.INFO]
+        assert len(msgs) == 2 and "ready" in msgs[1] and "was loading" in msgs[1], msgs
+        # and when it answers 503 again (a restart that loads again), out again
+        srv.status = 503
+        await _until(lambda: not ep.usable)
+        assert endpoint_state(ep) == "loading"
+    finally:
+        await _teardown(srv, reg, poller)
+
+
+async def test_a_503_that_is_not_loading_is_unavailable_and_warns_once(caplog: pytest.LogCaptureFixture) -> None:
+    srv = MetricsServer()
+    caplog.set_level(logging.DEBUG, logger="llmgw.scrape")
+    reg, poller = await _setup(srv, engine="vllm")
+    ep = reg.endpoints["r0"]
+    try:
+        await _until(lambda: ep.last_scrape is not None)
+        srv.status = 503
+        srv.error_body = b"Service Unavailable"
+        await _until(lambda: not ep.usable)
+        hits = srv.hits
+        await _until(lambda: srv.hits >= hits + 5)
+        assert endpoint_state(ep) == "unavailable"
+        assert unusable_reason(ep, time.monotonic()) == "unavailable"
+        warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+        assert len(warnings) == 1 and "HTTP 503" in warnings[0] and "Service Unavailable" in warnings[0], warnings
+        srv.status = 200
+        await _until(lambda: ep.usable)
+        assert ep.fresh() == (2.0, 4.0, 0.25)
+    finally:
+        await _teardown(srv, reg, poller)
+
+
+async def test_a_scrape_timing_out_while_loading_keeps_it_out() -> None:
+    # a loading engine whose scrape then times out has not said it is ready
+    srv = MetricsServer()
+    srv.page = LLAMA_PAGE
+    srv.status = 503
+    srv.error_body = LOADING
+    reg, poller = await _setup(srv, engine="llamacpp")
+    ep = reg.endpoints["r0"]
+    try:
+        await _until(lambda: ep.down)
+        assert srv.server is not None
+        hang = asyncio.Event()
+        answer = srv.handle
+
+        def slow(req: Any, w: Any) -> Any:
+            async def later() -> None:
+                await hang.wait()
+                answer(req, w)
+            return later()
+
+        srv.handle = slow  # type: ignore[method-assign]
+        fails = ep.scrape_failures
+        await _until(lambda: ep.scrape_failures >= fails + 2)
+        assert ep.down and not ep.usable and endpoint_state(ep) == "loading"
+        hang.set()
+    finally:
+        await _teardown(srv, reg, poller)
+
+
+async def test_metrics_for_another_model_name_say_so(caplog: pytest.LogCaptureFixture) -> None:
+    # vLLM served under another --served-model-name: the gauges are there, for "m", not for "chat"
+    srv = MetricsServer()
+    caplog.set_level(logging.WARNING, logger="llmgw.scrape")
+    await srv.start()
+    cfg = load({
+        "scrape": {"interval": "50ms", "timeout": "40ms", "stale_after": "300ms"},
+        "endpoints": [{"id": "r0", "url": f"http://127.0.0.1:{srv.port}", "model": "chat", "engine": "vllm"}],
+    })
+    reg = Registry(cfg)
+    poller = Poller(reg, cfg.scrape)
+    poller.sync()
+    try:
+        await _until(lambda: srv.hits >= 5)
+        msgs = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+        assert len(msgs) == 1, msgs
+        msg = msgs[0]
+        assert "lacks" not in msg
+        assert "vllm:num_requests_running" in msg and "model_name 'm', 'other'" in msg and "'chat'" in msg, msg
+        assert "models.chat.upstream_name" in msg and "--served-model-name chat" in msg, msg
+        assert "--disable-log-stats" not in msg
+    finally:
+        await _teardown(srv, reg, poller)
+
+
+async def test_missing_gauges_say_what_the_engine_needs(caplog: pytest.LogCaptureFixture) -> None:
+    # trtllm-serve with return_perf_metrics but not enable_iter_perf_stats: histograms, no gauges
+    srv = MetricsServer()
+    srv.page = (b'# TYPE trtllm_time_to_first_token_seconds histogram\n'
+                b'trtllm_time_to_first_token_seconds_count{engine_type="undefined",model_name="undefined"} 4.0\n')
+    caplog.set_level(logging.WARNING, logger="llmgw.scrape")
+    reg, poller = await _setup(srv, engine="trtllm")
+    try:
+        await _until(lambda: srv.hits >= 3)
+        msgs = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+        assert len(msgs) == 1, msgs
+        assert "lacks trtllm_kv_cache_utilization, trtllm_num_requests_running, trtllm_num_requests_waiting" in msgs[0]
+        assert "enable_iter_perf_stats: true" in msgs[0], msgs[0]
     finally:
         await _teardown(srv, reg, poller)
 

@@ -662,6 +662,42 @@ async def test_non_retryable_5xx_is_relayed_normalised_and_not_retried() -> None
         await good.stop()
 
 
+def answers(raw: bytes) -> Script:
+    async def script(e: RawEngine, r: asyncio.StreamReader, w: asyncio.StreamWriter, body: bytes) -> bool:
+        w.write(raw)
+        return await e.until_closed(r)  # (the gateway drops a connection that sent it this)
+
+    return script
+
+
+@pytest.mark.parametrize(
+    ("raw", "why"),
+    [
+        (b"HTTP/1.1 999 Weird\r\ncontent-type: application/json\r\ncontent-length: 2\r\n\r\n{}",
+         "status code 999 is outside 100-599"),
+        (b"HTTP/1.1 600 Weird\r\ncontent-length: 2\r\n\r\n{}", "status code 600 is outside 100-599"),
+        (b"HTTP/1.1 101 Switching Protocols\r\nupgrade: websocket\r\nconnection: upgrade\r\n\r\n", "(101)"),
+    ],
+    ids=["999", "600", "101"],
+)
+async def test_a_malformed_answer_is_502_upstream_bad_response(raw: bytes, why: str) -> None:
+    # A status outside 100-599 was relayed to the client as it came ("HTTP/1.1 999 Status"); every
+    # malformed answer said "closed the connection before a complete answer", code bad_gateway
+    bad = RawEngine(answers(raw))
+    await bad.start()
+    try:
+        async with gateway([("bad", bad.port, "vllm")]) as rt:
+            status, _, data = await post(rt.listen_addr[1], chat())  # type: ignore[index]
+            assert status == 502, data
+            err = orjson.loads(data)["error"]
+            assert err["code"] == "upstream_bad_response" and err["type"] == "server_error", err
+            assert err["message"].startswith("replica bad sent a malformed answer (") and why in err["message"], err
+            assert bad.requests == 1  # (sent: never resent)
+            assert await metric(rt, "llmgw_upstream_errors_total", replica="bad", kind="bad_response") == 1
+    finally:
+        await bad.stop()
+
+
 async def poisoned(e: RawEngine, r: asyncio.StreamReader, w: asyncio.StreamWriter, body: bytes) -> bool:
     """A healthy engine that answers 500 to a request it cannot take (as llama-server answers an
     image sent to a text model), 501 to one it does not implement, and 200 to the rest."""

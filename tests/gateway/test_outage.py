@@ -22,6 +22,7 @@ import orjson
 import pytest
 
 from llmgw.config import load
+from llmgw.engines.sim import SimConfig, SimEngine
 from llmgw.http.server import HTTPServer
 from llmgw.runtime import GatewayRuntime
 from ports import free_port as _free_port
@@ -330,3 +331,52 @@ async def test_the_openai_sdk_fails_in_seconds_on_a_dead_model() -> None:
         print(f"\nopenai SDK (max_retries=2) on a dead model: {took:.2f} s to fail")
         assert ei.value.status_code == 503 and ei.value.code == "model_unavailable"
         assert took < 10.0, took  # (three tries, Retry-After 1 s between: about 2 s; it was ~100 s)
+
+
+async def test_a_loading_llama_server_is_not_routed_to() -> None:
+    # llama-server answers /metrics 503 "Loading model" while it loads (engines.md §2.2): its pool
+    # is down (503 model_unavailable with Retry-After, at once), nothing goes to it, and it serves
+    # once a scrape succeeds; it comes back the same way whenever it loads again
+    eng = SimEngine(SimConfig(model="m", engine="llamacpp", startup_delay=3600, ttft_ms=0, tokens_per_second=1e6))
+    await eng.start("127.0.0.1", 0)
+    assert eng.address is not None
+    cfg = load({
+        "listen": "127.0.0.1:0",
+        "admin": "127.0.0.1:0",
+        "endpoints": [{"id": "v0", "url": f"http://127.0.0.1:{eng.address[1]}", "model": "m", "engine": "llamacpp"}],
+        "scrape": {"interval": "100ms", "timeout": "90ms", "stale_after": "400ms"},
+        "admission": {"queue_timeout": "30s"},
+    })
+    rt = GatewayRuntime(cfg)
+    await rt.start()
+    try:
+        assert rt.registry is not None
+        ep = rt.registry.endpoints["v0"]
+        served = []
+        for _ in range(2):
+            await until(lambda: ep.down)
+            for _ in range(5):
+                t0 = time.monotonic()
+                # (the gateway's own 503, model_unavailable: not the engine's "Loading model" passed on)
+                status, hdrs, body = await chat(_port(rt))
+                _assert_unavailable(status, hdrs, body, "1 ")
+                assert "1 loading its model" in body["error"]["message"], body
+                assert time.monotonic() - t0 < 1.0  # never the queue's 30 s
+            status, _, data = await http(_admin(rt), "GET", "/ready")
+            assert status == 503 and orjson.loads(data)["unavailable"] == {"m": {"v0": "loading"}}
+            status, _, data = await http(_admin(rt), "GET", "/admin/v1/endpoints/v0")
+            view = orjson.loads(data)
+            assert view["usable"] is False and view["state"] == "loading" and view["unusable_reason"] == "loading"
+            assert "Loading model" in view["scrape"]["problem"]
+            eng.set_ready(True)  # loaded
+            await until(lambda: ep.usable)
+            status, _, _ = await chat(_port(rt))
+            assert status == 200
+            status, _, data = await http(_admin(rt), "GET", "/ready")
+            assert status == 200
+            served.append(eng.state.requests)
+            eng.set_ready(False)  # loading again (a restart, a model swap)
+        assert served == [1, 2]
+    finally:
+        await rt.stop()
+        await eng.stop(timeout=1.0)

@@ -27,6 +27,17 @@ from llmgw.http.server import HTTPServer
 CLIENT_SECRET = secret("client-secret").encode()
 
 
+# vLLM's error answers (engines.md §1.4): its exception classes as the type, the status as the code
+VLLM_ERRORS = {
+    "vllm_context": (400, b'{"error":{"message":"This model\'s maximum context length is 4096 tokens. However, you '
+                          b'requested 5000 tokens (4000 in the messages, 1000 in the completion).","type":'
+                          b'"BadRequestError","param":null,"code":400}}'),
+    "vllm_404": (404, b'{"error":{"message":"The model `m` does not exist.","type":"NotFoundError","param":"model",'
+                      b'"code":404}}'),
+    "vllm_422": (422, b'{"object":"error","message":"bad field","type":"BadRequestError","param":null,"code":422}'),
+}
+
+
 class FakeEngine:
     """An OpenAI-ish engine whose behaviour each test sets (``mode``)."""
 
@@ -56,7 +67,7 @@ class FakeEngine:
                 ((b"content-type", b"text/plain; version=0.0.4"),),
             )
             return None
-        body = orjson.loads(req.body) if req.body else {}
+        body = orjson.loads(req.body) if req.body[:1] == b"{" else {}  # (a form: not read)
         self.seen.append(
             {
                 "path": req.target,
@@ -79,8 +90,19 @@ class FakeEngine:
         if mode == "vllm401":
             w.send(401, b'{"error": "Unauthorized"}')
             return None
+        if mode in VLLM_ERRORS:
+            w.send(*VLLM_ERRORS[mode])
+            return None
         if mode == "hang":
             return self._hang(w)
+        if mode in USAGE_ANSWERS:
+            if body.get("stream"):
+                w.start(200, [(b"content-type", b"text/event-stream")])
+                w.write(USAGE_ANSWERS[mode])
+                w.end()
+            else:
+                w.send(200, USAGE_ANSWERS[mode], ((b"content-type", b"application/json"),))
+            return None
         if body.get("stream"):
             return self._stream(w, mode)
         if mode == "hop_headers":
@@ -145,6 +167,22 @@ class FakeEngine:
         finally:
             self.active -= 1
 
+
+# Answers whose usage is not chat's shape: /v1/responses (input/output tokens; its stream's usage
+# is in response.completed, after a response.created whose usage is null), /v1/embeddings (no completion)
+USAGE_ANSWERS = {
+    "responses": b'{"id":"resp_1","object":"response","output":[{"type":"message","content":[{"type":"output_text",'
+                 b'"text":"hi"}]}],"usage":{"input_tokens":36,"input_tokens_details":{"cached_tokens":0},'
+                 b'"output_tokens":87,"output_tokens_details":{"reasoning_tokens":0},"total_tokens":123}}',
+    "responses_stream": b'event: response.created\ndata: {"type":"response.created","response":{"id":"resp_1",'
+                        b'"status":"in_progress","usage":null}}\n\n'
+                        b'event: response.output_text.delta\ndata: {"type":"response.output_text.delta","delta":"hi"}\n\n'
+                        b'event: response.completed\ndata: {"type":"response.completed","response":{"id":"resp_1",'
+                        b'"status":"completed","usage":{"input_tokens":5,"input_tokens_details":{"cached_tokens":0},'
+                        b'"output_tokens":7,"output_tokens_details":{"reasoning_tokens":0},"total_tokens":12}}}\n\n',
+    "embeddings": b'{"object":"list","data":[{"object":"embedding","index":0,"embedding":[0.1,0.2]}],"model":"m",'
+                  b'"usage":{"prompt_tokens":8,"total_tokens":8}}',
+}
 
 RAW_EVENTS = [b'data: {"choices":[{"delta":{"content":"t%d"}}]}\n\n' % i for i in range(6)] + [b"data: [DONE]\n\n"]
 RAW_CHUNKS = [
@@ -339,6 +377,18 @@ async def test_models_list() -> None:
         assert status == 404 and orjson.loads(body)["error"]["code"] == "model_not_found"
 
 
+async def test_model_not_found_names_the_model_param_on_every_route() -> None:
+    # GET /v1/models/{model} and a POST naming an unknown model: the same error, param "model" (as OpenAI's)
+    async with gateway([FakeEngine("a")]) as rt:
+        _, _, listed = await request(port_of(rt), b"", path=b"/v1/models/zz", method=b"GET")
+        _, _, posted = await request(port_of(rt), b'{"model": "zz", "messages": []}')
+        got = [orjson.loads(b)["error"] for b in (listed, posted)]
+        for err in got:
+            assert err["code"] == "model_not_found" and err["type"] == "invalid_request_error", err
+            assert err["param"] == "model", err
+        assert got[0] == got[1]
+
+
 async def test_a_model_id_with_a_slash_is_found_percent_encoded_or_not() -> None:
     # The OpenAI SDKs' models.retrieve("org/name") sends /v1/models/org%2Fname.
     name = "meta-llama/Llama-3.1-8B"
@@ -516,7 +566,7 @@ async def test_all_replicas_failing_gives_a_clear_error() -> None:
         assert status == 503
         assert hdrs[b"retry-after"] == b"1"
         err = orjson.loads(data)["error"]
-        assert err["code"] == "service_unavailable"
+        assert err["code"] == "service_unavailable" and err["type"] == "service_unavailable_error"
         assert "overloaded" in err["message"]
         assert len(a.seen) + len(b.seen) == 2  # one try plus one retry, no more
 
@@ -530,6 +580,27 @@ async def test_retries_disabled() -> None:
         assert orjson.loads(data)["error"]["code"] == "bad_gateway"
         # one replica only, once: the request was written before the reset
         assert len(a.seen) + len(b.seen) == 1
+
+
+@pytest.mark.parametrize(
+    ("mode", "status", "code", "param"),
+    [
+        ("vllm_context", 400, "context_length_exceeded", None),
+        ("vllm_404", 404, "not_found", "model"),
+        ("vllm_422", 422, "invalid_request", None),
+    ],
+)
+async def test_engine_error_types_reach_clients_as_openais(mode: str, status: int, code: str, param: str | None) -> None:
+    # vLLM's "BadRequestError" / "NotFoundError" are not OpenAI's types: clients get OpenAI's for the
+    # status (engines.md §8.3), the engine's status and message unchanged
+    a = FakeEngine("a")
+    async with gateway([a]) as rt:
+        a.mode = mode
+        got, _, data = await request(port_of(rt), chat())
+        assert got == status
+        err = orjson.loads(data)["error"]
+        assert err["type"] == "invalid_request_error" and err["code"] == code and err["param"] == param, err
+        assert err["message"] == orjson.loads(VLLM_ERRORS[mode][1]).get("error", {}).get("message", "bad field")
 
 
 @pytest.mark.parametrize("mode", ["401", "vllm401"])
@@ -813,3 +884,140 @@ async def test_expect_100_continue_is_refused_on_the_head_when_the_head_decides(
             assert answer.startswith(b"HTTP/1.1 200"), answer
         finally:
             w.close()
+
+
+# -- QA findings: admin endpoints, models/, expose_replica, usage shapes, forms ----------
+
+
+@pytest.mark.parametrize(
+    "path",
+    [b"/v1/load_lora_adapter", b"/v1/unload_lora_adapter", b"/v1/Load_LoRA_Adapter", b"/v1//unload_lora_adapter",
+     b"/v1/load%5Flora%5Fadapter", b"/v1/%6coad_lora_adapter", b"/v1/unload_lora_adapter/", b"/v1/load_lora_adapter?x=1"],
+)
+async def test_engine_admin_endpoints_are_refused_not_forwarded(path: bytes) -> None:
+    """vLLM's runtime LoRA routes would run with the gateway's key for the replica: any client
+    of the gateway could load or unload adapters on every replica (they were forwarded as any
+    POST naming a model is)."""
+    a = FakeEngine("a")
+    async with gateway([a]) as rt:
+        body = orjson.dumps({"model": "m", "lora_name": "x", "lora_path": "/tmp/evil"})
+        for method in (b"POST", b"GET"):
+            status, _, data = await request(port_of(rt), body, path=path, method=method)
+            err = orjson.loads(data)["error"]
+            assert status == 403 and err["code"] == "engine_admin_endpoint", (method, data)
+            assert "administration endpoint" in err["message"]
+        # a 100-continue head is refused on the head alike
+        r, w = await asyncio.open_connection("127.0.0.1", port_of(rt))
+        try:
+            w.write(b"POST %s HTTP/1.1\r\nhost: x\r\nexpect: 100-continue\r\ncontent-length: %d\r\n\r\n"
+                    % (path, len(body)))
+            assert (await asyncio.wait_for(r.readuntil(b"\r\n\r\n"), 5)).startswith(b"HTTP/1.1 403")
+        finally:
+            w.close()
+        # other paths under /v1/ starting alike still go through
+        status, _, _ = await request(port_of(rt), chat(), path=b"/v1/load_lora_adapters_list")
+        assert status == 200
+    assert [r["path"] for r in a.seen] == [b"/v1/load_lora_adapters_list"]
+
+
+async def test_models_with_a_trailing_slash_is_the_list() -> None:
+    # it was 404 model_not_found naming the model ""
+    async with gateway([FakeEngine("a")]) as rt:
+        status, _, body = await request(port_of(rt), b"", path=b"/v1/models/", method=b"GET")
+        assert status == 200, body
+        assert {c["id"] for c in orjson.loads(body)["data"]} == {"m", "m-alias"}
+
+
+async def test_expose_replica_false_keeps_replica_names_out_of_error_messages() -> None:
+    a, b = FakeEngine("gpu-one"), FakeEngine("gpu-two")
+    async with gateway([a, b], server={"expose_replica": False}) as rt:
+        for mode, status, says in (("503", 503, "a replica answered 503: overloaded"),
+                                   ("reset", 502, "a replica closed the connection before a complete answer"),
+                                   ("hang", 504, "a replica did not answer within 1s")):
+            a.mode = b.mode = mode
+            got, hdrs, data = await request(port_of(rt), chat())
+            message = orjson.loads(data)["error"]["message"]
+            assert got == status and message.startswith(says), (mode, message)
+            assert b"gpu-" not in data and b"x-llmgw-replica" not in hdrs, (mode, data)
+    # (and named, as before, with expose_replica true)
+    a, b = FakeEngine("gpu-one"), FakeEngine("gpu-two")
+    async with gateway([a, b]) as rt:
+        a.mode = b.mode = "503"
+        _, _, data = await request(port_of(rt), chat())
+        assert b"replica gpu-" in data
+
+
+@pytest.mark.parametrize(
+    ("mode", "path", "stream", "tokens"),
+    [
+        ("responses", b"/v1/responses", False, {b"prompt": 36.0, b"completion": 87.0}),
+        ("responses_stream", b"/v1/responses", True, {b"prompt": 5.0, b"completion": 7.0}),
+        ("embeddings", b"/v1/embeddings", False, {b"prompt": 8.0, b"completion": 0.0}),
+    ],
+)
+async def test_tokens_are_counted_for_responses_and_embeddings(mode: str, path: bytes, stream: bool,
+                                                               tokens: dict[bytes, float]) -> None:
+    # llmgw_tokens_total never counted /v1/responses (input/output tokens) or /v1/embeddings (no completion)
+    a = FakeEngine("a")
+    async with gateway([a]) as rt:
+        a.mode = mode
+        status, _, data = await request(port_of(rt), orjson.dumps({"model": "m", "input": "hi", "stream": stream}),
+                                        path=path)
+        assert status == 200 and data == USAGE_ANSWERS[mode]
+        assert rt.admin_addr is not None
+        _, _, text = await request(rt.admin_addr[1], b"", path=b"/metrics", method=b"GET")
+        got = {
+            m.group(1): float(m.group(2))
+            for m in re.finditer(rb'^llmgw_tokens_total\{[^}]*kind="(\w+)"[^}]*\} (\S+)$', text, re.M)
+        }
+        assert got == tokens, text
+
+
+def form(fields: list[tuple[bytes, bytes]], boundary: bytes = b"----llmgw7MA4YWxk") -> bytes:
+    """A multipart/form-data body as the OpenAI SDKs send one (each field a part)."""
+    parts = [b"--%s\r\nContent-Disposition: form-data; %s\r\n\r\n%s\r\n" % (boundary, disp, value)
+             for disp, value in fields]
+    return b"".join(parts) + b"--%s--\r\n" % boundary
+
+
+async def post_form(port: int, path: bytes, body: bytes, ctype: bytes) -> tuple[int, bytes]:
+    r, w = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        w.write(b"POST %s HTTP/1.1\r\nhost: x\r\ncontent-type: %s\r\ncontent-length: %d\r\n\r\n%s"
+                % (path, ctype, len(body), body))
+        head = await asyncio.wait_for(r.readuntil(b"\r\n\r\n"), 5)
+        n = int(re.search(rb"(?i)content-length: (\d+)", head).group(1))  # type: ignore[union-attr]
+        return int(head.split()[1]), await asyncio.wait_for(r.readexactly(n), 5)
+    finally:
+        w.close()
+
+
+async def test_a_multipart_form_names_its_model() -> None:
+    # /v1/audio/transcriptions and /v1/audio/translations take multipart/form-data (OpenAI API): the
+    # model was read from JSON only, and the client got 400 "could not parse the JSON body"
+    a = FakeEngine("a")
+    ctype = b"multipart/form-data; boundary=----llmgw7MA4YWxk"
+    audio = (b'name="file"; filename="a;name=\\"model\\".wav"\r\nContent-Type: audio/wav', b"RIFF\x00\x01--")
+    async with gateway([a]) as rt:
+        body = form([audio, (b'name="model"', b"m-alias"), (b'name="language"', b"en")])
+        status, data = await post_form(port_of(rt), b"/v1/audio/transcriptions", body, ctype)
+        assert status == 200 and orjson.loads(data)["served_by"] == "a"
+        # the alias is rewritten in place; every other byte as the client sent it
+        assert a.seen[-1]["body"] == body.replace(b"\r\n\r\nm-alias\r\n", b"\r\n\r\nm\r\n")
+        quoted = body.replace(b"----llmgw7MA4YWxk", b"x y")
+        status, _ = await post_form(port_of(rt), b"/v1/audio/translations", quoted, b'multipart/form-data; boundary="x y"')
+        assert status == 200 and a.seen[-1]["body"] == quoted.replace(b"\r\n\r\nm-alias\r\n", b"\r\n\r\nm\r\n")
+        for bad, code in (
+            (form([audio]), "missing_model"),
+            (form([(b'name="model"', b"m"), (b'name="model"', b"other")]), "invalid_multipart"),
+            (body[: len(body) // 2], "invalid_multipart"),
+        ):
+            status, data = await post_form(port_of(rt), b"/v1/audio/transcriptions", bad, ctype)
+            assert status == 400 and orjson.loads(data)["error"]["code"] == code, data
+        status, data = await post_form(port_of(rt), b"/v1/audio/transcriptions", body, b"multipart/form-data")
+        assert status == 400 and "boundary" in orjson.loads(data)["error"]["message"]
+        status, data = await post_form(port_of(rt), b"/v1/audio/transcriptions", body, b"text/plain")
+        assert status == 400 and orjson.loads(data)["error"]["code"] == "invalid_json"
+        status, data = await post_form(port_of(rt), b"/v1/audio/transcriptions", form([(b'name="model"', b"zz")]), ctype)
+        assert status == 404 and orjson.loads(data)["error"]["code"] == "model_not_found"
+    assert len(a.seen) == 2

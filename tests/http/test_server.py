@@ -465,6 +465,73 @@ async def test_head_gets_no_body() -> None:
         assert third.json()["target"] == "/echo"
 
 
+@pytest.mark.parametrize(
+    ("extra", "status"),
+    [(b"Expect: foo\r\n", 417), (b"Content-Length: 99999999\r\n", 413)],
+    ids=["417", "413"],
+)
+async def test_a_refused_head_request_gets_no_body(extra: bytes, status: int) -> None:
+    # RFC 9110 §9.3.2: no content in an answer to HEAD, errors refused on the head included
+    # (their JSON body used to follow the head, read by the client as the next response)
+    async with serve(max_body=1000) as (_, port, app), connect(port) as (r, w):
+        w.write(b"HEAD /echo HTTP/1.1\r\nHost: t\r\n" + extra + b"\r\n" + GET)
+        resp = await read_response(r, head_only=True)
+        assert resp.status == status and resp.headers[b"content-type"] == b"application/json"
+        assert int(resp.headers[b"content-length"]) > 0  # (the length a GET's answer would have)
+        assert resp.headers[b"connection"] == b"close"
+        await assert_closed(r)  # and nothing after the head: no body
+        assert app.seen == []
+
+
+async def test_transfer_encoding_in_http10_is_400_and_closes() -> None:
+    # RFC 9112 §6.1 (a smuggling shape): it was de-chunked, the connection kept alive, and the
+    # request behind it served
+    async with serve() as (_, port, app), connect(port) as (r, w):
+        w.write(b"POST /echo HTTP/1.0\r\nHost: t\r\nConnection: keep-alive\r\nTransfer-Encoding: chunked\r\n\r\n"
+                b"2\r\n{}\r\n0\r\n\r\n" + GET)
+        err = assert_openai_error(await read_response(r), 400, "invalid_request")
+        assert "HTTP/1.0" in err["message"]
+        await assert_closed(r)
+        assert app.seen == []
+
+
+async def test_connect_is_405_with_allow() -> None:
+    async with serve() as (_, port, app), connect(port) as (r, w):
+        w.write(b"CONNECT example.com:443 HTTP/1.1\r\nHost: example.com:443\r\n\r\n")
+        resp = await read_response(r)
+        assert_openai_error(resp, 405, "method_not_allowed")
+        assert resp.headers[b"allow"] == b"GET, HEAD, POST"
+        await assert_closed(r)
+        assert app.seen == []
+
+
+@pytest.mark.parametrize(
+    ("size", "status"),
+    [(b"7fffffffffffffff", 400), (b"ffffffff", 413), (b"3e9", 413)],
+)
+async def test_a_chunk_size_that_cannot_fit_is_answered_at_once(size: bytes, status: int) -> None:
+    # The size line says the body cannot fit (413) or cannot be a size (400): answered before the
+    # data (it waited for data that never comes, and the client got 408 after the body timeout)
+    async with serve(max_body=1000, body_timeout=60.0) as (_, port, app), connect(port) as (r, w):
+        w.write(b"POST /echo HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: chunked\r\n\r\n" + size + b"\r\n{}")
+        assert_openai_error(await read_response(r), status, "request_too_large" if status == 413 else "invalid_request")
+        await assert_closed(r)
+        assert app.seen == []
+
+
+async def test_the_trailer_section_is_bounded_431() -> None:
+    # Trailer lines after the last chunk were taken without limit (50 MB of them)
+    async with serve(max_head_bytes=1024, max_headers=10) as (_, port, app), connect(port) as (r, w):
+        w.write(b"POST /echo HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: chunked\r\n\r\n2\r\n{}\r\n0\r\n")
+        with contextlib.suppress(ConnectionError):
+            for _ in range(64):
+                w.write(b"X-T: " + b"a" * 1000 + b"\r\n")
+                await w.drain()
+        assert_openai_error(await read_response(r), 431, "request_header_fields_too_large")
+        await assert_closed(r)
+        assert app.seen == []
+
+
 async def test_204_has_no_framing() -> None:
     async with serve() as (_, port, _), connect(port) as (r, w):
         w.write(b"GET /204 HTTP/1.1\r\nHost: t\r\n\r\n" + GET)

@@ -16,6 +16,12 @@ cdef struct ChunkFraming:
     int nspans                        # ... how many
     Py_ssize_t stop                   # ... where a pass stopped with spans full
     bint boundary                     # at the start of a chunk-size line
+    Py_ssize_t declared               # the chunk sizes read so far (never past max_body)
+    Py_ssize_t trailer                # trailer section bytes so far
+    Py_ssize_t lines                  # trailer lines so far
+    Py_ssize_t max_body               # limits: a request's max_body (PY_SSIZE_T_MAX for a response)
+    Py_ssize_t max_trailer            # ... its max_head_bytes
+    Py_ssize_t max_lines              # ... its max_headers
 
 
 cdef class Request:
@@ -72,6 +78,7 @@ cdef class RequestReader:
 
     cpdef feed(self, data)
     cpdef int where(self)
+    cpdef Request current(self)       # the request past its head (or refused after it), or None
     cdef int _feed(self, bytes buf) except -1
     cdef int _llhttp(self, bytes buf, Py_ssize_t start, Py_ssize_t end) except -1
     cdef int _ended(self) except -1

@@ -3,6 +3,7 @@
 
 cimport cython
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize, PyBytes_GET_SIZE
+from cpython.pyport cimport PY_SSIZE_T_MAX
 from cpython.mem cimport PyMem_Free, PyMem_Malloc
 from libc.string cimport memchr, memcmp, memcpy
 from libc.errno cimport EAGAIN, EINTR, errno
@@ -82,15 +83,26 @@ cdef enum HeaderKind:
     H_HOST = 9
     H_CONTENT_TYPE = 10
 
+# (every status of the IANA registry: see the twin)
 STATUS_REASONS = {
-    100: b"Continue", 200: b"OK", 201: b"Created", 202: b"Accepted", 204: b"No Content",
-    301: b"Moved Permanently", 302: b"Found", 304: b"Not Modified",
-    400: b"Bad Request", 401: b"Unauthorized", 403: b"Forbidden", 404: b"Not Found",
-    405: b"Method Not Allowed", 408: b"Request Timeout", 409: b"Conflict", 411: b"Length Required",
-    413: b"Content Too Large", 415: b"Unsupported Media Type", 417: b"Expectation Failed",
-    422: b"Unprocessable Content", 429: b"Too Many Requests", 431: b"Request Header Fields Too Large",
-    500: b"Internal Server Error", 501: b"Not Implemented", 502: b"Bad Gateway",
-    503: b"Service Unavailable", 504: b"Gateway Timeout", 505: b"HTTP Version Not Supported",
+    100: b"Continue", 101: b"Switching Protocols", 102: b"Processing", 103: b"Early Hints",
+    200: b"OK", 201: b"Created", 202: b"Accepted", 203: b"Non-Authoritative Information", 204: b"No Content",
+    205: b"Reset Content", 206: b"Partial Content", 207: b"Multi-Status", 208: b"Already Reported",
+    226: b"IM Used",
+    300: b"Multiple Choices", 301: b"Moved Permanently", 302: b"Found", 303: b"See Other", 304: b"Not Modified",
+    305: b"Use Proxy", 307: b"Temporary Redirect", 308: b"Permanent Redirect",
+    400: b"Bad Request", 401: b"Unauthorized", 402: b"Payment Required", 403: b"Forbidden", 404: b"Not Found",
+    405: b"Method Not Allowed", 406: b"Not Acceptable", 407: b"Proxy Authentication Required",
+    408: b"Request Timeout", 409: b"Conflict", 410: b"Gone", 411: b"Length Required", 412: b"Precondition Failed",
+    413: b"Content Too Large", 414: b"URI Too Long", 415: b"Unsupported Media Type",
+    416: b"Range Not Satisfiable", 417: b"Expectation Failed", 421: b"Misdirected Request",
+    422: b"Unprocessable Content", 423: b"Locked", 424: b"Failed Dependency", 425: b"Too Early",
+    426: b"Upgrade Required", 428: b"Precondition Required", 429: b"Too Many Requests",
+    431: b"Request Header Fields Too Large", 451: b"Unavailable For Legal Reasons",
+    500: b"Internal Server Error", 501: b"Not Implemented", 502: b"Bad Gateway", 503: b"Service Unavailable",
+    504: b"Gateway Timeout", 505: b"HTTP Version Not Supported", 506: b"Variant Also Negotiates",
+    507: b"Insufficient Storage", 508: b"Loop Detected", 510: b"Not Extended",
+    511: b"Network Authentication Required",
 }
 cdef dict _STATUS_LINES = {
     code: b"HTTP/1.1 %d %s\r\n" % (code, reason) for code, reason in STATUS_REASONS.items()
@@ -669,6 +681,36 @@ cdef object _unsupported_coding():
     )
 
 
+cdef object _connect_refused():
+    # 405 to CONNECT, and close (see the twin)
+    return HTTPError(
+        "CONNECT is not supported: llmgw is an HTTP API gateway, not a forward proxy", status=405,
+        type="invalid_request_error", code="method_not_allowed", close=True,
+        headers=((b"allow", b"GET, HEAD, POST"),),
+    )
+
+
+cdef object _te_in_http10():
+    # RFC 9112 §6.1 (see the twin)
+    return BadRequestError(
+        "malformed HTTP request: Transfer-Encoding in an HTTP/1.0 request (RFC 9112 §6.1)", close=True,
+    )
+
+
+cdef object _framing_error(ChunkFraming* f, Py_ssize_t code):
+    # the answer to a chunked request body past a limit (_frame_chunks' code; see the twin)
+    if code == -2:
+        return BadRequestError("malformed HTTP request: chunk size too large", close=True)
+    if code == -4:
+        return PayloadTooLargeError(
+            f"request body is at least {f.declared + f.left} bytes (its chunk sizes); the limit is {f.max_body}",
+            close=True,
+        )
+    if code == -5:
+        return HeadersTooLargeError("request trailer section is too large", close=True)
+    return HeadersTooLargeError("too many request trailer fields", close=True)
+
+
 cdef enum:
     # how the open response's body ends (after the head)
     B_NONE = 0        # no body: the head ends it
@@ -691,6 +733,10 @@ cdef Py_ssize_t _frame_chunks(ChunkFraming* f, const char* s, Py_ssize_t pos, Py
     # (all of it read); -2: a chunk size past 2**58 (llhttp validates the rest of
     # the framing); -3: f.spans is full, read up to f.stop. With f.record the
     # chunk data read is noted in f.spans ((start, end) pairs, f.nspans of them).
+    # Limits (the twin's _ChunkFraming.frame, byte for byte), read up to f.stop:
+    # -4: the chunk sizes pass f.max_body (stop: past that size line); -5: the
+    # trailer section passes f.max_trailer bytes (stop: at the byte that did);
+    # -6: it passes f.max_lines lines (stop: at the first byte of the one that did).
     cdef char c
     cdef int d
     while pos < n:
@@ -699,6 +745,10 @@ cdef Py_ssize_t _frame_chunks(ChunkFraming* f, const char* s, Py_ssize_t pos, Py
             pos += 1
             f.boundary = False
             if c == 10:
+                if f.left > f.max_body - f.declared:
+                    f.stop = pos
+                    return -4
+                f.declared += f.left
                 f.state = C_TRAILER if f.left == 0 else C_DATA
                 f.in_ext = False
             elif not f.in_ext:
@@ -730,31 +780,46 @@ cdef Py_ssize_t _frame_chunks(ChunkFraming* f, const char* s, Py_ssize_t pos, Py
             if c == 10:
                 f.state = C_SIZE
                 f.boundary = True
-        elif f.state == C_TRAILER:
+        else:  # C_TRAILER, C_FINAL_LF, C_TRAILER_LINE: the trailer section, bounded
             pos += 1
-            if c == 10:
+            f.trailer += 1
+            if f.trailer > f.max_trailer:
+                f.stop = pos - 1
+                return -5
+            if f.state == C_TRAILER_LINE:
+                if c == 10:
+                    f.state = C_TRAILER
+            elif c == 10:
                 f.state = C_SIZE
                 return pos
-            f.state = C_FINAL_LF if c == 13 else C_TRAILER_LINE
-        elif f.state == C_FINAL_LF:
-            pos += 1
-            if c == 10:
-                f.state = C_SIZE
-                return pos
-            f.state = C_TRAILER_LINE
-        else:  # C_TRAILER_LINE
-            pos += 1
-            if c == 10:
-                f.state = C_TRAILER
+            elif f.state == C_TRAILER and c == 13:
+                f.state = C_FINAL_LF
+            else:
+                f.lines += 1
+                if f.lines > f.max_lines:
+                    f.stop = pos - 1
+                    return -6
+                f.state = C_TRAILER_LINE
     return -1
 
 
 cdef inline void _chunks_reset(ChunkFraming* f) noexcept nogil:
+    # (the limits are the reader's, set apart)
     f.state = C_SIZE
     f.left = 0
     f.in_ext = False
     f.nspans = 0
     f.boundary = True
+    f.declared = 0
+    f.trailer = 0
+    f.lines = 0
+
+
+cdef inline void _chunks_unbounded(ChunkFraming* f) noexcept nogil:
+    # a response's body: llmgw does not bound what a replica sends this way
+    f.max_body = PY_SSIZE_T_MAX
+    f.max_trailer = PY_SSIZE_T_MAX
+    f.max_lines = PY_SSIZE_T_MAX
 
 
 cdef Py_ssize_t _plain_chunks(ChunkFraming* f, const char* s, Py_ssize_t pos, Py_ssize_t n) noexcept nogil:
@@ -857,6 +922,7 @@ cdef class ResponseReader:
         self._body = B_NONE
         self._body_left = 0
         _chunks_reset(&self._chunks)
+        _chunks_unbounded(&self._chunks)
         self._chunks.record = True  # (the body goes to the sink from these spans)
         self._interim = False
         self._complete = False
@@ -957,7 +1023,7 @@ cdef class ResponseReader:
                     f.nspans = 0
                     continue
             take = _frame_chunks(f, PyBytes_AS_STRING(buf), pos, n)
-            if take == -2:
+            if take == -2 or take == -4:  # (-4: sizes past PY_SSIZE_T_MAX in all)
                 raise ValueError("malformed upstream response: chunk size too large")
             stop = take if take >= 0 else (n if take == -1 else f.stop)
             self._llhttp(buf, pos, stop)
@@ -1104,6 +1170,8 @@ cdef class ResponseReader:
         if resp.status < 100:
             # llhttp takes any three digits; 000-099 is no status at all (RFC 9110 §15)
             raise ValueError(f"status code {self._parser.get_status_code()} is not a status")
+        if resp.status > 599:  # (RFC 9110 §15: see the twin)
+            raise ValueError(f"status code {resp.status} is outside 100-599")
         if resp.status < 200:
             if resp.status == 101:
                 raise ValueError("the replica switched protocols (101), which llmgw never asks for")
@@ -1182,7 +1250,7 @@ cdef class RequestReader:
         self._body = B_NONE
         self._body_left = 0
         _chunks_reset(&self._chunks)
-        self._chunks.record = True  # (the body is read off these spans)
+        self._chunks.record = True  # (the body is read off these spans; the limits are set per body)
         self._complete = False
         self._error = None
         self._version_known = False
@@ -1207,6 +1275,10 @@ cdef class RequestReader:
         if PyBytes_GET_SIZE(self._acc) > 0:
             return 1
         return 0 if self._want_head else 2
+
+    cpdef Request current(self):
+        """The request past its (accepted) head, or that an error refused after it (see the twin)."""
+        return self._req
 
     cpdef feed(self, data):
         """Parse ``data``; complete requests go to ``on_request`` as they finish."""
@@ -1284,16 +1356,13 @@ cdef class RequestReader:
             f.nspans = 0
             take = _frame_chunks(f, s, pos, n)
             if take == -2:
-                raise BadRequestError("malformed HTTP request: chunk size too large", close=True)
+                raise _framing_error(f, take)
+            if take <= -4:
+                # (llhttp's verdict on the bytes before comes first, as in the twin)
+                self._llhttp(buf, pos, f.stop)
+                raise _framing_error(f, take)
+            # NOTE: the data cannot pass max_body: the chunk sizes it came in did not (-4)
             stop = take if take >= 0 else (n if take == -1 else f.stop)
-            size = self._body_size
-            for e in range(f.nspans):
-                size += f.spans[2 * e + 1] - f.spans[2 * e]
-                if size > self.max_body:
-                    # (where the twin hears of the span that crosses the limit)
-                    self._llhttp(buf, pos, f.spans[2 * e + 1])
-                    raise PayloadTooLargeError(f"request body exceeds the limit of {self.max_body} bytes",
-                                               close=True)
             self._llhttp(buf, pos, stop)
             for e in range(f.nspans):
                 self._add_body(buf, f.spans[2 * e], f.spans[2 * e + 1])
@@ -1495,6 +1564,9 @@ cdef class RequestReader:
             self._body = B_CHUNKED if chunked else B_NONE
             req.content_length = -1
             _chunks_reset(&self._chunks)
+            self._chunks.max_body = self.max_body
+            self._chunks.max_trailer = max_head  # (the trailer section is bounded as a head is)
+            self._chunks.max_lines = max_headers
         elif req.content_length > 0:
             self._body = B_LENGTH
             self._body_left = req.content_length
@@ -1527,7 +1599,11 @@ cdef class RequestReader:
                 raise VersionNotSupportedError(f"unsupported HTTP version {version}")
             req.version = version.encode()
         if self._check_upgrade and parser.should_upgrade():
+            if req.method == b"CONNECT":
+                raise _connect_refused()
             raise BadRequestError("protocol upgrade is not supported", close=True)
+        if self._body == B_CHUNKED and req.version == b"1.0":
+            raise _te_in_http10()  # SECURITY: see the twin
         if self._connection:
             req.keep_alive = parser.should_keep_alive()
         else:

@@ -152,35 +152,70 @@ def _drop_nominated(forward: bytes, connection: list[bytes]) -> bytes:
     lines = forward.split(b"\r\n")
     return b"".join(ln + b"\r\n" for ln in lines[:-1] if ln.partition(b":")[0].lower() not in names)
 
+# NOTE: every status of the IANA registry (RFC 9110 §15 and the extensions it lists):
+# llmgw relays a replica's status as it is, so any of them may go out.
 STATUS_REASONS: dict[int, bytes] = {
     100: b"Continue",
+    101: b"Switching Protocols",
+    102: b"Processing",
+    103: b"Early Hints",
     200: b"OK",
     201: b"Created",
     202: b"Accepted",
+    203: b"Non-Authoritative Information",
     204: b"No Content",
+    205: b"Reset Content",
+    206: b"Partial Content",
+    207: b"Multi-Status",
+    208: b"Already Reported",
+    226: b"IM Used",
+    300: b"Multiple Choices",
     301: b"Moved Permanently",
     302: b"Found",
+    303: b"See Other",
     304: b"Not Modified",
+    305: b"Use Proxy",
+    307: b"Temporary Redirect",
+    308: b"Permanent Redirect",
     400: b"Bad Request",
     401: b"Unauthorized",
+    402: b"Payment Required",
     403: b"Forbidden",
     404: b"Not Found",
     405: b"Method Not Allowed",
+    406: b"Not Acceptable",
+    407: b"Proxy Authentication Required",
     408: b"Request Timeout",
     409: b"Conflict",
+    410: b"Gone",
     411: b"Length Required",
+    412: b"Precondition Failed",
     413: b"Content Too Large",
+    414: b"URI Too Long",
     415: b"Unsupported Media Type",
+    416: b"Range Not Satisfiable",
     417: b"Expectation Failed",
+    421: b"Misdirected Request",
     422: b"Unprocessable Content",
+    423: b"Locked",
+    424: b"Failed Dependency",
+    425: b"Too Early",
+    426: b"Upgrade Required",
+    428: b"Precondition Required",
     429: b"Too Many Requests",
     431: b"Request Header Fields Too Large",
+    451: b"Unavailable For Legal Reasons",
     500: b"Internal Server Error",
     501: b"Not Implemented",
     502: b"Bad Gateway",
     503: b"Service Unavailable",
     504: b"Gateway Timeout",
     505: b"HTTP Version Not Supported",
+    506: b"Variant Also Negotiates",
+    507: b"Insufficient Storage",
+    508: b"Loop Detected",
+    510: b"Not Extended",
+    511: b"Network Authentication Required",
 }
 _STATUS_LINES: dict[int, bytes] = {
     code: b"HTTP/1.1 %d %s\r\n" % (code, reason) for code, reason in STATUS_REASONS.items()
@@ -436,6 +471,161 @@ def _unsupported_coding() -> HTTPError:
     )
 
 
+def _connect_refused() -> HTTPError:
+    """RFC 9110 §9.3.6: CONNECT asks for a tunnel, which this origin server does not
+    make; 405 with the methods it takes (§15.5.6). The connection closes: llhttp
+    reads what follows a CONNECT head as tunnel bytes, not as HTTP."""
+    return HTTPError(
+        "CONNECT is not supported: llmgw is an HTTP API gateway, not a forward proxy", status=405,
+        type="invalid_request_error", code="method_not_allowed", close=True,
+        headers=((b"allow", b"GET, HEAD, POST"),),
+    )
+
+
+def _te_in_http10() -> HTTPError:
+    """RFC 9112 §6.1: a server that receives Transfer-Encoding in an HTTP/1.0 message
+    MUST treat its framing as faulty (an HTTP/1.0 hop before it may have framed it
+    otherwise: a smuggling shape) and close the connection after answering."""
+    return BadRequestError(
+        "malformed HTTP request: Transfer-Encoding in an HTTP/1.0 request (RFC 9112 §6.1)", close=True,
+    )
+
+
+# Chunked body framing states (the compiled twin's C_* in httpproto.pyx)
+_C_SIZE = 0  # in a chunk-size line (digits, then extensions), until LF
+_C_DATA = 1  # chunk data (left bytes)
+_C_DATA_END = 2  # the CRLF after chunk data, until LF
+_C_TRAILER = 3  # at the start of a trailer line (or the final empty line)
+_C_TRAILER_LINE = 4  # in a trailer line, until LF
+_C_FINAL_LF = 5  # the final empty line's LF
+
+# What _ChunkFraming.frame answers besides the index past the body
+F_MORE = -1  # the body goes on past these bytes
+F_SIZE = -2  # a chunk size past 2**58
+F_BODY = -4  # the chunk sizes pass max_body; stop: past that size line
+F_TRAILER_BYTES = -5  # the trailer section passes max_trailer bytes; stop: at the byte that did
+F_TRAILER_LINES = -6  # the trailer section passes max_lines lines; stop: at the first byte of the one that did
+# (stop is where llhttp is fed to before the answer: its verdict on the bytes before comes first, and a
+# trailer limit stops before the message's last byte, so llhttp never completes a refused request)
+
+_MAX_CHUNK_LEFT = 1 << 58  # (a size past this with one more digit is refused, as in the compiled twin)
+_HEX_VALUE = {c: int(chr(c), 16) for c in b"0123456789abcdefABCDEF"}
+
+
+class _ChunkFraming:
+    """Where a chunked request body ends, and its limits, read off the bytes as llhttp
+    reads them (llhttp validates the framing; this bounds it).
+
+    llhttp takes any chunk size up to 2**64 and waits for that much data, and takes
+    any number of trailer lines: a body declared past ``max_body`` would wait for its
+    body timeout, a trailer section would grow without limit (it is read, not kept,
+    but llhttp keeps each unfinished line). The compiled twin frames chunks itself
+    (``_frame_chunks``); this is the same state machine, so both answer alike at the
+    same byte.
+    """
+
+    __slots__ = ("declared", "in_ext", "left", "lines", "max_body", "max_lines", "max_trailer", "state", "stop",
+                 "trailer")
+
+    def __init__(self, max_body: int, max_trailer: int, max_lines: int) -> None:
+        self.state = _C_SIZE
+        self.left = 0  # the chunk being read: bytes still to come (its size, in its size line)
+        self.in_ext = False  # past the size digits of a size line
+        self.declared = 0  # the chunk sizes read so far (never past max_body)
+        self.trailer = 0  # trailer section bytes so far
+        self.lines = 0  # trailer lines so far
+        self.stop = 0  # where frame stopped on a limit
+        self.max_body = max_body
+        self.max_trailer = max_trailer
+        self.max_lines = max_lines
+
+    def frame(self, s: bytes, pos: int, n: int) -> int:
+        """The index past the body's end in ``s[pos:n]``, or F_MORE (all of it read),
+        or a limit (F_SIZE, F_BODY, F_TRAILER_BYTES, F_TRAILER_LINES)."""
+        while pos < n:
+            state = self.state
+            if state == _C_SIZE:
+                if self.in_ext:
+                    lf = s.find(b"\n", pos, n)  # (extensions: llhttp checks them)
+                    if lf < 0:
+                        return F_MORE
+                    pos = lf
+                c = s[pos]
+                pos += 1
+                if c == 10:
+                    if self.left > self.max_body - self.declared:
+                        self.stop = pos
+                        return F_BODY
+                    self.declared += self.left
+                    self.state = _C_TRAILER if self.left == 0 else _C_DATA
+                    self.in_ext = False
+                else:
+                    d = _HEX_VALUE.get(c)
+                    if d is None:
+                        self.in_ext = True  # CR, or extensions: the size is read
+                    elif self.left > _MAX_CHUNK_LEFT:
+                        return F_SIZE
+                    else:
+                        self.left = self.left * 16 + d
+            elif state == _C_DATA:
+                if n - pos >= self.left:
+                    pos += self.left
+                    self.left = 0
+                    self.state = _C_DATA_END
+                else:
+                    self.left -= n - pos
+                    pos = n
+            elif state == _C_DATA_END:
+                lf = s.find(b"\n", pos, n)
+                if lf < 0:
+                    return F_MORE
+                pos = lf + 1
+                self.state = _C_SIZE
+            elif state == _C_TRAILER_LINE:
+                lf = s.find(b"\n", pos, n)
+                end = n if lf < 0 else lf + 1
+                if self.trailer + (end - pos) > self.max_trailer:
+                    self.stop = pos + self.max_trailer - self.trailer
+                    return F_TRAILER_BYTES
+                self.trailer += end - pos
+                pos = end
+                if lf >= 0:
+                    self.state = _C_TRAILER
+            else:  # _C_TRAILER, _C_FINAL_LF: one byte
+                c = s[pos]
+                pos += 1
+                self.trailer += 1
+                if self.trailer > self.max_trailer:
+                    self.stop = pos - 1
+                    return F_TRAILER_BYTES
+                if c == 10:
+                    self.state = _C_SIZE
+                    return pos
+                if state == _C_TRAILER and c == 13:
+                    self.state = _C_FINAL_LF
+                else:
+                    self.lines += 1
+                    if self.lines > self.max_lines:
+                        self.stop = pos - 1
+                        return F_TRAILER_LINES
+                    self.state = _C_TRAILER_LINE
+        return F_MORE
+
+
+def _framing_error(f: _ChunkFraming, code: int) -> HTTPError:
+    """The answer to a chunked body past a limit (``_ChunkFraming.frame``'s code)."""
+    if code == F_SIZE:
+        return BadRequestError("malformed HTTP request: chunk size too large", close=True)
+    if code == F_BODY:
+        return PayloadTooLargeError(
+            f"request body is at least {f.declared + f.left} bytes (its chunk sizes); the limit is {f.max_body}",
+            close=True,
+        )
+    if code == F_TRAILER_BYTES:
+        return HeadersTooLargeError("request trailer section is too large", close=True)
+    return HeadersTooLargeError("too many request trailer fields", close=True)
+
+
 class RequestReader:
     """Reads pipelined HTTP/1.1 requests from one connection (sans-IO).
 
@@ -483,6 +673,8 @@ class RequestReader:
         self._te_other = False
         self._te_chunked = False
         self._connection: list[bytes] | None = None  # Connection values naming more than close/keep-alive
+        self._chunks: _ChunkFraming | None = None  # the open request's chunked body: its framing and limits
+        self._tail = b""  # the last bytes fed inside a head (a blank line split over reads)
 
     @property
     def in_message(self) -> bool:
@@ -500,18 +692,28 @@ class RequestReader:
             return 1
         return 0 if self._req is None else 2
 
+    def current(self) -> Request | None:
+        """The request whose head was read and accepted by llhttp and whose body is
+        being read, or which an error refused after its head was read (its method
+        and target known: a refused HEAD is answered without a body); ``None``
+        between requests and inside a head."""
+        return None if self._in_head else self._req
+
     def feed(self, data: bytes) -> None:
         """Parse ``data``; complete requests go to ``on_request`` as they finish.
 
         Raises:
-            HTTPError: 400 malformed, 431 head too large, 413 body too large.
+            HTTPError: 400 malformed, 431 head (or trailer section) too large, 413 body too large.
         """
         if self._dead:
             raise BadRequestError("connection is closing after a malformed request", close=True)
         mid_message = self._req is not None
         ends = self._ends
         try:
-            self._parser.feed_data(data)
+            self._feed(data)
+        except HTTPError:
+            self._dead = True  # (a chunked body past a limit)
+            raise
         except httptools.HttpParserUpgrade:
             # llhttp stops at an upgrade; llmgw speaks HTTP/1.1 only.
             self._dead = True
@@ -538,6 +740,53 @@ class RequestReader:
             if self._head_fed > self.max_head_bytes:
                 self._dead = True
                 raise HeadersTooLargeError("request head is too large", close=True)
+            self._tail = (self._tail + data[-3:])[-3:]
+        else:
+            self._tail = b""
+
+    def _feed(self, data: bytes) -> None:
+        # llhttp reads the bytes; a chunked body's framing is also read here first, as
+        # the compiled twin reads it, for the limits llhttp does not keep (_ChunkFraming).
+        # To know where such a body begins, llhttp is fed up to each blank line (where a
+        # head may end) at a time: a chunked head that ends there starts the framing just
+        # after it. NOTE: (PERF) this costs the twin about 1 us a request (a second
+        # feed_data, and a search of the body for blank lines); finding only the heads that
+        # name Transfer-Encoding (any case) costs as much.
+        n = len(data)
+        pos = 0
+        feed_data = self._parser.feed_data
+        while pos < n:
+            f = self._chunks
+            if f is not None:
+                end = f.frame(data, pos, n)
+                if end < F_MORE:
+                    if end != F_SIZE and f.stop > pos:
+                        feed_data(data[pos : f.stop])  # (llhttp's verdict on the bytes before comes first)
+                    raise _framing_error(f, end)
+                stop = n if end == F_MORE else end
+                feed_data(data if pos == 0 and stop == n else data[pos:stop])
+                pos = stop
+                if end >= 0 and self._chunks is not None:
+                    raise BadRequestError("malformed HTTP request: the message does not end where its framing says",
+                                          close=True)
+                continue
+            stop = -1
+            if pos == 0 and self._tail:
+                at = (self._tail + data[:3]).find(b"\r\n\r\n")  # (a blank line split over reads)
+                if at >= 0:
+                    stop = at + 4 - len(self._tail)
+            if stop < 0:
+                at = data.find(b"\r\n\r\n", pos)
+                if at >= 0:
+                    stop = at + 4
+            blank = stop >= 0
+            if not blank:
+                stop = n
+            feed_data(data if pos == 0 and stop == n else data[pos:stop])
+            if self._chunks is not None and not blank:
+                # (a head that ended elsewhere than at a blank line: its framing is not known here)
+                raise BadRequestError("malformed HTTP request: the head does not end where it seems to", close=True)
+            pos = stop
 
     # -- httptools callbacks (called from feed_data) --
 
@@ -640,6 +889,11 @@ class RequestReader:
         req = self._req
         assert req is not None
         self._in_head = False
+        parser = self._parser
+        # (read first: a head refused below is answered knowing its method, see current())
+        req.method = parser.get_method()
+        parts = self._url_parts
+        req.target = parts[0] if len(parts) == 1 else b"".join(parts)
         if self._error is not None:
             error, self._error = self._error, None
             raise error
@@ -650,10 +904,6 @@ class RequestReader:
             # does not decode is 501 (RFC 9112 §6.1); chunked not last stays llhttp's
             # 400 (§6.3). Found by the h11 differential test.
             raise _unsupported_coding()
-        parser = self._parser
-        req.method = parser.get_method()
-        parts = self._url_parts
-        req.target = parts[0] if len(parts) == 1 else b"".join(parts)
         version = parser.get_http_version()
         if version != "1.1" and version != "1.0":
             # SECURITY: llhttp lets "HTTP/2.0" and a version-less (0.9) line
@@ -663,7 +913,12 @@ class RequestReader:
             # llhttp would call on_message_complete for an upgrade (or CONNECT)
             # before stopping, so the request would reach the app and be
             # answered; reject it here, before it is delivered.
+            if req.method == b"CONNECT":
+                raise _connect_refused()
             raise BadRequestError("protocol upgrade is not supported", close=True)
+        if self._te_chunked and version == "1.0":
+            # SECURITY: llhttp de-chunks it and keeps the connection open (see _te_in_http10)
+            raise _te_in_http10()
         req.version = version.encode()
         req.keep_alive = parser.should_keep_alive()
         req.forward = b"".join(self._forward)
@@ -673,12 +928,16 @@ class RequestReader:
             raise PayloadTooLargeError(
                 f"request body is {req.content_length} bytes; the limit is {self.max_body}", close=True
             )
+        if self._te_chunked:
+            self._chunks = _ChunkFraming(self.max_body, self.max_head_bytes, self.max_headers)
         if req.expect_continue and req.content_length != 0 and req.version == b"1.1":
             # (an HTTP/1.0 client's expectation is ignored: RFC 9110 §10.1.1)
             self._sink.on_head(req)
 
     def on_body(self, body: bytes) -> None:
         self._body_size += len(body)
+        # (a chunked body is refused on its chunk sizes first, by _ChunkFraming: this
+        # is for what llhttp delivers past the limit all the same)
         if self._body_size > self.max_body:
             raise PayloadTooLargeError(f"request body exceeds the limit of {self.max_body} bytes", close=True)
         self._body.append(body)
@@ -690,6 +949,7 @@ class RequestReader:
         if body:
             req.body = body[0] if len(body) == 1 else b"".join(body)
         self._req = None
+        self._chunks = None
         self._in_head = False
         self._head_bytes = 0
         self._ends += 1
@@ -908,6 +1168,10 @@ class ResponseReader:
             # llhttp takes any three digits; 000-099 is no status at all (RFC 9110 §15)
             # (as an interim response its body would reach the sink with no head)
             raise ValueError(f"status code {resp.status} is not a status")
+        if resp.status > 599:
+            # RFC 9110 §15: a status is 100-599; llhttp takes any three digits, and a client may
+            # not read one past 599 (it was relayed as it came)
+            raise ValueError(f"status code {resp.status} is outside 100-599")
         if resp.status < 200:
             if resp.status == 101:
                 raise ValueError("the replica switched protocols (101), which llmgw never asks for")

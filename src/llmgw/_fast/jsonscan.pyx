@@ -1054,15 +1054,22 @@ cpdef usage_counts(bytes data):
     cdef const char* s = PyBytes_AS_STRING(data)
     cdef Py_ssize_t n = PyBytes_GET_SIZE(data)
     cdef Py_ssize_t at, end
-    cdef long long prompt, completion
+    cdef long long prompt, completion, total
     at = _rfind(s, n, b'"usage"', 7)
     if at < 0:
         return None
     end = n if n < at + 1024 else at + 1024
     prompt = _int_value(s, at, end, b'"prompt_tokens"', 15)
     if prompt < 0:
-        return None
+        prompt = _int_value(s, at, end, b'"input_tokens"', 14)  # (/v1/responses)
+        if prompt < 0:
+            return None
     completion = _int_value(s, at, end, b'"completion_tokens"', 19)
     if completion < 0:
-        return None
+        completion = _int_value(s, at, end, b'"output_tokens"', 15)
+        if completion < 0:
+            total = _int_value(s, at, end, b'"total_tokens"', 14)  # (embeddings: no completion)
+            if total < prompt:
+                return None
+            completion = total - prompt
     return (prompt, completion)

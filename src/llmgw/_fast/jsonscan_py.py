@@ -393,9 +393,14 @@ def usage_counts(data: bytes) -> tuple[int, int] | None:
 
     A JSON answer (or SSE event) reports its token usage in a small object near
     its end. This finds the last ``"usage"`` key and reads the two integers
-    within the next 1024 bytes, without parsing the JSON; ``None`` when either is
-    missing (``"usage": null`` included). Keys inside ``*_details`` objects do not
+    within the next 1024 bytes, without parsing the JSON; ``None`` when there are
+    none (``"usage": null`` included). Keys inside ``*_details`` objects do not
     match (the closing quote is part of the key).
+
+    The shapes read: chat and completions (``prompt_tokens``, ``completion_tokens``);
+    ``/v1/responses`` (``input_tokens``, ``output_tokens``; its stream's usage is in
+    the ``response.completed`` event's ``response``); embeddings (``prompt_tokens``
+    and ``total_tokens``, no completion: ``total_tokens - prompt_tokens``, 0).
     """
     at = data.rfind(_USAGE_KEY)
     if at < 0:
@@ -403,8 +408,15 @@ def usage_counts(data: bytes) -> tuple[int, int] | None:
     end = min(len(data), at + _USAGE_WINDOW)
     prompt = _int_value(data, b'"prompt_tokens"', at, end)
     if prompt is None:
-        return None
+        prompt = _int_value(data, b'"input_tokens"', at, end)
+        if prompt is None:
+            return None
     completion = _int_value(data, b'"completion_tokens"', at, end)
     if completion is None:
-        return None
+        completion = _int_value(data, b'"output_tokens"', at, end)
+        if completion is None:
+            total = _int_value(data, b'"total_tokens"', at, end)
+            if total is None or total < prompt:
+                return None
+            completion = total - prompt
     return prompt, completion

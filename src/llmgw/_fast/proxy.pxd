@@ -199,7 +199,7 @@ cdef class Gateway(App):
     cdef bint answered_5xx_counts(self, ModelPool pool, Endpoint ep, int status, double now) except -1
     cdef _ensure_sweep(self)
     cpdef on_scrape(self, ep)
-    @cython.locals(path=bytes)
+    @cython.locals(path=bytes, c=Py_ssize_t)
     cpdef handle(self, Request req, ResponseWriter w)
     cpdef answer_error(self, ResponseWriter w, exc)
     @cython.locals(path=bytes)
@@ -209,6 +209,7 @@ cdef class Gateway(App):
     cdef _local_done(self, Request req, ResponseWriter w, bytes rid, model, double started, Py_ssize_t nbytes=*)
     cdef half_opened(self, Endpoint ep)
     cdef bytes replica_line(self, Endpoint ep)
+    cdef str replica_name(self, Endpoint ep)
     cdef _served_model(self, bytes body)
     cdef bytes _authenticate(self, Request req)
     cdef bytes _request_id(self, Request req)

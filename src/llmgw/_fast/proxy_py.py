@@ -231,6 +231,8 @@ def _last_events(data: bytes) -> bytes:
 _REASON_WORDS = {
     "unreachable": "unreachable",
     "stale": "failing its scrapes",
+    "loading": "loading its model",
+    "unavailable": "answering its metrics page 503 (unavailable)",
     "breaker_open": "with an open circuit breaker",
     "auth_failed": "refusing the API key the gateway sends it (fix its key in the configuration)",
     "draining": "draining",
@@ -384,6 +386,101 @@ def _no_model(body: bytes) -> BadRequestError:
     return BadRequestError("You must provide a model parameter.", param="model", code="missing_model")
 
 
+# a parameter of a header value: ; name = token or "quoted string" (RFC 9110 §5.6.6, RFC 7578 §4.2)
+_PARAM = re.compile(rb';[ \t]*([^\s=;]+)[ \t]*=[ \t]*("(?:[^"\\]|\\.)*"|[^;]*)')
+
+
+def _params(value: bytes) -> dict[bytes, bytes]:
+    """The parameters of a header value (``type; a=1; b="x"``): lower-case names, values unquoted."""
+    out: dict[bytes, bytes] = {}
+    for m in _PARAM.finditer(value):
+        v = m.group(2).strip(b" \t")
+        if v[:1] == b'"':
+            v = re.sub(rb"\\(.)", rb"\1", v[1 : len(v) - 1])  # (no negative index: wraparound is off, compiled)
+        out.setdefault(m.group(1).lower(), v)
+    return out
+
+
+def _bad_multipart(why: str) -> BadRequestError:
+    return BadRequestError(f"We could not parse the multipart/form-data body of your request: {why}.",
+                           code="invalid_multipart")
+
+
+def _multipart_model(body: bytes, content_type: bytes | None) -> tuple[str, int, int] | None:
+    """The ``model`` field of a ``multipart/form-data`` body (the OpenAI API's audio
+    transcriptions and translations take one), and where its value lies in ``body``:
+    ``("", 0, 0)`` when it has none; ``None`` when ``content_type`` is not
+    multipart/form-data (cold path: only a body that is not JSON gets here).
+
+    Raises:
+        BadRequestError: a malformed multipart body, or one with two ``model`` fields
+            (the gateway would route by one and the engine might read the other).
+    """
+    if content_type is None:
+        return None
+    mime, _, rest = content_type.partition(b";")
+    if mime.strip(b" \t").lower() != b"multipart/form-data":
+        return None
+    boundary = _params(b";" + rest).get(b"boundary")
+    if not boundary:
+        raise _bad_multipart("its Content-Type names no boundary")
+    delim = b"\r\n--" + boundary
+    # (the first delimiter opens the body, or ends a preamble)
+    if body.startswith(delim[2:]):
+        pos = len(delim) - 2
+    else:
+        pos = body.find(delim)
+        if pos < 0:
+            raise _bad_multipart("no part begins with the boundary")
+        pos += len(delim)
+    found: tuple[str, int, int] | None = None
+    while body[pos : pos + 2] != b"--":  # (the close delimiter)
+        line = body.find(b"\r\n", pos)
+        head_end = body.find(b"\r\n\r\n", line) if line >= 0 else -1
+        end = body.find(delim, head_end + 4) if head_end >= 0 else -1
+        if end < 0:
+            raise _bad_multipart("a part does not end with the boundary")
+        name = None
+        for h in body[line + 2 : head_end].split(b"\r\n"):
+            field, _, value = h.partition(b":")
+            if field.strip(b" \t").lower() == b"content-disposition":
+                name = _params(b";" + value.partition(b";")[2]).get(b"name")
+        if name == b"model":
+            if found is not None:
+                raise _bad_multipart("it has two model fields")
+            try:
+                found = (body[head_end + 4 : end].decode("utf-8"), head_end + 4, end)
+            except UnicodeDecodeError:
+                raise _bad_multipart("its model field is not UTF-8") from None
+        pos = end + len(delim)
+    return found if found is not None else ("", 0, 0)
+
+
+def _form_model(body: bytes, content_type: bytes | None, exc: JSONScanError) -> str:
+    """The model a body that is not JSON names: its ``multipart/form-data`` ``model``
+    field (the audio transcriptions and translations send their fields as a form).
+
+    Raises:
+        BadRequestError: the body is neither (the JSON 400, saying why), or a malformed form.
+    """
+    form = _multipart_model(body, content_type)
+    if form is None:
+        raise BadRequestError(
+            f"We could not parse the JSON body of your request ({exc}). Send a JSON object "
+            "(or a multipart/form-data body where the API takes one).",
+            code="invalid_json",
+        ) from None
+    return form[0]
+
+
+def _form_rewrite(body: bytes, content_type: bytes | None, model: str) -> bytes:
+    """``body`` (a ``multipart/form-data`` body with a ``model`` field) naming ``model`` instead;
+    every other byte as it was."""
+    form = _multipart_model(body, content_type)
+    assert form is not None and form[2]  # (read by _form_model before)
+    return body[: form[1]] + model.encode() + body[form[2] :]
+
+
 def _bad_path(path: bytes) -> BadRequestError:
     return BadRequestError(
         f"the path {path.decode('latin-1')[:200]} has a '.' or '..' segment (maybe percent-encoded): "
@@ -393,6 +490,31 @@ def _bad_path(path: bytes) -> BadRequestError:
 
 def _no_route(path: bytes) -> NotFoundError:
     return NotFoundError(f"no route for {path.decode('latin-1')[:200]}; llmgw serves the OpenAI API under /v1/")
+
+
+_ENGINE_ADMIN = frozenset({b"load_lora_adapter", b"unload_lora_adapter"})
+"""Administration endpoints an inference engine serves under /v1/ (vLLM's runtime LoRA
+routes, with ``VLLM_ALLOW_RUNTIME_LORA_UPDATING``): never forwarded."""
+
+
+def _engine_admin(path: bytes) -> bool:
+    """Whether ``path`` (no query) names one of :data:`_ENGINE_ADMIN`, as an engine (or a
+    proxy before it) may route it: percent-decoded, in any case, with empty segments
+    (``//``, a trailing ``/``) dropped (cold path: only paths whose first segment after
+    ``/v1/`` starts with one of the bytes ``lLuU%/`` get here)."""
+    plain = unquote_to_bytes(path) if b"%" in path else path
+    segments = [seg for seg in plain.lower().split(b"/") if seg]
+    return len(segments) == 2 and segments[0] == b"v1" and segments[1] in _ENGINE_ADMIN
+
+
+def _admin_refused(path: bytes) -> HTTPError:
+    # SECURITY: a replica runs what the gateway sends it with the gateway's own key for it: passed on,
+    # any client of the gateway could load or unload adapters on every replica it reaches.
+    return HTTPError(
+        f"{path.decode('latin-1')[:200]} is an inference engine's administration endpoint; llmgw does not pass "
+        "it to replicas (it would run with the gateway's own key for them): call the engine directly",
+        status=403, type="invalid_request_error", code="engine_admin_endpoint", should_retry=False,
+    )
 
 
 _POST_ROUTES = frozenset({
@@ -679,7 +801,7 @@ class Call(Exchange):
             return
         except TimeoutError:
             self._attempt_failed(
-                GatewayTimeoutError(f"replica {ep.id} did not accept a connection in time"), "connect_timeout"
+                GatewayTimeoutError(f"{self.gw.replica_name(ep)} did not accept a connection in time"), "connect_timeout"
             )
             return
         except OSError as exc:
@@ -690,7 +812,7 @@ class Call(Exchange):
                 ep.state.down = True
                 upstream_logger.info("replica %s refused a connection: down until a scrape reaches it", ep.id)
             self._attempt_failed(
-                BadGatewayError(f"replica {ep.id} refused the connection ({exc.strerror or exc})"), "connect_refused"
+                BadGatewayError(f"{self.gw.replica_name(ep)} refused the connection ({exc.strerror or exc})"), "connect_refused"
             )
             return
         finally:
@@ -899,7 +1021,7 @@ class Call(Exchange):
                     return
                 # (an error answer is read whole to be normalized; one this large is not an error answer)
                 self._attempt_failed(
-                    BadGatewayError(f"replica {self.ep.id} sent an error answer larger than {self.gw.max_buffered} bytes"),  # type: ignore[union-attr]
+                    BadGatewayError(f"{self.gw.replica_name(self.ep)} sent an error answer larger than {self.gw.max_buffered} bytes"),  # type: ignore[arg-type]
                     "bad_response", True, True,  # (the engine had the request: not resent, at most once)
                 )
 
@@ -1039,7 +1161,7 @@ class Call(Exchange):
                 if status in _RETRYABLE_STATUS:
                     message = orjson.loads(normalized)["error"]["message"]
                     err = HTTPError(
-                        f"replica {ep.id} answered {status}: {message}",
+                        f"{gw.replica_name(ep)} answered {status}: {message}",
                         status=status,
                         type="service_unavailable_error" if status == 503 else "server_error",
                         code="service_unavailable" if status == 503 else "bad_gateway",
@@ -1088,7 +1210,7 @@ class Call(Exchange):
         self.gw.auth_refused(ep, status)
         self._attempt_failed(
             UpstreamAuthError(
-                f"replica {ep.id} refused the API key the gateway sends it (HTTP {status}); "
+                f"{self.gw.replica_name(ep)} refused the API key the gateway sends it (HTTP {status}); "
                 "the gateway's configuration for it must be fixed"
             ),
             "auth_failed",
@@ -1119,7 +1241,10 @@ class Call(Exchange):
             ep = self.ep
             assert ep is not None
             self.gw.observer.upstream_error(ep.id, kind)
-            self._cut_stream("the replica closed the connection", "upstream_disconnected")
+            if kind == "bad_response":
+                self._cut_stream("the replica sent a malformed answer", "upstream_bad_response")
+            else:
+                self._cut_stream("the replica closed the connection", "upstream_disconnected")
             self._completed(False)
             return
         # NOTE: at most once. Bytes handed to the transport may have reached the
@@ -1129,9 +1254,15 @@ class Call(Exchange):
             return
         ep = self.ep
         assert ep is not None
-        self._attempt_failed(
-            BadGatewayError(f"replica {ep.id} closed the connection before a complete answer"), kind, True, written
-        )
+        if kind == "bad_response":
+            # (not HTTP llmgw can relay: a status outside 100-599, bad framing, a 101, ...; the
+            # reason is llmgw's own or llhttp's words, never the replica's bytes)
+            why = str(exc).removeprefix("malformed upstream response: ")
+            error = BadGatewayError(f"{self.gw.replica_name(ep)} sent a malformed answer ({why})",
+                                    code="upstream_bad_response")
+        else:
+            error = BadGatewayError(f"{self.gw.replica_name(ep)} closed the connection before a complete answer")
+        self._attempt_failed(error, kind, True, written)
 
     def _cut_stream(self, why: str, code: str) -> None:
         w = self.w
@@ -1174,7 +1305,7 @@ class Call(Exchange):
             # Not retried, here or by the client (x-should-retry: false): the engine
             # may be working on it, and a retry would wait as long again.
             self._finish(GatewayTimeoutError(
-                f"replica {ep.id} did not answer within {gw.first_byte_timeout:g}s", should_retry=False
+                f"{gw.replica_name(ep)} did not answer within {gw.first_byte_timeout:g}s", should_retry=False
             ))
         elif kind == D_READ:
             conn, self.conn = self.conn, None
@@ -1189,7 +1320,7 @@ class Call(Exchange):
                 self._completed(False)
             else:
                 self._attempt_failed(
-                    BadGatewayError(f"replica {ep.id} stopped sending its answer"), "read_timeout", True, True
+                    BadGatewayError(f"{gw.replica_name(ep)} stopped sending its answer"), "read_timeout", True, True
                 )
 
     def stop_now(self) -> None:
@@ -1659,13 +1790,19 @@ class Gateway(App):
             # An engine (or a proxy in front of it) that resolves dot segments would serve
             # /v1/../admin as /admin, with the replica's own key: never forwarded.
             raise _bad_path(path)
+        if len(path) > 4:
+            # PERF: one byte read (a C char, compiled); the exact test only for a path whose first
+            # segment starts as an engine's admin endpoint may ("l", "u", either case, "%", "/")
+            c = path[4]
+            if (c == 108 or c == 117 or c == 37 or c == 47 or c == 76 or c == 85) and _engine_admin(path):
+                raise _admin_refused(path)
         key = self._authenticate(req) if self.auth else None
         if method == b"POST":
             self._proxy(req, w, key)
             return None
         models = path == b"/v1/models" or path.startswith(b"/v1/models/")
         if models and (method == b"GET" or method == b"HEAD"):
-            if path == b"/v1/models":
+            if path == b"/v1/models" or path == b"/v1/models/":  # (with a trailing slash: the list, not model "")
                 self._answer_local(req, w, 200, orjson.dumps({"object": "list", "data": self._model_cards()}))
                 return None
             # the id percent-decoded: SDKs send "org/name" ids as org%2Fname
@@ -1696,6 +1833,8 @@ class Gateway(App):
             return _no_route(path)
         if (b"." in path or b"%" in path or b"\\" in path) and _dot_segments(path):
             return _bad_path(path)  # (handle's 400, in handle's order: before the key)
+        if _engine_admin(path):
+            return _admin_refused(path)  # (handle's 403, in handle's order)
         if self.auth:
             try:
                 self._authenticate(req)
@@ -1747,6 +1886,11 @@ class Gateway(App):
         """The ``x-llmgw-replica`` header line for answers from ``ep`` (``b""`` with
         ``server.expose_replica: false``: the access log and metrics name it anyway)."""
         return ep.replica_line if self.expose_replica else b""
+
+    def replica_name(self, ep: Endpoint) -> str:
+        """How an error message to a client names ``ep``: ``replica <id>``, or ``a replica``
+        with ``server.expose_replica: false`` (the access log and the server log name it anyway)."""
+        return f"replica {ep.id}" if self.expose_replica else "a replica"
 
     def _authenticate(self, req: Request) -> bytes:
         key: bytes | None = None
@@ -1825,10 +1969,9 @@ class Gateway(App):
             else:
                 is_object, model = json_model(body)
         except JSONScanError as exc:
-            raise BadRequestError(
-                f"We could not parse the JSON body of your request ({exc}). Send a JSON object.",
-                code="invalid_json",
-            ) from None
+            # (PERF: no local of its own on the hot path: the form is read again to rewrite its model)
+            model = _form_model(body, req.content_type, exc)
+            is_object = True
         if not is_object:
             raise BadRequestError("The request body must be a JSON object.", code="invalid_json")
         if not model:
@@ -1852,8 +1995,12 @@ class Gateway(App):
         rewrite = self.rewrites.get(model)
         if rewrite is not None and rewrite != model:
             # Only the name changes; every other byte goes upstream as the client sent it.
-            start, end = model_span(body)
-            body = body[:start] + orjson.dumps(rewrite) + body[end:]
+            try:
+                start, end = model_span(body)
+            except JSONScanError:
+                body = _form_rewrite(body, req.content_type, rewrite)  # (a multipart/form-data body)
+            else:
+                body = body[:start] + orjson.dumps(rewrite) + body[end:]
         call = Call.__new__(Call)
         call._init(self, req, w, pool, model, body, rid_line, started)
         if chain is not None and pool.keyed:

@@ -70,7 +70,8 @@ __all__ = ["UNUSABLE_REASONS", "Endpoint", "ModelPool"]
 
 # Why a replica takes no new request (Endpoint.unusable_reason); the same words
 # in the admin API, /ready and the 503's message.
-UNUSABLE_REASONS = ("draining", "unreachable", "stale", "auth_failed", "breaker_open", "breaker_probing")
+UNUSABLE_REASONS = ("draining", "unreachable", "stale", "loading", "unavailable", "auth_failed", "breaker_open",
+                    "breaker_probing")
 
 
 # The byte of a routing key (jsonscan.json_route: native 64-bit words) that holds bit 63 of its
@@ -286,7 +287,12 @@ class Endpoint:
         if st.draining:
             return "draining"
         if st.down:
-            return "unreachable" if self.unreachable else "stale"
+            if self.unreachable:
+                return "unreachable"
+            # (held down by the poller while the engine answers its scrape 503: the poller's scrape
+            # problem says which, llmgw.fleet.registry.EngineUnavailable)
+            held = getattr(self.scrape_problem, "state", None)
+            return held if held == "loading" or held == "unavailable" else "stale"
         breaker = st.breaker
         if not breaker.available(now):
             if self.auth_failed:  # (the gate a refused key holds it with, in the breaker's place)

@@ -851,7 +851,11 @@ class HTTPProtocol(RequestSink):
         self._lingering_due = True  # the client may still be sending what was refused
         writer = ResponseWriter.__new__(ResponseWriter)
         head, self._refused_head = self._refused_head, None
-        # (no request, its method empty: but a head refused before its body, which is known)
+        if head is None:
+            # a head the reader refused (or whose body it did not finish) once llhttp had
+            # accepted it: its method is known, and a HEAD is answered without a body
+            # (RFC 9110 §9.3.2); before that, no request (its method empty)
+            head = self._reader.current()
         writer._init(self, head if head is not None else Request())
         writer.keep_alive = False
         self._current = writer

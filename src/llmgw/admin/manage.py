@@ -51,6 +51,7 @@ import orjson
 
 from ..config import EndpointConfig, load
 from ..errors import BadRequestError, ConfigError, HTTPError, NotFoundError
+from ..fleet.registry import EngineUnavailable, unusable_reason
 from ..http.parser import Request
 from ..http.server import ResponseWriter
 from ..log import admin_logger as log
@@ -85,6 +86,7 @@ ROUTES = (
     "GET /admin/v1/deployments",
     "POST /admin/v1/deployments",
     "GET /admin/v1/deployments/{name}",
+    "PUT /admin/v1/deployments/{name}",
     "POST /admin/v1/deployments/{name}/scale",
     "DELETE /admin/v1/deployments/{name}",
     "GET /admin/v1/join-tokens",
@@ -109,14 +111,17 @@ def method_not_allowed(method: bytes, path: bytes, allowed: str) -> HTTPError:
 
 
 def endpoint_state(ep: Any) -> str:
-    """One word for an operator: ``draining``, ``auth_failed``, ``unreachable``, ``open``, ``half-open``,
-    ``stale`` or ``ok``."""
+    """One word for an operator: ``draining``, ``auth_failed``, ``unreachable``, ``loading``,
+    ``unavailable``, ``open``, ``half-open``, ``stale`` or ``ok``."""
     if ep.draining:
         return "draining"
     if ep.auth_failed:
         return "auth_failed"  # (the replica refuses the key the gateway sends it: fix the config)
     if ep.down and ep.unreachable:
         return "unreachable"
+    problem = getattr(ep, "scrape_problem", None)
+    if ep.down and isinstance(problem, EngineUnavailable):
+        return problem.state  # (its engine answers its scrapes 503: loading its model, or unavailable)
     b = breaker_state(ep)
     if b == "open":
         return "open"
@@ -147,11 +152,6 @@ def _call(obj: Any, name: str) -> Any:
     except Exception:
         log.exception("reading %s.%s() for the admin API failed; leaving it out", type(obj).__name__, name)
         return None
-
-
-def _call_now(obj: Any, name: str, now: float) -> Any:
-    fn = getattr(obj, name, None)
-    return fn(now) if callable(fn) else None
 
 
 def score_inputs(ep: Any) -> dict[str, Any]:
@@ -205,8 +205,8 @@ def endpoint_view(ep: Endpoint, now: float | None = None) -> dict[str, Any]:
         "auth_failed": bool(getattr(ep, "auth_failed", False)),
         "usable": getattr(ep, "usable", None),
         # why not (replica_py.UNUSABLE_REASONS: draining, unreachable, stale,
-        # breaker_open, breaker_probing), null when usable
-        "unusable_reason": _call_now(ep, "unusable_reason", now),
+        # breaker_open, breaker_probing; and the poller's loading, unavailable), null when usable
+        "unusable_reason": unusable_reason(ep, now),
         "down": getattr(ep, "down", None),
         "score_inputs": score_inputs(ep),
         "stale": ep.stale,
@@ -587,7 +587,20 @@ class ManagementAPI:
                     return None
                 if method == b"DELETE":
                     return _committed(ctl, w, 200, ctl.delete(name))
-                raise method_not_allowed(method, path, "GET or DELETE")
+                if method == b"PUT":
+                    from ..control.deployments import parse_deployment
+
+                    body = json_body(req)
+                    if isinstance(body, dict):
+                        given = body.setdefault("name", name)
+                        if given != name:
+                            raise BadRequestError(
+                                f"the body names deployment {str(given)[:100]!r}, the path {name[:100]!r}: "
+                                "they must be the same (a deployment is not renamed)",
+                                param="name", code="name_mismatch",
+                            )
+                    return _committed(ctl, w, 200, ctl.update(parse_deployment(body)))
+                raise method_not_allowed(method, path, "GET, PUT or DELETE")
             if len(parts) == 3 and parts[2] == b"scale":
                 if method != b"POST":
                     raise method_not_allowed(method, path, "POST")

@@ -110,6 +110,10 @@ class DeploymentControl(Protocol):
     def create(self, cfg: Any) -> dict[str, Any]:
         """Add a deployment (a :class:`~llmgw.config.DeploymentConfig`); its view."""
 
+    def update(self, cfg: Any) -> dict[str, Any]:
+        """Give a deployment made through the API a new entry (a rolling update when its replicas' form
+        changes); its view."""
+
     def scale(self, name: str, replicas: int) -> dict[str, Any]:
         """Set its replica count; its view."""
 

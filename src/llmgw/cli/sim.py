@@ -68,7 +68,8 @@ async def _serve(cfg: Any, host: str, port: int) -> int:
 @click.option("--kv-tokens", type=click.IntRange(0), default=0,
               help="KV-cache capacity in tokens.  [default: slots * max-model-len]")
 @click.option("--startup-delay", type=click.FloatRange(0, 86_400), default=0.0, show_default=True,
-              help="Seconds of simulated model loading (/health and inference answer 503).")
+              help="Seconds of simulated model loading (/health and inference answer 503; llamacpp: /metrics "
+                   "too).")
 @click.option("--no-metrics", is_flag=True, help="Serve no Prometheus page (404), like llama-server without --metrics.")
 @click.option("--embedding-dim", type=click.IntRange(1, 65_536), default=384, show_default=True,
               help="Length of /v1/embeddings vectors.")

@@ -66,6 +66,12 @@ class EngineInfo:
         closes_after_stream: the engine closes the connection right after a streamed
             answer although the answer says keep-alive: llmgw closes it too instead
             of pooling it (a request written to it as the close arrives is lost).
+        error_message_codes: ``(text, OpenAI code)`` pairs: the string ``code`` of a
+            400 whose message contains ``text`` (an engine that names an error only in
+            its words, such as vLLM's context overflow).
+        notes: what to do when ``metrics_path`` serves no page (404; the first is shown).
+        missing_metrics_hint: what to check when the page is served but lacks the
+            routing gauges (shown in the scrape warning), if the engine has a known cause.
 
     The error fields are read by :func:`llmgw.engines.errors.normalize_error`.
     """
@@ -84,10 +90,12 @@ class EngineInfo:
     integer_error_code: bool = True
     error_type_codes: tuple[tuple[str, str], ...] = ()
     error_extra_fields: tuple[str, ...] = ()
+    error_message_codes: tuple[tuple[str, str], ...] = ()
     scraped: bool = True
     keep_alive: float | None = None
     closes_after_stream: bool = False
     notes: tuple[str, ...] = field(default=())
+    missing_metrics_hint: str | None = None
 
     def idle_timeout(self) -> float:
         """How long llmgw keeps an idle connection to this engine (``upstream.idle_timeout``'s

@@ -43,4 +43,11 @@ INFO = EngineInfo(
     # tensorrt_llm/serve/openai_server.py).
     keep_alive=5.0,
     notes=("set return_perf_metrics: true and enable_iter_perf_stats: true in trtllm-serve's --config",),
+    # return_perf_metrics alone mounts the page with the request histograms only; the queue,
+    # running and KV gauges are filled by the iteration-stats loop, and the first builds with
+    # Prometheus support (TensorRT-LLM 1.0/1.1, unprefixed names) have none (engines.md §3.2, §3.3).
+    missing_metrics_hint=(
+        "set enable_iter_perf_stats: true beside return_perf_metrics: true in trtllm-serve's --config; "
+        "TensorRT-LLM 1.0/1.1 export no queue, running or KV gauges at all"
+    ),
 )

@@ -47,4 +47,10 @@ INFO = EngineInfo(
     # (vllm-project/vllm: vllm/entrypoints/openai/api_server.py, vllm/envs.py;
     # before the variable, TIMEOUT_KEEP_ALIVE = 5 in api_server.py).
     keep_alive=5.0,
+    # A too-long request is a 400 named only in its words, which every version so far opens
+    # the same way: "This model's maximum context length is N tokens. However, you requested
+    # ..." / "... your request has N input tokens ..." (OpenAI's code for it: §8.3 [A3]).
+    error_message_codes=(("maximum context length is", "context_length_exceeded"),),
+    # --disable-log-stats leaves the stat loggers unset, so the vllm: gauges are not reported (§1.1 [V12]).
+    missing_metrics_hint="is vLLM started with --disable-log-stats? it leaves these gauges unset",
 )

@@ -11,28 +11,41 @@ decides whether it is *down* (unreachable, or failing past ``stale_after``): the
 nothing is routed to it, and a model with every replica down is answered 503 at
 once (see :mod:`llmgw._fast.replica_py`). The first answer clears it.
 
+An engine that answers its metrics path 503 says it cannot serve: llama-server
+answers every route so while it loads its model (``shared/reference/engines.md``
+§2.2), and 503 is "unavailable, retry later" from any engine or a proxy in front
+of one (§8.3). Such a replica is held down (``state.down``) until a scrape is
+answered otherwise, its ``scrape_problem`` an :class:`~llmgw.fleet.registry.EngineUnavailable`
+(``loading`` or ``unavailable``: what the admin API and ``/ready`` say). Other
+statuses (404, 501: no metrics page; 401/403; 500) leave it up but blind.
+
 Logging says what is wrong once: when an engine does not serve the metrics its
-mapping needs (404, 401, names missing), one warning names the replica, the
-engine and the missing names; it stays quiet until the reason changes, and logs
-once when the replica is readable again. Ordinary blips (a restart, a timeout)
-stay at debug.
+mapping needs (404, 401, names missing, or served for another model name), one
+warning names the replica, the engine, what is missing and how to fix it; it stays
+quiet until the reason changes, and logs once when the replica is readable again.
+A replica loading its model is logged once at info, and once when it is ready.
+Ordinary blips (a restart, a timeout) stay at debug.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import random
 import time
 from collections.abc import Callable
 from typing import Any
 
+import orjson
+
 from ..config import ScrapeConfig
+from ..engines.errors import normalize_error
 from ..errors import PromParseError
 from ..http.client import should_retry_fresh
 from ..http.parser import Response
 from ..log import scrape_logger as log
-from ..scrape import ACCEPT, mapping_for, missing_signals, scan_stats
-from .registry import Endpoint, Registry
+from ..scrape import ACCEPT, label_values, mapping_for, missing_signals, scan_stats
+from .registry import Endpoint, EngineUnavailable, Registry
 
 __all__ = ["Poller", "scrape_once"]
 
@@ -238,6 +251,14 @@ class Poller:
             # answer that is not HTTP: down once the scrapes stay failing past
             # stale_after (an engine busy for a moment is not an outage).
             ep.scrape_failed(time.monotonic(), isinstance(exc, OSError) and not timed_out)
+            if isinstance(ep.scrape_problem, EngineUnavailable):
+                if ep.unreachable:
+                    # (gone while it could not serve: an outage like any other, logged as one)
+                    ep.scrape_problem = None
+                    was_down = False
+                else:
+                    # (its last answer said it cannot serve; a scrape that failed since says nothing better)
+                    ep.state.down = True
             reason = "timed out" if timed_out else str(exc) or type(exc).__name__
             if ep.down and not was_down:
                 # (info, once per outage: a restart is an ordinary blip, not a warning)
@@ -253,9 +274,19 @@ class Poller:
             return
         finally:
             ep.scrape_seconds += time.monotonic() - t0
-        if ep.down:
+        held = ep.scrape_problem if isinstance(ep.scrape_problem, EngineUnavailable) else None
+        if ep.down and held is None:
             log.info("replica %s (%s): reachable again", ep.id, ep.engine.title)
         ep.scrape_answered()
+        if status == 503:
+            self._unavailable(ep, body)
+            return
+        if held is not None:
+            ep.scrape_problem = None
+            log.info(
+                "replica %s (%s): ready (it was %s; %s answered HTTP %d); requests go to it again",
+                ep.id, ep.engine.title, held.state, ep.metrics_path, status,
+            )
         if status != 200:
             ep.scrape_failures += 1
             wanted = ", ".join(sorted(names[0] for names in mapping.names if names))
@@ -292,10 +323,34 @@ class Poller:
             log.debug("replica %s: %d malformed metrics line(s) skipped, first: %s", ep.id, result.bad_lines, result.error)
         missing = missing_signals(mapping, result)
         if missing:
-            self._problem(ep, "its metrics page lacks " + ", ".join(sorted(g[0] for g in missing.values())))
+            self._problem(ep, _missing_reason(ep, mapping, body, model, missing))
         elif ep.scrape_problem is not None:
             log.info("replica %s (%s): metrics readable again", ep.id, ep.engine.title)
             ep.scrape_problem = None
+
+    def _unavailable(self, ep: Endpoint, body: bytes) -> None:
+        """The engine answered its metrics path 503: out of routing (``state.down``) until a scrape
+        is answered otherwise; logged once (info while it loads, a warning otherwise)."""
+        ep.scrape_failures += 1
+        try:
+            message = str(orjson.loads(normalize_error(503, body, ep.engine))["error"]["message"])
+        except (orjson.JSONDecodeError, KeyError, TypeError):  # (normalize_error always answers its shape)
+            message = "no reason given"
+        message = message[:200]
+        state = "loading" if "loading" in message.lower() else "unavailable"
+        reason = f"{ep.metrics_path} answered HTTP 503 ({message}): {state}"
+        if ep.scrape_problem != reason:
+            ep.scrape_problem = EngineUnavailable(reason, state)
+            log.log(
+                logging.INFO if state == "loading" else logging.WARNING,
+                "replica %s (%s at %s) is %s: %s answered HTTP 503 (%s); no requests go to it until a "
+                "scrape is answered otherwise",
+                ep.id, ep.engine.title, ep.cfg.url, state, ep.metrics_path, message,
+            )
+        ep.state.down = True
+        if self._on_update is not None:
+            # (requests queued for its models may have to be answered now)
+            self._on_update(ep)
 
     def _problem(self, ep: Endpoint, reason: str) -> None:
         if ep.scrape_problem == reason:
@@ -308,3 +363,37 @@ class Poller:
             ep.cfg.url,
             reason,
         )
+
+
+def _missing_reason(
+    ep: Endpoint, mapping: Any, page: bytes, model: str | None, missing: dict[str, tuple[str, ...]]
+) -> str:
+    """Why the page gave no value for the ``missing`` signals, and what to do about it.
+
+    vLLM and SGLang label every sample with the model they serve (``--served-model-name``):
+    a page whose gauges are there for another model name is not a page without them, and the
+    fix is the name, not the engine's flags.
+    """
+    names = ", ".join(sorted(g[0] for g in missing.values()))
+    label = mapping.model_label
+    if model is not None and label is not None:
+        # (cold: only for a replica whose page lacks something; the compiled scan, once more, unfiltered)
+        _, unfiltered = scan_stats(page, mapping)
+        found = {
+            name for signal, name in zip(mapping.signals, unfiltered.found, strict=True)
+            if signal in missing and name is not None
+        }
+        if found:
+            served = label_values(page, found, label)
+            shown = ", ".join(repr(v) for v in served[:5]) + (", ..." if len(served) > 5 else "")
+            served_as = repr(served[0]) if served else "the engine's name"
+            llmgw_model = ep.models[0]
+            return (
+                f"its metrics page has {', '.join(sorted(found))} but for {label} {shown}, not {model!r}: "
+                f"the engine serves this model under another name; set models.{llmgw_model}.upstream_name "
+                f"to {served_as} (or this endpoint's model to it), or start the engine with "
+                f"--served-model-name {model}"
+            )
+    why = f"its metrics page lacks {names}"
+    hint = ep.engine.missing_metrics_hint
+    return f"{why} ({hint})" if hint else why

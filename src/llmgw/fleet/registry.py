@@ -28,7 +28,36 @@ else:
     Endpoint = _impl.Endpoint
     ModelPool = _impl.ModelPool
 
-__all__ = ["Endpoint", "ModelPool", "Registry"]
+__all__ = ["ENGINE_UNAVAILABLE_STATES", "Endpoint", "EngineUnavailable", "ModelPool", "Registry", "unusable_reason"]
+
+ENGINE_UNAVAILABLE_STATES = ("loading", "unavailable")
+"""What :func:`unusable_reason` says of a replica whose engine answered its scrape 503, beside
+``Endpoint.unusable_reason``'s words: ``loading`` (llama-server loading its model), ``unavailable``."""
+
+
+class EngineUnavailable(str):
+    """The scrape problem of a replica whose engine answered its metrics path 503, as the poller
+    keeps it in ``Endpoint.scrape_problem``: the text for people, and ``state``, one of
+    :data:`ENGINE_UNAVAILABLE_STATES`.
+
+    NOTE: a str, not a field of its own: ``Endpoint`` is compiled (``llmgw._fast.replica``) and
+    has no slot for it; ``scrape_problem`` is the one place that is the poller's, goes with the
+    replica object (a replica replaced in a reload starts without it) and is shown as text.
+    """
+
+    state: str
+
+    def __new__(cls, text: str, state: str) -> EngineUnavailable:
+        self = super().__new__(cls, text)
+        self.state = state
+        return self
+
+
+def unusable_reason(ep: Endpoint, now: float) -> str | None:
+    """``ep.unusable_reason(now)``: why no new request may go to it (``None``: usable); ``loading`` or
+    ``unavailable`` for a replica held down while its engine answers its scrape 503 (read from its
+    :class:`EngineUnavailable` scrape problem; the 503 a client gets says the same)."""
+    return ep.unusable_reason(now)
 
 
 class Registry:

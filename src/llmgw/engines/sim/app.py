@@ -199,6 +199,11 @@ class SimApp:
         writer.send(200, orjson.dumps(self.dialect.models()))
 
     def _metrics(self, request: Request, writer: ResponseWriter) -> None:
+        if not self.ready:
+            loading = self.dialect.metrics_loading()
+            if loading is not None:
+                writer.send(*loading)
+                return
         body, content_type = self.dialect.metrics_page(request.header(b"accept"))
         writer.send(200, body, [(b"content-type", content_type)])
 

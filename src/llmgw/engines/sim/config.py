@@ -33,7 +33,8 @@ class SimConfig:
         kv_tokens: KV-cache capacity in tokens (0: ``slots * max_model_len``). A request is
             admitted only when its prompt plus its ``max_tokens`` fit beside those running.
         startup_delay: seconds of simulated model loading after ``start()``: ``/health``
-            and inference answer 503 until then.
+            and inference answer 503 until then (llama.cpp: ``/metrics`` too, as
+            llama-server does).
         metrics: serve the Prometheus page (``False`` simulates llama-server without
             ``--metrics``, SGLang without ``--enable-metrics``, ...: 404).
         chat_max_tokens: output length of a chat completion without ``max_tokens``.

@@ -204,6 +204,14 @@ class Dialect:
         """``GET /health``: 200 empty when ready, 503 empty while loading."""
         return (200 if ready else 503), b"", []
 
+    def metrics_loading(self) -> tuple[int, bytes, list[tuple[bytes, bytes]]] | None:
+        """The answer to the Prometheus path while the model loads; ``None``: the page as when ready.
+
+        vLLM, TensorRT-LLM and SGLang answer their ``/health`` 503 while not ready
+        (engines.md §1.4, §3.4, §4), and nothing says their metrics pages do: they are served.
+        """
+        return None
+
     def model_card(self) -> dict[str, Any]:
         """The ``/v1/models`` card; ``owned_by`` is the engine module's (``info.owned_by``).
 
@@ -566,6 +574,10 @@ class LlamaCppDialect(Dialect):
     def health(self, ready: bool) -> tuple[int, bytes, list[tuple[bytes, bytes]]]:
         if ready:
             return 200, b'{"status":"ok"}', [JSON_CT]
+        return 503, self.loading()[1], [JSON_CT]
+
+    def metrics_loading(self) -> tuple[int, bytes, list[tuple[bytes, bytes]]] | None:
+        # llama-server answers /metrics as /health while it loads its model: 503 "Loading model"
         return 503, self.loading()[1], [JSON_CT]
 
     def model_card(self) -> dict[str, Any]:
