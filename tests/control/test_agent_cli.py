@@ -55,7 +55,7 @@ async def test_agent_reads_its_config_file(tmp_path: Path) -> None:
             node = await wait_for(lambda: _node(rt, "file-node"), what="file-node up")
             assert node["gpu_source"] == "none"
             assert node["labels"] == {"zone": "eu-1", "tier": "silver"}  # the flag over the file
-            assert node["address"] == "127.0.0.1" and node["protocol"] == "1.2"
+            assert node["address"] == "127.0.0.1" and node["protocol"] == "1.3"
             assert (tmp_path / "state" / "replicas").is_dir()
         finally:
             p.send_signal(signal.SIGTERM)

@@ -275,6 +275,9 @@ async def _rolls_over(ctl_: DeploymentController, cfg: list[Any], entry: dict[st
         await _sync(ctl_)
         new = set(s.id for s in ctl_.desired("n")[1]) - old
         assert len(new) == 1
+        # the pass that placed the new one did not drain the other old one too (it serves, alone, until
+        # the new one is ready: before, the deployment went to 0 ready)
+        assert len(ready_ids() & old) == 1 and len(old & {s.id for s in ctl_.desired("n")[1]}) == 1
     assert all(s.args == ("--enforce-eager",) for s in ctl_.desired("n")[1] if s.id in new)
     await _ready(ctl_, "n", (old | new) - {min(new)} if gpus == 4 else old)  # the new ones still starting
     assert old & ready_ids() == old & {s.id for s in ctl_.desired("n")[1]}  # no old one left for nothing
@@ -646,6 +649,66 @@ async def test_a_silent_nodes_replicas_are_not_ready_and_go_elsewhere_after_a_wh
         await _sync(ctl_)
         await _sync(ctl_)
         assert ctl_.desired(node)[1] == () and len(ctl_.desired(other)[1]) == 1
+    finally:
+        await ctl_.stop()
+        await db.close()
+
+
+async def test_a_scale_down_keeps_the_replicas_spread_over_the_nodes() -> None:
+    """4 replicas, 2 on each of two nodes, scaled to 2: one stays on each node (the crowding is counted
+    again after each pick; before, both went from one node, and that node's failure took the deployment)."""
+    nodes = NodeMap(lambda: 60.0)
+    for name in ("n1", "n2"):
+        nodes.register(name, peer="p", agent_version="t", protocol=(1, 2),
+                       discovery=Discovery(NodeFacts(name, cpu_cores=64, memory_total_bytes=256 << 30,
+                                                     memory_available_bytes=256 << 30)))
+    db, store = await _memory_store()
+    ctl_ = DeploymentController(nodes=nodes, store=store, router=None, config=lambda: load({}),
+                                resolver=lambda m: None)
+    try:
+        nodes.set_cordoned("n2", True)  # (the first two on n1, the next two, newer, on n2)
+        ctl_.create(parse_deployment({"name": "c", "model": "/models/m.gguf", "engine": "llamacpp", "replicas": 2,
+                                      "memory": "1GiB"}))
+        await _sync(ctl_)
+        nodes.set_cordoned("n2", False)
+        ctl_.scale("c", 4)
+        await _sync(ctl_)
+        assert [len(ctl_.desired(n)[1]) for n in ("n1", "n2")] == [2, 2]
+        for n in ("n1", "n2"):
+            await _ready(ctl_, n, {s.id for s in ctl_.desired(n)[1]})
+        assert ctl_.view("c")["ready"] == 4
+        ctl_.scale("c", 2)
+        await _sync(ctl_)
+        left = {n: [r["id"] for r in ctl_.view("c")["replicas"] if r["node"] == n and r["state"] != "draining"]
+                for n in ("n1", "n2")}
+        assert [len(v) for v in left.values()] == [1, 1], ctl_.view("c")["replicas"]
+    finally:
+        await ctl_.stop()
+        await db.close()
+
+
+async def test_a_silent_nodes_replicas_say_why_they_are_not_ready() -> None:
+    """A node silent past its grace: its replicas last reported ready do not count as ready, and the
+    deployment's message says why (before: ready 0 and no message, beside a replica row saying ready)."""
+    mono = [100.0]
+    nodes = NodeMap(lambda: 6.0, monotonic=lambda: mono[0])
+    nodes.register("n", peer="p", agent_version="t", protocol=(1, 2),
+                   discovery=Discovery(NodeFacts("n", cpu_cores=8, memory_total_bytes=64 << 30,
+                                                 memory_available_bytes=64 << 30)))
+    db, store = await _memory_store()
+    ctl_ = DeploymentController(nodes=nodes, store=store, router=None, config=lambda: load({}),
+                                resolver=lambda m: None)
+    try:
+        ctl_.create(parse_deployment({"name": "c", "model": "/models/m.gguf", "engine": "llamacpp", "replicas": 1,
+                                      "memory": "1GiB"}))
+        await _sync(ctl_)
+        await _ready(ctl_, "n", {s.id for s in ctl_.desired("n")[1]})
+        d = ctl_.view("c")
+        assert d["ready"] == 1 and d["message"] is None
+        mono[0] += 10.0  # past the 6 s grace
+        d = ctl_.view("c")
+        assert d["ready"] == 0 and d["replicas"][0]["state"] == "ready"
+        assert d["message"] and "1 replica(s) on node n, silent for 10s" in d["message"], d["message"]
     finally:
         await ctl_.stop()
         await db.close()

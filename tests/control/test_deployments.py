@@ -297,8 +297,55 @@ async def test_unplaceable_deployments_explain_and_ctl_commands(tmp_path: Path) 
         assert status == 400 and body["error"]["code"] == "invalid_replicas"
         status, body = await admin(rt, "POST", "/admin/v1/deployments", {"name": "x", "model": "m", "gpu": 1})
         assert status == 400 and body["error"]["param"] == "gpu" and "did you mean 'gpus'" in body["error"]["message"]
-        status, body = await admin(rt, "PUT", "/admin/v1/deployments/big")
-        assert status == 405
+        status, body = await admin(rt, "PATCH", "/admin/v1/deployments/big")
+        assert status == 405 and "GET, PUT or DELETE" in body["error"]["message"]
+
+
+async def test_a_deployment_made_with_ctl_deploy_is_updated_in_place(tmp_path: Path) -> None:
+    """``ctl deploy --update`` (PUT): a new form is a rolling update (the old replicas marked outdated, new
+    ones placed beside them), a new count alone scales; an unknown name is 404, a config entry 409, a body
+    naming another deployment 400."""
+    port = free_port()
+    cfg = load({"listen": "127.0.0.1:0", "admin": "127.0.0.1:0",
+                "control": {"listen": f"127.0.0.1:{port}", "join_token": TOKEN, "heartbeat_interval": "10s",
+                            "heartbeat_grace": "60s", "database": f"sqlite:///{tmp_path}/cp.sqlite3"},
+                "deployments": [{"name": "filed", "model": "/models/f.gguf", "engine": "llamacpp"}]})
+    rt = GatewayRuntime(cfg, components=components_for(cfg))
+    await rt.start()
+    try:
+        url = f"http://127.0.0.1:{rt.admin_addr[1]}"  # type: ignore[index]
+        await register(port, "gpu-node-1", {"hostname": "h1", "gpus": h100s(4, "a")})
+        res = await invoke("--admin", url, "deploy", "chat", "--model", "llama-8b", "--gpu-memory", "20GiB")
+        assert res.exit_code == 0, res.output
+        ctl_ = controller(rt)
+        first = {r.id for r in ctl_.replicas.values() if r.deployment == "chat"}
+        assert len(first) == 1
+        await ctl_.committed()
+        ctl_.report("gpu-node-1", "127.0.0.1", [ReplicaStatus(rid, "ready", port=free_port(), pid=1) for rid in first])
+        ctl_.sync(10.0)
+        assert ctl_.view("chat")["ready"] == 1
+        res = await invoke("--admin", url, "deploy", "chat", "--model", "llama-8b", "--gpu-memory", "20GiB",
+                           "--arg=--enforce-eager", "--update")
+        assert res.exit_code == 0 and "chat: updated: 1 of 1 replica(s) placed" in res.output, res.output
+        d = ctl_.view("chat")
+        assert d["outdated"] == 1 and d["spec"]["args"] == ["--enforce-eager"], d
+        assert {r["id"] for r in d["replicas"] if r["outdated"]} == first  # the old one serves on meanwhile
+        # a count alone: the same form, scaled
+        status, body = await admin(rt, "PUT", "/admin/v1/deployments/chat",
+                                   {"model": "llama-8b", "gpu_memory": "20GiB", "args": ["--enforce-eager"],
+                                    "replicas": 2})
+        assert status == 200 and body["desired"] == 2 and body["outdated"] == 1, body
+        status, body = await admin(rt, "PUT", "/admin/v1/deployments/nope", {"model": "m"})
+        assert status == 404, body
+        status, body = await admin(rt, "PUT", "/admin/v1/deployments/filed", {"model": "/models/g.gguf",
+                                                                             "engine": "llamacpp"})
+        assert status == 409 and body["error"]["code"] == "deployment_in_config", body
+        status, body = await admin(rt, "PUT", "/admin/v1/deployments/chat", {"name": "other", "model": "m"})
+        assert status == 400 and body["error"]["code"] == "name_mismatch", body
+        res = await invoke("--admin", url, "deploy", "nope", "--model", "m", "--update")
+        assert res.exit_code == 1 and "no deployment 'nope'" in res.output, res.output
+    finally:
+        await rt.stop()
 
 
 async def test_a_control_plane_starting_answers_models_503_not_404(monkeypatch: pytest.MonkeyPatch) -> None:

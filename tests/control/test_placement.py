@@ -243,3 +243,20 @@ def test_a_gpu_whose_memory_in_use_is_absent_has_no_free_memory_known() -> None:
     kept = node("n", gpus=(gpu("g", 0, used=None, healthy=True),))
     assert "1 memory not reported" in why(place(Need("d", gpus=1, gpu_memory=GIB), [kept], []))
     assert chosen(place(Need("d", gpus=1), [kept], [])).gpus == ("g",)  # no stated need: as an unknown total
+
+
+def test_degraded_gpus_are_taken_last() -> None:
+    """A degraded GPU (an XID, uncorrected ECC errors, its fabric not started) is placed on only where
+    nothing fits without it: on a node, the healthy GPUs first; among nodes, one that needs none of them,
+    even over spreading the deployment."""
+    a = node("a", gpus=tuple(gpu(f"GPU-a-{i}", i, degraded=i in (1, 3)) for i in range(4)))
+    c = chosen(place(Need("d", gpus=2, gpu_memory=10 * GIB), [a], []))
+    assert c.gpus == ("GPU-a-0", "GPU-a-2")
+    # a third needs one of the degraded ones: placed all the same (healthy enough), the healthy one first
+    held = [Claim("r1", "d", "a", ("GPU-a-0",), 10 * GIB)]
+    c = chosen(place(Need("d", gpus=2, gpu_memory=10 * GIB), [a], held))
+    assert c.gpus[0] == "GPU-a-2" and c.gpus[1] in ("GPU-a-1", "GPU-a-3")
+    # another node with healthy GPUs wins, though the deployment already has a replica there
+    b = node("b", 2)
+    c = chosen(place(Need("d", gpus=2, gpu_memory=10 * GIB), [a, b], [Claim("r2", "d", "b"), *held]))
+    assert c.node == "b"

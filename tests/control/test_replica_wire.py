@@ -71,6 +71,9 @@ class Controller:
     def node_gone(self, node: str) -> None:
         self.gone.append(node)
 
+    def wake(self) -> None:
+        self.woken = getattr(self, "woken", 0) + 1
+
     def subscribe(self, changed: Callable[[str], None]) -> None:
         self._subs.append(changed)
 
@@ -133,6 +136,8 @@ def spec(rid: str, **kw: object) -> ReplicaSpec:
 
 @contextlib.asynccontextmanager
 async def agent(port: int, name: str, sup: Supervisor | None, **kw: object) -> AsyncIterator[AgentClient]:
+    # (the Controller here never shrinks a leaving node's set: a stopping agent would wait out its drain)
+    kw.setdefault("drain_timeout", 0.0)
     a = AgentClient(f"127.0.0.1:{port}", name, TOKEN, Source(f"host-{name[-1]}"), supervisor=sup, **kw)  # type: ignore[arg-type]
     if sup is not None:
         sup.on_change = a.poke

@@ -8,6 +8,7 @@ work with nothing but the standard library.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import shutil
 import subprocess
@@ -236,4 +237,37 @@ async def test_replica_ports_only_in_the_range_given(tmp_path: Path) -> None:
         assert st.port is None
     finally:
         busy.close()
+        await w.sup.close()
+
+
+@pytest.mark.usefixtures("standin_env")
+async def test_a_replica_on_the_gpus_of_one_leaving_starts_once_that_one_stopped(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One desired set replaces replica a with replica b on the same GPU: b's engine starts only once a's has
+    exited (two engines at once may not fit in the GPU's memory); and each run's end is in its log."""
+    monkeypatch.setenv("LLMGW_STANDIN_TOKENS_PER_SECOND", "20")
+    w = Watched(tmp_path / "state", engines=ENGINES)
+    a, b = spec("vllm", id="a-1"), spec("vllm", id="b-1")
+    try:
+        await w.sup.apply([a])
+        st = await w.wait_state(a.id, READY)
+        pid, port = st.pid, st.port
+        assert pid is not None and port is not None
+        # a request in flight there: the stand-in finishes it before exiting (up to 5 s), so a stops slowly
+        stream = asyncio.ensure_future(http(port, "POST", "/v1/chat/completions", key=KEY, body=(
+            b'{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 60}')))
+        await asyncio.sleep(0.3)
+        await w.sup.apply([b])
+        overlap = False
+        while not gone(pid):
+            sb = w.status(b.id)
+            overlap = overlap or (sb is not None and sb.pid is not None)
+            await asyncio.sleep(0.02)
+        assert not overlap, "b's engine ran while a's still did"
+        await w.wait_state(b.id, READY)
+        stream.cancel()
+        log = Path(tmp_path / "state" / "logs" / "a-1.log").read_text()
+        assert "a-1: its engine stopped" in log, log[-500:]
+    finally:
         await w.sup.close()

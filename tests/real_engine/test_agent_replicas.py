@@ -59,6 +59,9 @@ class Controller:
         self.gone.append(node)
         self.event.set()
 
+    def wake(self) -> None:
+        self.woken = getattr(self, "woken", 0) + 1
+
     def subscribe(self, changed: Callable[[str], None]) -> None:
         self._subs.append(changed)
 
@@ -99,9 +102,10 @@ async def test_agent_runs_adopts_and_stops_the_real_engine(
 ) -> None:
     port = free_port()
     cfg = tmp_path / "agent.yaml"
+    # (drain_timeout 0: this Controller never drains a leaving node, so SIGTERM stops the engine at once)
     cfg.write_text(
         f"control: 127.0.0.1:{port}\ntoken_env: JOIN\nname: node-r\ngpu_source: none\nadvertise: 127.0.0.1\n"
-        f"state_dir: {tmp_path / 'state'}\nengines:\n  llamacpp:\n    binary: {llama_server_bin}\n"
+        f"state_dir: {tmp_path / 'state'}\ndrain_timeout: 0s\nengines:\n  llamacpp:\n    binary: {llama_server_bin}\n"
     )
     log = tmp_path / "agent.log"
     spec = ReplicaSpec(id="chat-r1", deployment="chat", engine="llamacpp", model=str(tiny_model), served_name="tiny",

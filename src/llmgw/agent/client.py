@@ -17,7 +17,12 @@ reading older than :data:`STALE_AFTER` goes without its numbers, an error saying
 * Refusals that retrying cannot fix (UNAUTHENTICATED: wrong join token;
   FAILED_PRECONDITION: incompatible protocol; INVALID_ARGUMENT) end the run with
   :class:`AgentRefused`, the control plane's message in it.
-* ``stop`` set (SIGTERM): deregister (bounded), close the channel and the source.
+* ``stop`` set (SIGTERM): with replicas running and a control plane of protocol 1.3 or
+  later, drain first: heartbeats say ``leaving``, the control plane drains the node's
+  replicas (no new requests; each leaves the node's set once its requests in flight are
+  done) and places them elsewhere, and the agent stops each as its set shrinks, until
+  none runs, ``drain_timeout`` passes, the control plane cannot be reached, or ``hard``
+  is set (a second SIGTERM). Then deregister (bounded), close the channel and the source.
 * Replicas (protocol 1.2, with a :class:`~llmgw.launch.spec.Supervisor`): every
   beat carries the replica statuses and the generation of the desired set last
   applied; a desired set in an answer is handed to the supervisor (the latest
@@ -52,6 +57,7 @@ import grpc
 
 from .. import __version__
 from .._proto.agent.v1 import agent_pb2_grpc
+from ..launch.spec import DRAINING, FETCHING, READY, STARTING
 from ..log import agent_logger as log
 from .model import Discovery, NodeFacts
 from .wire import (
@@ -60,6 +66,7 @@ from .wire import (
     TOKEN_METADATA,
     compatible,
     discovery_to_proto,
+    drains_leaving,
     pb,
     spec_from_proto,
     status_to_proto,
@@ -72,6 +79,10 @@ if TYPE_CHECKING:
 __all__ = ["AgentClient", "AgentRefused", "GPUSource", "TLSFiles", "channel_credentials", "leader_hint"]
 
 CALL_TIMEOUT = 10.0
+_LIVE = frozenset((FETCHING, STARTING, READY, DRAINING))
+DRAIN_TIMEOUT = 30.0
+"""Seconds a stopping agent waits by default for its replicas to drain off the node (the control plane's
+``drain_grace`` for a scale-down is 30 s too)."""
 MIN_BEAT_GAP = 0.05
 """Early beats (a status changed) come at most this often, seconds."""
 MAX_LOG_BYTES = 1 << 20
@@ -192,6 +203,7 @@ class AgentClient:
         advertise: str | None = None,
         engine_checker: Callable[[pb.EngineCheckRequest], Awaitable[Sequence[Mapping[str, Any]]]] | None = None,
         instance: str | None = None,
+        drain_timeout: float = DRAIN_TIMEOUT,
     ) -> None:
         self.targets = [target] if isinstance(target, str) else list(target)
         if not self.targets:
@@ -221,6 +233,12 @@ class AgentClient:
         self.registrations = 0
         self.heartbeats = 0
         self.cordoned = False
+        self.drain_timeout = drain_timeout
+        """Seconds a stopping agent waits for its replicas to drain off the node (0: stop them at once)."""
+        self.leaving = False
+        """Stopping, and draining the node first: heartbeats say ``leaving``."""
+        self.peer_protocol: tuple[int, int] = (0, 0)
+        """The protocol the control plane answered at the latest registration."""
         self.streaming = False
         """Heartbeats go on a StreamHeartbeats stream (both sides speak protocol 1.1 or later)."""
         self._stream: Any = None
@@ -429,6 +447,7 @@ class AgentClient:
                 f"{PROTOCOL[0]}.{PROTOCOL[1]}; run agent and control plane of the same major version",
             )
         self.node_id = resp.node_id
+        self.peer_protocol = (theirs, resp.protocol.minor)
         self._end_stream()  # a stream belongs to one registration
         self.streaming = streams_heartbeats(self.protocol) and streams_heartbeats((theirs, resp.protocol.minor))
         self.interval = resp.heartbeat_interval_seconds or self.interval
@@ -471,7 +490,7 @@ class AgentClient:
         self._wake.clear()  # (before the statuses are read: a change after this beats again)
         req = pb.HeartbeatRequest(
             node_id=self.node_id, node_name=self.name, sequence=self.sequence, discovery=discovery_to_proto(discovery),
-            agent_instance=self.instance,
+            agent_instance=self.instance, leaving=self.leaving,
         )
         sup = self.supervisor
         if sup is not None:
@@ -677,8 +696,54 @@ class AgentClient:
 
     # -- the loop --
 
-    async def run(self, stop: asyncio.Event, reason: Callable[[], str] = lambda: "stopped") -> None:
-        """Register and heartbeat until ``stop`` is set; then deregister.
+    def _running(self) -> int:
+        """The replicas this node still runs (or starts, or fetches a model for, or stops)."""
+        sup = self.supervisor
+        return 0 if sup is None else sum(1 for st in sup.statuses() if st.state in _LIVE)
+
+    async def drain(self, hard: asyncio.Event | None = None) -> bool:
+        """Drain the node before stopping (module docstring); True when no replica runs any more.
+
+        Heartbeats say ``leaving``; the control plane answers with a smaller desired set as each replica's
+        requests in flight end, which the supervisor applies (stopping the engines).
+        """
+        n = self._running()
+        if not n:
+            return True
+        if self.node_id is None or self.drain_timeout <= 0 or not drains_leaving(self.peer_protocol):
+            return False
+        deadline = time.monotonic() + self.drain_timeout
+        log.info("stopping: draining %d replica(s) off this node first: their requests in flight finish, the "
+                 "control plane places them elsewhere (at most %gs; stop again to stop them at once)",
+                 n, self.drain_timeout)
+        self.leaving = True
+        never = asyncio.Event()
+        while True:
+            try:
+                await self.heartbeat()
+            except grpc.aio.AioRpcError as exc:
+                log.warning("draining given up: the control plane at %s: %s: %s; stopping the replicas now",
+                            self.target, exc.code().name, exc.details())
+                return False
+            n = self._running()
+            if not n:
+                log.info("drained: no replica runs on this node any more")
+                return True
+            left = deadline - time.monotonic()
+            if left <= 0:
+                log.warning("%d replica(s) still draining after %gs (drain_timeout): stopping them now", n,
+                            self.drain_timeout)
+                return False
+            if await self._sleep(hard or never, min(self.interval, left)):
+                log.warning("stopped again while draining: stopping %d replica(s) now", n)
+                return False
+            gap = MIN_BEAT_GAP - (time.monotonic() - self._last_beat)
+            if gap > 0 and await self._sleep_plain(hard or never, gap):
+                return False
+
+    async def run(self, stop: asyncio.Event, reason: Callable[[], str] = lambda: "stopped",
+                  hard: asyncio.Event | None = None) -> None:
+        """Register and heartbeat until ``stop`` is set; then drain (until ``hard`` is set) and deregister.
 
         Raises:
             AgentRefused: wrong token, incompatible protocol, invalid name.
@@ -765,6 +830,7 @@ class AgentClient:
                         break
                     delay = min(delay * 2, cap)
             if registered:
+                await self.drain(hard)
                 await self.deregister(reason())
         finally:
             for t in [*self._tasks, *([self._applier] if self._applier is not None else [])]:

@@ -27,6 +27,7 @@ __all__ = [
     "compatible",
     "discovery_from_proto",
     "discovery_to_proto",
+    "drains_leaving",
     "node_id_for",
     "pb",
     "runs_replicas",
@@ -43,11 +44,13 @@ __all__ = [
 # otherwise. 1.2 added replicas: the desired set in heartbeat answers, replica statuses in
 # heartbeats, node labels and the advertise address in Register, the mirror credential in
 # its answer, and log tails (LogRequest, ReplicaLogs). An older agent runs no replicas.
+# 1.3 added ``leaving`` in heartbeats: an agent stopped drains its replicas off the node
+# first when the control plane speaks 1.3 or later (an older one ignores the field).
 NODE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 """A node's name (``fullmatch``): the agent refuses any other ``--name`` before it calls, and the
 control plane any other ``node_name`` (the rule of a deployment's node names, ``config._rules._ID``)."""
 
-PROTOCOL: tuple[int, int] = (1, 2)
+PROTOCOL: tuple[int, int] = (1, 3)
 
 # The join token travels as call metadata: ``authorization: Bearer <token>``.
 TOKEN_METADATA = "authorization"
@@ -89,6 +92,11 @@ def streams_heartbeats(protocol: tuple[int, int]) -> bool:
 def runs_replicas(protocol: tuple[int, int]) -> bool:
     """Whether an agent speaking ``protocol`` (same major) runs replicas (a desired set can be sent to it)."""
     return protocol >= (1, 2)
+
+
+def drains_leaving(protocol: tuple[int, int]) -> bool:
+    """Whether a control plane speaking ``protocol`` (same major) drains a leaving node's replicas."""
+    return protocol >= (1, 3)
 
 
 def compatible(major: int) -> bool:

@@ -51,6 +51,8 @@ class NodeOptions:
     """Where engine checks read GPUs (the agent's own ``gpu_source``)."""
     replica_ports: tuple[int, int] | None = None
     """Where replicas listen (only there); None: any free port, preferably below the ephemeral range."""
+    drain_timeout: float = 30.0
+    """How long a stopping agent waits for its replicas to drain off the node (0: stop them at once)."""
 
     @property
     def bind(self) -> str:
@@ -217,7 +219,8 @@ async def run_agent(
     supervisor: Any = None,
     instance: str | None = None,
 ) -> int:
-    """Run the agent until SIGTERM/SIGINT (then deregister and stop the replicas); the exit status.
+    """Run the agent until SIGTERM/SIGINT (then drain the node, deregister and stop the replicas; a second
+    signal stops them at once); the exit status.
 
     ``node``: run replicas with a :class:`~llmgw.launch.supervisor.ReplicaSupervisor` made from it
     (``supervisor``: that one instead); neither: only report the node. ``instance``: this agent's
@@ -231,9 +234,13 @@ async def run_agent(
 
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
+    hard = asyncio.Event()  # (a second signal: no more draining)
     why = {"reason": "stopped"}
 
     def on_signal(signame: str) -> None:
+        if stop.is_set():
+            hard.set()
+            return
         why["reason"] = signame
         stop.set()
 
@@ -271,13 +278,14 @@ async def run_agent(
         targets, name, token, source, credentials=credentials, protocol=protocol or PROTOCOL, supervisor=supervisor,
         labels=node.labels if node is not None else None, advertise=node.advertise if node is not None else None,
         on_registered=registered, engine_checker=check if node is not None else None, instance=instance,
+        drain_timeout=node.drain_timeout if node is not None else 0.0,
     )
     holder.append(client)
     stopped = False
     try:
         if supervisor is not None:
             await supervisor.adopt()
-        await client.run(stop, reason=lambda: why["reason"])
+        await client.run(stop, reason=lambda: why["reason"], hard=hard)
         stopped = True
     except AgentRefused as exc:
         raise Fail(f"the control plane at {client.target} refused this agent ({exc.code.name}): {exc}") from None
@@ -318,23 +326,29 @@ async def run_agent(
                                                    "the control plane sees).")
 @click.option("--replica-ports", metavar="LOW-HIGH", help="The ports this node's replicas listen on, only these "
                                                            "(default: any free port, preferably in 20000-32767).")
+@click.option("--drain-timeout", metavar="DURATION",
+              help="On SIGTERM, how long to wait for the replicas to drain off the node (their requests in flight "
+                   "finish, the control plane places them elsewhere) before stopping them; 0: at once "
+                   "(default 30s; a second SIGTERM stops them at once).")
 def agent(
     control: tuple[tuple[str, int], ...] | None, token_env: str | None, name: str | None, gpu_source: str | None,
     config_path: str | None, use_tls: bool, tls_ca: str | None, tls_cert: str | None, tls_key: str | None,
     insecure: bool, state_dir: str | None, label_flags: tuple[str, ...], advertise: str | None,
-    replica_ports: str | None,
+    replica_ports: str | None, drain_timeout: str | None,
 ) -> None:
     """Run the node agent: report this node's GPUs to a control plane and run the replicas it places here.
 
     It registers (same name: same node), heartbeats on the interval the control
     plane sets, reconnects with backoff when it is away, starts and stops engines
-    as the control plane's desired set says, and on SIGTERM deregisters and
-    stops them. The agent itself listens on nothing.
+    as the control plane's desired set says, and on SIGTERM drains them off the
+    node (their requests in flight finish), deregisters and stops them. The agent
+    itself listens on nothing.
     """
     token: str | None = None
     engines: Mapping[str, Any] = {}
     labels: dict[str, str] = {}
     ports: tuple[int, int] | None = None
+    drain = 30.0
     state_flag = state_dir is not None
     secret_envs: set[str] = set()  # (the variables that hold the join token)
     if config_path is not None:
@@ -363,6 +377,7 @@ def agent(
         labels.update(file_cfg.labels)
         advertise = advertise or file_cfg.advertise
         ports = file_cfg.replica_ports
+        drain = file_cfg.drain_timeout
     from ..config.agent import _host, _labels, _port_range, default_state_dir
 
     for item in label_flags:
@@ -380,6 +395,17 @@ def agent(
             ports = _port_range(replica_ports)
         except ValueError as exc:
             raise click.UsageError(f"--replica-ports {exc}") from None
+    if drain_timeout is not None:
+        from ..config._rules import parse_duration
+        from ..errors import ConfigError
+
+        try:
+            drain = parse_duration(drain_timeout)
+        except ConfigError:
+            raise click.UsageError(f"--drain-timeout {drain_timeout!r}: expected a duration like 30s, 2m or 0 "
+                                   "(seconds)") from None
+        if drain > 86400:
+            raise click.UsageError(f"--drain-timeout {drain_timeout!r}: at most 24h")
     if control is None:
         raise click.UsageError("--control HOST:PORT is required (or control: in --config FILE)")
     zero = next((h for h, p in control if p == 0), None)
@@ -427,7 +453,7 @@ def agent(
             "use TLS (--tls-ca FILE, or --tls) or pass --insecure on a network you trust"
         )
     node = NodeOptions(state_dir or default_state_dir(), engines=engines, labels=labels, advertise=advertise,
-                       gpu_source=gpu_source or "auto", replica_ports=ports)
+                       gpu_source=gpu_source or "auto", replica_ports=ports, drain_timeout=drain)
     where = ("--state-dir" if state_flag else "state_dir: in --config FILE" if state_dir
              else "the default state directory")
     instance, _lock = claim_state_dir(node.state_dir, where)  # (held until the process ends)

@@ -263,7 +263,7 @@ def _fmt(value: Any, kind: str = "") -> str:
 
 _STATE_STYLE = {
     "ok": "green", "draining": "yellow", "stale": "magenta", "unreachable": "red", "open": "red", "half-open": "red",
-    "auth_failed": "red",
+    "auth_failed": "red", "loading": "yellow", "unavailable": "red",
 }
 
 
@@ -513,6 +513,8 @@ def _node_state(n: dict[str, Any]) -> Any:
     shown = _text(state, _NODE_STYLE.get(state, "white"))
     if n.get("cordoned"):
         shown.append(" cordoned", style="yellow")
+    if n.get("leaving"):
+        shown.append(" leaving", style="yellow")
     return shown
 
 
@@ -712,17 +714,21 @@ def _kv_pairs(values: tuple[str, ...], what: str) -> dict[str, str]:
 @click.option("--served-name", default=None, help="The model name clients use (default NAME).")
 @click.option("--arg", "args", multiple=True, metavar="ARG", help="An extra engine argument (repeat).")
 @click.option("--env", "envs", multiple=True, metavar="KEY=VALUE", help="An engine environment variable (repeat).")
+@click.option("--update", is_flag=True, default=False,
+              help="Change NAME, made with ctl deploy before, to this whole entry: a rolling update when what its "
+                   "replicas run changes.")
 @_options(group=False)
 @click.pass_context
 def deploy(ctx: click.Context, name: str, model: str, engine: str | None, replicas: int | None, gpus: int | None,
            gpu_memory: str | None, gpu_model: str | None, labels: tuple[str, ...], share_gpus: bool,
            slots: int | None, context: int | None, memory: str | None, cpu_cores: float | None,
-           served_name: str | None, args: tuple[str, ...], envs: tuple[str, ...], admin: str | None,
+           served_name: str | None, args: tuple[str, ...], envs: tuple[str, ...], update: bool, admin: str | None,
            token: str | None, as_json: bool | None) -> None:
     """Run NAME on the cluster: the control plane places its replicas and keeps them running.
 
     The deployment lives in the control plane's store (deployments in the config file are
-    managed there instead).
+    managed there instead). With --update, NAME exists and takes this entry (every option
+    not given takes its default again, as in a new deployment).
     """
     t = _target(ctx, admin, token, as_json)
     body: dict[str, Any] = {"name": name, "model": model}
@@ -739,11 +745,14 @@ def deploy(ctx: click.Context, name: str, model: str, engine: str | None, replic
         body["args"] = list(args)
     if envs:
         body["env"] = _kv_pairs(envs, "--env")
-    data = t.call("POST", "/admin/v1/deployments", body)
+    if update:
+        data = t.call("PUT", f"/admin/v1/deployments/{quote(name, safe='')}", body)
+    else:
+        data = t.call("POST", "/admin/v1/deployments", body)
     if t.as_json:
         _print_json(data)
         return
-    _say_deployment(data, "deployed")
+    _say_deployment(data, "updated" if update else "deployed")
 
 
 def _say_deployment(d: dict[str, Any], verb: str) -> None:

@@ -119,7 +119,8 @@ async def _start_demo_agent(
     supervisor = ReplicaSupervisor(state, on_change=lambda: holder[0].poke() if holder else None)
     fetchers: list[Any] = []  # (mirror models are fetched over the admin listener, as a real node's are)
     client = AgentClient(f"127.0.0.1:{cp.address[1]}", "demo-node", cfg.control.join_tokens[0], source,
-                         supervisor=supervisor, on_registered=mirror_access(supervisor, state, fetchers))
+                         supervisor=supervisor, on_registered=mirror_access(supervisor, state, fetchers),
+                         drain_timeout=0.0)  # (the process it would drain to is the one stopping)
     holder.append(client)
     stop = asyncio.Event()  # bound to the control loop by its first wait there
 

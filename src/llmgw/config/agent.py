@@ -30,6 +30,7 @@ from ._rules import (
     RUNNABLE_ENGINES,
     _Bad,
     _choice,
+    _duration,
     _env,
     _EnvValue,
     _Rule,
@@ -140,6 +141,7 @@ class AgentConfig:
     labels: Mapping[str, str] = field(default_factory=dict)
     advertise: str | None = None  # None: the address the control plane sees the agent at
     replica_ports: tuple[int, int] | None = None  # None: the supervisor's default, loosely
+    drain_timeout: float = 30.0
     source: str | None = None
 
 
@@ -185,6 +187,10 @@ class _AgentIn(_In):
     """The ports this node's replicas listen on, LOW-HIGH (a firewall's opening between routers and nodes): only
     these are used, a replica failing to start when none is free. Default: any free port, preferably in
     20000-32767 (below the kernel's ephemeral ports)."""
+    drain_timeout: Annotated[float, _duration(0.0, 86400.0)] = _default(AgentConfig, "drain_timeout")
+    """How long a stopping agent (SIGTERM) waits for its replicas to drain off the node (their requests in
+    flight finish; the control plane places them elsewhere) before it stops them; a second SIGTERM stops them
+    at once; 0: stop them at once (default 30s)."""
 
 
 def load_agent(data: Any, source: str | None = None, require_control: bool = True) -> AgentConfig:
@@ -227,6 +233,7 @@ def _build_agent(data: Any, problems: _Problems, require_control: bool = True) -
         labels=v["labels"] or {},
         advertise=v["advertise"],
         replica_ports=v["replica_ports"],
+        drain_timeout=v["drain_timeout"],
         source=problems.source,
     )
 

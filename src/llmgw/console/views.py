@@ -42,9 +42,9 @@ _BAD = "red"
 _STATE_STYLE = {
     "ok": _GOOD, "up": _GOOD, "closed": _GOOD, "ready": _GOOD, "running": _GOOD,
     "draining": _WARN, "stale": _WARN, "half-open": _WARN, "half_open": _WARN, "degraded": _WARN,
-    "cordoned": _WARN, "pending": _WARN, "starting": _WARN, "unknown": _WARN,
+    "cordoned": _WARN, "pending": _WARN, "starting": _WARN, "unknown": _WARN, "loading": _WARN,
     "unreachable": _BAD, "open": _BAD, "auth_failed": _BAD, "unhealthy": _BAD, "failed": _BAD, "fatal": _BAD,
-    "lost": _BAD,
+    "lost": _BAD, "unavailable": _BAD,
 }
 
 
@@ -494,7 +494,8 @@ class NodesView(View):
             errors = len(n.get("errors") or []) + sum(len(g.get("errors") or []) for g in gs)
             age = num(n.get("heartbeat_age_s"))
             cells = (
-                name, word(n.get("state")), Cell("cordoned", _WARN) if n.get("cordoned") else "no",
+                name, word(n.get("state")), Cell("cordoned", _WARN) if n.get("cordoned") else
+                Cell("leaving", _WARN) if n.get("leaving") else "no",
                 fmt_age(age, show_ages), str(n.get("gpu_count", len(gs))), bar(util), bar(mem),
                 str(errors), str(n.get("hostname") or ABSENT), str(n.get("agent_version") or ABSENT),
             )

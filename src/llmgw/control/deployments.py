@@ -459,6 +459,40 @@ class DeploymentController:
                 f"deployment {cfg.name!r} exists (from {where}); scale it, undeploy it first, or choose another name",
                 status=409, code="deployment_exists", param="name",
             )
+        self._check_model(cfg)
+        dep = Deployment(cfg, API)
+        self.deployments[cfg.name] = dep
+        self.store.put_deployment(dep.stored())
+        log.info("deployment %s created: %d replica(s) of %s on %s", cfg.name, cfg.replicas, cfg.model, cfg.engine)
+        self.sync(CALL_BUDGET_S)
+        return self.view(cfg.name)
+
+    def update(self, cfg: DeploymentConfig) -> dict[str, Any]:
+        """``ctl deploy --update``: a deployment made with ``ctl deploy`` takes a new entry. When what its
+        replicas run changes (model, engine, GPUs, args, env, served name...) this is a rolling update, as a
+        changed config entry's is; a new count alone scales it.
+
+        Raises:
+            DeploymentError: 404 no such deployment; 409 for one from the config file; 400 as :meth:`create`.
+        """
+        old = self._get(cfg.name)
+        if old.source == CONFIG:
+            raise DeploymentError(
+                f"deployment {cfg.name!r} is in the config file: change it there and reload",
+                status=409, code="deployment_in_config",
+            )
+        self._check_model(cfg)
+        if old.cfg == cfg:
+            return self.view(cfg.name)
+        rolling = _placement_changed(old.cfg, cfg)
+        self._replace(old, Deployment(cfg, API))
+        log.info("deployment %s updated: %s", cfg.name,
+                 "a rolling update of its replicas" if rolling else f"{cfg.replicas} replica(s), the same form")
+        self.sync(CALL_BUDGET_S)
+        return self.view(cfg.name)
+
+    def _check_model(self, cfg: DeploymentConfig) -> None:
+        """Refuse (400) a llama.cpp model that is neither in the mirror (usable) nor a path."""
         if cfg.engine == "llamacpp" and not is_model_path(cfg.model):
             # llama-server is given a file (-m): a name that is no path must be in the mirror, or
             # every replica would crash-loop on 'failed to open GGUF file'
@@ -478,12 +512,6 @@ class DeploymentController:
                     "needs a GGUF file (a mirror reference like tiny:1b, or a path like /models/tiny.gguf)",
                     status=400, code="model_not_found", param="model",
                 )
-        dep = Deployment(cfg, API)
-        self.deployments[cfg.name] = dep
-        self.store.put_deployment(dep.stored())
-        log.info("deployment %s created: %d replica(s) of %s on %s", cfg.name, cfg.replicas, cfg.model, cfg.engine)
-        self.sync(CALL_BUDGET_S)
-        return self.view(cfg.name)
 
     def scale(self, name: str, replicas: int) -> dict[str, Any]:
         """``ctl scale``: the replica count (a config deployment's holds until its entry changes in the file).
@@ -599,7 +627,7 @@ class DeploymentController:
                     return
                 got = self._place_one(dep)
                 if isinstance(got, Unplaceable):
-                    if old and self._make_room(dep, live, old):
+                    if old and self._make_room(dep, old):
                         return
                     if dep.message != got.reason:
                         log.warning("deployment %s: %d of %d replicas placed: %s", dep.cfg.name,
@@ -611,9 +639,12 @@ class DeploymentController:
             per_node: dict[str, int] = {}
             for r in live:
                 per_node[r.node] = per_node.get(r.node, 0) + 1
-            # not ready first, then where the deployment is most crowded, newest first
-            live.sort(key=lambda r: (r.state == READY, -per_node[r.node], -r.created_at))
-            for r in live[: len(live) - want]:
+            # not ready first, then where the deployment is most crowded (counted again after each
+            # pick: 2+2 scaled to 2 keeps one on each node, not both on one), newest first
+            for _ in range(len(live) - want):
+                r = min(live, key=lambda r: (r.state == READY, -per_node[r.node], -r.created_at))
+                live.remove(r)
+                per_node[r.node] -= 1
                 self._start_drain(r)
             if want == 0 or dep.failures == 0:
                 dep.message = None
@@ -632,12 +663,13 @@ class DeploymentController:
         for r in serving[: max(0, len(serving) - max(0, want - ready_new))]:
             self._start_drain(r)
 
-    def _make_room(self, dep: Deployment, live: list[Replica], old: list[Replica]) -> bool:
+    def _make_room(self, dep: Deployment, old: list[Replica]) -> bool:
         """No room for a new replica beside the outdated ones: one of them drains to make room, unless a
         new one is still on its way, or an old one still drains (its GPUs are held until it ends, the
         requests in flight there finish): then that one is waited for. Whether the update goes on."""
-        if any(r.state != READY for r in live) or any(
-                r.outdated and r.draining_since is not None for r in self._of(dep.cfg.name)):
+        # (the replicas of the new form as they are now: one placed earlier in this pass is on its way)
+        if any(r.state != READY for r in self._of(dep.cfg.name) if r.draining_since is None and not r.outdated) \
+                or any(r.outdated and r.draining_since is not None for r in self._of(dep.cfg.name)):
             return True
         serving = sorted((r for r in old if r.draining_since is None), key=lambda r: r.created_at)
         if not serving:
@@ -685,7 +717,7 @@ class DeploymentController:
         seen = set()
         for st in nodes:
             up = nodes.is_up(st, now)
-            key = (st.node_id, st.generation, up, st.cordoned, tuple(st.labels.items()), st.protocol)
+            key = (st.node_id, st.generation, up, st.cordoned, st.leaving, tuple(st.labels.items()), st.protocol)
             seen.add(st.name)
             hit = cache.get(st.name)
             if hit is not None and hit[0] == key:
@@ -695,11 +727,12 @@ class DeploymentController:
             gpus = tuple(
                 GpuInfo(g.uuid, g.index, g.name, g.memory_total_bytes, g.memory_used_bytes,
                         # (not "unknown": its node's GPU source is failing now; no new replica there)
-                        g.health in ("ok", "degraded", ""), bool(g.mig_mode))
+                        g.health in ("ok", "degraded", ""), g.health == "degraded", bool(g.mig_mode))
                 for g in d.gpus
             )
             f = d.facts
-            info = NodeInfo(st.name, up, st.cordoned, dict(st.labels), gpus, f.cpu_cores, f.memory_total_bytes,
+            # (a leaving node takes no new replica, as a cordoned one)
+            info = NodeInfo(st.name, up, st.cordoned or st.leaving, dict(st.labels), gpus, f.cpu_cores, f.memory_total_bytes,
                             f.memory_available_bytes, None if runs_replicas(st.protocol) else st.protocol)
             cache[st.name] = (key, info)
             out.append(info)
@@ -809,6 +842,8 @@ class DeploymentController:
                 # (an unhealthy node counts as missing: silent for NODE_LOST_S, its replicas go elsewhere,
                 # as a vanished node's do; they stayed on a dead machine for good while this process ran)
                 present.add(name)
+                if st.leaving:
+                    self._drain_node(name)
             if health.get(name, True) != up:  # (a node registers up)
                 if up:
                     log.info("node %s is up again", name)
@@ -828,6 +863,17 @@ class DeploymentController:
                 log.warning("node %s has been gone or silent %.0fs: its replicas are placed again elsewhere", node,
                             now - since)
                 self.node_gone(node)
+
+    def _drain_node(self, node: str) -> None:
+        """A leaving node (its agent is stopping): each of its replicas drains (out of the routers once its
+        requests in flight are done, then out of the node's set, so the agent stops it) and is placed again
+        elsewhere."""
+        starting = [r for r in self._by_node.get(node, {}).values() if r.draining_since is None]
+        if starting:
+            log.info("node %s is leaving (its agent is stopping): %d replica(s) drain and are placed again "
+                     "elsewhere", node, len(starting))
+        for r in starting:
+            self._start_drain(r)
 
     # -- the router --
 
@@ -1073,6 +1119,24 @@ class DeploymentController:
             "spec": spec, "replicas": [self.replica_view(r, show_secrets=show_secrets) for r in reps],
         }
 
+    def _silent(self, reps: Sequence[Replica]) -> str | None:
+        """Why replicas its node last reported ready do not count as ready: their node is silent."""
+        nodes = self.nodes
+        mono = nodes.monotonic()
+        by_node: dict[str, int] = {}
+        for r in reps:
+            if r.state == READY and r.draining_since is None and not self.ready_now(r):
+                by_node[r.node] = by_node.get(r.node, 0) + 1
+        if not by_node:
+            return None
+        node, n = min(by_node.items())
+        st = nodes.get(node)
+        age = f" for {st.age(mono):.0f}s" if st is not None and st.heard else ""
+        more = f" (and {len(by_node) - 1} more node(s))" if len(by_node) > 1 else ""
+        return (f"{n} replica(s) on node {node}{more}, silent{age} (no heartbeat from its agent), not counted as "
+                f"ready: the router sends them requests while their engines answer; placed again elsewhere "
+                f"{NODE_LOST_S:.0f}s after the heartbeat grace")
+
     def list_views(self, *, show_secrets: bool = False) -> list[dict[str, Any]]:
         return [self.view(n, show_secrets=show_secrets) for n in sorted(self.deployments)]
 
@@ -1085,7 +1149,10 @@ class DeploymentController:
         """
         crashed = [r for r in reps if _restarting(r)]
         if not crashed:
-            return dep.message
+            silent = self._silent(reps)
+            if silent is None:
+                return dep.message
+            return silent if dep.message is None else f"{' '.join(dep.message.split())}; {silent}"
         head, tail = _crash_reason(crashed[0])
         if len(crashed) > 1:
             head += f"; {len(crashed) - 1} more replica(s) restarting"

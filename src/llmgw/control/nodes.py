@@ -70,6 +70,9 @@ class NodeState:
     heartbeats: int = 0
     sequence: int = 0
     cordoned: bool = False
+    leaving: bool = False
+    """Its agent is stopping and asked for its replicas to be drained off it (heartbeat ``leaving``): no
+    new replica is placed there. Set from every heartbeat; a registration clears it."""
     generation: int = 0
     """Bumped on every change (a cache of what was rendered from it can compare)."""
     labels: Mapping[str, str] = field(default_factory=dict)
@@ -192,6 +195,7 @@ class NodeMap:
         st.last_seen = mono
         st.registrations += 1
         st.sequence = 0
+        st.leaving = False
         st.generation += 1
         return st, False
 

@@ -25,11 +25,14 @@ yet, so its claim counts whole). A GPU whose total or memory in use was not repo
 (a GPU kept by its identity while its source fails) can take only a replica that
 states no memory need (absent is not zero).
 
-Score (the lowest wins): fewest replicas of the same deployment already on the node
-(spreading is a preference, not a rule: several replicas share a node when it is
-the only one that fits), then the most GPUs left that nobody holds, then the most
-memory left free, then the name (so the choice is deterministic). On the chosen
-node the GPUs with the most free memory are taken, lowest index first on a tie.
+Score (the lowest wins): the fewest degraded GPUs it would have to take (a GPU with an
+XID, uncorrected ECC errors or its fabric not started is healthy enough to place on,
+but only where nothing fits without it), then fewest replicas of the same deployment
+already on the node (spreading is a preference, not a rule: several replicas share a
+node when it is the only one that fits), then the most GPUs left that nobody holds,
+then the most memory left free, then the name (so the choice is deterministic). On
+the chosen node the GPUs that are not degraded come first, then those with the most
+free memory, lowest index first on a tie.
 
 The explanation (:func:`_explain`) stays one short line on a thousand nodes: for a GPU
 replica, the eligible node with GPUs of the asked model that came closest (most GPUs
@@ -65,6 +68,9 @@ class GpuInfo:
     memory_total: int | None = None
     memory_used: int | None = None
     healthy: bool = True
+    degraded: bool = False
+    """Healthy enough to place on, but degraded (an XID, uncorrected ECC errors, its fabric not started):
+    taken only when no other fits (:func:`place`)."""
     mig_parent: bool = False
     """A physical GPU in MIG mode: its MIG devices are placed on instead."""
 
@@ -248,9 +254,9 @@ def _why_text(short: _Short) -> str:
                      for w, n in short.why.items())
 
 
-def _order_key(item: tuple[int, GpuInfo]) -> tuple[int, int, str]:
+def _order_key(item: tuple[int, GpuInfo]) -> tuple[bool, int, int, str]:
     free, g = item
-    return (-free, g.index if g.index is not None else 1 << 30, g.uuid)
+    return (g.degraded, -free, g.index if g.index is not None else 1 << 30, g.uuid)
 
 
 def place(need: Need, nodes: Sequence[NodeInfo], claims: Sequence[Claim]) -> Choice | Unplaceable:
@@ -284,7 +290,7 @@ def place(need: Need, nodes: Sequence[NodeInfo], claims: Sequence[Claim]) -> Cho
     # (the GPU node that came closest: the most GPUs that fit, then the most free memory on a GPU short of
     # it, then the most GPUs of the asked model; nodes with none of that model are no candidates)
     best_partial: tuple[tuple[int, int, int], str, _Short, int] | None = None  # (rank, node, why, fits)
-    best: tuple[tuple[int, int, int, str], NodeInfo, list[tuple[int, GpuInfo]]] | None = None
+    best: tuple[tuple[int, int, int, int, str], NodeInfo, list[tuple[int, GpuInfo]]] | None = None
     for node in nodes:
         if not node.up:
             excluded.append(_Excluded(node, "down", f"{node.name} is down"))
@@ -316,7 +322,9 @@ def place(need: Need, nodes: Sequence[NodeInfo], claims: Sequence[Claim]) -> Cho
             # have the most free memory, so the replica takes those first.)
             fit_unheld = sum(1 for _, g in fit if (node.name, g.uuid) not in uses)
             left = sum(f for f, _ in fit) - need.gpus * (need.gpu_memory or 0)
-            key = (same.get(node.name, 0), -(unheld - min(need.gpus, fit_unheld)), -left, node.name)
+            # (a degraded GPU only where no node fits without one: its engine may well fail on it)
+            forced = max(0, need.gpus - sum(1 for _, g in fit if not g.degraded))
+            key = (forced, same.get(node.name, 0), -(unheld - min(need.gpus, fit_unheld)), -left, node.name)
             if best is None or key < best[0]:
                 best = (key, node, fit)
             continue
@@ -343,7 +351,7 @@ def place(need: Need, nodes: Sequence[NodeInfo], claims: Sequence[Claim]) -> Cho
                                           f"{node.name} has {spare:g} CPU cores unclaimed"))
                 continue
         left_mem = (free or 0) - (need.memory or 0)
-        key = (same.get(node.name, 0), 0, -left_mem, node.name)
+        key = (0, same.get(node.name, 0), 0, -left_mem, node.name)
         if best is None or key < best[0]:
             best = (key, node, [])
     if best is not None:

@@ -802,6 +802,12 @@ class AgentService(agent_pb2_grpc.AgentServiceServicer):
         if isinstance(over, str):
             self._told_trim(st.name, peer, over)
         self.stats.heartbeats += 1
+        if hb.leaving != st.leaving:
+            st.leaving = hb.leaving
+            log.info("node %s at %s %s", st.name, peer, "is leaving: its agent is stopping and asks for its "
+                     "replicas to be drained" if hb.leaving else "is no longer leaving")
+            if self.controller is not None:
+                self.controller.wake()
         if hb.HasField("applied_generation") and runs_replicas(st.protocol):
             if len(hb.replicas) > 16 or hb.ByteSize() > limits.SMALL * 4:  # (PERF: a real beat is checked by size)
                 cut = limits.trim_replicas(hb.replicas)

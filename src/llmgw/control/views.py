@@ -50,6 +50,7 @@ def node_view(nodes: NodeMap, st: NodeState, *, gpus: bool) -> dict[str, Any]:
         "id": st.node_id,
         "state": nodes.state(st, now),
         "cordoned": st.cordoned,
+        "leaving": st.leaving,
         "labels": dict(st.labels),
         "hostname": f.hostname,
         "agent_version": st.agent_version or None,

@@ -229,6 +229,10 @@ class ReplicaController(Protocol):
         """``node`` deregistered or was removed: its replicas are gone."""
         ...
 
+    def wake(self) -> None:
+        """Reconcile soon: a node changed in a way that matters (its agent is leaving)."""
+        ...
+
     def subscribe(self, changed: Callable[[str], None]) -> None:
         """Call ``changed(node)`` (on the control plane's loop) whenever ``node``'s desired set changes."""
         ...

@@ -353,6 +353,17 @@ class ReplicaSupervisor:
         for spec in desired:
             wanted[spec.id] = spec
         changed = False
+        # (those that leave first: a new replica on the GPUs of one that leaves starts once it has stopped)
+        for rid, leaving in list(self._reps.items()):
+            if rid in wanted:
+                continue
+            leaving.next_spec = None
+            if leaving.task is not None:
+                leaving.stop.set()
+            elif leaving.state != STOPPED:
+                leaving.state = STOPPED
+                leaving.ended_at = time.monotonic()
+                changed = True
         for rid, spec in wanted.items():
             fp = fingerprint(spec)
             rep = self._reps.get(rid)
@@ -372,16 +383,6 @@ class ReplicaSupervisor:
                     log.info("replica %s: its spec changed; replacing it", rid)
                 rep.next_spec = spec
                 rep.stop.set()
-        for rid, rep in list(self._reps.items()):
-            if rid in wanted:
-                continue
-            rep.next_spec = None
-            if rep.task is not None:
-                rep.stop.set()
-            elif rep.state != STOPPED:
-                rep.state = STOPPED
-                rep.ended_at = time.monotonic()
-                changed = True
         if changed:
             self._changed()
 
@@ -440,7 +441,12 @@ class ReplicaSupervisor:
                 f"replica id {spec.id!r} is not a name the agent can use (letters, digits, '.', '_', '-')")
             rep.ended_at = time.monotonic()
             return
-        rep.task = asyncio.get_running_loop().create_task(self._lifecycle(rep, adopted=False))
+        gpus = set(spec.gpus)
+        # the engines being stopped on its GPUs: on a GPU, two engines at once may not fit in its memory
+        before = [o.task for o in self._reps.values()
+                  if o is not rep and o.task is not None and o.stop.is_set() and o.spec is not None
+                  and gpus.intersection(o.spec.gpus)] if gpus else []
+        rep.task = asyncio.get_running_loop().create_task(self._lifecycle(rep, adopted=False, after=before))
 
     def _set(self, rep: _Replica, state: str, message: str | None = None) -> None:
         if message is not None:
@@ -468,8 +474,13 @@ class ReplicaSupervisor:
                     text = text.replace(secret, "***")
         return text
 
-    async def _lifecycle(self, rep: _Replica, *, adopted: bool) -> None:
+    async def _lifecycle(self, rep: _Replica, *, adopted: bool, after: Sequence[asyncio.Task[None]] = ()) -> None:
         try:
+            if after:
+                log.info("replica %s: starts once %d replica(s) stopping on its GPUs have stopped", rep.id,
+                         len(after))
+                # (bounded: a stop takes at most the grace, then SIGKILL and its own bounded wait)
+                await asyncio.wait(after, timeout=self.stop_grace + 40.0)
             while True:
                 if adopted:
                     adopted = False
@@ -701,9 +712,10 @@ class ReplicaSupervisor:
 
     def _exited(self, rep: _Replica, exited: asyncio.Future[None]) -> str:
         self._reap(rep)
-        log.warning("replica %s: its engine (pid %s) exited %s", rep.id, rep.pid,
-                    f"with status {rep.exit_code}" if rep.exit_code is not None
-                    else "(status unknown: adopted from an earlier agent, it is not this agent's child)")
+        how = (f"with status {rep.exit_code}" if rep.exit_code is not None
+               else "(status unknown: adopted from an earlier agent, it is not this agent's child)")
+        log.warning("replica %s: its engine (pid %s) exited %s", rep.id, rep.pid, how)
+        self._note(rep, f"its engine (pid {rep.pid}) exited {how}")
         self._record_path(rep.id).unlink(missing_ok=True)
         rep.pid = None
         return "exited"
@@ -741,7 +753,21 @@ class ReplicaSupervisor:
             await asyncio.wait({exited}, timeout=30.0)
         self._reap(rep)
         self._record_path(rep.id).unlink(missing_ok=True)
+        self._note(rep, f"its engine stopped (status {rep.exit_code})" if rep.exit_code is not None
+                   else "its engine stopped")
         return "stopped"
+
+    @staticmethod
+    def _note(rep: _Replica, text: str) -> None:
+        """A line of the supervisor's in the replica's log (``ctl logs`` shows why a run ended, beside its
+        ``starting`` line); a log that cannot be written loses only the line."""
+        stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        with contextlib.suppress(OSError):
+            fd = os.open(rep.log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+            try:
+                os.write(fd, f"{LOG_HEADER}{stamp}: {rep.id}: {text}\n".encode())
+            finally:
+                os.close(fd)
 
     def _exit_future(self, rep: _Replica) -> asyncio.Future[None]:
         """Done when the engine process exits (a pidfd where the kernel has them, else polling)."""

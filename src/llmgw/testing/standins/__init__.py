@@ -17,6 +17,7 @@ Test switches, in the environment:
   (absent from ``--help``, refused when passed).
 * ``LLMGW_STANDIN_NO_METRICS=1``: serve no metrics page (404).
 * ``LLMGW_STANDIN_STARTUP_DELAY=S``: load for S seconds (``/health`` 503) first.
+* ``LLMGW_STANDIN_TOKENS_PER_SECOND=N``: generate N tokens a second per request (500).
 
 :func:`install` writes the two executables into a directory (to put first on
 ``PATH``) and returns it with :data:`PYTHONPATH`, the directory that holds the

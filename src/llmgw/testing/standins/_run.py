@@ -32,10 +32,11 @@ async def _serve(engine: str, model: str, host: str, port: int, api_key: str | N
     from llmgw.engines.sim import SimConfig, SimEngine
 
     delay = float(os.environ.get("LLMGW_STANDIN_STARTUP_DELAY", "0") or 0)
+    tps = float(os.environ.get("LLMGW_STANDIN_TOKENS_PER_SECOND", "500") or 500)
     if os.environ.get("LLMGW_STANDIN_NO_METRICS"):
         metrics = False
     cfg = SimConfig(model=model, engine=engine, api_key=api_key, metrics=metrics, slots=slots,
-                    max_model_len=max_model_len, startup_delay=delay, ttft_ms=5.0, tokens_per_second=500.0,
+                    max_model_len=max_model_len, startup_delay=delay, ttft_ms=5.0, tokens_per_second=tps,
                     keepalive_timeout=5.0)
     eng = SimEngine(cfg)
     loop = asyncio.get_running_loop()

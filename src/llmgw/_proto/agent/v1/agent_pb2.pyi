@@ -220,6 +220,7 @@ class HeartbeatRequest(_message.Message):
     APPLIED_GENERATION_FIELD_NUMBER: _builtins.int
     REPLICAS_FIELD_NUMBER: _builtins.int
     AGENT_INSTANCE_FIELD_NUMBER: _builtins.int
+    LEAVING_FIELD_NUMBER: _builtins.int
     node_id: _builtins.str
     """The id Register answered."""
     node_name: _builtins.str
@@ -235,6 +236,13 @@ class HeartbeatRequest(_message.Message):
     agent_instance: _builtins.str
     """The agent_instance it registered with (empty: an older agent). A beat from another instance than
     the node's is answered NOT_FOUND: the node is another agent's now.
+    """
+    leaving: _builtins.bool
+    """The agent is stopping (SIGTERM) and asks for its replicas to be drained off
+    the node: no new replica is placed there, each of its replicas leaves the
+    routers once its requests in flight are done (then out of the node's set,
+    so the agent stops it) and is placed elsewhere. Then the agent deregisters.
+    Sent by agents of protocol 1.3 to control planes of 1.3 or later.
     """
     @_builtins.property
     def discovery(self) -> Global___Discovery:
@@ -256,10 +264,11 @@ class HeartbeatRequest(_message.Message):
         applied_generation: _builtins.int | None = ...,
         replicas: _abc.Iterable[Global___ReplicaStatus] | None = ...,
         agent_instance: _builtins.str = ...,
+        leaving: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_applied_generation", b"_applied_generation", "applied_generation", b"applied_generation", "discovery", b"discovery"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_applied_generation", b"_applied_generation", "agent_instance", b"agent_instance", "applied_generation", b"applied_generation", "discovery", b"discovery", "node_id", b"node_id", "node_name", b"node_name", "replicas", b"replicas", "sequence", b"sequence"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_applied_generation", b"_applied_generation", "agent_instance", b"agent_instance", "applied_generation", b"applied_generation", "discovery", b"discovery", "leaving", b"leaving", "node_id", b"node_id", "node_name", b"node_name", "replicas", b"replicas", "sequence", b"sequence"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__applied_generation: _TypeAlias = _typing.Literal["applied_generation"]  # noqa: Y015
     _WhichOneofArgType__applied_generation: _TypeAlias = _typing.Literal["_applied_generation", b"_applied_generation"]  # noqa: Y015
