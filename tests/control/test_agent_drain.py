@@ -195,3 +195,56 @@ async def test_sigterm_drains_the_node_before_the_agent_stops(tmp_path: Path) ->
             with contextlib.suppress(OSError, ValueError, KeyError):
                 os.kill(int(orjson.loads(rec.read_bytes())["pid"]), signal.SIGKILL)
         await rt.stop()
+
+
+async def test_a_drain_goes_on_across_a_control_plane_restart(tmp_path: Path) -> None:
+    """SIGTERM while the control plane is away (stopped, or handing over): the agent does not give the
+    drain up at the first refused beat; it calls again until the control plane is back (within its
+    drain_timeout), which then drains the node: the replica is placed on the other node, and the agent
+    exits 0 once its engine is stopped, saying it drained."""
+    bin_dir = standins.install(tmp_path / "bin")
+    env = {"PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}",
+           "PYTHONPATH": os.pathsep.join(p for p in (str(standins.PYTHONPATH), os.environ.get("PYTHONPATH", "")) if p)}
+    cp_port = free_port()
+    cfg = load({
+        "listen": "127.0.0.1:0", "admin": "127.0.0.1:0",
+        "control": {"listen": f"127.0.0.1:{cp_port}", "join_token": TOKEN, "heartbeat_interval": "0.5s",
+                    "heartbeat_grace": "3s", "database": f"sqlite:///{tmp_path}/cp.sqlite3"},
+    })
+    rt = GatewayRuntime(cfg, components=components_for(cfg))
+    await rt.start()
+    agents = {n: Agent(tmp_path, n, cp_port, env) for n in ("node-a", "node-b")}
+    try:
+        cp = rt.components[0]
+        await until(lambda: all(cp.nodes.get(n) is not None and cp.nodes.get(n).heartbeats > 0 for n in agents), 30,
+                    "both agents registered")
+        assert rt.admin_addr is not None
+        status, body = await request(rt.admin_addr[1], "POST", "/admin/v1/deployments",
+                                     {"name": "chat", "replicas": 1, "model": "stand-in/chat", "engine": "vllm",
+                                      "gpu_memory": "1GiB"})
+        assert status in (200, 201), body
+        ctl_ = cp.deployments
+        await until(lambda: ctl_.view("chat")["ready"] == 1, 60, "the replica ready")
+        (home,) = ctl_.view("chat")["nodes"]
+        other = "node-b" if home == "node-a" else "node-a"
+        await rt.stop()  # the control plane away...
+        agents[home].proc.send_signal(signal.SIGTERM)  # ...when its agent is stopped
+        await until(lambda: "draining 1 replica(s)" in agents[home].text(), 10, f"{home} draining")
+        await asyncio.sleep(1.0)
+        assert agents[home].proc.poll() is None, agents[home].text()[-2000:]  # (not given up)
+        rt = GatewayRuntime(cfg, components=components_for(cfg))  # ...and back
+        await rt.start()
+        cp = rt.components[0]
+        ctl_ = cp.deployments
+        assert await agents[home].exited(30) == 0
+        log = agents[home].text()
+        assert "drained: no replica runs" in log and "deregistered" in log, log[-2000:]
+        await until(lambda: ctl_.view("chat")["ready"] == 1 and ctl_.view("chat")["nodes"] == [other], 60,
+                    f"the replica placed again on {other} and ready")
+    finally:
+        for a in agents.values():
+            a.kill()
+        for rec in tmp_path.glob("node-*/replicas/*.json"):
+            with contextlib.suppress(OSError, ValueError, KeyError):
+                os.kill(int(orjson.loads(rec.read_bytes())["pid"]), signal.SIGKILL)
+        await rt.stop()

@@ -712,3 +712,59 @@ async def test_a_silent_nodes_replicas_say_why_they_are_not_ready() -> None:
     finally:
         await ctl_.stop()
         await db.close()
+
+
+async def test_a_control_plane_restart_while_a_node_drains_keeps_the_replacement() -> None:
+    """A node leaving (its agent stopping): its replica drains and a replacement is placed on the other node;
+    the control plane restarts before the drain ends. The next one loads both rows: it drains nothing
+    before the nodes report (the replacement, the newest, went: the deployment was left on the leaving
+    node), then the leaving node's replica, never the replacement."""
+    cfg = load({"deployments": [{"name": "c", "model": "/models/m.gguf", "engine": "llamacpp", "replicas": 1,
+                                 "memory": "1GiB"}]})
+    nodes = NodeMap(lambda: 60.0)
+    for name in ("n1", "n2"):
+        nodes.register(name, peer="p", agent_version="t", protocol=(1, 3),
+                       discovery=Discovery(NodeFacts(name, cpu_cores=8, memory_total_bytes=64 << 30,
+                                                     memory_available_bytes=64 << 30)))
+    db, store = await _memory_store()
+    ctl_ = DeploymentController(nodes=nodes, store=store, router=_BusyRouter(), config=lambda: cfg,
+                                resolver=lambda m: None)
+    try:
+        await _sync(ctl_)
+        (first,) = [s.id for n in ("n1", "n2") for s in ctl_.desired(n)[1]]
+        home = ctl_.replicas[first].node
+        other = "n2" if home == "n1" else "n1"
+        await _ready(ctl_, home, {first})
+        st = nodes.get(home)
+        assert st is not None
+        st.leaving = True  # (its agent's heartbeats say so)
+        await _sync(ctl_)
+        (second,) = [s.id for s in ctl_.desired(other)[1]]
+        await _ready(ctl_, other, {second})
+        d = ctl_.view("c")
+        assert {r["id"]: r["state"] for r in d["replicas"]} == {first: "draining", second: "ready"}, d
+    finally:
+        await ctl_.stop()
+    store2 = DesiredStore(db, unfenced(db))  # (the next control plane: the same database)
+    await store2.load()
+    nodes2 = NodeMap(lambda: 60.0)  # (its node map: the agents register again, the leaving one not leaving yet)
+    for name in ("n1", "n2"):
+        nodes2.register(name, peer="p", agent_version="t", protocol=(1, 3),
+                        discovery=Discovery(NodeFacts(name, cpu_cores=8, memory_total_bytes=64 << 30,
+                                                      memory_available_bytes=64 << 30)))
+    ctl2 = DeploymentController(nodes=nodes2, store=store2, router=_BusyRouter(), config=lambda: cfg,
+                                resolver=lambda m: None)
+    try:
+        await _sync(ctl2)
+        assert {r.id for r in ctl2.replicas.values() if r.draining_since is None} == {first, second}
+        await _ready(ctl2, other, {second})
+        assert {r.id for r in ctl2.replicas.values() if r.draining_since is None} == {first, second}
+        st2 = nodes2.get(home)
+        assert st2 is not None
+        st2.leaving = True  # (its next beat says so)
+        await _ready(ctl2, home, {first})
+        kept = {r.id for r in ctl2.replicas.values() if r.draining_since is None}
+        assert kept == {second}, ctl2.view("c")
+    finally:
+        await ctl2.stop()
+        await db.close()

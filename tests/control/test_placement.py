@@ -260,3 +260,11 @@ def test_degraded_gpus_are_taken_last() -> None:
     b = node("b", 2)
     c = chosen(place(Need("d", gpus=2, gpu_memory=10 * GIB), [a, b], [Claim("r2", "d", "b"), *held]))
     assert c.node == "b"
+
+
+def test_a_leaving_node_is_filtered_and_named_as_such() -> None:
+    """A node whose agent is stopping takes no replica, and the explanation says it is leaving (it said
+    'cordoned', which nobody had done)."""
+    assert chosen(place(Need("d", gpus=1), [node("a", 1, leaving=True), node("b", 1)], [])).node == "b"
+    r = why(place(Need("d", gpus=1), [node("a", 1, leaving=True)], []))
+    assert "a is leaving (its agent is stopping)" in r and "cordoned" not in r, r

@@ -701,53 +701,47 @@ class AgentClient:
         sup = self.supervisor
         return 0 if sup is None else sum(1 for st in sup.statuses() if st.state in _LIVE)
 
-    async def drain(self, hard: asyncio.Event | None = None) -> bool:
-        """Drain the node before stopping (module docstring); True when no replica runs any more.
-
-        Heartbeats say ``leaving``; the control plane answers with a smaller desired set as each replica's
-        requests in flight end, which the supervisor applies (stopping the engines).
-        """
+    def _start_drain(self) -> float | None:
+        """At the first stop: when the node should drain first (module docstring), say so and return the
+        drain's deadline (monotonic); ``None``: stop at once."""
         n = self._running()
-        if not n:
-            return True
-        if self.node_id is None or self.drain_timeout <= 0 or not drains_leaving(self.peer_protocol):
-            return False
-        deadline = time.monotonic() + self.drain_timeout
+        if not n or self.node_id is None or self.drain_timeout <= 0 or not drains_leaving(self.peer_protocol):
+            return None
         log.info("stopping: draining %d replica(s) off this node first: their requests in flight finish, the "
                  "control plane places them elsewhere (at most %gs; stop again to stop them at once)",
                  n, self.drain_timeout)
         self.leaving = True
-        never = asyncio.Event()
-        while True:
-            try:
-                await self.heartbeat()
-            except grpc.aio.AioRpcError as exc:
-                log.warning("draining given up: the control plane at %s: %s: %s; stopping the replicas now",
-                            self.target, exc.code().name, exc.details())
-                return False
-            n = self._running()
-            if not n:
-                log.info("drained: no replica runs on this node any more")
-                return True
-            left = deadline - time.monotonic()
-            if left <= 0:
-                log.warning("%d replica(s) still draining after %gs (drain_timeout): stopping them now", n,
-                            self.drain_timeout)
-                return False
-            if await self._sleep(hard or never, min(self.interval, left)):
-                log.warning("stopped again while draining: stopping %d replica(s) now", n)
-                return False
-            gap = MIN_BEAT_GAP - (time.monotonic() - self._last_beat)
-            if gap > 0 and await self._sleep_plain(hard or never, gap):
-                return False
+        self.poke()  # (tell the control plane now, not an interval later)
+        return time.monotonic() + self.drain_timeout
+
+    def _drained(self, deadline: float, hard: asyncio.Event) -> bool:
+        """While draining: whether to stop now (nothing runs any more, the timeout, a second stop)."""
+        n = self._running()
+        if not n:
+            log.info("drained: no replica runs on this node any more")
+            return True
+        if hard.is_set():
+            log.warning("stopped again while draining: stopping %d replica(s) now", n)
+            return True
+        if time.monotonic() >= deadline:
+            log.warning("%d replica(s) still draining after %gs (drain_timeout): stopping them now", n,
+                        self.drain_timeout)
+            return True
+        return False
 
     async def run(self, stop: asyncio.Event, reason: Callable[[], str] = lambda: "stopped",
                   hard: asyncio.Event | None = None) -> None:
         """Register and heartbeat until ``stop`` is set; then drain (until ``hard`` is set) and deregister.
 
+        While draining the loop goes on as before (reconnects, a new leader followed), its heartbeats
+        saying ``leaving``, until nothing runs, ``drain_timeout`` passes or ``hard`` is set.
+
         Raises:
             AgentRefused: wrong token, incompatible protocol, invalid name.
         """
+        hard = hard or asyncio.Event()
+        until = stop  # what ends a wait: the stop, then (draining) the second stop
+        deadline: float | None = None  # draining: when it gives up
         delay = self.backoff_initial
         registered = False
         retry = False  # the last call failed: try again after the backoff, not after another interval
@@ -755,7 +749,16 @@ class AgentClient:
         failed_at: str | None = None  # the address that failed first since the last success
         tried: set[str] = set()  # addresses that failed since the last success or sleep: a round
         try:
-            while not stop.is_set():
+            while True:
+                if stop.is_set():
+                    if deadline is None:
+                        deadline = self._start_drain()
+                        if deadline is None:
+                            break
+                        until = hard
+                        retry = True  # (beat at once)
+                    if self._drained(deadline, hard):
+                        break
                 try:
                     if not registered:
                         await self.register()
@@ -764,11 +767,12 @@ class AgentClient:
                         # and the control plane hears of the replicas it adopted without waiting an interval
                         retry = self.supervisor is not None
                     else:
-                        if not retry and await self._sleep(stop, self._jittered()):
-                            break
+                        nap = self._jittered() if deadline is None else min(self._jittered(), 0.5)
+                        if not retry and await self._sleep(until, nap):
+                            continue  # (stopped: the top of the loop decides)
                         gap = MIN_BEAT_GAP - (time.monotonic() - self._last_beat)
-                        if gap > 0 and await self._sleep_plain(stop, gap):
-                            break
+                        if gap > 0 and await self._sleep_plain(until, gap):
+                            continue
                         retry = False
                         await self.heartbeat()
                     delay = self.backoff_initial
@@ -826,11 +830,12 @@ class AgentClient:
                     cap = min(self.interval, 2.0) if len(self.targets) > 1 or self.lease is not None else self.interval
                     # (not cut short by a poke: a replica's change, or the end of a stream already
                     # known, is no reason to call an unreachable control plane again at once)
-                    if await self._sleep_plain(stop, self.rng.uniform(0.5, 1.0) * min(delay, cap)):
-                        break
+                    if deadline is not None:
+                        cap = min(cap, 1.0, max(0.05, deadline - time.monotonic()))
+                    if await self._sleep_plain(until, self.rng.uniform(0.5, 1.0) * min(delay, cap)):
+                        continue
                     delay = min(delay * 2, cap)
-            if registered:
-                await self.drain(hard)
+            if registered or deadline is not None:
                 await self.deregister(reason())
         finally:
             for t in [*self._tasks, *([self._applier] if self._applier is not None else [])]:

@@ -71,6 +71,7 @@ FAMILIES: tuple[Family, ...] = (
            ("node", "hostname", "agent_version", "driver_version", "cuda_driver_version", "gpu_source")),
     Family("llmgw_node_up", "gauge", "1 if the node's last heartbeat is within the grace, else 0", _N),
     Family("llmgw_node_cordoned", "gauge", "1 if an operator cordoned the node", _N),
+    Family("llmgw_node_leaving", "gauge", "1 while the node's agent is stopping and its replicas drain off it", _N),
     Family("llmgw_node_last_heartbeat_timestamp_seconds", "gauge",
            "When the node's last heartbeat arrived, Unix seconds on the control plane's clock", _N),
     Family("llmgw_node_heartbeat_age_seconds", "gauge", "Seconds since the node's last heartbeat, at this scrape", _N),
@@ -139,6 +140,7 @@ def node_samples(st: NodeState, is_up: bool) -> list[Sample]:
                                  f.cuda_driver_version or "", d.source), 1.0),
         (_I["llmgw_node_up"], (n,), 1.0 if is_up else 0.0),
         (_I["llmgw_node_cordoned"], (n,), 1.0 if st.cordoned else 0.0),
+        (_I["llmgw_node_leaving"], (n,), 1.0 if st.leaving else 0.0),
     ]
     if st.heard:  # (a node known from the database only: never heard from, no time to give)
         out.append((_I["llmgw_node_last_heartbeat_timestamp_seconds"], (n,), st.last_heartbeat))
@@ -245,6 +247,7 @@ def node_text(st: NodeState, is_up: bool) -> dict[int, bytes]:
             _escape(f.cuda_driver_version), _escape(d.source), "1.0")).encode(),
         _NODE_UP: f"{op[_NODE_UP]}{nl}{'1.0' if is_up else '0.0'}\n".encode(),
         _NODE_CORDONED: f"{op[_NODE_CORDONED]}{nl}{'1.0' if st.cordoned else '0.0'}\n".encode(),
+        _NODE_LEAVING: f"{op[_NODE_LEAVING]}{nl}{'1.0' if st.leaving else '0.0'}\n".encode(),
     }
     if st.heard:
         out[_NODE_HEARTBEAT] = f"{op[_NODE_HEARTBEAT]}{nl}{_num(st.last_heartbeat)}\n".encode()
@@ -258,6 +261,7 @@ def node_text(st: NodeState, is_up: bool) -> dict[int, bytes]:
 _NODE_INFO, _NODE_UP = _I["llmgw_node_info"], _I["llmgw_node_up"]
 _PART = 224 * 1024  # render_parts' pieces: below the admin writer's 256 KiB slice (a piece no larger is not copied)
 _NODE_CORDONED, _NODE_HEARTBEAT = _I["llmgw_node_cordoned"], _I["llmgw_node_last_heartbeat_timestamp_seconds"]
+_NODE_LEAVING = _I["llmgw_node_leaving"]
 
 
 class _Families:

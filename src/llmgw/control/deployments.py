@@ -454,9 +454,11 @@ class DeploymentController:
         """
         if cfg.name in self.deployments:
             dep = self.deployments[cfg.name]
-            where = "the config file" if dep.source == CONFIG else "ctl deploy"
+            change = ("change it there and reload, or scale it" if dep.source == CONFIG
+                      else "change it with ctl deploy --update (PUT), scale it, or undeploy it first")
             raise DeploymentError(
-                f"deployment {cfg.name!r} exists (from {where}); scale it, undeploy it first, or choose another name",
+                f"deployment {cfg.name!r} exists (from {'the config file' if dep.source == CONFIG else 'ctl deploy'}); "
+                f"{change}, or choose another name",
                 status=409, code="deployment_exists", param="name",
             )
         self._check_model(cfg)
@@ -636,13 +638,22 @@ class DeploymentController:
                     return
             dep.message = None if dep.failures == 0 else dep.message
         elif len(live) > want:
+            if any(not r.reported for r in live):
+                # (loaded from the database, its node not heard from since: which to keep is not known
+                # yet. After a restart in the middle of a leaving node's drain, the replacement placed
+                # elsewhere was the newest and went, and the deployment was left on the leaving node. A
+                # node silent for long loses its replicas, so this waits a bounded while.)
+                return
             per_node: dict[str, int] = {}
             for r in live:
                 per_node[r.node] = per_node.get(r.node, 0) + 1
-            # not ready first, then where the deployment is most crowded (counted again after each
-            # pick: 2+2 scaled to 2 keeps one on each node, not both on one), newest first
+            away = {r.node for r in live if not self._staying(r.node)}
+            # on a node leaving or down first, then not ready, then where the deployment is most crowded
+            # (counted again after each pick: 2+2 scaled to 2 keeps one on each node, not both on one),
+            # newest first
             for _ in range(len(live) - want):
-                r = min(live, key=lambda r: (r.state == READY, -per_node[r.node], -r.created_at))
+                r = min(live, key=lambda r: (r.node not in away, r.state == READY, -per_node[r.node],
+                                             -r.created_at))
                 live.remove(r)
                 per_node[r.node] -= 1
                 self._start_drain(r)
@@ -731,9 +742,9 @@ class DeploymentController:
                 for g in d.gpus
             )
             f = d.facts
-            # (a leaving node takes no new replica, as a cordoned one)
-            info = NodeInfo(st.name, up, st.cordoned or st.leaving, dict(st.labels), gpus, f.cpu_cores, f.memory_total_bytes,
-                            f.memory_available_bytes, None if runs_replicas(st.protocol) else st.protocol)
+            info = NodeInfo(st.name, up, st.cordoned, dict(st.labels), gpus, f.cpu_cores, f.memory_total_bytes,
+                            f.memory_available_bytes, None if runs_replicas(st.protocol) else st.protocol,
+                            st.leaving)
             cache[st.name] = (key, info)
             out.append(info)
         for name in [n for n in cache if n not in seen]:
@@ -863,6 +874,11 @@ class DeploymentController:
                 log.warning("node %s has been gone or silent %.0fs: its replicas are placed again elsewhere", node,
                             now - since)
                 self.node_gone(node)
+
+    def _staying(self, node: str) -> bool:
+        """Whether ``node`` is up and not leaving."""
+        st = self.nodes.get(node)
+        return st is not None and not st.leaving and self.nodes.is_up(st, self.nodes.monotonic())
 
     def _drain_node(self, node: str) -> None:
         """A leaving node (its agent is stopping): each of its replicas drains (out of the routers once its

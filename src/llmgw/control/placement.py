@@ -8,7 +8,8 @@ free set is 1 on gpu-node-3``.
 
 Filter (a node is out when any fails):
 
-* up (heard from within the heartbeat grace) and not cordoned, its agent new enough to launch (protocol 1.2);
+* up (heard from within the heartbeat grace), not cordoned nor leaving (its agent stopping), its agent new
+  enough to launch (protocol 1.2);
 * every label the deployment asks for, with that value;
 * a GPU replica: ``gpus`` GPUs of the asked model (a case-insensitive substring of
   the GPU's name: ``H100`` matches ``NVIDIA H100 80GB HBM3``), healthy, each with
@@ -89,6 +90,8 @@ class NodeInfo:
     memory_available: int | None = None
     launch_protocol: tuple[int, int] | None = None
     """The agent's wire protocol when it is too old to launch replicas (before 1.2), else ``None``."""
+    leaving: bool = False
+    """Its agent is stopping and drains it: no new replica, as a cordoned node."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -297,6 +300,9 @@ def place(need: Need, nodes: Sequence[NodeInfo], claims: Sequence[Claim]) -> Cho
             continue
         if node.cordoned:
             excluded.append(_Excluded(node, "cordoned", f"{node.name} is cordoned"))
+            continue
+        if node.leaving:
+            excluded.append(_Excluded(node, "leaving", f"{node.name} is leaving (its agent is stopping)"))
             continue
         if node.launch_protocol is not None:
             major, minor = node.launch_protocol

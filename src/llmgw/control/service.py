@@ -804,8 +804,8 @@ class AgentService(agent_pb2_grpc.AgentServiceServicer):
         self.stats.heartbeats += 1
         if hb.leaving != st.leaving:
             st.leaving = hb.leaving
-            log.info("node %s at %s %s", st.name, peer, "is leaving: its agent is stopping and asks for its "
-                     "replicas to be drained" if hb.leaving else "is no longer leaving")
+            # (debug: the controller says what the leave does, once, with the replicas it drains)
+            log.debug("node %s at %s %s", st.name, peer, "is leaving" if hb.leaving else "is no longer leaving")
             if self.controller is not None:
                 self.controller.wake()
         if hb.HasField("applied_generation") and runs_replicas(st.protocol):
