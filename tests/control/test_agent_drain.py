@@ -24,13 +24,12 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import orjson
 import pytest
-from cp_helpers import TOKEN, free_port
+from cp_helpers import TOKEN, control_plane, free_port, wait_for
 
 from llmgw.config import load
 from llmgw.runtime import GatewayRuntime, components_for
@@ -40,19 +39,6 @@ pytestmark = pytest.mark.timeout(120)
 
 TOKENS = 60
 TPS = 8.0  # (60 tokens: 7.5 s, longer than the stand-in engine's own 5 s grace when it is stopped)
-
-
-async def until(cond: Callable[[], Any], timeout: float, what: str, every: float = 0.05) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        v = cond()
-        if asyncio.iscoroutine(v):
-            v = await v
-        if v:
-            return v
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        await asyncio.sleep(every)
 
 
 class Agent:
@@ -66,7 +52,7 @@ class Agent:
             )
 
     async def exited(self, timeout: float) -> int:
-        await until(lambda: self.proc.poll() is not None, timeout, f"agent {self.name} to exit")
+        await wait_for(lambda: self.proc.poll() is not None, timeout, f"agent {self.name} to exit")
         return self.proc.returncode
 
     def kill(self) -> None:
@@ -91,30 +77,37 @@ async def request(port: int, method: str, path: str, body: Any = None) -> tuple[
     return int(head.split(b" ", 2)[1]), payload
 
 
-def chat(max_tokens: int, stream: bool) -> bytes:
-    return orjson.dumps({"model": "chat", "messages": [{"role": "user", "content": "hi"}],
-                         "max_tokens": max_tokens, "stream": stream})
-
-
-async def test_sigterm_drains_the_node_before_the_agent_stops(tmp_path: Path) -> None:
+def _cluster(tmp_path: Path, tps: float) -> tuple[dict[str, str], int, Any]:
+    """The agents' environment (the stand-in engines first, generating ``tps`` tokens a second), the
+    control port, and a gateway + control plane config on an SQLite database."""
     bin_dir = standins.install(tmp_path / "bin")
     env = {"PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}",
            "PYTHONPATH": os.pathsep.join(p for p in (str(standins.PYTHONPATH), os.environ.get("PYTHONPATH", "")) if p),
-           "LLMGW_STANDIN_TOKENS_PER_SECOND": str(TPS)}
+           "LLMGW_STANDIN_TOKENS_PER_SECOND": str(tps)}
     cp_port = free_port()
     cfg = load({
         "listen": "127.0.0.1:0", "admin": "127.0.0.1:0",
         "control": {"listen": f"127.0.0.1:{cp_port}", "join_token": TOKEN, "heartbeat_interval": "0.5s",
                     "heartbeat_grace": "3s", "database": f"sqlite:///{tmp_path}/cp.sqlite3"},
     })
+    return env, cp_port, cfg
+
+
+def chat(max_tokens: int, stream: bool) -> bytes:
+    return orjson.dumps({"model": "chat", "messages": [{"role": "user", "content": "hi"}],
+                         "max_tokens": max_tokens, "stream": stream})
+
+
+async def test_sigterm_drains_the_node_before_the_agent_stops(tmp_path: Path) -> None:
+    env, cp_port, cfg = _cluster(tmp_path, TPS)
     rt = GatewayRuntime(cfg, components=components_for(cfg))
     await rt.start()
     assert rt.admin_addr is not None and rt.listen_addr is not None
     admin, gw = rt.admin_addr[1], rt.listen_addr[1]
     agents = {n: Agent(tmp_path, n, cp_port, env) for n in ("node-a", "node-b")}
     try:
-        cp = rt.components[0]
-        await until(lambda: all(cp.nodes.get(n) is not None and cp.nodes.get(n).heartbeats > 0 for n in agents), 30,
+        cp = control_plane(rt)
+        await wait_for(lambda: all(cp.nodes.get(n) is not None and cp.nodes.get(n).heartbeats > 0 for n in agents), 30,
                     "both agents registered")
         status, body = await request(admin, "POST", "/admin/v1/deployments",
                                      {"name": "chat", "replicas": 1, "model": "stand-in/chat", "engine": "vllm",
@@ -124,7 +117,7 @@ async def test_sigterm_drains_the_node_before_the_agent_stops(tmp_path: Path) ->
         async def served() -> bool:
             return (await request(gw, "POST", "/v1/chat/completions", orjson.loads(chat(2, False))))[0] == 200
 
-        await until(served, 60, "the replica's first answer", every=0.2)
+        await wait_for(served, 60, "the replica's first answer")
         status, body = await request(admin, "GET", "/admin/v1/deployments/chat")
         first = orjson.loads(body)
         nodes = {r["node"] for r in first["replicas"]}
@@ -147,7 +140,7 @@ async def test_sigterm_drains_the_node_before_the_agent_stops(tmp_path: Path) ->
             status, raw = await request(admin, "GET", f"/admin/v1/nodes/{home}")
             return status == 200 and orjson.loads(raw).get("leaving") is True
 
-        await until(leaving, 5, f"{home} leaving")
+        await wait_for(leaving, 5, f"{home} leaving")
         rest = await asyncio.wait_for(r.read(), 30)
         w.close()
         text = (got + rest).decode()
@@ -161,7 +154,7 @@ async def test_sigterm_drains_the_node_before_the_agent_stops(tmp_path: Path) ->
             reps = orjson.loads(raw)["replicas"] if status == 200 else []
             return any(x["node"] == other and x.get("state") == "ready" for x in reps) and await served()
 
-        await until(moved, 60, f"the replica placed again on {other} and serving", every=0.2)
+        await wait_for(moved, 60, f"the replica placed again on {other} and serving")
 
         assert await agents[home].exited(30) == 0
         took = time.monotonic() - t_term
@@ -169,7 +162,7 @@ async def test_sigterm_drains_the_node_before_the_agent_stops(tmp_path: Path) ->
         log = agents[home].text()
         assert "draining 1 replica(s) off this node first" in log and "drained: no replica runs" in log, log[-2000:]
         assert "deregistered" in log, log[-2000:]
-        await until(lambda: cp.nodes.get(home) is None, 10, f"{home} deregistered")
+        await wait_for(lambda: cp.nodes.get(home) is None, 10, f"{home} deregistered")
 
         # the other node: a second SIGTERM while draining stops the engine at once (its stream is cut)
         r, w = await asyncio.open_connection("127.0.0.1", gw)
@@ -179,15 +172,15 @@ async def test_sigterm_drains_the_node_before_the_agent_stops(tmp_path: Path) ->
         assert head.startswith(b"HTTP/1.1 200"), head
         await asyncio.wait_for(r.read(1), 15)
         agents[other].proc.send_signal(signal.SIGTERM)
-        await until(lambda: "draining 1 replica(s)" in agents[other].text(), 10, f"{other} draining")
+        await wait_for(lambda: "draining 1 replica(s)" in agents[other].text(), 10, f"{other} draining")
         t_again = time.monotonic()
         agents[other].proc.send_signal(signal.SIGTERM)
         assert await agents[other].exited(20) == 0
         assert time.monotonic() - t_again < 10
         assert "stopped again while draining" in agents[other].text(), agents[other].text()[-2000:]
-        rest = (await asyncio.wait_for(r.read(), 30)).decode()
+        cut = (await asyncio.wait_for(r.read(), 30)).decode()
         w.close()
-        assert rest.count('"content":') < TOKENS, "the stream was cut, not drained"
+        assert cut.count('"content":') < TOKENS, "the stream was cut, not drained"
     finally:
         for a in agents.values():
             a.kill()
@@ -202,21 +195,13 @@ async def test_a_drain_goes_on_across_a_control_plane_restart(tmp_path: Path) ->
     drain up at the first refused beat; it calls again until the control plane is back (within its
     drain_timeout), which then drains the node: the replica is placed on the other node, and the agent
     exits 0 once its engine is stopped, saying it drained."""
-    bin_dir = standins.install(tmp_path / "bin")
-    env = {"PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}",
-           "PYTHONPATH": os.pathsep.join(p for p in (str(standins.PYTHONPATH), os.environ.get("PYTHONPATH", "")) if p)}
-    cp_port = free_port()
-    cfg = load({
-        "listen": "127.0.0.1:0", "admin": "127.0.0.1:0",
-        "control": {"listen": f"127.0.0.1:{cp_port}", "join_token": TOKEN, "heartbeat_interval": "0.5s",
-                    "heartbeat_grace": "3s", "database": f"sqlite:///{tmp_path}/cp.sqlite3"},
-    })
+    env, cp_port, cfg = _cluster(tmp_path, 500.0)
     rt = GatewayRuntime(cfg, components=components_for(cfg))
     await rt.start()
     agents = {n: Agent(tmp_path, n, cp_port, env) for n in ("node-a", "node-b")}
     try:
-        cp = rt.components[0]
-        await until(lambda: all(cp.nodes.get(n) is not None and cp.nodes.get(n).heartbeats > 0 for n in agents), 30,
+        cp = control_plane(rt)
+        await wait_for(lambda: all(cp.nodes.get(n) is not None and cp.nodes.get(n).heartbeats > 0 for n in agents), 30,
                     "both agents registered")
         assert rt.admin_addr is not None
         status, body = await request(rt.admin_addr[1], "POST", "/admin/v1/deployments",
@@ -224,22 +209,22 @@ async def test_a_drain_goes_on_across_a_control_plane_restart(tmp_path: Path) ->
                                       "gpu_memory": "1GiB"})
         assert status in (200, 201), body
         ctl_ = cp.deployments
-        await until(lambda: ctl_.view("chat")["ready"] == 1, 60, "the replica ready")
+        await wait_for(lambda: ctl_.view("chat")["ready"] == 1, 60, "the replica ready")
         (home,) = ctl_.view("chat")["nodes"]
         other = "node-b" if home == "node-a" else "node-a"
         await rt.stop()  # the control plane away...
         agents[home].proc.send_signal(signal.SIGTERM)  # ...when its agent is stopped
-        await until(lambda: "draining 1 replica(s)" in agents[home].text(), 10, f"{home} draining")
+        await wait_for(lambda: "draining 1 replica(s)" in agents[home].text(), 10, f"{home} draining")
         await asyncio.sleep(1.0)
         assert agents[home].proc.poll() is None, agents[home].text()[-2000:]  # (not given up)
         rt = GatewayRuntime(cfg, components=components_for(cfg))  # ...and back
         await rt.start()
-        cp = rt.components[0]
+        cp = control_plane(rt)
         ctl_ = cp.deployments
         assert await agents[home].exited(30) == 0
         log = agents[home].text()
         assert "drained: no replica runs" in log and "deregistered" in log, log[-2000:]
-        await until(lambda: ctl_.view("chat")["ready"] == 1 and ctl_.view("chat")["nodes"] == [other], 60,
+        await wait_for(lambda: ctl_.view("chat")["ready"] == 1 and ctl_.view("chat")["nodes"] == [other], 60,
                     f"the replica placed again on {other} and ready")
     finally:
         for a in agents.values():

@@ -249,6 +249,11 @@ async def test_unplaceable_deployments_explain_and_ctl_commands(tmp_path: Path) 
         assert res.exit_code == 0, res.output
         assert "big: deployed: 0 of 1 replica(s) placed" in res.output
         assert "needs 4 GPUs with 40.0 GiB free each; the largest free set is 2 on gpu-node-3" in res.output
+        # a client is told the kind of reason (the nodes and GPUs are the operator's, in ctl deployments)
+        status, body = await chat(rt, "big")
+        assert status == 503 and body["error"]["code"] == "model_unavailable", body
+        assert "no replica of its deployment can be placed now" in body["error"]["message"], body
+        assert "gpu-node-3" not in body["error"]["message"]
         res = await invoke("--admin", url, "deploy", "cpu", "--model", "/models/tiny.gguf", "--engine", "llamacpp",
                            "--replicas", "2", "--label", "pool=cpu")
         assert res.exit_code == 0, res.output
@@ -287,6 +292,8 @@ async def test_unplaceable_deployments_explain_and_ctl_commands(tmp_path: Path) 
         assert "API KEY" in res.output and key in res.output
         res = await invoke("--admin", url, "scale", "big", "0")
         assert res.exit_code == 0 and "big: scaled to 0: 0 of 0 replica(s) placed" in res.output
+        status, body = await chat(rt, "big")
+        assert status == 503 and "its deployment is scaled to 0" in body["error"]["message"], body
         res = await invoke("--admin", url, "scale", "nope", "1")
         assert res.exit_code == 1 and "no deployment 'nope'" in res.output
         res = await invoke("--admin", url, "undeploy", "fits")

@@ -1983,7 +1983,8 @@ class Gateway(App):
             if real in held:
                 # (the cold path: a deployed model with no replica now, scaled to 0 or still starting;
                 # or a follower before its first table, whose container holds every name and says why)
-                why = getattr(held, "reason", None)
+                reasons = getattr(held, "reasons", None)
+                why = (reasons.get(real) if reasons else None) or getattr(held, "reason", None)
                 raise ModelUnavailableError(
                     f"the model `{model[:200]}` is unavailable: "
                     + (why or "its deployment has no ready replica (scaled to 0, or its replicas are starting)"),

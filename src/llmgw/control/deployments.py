@@ -58,6 +58,7 @@ from ..agent.wire import pb, runs_replicas, spec_from_proto, spec_to_proto
 from ..config import DeploymentConfig, EndpointConfig, load
 from ..engines import get as get_engine
 from ..errors import ConfigError
+from ..fleet.held import HeldModels
 from ..launch.spec import (
     FAILED,
     FETCHING,
@@ -94,6 +95,9 @@ RESOLVE_AGAIN_S = 10.0
 """A model the mirror lacked is looked up again after this long (before placing another replica)."""
 NODE_LOST_S = 120.0
 """A node absent from the node map this long loses its replicas (they are placed elsewhere)."""
+NO_READY_REPLICA = "its deployment has no ready replica (scaled to 0, or its replicas are starting)"
+"""The 503's reason for a deployed model with no replica, when :meth:`DeploymentController._held_reason` has
+no better one."""
 
 
 class DeploymentError(ValueError):
@@ -313,7 +317,7 @@ class DeploymentController:
         """Nodes whose desired set gained a committed replica, told in :meth:`_tell` (soon)."""
         self._applied: tuple[DeploymentConfig, ...] | None = None
         self._missing_since: dict[str, float] = {}
-        self._held: tuple[frozenset[str], frozenset[str]] | None = None
+        self._held: tuple[frozenset[str], frozenset[str], tuple[tuple[str, str], ...]] | None = None
         self._shared_seen = 0  # (how many deployments there were when a served name shared was last said)
         self._pass_nodes: list[NodeInfo] | None = None
         self._claims: list[Claim] | None = None
@@ -896,14 +900,33 @@ class DeploymentController:
     def _hold(self) -> None:
         if self.router is None:
             return
-        held = frozenset(d.cfg.model_name for d in self.deployments.values())
+        names = frozenset(d.cfg.model_name for d in self.deployments.values())
         wanted = frozenset(d.cfg.model_name for d in self.deployments.values() if d.desired > 0)
-        if (held, wanted) != self._held:
-            self._held = (held, wanted)
-            self.router.hold(held, wanted)
-        if len(held) < len(self.deployments) and len(self.deployments) != self._shared_seen:
+        reasons = {d.cfg.model_name: why for d in self.deployments.values() if (why := self._held_reason(d))}
+        key = (names, wanted, tuple(sorted(reasons.items())))
+        if key != self._held:
+            self._held = key
+            self.router.hold(HeldModels(names, reason=NO_READY_REPLICA, reasons=reasons), wanted)
+        if len(names) < len(self.deployments) and len(self.deployments) != self._shared_seen:
             self._shared_seen = len(self.deployments)  # (said again when the deployments change in number)
             self._say_shared_names()
+
+    def _held_reason(self, dep: Deployment) -> str | None:
+        """What a client asking for ``dep``'s model while it has no ready replica is told (in the 503): the
+        kind of reason only (which nodes, what the engine printed are the operator's, in ``ctl
+        deployments``); ``None`` while a replica is ready (the router has it)."""
+        reps = self._of(dep.cfg.name)
+        if any(self.ready_now(r) for r in reps):
+            return None
+        if dep.desired == 0:
+            return "its deployment is scaled to 0"
+        live = [r for r in reps if r.draining_since is None]
+        if any(_restarting(r) for r in live):
+            return "its replicas are restarting after a crash"
+        if dep.message is not None and not live:
+            return ("no replica of its deployment can be placed now (llmgw ctl deployments says why)"
+                    if dep.failures == 0 else "its replicas failed; new ones are placed after a backoff")
+        return "its deployment's replicas are starting"
 
     def _say_shared_names(self) -> None:
         """Deployments serving one model name are one pool to the router: said, as it may be a mistake."""

@@ -8,20 +8,24 @@ replica table (every name: any model may be one of theirs), a standby (the deplo
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 __all__ = ["HeldModels"]
 
 
 class HeldModels(frozenset[str]):
-    """Names held, and why (``reason``, said in the 503); ``every``: every name is held."""
+    """Names held, and why (``reason``, said in the 503; ``reasons``: a name's own, over it); ``every``:
+    every name is held."""
 
     reason: str
+    reasons: Mapping[str, str]
     every: bool
 
-    def __new__(cls, names: Iterable[str] = (), *, reason: str, every: bool = False) -> HeldModels:
+    def __new__(cls, names: Iterable[str] = (), *, reason: str, every: bool = False,
+                reasons: Mapping[str, str] | None = None) -> HeldModels:
         held = super().__new__(cls, names)
         held.reason = reason
+        held.reasons = reasons or {}
         held.every = every
         return held
 
