@@ -43,7 +43,7 @@ from .engines.errors import normalize_error
 from .errors import ConfigError
 from .fleet.held import HeldModels
 from .fleet.poller import Poller
-from .fleet.registry import Registry, unusable_reason
+from .fleet.registry import Registry
 from .gateway.proxy import Gateway
 from .http.server import HTTPServer, ServerLimits
 from .log import server_logger as log
@@ -440,7 +440,7 @@ class GatewayRuntime:
             names.update(dict.fromkeys(sorted(c.models())))  # type: ignore[attr-defined]
         for m in names:
             eps = reg.candidates(m)
-            reasons = {ep.id: unusable_reason(ep, now) for ep in eps}
+            reasons = {ep.id: ep.unusable_reason(now) for ep in eps}
             if not any(r is None for r in reasons.values()):
                 missing.append(m)
                 why[m] = {i: r for i, r in reasons.items() if r is not None}

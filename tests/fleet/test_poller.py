@@ -13,7 +13,7 @@ from canary import secret
 from llmgw.admin.manage import endpoint_state
 from llmgw.config import load
 from llmgw.fleet.poller import Poller
-from llmgw.fleet.registry import EngineUnavailable, Registry, unusable_reason
+from llmgw.fleet.registry import EngineUnavailable, Registry
 from llmgw.http.server import HTTPServer
 
 VLLM_PAGE = b"""# HELP vllm:num_requests_running Number of requests in model execution batches.
@@ -205,7 +205,7 @@ async def test_a_loading_llama_server_takes_nothing_until_its_scrape_succeeds(
         await _until(lambda: srv.hits >= hits + 5)  # (it says so for good: still out, logged once)
         now = time.monotonic()
         assert ep.down and not ep.unreachable and not ep.usable
-        assert unusable_reason(ep, now) == "loading" and endpoint_state(ep) == "loading"
+        assert ep.unusable_reason(now) == "loading" and endpoint_state(ep) == "loading"
         assert isinstance(ep.scrape_problem, EngineUnavailable) and "Loading model" in ep.scrape_problem
         assert pool.pick(now, 0.3) is None
         why = pool.unavailable(now)  # every replica loading: the pool is down (503 model_unavailable)
@@ -217,7 +217,7 @@ async def test_a_loading_llama_server_takes_nothing_until_its_scrape_succeeds(
         srv.status = 200
         await _until(lambda: ep.usable)
         assert ep.fresh() == (5.0, 2.0, None) and ep.scrape_problem is None
-        assert unusable_reason(ep, time.monotonic()) is None and endpoint_state(ep) == "ok"
+        assert ep.unusable_reason(time.monotonic()) is None and endpoint_state(ep) == "ok"
         assert pool.pick(time.monotonic(), 0.3) is ep
         msgs = [r.getMessage() for r in caplog.records if r.levelno >= logging.INFO]
         assert len(msgs) == 2 and "ready" in msgs[1] and "was loading" in msgs[1], msgs
@@ -242,7 +242,7 @@ async def test_a_503_that_is_not_loading_is_unavailable_and_warns_once(caplog: p
         hits = srv.hits
         await _until(lambda: srv.hits >= hits + 5)
         assert endpoint_state(ep) == "unavailable"
-        assert unusable_reason(ep, time.monotonic()) == "unavailable"
+        assert ep.unusable_reason(time.monotonic()) == "unavailable"
         warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
         assert len(warnings) == 1 and "HTTP 503" in warnings[0] and "Service Unavailable" in warnings[0], warnings
         srv.status = 200

@@ -51,7 +51,7 @@ import orjson
 
 from ..config import EndpointConfig, load
 from ..errors import BadRequestError, ConfigError, HTTPError, NotFoundError
-from ..fleet.registry import EngineUnavailable, unusable_reason
+from ..fleet.registry import EngineUnavailable
 from ..http.parser import Request
 from ..http.server import ResponseWriter
 from ..log import admin_logger as log
@@ -206,7 +206,7 @@ def endpoint_view(ep: Endpoint, now: float | None = None) -> dict[str, Any]:
         "usable": getattr(ep, "usable", None),
         # why not (replica_py.UNUSABLE_REASONS: draining, unreachable, stale,
         # breaker_open, breaker_probing; and the poller's loading, unavailable), null when usable
-        "unusable_reason": unusable_reason(ep, now),
+        "unusable_reason": ep.unusable_reason(now),
         "down": getattr(ep, "down", None),
         "score_inputs": score_inputs(ep),
         "stale": ep.stale,

@@ -95,9 +95,6 @@ RESOLVE_AGAIN_S = 10.0
 """A model the mirror lacked is looked up again after this long (before placing another replica)."""
 NODE_LOST_S = 120.0
 """A node absent from the node map this long loses its replicas (they are placed elsewhere)."""
-NO_READY_REPLICA = "its deployment has no ready replica (scaled to 0, or its replicas are starting)"
-"""The 503's reason for a deployed model with no replica, when :meth:`DeploymentController._held_reason` has
-no better one."""
 
 
 class DeploymentError(ValueError):
@@ -906,7 +903,7 @@ class DeploymentController:
         key = (names, wanted, tuple(sorted(reasons.items())))
         if key != self._held:
             self._held = key
-            self.router.hold(HeldModels(names, reason=NO_READY_REPLICA, reasons=reasons), wanted)
+            self.router.hold(HeldModels(names, reasons=reasons), wanted)
         if len(names) < len(self.deployments) and len(self.deployments) != self._shared_seen:
             self._shared_seen = len(self.deployments)  # (said again when the deployments change in number)
             self._say_shared_names()

@@ -14,14 +14,14 @@ __all__ = ["HeldModels"]
 
 
 class HeldModels(frozenset[str]):
-    """Names held, and why (``reason``, said in the 503; ``reasons``: a name's own, over it); ``every``:
-    every name is held."""
+    """Names held, and why (``reason``, said in the 503; ``reasons``: a name's own, over it; neither: the
+    data path's own words for a deployed model with no replica); ``every``: every name is held."""
 
     reason: str
     reasons: Mapping[str, str]
     every: bool
 
-    def __new__(cls, names: Iterable[str] = (), *, reason: str, every: bool = False,
+    def __new__(cls, names: Iterable[str] = (), *, reason: str = "", every: bool = False,
                 reasons: Mapping[str, str] | None = None) -> HeldModels:
         held = super().__new__(cls, names)
         held.reason = reason

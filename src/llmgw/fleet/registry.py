@@ -28,11 +28,12 @@ else:
     Endpoint = _impl.Endpoint
     ModelPool = _impl.ModelPool
 
-__all__ = ["ENGINE_UNAVAILABLE_STATES", "Endpoint", "EngineUnavailable", "ModelPool", "Registry", "unusable_reason"]
+__all__ = ["ENGINE_UNAVAILABLE_STATES", "Endpoint", "EngineUnavailable", "ModelPool", "Registry"]
 
 ENGINE_UNAVAILABLE_STATES = ("loading", "unavailable")
-"""What :func:`unusable_reason` says of a replica whose engine answered its scrape 503, beside
-``Endpoint.unusable_reason``'s words: ``loading`` (llama-server loading its model), ``unavailable``."""
+"""What ``Endpoint.unusable_reason`` says of a replica held down while its engine answers its scrape 503
+(read from its :class:`EngineUnavailable` scrape problem): ``loading`` (llama-server loading its model),
+``unavailable``."""
 
 
 class EngineUnavailable(str):
@@ -51,13 +52,6 @@ class EngineUnavailable(str):
         self = super().__new__(cls, text)
         self.state = state
         return self
-
-
-def unusable_reason(ep: Endpoint, now: float) -> str | None:
-    """``ep.unusable_reason(now)``: why no new request may go to it (``None``: usable); ``loading`` or
-    ``unavailable`` for a replica held down while its engine answers its scrape 503 (read from its
-    :class:`EngineUnavailable` scrape problem; the 503 a client gets says the same)."""
-    return ep.unusable_reason(now)
 
 
 class Registry:

@@ -388,6 +388,18 @@ def _file_too_large(root: Path, label: str, size: int) -> str:
     return f"cannot store {label} ({_human(size)}) in {root}: {why}; nothing was recorded. {fix}"
 
 
+
+def _locked_elsewhere(fd: int, mode: int) -> bool:
+    """Whether another process holds a lock on ``fd``'s file that ``mode`` (``LOCK_SH``/``LOCK_EX``)
+    conflicts with; ``fd`` is closed (which releases the lock, if it was taken)."""
+    try:
+        fcntl.flock(fd, mode | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+    return False
+
 class MirrorStore:
     """A mirror root: blobs by SHA-256 and the catalogue of models.
 
@@ -517,15 +529,7 @@ class MirrorStore:
     def _held_by_another(self) -> bool:
         """Whether an import or a fetch holds the mirror now (so ``gc`` would refuse)."""
         fd = self._open_lock(required=False)
-        if fd is None:
-            return False
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return True
-        finally:
-            os.close(fd)  # (closing releases the lock, if it was taken)
-        return False
+        return fd is not None and _locked_elsewhere(fd, fcntl.LOCK_EX)
 
     @contextmanager
     def _exclusive(self) -> Iterator[None]:
@@ -581,13 +585,7 @@ class MirrorStore:
             fd = os.open(path, os.O_RDONLY | _O_CLOEXEC | _O_NOFOLLOW | getattr(os, "O_NONBLOCK", 0))
         except OSError:
             return False
-        try:
-            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return True
-        finally:
-            os.close(fd)
-        return False
+        return _locked_elsewhere(fd, fcntl.LOCK_SH)
 
     # -- adding blobs ---------------------------------------------------------
 
