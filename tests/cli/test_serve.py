@@ -162,13 +162,21 @@ def _serve_fails(tmp_path: Path, cfg: Path, **env: str) -> str:
     return res.stderr.strip().splitlines()[-1]
 
 
-def test_a_database_that_cannot_be_reached_is_one_line_naming_the_fix(tmp_path: Path) -> None:
+@pytest.mark.parametrize("wait", ["0s", "1500ms"])
+def test_a_database_that_cannot_be_reached_is_one_line_naming_the_fix(tmp_path: Path, wait: str) -> None:
     closed = _free_port()
-    cfg = _serve_config(tmp_path, "  database_env: QA_DB\n")
+    cfg = _serve_config(tmp_path, f"  database_env: QA_DB\n  database_wait: {wait}\n")
+    t0 = time.monotonic()
     last = _serve_fails(tmp_path, cfg, QA_DB=f"postgresql://llmgw:pw-Secret-77@127.0.0.1:{closed}/llmgw")
+    took = time.monotonic() - t0
     assert last.startswith(f"llmgw: error: control.database: postgresql://llmgw:***@127.0.0.1:{closed}"
                            "/llmgw: ConnectionRefusedError"), last
-    assert last.endswith("(is PostgreSQL running and listening at that host and port?)"), last
+    fix = "(is PostgreSQL running and listening at that host and port?)"
+    if wait == "0s":
+        assert last.endswith(fix), last
+    else:  # tried again for database_wait, then the same line, saying so
+        assert last.endswith(f"{fix}; gave up after 1.5s (control.database_wait)"), last
+        assert took >= 1.0, took
     assert "--listen" not in last and "Secret-77" not in last
 
 

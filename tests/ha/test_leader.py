@@ -299,3 +299,82 @@ async def test_a_database_that_does_not_answer_is_named_to_api_clients(pg_dsn: s
         if lead is not None:
             await lead.stop(release=False)
         await db.close()
+
+
+async def test_a_campaign_won_too_late_to_act_is_taken_again_at_once_not_for_a_twin(
+    pg_dsn: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A campaign that wins the lease but returns past its own deadline (the database slow to answer: here
+    the lease row is locked by another session while this process's clock runs past the deadline) acts in
+    no term. The next campaign finds the lease in its own name with a term it won (too late): it takes it
+    again at once, in a new epoch. It used to take that term for another process's under the same name
+    (a "twin"), log an error naming control.advertise and stay a standby for a whole lease: no leader."""
+    import asyncpg
+
+    lease = 3.0
+
+    class Stepped:
+        offset = 0.0
+
+        def __call__(self) -> float:
+            import time
+
+            return time.monotonic() + self.offset
+
+    clock = Stepped()
+    db = open_database(pg_dsn)
+    await db.open()
+    locker = await asyncpg.connect(pg_dsn)
+    try:
+        await db.migrate()
+        a = Leadership(db, holder="a", lease=lease, grpc_address="a:1", admin_address="http://a:2", clock=clock)
+        await a._attempt()
+        assert a.acting() and a.epoch == 1
+        a._step_down("the test: its deadline passed")
+        # the next campaign waits on the lease row (locked by another session) while its clock runs past the
+        # deadline: it wins epoch 2 in the database, too late to act in it
+        tx = locker.transaction()
+        await tx.start()
+        await locker.execute("SELECT 1 FROM llmgw_lease FOR UPDATE")
+        campaign = asyncio.ensure_future(a._attempt())
+        await asyncio.sleep(0.2)
+        clock.offset += lease
+        await tx.rollback()
+        await asyncio.wait_for(campaign, 5.0)
+        assert a.epoch is None and not a.acting()
+        assert await locker.fetchval("SELECT epoch FROM llmgw_lease WHERE holder = 'a'") == 2
+        # the lease is still this process's (epoch 2, not run out): taken again at once, no "twin"
+        caplog.clear()
+        await a._attempt()
+        assert a.acting() and a.epoch == 3, (a.epoch, caplog.text)
+        assert "another control plane campaigns as" not in caplog.text
+        await a.stop()
+    finally:
+        await locker.close()
+        await db.close()
+
+
+async def test_the_lease_is_renewed_while_a_new_term_loads_its_state(pg_dsn: str) -> None:
+    """A new leader loads its state (cordons, nodes, deployments, replicas) before it acts; with a large
+    fleet on a short lease that takes longer than the renew deadline. The lease is renewed meanwhile, and
+    the first renew after it is due a period after the last one was sent: the term goes on, in the same
+    epoch. It used to end by its own deadline as soon as it had loaded (no renew while loading, the next
+    a whole period after), and the next term loaded everything again."""
+    db = open_database(pg_dsn)
+    await db.open()
+    try:
+        await db.migrate()
+        loads: list[int] = []
+
+        async def load(epoch: int) -> None:
+            loads.append(epoch)
+            await asyncio.sleep(1.5 * LEASE)  # (past the renew deadline: 2/3 of the lease)
+
+        a = Leadership(db, holder="a", lease=LEASE, grpc_address="a:1", admin_address="http://a:2", on_elected=load)
+        a.start()
+        await wait_for(lambda: len(loads) == 1, what="a elected")
+        await asyncio.sleep(4 * LEASE)  # loading, then leading
+        assert a.acting() and a.epoch == loads[0] and a.stepped_down == 0 and a.terms == 1, (a.epoch, loads)
+        await a.stop()
+    finally:
+        await db.close()

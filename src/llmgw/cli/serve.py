@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import gc
 import os
@@ -167,8 +168,21 @@ async def _serve(cfg: Config, demo: bool) -> int:
             cfg = dataclasses.replace(cfg, endpoints=tuple(endpoints), models=models)
             cfg = _demo_control(cfg)
         runtime = GatewayRuntime(cfg, components=components_for(cfg))
+        starting = asyncio.ensure_future(runtime.start())
+        stopping = asyncio.ensure_future(stop.wait())
         try:
-            await runtime.start()
+            # (a start can wait: control.database_wait for a PostgreSQL not up yet; a stop meanwhile ends it)
+            await asyncio.wait((starting, stopping), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stopping.cancel()
+        if not starting.done():
+            starting.cancel()
+            with contextlib.suppress(asyncio.CancelledError, ConfigError, StartupError, OSError):
+                await starting
+            echo_err("llmgw: stopped before the start finished")
+            return 0
+        try:
+            starting.result()
         except (ConfigError, StartupError) as exc:
             raise Fail(str(exc)) from None
         except OSError as exc:

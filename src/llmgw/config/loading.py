@@ -226,7 +226,7 @@ def _control(problems: _Problems, c: Any, raw: Any) -> ControlConfig | None:
     routers = tuple(e.value for e in c.router_token_env) if c.router_token_env else (c.router_token or ())
     return ControlConfig(
         listen=c.listen, join_tokens=tokens, router_tokens=routers, heartbeat_interval=c.heartbeat_interval,
-        heartbeat_grace=grace, database=database, lease=c.lease, advertise=c.advertise,
+        heartbeat_grace=grace, database=database, database_wait=c.database_wait, lease=c.lease, advertise=c.advertise,
         state_file=c.state_file, tls_cert=c.tls_cert, tls_key=c.tls_key, tls_client_ca=c.tls_client_ca,
         allow_insecure=c.allow_insecure, grpc_server=c.grpc_server,
     )

@@ -351,6 +351,7 @@ class ControlConfig:
     heartbeat_interval: float = 5.0
     heartbeat_grace: float = 15.0
     database: str | None = field(default=None, repr=False)
+    database_wait: float = 60.0
     lease: float = 15.0
     advertise: str | None = None
     state_file: str | None = None
@@ -611,6 +612,9 @@ class _ControlIn(_In):
     an SQLite file (deployments.sqlite3 beside state_file, else ~/.local/state/llmgw/control.sqlite3)."""
     database_env: Annotated[_EnvValue, _env("database")] | None = None
     """The environment variable holding control.database (it may carry a password)."""
+    database_wait: Annotated[float, _duration(0.0, 86400.0)] = _default(ControlConfig, "database_wait")
+    """At start, how long to keep trying a PostgreSQL that cannot be reached yet (refused, timed out, starting up)
+    before giving up; 0: at once. One that refuses (a password, no such database) stops the start at once."""
     lease: Annotated[float, _duration(0.3)] = _default(ControlConfig, "lease")
     """The leader's lease; a standby takes over this long after the leader stops renewing."""
     advertise: Annotated[str, _TEXT] | None = _default(ControlConfig, "advertise")

@@ -66,6 +66,7 @@ __all__ = [
     "token_digests",
     "tokens_differ",
     "unfenced",
+    "unreachable",
 ]
 
 ADVISORY_MIGRATE = 0x6C6C6D67_00000001
@@ -400,6 +401,29 @@ _FIXES = {
     "ValueError": "check the URL: a password with special characters must be percent-encoded (%40 for '@')",
     "TimeoutError": "is the host reachable, and PostgreSQL listening there?",
 }
+
+
+# SQLSTATEs that say "not now" rather than "no": the server is starting, shutting down or full
+# (class 08 is every connection exception)
+_NOT_NOW_STATES = frozenset({"57P01", "57P02", "57P03", "53300", "53400"})
+
+
+def unreachable(exc: DatabaseError) -> bool:
+    """Whether ``exc`` says the database cannot be reached *yet* (refused, timed out, starting up, full),
+    which waiting may cure, rather than that it refuses (a password, a database that does not exist,
+    a privilege, a URL, a schema), which it never will."""
+    cause = exc.__cause__
+    if cause is None:
+        return "no answer within" in str(exc)
+    if isinstance(cause, (asyncio.TimeoutError, TimeoutError)):
+        return True
+    state = getattr(cause, "sqlstate", None)
+    if isinstance(state, str):
+        return state.startswith("08") or state in _NOT_NOW_STATES
+    names = {cls.__name__ for cls in type(cause).__mro__}
+    if names & {"ConnectionDoesNotExistError", "InterfaceError"}:
+        return "closed" in str(cause) or "does not exist" in str(cause)
+    return isinstance(cause, OSError) and not isinstance(cause, PermissionError)
 
 
 def _fix(exc: BaseException) -> str:

@@ -10,7 +10,9 @@ service on the control plane's gRPC listener, on its thread (:mod:`.thread`).
   to the control thread.
 * :class:`RouterService` writes the latest table to every open ``WatchReplicas``
   stream: the whole table first, then each new one. A router that reads slowly
-  skips versions (only the newest is kept per stream), never a queue that grows.
+  skips versions (only the newest is kept per stream), never a queue that grows. A
+  stream silent for :data:`KEEPALIVE_S` is written a message without a table (routers
+  of protocol 1.2), so a router can tell a paused control plane from one with nothing new.
 * A scale-down waits for the routers too: each reports (``ReportDraining``) what it
   still has in flight to the draining replicas, and :meth:`FollowHub.inflight` adds
   the fresh reports to the process's own count.
@@ -51,12 +53,20 @@ if TYPE_CHECKING:
     from .thread import ControlThread
 
 __all__ = [
-    "FOLLOW_PROTOCOL", "LEADER_METADATA", "REPORT_VALID_S", "FollowCollector", "FollowHub", "FollowStats",
-    "RouterService", "endpoint_to_proto",
+    "FOLLOW_PROTOCOL", "KEEPALIVE_METADATA", "KEEPALIVE_S", "LEADER_METADATA", "REPORT_VALID_S", "FollowCollector",
+    "FollowHub", "FollowStats", "RouterService", "endpoint_to_proto",
 ]
 
-FOLLOW_PROTOCOL: tuple[int, int] = (1, 1)
-"""llmgw.router.v1's protocol: another major is refused (FAILED_PRECONDITION). 1.1 added ShareRoutes."""
+FOLLOW_PROTOCOL: tuple[int, int] = (1, 2)
+"""llmgw.router.v1's protocol: another major is refused (FAILED_PRECONDITION). 1.1 added ShareRoutes; 1.2
+keepalives on WatchReplicas (:data:`KEEPALIVE_S`)."""
+KEEPALIVE_S = 3.0
+"""A router of protocol 1.2 or later is written a ``WatchReplicasResponse`` without a table when its stream
+has been silent this long (the interval announced in :data:`KEEPALIVE_METADATA`), so that it can tell a
+live control plane with nothing new from one that is paused or cut off without a reset: those keep their
+TCP connection and end no stream (routers stayed on a frozen leader's table until it resumed). An older
+router is written none: it would take the empty message for an empty table."""
+KEEPALIVE_METADATA = "llmgw-follow-keepalive-ms"
 SHARE_QUEUE = 32
 """Route messages a ShareRoutes stream may hold unwritten (about 3 s of flushes); more are dropped."""
 MAX_MODELS = 256
@@ -462,7 +472,10 @@ class RouterService(router_pb2_grpc.RouterServiceServicer):
         self._tasks.add(task)
         self.stats.followers += 1
         log.info("router %s at %s follows (llmgw %s)", name, watch.peer, request.router_version or "?")
+        keepalive = (major, request.protocol.minor) >= (1, 2)
         try:
+            if keepalive:
+                await context.send_initial_metadata(((KEEPALIVE_METADATA, str(int(KEEPALIVE_S * 1000))),))
             sent = -1
             while True:
                 msg = self.latest
@@ -473,8 +486,15 @@ class RouterService(router_pb2_grpc.RouterServiceServicer):
                     self.stats.tables_sent += 1
                     continue
                 watch.wake.clear()
-                if self.latest is msg:
+                if self.latest is not msg:
+                    continue
+                if not keepalive:
                     await watch.wake.wait()
+                    continue
+                try:
+                    await asyncio.wait_for(watch.wake.wait(), KEEPALIVE_S)
+                except asyncio.TimeoutError:
+                    await context.write(rpb.WatchReplicasResponse())  # (no table: "still here")
         finally:
             self._watches.discard(watch)
             self._tasks.discard(task)

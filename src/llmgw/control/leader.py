@@ -224,9 +224,12 @@ class Leadership:
                 await self._attempt()
             now = True
             if self.epoch is not None:
-                delay = self.renew_every
+                # a period after the last renew that succeeded was *sent* (the deadline counts from then),
+                # not a period after this attempt returned: a term's first attempt returns only once its
+                # state is loaded, and a renew a whole period after that missed the deadline
+                delay = self._renew_due()
                 if self._last_error is not None:
-                    delay /= 3  # a failed renew: try again sooner, while the deadline still allows
+                    delay = self.renew_every / 3  # a failed renew: try again sooner, while the deadline still allows
             else:
                 delay = self.renew_every * self.rng.uniform(0.5, 1.0)
                 left = self._until_expiry
@@ -275,15 +278,25 @@ class Leadership:
                 "acquired_at = {now}, renewed_at = {now}, expires_at = {now} + $6 WHERE name = $1"),
                 self.name, self.holder, won, self.grpc_address, self.admin_address, self.lease)
         self.deadline = sent + self.renew_deadline
+        # (its own term even when too late to act in it: the next campaign, finding it, takes the lease
+        # again at once rather than taking it for a twin's and waiting a whole lease with no leader)
+        self._last_won = won
         if self.clock() >= self.deadline:
-            return  # it took so long that the term would already be over: campaign again
-        self.epoch = self._last_won = won
+            log.warning("won the control-plane lease (epoch %d) too late to act in that term (the database took "
+                        "%.1fs to answer); campaigning again", won, self.clock() - sent)
+            return
+        self.epoch = won
         self._twin_said = False
         self.leader = LeaderInfo(self.holder, won, self.grpc_address, self.admin_address)
         self.terms += 1
         self._arm()
         log.info("this control plane leads now (epoch %d, lease %gs)", won, self.lease)
         if self.on_elected is not None:
+            # the lease is renewed while the term's state loads (a large fleet's deployments and replicas
+            # take longer than the renew deadline on a short lease: the term used to end by its own
+            # deadline as soon as it had loaded, and the next one loaded everything again)
+            loaded = asyncio.Event()
+            keeper = asyncio.create_task(self._renew_while(won, loaded), name="llmgw-leader-renew-while-loading")
             try:
                 await self.on_elected(won)
             except Exception:
@@ -291,6 +304,24 @@ class Leadership:
                 # lease still this process's, takes it again in a new epoch and retries)
                 self._step_down("loading its state failed")
                 raise
+            finally:
+                loaded.set()
+                if not keeper.done():
+                    await asyncio.wait({keeper})  # (a renew in flight finishes: within its timeout)
+
+    def _renew_due(self) -> float:
+        """Seconds until the next renew is due: a period after the last successful one was sent."""
+        return max(0.0, self.deadline - self.renew_deadline + self.renew_every - self.clock())
+
+    async def _renew_while(self, epoch: int, loaded: asyncio.Event) -> None:
+        """Renew term ``epoch`` on schedule until ``loaded`` is set (or the term ends)."""
+        while self.epoch == epoch and not loaded.is_set():
+            delay = self.renew_every / 3 if self._last_error is not None else self._renew_due()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(loaded.wait(), delay)
+            if loaded.is_set() or self.epoch != epoch:
+                return
+            await self._attempt()
 
     async def _lock_row(self, tx: Tx) -> tuple[Any, ...] | None:
         return await tx.fetchrow(self.db.sql(

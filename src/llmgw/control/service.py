@@ -68,6 +68,7 @@ if TYPE_CHECKING:
     from ..admin.app import AdminApp
     from ..config import Config, ControlConfig
     from ..launch.spec import ReplicaController
+    from .db import Database
     from .deployments import DeploymentController, Router
     from .resolve import Resolver
 
@@ -1097,6 +1098,8 @@ class ControlPlane:
         self._node_store: Any = None  # db.NodeStore
         self._node_records: dict[str, tuple[str, str | None, str | None, str]] = {}
         self._ready_epoch: int | None = None
+        self._waiting_for: str | None = None
+        """While a start waits for its database (``control.database_wait``): why, as the log says it."""
         self._in_router: frozenset[str] = frozenset()
         """Endpoints the last term's controller left in the router (the next one takes them over)."""
         self._stopping: list[asyncio.Future[None]] = []
@@ -1114,6 +1117,45 @@ class ControlPlane:
         if self._last is None:
             raise RuntimeError("the configuration has no control: section")
         return self._last
+
+    async def _open_database(self, db: Database, wait: float) -> list[int]:
+        """Open and migrate ``db``; the migrations applied. A shared database that cannot be reached
+        yet (a PostgreSQL starting beside this process, a network not up) is tried again, backing
+        off to 5 s, for up to ``wait`` seconds (``control.database_wait``); the first failure and
+        then one every 30 s are logged. One that refuses raises at once.
+
+        Raises:
+            DatabaseError: it refused, or could not be reached within ``wait``.
+        """
+        from .db import DatabaseError, unreachable
+        from .dburl import redact
+
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + wait
+        pause = 0.5
+        logged_at: float | None = None
+        while True:
+            try:
+                await db.open()
+                migrated = await db.migrate()
+            except DatabaseError as exc:
+                now = loop.time()
+                if not (db.shared and unreachable(exc)) or now + pause > deadline:
+                    if logged_at is not None:
+                        raise DatabaseError(f"{exc}; gave up after {wait:g}s (control.database_wait)") from exc
+                    raise
+                self._waiting_for = str(exc)
+                if logged_at is None or now - logged_at >= 30.0:
+                    log.warning("%s; trying again for up to %.0fs more (control.database_wait)", exc,
+                                deadline - now)
+                    logged_at = now
+                await db.close()
+                await asyncio.sleep(pause)
+                pause = min(pause * 2, 5.0)
+                continue
+            if logged_at is not None:
+                log.info("database %s reached", redact(db.url))
+            return migrated
 
     async def start(self) -> None:
         """Bind ``control.listen`` and serve.
@@ -1135,13 +1177,20 @@ class ControlPlane:
 
         url = c.database if c.database is not None else default_database(c.state_file).url
         self.db = db = open_database(url)  # (raises ConfigError on a bad URL before anything binds)
+        if self.admin is not None:
+            # (/ready is 503 from here on until this process leads: while it waits for its database, a
+            # deployed model is not even known to its data path)
+            self.admin.attach_role(self.role)
         try:
-            await db.open()
-            migrated = await db.migrate()
-        except DatabaseError as exc:
+            migrated = await self._open_database(db, c.database_wait)
+        except BaseException as exc:
             await db.close()
             self.db = None
-            raise StartupError(f"control.database: {exc}") from None
+            if isinstance(exc, DatabaseError):
+                raise StartupError(f"control.database: {exc}") from None
+            raise
+        finally:
+            self._waiting_for = None
         log.info("control-plane state in %s", redact(db.url))
         try:
             await self._load_api_tokens()
@@ -1684,7 +1733,12 @@ class ControlPlane:
         """``None`` on the leader; a standby's ``/ready`` body (503) naming the leader."""
         if self.leading():
             return None
+        if self._waiting_for is not None:  # (the database named, its password never: DatabaseError's text)
+            return {"ready": False, "reason": "waiting_for_database", "role": "starting",
+                    "database": self._waiting_for}
         lead = self.leadership
+        if lead is None:  # (the start goes on: the database opened, the election not begun)
+            return {"ready": False, "reason": "starting", "role": "starting"}
         li = lead.other_leader() if lead is not None else None
         body: dict[str, Any] = {"ready": False, "reason": "standby", "role": "standby"}
         if li is not None:

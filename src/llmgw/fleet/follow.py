@@ -11,8 +11,11 @@ reconnects catches up with one message.
 * **No control plane answers**: the router keeps routing on the last table it had
   (its replicas keep being scraped, their breakers work as ever); it retries every
   address, at once within a round and then with exponential backoff and full
-  jitter (:data:`BACKOFF_MAX_S` at most), and follows a standby's ``llmgw-leader``
-  hint to the leader at once.
+  jitter (:data:`BACKOFF_MAX_S` at most; a stream that brought a table starts the
+  next rounds from the shortest wait, however it ended), and follows a standby's
+  ``llmgw-leader`` hint to the leader at once. A control plane that announces
+  keepalives (protocol 1.2) and sends nothing for three of them is left as if its
+  stream had ended: one paused or cut off without a reset keeps its connection.
 * **Readiness**: before its first table a follower without static endpoints is not
   ready (``/ready`` 503, reason ``no_replica_table``): it knows no replica yet.
 * **Drains**: while it has requests in flight to replicas the table marks draining,
@@ -52,7 +55,7 @@ from .._proto.router.v1 import router_pb2 as rpb
 from .._proto.router.v1 import router_pb2_grpc
 from ..agent.wire import CLIENT_OPTIONS, TOKEN_METADATA
 from ..config import EndpointConfig
-from ..control.follow import FOLLOW_PROTOCOL, LEADER_METADATA
+from ..control.follow import FOLLOW_PROTOCOL, KEEPALIVE_METADATA, LEADER_METADATA
 from ..control.thread import ControlThread
 from ..engines import ENGINE_NAMES
 from ..log import server_logger as log
@@ -209,6 +212,23 @@ def _credentials(f: FollowConfig) -> grpc.ChannelCredentials | None:
     )
 
 
+class _Silent(Exception):
+    """The control plane announced keepalives and sent nothing for three of them (paused, or cut off)."""
+
+
+def _silence(md: Any) -> float | None:
+    """How long a silence ends the stream: three of the keepalives the control plane announced (``None``: it
+    announced none, an older one: wait as long as the stream lasts)."""
+    for key, value in md or ():
+        if key == KEEPALIVE_METADATA:
+            try:
+                ms = int(value)
+            except (TypeError, ValueError):
+                return None
+            return 3 * ms / 1000 if ms > 0 else None
+    return None
+
+
 def _leader_hint(exc: grpc.aio.AioRpcError) -> str | None:
     try:
         md = exc.trailing_metadata() or ()
@@ -356,11 +376,12 @@ class Follower:
         said: str | None = None
         while not stop.is_set():
             self.state.target = target
-            opened = False
+            connects = self.state.connects
+            refused = False
             err: str | None = None
             hint: str | None = None
             try:
-                opened = await self._watch(target)
+                await self._watch(target)
                 err = "the control plane ended the stream"
             except grpc.aio.AioRpcError as exc:
                 code = exc.code()
@@ -369,9 +390,11 @@ class Follower:
                 if code in _REFUSED:
                     self.state.refusals += 1
                     err = f"refused ({err}); retrying every {BACKOFF_MAX_S:g}s"
-                    delay = BACKOFF_MAX_S
+                    delay, refused = BACKOFF_MAX_S, True
             except asyncio.CancelledError:
                 raise
+            except _Silent as exc:
+                err = str(exc)
             except Exception as exc:  # a bad table, a closed channel: logged, and the link made again
                 log.exception("following %s failed", target)
                 err = f"{type(exc).__name__}: {exc}"
@@ -383,7 +406,11 @@ class Follower:
                         await ch.close()
             if stop.is_set():
                 break
-            if opened:  # it worked for a while: a new round, from the first wait
+            if self.state.connects != connects and not refused:
+                # it worked for a while (a table came), however the stream ended: a new round, from the
+                # first wait. (A leader that dies or steps down ends it with an error, not EOF: judged by
+                # a clean end alone, a router kept the longest wait of the rounds before it connected,
+                # and followed the next leader seconds late.)
                 delay, tried = BACKOFF_MIN_S, set()
             self.state.last_error = err
             if err != said:
@@ -425,11 +452,26 @@ class Follower:
         loop = self._loop
         assert loop is not None
         share: asyncio.Task[None] | None = None
+        silence: float | None = None
+        heard = False
         try:
             while True:
-                msg = await call.read()
+                if silence is None:
+                    msg = await call.read()
+                else:
+                    try:
+                        msg = await asyncio.wait_for(call.read(), silence)
+                    except asyncio.TimeoutError:
+                        call.cancel()
+                        raise _Silent(f"nothing from the control plane for {silence:g}s (paused, or cut off); "
+                                      "trying the others") from None
                 if msg is grpc.aio.EOF:
                     return got
+                if not heard:  # (its headers came with the first message: whether it sends keepalives)
+                    heard = True
+                    silence = _silence(await call.initial_metadata())
+                if not msg.HasField("table"):
+                    continue  # a keepalive (protocol 1.2): the control plane is there, nothing changed
                 if not got:
                     got = True
                     self.state.connected = True
