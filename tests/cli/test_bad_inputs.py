@@ -142,13 +142,20 @@ def test_the_agent_names_what_is_wrong_with_its_token_and_files(tmp_path: Path) 
     assert one_error(res).startswith(f"llmgw: error: state_dir: in --config FILE {blocked}/sub: cannot use it"), res
 
 
-def test_a_deployed_model_path_with_a_space_says_what_to_do(tmp_path: Path) -> None:
+def test_a_deployed_model_path_with_a_space_is_taken_and_a_stray_blank_is_not(tmp_path: Path) -> None:
+    # engines run from an argv, never a shell: a space inside a path is a path
     f = tmp_path / "c.yaml"
     f.write_text('control: {listen: "127.0.0.1:0", join_token: t}\n'
                  'deployments: [{name: d, model: "/m/my model.gguf", engine: llamacpp}]\n')
-    line = one_error(run("check-config", str(f)))
-    assert "deployments[0].model: invalid model '/m/my model.gguf': no whitespace" in line
-    assert "give it a path without, e.g. a symbolic link" in line
+    res = run("check-config", str(f))
+    assert res.returncode == 0, res.stderr
+    # a paste's stray blank at an end, or a line break (it would forge log lines), says what is wrong
+    for bad in ('" /m/x.gguf"', '"/m/x.gguf "', '"/m/x.gguf\\n"'):
+        f.write_text('control: {listen: "127.0.0.1:0", join_token: t}\n'
+                     f'deployments: [{{name: d, model: {bad}, engine: llamacpp}}]\n')
+        line = one_error(run("check-config", str(f)))
+        assert "deployments[0].model: invalid model" in line, line
+        assert "no control characters, no whitespace at either end" in line, line
 
 
 def test_check_config_reads_the_agents_file_as_the_agent_does(tmp_path: Path) -> None:
@@ -168,3 +175,15 @@ def test_check_config_reads_the_agents_file_as_the_agent_does(tmp_path: Path) ->
     doc = json.loads(run("config", "check", "--agent", "--json", str(bad)).stdout)
     assert doc["ok"] is False and {p["key"] for p in doc["problems"]} >= {"replica_ports", "bogus"}
     assert "give the agent's file" in one_error(run("check-config", "--agent"))
+
+
+def test_the_agents_ready_timeout_is_the_agent_files() -> None:
+    # (a 30-minute limit fails a large model loading from slow storage, for ever: the node's own to set)
+    from llmgw.config.agent import load_agent
+    from llmgw.errors import ConfigError
+
+    assert load_agent({"control": "127.0.0.1:7070"}).ready_timeout == 1800.0
+    assert load_agent({"control": "127.0.0.1:7070", "ready_timeout": "2h"}).ready_timeout == 7200.0
+    for bad in ("0s", "forever", -1):
+        with pytest.raises(ConfigError, match="ready_timeout"):
+            load_agent({"control": "127.0.0.1:7070", "ready_timeout": bad})

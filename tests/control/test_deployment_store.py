@@ -768,3 +768,49 @@ async def test_a_control_plane_restart_while_a_node_drains_keeps_the_replacement
     finally:
         await ctl2.stop()
         await db.close()
+
+
+async def test_a_deployment_this_llmgw_refuses_keeps_its_rows(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A row written with a value this llmgw refuses (another release's, or edited by hand) is not run,
+    and loading it deletes nothing: neither it nor its replicas' rows (it deleted the replicas' rows).
+    Undeploying it, or deploying it again, replaces them."""
+    path = tmp_path / "cp.sqlite3"
+    nodes = NodeMap(lambda: 60.0)
+    nodes.register("n", peer="p", agent_version="t", protocol=(1, 2), discovery=Discovery(NodeFacts("h", cpu_cores=8)))
+    db = open_database(f"sqlite:///{path}")
+    await db.open()
+    try:
+        await db.migrate()
+        store = DesiredStore(db, unfenced(db))
+        await store.load()
+        first = DeploymentController(nodes=nodes, store=store, router=None, config=lambda: load({}),
+                                     resolver=lambda m: None)
+        first.create(parse_deployment({"name": "d", "model": "/models/m.gguf", "engine": "llamacpp", "replicas": 2}))
+        await first.committed()
+        ids = sorted(r.id for r in first.replicas.values())
+        assert len(ids) == 2
+        async with db.transaction() as tx:  # what this llmgw refuses: more replicas than it allows
+            (spec,), = await tx.fetch("SELECT spec FROM llmgw_deployments WHERE name = 'd'")
+            await tx.execute("UPDATE llmgw_deployments SET spec = $1 WHERE name = 'd'",
+                             json.dumps({**json.loads(spec), "replicas": 5000}))
+
+        async def loaded() -> tuple[DesiredStore, DeploymentController]:
+            s = DesiredStore(db, unfenced(db))
+            await s.load()
+            c = DeploymentController(nodes=nodes, store=s, router=None, config=lambda: load({}),
+                                     resolver=lambda m: None)
+            await c.committed()
+            return s, c
+
+        with caplog.at_level("ERROR", logger="llmgw"):
+            _, second = await loaded()
+        assert "d" not in second.deployments and not second.replicas
+        assert "deployment d in" in caplog.text and "its 2 replica row(s) kept" in caplog.text
+        again, third = await loaded()  # a second load finds the same rows
+        assert sorted(r.id for r in again.replicas()) == ids and [d.name for d in again.deployments()] == ["d"]
+        assert third.delete("d") == {"deleted": "d", "draining": []}
+        await third.committed()
+        gone, _ = await loaded()
+        assert not gone.replicas() and not gone.deployments()
+    finally:
+        await db.close()

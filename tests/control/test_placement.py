@@ -268,3 +268,20 @@ def test_a_leaving_node_is_filtered_and_named_as_such() -> None:
     assert chosen(place(Need("d", gpus=1), [node("a", 1, leaving=True), node("b", 1)], [])).node == "b"
     r = why(place(Need("d", gpus=1), [node("a", 1, leaving=True)], []))
     assert "a is leaving (its agent is stopping)" in r and "cordoned" not in r, r
+
+
+def test_a_cpu_replica_takes_a_node_without_idle_gpus_before_a_gpu_node() -> None:
+    # A GPU node usually has the most memory free: by memory alone every CPU replica went there, taking the
+    # memory and cores its GPU replicas need while a CPU node stood idle.
+    gpu_node = node("a-gpu", 2, cpu_cores=64, memory_total=512 * GIB, memory_available=500 * GIB)
+    cpu_node = node("b-cpu", 0, cpu_cores=16, memory_total=64 * GIB, memory_available=60 * GIB)
+    need = Need("c", memory=4 * GIB)
+    assert chosen(place(need, [gpu_node, cpu_node], [])).node == "b-cpu"
+    # spreading comes first: the second replica goes to the GPU node
+    claims = [Claim("r0", "c", "b-cpu", memory=4 * GIB)]
+    assert chosen(place(need, [gpu_node, cpu_node], claims)).node == "a-gpu"
+    # a GPU node whose GPUs are all held has none left idle: memory decides again
+    held = [Claim(f"g{i}", "v", "a-gpu", gpus=(f"GPU-a-gpu-{i}",)) for i in range(2)]
+    assert chosen(place(need, [gpu_node, cpu_node], held)).node == "a-gpu"
+    # and a CPU node that cannot take it leaves it to the GPU node
+    assert chosen(place(Need("c", memory=100 * GIB), [gpu_node, cpu_node], [])).node == "a-gpu"

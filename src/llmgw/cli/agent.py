@@ -53,6 +53,8 @@ class NodeOptions:
     """Where replicas listen (only there); None: any free port, preferably below the ephemeral range."""
     drain_timeout: float = 30.0
     """How long a stopping agent waits for its replicas to drain off the node (0: stop them at once)."""
+    ready_timeout: float = 1800.0
+    """How long a replica may take from its start to its health check's 200 (the agent file's)."""
 
     @property
     def bind(self) -> str:
@@ -260,7 +262,7 @@ async def run_agent(
         ports: dict[str, Any] = ({"port_range": node.replica_ports, "strict_ports": True}
                                  if node.replica_ports is not None else {})
         supervisor = ReplicaSupervisor(node.state_dir, host=node.bind_towards(controls[0]), engines=node.engines,
-                                       on_change=changed, **ports)
+                                       on_change=changed, ready_timeout=node.ready_timeout, **ports)
     fetchers: list[Any] = []
     registered = mirror_access(supervisor, node.state_dir, fetchers) if node is not None else None
     async def check(req: Any) -> list[dict[str, Any]]:
@@ -349,6 +351,7 @@ def agent(
     labels: dict[str, str] = {}
     ports: tuple[int, int] | None = None
     drain = 30.0
+    ready = 1800.0
     state_flag = state_dir is not None
     secret_envs: set[str] = set()  # (the variables that hold the join token)
     if config_path is not None:
@@ -378,6 +381,7 @@ def agent(
         advertise = advertise or file_cfg.advertise
         ports = file_cfg.replica_ports
         drain = file_cfg.drain_timeout
+        ready = file_cfg.ready_timeout
     from ..config.agent import _host, _labels, _port_range, default_state_dir
 
     for item in label_flags:
@@ -453,7 +457,8 @@ def agent(
             "use TLS (--tls-ca FILE, or --tls) or pass --insecure on a network you trust"
         )
     node = NodeOptions(state_dir or default_state_dir(), engines=engines, labels=labels, advertise=advertise,
-                       gpu_source=gpu_source or "auto", replica_ports=ports, drain_timeout=drain)
+                       gpu_source=gpu_source or "auto", replica_ports=ports, drain_timeout=drain,
+                       ready_timeout=ready)
     where = ("--state-dir" if state_flag else "state_dir: in --config FILE" if state_dir
              else "the default state directory")
     instance, _lock = claim_state_dir(node.state_dir, where)  # (held until the process ends)

@@ -30,10 +30,10 @@ from ..errors import ConfigError, unsendable_secret
 RUNNABLE_ENGINES: tuple[str, ...] = tuple(e for e in ENGINE_NAMES if e not in ("generic", "external"))
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h)?\s*$")
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(B|KB|MB|GB|KiB|MiB|GiB|K|M|G)?\s*$", re.IGNORECASE)
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(B|KB|MB|GB|TB|KiB|MiB|GiB|TiB|K|M|G|T)?\s*$", re.IGNORECASE)
 _SIZE_UNITS = {
     "b": 1, "k": 1024, "kb": 1000, "kib": 1024, "m": 1024**2, "mb": 1000**2, "mib": 1024**2,
-    "g": 1024**3, "gb": 1000**3, "gib": 1024**3,
+    "g": 1024**3, "gb": 1000**3, "gib": 1024**3, "t": 1024**4, "tb": 1000**4, "tib": 1024**4,
 }
 _ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _MODEL = re.compile(r"^[^\s\x00-\x1f]{1,256}$")
@@ -54,7 +54,7 @@ def parse_duration(value: Any, key: str = "") -> float:
     if isinstance(value, (int, float)):
         seconds = float(value)
     else:
-        m = _DURATION.match(str(value))
+        m = _DURATION.fullmatch(str(value))
         if not m:
             raise ConfigError(key, f"expected a duration like 2s or 500ms, got {value!r}")
         seconds = float(m.group(1)) * {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, None: 1.0}[m.group(2)]
@@ -70,7 +70,7 @@ def parse_size(value: Any, key: str = "") -> int:
     if isinstance(value, int):
         n = value
     else:
-        m = _SIZE.match(str(value))
+        m = _SIZE.fullmatch(str(value))
         if not m:
             raise ConfigError(key, f"expected a size like 16MiB or a number of bytes, got {value!r}")
         n = int(float(m.group(1)) * _SIZE_UNITS[(m.group(2) or "b").lower()])
@@ -82,7 +82,7 @@ def parse_size(value: Any, key: str = "") -> int:
 def parse_hostport(value: Any, key: str = "", default_host: str = "127.0.0.1") -> tuple[str, int]:
     """``HOST:PORT``, ``[v6]:PORT`` or ``:PORT`` as ``(host, port)``; port 0 picks a free one."""
     s = str(value).strip()
-    m = re.match(r"^\[([0-9A-Fa-f:.]+)\]:(\d+)$", s) or re.match(r"^([^:\s]*):(\d+)$", s)
+    m = re.fullmatch(r"^\[([0-9A-Fa-f:.]+)\]:(\d+)$", s) or re.fullmatch(r"^([^:\s]*):(\d+)$", s)
     if not m:
         raise ConfigError(key, f"expected HOST:PORT (e.g. 127.0.0.1:8080), got {value!r}")
     host, port = m.group(1) or default_host, int(m.group(2))
@@ -145,7 +145,7 @@ def _matching(regex: re.Pattern[str], message: str, *, lower: bool = False) -> _
         s = _text(v)
         if lower:
             s = s.lower()
-        if not regex.match(s):
+        if not regex.fullmatch(s):
             raise _Bad(message.format(value=s))
         return s
 
@@ -292,7 +292,7 @@ def _env(inline: str | None) -> _Rule:
 
     def check(v: Any) -> _EnvValue:
         var = _text(v)
-        if not _ENV.match(var):
+        if not _ENV.fullmatch(var):
             raise _Bad(f"expected an environment variable name, got {var!r}")
         value = os.environ.get(var)
         if value is None:
@@ -320,7 +320,7 @@ def _envs(inline: str) -> _Rule:
             try:
                 out.append(one.check(name))
             except _Bad:
-                if not (isinstance(name, str) and os.environ.get(name) is None and _ENV.match(name)):
+                if not (isinstance(name, str) and os.environ.get(name) is None and _ENV.fullmatch(name)):
                     raise
                 unset.append(name)
         if unset:
@@ -392,7 +392,7 @@ def _model_list(v: Any) -> tuple[str, ...]:
     if not isinstance(v, list) or not v or not all(isinstance(m, str) for m in v):
         raise _Bad("expected a non-empty list of model names")
     for m in v:
-        if not _MODEL.match(m):
+        if not _MODEL.fullmatch(m):
             raise _Bad(f"invalid model name {m!r}")
     if len(set(v)) != len(v):
         raise _Bad("lists a model twice")
@@ -403,7 +403,7 @@ def _bands(v: Any) -> tuple[str, ...]:
     if (
         not isinstance(v, list)
         or not v
-        or not all(isinstance(b, str) and _ID.match(b) for b in v)
+        or not all(isinstance(b, str) and _ID.fullmatch(b) for b in v)
         or len(set(v)) != len(v)
     ):
         raise _Bad("expected a list of distinct band names, highest priority first")
@@ -432,7 +432,7 @@ def _env_map(v: Any) -> Mapping[str, str]:
         raise _Bad(message)
     out: dict[str, str] = {}
     for name, value in v.items():
-        if not isinstance(name, str) or not _ENV.match(name):
+        if not isinstance(name, str) or not _ENV.fullmatch(name):
             raise _Bad(f"{name!r} is not an environment variable name")
         try:
             out[name] = _text(value)
@@ -448,8 +448,20 @@ _HOSTPORT = _Rule(_hostport_value, {"type": "string", "pattern": _HOSTPORT_PATTE
 _IDENT = _matching(_ID, "use letters, digits, '.', '_' or '-' (at most 128), starting with a letter or digit")
 _MODEL_NAME = _matching(_MODEL, "invalid model name {value!r}")
 # A deployment's model: a mirror reference, a file path on the nodes or an engine's model id, said so
-_DEPLOYED_MODEL = _matching(_MODEL, "invalid model {value!r}: no whitespace or control characters (a file whose path "
-                            "has a space: give it a path without, e.g. a symbolic link)")
+# A file path may hold spaces (``/models/Llama 3 (Q4).gguf``): engines are run from an argv, never a shell.
+# Control characters (a line break would forge log lines) and whitespace at either end (a paste's stray
+# blank, never meant) are refused; up to PATH_MAX.
+_DEPLOYED = re.compile(r"^[^\s\x00-\x1f\x7f](?:[^\x00-\x1f\x7f]{0,4094}[^\s\x00-\x1f\x7f])?$")
+
+
+def _deployed_model(v: Any) -> str:
+    s = _text(v)
+    if not _DEPLOYED.fullmatch(s):  # (not match: its $ passes a trailing line break)
+        raise _Bad(f"invalid model {s!r}: no control characters, no whitespace at either end, at most 4096 characters")
+    return s
+
+
+_DEPLOYED_MODEL = _Rule(_deployed_model, {"type": "string", "pattern": _DEPLOYED.pattern})
 _ENGINE = _choice("engine", ENGINE_NAMES)
 _RUNNABLE_ENGINE = _choice("engine", RUNNABLE_ENGINES)
 _STRATEGY = _choice("strategy", STRATEGIES)
@@ -479,7 +491,7 @@ def _label_map(v: Any) -> Mapping[str, str]:
         raise _Bad(message)
     out: dict[str, str] = {}
     for name, value in v.items():
-        if not isinstance(name, str) or not _LABEL.match(name):
+        if not isinstance(name, str) or not _LABEL.fullmatch(name):
             raise _Bad(f"{name!r} is not a label name (letters, digits, '.', '_', '/', '-'; at most 63)")
         text = _text(value)
         if len(text) > 63 or any(c.isspace() for c in text):

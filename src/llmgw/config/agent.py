@@ -54,11 +54,11 @@ def _labels(v: Any) -> Mapping[str, str]:
         raise _Bad("at most 64 labels")
     out: dict[str, str] = {}
     for k, value in v.items():
-        if not isinstance(k, str) or not _LABEL_KEY.match(k):
+        if not isinstance(k, str) or not _LABEL_KEY.fullmatch(k):
             raise _Bad(f"label {k!r}: use letters, digits, '.', '_', '/' or '-' (at most 253), "
                        "starting and ending with a letter or digit")
         text = _text(value)
-        if not _LABEL_VALUE.match(text):
+        if not _LABEL_VALUE.fullmatch(text):
             raise _Bad(f"label {k}: the value must be at most 253 characters without control characters")
         out[k] = text
     return out
@@ -70,7 +70,7 @@ def _host(v: Any) -> str:
         return str(ipaddress.ip_address(s[1:-1] if s.startswith("[") and s.endswith("]") else s))
     except ValueError:
         pass
-    if not _HOST.match(s) or s.replace(".", "").isdigit():
+    if not _HOST.fullmatch(s) or s.replace(".", "").isdigit():
         raise _Bad(f"{s!r} is not a host name or IP address (no port: the agent picks each replica's)")
     return s
 
@@ -142,6 +142,7 @@ class AgentConfig:
     advertise: str | None = None  # None: the address the control plane sees the agent at
     replica_ports: tuple[int, int] | None = None  # None: the supervisor's default, loosely
     drain_timeout: float = 30.0
+    ready_timeout: float = 1800.0
     source: str | None = None
 
 
@@ -191,6 +192,9 @@ class _AgentIn(_In):
     """How long a stopping agent (SIGTERM) waits for its replicas to drain off the node (their requests in
     flight finish; the control plane places them elsewhere) before it stops them; a second SIGTERM stops them
     at once; 0: stop them at once (default 30s)."""
+    ready_timeout: Annotated[float, _duration(1.0, 7 * 86400.0)] = _default(AgentConfig, "ready_timeout")
+    """How long a replica's engine may take from its start to answering its health check before the replica
+    fails (loading a large model from slow storage takes long; default 30m)."""
 
 
 def load_agent(data: Any, source: str | None = None, require_control: bool = True) -> AgentConfig:
@@ -234,6 +238,7 @@ def _build_agent(data: Any, problems: _Problems, require_control: bool = True) -
         advertise=v["advertise"],
         replica_ports=v["replica_ports"],
         drain_timeout=v["drain_timeout"],
+        ready_timeout=v["ready_timeout"],
         source=problems.source,
     )
 

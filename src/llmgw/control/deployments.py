@@ -59,6 +59,7 @@ from ..config import DeploymentConfig, EndpointConfig, load
 from ..engines import get as get_engine
 from ..errors import ConfigError
 from ..fleet.held import HeldModels
+from ..launch.base import OWN_FLAGS, hide_secret_args
 from ..launch.spec import (
     FAILED,
     FETCHING,
@@ -326,18 +327,33 @@ class DeploymentController:
         self._by_deployment: dict[str, dict[str, Replica]] = {}
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task[None] | None = None
+        invalid: dict[str, str] = {}
         for sd in store.deployments():
             try:
                 cfg = parse_deployment(dict(sd.spec))
             except DeploymentError as exc:
-                log.error("deployment %s in %s is not valid any more (%s); skipping it", sd.name, _where(store), exc)
+                invalid[sd.name] = str(exc)
                 continue
             self.deployments[sd.name] = Deployment(cfg, sd.source, sd.replicas_override, sd.override_of)
+        self._invalid: dict[str, list[str]] = {}
+        """Deployments in the store this llmgw refuses, and their replicas' ids: rows kept, nothing run."""
+        kept = self._invalid
+        for name in invalid:
+            kept[name] = []
         for sr in store.replicas():
             if sr.deployment in self.deployments:
                 self._add(Replica.from_stored(sr))
+            elif sr.deployment in invalid:
+                # NOTE: its rows stay (a llmgw that accepts the deployment, or the same one redeployed,
+                # finds them): deleting them here lost every replica of a deployment an older or newer
+                # llmgw wrote with a value this one refuses.
+                kept[sr.deployment].append(sr.id)
             else:
                 store.delete_replica(sr.id)
+        for name, why in invalid.items():
+            log.error("deployment %s in %s is not valid for this llmgw (%s): not run, its row and its %d replica "
+                      "row(s) kept; deploy it again under its name with values this llmgw accepts (llmgw ctl "
+                      "deploy), or undeploy it (llmgw ctl undeploy)", name, _where(store), why, len(kept[name]))
         for eid in in_router:
             r = self.replicas.get(eid)
             if r is not None:
@@ -419,6 +435,8 @@ class DeploymentController:
                     dep.override = dep.override_of = None
                     self.store.put_deployment(dep.stored())
                 continue
+            if old is None:
+                self._forget_invalid(name)  # (a row this llmgw refused at load: the file's entry replaces it)
             if old is not None and old.source == API:
                 log.warning("deployment %s is in the config file now: the file's entry replaces the one made with "
                             "ctl deploy", name)
@@ -463,6 +481,7 @@ class DeploymentController:
                 status=409, code="deployment_exists", param="name",
             )
         self._check_model(cfg)
+        self._forget_invalid(cfg.name)
         dep = Deployment(cfg, API)
         self.deployments[cfg.name] = dep
         self.store.put_deployment(dep.stored())
@@ -495,7 +514,17 @@ class DeploymentController:
         return self.view(cfg.name)
 
     def _check_model(self, cfg: DeploymentConfig) -> None:
-        """Refuse (400) a llama.cpp model that is neither in the mirror (usable) nor a path."""
+        """Refuse (400) args that set llmgw's own flags, and a llama.cpp model that is neither in the mirror
+        (usable) nor a path."""
+        for a in cfg.args:
+            flag = a.split("=", 1)[0]
+            if flag in OWN_FLAGS:
+                # (the agent would fail every replica for it: llmgw.launch.base.refuse_own_flags)
+                raise DeploymentError(
+                    f"args: {flag} is set by llmgw itself (each replica's address, port and API key are "
+                    f"llmgw's, the router's way in): remove it",
+                    status=400, code="invalid_deployment", param="args",
+                )
         if cfg.engine == "llamacpp" and not is_model_path(cfg.model):
             # llama-server is given a file (-m): a name that is no path must be in the mirror, or
             # every replica would crash-loop on 'failed to open GGUF file'
@@ -539,6 +568,10 @@ class DeploymentController:
         Raises:
             DeploymentError: 404 no such deployment; 409 for one from the config file.
         """
+        if name in self._invalid and name not in self.deployments:
+            self._forget_invalid(name)  # (one this llmgw refused at load: its rows go, nothing of it ran)
+            self.store.delete_deployment(name)
+            return {"deleted": name, "draining": []}
         dep = self._get(name)
         if dep.source == CONFIG:
             raise DeploymentError(
@@ -548,6 +581,11 @@ class DeploymentController:
         draining = self._delete(name)
         self.sync(CALL_BUDGET_S)
         return {"deleted": name, "draining": draining}
+
+    def _forget_invalid(self, name: str) -> None:
+        """A deployment refused at load is made again or undeployed: its kept replica rows go."""
+        for rid in self._invalid.pop(name, ()):
+            self.store.delete_replica(rid)
 
     def _delete(self, name: str) -> list[str]:
         self.deployments.pop(name, None)
@@ -1143,6 +1181,7 @@ class DeploymentController:
         spec = deployment_entry(cfg)
         if not show_secrets:
             spec["env"] = sorted(cfg.env)  # (names only: values may be tokens)
+            spec["args"] = hide_secret_args(cfg.args)  # (--hf-token T: T never shown)
         spec["gpus"] = cfg.gpu_count
         return {
             "name": name, "source": dep.source, "model": cfg.model, "served_name": cfg.model_name,

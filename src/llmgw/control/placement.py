@@ -30,8 +30,10 @@ Score (the lowest wins): the fewest degraded GPUs it would have to take (a GPU w
 XID, uncorrected ECC errors or its fabric not started is healthy enough to place on,
 but only where nothing fits without it), then fewest replicas of the same deployment
 already on the node (spreading is a preference, not a rule: several replicas share a
-node when it is the only one that fits), then the most GPUs left that nobody holds,
-then the most memory left free, then the name (so the choice is deterministic). On
+node when it is the only one that fits), then the most GPUs left that nobody holds (a CPU replica: the
+fewest GPUs nobody holds on the node, so that CPU nodes take CPU replicas before GPU nodes lend them the memory
+and cores their GPU replicas need), then the most memory left free, then the name (so the choice is
+deterministic). On
 the chosen node the GPUs that are not degraded come first, then those with the most
 free memory, lowest index first on a tie.
 
@@ -357,7 +359,10 @@ def place(need: Need, nodes: Sequence[NodeInfo], claims: Sequence[Claim]) -> Cho
                                           f"{node.name} has {spare:g} CPU cores unclaimed"))
                 continue
         left_mem = (free or 0) - (need.memory or 0)
-        key = (0, same.get(node.name, 0), 0, -left_mem, node.name)
+        # (the fewest GPUs left idle under it: a CPU replica on a GPU node takes the memory and cores its GPU
+        # replicas need, so a node without free GPUs (a CPU node) is taken first, spreading still before it)
+        idle_gpus = sum(1 for g in node.gpus if not g.mig_parent and g.healthy and (node.name, g.uuid) not in uses)
+        key = (0, same.get(node.name, 0), idle_gpus, -left_mem, node.name)
         if best is None or key < best[0]:
             best = (key, node, [])
     if best is not None:

@@ -101,7 +101,7 @@ def new_token() -> tuple[str, str]:
 
 
 def valid_id(token_id: str) -> bool:
-    return bool(_ID.match(token_id))
+    return bool(_ID.fullmatch(token_id))
 
 
 _UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, "w": 7 * 86400.0}

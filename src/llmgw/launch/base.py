@@ -9,6 +9,8 @@ the supervisor runs it. Facts about each engine's server (metrics path, whether
 from __future__ import annotations
 
 import os
+import re
+import shlex
 import shutil
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -18,7 +20,39 @@ from typing import Protocol
 from ..config.agent import AgentEngineConfig
 from .spec import LocalModel, ReplicaSpec
 
-__all__ = ["LaunchError", "LaunchPlan", "Launcher", "find_binary", "find_python"]
+__all__ = ["OWN_FLAGS", "LaunchError", "LaunchPlan", "Launcher", "find_binary", "find_python", "hide_secret_args",
+           "model_path", "refuse_own_flags", "secret_arg_values"]
+
+# A flag whose value is a credential by its name (vLLM's --hf-token, a --password, an --api-key-file is a
+# path, not a secret: "file" and "path" names are left shown)
+_SECRET_FLAG = re.compile(r"^--?[A-Za-z0-9_-]*(token|secret|passw|api[-_]?key|credential)(?![A-Za-z0-9_-]*(file|path|dir))"
+                          r"[A-Za-z0-9_-]*$", re.IGNORECASE)
+
+
+def secret_arg_values(args: tuple[str, ...] | list[str]) -> list[str]:
+    """The values given to flags named as credentials in an engine's ``args`` (``--hf-token T`` or
+    ``--hf-token=T``): never shown in logs, messages or the management API."""
+    out = []
+    for i, a in enumerate(args):
+        flag, eq, value = a.partition("=")
+        if not _SECRET_FLAG.match(flag):
+            continue
+        if eq:
+            out.append(value)
+        elif i + 1 < len(args) and not args[i + 1].startswith("-"):
+            out.append(args[i + 1])
+    return [v for v in out if v]
+
+
+def hide_secret_args(args: tuple[str, ...] | list[str]) -> list[str]:
+    """``args`` with :func:`secret_arg_values` replaced by ``***``."""
+    hidden = set(secret_arg_values(args))
+    out = []
+    for a in args:
+        flag, eq, value = a.partition("=")
+        out.append("***" if a in hidden else f"{flag}=***" if eq and value in hidden else a)
+    return out
+
 
 
 class LaunchError(Exception):
@@ -40,13 +74,18 @@ class LaunchPlan:
     metrics_need_key: bool = False
 
     def shown(self) -> str:
-        """The command line with secrets replaced by ``***`` (for logs and messages)."""
+        """The command line with secrets replaced by ``***`` (for logs and messages), quoted as a shell would
+        need it (a model path with a space in it reads as one argument)."""
         out = []
+        secrets = (*self.secrets, *secret_arg_values(self.argv))
         for a in self.argv:
-            for s in self.secrets:
+            hidden = a
+            for s in secrets:
                 if s:
-                    a = a.replace(s, "***")
-            out.append(a)
+                    hidden = hidden.replace(s, "***")
+            # (an argument that held a secret is shown bare, ``--api-key ***``: quoted, the secret could be
+            # split by the quoting and no longer found by a redaction looking for it)
+            out.append(shlex.quote(a) if hidden == a else hidden)
         return " ".join(out)
 
 
@@ -123,5 +162,27 @@ def find_python(engine: AgentEngineConfig | None, what: str) -> str:
 
 
 def model_path(spec: ReplicaSpec, model: LocalModel | None) -> str:
-    """The model argument: the fetched file, else ``spec.model`` as given."""
-    return model.path if model is not None else spec.model
+    """The model argument: the fetched file, else ``spec.model``; a path in it that the engine would not
+    resolve as the operator meant is made absolute here, on the node: ``~`` or ``~user`` (no shell expands it
+    for an argv) is the agent's home, ``./`` and ``../`` are the agent's working directory (the engine runs in
+    its replica's own work directory). Anything else (``/models/x.gguf``, ``org/model``) is passed as given."""
+    if model is not None:
+        return model.path
+    if spec.model.startswith(("~", "./", "../")):
+        return os.path.abspath(os.path.expanduser(spec.model))
+    return spec.model
+
+
+OWN_FLAGS = ("--host", "--port", "--api-key")
+"""Flags llmgw passes itself (``--api-key`` through the engine's environment variable where it reads one) and
+a deployment's ``args`` may not give again: on another address or port the engine listens where nobody probes
+it (the replica sits in ``starting`` until the ready timeout); with a key of its own the router's is refused."""
+
+
+def refuse_own_flags(spec: ReplicaSpec, flags: tuple[str, ...] = OWN_FLAGS) -> None:
+    """Raise :class:`LaunchError` when ``spec.args`` sets one of ``flags`` (``--port N`` or ``--port=N``)."""
+    for a in spec.args:
+        flag = a.split("=", 1)[0]
+        if flag in flags:
+            raise LaunchError(f"the deployment's args set {flag}, which llmgw sets itself (each replica's address, "
+                              f"port and API key are llmgw's, the router's way in): remove {flag} from args")

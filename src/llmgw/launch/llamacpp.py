@@ -15,7 +15,7 @@ from pathlib import Path
 
 from ..config.agent import AgentEngineConfig
 from ..engines.llamacpp import INFO
-from .base import LaunchError, LaunchPlan, find_binary, model_path
+from .base import LaunchError, LaunchPlan, find_binary, model_path, refuse_own_flags
 from .spec import LocalModel, ReplicaSpec
 
 __all__ = ["BINARY", "FLAGS", "KEY_ENV", "plan"]
@@ -37,6 +37,7 @@ def plan(
 ) -> LaunchPlan:
     if not spec.api_key:
         raise LaunchError(f"replica {spec.id}: no API key; llmgw never runs an engine open to the network")
+    refuse_own_flags(spec)
     binary = find_binary(engine, BINARY, "llamacpp")
     argv = [binary, "-m", model_path(spec, model), "--metrics", "--host", host, "--port", str(port)]
     if spec.slots is not None:

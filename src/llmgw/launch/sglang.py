@@ -14,7 +14,7 @@ from pathlib import Path
 
 from ..config.agent import AgentEngineConfig
 from ..engines.sglang import INFO
-from .base import LaunchError, LaunchPlan, find_python, model_path
+from .base import LaunchError, LaunchPlan, find_python, model_path, refuse_own_flags
 from .spec import LocalModel, ReplicaSpec
 
 __all__ = ["FLAGS", "MODULE", "plan"]
@@ -36,6 +36,7 @@ def plan(
 ) -> LaunchPlan:
     if not spec.api_key:
         raise LaunchError(f"replica {spec.id}: no API key; llmgw never runs an engine open to the network")
+    refuse_own_flags(spec)
     python = find_python(engine, "sglang")
     argv = [python, "-m", MODULE, "--model-path", model_path(spec, model), "--served-model-name", spec.served_name,
             "--api-key", spec.api_key, "--enable-metrics", "--host", host, "--port", str(port)]

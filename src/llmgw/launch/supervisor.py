@@ -56,7 +56,7 @@ from typing import Any
 
 from ..config.agent import AgentEngineConfig
 from ..log import agent_logger
-from .base import Launcher, LaunchError, LaunchPlan
+from .base import Launcher, LaunchError, LaunchPlan, secret_arg_values
 from .spec import (
     DRAINING,
     FAILED,
@@ -84,6 +84,11 @@ _RECORD_VERSION = 1
 _TAIL_LINES = 12
 _TAIL_CHARS = 2000
 _DETACHED: list[subprocess.Popen[bytes]] = []
+
+
+def _sweep_detached() -> None:
+    """Reap what in :data:`_DETACHED` has exited since (else each stays a zombie as long as the agent runs)."""
+    _DETACHED[:] = [p for p in _DETACHED if p.poll() is None]
 
 
 def launcher_for(engine: str) -> Launcher:
@@ -387,6 +392,7 @@ class ReplicaSupervisor:
             self._changed()
 
     def statuses(self) -> list[ReplicaStatus]:
+        _sweep_detached()  # (asked on every heartbeat)
         now = time.monotonic()
         for rid, rep in list(self._reps.items()):
             if rep.state == STOPPED and rep.task is None and rep.ended_at is not None \
@@ -436,7 +442,7 @@ class ReplicaSupervisor:
         rep = _Replica(id=spec.id, spec=spec, fp=fp, log_path=self._log_path(spec.id),
                        state=FETCHING if spec.blobs else STARTING)
         self._reps[spec.id] = rep
-        if not _ID.match(spec.id):
+        if not _ID.fullmatch(spec.id):
             rep.state, rep.message = FAILED, (
                 f"replica id {spec.id!r} is not a name the agent can use (letters, digits, '.', '_', '-')")
             rep.ended_at = time.monotonic()
@@ -469,7 +475,7 @@ class ReplicaSupervisor:
     def _redact(rep: _Replica, text: str) -> str:
         spec = rep.spec
         if spec is not None:
-            for secret in (spec.api_key, *spec.env.values()):
+            for secret in (spec.api_key, *spec.env.values(), *secret_arg_values(spec.args)):
                 if secret and len(secret) >= 6:
                     text = text.replace(secret, "***")
         return text
@@ -633,6 +639,7 @@ class ReplicaSupervisor:
     def _spawn(self, rep: _Replica, plan: LaunchPlan, port: int, work: Path) -> None:
         spec = rep.spec
         assert spec is not None
+        _sweep_detached()
         env = dict(self.base_env if self.base_env is not None else os.environ)
         env.update(spec.env)
         env["CUDA_VISIBLE_DEVICES"] = ",".join(spec.gpus)
@@ -778,8 +785,13 @@ class ReplicaSupervisor:
 
         def gone() -> bool:
             if rep.popen is not None:
-                # our child: a zombie until reaped; poll() would reap it, so look at /proc
-                return process_start_time(pid) is None
+                # Our child: gone once it can be reaped, asked without reaping it (WNOWAIT: poll() would, and
+                # _reap() wants its status). Not "a zombie in /proc": a multithreaded engine's leader thread
+                # shows Z there while its other threads still exit, and cannot be reaped until they have.
+                try:
+                    return os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+                except ChildProcessError:
+                    return True
             return process_start_time(pid) != start
 
         fd = -1

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from ..config.agent import AgentEngineConfig
 from ..engines.vllm import INFO
-from .base import LaunchError, LaunchPlan, find_binary, model_path
+from .base import LaunchError, LaunchPlan, find_binary, model_path, refuse_own_flags
 from .spec import LocalModel, ReplicaSpec
 
 __all__ = ["BINARY", "FLAGS", "KEY_ENV", "plan"]
@@ -44,6 +44,7 @@ def plan(
 ) -> LaunchPlan:
     if not spec.api_key:
         raise LaunchError(f"replica {spec.id}: no API key; llmgw never runs an engine open to the network")
+    refuse_own_flags(spec)
     argv = [binary(engine), "serve", model_path(spec, model), "--served-model-name", spec.served_name,
             "--host", host, "--port", str(port)]
     if spec.gpu_memory_fraction is not None:
