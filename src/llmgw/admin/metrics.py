@@ -50,6 +50,7 @@ if TYPE_CHECKING:
 __all__ = [
     "LATENCY_BUCKETS",
     "LOOP_LAG_BUCKETS",
+    "Carried",
     "FleetCollector",
     "Known",
     "LoopLagMonitor",
@@ -178,7 +179,8 @@ class PrometheusObserver(TrafficCounters, Collector):
             "llmgw_tokens_total", "Tokens reported in responses' usage, by model and kind (prompt, completion).",
             labels=["model", "kind"],
         )
-        for model, (p, c) in list(self._tokens.items()):
+        # (each served model's from 0: the first answer's tokens show in rate(), as its requests do)
+        for model, (p, c) in {**dict.fromkeys(known.models, (0, 0)), **self._tokens}.items():
             tok.add_metric([model, "prompt"], p)
             tok.add_metric([model, "completion"], c)
         yield tok
@@ -347,6 +349,83 @@ def breaker_state(ep: Endpoint) -> str:
     return ep.breaker_state
 
 
+class Carried:
+    """Counters that live on objects a reload or the admin API replaces, kept monotonic per series.
+
+    A replica's scrape counts live on its :class:`~llmgw.fleet.registry.Endpoint`, and a
+    reload that changes the replica (any key), or its removal and re-adding, makes a new
+    one that counts from 0; the ``prefix`` strategy's decisions live on its picker, which
+    a reload of the strategy or its knobs replaces. Exported as they are, those counters
+    went backwards on the page (``llmgw_scrapes_total`` 173 -> 2 after a SIGHUP that
+    changed the replica's ``slots``): a counter reset to Prometheus, and a series a
+    dashboard reads as a restart of the process.
+
+    :meth:`read` is given the object that holds a series' counts now; when another object
+    held them before (at the last scrape, or before the series left the page), the old
+    object's final counts are added to the series' base and the old object is let go. The
+    same object back (a pool emptied and filled again keeps its picker) carries on from its
+    own counts, never added twice. A series gone for ``forget_s`` (an hour: long past any
+    ``rate()`` window over its last samples) is forgotten, so replicas that come and go
+    (deployments' rolling updates) hold no memory for ever. Run on the event loop at
+    scrape time only (like every collector here).
+    """
+
+    def __init__(self, max_series: int = MAX_SERIES, forget_s: float = 3600.0) -> None:
+        self._held: dict[tuple[str, ...], tuple[object, Callable[[Any], tuple[float, ...]]]] = {}
+        self._base: dict[tuple[str, ...], tuple[float, ...]] = {}
+        self._seen: set[tuple[str, ...]] = set()
+        self._gone: dict[tuple[str, ...], float] = {}  # series not on the page since (monotonic), oldest first
+        self.max_series = max_series
+        self.forget_s = forget_s
+
+    def _fold(self, key: tuple[str, ...], obj: object, values: Callable[[Any], tuple[float, ...]]) -> None:
+        final = values(obj)
+        base = self._base.get(key)
+        if base is None:
+            if len(self._base) >= self.max_series:
+                return  # (a guard against a bug, as MAX_SERIES: never met from a config)
+            self._base[key] = final
+        else:
+            self._base[key] = tuple(a + b for a, b in zip(base, final, strict=True))
+
+    def read(self, key: tuple[str, ...], obj: object, values: Callable[[Any], tuple[float, ...]]) -> tuple[float, ...]:
+        """The series ``key``'s counts: ``values(obj)`` plus what objects before ``obj`` counted."""
+        held = self._held.get(key)
+        if held is not None and held[0] is not obj:
+            self._fold(key, *held)
+        if self._gone:
+            self._gone.pop(key, None)
+        self._held[key] = (obj, values)
+        self._seen.add(key)
+        now = values(obj)
+        base = self._base.get(key)
+        return now if base is None else tuple(a + b for a, b in zip(base, now, strict=True))
+
+    def done(self) -> None:
+        """End of a scrape: the series not read at it keep their counts for when they come back."""
+        now = time.monotonic()
+        gone = self._gone
+        for key in self._held:
+            if key not in self._seen and key not in gone:
+                gone[key] = now  # (insertion order is time order: a series back is popped by read())
+        self._seen.clear()
+        while gone:
+            key, since = next(iter(gone.items()))
+            if now - since < self.forget_s:
+                break
+            del gone[key]
+            self._held.pop(key, None)
+            self._base.pop(key, None)
+
+
+def _scrape_counts(ep: Endpoint) -> tuple[float, ...]:
+    return (ep.scrape_ok, ep.scrape_failures, ep.scrape_seconds)
+
+
+def _decisions(picker: Any) -> tuple[float, ...]:
+    return tuple(picker.decisions())
+
+
 class FleetCollector(Collector):
     """Live state read from the registry and the admission queues at scrape time.
 
@@ -363,6 +442,8 @@ class FleetCollector(Collector):
     def __init__(self, registry: Registry, admission: object | None = None) -> None:
         self.registry = registry
         self.admission = admission
+        self.carried = Carried()
+        """The counters a reload's new replica or picker would restart (:class:`Carried`)."""
 
     def collect(self) -> Iterator[Metric]:
         labels = ["replica", "pool"]
@@ -432,9 +513,10 @@ class FleetCollector(Collector):
             if not ep.engine.scraped:
                 continue
             stale.add_metric(lv, 1.0 if ep.stale else 0.0)
-            scrapes.add_metric([*lv, "ok"], ep.scrape_ok)
-            scrapes.add_metric([*lv, "failed"], ep.scrape_failures)
-            scrape_time.add_metric(lv, ep.scrape_ok + ep.scrape_failures, ep.scrape_seconds)
+            ok, failed, seconds = self.carried.read(("scrapes", ep.id, pool), ep, _scrape_counts)
+            scrapes.add_metric([*lv, "ok"], ok)
+            scrapes.add_metric([*lv, "failed"], failed)
+            scrape_time.add_metric(lv, int(ok + failed), seconds)
             w, r, k = ep.fresh()
             if w is not None:
                 waiting.add_metric(lv, w)
@@ -462,12 +544,17 @@ class FleetCollector(Collector):
         for model, x in pool_saturations(self.registry, self.admission).items():
             sat.add_metric([model], x)
         yield sat
-        yield from routing_families(self.registry)
+        yield from routing_families(self.registry, self.carried)
+        self.carried.done()
 
 
-def routing_families(registry: Registry) -> Iterator[Metric]:
+def routing_families(registry: Registry, carried: Carried | None = None) -> Iterator[Metric]:
     """The prefix strategy's decisions and index sizes, per model that uses it (read at
-    scrape time from the pickers' C counters: the data path counts nothing else)."""
+    scrape time from the pickers' C counters: the data path counts nothing else).
+
+    ``carried``: keeps ``llmgw_routing_decisions_total`` monotonic when a reload replaces
+    a model's picker (:class:`Carried`; without it the new picker's counts are exported).
+    """
     decisions = CounterMetricFamily(
         "llmgw_routing_decisions",
         "Picks of the prefix strategy by reason: prefix_hit (the replica with the longest cached prefix), "
@@ -496,7 +583,8 @@ def routing_families(registry: Registry) -> Iterator[Metric]:
         if not pool.keyed or not pool.endpoints:
             continue
         picker = pool.picker
-        for reason, n in zip(REASONS, picker.decisions(), strict=True):
+        counts = _decisions(picker) if carried is None else carried.read(("decisions", model), picker, _decisions)
+        for reason, n in zip(REASONS, counts, strict=True):
             decisions.add_metric([model, reason], n)
         live = picker.index_size(now)
         cap = picker.index_capacity()
