@@ -109,6 +109,7 @@ def test_compiled_data_path_is_loaded() -> None:
 
 
 @pytest.mark.c_extension
+@pytest.mark.timeout(480)  # (three suites in a subprocess, on the slower twin: about 2 minutes here, more on a slow box)
 def test_the_data_path_suites_pass_on_the_pure_twin() -> None:
     # The compiled data path is its own twin's source (Cython pure-Python mode):
     # the server, client and gateway suites run once more on the pure build.
@@ -118,7 +119,7 @@ def test_the_data_path_suites_pass_on_the_pure_twin() -> None:
     res = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
          "tests/http", "tests/gateway", "tests/fleet"],
-        cwd=root, env=env, capture_output=True, text=True, timeout=600, check=False,
+        cwd=root, env=env, capture_output=True, text=True, timeout=450, check=False,
     )
     assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-2000:]
     assert " passed" in res.stdout and " failed" not in res.stdout

@@ -1308,6 +1308,16 @@ class Call(Exchange):
                 f"{gw.replica_name(ep)} did not answer within {gw.first_byte_timeout:g}s", should_retry=False
             ))
         elif kind == D_READ:
+            w = self.w
+            if (self.streaming or self.relaying) and w.write_paused and not w.finished:
+                # NOTE: the replica was not silent: llmgw stopped reading it because the
+                # client took no bytes (flow control pauses the replica while the client's
+                # socket is full). A client that took nothing for read_timeout is cut as
+                # gone, as nginx's send_timeout does; no verdict on the replica, whose
+                # breaker a slow or stalled client must not open.
+                w.abort()
+                self.client_gone()
+                return
             conn, self.conn = self.conn, None
             if conn is not None:
                 conn.abort()
