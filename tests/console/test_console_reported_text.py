@@ -88,7 +88,7 @@ async def test_a_nodes_own_errors_are_shown_above_its_gpus(tmp_path: Path) -> No
             assert app.place.scope == ("node", "node-h")
             assert app.message_text.splitlines() == [
                 "node-h: nvidia-smi did not answer within 10 s",
-                "no GPUs reported (no nodes, or nodes without GPUs)",
+                "node-h reports no GPUs (a CPU node, or its GPUs unseen)",
             ]
             assert app.main.query_one("#message").has_class("warn")
             await pilot.press("escape")

@@ -15,8 +15,8 @@ import click
 from ..config import parse_hostport
 from ..errors import ConfigError
 
-__all__ = ["DEFAULT_ADMIN", "MAX_REPLICAS", "AdminURL", "Fail", "admin_url", "apply_logging", "echo_err", "hostport",
-           "json_mode_for", "print_table", "printable", "replica_count", "report_error", "run_loop", "tls_mismatch"]
+__all__ = ["DEFAULT_ADMIN", "MAX_REPLICAS", "AdminURL", "Fail", "admin_url", "apply_logging", "echo_err", "grpc_port",
+           "hostport", "json_mode_for", "print_table", "printable", "replica_count", "report_error", "run_loop", "tls_mismatch"]
 
 DEFAULT_ADMIN = "http://127.0.0.1:9090"
 MAX_REPLICAS = 1024  # (a deployment's replicas: llmgw ctl scale / deploy --replicas, the console's s)
@@ -138,7 +138,12 @@ def admin_url(value: str) -> AdminURL:
     """
     like = f"is not a URL like {DEFAULT_ADMIN}"
     # SECURITY: a user:password@ in it is no business of the admin API (its token is a header): never quoted
+    value = value.strip()  # (a pasted address's stray blank or line break: as urlsplit drops a leading one)
     shown = re.sub(r"^([^/]*//)?[^/@]*@", lambda m: f"{m.group(1) or ''}…@", value)
+    if any(c.isspace() or not c.isprintable() for c in value):
+        # (no host has a space or a control character: the console took "not a url" for a host, and said
+        # "disconnected, retrying (unknown host not a url)" for as long as it ran)
+        raise ValueError(f"--admin {shown!r} {like}")  # (repr: a control character shown escaped)
     try:
         parts = urlsplit(value if "://" in value else f"http://{value}")
     except ValueError:  # ("Invalid IPv6 URL": an unclosed [)
@@ -214,6 +219,15 @@ def hostports(ctx: click.Context, param: click.Parameter, value: str | None) -> 
     return tuple(out)
 
 
+_TRAILING_SPACES = re.compile(r"[ \t]+((?:\x1b\[[0-9;]*m)*)$")  # (spaces before the line's last style codes too)
+
+
+def grpc_port(url: str) -> str:
+    """What ``llmgw ctl`` and ``llmgw console`` say when the address they were given answers in HTTP/2 frames."""
+    return (f"{url} is a gRPC port, such as control.listen, not the admin listener: pass the admin address "
+            "(admin: in the config) with --admin URL")
+
+
 def print_table(console: Any, table: Any) -> None:
     """Print a rich table without ever cutting a cell: a column that may not wrap (names, numbers) is
     shown whole, the line longer than the terminal if need be (the terminal wraps it, nothing is lost);
@@ -226,13 +240,27 @@ def print_table(console: Any, table: Any) -> None:
         need = Measurement.get(console, opts, table).maximum
     else:  # the columns that may not wrap whole, the others at their longest word
         need = 2 * max(0, len(table.columns) - 1)  # (padding between columns: box=None, pad_edge=False)
+        whole = need
         for col in table.columns:
             ms = [Measurement.get(console, opts, c) for c in (col.header, *col.cells)]
             need += max(m.maximum for m in ms) if col.no_wrap else max(m.minimum for m in ms)
+            whole += max(m.maximum for m in ms)
+        if need > console.width:
+            # The table is wider than the terminal whatever is wrapped: the terminal wraps each line. Wrapped
+            # in the table too, a reason came a word a line, each line the table's width of padding, which the
+            # terminal wrapped again: a screenful of one word and blank lines. Each row on one line instead,
+            # as piped, which the terminal wraps once.
+            need = whole
     width = console.width
     console.width = max(width, need)  # (print's own width= is capped at the console's)
     try:
-        console.print(table, crop=False)
+        # (rich pads every cell to its column's width, the last one too: a piped line ended in up to a
+        # column's width of spaces, which a script's `cut`/`awk '$NF'`/diff then carried, and a line wider than
+        # the terminal in blank lines where the terminal wrapped that padding)
+        with console.capture() as captured:
+            console.print(table, crop=False)
+        console.file.write("".join(_TRAILING_SPACES.sub(r"\1", line) + "\n" for line in captured.get().splitlines()))
+        console.file.flush()
     finally:
         console.width = width
 

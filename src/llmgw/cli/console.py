@@ -62,6 +62,13 @@ def console(admin: str, token: str | None, refresh: float, timeout: float, read_
         # (drawn into a pipe, the screen is escapes nobody reads, and keys never come)
         raise Fail("llmgw console needs a terminal on stdin and stdout; "
                    "from a script, use llmgw ctl (endpoints, nodes, gpus, deployments, ... --json)")
+    import os
+
+    for var in ("COLUMNS", "LINES"):
+        # (rich, under Textual, takes these over the terminal's own size, and keeps them through every
+        # resize: an exported COLUMNS=80, a script's or another terminal's, drew the console 80 wide in a
+        # terminal of 200. The terminal on stdout says its size, and says when it changes)
+        os.environ.pop(var, None)
     app = ConsoleApp(client, refresh=refresh, read_only=read_only, name=name, start=view)
     app.run()
     if app.return_code:

@@ -39,7 +39,7 @@ from urllib.parse import quote
 import click
 
 from ..errors import unsendable_secret
-from ._common import DEFAULT_ADMIN, MAX_REPLICAS, admin_url, printable, replica_count, tls_mismatch
+from ._common import DEFAULT_ADMIN, MAX_REPLICAS, admin_url, grpc_port, printable, replica_count, tls_mismatch
 
 __all__ = ["ctl"]
 
@@ -114,9 +114,11 @@ class Target:
             elif isinstance(exc, http.client.RemoteDisconnected):
                 reason = "it closed the connection without an answer"
             elif isinstance(exc, http.client.BadStatusLine):  # (its message is the bytes that came: never shown)
-                h2 = str(getattr(exc, "line", "")).startswith("\x00")  # (an HTTP/2 frame header: a length's high byte)
-                reason = ("it answered in HTTP/2 frames: that is a gRPC port, such as control.listen, not the admin "
-                          "listener (admin: in the config)" if h2 else "what it answered is not HTTP")
+                if str(getattr(exc, "line", "")).startswith("\x00"):  # (an HTTP/2 frame header: a length's high byte)
+                    # (reached and answering: "cannot reach ... is llmgw serve running?" would send one looking
+                    # for a stopped gateway)
+                    raise CtlError(grpc_port(where)) from None
+                reason = "what it answered is not HTTP"
             else:
                 reason = str(exc) or type(exc).__name__
             raise CtlError(

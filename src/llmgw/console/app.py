@@ -40,6 +40,7 @@ from .views import (
     View,
     apply_filter,
     column_widths,
+    cut_point,
     details,
     fmt_age,
     fmt_bytes,
@@ -157,6 +158,23 @@ class AskScreen(ModalScreen[str | None]):
         self.dismiss(None)
 
 
+class _TitledScroll(VerticalScroll):
+    """A scroll whose border title too long for it is cut at a word, ``…`` marking the cut: Textual would
+    cut it anywhere ("replicas and their lo…")."""
+
+    def __init__(self, title: str) -> None:
+        super().__init__()
+        self.full_title = title
+        self.border_title = Text(title)
+
+    def on_resize(self) -> None:
+        title = self.full_title
+        room = self.outer_size.width - 6  # (the corners, and a space each side of the title)
+        if 0 < room < len(title):
+            title = title[:cut_point(title, room)] + "…"
+        self.border_title = Text(title)
+
+
 class TextScreen(ModalScreen[None]):
     """Help, an item's details, a log tail: text that scrolls; esc or q closes it."""
 
@@ -174,8 +192,7 @@ class TextScreen(ModalScreen[None]):
         self.body = body if isinstance(body, Text) else Text(printable(body, lines=True))
 
     def compose(self) -> ComposeResult:
-        with VerticalScroll() as v:
-            v.border_title = Text(printable(self.title_text))
+        with _TitledScroll(printable(self.title_text)) as v:
             v.border_subtitle = "esc closes"
             yield Static(self.body, id="text")
 
@@ -559,7 +576,8 @@ class ConsoleApp(App[None]):
         if problem is not None:
             said = [problem]
         elif self.polls and total == 0 and self.disconnected is None:
-            said.append(view.empty(self.data, self.read_only))
+            said.append(view.empty(self.data, self.read_only) if place.scope is None
+                        else view.empty_in(self.data, place.scope, self.read_only))
         elif self.polls and not rows and total:
             said.append("no rows match the filter (esc clears it)")
         text = "\n".join(said)

@@ -17,7 +17,7 @@ from urllib.parse import quote
 
 import orjson
 
-from ..cli._common import admin_url, tls_mismatch
+from ..cli._common import admin_url, grpc_port, tls_mismatch
 from ..errors import unsendable_secret
 
 __all__ = ["APIError", "AdminClient", "AuthError", "ClientError", "NotAdminAPI", "Unreachable", "quote_id"]
@@ -159,6 +159,8 @@ class AdminClient:
             status_line = await reader.readline()
             bits = status_line.split(b" ", 2)
             if len(bits) < 2 or not bits[0].startswith(b"HTTP/1."):
+                if status_line.startswith(b"\x00"):  # (an HTTP/2 frame header, a length's high byte: gRPC)
+                    raise NotAdminAPI(0, grpc_port(self.url), "grpc_port")
                 raise ValueError("the answer is not HTTP")
             status = int(bits[1])
             length: int | None = None

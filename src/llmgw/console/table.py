@@ -20,7 +20,7 @@ from textual.message import Message
 from textual.scroll_view import ScrollView
 from textual.strip import Strip
 
-from .views import Cell, Column, Row, column_widths
+from .views import Cell, Column, Row, column_widths, cut_point
 
 __all__ = ["FleetTable"]
 
@@ -112,10 +112,10 @@ class FleetTable(ScrollView, can_focus=True):
             else:
                 piece = cell.copy() if isinstance(cell, Text) else Text(cell)
             n = piece.cell_len
-            if n > w:
-                piece.truncate(w - 1)
+            if n > w:  # (at a word boundary where there is one: "the large…" reads as a word)
+                piece.truncate(cut_point(piece.plain, w))
                 piece.append("…")
-                n = w
+                n = piece.cell_len
             pad = " " * (w - n)
             if col.right:
                 t.append(pad)

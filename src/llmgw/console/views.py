@@ -31,6 +31,7 @@ __all__ = [
     "apply_filter",
     "bar",
     "column_widths",
+    "cut_point",
     "sort_rows",
 ]
 
@@ -204,7 +205,7 @@ def fmt_value(key: str, v: Any, show_ages: bool = True) -> str:
             return ABSENT
         if key.endswith("_ratio") or key == "kv_cache_usage":
             return fmt_pct(v)
-        if key.endswith("_bytes"):
+        if key.endswith("_bytes") or key in ("gpu_memory", "memory"):  # (a deployment's spec: bytes too)
             return fmt_ibytes(v)
         if key == "size":
             return fmt_bytes(v)
@@ -273,6 +274,23 @@ def _row(key: str, cells: Sequence[CellType], sort: Sequence[Any], record: dict[
         plain = [c if isinstance(c, str) else c.plain for c in cells]
     # one cell a line: ^ and $ (re.MULTILINE) anchor at a cell's start and end
     return Row(key, tuple(cells), tuple(sort), record, "\n".join(plain).lower())
+
+
+def cut_point(plain: str, width: int) -> int:
+    """Where to cut ``plain``, longer than ``width`` cells, so that it and an ``…`` fit in ``width``.
+
+    At a word boundary (the last space that keeps at least half the width, the separators before it
+    dropped: ``"needs 2 GPUs; the largest…"``, never ``"the large…"``); a cell with no such space (an
+    id, a path) is cut at ``width - 1``. One terminal cell per character, as :func:`column_widths`.
+    """
+    room = max(0, width - 1)
+    if room == 0 or plain[room] == " ":  # (the next character ends a word: the word before it is whole)
+        cut = room
+    else:
+        space = plain.rfind(" ", 0, room + 1)
+        cut = space if space >= max(1, width // 2) else room
+    kept = plain[:cut].rstrip(" ,;:([{")
+    return len(kept) if kept else cut
 
 
 def column_widths(columns: Sequence[Column], rows: Sequence[Row], cap: int = 48) -> list[int]:
@@ -358,6 +376,10 @@ class View:
     def empty(self, data: dict[str, Any], read_only: bool = False) -> str:
         """What an empty table means, and how to fill it (a key only where it is not hidden by --read-only)."""
         return f"no {self.name}"
+
+    def empty_in(self, data: dict[str, Any], scope: tuple[str, str], read_only: bool = False) -> str:
+        """What an empty drill-down (enter on a row: ``scope`` is its field and value) means."""
+        return self.empty(data, read_only)
 
 
 class EndpointsView(View):
@@ -580,6 +602,19 @@ class GPUsView(View):
 
     def empty(self, data: dict[str, Any], read_only: bool = False) -> str:
         return "no GPUs reported (no nodes, or nodes without GPUs)"
+
+    def empty_in(self, data: dict[str, Any], scope: tuple[str, str], read_only: bool = False) -> str:
+        if scope[0] != "node":
+            return self.empty(data, read_only)
+        # (a node's GPUs: "no nodes, or nodes without GPUs" said nothing of the node entered)
+        nodes = (data.get("/admin/v1/nodes") or {}).get("nodes") or []
+        node = next((n for n in nodes if str(n.get("name")) == scope[1]), None)
+        name = printable(scope[1])
+        if node is None:
+            return f"no node {name} now (forgotten or deregistered): esc goes back to the nodes"
+        source = node.get("gpu_source")
+        how = f"its agent's --gpu-source is {printable(source)}" if source == "none" else "a CPU node, or its GPUs unseen"
+        return f"{name} reports no GPUs ({how})"
 
 
 class DeploymentsView(View):
