@@ -718,28 +718,37 @@ async def test_a_peer_that_does_not_read_is_not_read_from() -> None:
     answers fill its connection's buffer, instead of the buffer growing with what it sends."""
     async with serving() as (server, _, port):
         sock = socket.create_connection(("127.0.0.1", port))
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-        sock.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n")
-        frame = b"\x00\x00\x00\x04\x00\x00\x00\x00\x00" * 1000  # 1,000 empty SETTINGS
-        sock.setblocking(False)
-        sent = 0
-        t0 = time.monotonic()
-        while sent < 30_000_000 and time.monotonic() - t0 < 10:
-            try:
-                sent += sock.send(frame)
-            except BlockingIOError:
-                await asyncio.sleep(0.05)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            sock.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n")
+            t0 = time.monotonic()
+            while not server.connections and time.monotonic() - t0 < 5:
+                await asyncio.sleep(0.01)
+            conn = next(iter(server.connections))
+            # (the server's kernel buffer small too: the ACKs back up into its transport within a few
+            # hundred kB whatever the machine's speed; with the default 4 MiB a slow machine took longer
+            # than the bound below to parse that many SETTINGS)
+            conn.transport.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+            frame = b"\x00\x00\x00\x04\x00\x00\x00\x00\x00" * 1000  # 1,000 empty SETTINGS
+            sock.setblocking(False)
+            sent = 0
+            t0 = time.monotonic()
+            while sent < 30_000_000 and time.monotonic() - t0 < 20 and not conn.paused:
                 try:
                     sent += sock.send(frame)
                 except BlockingIOError:
-                    break  # the server stopped reading: the kernel buffers are full
-            await asyncio.sleep(0)
-        await asyncio.sleep(0.2)
-        conn = next(iter(server.connections))
-        assert conn.paused
-        assert conn.transport.get_write_buffer_size() < 4 * 1024 * 1024
-        assert sent < 30_000_000
-        sock.close()
+                    await asyncio.sleep(0.05)
+                    try:
+                        sent += sock.send(frame)
+                    except BlockingIOError:
+                        break  # the server stopped reading: the kernel buffers are full
+                await asyncio.sleep(0)
+            await asyncio.sleep(0.2)
+            assert conn.paused, sent
+            assert conn.transport.get_write_buffer_size() < 4 * 1024 * 1024
+            assert sent < 30_000_000
+        finally:
+            sock.close()
 
 
 async def test_unfinished_messages_have_a_budget_per_connection() -> None:
