@@ -445,6 +445,11 @@ class GatewayRuntime:
                 missing.append(m)
                 why[m] = {i: r for i, r in reasons.items() if r is not None}
         body: dict[str, Any] = {"ready": not missing, "models_unavailable": missing, "unavailable": why}
+        held = getattr(self.gateway, "held_models", None)
+        said = getattr(held, "reasons", None) or {}
+        deployed = {m: said[m] for m in missing if not why[m] and m in said}
+        if deployed:  # (a deployed model without a replica: the control plane's reason, as its 503 says it)
+            body["deployments"] = deployed
         if follow is not None:
             body["follow"] = follow
         refused = sorted(ep.id for ep in reg.endpoints.values() if ep.auth_failed)

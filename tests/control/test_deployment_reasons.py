@@ -104,6 +104,9 @@ async def test_a_restarting_replica_says_why_from_its_first_crash(tmp_path: Path
 
         report("starting", pid=10, port=40001, message="started: llama-server ...")
         assert await message() is None  # (starting for the first time: nothing to explain)
+        # ...but the table says what the replica is doing, as the console does, rather than –
+        res = await invoke("--admin", url, "deployments")
+        assert res.exit_code == 0 and row(res.output, "crash").endswith("started: llama-server ..."), res.output
         # the first crash: the agent waits before starting it again, and the deployment says why
         report("starting", exit_code=1, message=f"exited with status 1; restarting in 1s; its log ends:\n{tail(rid, 1)}")
         assert await message() == (f"replica {rid} on node-1: exited with status 1; restarting in 1s; "

@@ -149,6 +149,9 @@ async def test_the_router_follows_ready_replicas_scale_down_drains_and_zero_answ
         assert status == 503 and body["error"]["code"] == "model_unavailable", body
         status, ready = await admin(rt, "GET", "/ready")  # ... and the router is not ready without it
         assert status == 503 and "chat" in ready["models_unavailable"], ready
+        # (with the control plane's reason, as the 503 says it)
+        assert ready["deployments"] == {"chat": "its deployment's replicas are starting"}, ready
+        assert ready["deployments"]["chat"] in body["error"]["message"], body
         reps = Replicas(ctl_, "node-1", tokens_per_second=20.0)
         try:
             await reps.follow("starting")

@@ -239,6 +239,22 @@ async def test_router_follows_survives_and_catches_up(tmp_path: Path) -> None:
         gone = left.pop()
         assert any(r == gone for r, _ in done), done
         assert all(t <= left_at for r, t in done if r == gone), "the replica left before its requests finished"
+
+        # -- scaled to 0: the router's 503 says why, in the leader's words (the reason travels in the table) --
+        status, body = await _http(cp_admin, "POST", "/admin/v1/deployments/tiny/scale", {"replicas": 0})
+        assert status == 200, body
+        await wait_for(lambda: not _tiny(rt), 30, "the last replica out of the router")
+        msg = ""
+
+        async def said() -> bool:
+            nonlocal msg
+            status, body = await _http(rt.listen_addr[1], "POST", "/v1/chat/completions",  # type: ignore[index]
+                                       {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]})
+            msg = orjson.loads(body)["error"]["message"] if status == 503 else ""
+            return "scaled to 0" in msg
+
+        await wait_for(said, 10, "the leader's reason on the router")
+        assert "its deployment is scaled to 0" in msg, msg
     finally:
         await rt.stop()
         await agent.term()
@@ -282,7 +298,14 @@ def test_hub_table_and_drain_reports() -> None:
     assert [m.table.version for m in sent] == [1, 2, 3, 4]  # (no loop here: each change published at once)
     t = sent[-1].table
     assert [r.id for r in t.replicas] == ["r1", "r2"] and list(t.held_models) == ["m", "z"]
-    assert list(t.wanted_models) == ["m"]
+    assert list(t.wanted_models) == ["m"] and dict(t.held_reasons) == {}
+    # a held model's reason, and a change of reason alone, reach the routers
+    from llmgw.fleet.held import HeldModels
+
+    hub.hold(HeldModels({"m", "z"}, reasons={"z": "its deployment is scaled to 0"}), frozenset({"m"}))
+    assert len(sent) == 5 and dict(sent[-1].table.held_reasons) == {"z": "its deployment is scaled to 0"}
+    hub.hold(HeldModels({"m", "z"}, reasons={"z": "its deployment's replicas are starting"}), frozenset({"m"}))
+    assert len(sent) == 6 and dict(sent[-1].table.held_reasons) == {"z": "its deployment's replicas are starting"}
     back = endpoint_from_proto(t.replicas[0])
     assert back == _ep("r1")  # what the router adds is what the control plane's router got
     hub.set_draining("r2", True)

@@ -813,7 +813,8 @@ def deployments(ctx: click.Context, show_secrets: bool, admin: str | None, token
     """List the deployments: desired and ready replicas, where each runs, why one is not placed or ready.
 
     WHY NOT is one line: the reason, and the most telling line of the engine's log where the
-    reason carries its end (--json has the whole message; llmgw ctl logs REPLICA the log).
+    reason carries its end (--json has the whole message; llmgw ctl logs REPLICA the log); with
+    no reason, what a replica not ready yet does (fetching the model, started: ...).
     Values nobody reported (a replica's port before it started) show as –.
     """
     t = _target(ctx, admin, token, as_json)
@@ -823,7 +824,7 @@ def deployments(ctx: click.Context, show_secrets: bool, admin: str | None, token
         return
     from rich.table import Table
 
-    from ..launch.spec import reason_line
+    from ..launch.spec import deployment_reason
 
     rows = data.get("deployments", [])
     console = _console()
@@ -836,7 +837,7 @@ def deployments(ctx: click.Context, show_secrets: bool, admin: str | None, token
         table.add_column(col, justify=justify, no_wrap=col != "WHY NOT")  # type: ignore[arg-type]
     for d in rows:
         desired = _fmt(d.get("desired")) + ("*" if d.get("scaled") else "")
-        why = reason_line(str(d["message"])) if d.get("message") else None
+        why = deployment_reason(d)
         _add_row(
             table, str(d.get("name")), str(d.get("model")), str(d.get("engine")), _fmt(d.get("ready")), desired,
             str(d.get("source")), ", ".join(map(str, d.get("nodes") or [])) or ABSENT, why or ABSENT,

@@ -18,7 +18,7 @@ from typing import Any
 from rich.text import Text
 
 from ..cli._common import printable
-from ..launch.spec import reason_line
+from ..launch.spec import deployment_reason
 
 __all__ = [
     "ABSENT",
@@ -643,8 +643,7 @@ class DeploymentsView(View):
             nodes = d.get("nodes")
             where = sorted(map(str, nodes)) if isinstance(nodes, list) else sorted(
                 {str(r.get("node")) for r in reps if r.get("node")})
-            why = reason_line(str(d.get("message") or next(
-                (r["message"] for r in reps if r.get("message") and r.get("state") != "ready"), "")))
+            why = deployment_reason(d)
             cells = (name, str(d.get("model") or ABSENT), str(d.get("engine") or ABSENT),
                      Cell(fmt_int(ready), _GOOD if ready is not None and ready == desired else _WARN),
                      fmt_int(desired), ",".join(where) or ABSENT, str(why) if why else ABSENT)

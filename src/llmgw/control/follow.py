@@ -187,6 +187,7 @@ class FollowHub:
         self._draining: dict[str, float] = {}
         """Draining replica id -> since when (monotonic)."""
         self._held: frozenset[str] = frozenset()
+        self._reasons: dict[str, str] = {}
         self._wanted: frozenset[str] = frozenset()
         self._due = False
         self._reports: dict[str, tuple[float, dict[str, int]]] = {}
@@ -251,8 +252,9 @@ class FollowHub:
     def hold(self, models: frozenset[str], wanted: frozenset[str]) -> None:
         if self.inner is not None:
             self.inner.hold(models, wanted)
-        if (models, wanted) != (self._held, self._wanted):
-            self._held, self._wanted = models, wanted
+        reasons = dict(getattr(models, "reasons", None) or {})  # (a HeldModels says why, per model)
+        if (models, wanted, reasons) != (self._held, self._wanted, self._reasons):
+            self._held, self._wanted, self._reasons = models, wanted, reasons
             self._changed()
 
     # -- routers --
@@ -275,6 +277,7 @@ class FollowHub:
         t.replicas.extend(endpoint_to_proto(self._table[i], i in self._draining) for i in sorted(self._table))
         t.held_models.extend(sorted(self._held))
         t.wanted_models.extend(sorted(self._wanted))
+        t.held_reasons.update(self._reasons)
         return rpb.WatchReplicasResponse(table=t)
 
     def start(self) -> None:

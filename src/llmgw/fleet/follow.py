@@ -650,7 +650,8 @@ class Follower:
                 router.set_draining(rid, draining)
                 newly_draining |= draining
             self._eps[rid] = (ep, draining, wire)
-        router.hold(frozenset(table.held_models), frozenset(table.wanted_models))
+        # (a deployed model's own reason, as the leader's data path says it; an older control plane sends none)
+        router.hold(HeldModels(table.held_models, reasons=dict(table.held_reasons)), frozenset(table.wanted_models))
         first = s.version is None
         s.version, s.source, s.built_at = table.version, table.source, table.built_at_unix_seconds
         s.received_at = time.monotonic()

@@ -15,7 +15,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 # Replica states, in the order a healthy replica passes through them.
 FETCHING = "fetching"  # the model's blobs are being fetched from the control plane's mirror
@@ -152,6 +152,18 @@ def reason_line(message: str | None, width: int = REASON_WIDTH) -> str | None:
     elif telling:
         line = telling
     return _cut(line, width) or None
+
+
+def deployment_reason(d: Mapping[str, Any]) -> str | None:
+    """A deployment's WHY NOT (``llmgw ctl deployments``, the console): its message, else the message of its
+    first replica that is not ready (``fetching the model``, ``started: ...``), as :func:`reason_line` gives
+    it: a replica still starting says so rather than nothing."""
+    message = d.get("message")
+    if not message:
+        reps = d.get("replicas")
+        message = next((str(r["message"]) for r in reps if isinstance(r, Mapping) and r.get("message")
+                        and r.get("state") != "ready"), None) if isinstance(reps, list) else None
+    return reason_line(str(message)) if message else None
 
 
 _LOG_SEP = "; log: "

@@ -25,13 +25,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cllmgw/router/v1/router.proto\x12\x0fllmgw.router.v1\"w\n\x14WatchReplicasRequest\x12\x13\n\x0brouter_name\x18\x01 \x01(\t\x12\x16\n\x0erouter_version\x18\x02 \x01(\t\x12\x32\n\x08protocol\x18\x03 \x01(\x0b\x32 .llmgw.router.v1.ProtocolVersion\"/\n\x0fProtocolVersion\x12\r\n\x05major\x18\x01 \x01(\r\x12\r\n\x05minor\x18\x02 \x01(\r\"E\n\x15WatchReplicasResponse\x12,\n\x05table\x18\x01 \x01(\x0b\x32\x1d.llmgw.router.v1.ReplicaTable\"\xa6\x01\n\x0cReplicaTable\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\x0e\n\x06source\x18\x02 \x01(\t\x12*\n\x08replicas\x18\x03 \x03(\x0b\x32\x18.llmgw.router.v1.Replica\x12\x13\n\x0bheld_models\x18\x04 \x03(\t\x12\x1d\n\x15\x62uilt_at_unix_seconds\x18\x05 \x01(\x01\x12\x15\n\rwanted_models\x18\x06 \x03(\t\"\xce\x01\n\x07Replica\x12\n\n\x02id\x18\x01 \x01(\t\x12\x12\n\ndeployment\x18\x02 \x01(\t\x12\x13\n\x0bserved_name\x18\x03 \x01(\t\x12\x0e\n\x06\x65ngine\x18\x04 \x01(\t\x12\x0b\n\x03url\x18\x05 \x01(\t\x12\x0f\n\x07\x61pi_key\x18\x06 \x01(\t\x12\x0c\n\x04node\x18\x07 \x01(\t\x12\x0c\n\x04pool\x18\x08 \x01(\t\x12\x14\n\x0cmetrics_path\x18\t \x01(\t\x12\x12\n\x05slots\x18\n \x01(\rH\x00\x88\x01\x01\x12\x10\n\x08\x64raining\x18\x0b \x01(\x08\x42\x08\n\x06_slots\"\xa5\x01\n\x15ReportDrainingRequest\x12\x13\n\x0brouter_name\x18\x01 \x01(\t\x12\x46\n\x08inflight\x18\x02 \x03(\x0b\x32\x34.llmgw.router.v1.ReportDrainingRequest.InflightEntry\x1a/\n\rInflightEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\r:\x02\x38\x01\"/\n\x16ReportDrainingResponse\x12\x15\n\rvalid_seconds\x18\x01 \x01(\x01\"\x8b\x01\n\x12ShareRoutesRequest\x12\x13\n\x0brouter_name\x18\x01 \x01(\t\x12\x32\n\x08protocol\x18\x02 \x01(\x0b\x32 .llmgw.router.v1.ProtocolVersion\x12,\n\x06routes\x18\x03 \x03(\x0b\x32\x1c.llmgw.router.v1.ModelRoutes\"C\n\x13ShareRoutesResponse\x12,\n\x06routes\x18\x01 \x03(\x0b\x32\x1c.llmgw.router.v1.ModelRoutes\"D\n\x0bModelRoutes\x12\r\n\x05model\x18\x01 \x01(\t\x12&\n\x06routes\x18\x02 \x03(\x0b\x32\x16.llmgw.router.v1.Route\"8\n\x05Route\x12\x0f\n\x07replica\x18\x01 \x01(\x06\x12\r\n\x05\x63hain\x18\x02 \x01(\x0c\x12\x0f\n\x07session\x18\x03 \x01(\x06\x32\xb2\x02\n\rRouterService\x12`\n\rWatchReplicas\x12%.llmgw.router.v1.WatchReplicasRequest\x1a&.llmgw.router.v1.WatchReplicasResponse0\x01\x12\x61\n\x0eReportDraining\x12&.llmgw.router.v1.ReportDrainingRequest\x1a\'.llmgw.router.v1.ReportDrainingResponse\x12\\\n\x0bShareRoutes\x12#.llmgw.router.v1.ShareRoutesRequest\x1a$.llmgw.router.v1.ShareRoutesResponse(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cllmgw/router/v1/router.proto\x12\x0fllmgw.router.v1\"w\n\x14WatchReplicasRequest\x12\x13\n\x0brouter_name\x18\x01 \x01(\t\x12\x16\n\x0erouter_version\x18\x02 \x01(\t\x12\x32\n\x08protocol\x18\x03 \x01(\x0b\x32 .llmgw.router.v1.ProtocolVersion\"/\n\x0fProtocolVersion\x12\r\n\x05major\x18\x01 \x01(\r\x12\r\n\x05minor\x18\x02 \x01(\r\"E\n\x15WatchReplicasResponse\x12,\n\x05table\x18\x01 \x01(\x0b\x32\x1d.llmgw.router.v1.ReplicaTable\"\xa0\x02\n\x0cReplicaTable\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\x0e\n\x06source\x18\x02 \x01(\t\x12*\n\x08replicas\x18\x03 \x03(\x0b\x32\x18.llmgw.router.v1.Replica\x12\x13\n\x0bheld_models\x18\x04 \x03(\t\x12\x1d\n\x15\x62uilt_at_unix_seconds\x18\x05 \x01(\x01\x12\x15\n\rwanted_models\x18\x06 \x03(\t\x12\x44\n\x0cheld_reasons\x18\x07 \x03(\x0b\x32..llmgw.router.v1.ReplicaTable.HeldReasonsEntry\x1a\x32\n\x10HeldReasonsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xce\x01\n\x07Replica\x12\n\n\x02id\x18\x01 \x01(\t\x12\x12\n\ndeployment\x18\x02 \x01(\t\x12\x13\n\x0bserved_name\x18\x03 \x01(\t\x12\x0e\n\x06\x65ngine\x18\x04 \x01(\t\x12\x0b\n\x03url\x18\x05 \x01(\t\x12\x0f\n\x07\x61pi_key\x18\x06 \x01(\t\x12\x0c\n\x04node\x18\x07 \x01(\t\x12\x0c\n\x04pool\x18\x08 \x01(\t\x12\x14\n\x0cmetrics_path\x18\t \x01(\t\x12\x12\n\x05slots\x18\n \x01(\rH\x00\x88\x01\x01\x12\x10\n\x08\x64raining\x18\x0b \x01(\x08\x42\x08\n\x06_slots\"\xa5\x01\n\x15ReportDrainingRequest\x12\x13\n\x0brouter_name\x18\x01 \x01(\t\x12\x46\n\x08inflight\x18\x02 \x03(\x0b\x32\x34.llmgw.router.v1.ReportDrainingRequest.InflightEntry\x1a/\n\rInflightEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\r:\x02\x38\x01\"/\n\x16ReportDrainingResponse\x12\x15\n\rvalid_seconds\x18\x01 \x01(\x01\"\x8b\x01\n\x12ShareRoutesRequest\x12\x13\n\x0brouter_name\x18\x01 \x01(\t\x12\x32\n\x08protocol\x18\x02 \x01(\x0b\x32 .llmgw.router.v1.ProtocolVersion\x12,\n\x06routes\x18\x03 \x03(\x0b\x32\x1c.llmgw.router.v1.ModelRoutes\"C\n\x13ShareRoutesResponse\x12,\n\x06routes\x18\x01 \x03(\x0b\x32\x1c.llmgw.router.v1.ModelRoutes\"D\n\x0bModelRoutes\x12\r\n\x05model\x18\x01 \x01(\t\x12&\n\x06routes\x18\x02 \x03(\x0b\x32\x16.llmgw.router.v1.Route\"8\n\x05Route\x12\x0f\n\x07replica\x18\x01 \x01(\x06\x12\r\n\x05\x63hain\x18\x02 \x01(\x0c\x12\x0f\n\x07session\x18\x03 \x01(\x06\x32\xb2\x02\n\rRouterService\x12`\n\rWatchReplicas\x12%.llmgw.router.v1.WatchReplicasRequest\x1a&.llmgw.router.v1.WatchReplicasResponse0\x01\x12\x61\n\x0eReportDraining\x12&.llmgw.router.v1.ReportDrainingRequest\x1a\'.llmgw.router.v1.ReportDrainingResponse\x12\\\n\x0bShareRoutes\x12#.llmgw.router.v1.ShareRoutesRequest\x1a$.llmgw.router.v1.ShareRoutesResponse(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'llmgw._proto.router.v1.router_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_REPLICATABLE_HELDREASONSENTRY']._loaded_options = None
+  _globals['_REPLICATABLE_HELDREASONSENTRY']._serialized_options = b'8\001'
   _globals['_REPORTDRAININGREQUEST_INFLIGHTENTRY']._loaded_options = None
   _globals['_REPORTDRAININGREQUEST_INFLIGHTENTRY']._serialized_options = b'8\001'
   _globals['_WATCHREPLICASREQUEST']._serialized_start=49
@@ -41,23 +43,25 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_WATCHREPLICASRESPONSE']._serialized_start=219
   _globals['_WATCHREPLICASRESPONSE']._serialized_end=288
   _globals['_REPLICATABLE']._serialized_start=291
-  _globals['_REPLICATABLE']._serialized_end=457
-  _globals['_REPLICA']._serialized_start=460
-  _globals['_REPLICA']._serialized_end=666
-  _globals['_REPORTDRAININGREQUEST']._serialized_start=669
-  _globals['_REPORTDRAININGREQUEST']._serialized_end=834
-  _globals['_REPORTDRAININGREQUEST_INFLIGHTENTRY']._serialized_start=787
-  _globals['_REPORTDRAININGREQUEST_INFLIGHTENTRY']._serialized_end=834
-  _globals['_REPORTDRAININGRESPONSE']._serialized_start=836
-  _globals['_REPORTDRAININGRESPONSE']._serialized_end=883
-  _globals['_SHAREROUTESREQUEST']._serialized_start=886
-  _globals['_SHAREROUTESREQUEST']._serialized_end=1025
-  _globals['_SHAREROUTESRESPONSE']._serialized_start=1027
-  _globals['_SHAREROUTESRESPONSE']._serialized_end=1094
-  _globals['_MODELROUTES']._serialized_start=1096
-  _globals['_MODELROUTES']._serialized_end=1164
-  _globals['_ROUTE']._serialized_start=1166
-  _globals['_ROUTE']._serialized_end=1222
-  _globals['_ROUTERSERVICE']._serialized_start=1225
-  _globals['_ROUTERSERVICE']._serialized_end=1531
+  _globals['_REPLICATABLE']._serialized_end=579
+  _globals['_REPLICATABLE_HELDREASONSENTRY']._serialized_start=529
+  _globals['_REPLICATABLE_HELDREASONSENTRY']._serialized_end=579
+  _globals['_REPLICA']._serialized_start=582
+  _globals['_REPLICA']._serialized_end=788
+  _globals['_REPORTDRAININGREQUEST']._serialized_start=791
+  _globals['_REPORTDRAININGREQUEST']._serialized_end=956
+  _globals['_REPORTDRAININGREQUEST_INFLIGHTENTRY']._serialized_start=909
+  _globals['_REPORTDRAININGREQUEST_INFLIGHTENTRY']._serialized_end=956
+  _globals['_REPORTDRAININGRESPONSE']._serialized_start=958
+  _globals['_REPORTDRAININGRESPONSE']._serialized_end=1005
+  _globals['_SHAREROUTESREQUEST']._serialized_start=1008
+  _globals['_SHAREROUTESREQUEST']._serialized_end=1147
+  _globals['_SHAREROUTESRESPONSE']._serialized_start=1149
+  _globals['_SHAREROUTESRESPONSE']._serialized_end=1216
+  _globals['_MODELROUTES']._serialized_start=1218
+  _globals['_MODELROUTES']._serialized_end=1286
+  _globals['_ROUTE']._serialized_start=1288
+  _globals['_ROUTE']._serialized_end=1344
+  _globals['_ROUTERSERVICE']._serialized_start=1347
+  _globals['_ROUTERSERVICE']._serialized_end=1653
 # @@protoc_insertion_point(module_scope)

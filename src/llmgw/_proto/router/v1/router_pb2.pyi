@@ -110,12 +110,33 @@ Global___WatchReplicasResponse: _TypeAlias = WatchReplicasResponse  # noqa: Y015
 class ReplicaTable(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
+    @_typing.final
+    class HeldReasonsEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     VERSION_FIELD_NUMBER: _builtins.int
     SOURCE_FIELD_NUMBER: _builtins.int
     REPLICAS_FIELD_NUMBER: _builtins.int
     HELD_MODELS_FIELD_NUMBER: _builtins.int
     BUILT_AT_UNIX_SECONDS_FIELD_NUMBER: _builtins.int
     WANTED_MODELS_FIELD_NUMBER: _builtins.int
+    HELD_REASONS_FIELD_NUMBER: _builtins.int
     version: _builtins.int
     """Rises on every change within one control plane's run (`source`)."""
     source: _builtins.str
@@ -140,6 +161,13 @@ class ReplicaTable(_message.Message):
         a router's /ready waits for a usable replica of each.
         """
 
+    @_builtins.property
+    def held_reasons(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
+        """Why a held model has no ready replica, by served name (scaled to 0,
+        starting, restarting after a crash, cannot be placed, failed): what the
+        503 tells a client. A model without an entry: the router's own words.
+        """
+
     def __init__(
         self,
         *,
@@ -149,10 +177,11 @@ class ReplicaTable(_message.Message):
         held_models: _abc.Iterable[_builtins.str] | None = ...,
         built_at_unix_seconds: _builtins.float = ...,
         wanted_models: _abc.Iterable[_builtins.str] | None = ...,
+        held_reasons: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["built_at_unix_seconds", b"built_at_unix_seconds", "held_models", b"held_models", "replicas", b"replicas", "source", b"source", "version", b"version", "wanted_models", b"wanted_models"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["built_at_unix_seconds", b"built_at_unix_seconds", "held_models", b"held_models", "held_reasons", b"held_reasons", "replicas", b"replicas", "source", b"source", "version", b"version", "wanted_models", b"wanted_models"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
