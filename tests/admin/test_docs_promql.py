@@ -14,8 +14,6 @@ import asyncio
 import contextlib
 import json
 import re
-import shutil
-import subprocess
 import time
 import urllib.error
 import urllib.parse
@@ -25,6 +23,7 @@ from typing import Any
 
 import pytest
 from admin_helpers import Engine, admin_port, chat, client_port, running
+from prom_helpers import prometheus, scrapes
 
 from llmgw.agent.client import AgentClient
 from llmgw.agent.model import GPU, Discovery, NodeFacts
@@ -32,7 +31,6 @@ from ports import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = [ROOT / "docs" / n for n in ("metrics.md", "control-plane.md", "operations.md")]
-PROMETHEUS = shutil.which("prometheus")
 TOKEN = "join-token-for-docs-promql"
 CLUSTER_FULL = "avg(llmgw_gpu_utilization_ratio) and on () sum(llmgw_admission_queue_depth) > 0"
 pytestmark = [pytest.mark.needs_tool("prometheus", install="apt-get install prometheus"), pytest.mark.timeout(150)]
@@ -106,11 +104,6 @@ async def _until(cond: Any, timeout: float, what: str) -> None:
         await asyncio.sleep(0.25)
 
 
-def _scrape_count(port: int) -> float:
-    res = _instant(port, 'count_over_time(up{job="llmgw"}[10m])')
-    return float(res[0]["value"][1]) if res else 0.0
-
-
 def test_the_docs_have_queries() -> None:
     qs = [q for d in DOCS for q in doc_queries(d.read_text())]
     assert len(qs) >= 12 and CLUSTER_FULL in qs and "llmgw_gpu_xid_errors_total > 0" in qs
@@ -129,56 +122,38 @@ async def test_every_documented_query_evaluates_in_prometheus(tmp_path: Path) ->
         stop = asyncio.Event()
         source = TwoGPUs()
         agent = asyncio.create_task(AgentClient(f"127.0.0.1:{cport}", "node-q", TOKEN, source).run(stop))
-        pport = free_port()
-        cfg = tmp_path / "prometheus.yml"
-        cfg.write_text(
-            "global: {scrape_interval: 1s, evaluation_interval: 1s}\n"
-            "scrape_configs:\n"
-            f"  - job_name: llmgw\n    static_configs: [{{targets: ['127.0.0.1:{admin_port(rt)}']}}]\n"
-        )
-        assert PROMETHEUS is not None
-        prom = subprocess.Popen(
-            [PROMETHEUS, f"--config.file={cfg}", f"--storage.tsdb.path={tmp_path / 'data'}",
-             f"--web.listen-address=127.0.0.1:{pport}"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        )
         try:
-            await _until(lambda: len(_instant(pport, "llmgw_gpu_utilization_ratio")) == 2, 60, "the GPUs scraped")
-            assert _instant(pport, CLUSTER_FULL) == []  # nothing waits yet: no value (not 0)
-            t0 = time.time()
-            waiting = [asyncio.create_task(chat(client_port(rt))) for _ in range(3)]
-            await _until(lambda: _instant(pport, "sum(llmgw_admission_queue_depth) > 0"), 20, "a queue scraped")
-            full = _instant(pport, CLUSTER_FULL)
-            assert [float(r["value"][1]) for r in full] == [pytest.approx(0.6)]
-            assert set(await asyncio.gather(*waiting)) == {429}  # (shed at queue_timeout: the pool stayed full)
-            await _until(lambda: not _instant(pport, CLUSTER_FULL), 20, "the drained queue scraped")
-            # over the incident: a value at each scrape that saw requests waiting, the GPUs' mean
-            rng = _get(pport, "/api/v1/query_range", query=CLUSTER_FULL, start=t0 - 5, end=time.time(), step=1)
-            assert rng["status"] == "success"
-            values = [float(v) for r in rng["data"]["result"] for _, v in r["values"]]
-            assert values and values == [pytest.approx(0.6)] * len(values), values
+            async with prometheus(tmp_path, admin_port(rt)) as pport:
+                await _until(lambda: len(_instant(pport, "llmgw_gpu_utilization_ratio")) == 2, 60, "the GPUs scraped")
+                assert _instant(pport, CLUSTER_FULL) == []  # nothing waits yet: no value (not 0)
+                t0 = time.time()
+                waiting = [asyncio.create_task(chat(client_port(rt))) for _ in range(3)]
+                await _until(lambda: _instant(pport, "sum(llmgw_admission_queue_depth) > 0"), 20, "a queue scraped")
+                full = _instant(pport, CLUSTER_FULL)
+                assert [float(r["value"][1]) for r in full] == [pytest.approx(0.6)]
+                assert set(await asyncio.gather(*waiting)) == {429}  # (shed at queue_timeout: the pool stayed full)
+                await _until(lambda: not _instant(pport, CLUSTER_FULL), 20, "the drained queue scraped")
+                # over the incident: a value at each scrape that saw requests waiting, the GPUs' mean
+                rng = _get(pport, "/api/v1/query_range", query=CLUSTER_FULL, start=t0 - 5, end=time.time(), step=1)
+                assert rng["status"] == "success"
+                values = [float(v) for r in rng["data"]["result"] for _, v in r["values"]]
+                assert values and values == [pytest.approx(0.6)] * len(values), values
 
-            # a GPU's first XID: its series appears at 1. increase() reads 0 over it (the trap the docs
-            # name); the documented query finds it
-            source.xid = ((79, 1),)
-            await _until(lambda: _instant(pport, "llmgw_gpu_xid_errors_total"), 20, "the XID scraped")
-            seen = await asyncio.to_thread(_scrape_count, pport)
-            await _until(lambda: _scrape_count(pport) >= seen + 2, 20, "two more scrapes")
-            assert [float(r["value"][1]) for r in _instant(pport, "increase(llmgw_gpu_xid_errors_total[1m])")] == [0.0]
-            found = _instant(pport, "llmgw_gpu_xid_errors_total > 0")
-            assert [(r["metric"]["gpu_index"], r["metric"]["xid"], float(r["value"][1])) for r in found] == [
-                ("0", "79", 1.0)]
+                # a GPU's first XID: its series appears at 1. increase() reads 0 over it (the trap the docs
+                # name); the documented query finds it
+                source.xid = ((79, 1),)
+                await _until(lambda: _instant(pport, "llmgw_gpu_xid_errors_total"), 20, "the XID scraped")
+                seen = await asyncio.to_thread(scrapes, pport)
+                await _until(lambda: scrapes(pport) >= seen + 2, 20, "two more scrapes")
+                assert [float(r["value"][1]) for r in _instant(pport, "increase(llmgw_gpu_xid_errors_total[1m])")] == [0.0]
+                found = _instant(pport, "llmgw_gpu_xid_errors_total > 0")
+                assert [(r["metric"]["gpu_index"], r["metric"]["xid"], float(r["value"][1])) for r in found] == [
+                    ("0", "79", 1.0)]
 
-            queries = [q for d in DOCS for q in doc_queries(d.read_text())]
-            for q in queries:
-                _instant(pport, q)  # (asserts it evaluates)
+                queries = [q for d in DOCS for q in doc_queries(d.read_text())]
+                for q in queries:
+                    _instant(pport, q)  # (asserts it evaluates)
         finally:
-            prom.terminate()
-            try:
-                prom.wait(10)
-            except subprocess.TimeoutExpired:
-                prom.kill()
-                prom.wait(5)
             stop.set()
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(agent, 10)

@@ -8,14 +8,11 @@ OpenAI SDK's single request between scrapes.
 
 from __future__ import annotations
 
-import subprocess
 from pathlib import Path
 
 import pytest
 from admin_helpers import Engine, admin_port, client_port, families, http, running, sample
-from test_metrics_reload import PROMETHEUS, _query, _scrapes, _until
-
-from ports import free_port
+from prom_helpers import prometheus, query, scrapes, until
 
 pytestmark = pytest.mark.needs_tool("prometheus", install="apt-get install prometheus")
 
@@ -31,36 +28,16 @@ async def test_the_first_answers_tokens_show_in_increase(tmp_path: Path) -> None
         assert sample(fams, "llmgw_tokens_total", model="m", kind="completion") == 0
         assert sample(fams, "llmgw_tokens_total", model="(unknown)") is None
 
-        port = free_port()
-        cfg = tmp_path / "prometheus.yml"
-        cfg.write_text(
-            "global: {scrape_interval: 1s, evaluation_interval: 1s}\n"
-            "scrape_configs:\n"
-            f"  - job_name: llmgw\n    static_configs: [{{targets: ['127.0.0.1:{admin_port(rt)}']}}]\n"
-        )
-        assert PROMETHEUS is not None
-        proc = subprocess.Popen(
-            [PROMETHEUS, f"--config.file={cfg}", f"--storage.tsdb.path={tmp_path / 'data'}",
-             f"--web.listen-address=127.0.0.1:{port}"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        )
-        try:
-            await _until(lambda: _scrapes(port) >= 2, 60)
+        async with prometheus(tmp_path, admin_port(rt)) as port:
+            await until(lambda: scrapes(port) >= 2, 60)
             client = AsyncOpenAI(base_url=f"http://127.0.0.1:{client_port(rt)}/v1", api_key="unused", max_retries=0)
             try:
                 out = await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}])
                 assert out.usage is not None and out.usage.completion_tokens == 7
             finally:
                 await client.close()
-            seen = _scrapes(port)
-            await _until(lambda: _scrapes(port) >= seen + 2, 30)
-            res = _query(port, 'increase(llmgw_tokens_total{model="m",kind="completion"}[1m])')
+            seen = scrapes(port)
+            await until(lambda: scrapes(port) >= seen + 2, 30)
+            res = query(port, 'increase(llmgw_tokens_total{model="m",kind="completion"}[1m])')
             assert res["status"] == "success", res
             assert [float(r["value"][1]) for r in res["data"]["result"]] == [pytest.approx(7, rel=0.5)]  # (extrapolated)
-        finally:
-            proc.terminate()
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(5)

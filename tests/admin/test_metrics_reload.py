@@ -12,20 +12,14 @@ scraped over HTTP as a scraper does, and a real Prometheus reading ``resets()``.
 from __future__ import annotations
 
 import asyncio
-import json
-import shutil
-import subprocess
-import urllib.error
-import urllib.parse
-import urllib.request
 from pathlib import Path
 from typing import Any
 
 import pytest
 from admin_helpers import Engine, admin_port, chat, client_port, config_for, families, http, running, sample
+from prom_helpers import prometheus, query, scrapes, until
 
 from llmgw.config import load
-from ports import free_port
 
 
 async def _page(rt: Any) -> dict[str, Any]:
@@ -109,74 +103,20 @@ async def test_routing_decisions_carry_on_across_a_reload_that_replaces_the_pick
         assert sample(await _page(rt), "llmgw_routing_decisions_total", model="m") == 4
 
 
-PROMETHEUS = shutil.which("prometheus")
-
-
-def _query(port: int, expr: str) -> dict[str, Any]:
-    url = f"http://127.0.0.1:{port}/api/v1/query?" + urllib.parse.urlencode({"query": expr})
-    try:
-        with urllib.request.urlopen(url, timeout=5) as r:
-            return json.loads(r.read())
-    except urllib.error.HTTPError as exc:
-        if exc.code == 503:
-            raise ConnectionError("prometheus not ready") from None
-        return json.loads(exc.read())
-
-
-def _scrapes(port: int) -> float:
-    res = _query(port, 'count_over_time(up{job="llmgw"}[5m])')["data"]["result"]
-    return float(res[0]["value"][1]) if res else 0.0
-
-
-async def _until(cond: Any, timeout: float) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while True:
-        try:
-            if await asyncio.to_thread(cond):
-                return
-        except OSError:
-            pass
-        if loop.time() > deadline:
-            raise AssertionError("prometheus did not get there in time")
-        await asyncio.sleep(0.25)
-
-
 @pytest.mark.needs_tool("prometheus", install="apt-get install prometheus")
 async def test_prometheus_sees_no_counter_reset_across_a_reload(tmp_path: Path) -> None:
     a, b = Engine("a"), Engine("b")
-    async with running([a, b]) as rt:
-        port = free_port()
-        cfg = tmp_path / "prometheus.yml"
-        cfg.write_text(
-            "global: {scrape_interval: 1s, evaluation_interval: 1s}\n"
-            "scrape_configs:\n"
-            f"  - job_name: llmgw\n    static_configs: [{{targets: ['127.0.0.1:{admin_port(rt)}']}}]\n"
-        )
-        assert PROMETHEUS is not None
-        proc = subprocess.Popen(
-            [PROMETHEUS, f"--config.file={cfg}", f"--storage.tsdb.path={tmp_path / 'data'}",
-             f"--web.listen-address=127.0.0.1:{port}"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        )
-        try:
-            await _until(lambda: _scrapes(port) >= 2, 60)
-            await _until_scraped(rt, "b", 3)
-            rt.reload(_cfg([a, b], slots=4))  # b is a new replica object from here
-            seen = _scrapes(port)
-            await _until(lambda: _scrapes(port) >= seen + 2, 30)
-            for name in ("llmgw_scrapes_total", "llmgw_scrape_duration_seconds_count"):
-                res = _query(port, f'resets({name}{{replica="b"}}[5m])')
-                assert res["status"] == "success", res
-                assert [float(r["value"][1]) for r in res["data"]["result"]] == [0.0] * len(res["data"]["result"])
-                assert res["data"]["result"], name
-        finally:
-            proc.terminate()
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(5)
+    async with running([a, b]) as rt, prometheus(tmp_path, admin_port(rt)) as port:
+        await until(lambda: scrapes(port) >= 2, 60)
+        await _until_scraped(rt, "b", 3)
+        rt.reload(_cfg([a, b], slots=4))  # b is a new replica object from here
+        seen = scrapes(port)
+        await until(lambda: scrapes(port) >= seen + 2, 30)
+        for name in ("llmgw_scrapes_total", "llmgw_scrape_duration_seconds_count"):
+            res = query(port, f'resets({name}{{replica="b"}}[5m])')
+            assert res["status"] == "success", res
+            assert [float(r["value"][1]) for r in res["data"]["result"]] == [0.0] * len(res["data"]["result"])
+            assert res["data"]["result"], name
 
 
 class _Counts:

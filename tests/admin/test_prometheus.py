@@ -10,53 +10,21 @@ healthy model is 0.
 
 from __future__ import annotations
 
-import asyncio
 import json
-import shutil
 import subprocess
-import urllib.parse
-import urllib.request
 from pathlib import Path
-from typing import Any
 
 import pytest
 from admin_helpers import Engine, admin_port, client_port, running
+from prom_helpers import PROMETHEUS
+from prom_helpers import query as _query
+from prom_helpers import scrapes as _scrapes
+from prom_helpers import until as _until
 from test_admin_grafana import DASHBOARD, queries
 
 from ports import free_port as _free_port
 
-PROMETHEUS = shutil.which("prometheus")
 pytestmark = pytest.mark.needs_tool("prometheus", install="apt-get install prometheus")
-
-
-def _query(port: int, expr: str) -> dict[str, Any]:
-    url = f"http://127.0.0.1:{port}/api/v1/query?" + urllib.parse.urlencode({"query": expr})
-    try:
-        with urllib.request.urlopen(url, timeout=5) as r:
-            return json.loads(r.read())  # type: ignore[no-any-return]
-    except urllib.error.HTTPError as exc:  # a bad query is a 400 with the error in the body
-        if exc.code == 503:  # still starting (its TSDB not open yet): "Service Unavailable", not JSON
-            raise ConnectionError(f"prometheus not ready: {exc.code}") from None
-        return json.loads(exc.read())  # type: ignore[no-any-return]
-
-
-async def _until(cond: Any, timeout: float) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while True:
-        try:
-            if await asyncio.to_thread(cond):
-                return
-        except OSError:
-            pass
-        if loop.time() > deadline:
-            raise AssertionError("prometheus did not get there in time")
-        await asyncio.sleep(0.25)
-
-
-def _scrapes(port: int) -> float:
-    result = _query(port, 'count_over_time(up{job="llmgw"}[5m])')["data"]["result"]
-    return float(result[0]["value"][1]) if result else 0.0
 
 
 def _instant(expr: str) -> str:

@@ -174,3 +174,40 @@ async def the_leader(procs: list[Serve], timeout: float) -> Serve:
 
     found: Serve = await wait_until(one, timeout, "exactly one leader")
     return found
+
+
+ROUTER_TOKEN_ENV = "LLMGW_ROUTER_TOKEN"
+
+
+class Router:
+    """``llmgw serve`` with ``follow:`` (no control plane of its own): routes on the table the leader streams,
+    with ``token`` as its router token (``env``: more of its environment)."""
+
+    def __init__(self, tmp: Path, controls: list[str], token: str, env: dict[str, str] | None = None) -> None:
+        self.port, self.admin = free_port(), free_port()
+        self.log = tmp / "router.log"
+        cfg = tmp / "router.yaml"
+        cfg.write_text(f"listen: 127.0.0.1:{self.port}\nadmin: 127.0.0.1:{self.admin}\n"
+                       f"follow:\n  control: [{', '.join(controls)}]\n  token_env: {ROUTER_TOKEN_ENV}\n")
+        with open(self.log, "ab") as err:
+            self.proc = subprocess.Popen([sys.executable, "-m", "llmgw", "serve", "--config", str(cfg)],
+                                         env={**os.environ, **(env or {}), ROUTER_TOKEN_ENV: token},
+                                         stdout=subprocess.DEVNULL, stderr=err)
+
+    async def following(self) -> str | None:
+        """The control plane whose table it holds now (``None``: not connected, or no answer)."""
+        try:
+            _, _, body = await http(self.admin, "GET", "/ready", 2.0)
+        except (OSError, asyncio.TimeoutError):
+            return None
+        f = orjson.loads(body).get("follow") or {}
+        return f.get("control_plane") if f.get("connected") else None
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)

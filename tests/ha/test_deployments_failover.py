@@ -30,7 +30,7 @@ import asyncpg
 import orjson
 import pytest
 from cp_helpers import TOKEN
-from serve_helpers import TOKEN_ENV, Serve, free_port, http, the_leader, wait_until
+from serve_helpers import ROUTER_TOKEN_ENV, TOKEN_ENV, Router, Serve, http, the_leader, wait_until
 
 from llmgw.testing import standins
 
@@ -39,32 +39,7 @@ pytestmark = [pytest.mark.timeout(150), pytest.mark.slow]
 LEASE = 2.0
 
 
-ROUTER_TOKEN_ENV = "LLMGW_ROUTER_TOKEN"
 ROUTER_TOKEN = "router-token-for-the-failover-test"
-
-
-class Router:
-    """``llmgw serve`` with ``follow:`` (no control plane): routes on the table the leader streams."""
-
-    def __init__(self, tmp: Path, controls: list[str], env: dict[str, str]) -> None:
-        self.port, self.admin = free_port(), free_port()
-        self.log = tmp / "router.log"
-        cfg = tmp / "router.yaml"
-        cfg.write_text(f"listen: 127.0.0.1:{self.port}\nadmin: 127.0.0.1:{self.admin}\n"
-                       f"follow:\n  control: [{', '.join(controls)}]\n  token_env: {ROUTER_TOKEN_ENV}\n")
-        with open(self.log, "ab") as err:
-            self.proc = subprocess.Popen([sys.executable, "-m", "llmgw", "serve", "--config", str(cfg)],
-                                         env={**os.environ, **env, ROUTER_TOKEN_ENV: ROUTER_TOKEN},
-                                         stdout=subprocess.DEVNULL, stderr=err)
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
 
 
 async def _ok(port: int, model: str) -> bool:
@@ -211,7 +186,7 @@ async def test_kill_the_leader_while_scaling_nothing_is_lost_and_no_replica_laun
         before = await wait_until(lambda: _ready(leader, "chat", 2), 60, "chat's two replicas ready")
         ports = {r["id"]: r["port"] for r in before["replicas"]}
         assert await _chat(leader.gateway, "chat") == 200
-        router = Router(tmp_path, [standby.address, leader.address], env)
+        router = Router(tmp_path, [standby.address, leader.address], ROUTER_TOKEN, env)
         await wait_until(lambda: _ok(router.port, "chat"), 30, "the router routing chat")
         load = Load(router.port, "chat")
         # a standby's own client port routes to no deployment's replicas: their models are unavailable

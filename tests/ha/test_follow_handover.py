@@ -18,63 +18,25 @@ Every wait is bounded.
 from __future__ import annotations
 
 import asyncio
-import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
-import orjson
 import pytest
 from cp_helpers import TOKEN
-from serve_helpers import Serve, free_port, http, the_leader, wait_until
+from serve_helpers import ROUTER_TOKEN_ENV, Router, Serve, the_leader, wait_until
 
 pytestmark = [pytest.mark.timeout(90), pytest.mark.slow]
 
 LEASE = 1.5
-ROUTER_TOKEN_ENV = "LLMGW_ROUTER_TOKEN"
 ROUTER_TOKEN = "router-token-for-the-handover-test"
-
-
-class Router:
-    """``llmgw serve`` with ``follow:`` (no control plane of its own)."""
-
-    def __init__(self, tmp: Path, controls: list[str]) -> None:
-        self.port, self.admin = free_port(), free_port()
-        self.log = tmp / "router.log"
-        cfg = tmp / "router.yaml"
-        cfg.write_text(f"listen: 127.0.0.1:{self.port}\nadmin: 127.0.0.1:{self.admin}\n"
-                       f"follow:\n  control: [{', '.join(controls)}]\n  token_env: {ROUTER_TOKEN_ENV}\n")
-        with open(self.log, "ab") as err:
-            self.proc = subprocess.Popen([sys.executable, "-m", "llmgw", "serve", "--config", str(cfg)],
-                                         env={**os.environ, ROUTER_TOKEN_ENV: ROUTER_TOKEN},
-                                         stdout=subprocess.DEVNULL, stderr=err)
-
-    async def following(self) -> str | None:
-        """The control plane whose table it holds now (``None``: not connected, or no answer)."""
-        try:
-            _, _, body = await http(self.admin, "GET", "/ready", 2.0)
-        except (OSError, asyncio.TimeoutError):
-            return None
-        f = orjson.loads(body).get("follow") or {}
-        return f.get("control_plane") if f.get("connected") else None
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
 
 
 async def test_router_follows_the_next_leader_at_once_after_a_handover(tmp_path: Path, pg_dsn: str) -> None:
     env = {ROUTER_TOKEN_ENV: ROUTER_TOKEN}
     procs = [Serve(tmp_path, f"cp{i}", pg_dsn, TOKEN, lease=LEASE, env=env, router_token_env=ROUTER_TOKEN_ENV)
              for i in range(2)]
-    router = Router(tmp_path, [p.address for p in procs])
+    router = Router(tmp_path, [p.address for p in procs], ROUTER_TOKEN)
     try:
         # no control plane yet: the router's rounds back off (0.1 s doubling, 5 s at most) meanwhile
         await asyncio.sleep(7.0)
@@ -111,7 +73,7 @@ async def test_router_leaves_a_paused_leader_for_the_next(tmp_path: Path, pg_dsn
     try:
         leader = await the_leader(procs, 30)
         standby = next(p for p in procs if p is not leader)
-        router = Router(tmp_path, [p.address for p in procs])
+        router = Router(tmp_path, [p.address for p in procs], ROUTER_TOKEN)
         await wait_until(lambda: _follows(router, leader.address), 20, "the router following the leader")
         await asyncio.sleep(4.0)  # (a keepalive or more came: a live leader with nothing new is followed on)
         assert await router.following() == leader.address
