@@ -334,6 +334,20 @@ async def test_a_deployment_made_with_ctl_deploy_is_updated_in_place(tmp_path: P
         ctl_.report("gpu-node-1", "127.0.0.1", [ReplicaStatus(rid, "ready", port=free_port(), pid=1) for rid in first])
         ctl_.sync(10.0)
         assert ctl_.view("chat")["ready"] == 1
+        # a ready timeout alone: the same replica, its node told the new timeout (no rolling update)
+        gen, specs = ctl_.desired("gpu-node-1")
+        assert [x.ready_timeout for x in specs if x.deployment == "chat"] == [None]
+        res = await invoke("--admin", url, "deploy", "chat", "--model", "llama-8b", "--gpu-memory", "20GiB",
+                           "--ready-timeout", "2h", "--update")
+        assert res.exit_code == 0, res.output
+        d = ctl_.view("chat")
+        assert d["outdated"] == 0 and d["ready"] == 1 and {r["id"] for r in d["replicas"]} == first, d
+        gen2, specs = ctl_.desired("gpu-node-1")
+        assert gen2 > gen
+        assert [(x.id, x.ready_timeout) for x in specs if x.deployment == "chat"] == [(next(iter(first)), 7200.0)]
+        res = await invoke("--admin", url, "deploy", "chat", "--model", "llama-8b", "--ready-timeout", "0s",
+                           "--update")
+        assert res.exit_code == 1 and "ready_timeout" in res.output and "at least" in res.output, res.output
         res = await invoke("--admin", url, "deploy", "chat", "--model", "llama-8b", "--gpu-memory", "20GiB",
                            "--arg=--enforce-eager", "--update")
         assert res.exit_code == 0 and "chat: updated: 1 of 1 replica(s) placed" in res.output, res.output

@@ -153,11 +153,17 @@ async def agent(port: int, name: str, sup: Supervisor | None, **kw: object) -> A
 
 def test_specs_and_statuses_survive_the_wire() -> None:
     s = spec("r1", blobs=(ModelBlob("sha256:" + "ab" * 32, 123, "projector"),), gpus=("GPU-1", "GPU-2"),
-             gpu_memory_fraction=0.5, slots=4, context=0, args=("--x", "1"), env={"A": "b"})
+             gpu_memory_fraction=0.5, slots=4, context=0, args=("--x", "1"), env={"A": "b"}, ready_timeout=7200.0)
     assert spec_from_proto(spec_to_proto(s)) == s
     bare = spec("r2")
     back = spec_from_proto(spec_to_proto(bare))
     assert back == bare and back.slots is None and back.context is None and back.gpu_memory_fraction is None
+    assert back.ready_timeout is None and not spec_to_proto(bare).HasField("ready_timeout_seconds")
+    # a ready timeout no deployment could say (a newer or broken sender) is the agent's own instead
+    for odd in (0.0, -5.0, 0.5, float("nan"), float("inf"), 8 * 86400.0):
+        m = spec_to_proto(bare)
+        m.ready_timeout_seconds = odd
+        assert spec_from_proto(m).ready_timeout is None, odd
     st = ReplicaStatus(id="r1", state="failed", port=0, pid=7, restarts=3, exit_code=-9, message="boom",
                        log_path="/x.log", fetched=0, fetch_total=10)
     assert status_from_proto(status_to_proto(st)) == st

@@ -151,6 +151,36 @@ async def test_loading_then_a_readiness_timeout_fails_and_kills(
         await w.sup.close()
 
 
+@pytest.mark.usefixtures("standin_env")
+async def test_the_specs_ready_timeout_wins_and_a_new_one_restarts_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # the deployment's ready_timeout (on the spec) rather than the agent's
+    monkeypatch.setenv("LLMGW_STANDIN_STARTUP_DELAY", "60")
+    w = Watched(tmp_path / "state", engines=ENGINES, ready_timeout=600.0)
+    s = spec("vllm", ready_timeout=1.5)
+    try:
+        await w.sup.apply([s])
+        st = await w.wait_state(s.id, FAILED, timeout=30)
+        assert "not ready within 1.5s" in st.message
+        assert st.pid is not None and gone(st.pid)
+    finally:
+        await w.sup.close()
+    # a longer one sent while the engine loads: the same engine is waited for, not replaced
+    monkeypatch.setenv("LLMGW_STANDIN_STARTUP_DELAY", "4")
+    w = Watched(tmp_path / "state2", engines=ENGINES, ready_timeout=600.0)
+    s = spec("vllm", ready_timeout=2.0)
+    try:
+        await w.sup.apply([s])
+        st = await w.wait(s.id, lambda x: x.state == "starting" and x.pid is not None)
+        pid = st.pid
+        await w.sup.apply([spec("vllm", ready_timeout=60.0)])
+        st = await w.wait_state(s.id, READY, timeout=30)
+        assert st.pid == pid and st.restarts == 0
+    finally:
+        await w.sup.close()
+
+
 class DirFetcher:
     """A ModelFetcher over a local directory of ``sha256-<hex>`` files (the mirror client's stand-in)."""
 

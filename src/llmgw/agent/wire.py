@@ -15,7 +15,7 @@ import re
 from typing import Any
 
 from .._proto.agent.v1 import agent_pb2 as pb
-from ..launch.spec import ModelBlob, ReplicaSpec, ReplicaStatus
+from ..launch.spec import MAX_READY_TIMEOUT, ModelBlob, ReplicaSpec, ReplicaStatus
 from .model import GPU, Discovery, InfinibandPort, NodeFacts
 
 __all__ = [
@@ -219,6 +219,8 @@ def spec_to_proto(s: ReplicaSpec) -> pb.ReplicaSpec:
         m.slots = s.slots
     if s.context is not None:
         m.context = s.context
+    if s.ready_timeout is not None:
+        m.ready_timeout_seconds = s.ready_timeout
     return m
 
 
@@ -232,7 +234,17 @@ def spec_from_proto(m: pb.ReplicaSpec) -> ReplicaSpec:
         slots=m.slots if m.HasField("slots") else None,
         context=m.context if m.HasField("context") else None,
         args=tuple(m.args), env=dict(m.env), api_key=m.api_key,
+        ready_timeout=_ready_timeout(m),
     )
+
+
+def _ready_timeout(m: pb.ReplicaSpec) -> float | None:
+    """The spec's ready timeout when it is one the deployment could have said (1 s to 7 days); else ``None``,
+    the agent's own."""
+    if not m.HasField("ready_timeout_seconds"):
+        return None
+    t = m.ready_timeout_seconds
+    return t if 1.0 <= t <= MAX_READY_TIMEOUT else None
 
 
 def status_to_proto(s: ReplicaStatus) -> pb.ReplicaStatus:

@@ -714,6 +714,8 @@ def _kv_pairs(values: tuple[str, ...], what: str) -> dict[str, str]:
 @click.option("--memory", metavar="SIZE", default=None, help="Node memory a CPU replica needs.")
 @click.option("--cpu-cores", type=_FiniteFloat(0, 4096), default=None, help="CPU cores a CPU replica claims.")
 @click.option("--served-name", default=None, help="The model name clients use (default NAME).")
+@click.option("--ready-timeout", metavar="DURATION", default=None,
+              help="How long an engine may take to load (2h); default the agent's ready_timeout (30m).")
 @click.option("--arg", "args", multiple=True, metavar="ARG", help="An extra engine argument (repeat).")
 @click.option("--env", "envs", multiple=True, metavar="KEY=VALUE", help="An engine environment variable (repeat).")
 @click.option("--update", is_flag=True, default=False,
@@ -724,7 +726,7 @@ def _kv_pairs(values: tuple[str, ...], what: str) -> dict[str, str]:
 def deploy(ctx: click.Context, name: str, model: str, engine: str | None, replicas: int | None, gpus: int | None,
            gpu_memory: str | None, gpu_model: str | None, labels: tuple[str, ...], share_gpus: bool,
            slots: int | None, context: int | None, memory: str | None, cpu_cores: float | None,
-           served_name: str | None, args: tuple[str, ...], envs: tuple[str, ...], update: bool, admin: str | None,
+           served_name: str | None, ready_timeout: str | None, args: tuple[str, ...], envs: tuple[str, ...], update: bool, admin: str | None,
            token: str | None, as_json: bool | None) -> None:
     """Run NAME on the cluster: the control plane places its replicas and keeps them running.
 
@@ -736,7 +738,7 @@ def deploy(ctx: click.Context, name: str, model: str, engine: str | None, replic
     body: dict[str, Any] = {"name": name, "model": model}
     for key, v in (("engine", engine), ("replicas", replicas), ("gpus", gpus), ("gpu_memory", gpu_memory),
                    ("gpu_model", gpu_model), ("slots", slots), ("context", context), ("memory", memory),
-                   ("cpu_cores", cpu_cores), ("served_name", served_name)):
+                   ("cpu_cores", cpu_cores), ("served_name", served_name), ("ready_timeout", ready_timeout)):
         if v is not None:
             body[key] = v
     if labels:

@@ -399,6 +399,9 @@ class DeploymentConfig:
     """Node memory a CPU replica needs (default: from the mirror's GGUF facts)."""
     cpu_cores: Annotated[float, _num(0.0, 4096.0)] | None = None
     """CPU cores a CPU replica claims (default: none claimed)."""
+    ready_timeout: Annotated[float, _duration(1.0, 7 * 86400.0)] | None = None
+    """How long each replica's engine may take from its start to its health check's first 200 before it
+    fails (default: its agent's ``ready_timeout``, 30m). Changing it alone restarts nothing."""
 
     __pydantic_config__ = _SECTION
 

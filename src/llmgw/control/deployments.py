@@ -459,11 +459,22 @@ class DeploymentController:
                     self._spec(r)  # (made from the old entry, before it is replaced)
                     r.outdated = True
                     self.store.put_replica(r.stored())
-        elif old is not None:  # only the count changed: the same replicas, the same history
+        elif old is not None:  # only the count (or the ready timeout) changed: the same replicas, the same history
             new.message, new.failures, new.retry_at = old.message, old.failures, old.retry_at
             new.model, new.resolved = old.model, old.resolved
         self.deployments[new.cfg.name] = new
         self.store.put_deployment(new.stored())
+        if old is not None and old.cfg.ready_timeout != new.cfg.ready_timeout:
+            # the nodes are told the new timeout with the same replicas (their specs are made again from the
+            # new entry; an outdated one keeps its own): the engines run on, and one still loading is waited
+            # for as long as the new timeout says
+            nodes = set()
+            for r in self._of(new.cfg.name):
+                if not r.outdated and r.spec is not None:
+                    r.spec = None
+                    nodes.add(r.node)
+            for node in sorted(nodes):
+                self._invalidate(node)
 
     def create(self, cfg: DeploymentConfig) -> dict[str, Any]:
         """``ctl deploy``: a new deployment in the store.
@@ -1039,7 +1050,7 @@ class DeploymentController:
             id=r.id, deployment=r.deployment, engine=cfg.engine, model=m.ref if m is not None else cfg.model,
             served_name=cfg.model_name, blobs=m.blobs if m is not None else (), gpus=r.gpus,
             gpu_memory_fraction=r.fraction, slots=cfg.slots, context=cfg.context, args=cfg.args, env=cfg.env,
-            api_key=r.api_key,
+            api_key=r.api_key, ready_timeout=cfg.ready_timeout,
         )
         return r.spec
 
@@ -1264,8 +1275,10 @@ def _crash_reason(r: Replica) -> tuple[str, str | None]:
 
 
 def _placement_changed(a: DeploymentConfig, b: DeploymentConfig) -> bool:
-    """Whether running replicas of ``a`` are not replicas of ``b`` (only the count may differ)."""
-    return dataclasses.replace(a, replicas=0) != dataclasses.replace(b, replicas=0)
+    """Whether running replicas of ``a`` are not replicas of ``b`` (only the count and the ready timeout may
+    differ: neither changes what a replica runs)."""
+    return dataclasses.replace(a, replicas=0, ready_timeout=None) != dataclasses.replace(b, replicas=0,
+                                                                                        ready_timeout=None)
 
 
 def _where(store: DesiredStore) -> str:

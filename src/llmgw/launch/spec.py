@@ -26,6 +26,9 @@ STOPPED = "stopped"  # exited after being asked to
 FAILED = "failed"  # gave up: repeated crashes, readiness timeout, missing binary, bad model
 STATES = (FETCHING, STARTING, READY, DRAINING, STOPPED, FAILED)
 
+MAX_READY_TIMEOUT = 7 * 86400.0
+"""The longest ready timeout a deployment or an agent file may set (seconds)."""
+
 
 @dataclass(frozen=True, slots=True)
 class ModelBlob:
@@ -67,6 +70,9 @@ class ReplicaSpec:
     env: Mapping[str, str] = field(default_factory=dict, repr=False)
     api_key: str = field(default="", repr=False)
     """The per-replica key the control plane generated: the engine demands it, the router sends it."""
+    ready_timeout: float | None = None
+    """Seconds from the engine's start to its health check's first 200 before the replica fails; None: the
+    agent's own ``ready_timeout``. Not part of what the replica runs: a change restarts nothing."""
 
 
 @dataclass(frozen=True, slots=True)

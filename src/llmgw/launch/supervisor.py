@@ -18,8 +18,9 @@ Each replica, from start to end::
   kernel's ephemeral ports, so no outgoing connection takes it first); the engine is in its own session and
   process group, so a stop reaches its children too: SIGTERM to the group,
   SIGKILL after the grace.
-* Readiness: ``GET /health`` (the plan's path) answers 200 within
-  ``ready_timeout``; an exit before that is a crash, a timeout fails the replica.
+* Readiness: ``GET /health`` (the plan's path) answers 200 within the spec's
+  ``ready_timeout`` (its deployment's), else the agent's; an exit before that is a
+  crash, a timeout fails the replica.
 * A crash is restarted after an exponential backoff; ``max_crashes`` crashes
   within ``crash_window`` seconds fail it, with the exit status and the end of its log.
 * ``<state_dir>/replicas/<id>.json`` (written atomically) records each running
@@ -105,7 +106,8 @@ def launcher_for(engine: str) -> Launcher:
 
 
 def fingerprint(spec: ReplicaSpec) -> str:
-    """A SHA-256 over everything in ``spec`` (key and env included): equal specs, equal fingerprints."""
+    """A SHA-256 over what ``spec`` runs (key and env included): equal fingerprints, the same engine. The
+    ready timeout is not part of it: a new one applies to the running replica, restarting nothing."""
     doc = {
         "id": spec.id, "deployment": spec.deployment, "engine": spec.engine, "model": spec.model,
         "served_name": spec.served_name, "blobs": [[b.digest, b.size, b.role] for b in spec.blobs],
@@ -255,7 +257,8 @@ class ReplicaSupervisor:
         fetcher: brings mirror models onto the node (specs with ``blobs``); None:
             such specs fail with a message saying so.
         on_change: called (on the loop) whenever any replica's status changes.
-        ready_timeout: seconds from start to ``/health`` 200 before the replica fails.
+        ready_timeout: seconds from start to ``/health`` 200 before the replica fails, for a spec that
+            names none.
         stop_grace: seconds between SIGTERM and SIGKILL.
         max_crashes: crashes within ``crash_window`` seconds that fail a replica.
         backoff: the first restart delay, doubled per crash up to ``backoff_max``.
@@ -376,8 +379,9 @@ class ReplicaSupervisor:
                 self._start(spec, fp)
                 changed = True
             elif rep.fp == fp:
-                if rep.spec is None:
-                    rep.spec = spec  # an adopted replica: now it can be restarted after a crash
+                # (an adopted replica: now it can be restarted after a crash; or a new ready timeout, which the
+                # replica's wait for readiness reads as it goes)
+                rep.spec = spec
                 # (asked again while it is being stopped: start it again once it has stopped)
                 rep.next_spec = spec if rep.stop.is_set() else None
             elif rep.task is None:  # failed or stopped: start the new spec afresh
@@ -684,7 +688,7 @@ class ReplicaSupervisor:
         stop = asyncio.ensure_future(rep.stop.wait())
         either: set[asyncio.Future[Any]] = {exited, stop}
         try:
-            deadline = time.monotonic() + self.ready_timeout
+            started = time.monotonic()
             host = _probe_host(self.host)
             interval = min(self.poll_interval, 0.05)
             while rep.state != READY:
@@ -697,10 +701,11 @@ class ReplicaSupervisor:
                     self._set(rep, READY, "ready")
                     log.info("replica %s ready on port %d (pid %d)", rep.id, rep.port, rep.pid)
                     break
-                if time.monotonic() > deadline:
+                timeout = self._ready_timeout(rep)
+                if time.monotonic() > started + timeout:
                     tail = _tail(rep.log_path, _TAIL_LINES, _TAIL_CHARS)
                     await self._terminate(rep, exited, quiet=True)
-                    rep.message = (f"not ready within {self.ready_timeout:g}s ({rep.health_path} never answered 200)"
+                    rep.message = (f"not ready within {timeout:g}s ({rep.health_path} never answered 200)"
                                    f"{LOG_TAIL}\n{tail}")
                     return "failed"
                 await asyncio.wait(either, timeout=interval, return_when=asyncio.FIRST_COMPLETED)
@@ -716,6 +721,11 @@ class ReplicaSupervisor:
             stop.cancel()
             if not exited.done():
                 exited.cancel()
+
+    def _ready_timeout(self, rep: _Replica) -> float:
+        """The replica's deployment's ready timeout, else this agent's."""
+        t = rep.spec.ready_timeout if rep.spec is not None else None
+        return self.ready_timeout if t is None else t
 
     def _exited(self, rep: _Replica, exited: asyncio.Future[None]) -> str:
         self._reap(rep)

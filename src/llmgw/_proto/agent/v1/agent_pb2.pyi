@@ -470,6 +470,7 @@ class ReplicaSpec(_message.Message):
     ARGS_FIELD_NUMBER: _builtins.int
     ENV_FIELD_NUMBER: _builtins.int
     API_KEY_FIELD_NUMBER: _builtins.int
+    READY_TIMEOUT_SECONDS_FIELD_NUMBER: _builtins.int
     id: _builtins.str
     """Unique in the cluster, stable for the replica's life."""
     deployment: _builtins.str
@@ -488,6 +489,11 @@ class ReplicaSpec(_message.Message):
     """Context length, tokens; absent: the engine's default."""
     api_key: _builtins.str
     """The per-replica API key the engine demands (a secret: never logged)."""
+    ready_timeout_seconds: _builtins.float
+    """Seconds from the engine's start to its health check's first 200 before the
+    replica fails; absent: the agent's own ready_timeout. Not part of what the
+    replica runs: a change restarts nothing (an older agent ignores it).
+    """
     @_builtins.property
     def blobs(self) -> _containers.RepeatedCompositeFieldContainer[Global___ModelBlob]:
         """Set for a mirror reference: fetched into the node's mirror store first."""
@@ -520,21 +526,26 @@ class ReplicaSpec(_message.Message):
         args: _abc.Iterable[_builtins.str] | None = ...,
         env: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
         api_key: _builtins.str = ...,
+        ready_timeout_seconds: _builtins.float | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_context", b"_context", "_gpu_memory_fraction", b"_gpu_memory_fraction", "_slots", b"_slots", "context", b"context", "gpu_memory_fraction", b"gpu_memory_fraction", "slots", b"slots"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_context", b"_context", "_gpu_memory_fraction", b"_gpu_memory_fraction", "_ready_timeout_seconds", b"_ready_timeout_seconds", "_slots", b"_slots", "context", b"context", "gpu_memory_fraction", b"gpu_memory_fraction", "ready_timeout_seconds", b"ready_timeout_seconds", "slots", b"slots"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_context", b"_context", "_gpu_memory_fraction", b"_gpu_memory_fraction", "_slots", b"_slots", "api_key", b"api_key", "args", b"args", "blobs", b"blobs", "context", b"context", "deployment", b"deployment", "engine", b"engine", "env", b"env", "gpu_memory_fraction", b"gpu_memory_fraction", "gpus", b"gpus", "id", b"id", "model", b"model", "served_name", b"served_name", "slots", b"slots"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_context", b"_context", "_gpu_memory_fraction", b"_gpu_memory_fraction", "_ready_timeout_seconds", b"_ready_timeout_seconds", "_slots", b"_slots", "api_key", b"api_key", "args", b"args", "blobs", b"blobs", "context", b"context", "deployment", b"deployment", "engine", b"engine", "env", b"env", "gpu_memory_fraction", b"gpu_memory_fraction", "gpus", b"gpus", "id", b"id", "model", b"model", "ready_timeout_seconds", b"ready_timeout_seconds", "served_name", b"served_name", "slots", b"slots"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__context: _TypeAlias = _typing.Literal["context"]  # noqa: Y015
     _WhichOneofArgType__context: _TypeAlias = _typing.Literal["_context", b"_context"]  # noqa: Y015
     _WhichOneofReturnType__gpu_memory_fraction: _TypeAlias = _typing.Literal["gpu_memory_fraction"]  # noqa: Y015
     _WhichOneofArgType__gpu_memory_fraction: _TypeAlias = _typing.Literal["_gpu_memory_fraction", b"_gpu_memory_fraction"]  # noqa: Y015
+    _WhichOneofReturnType__ready_timeout_seconds: _TypeAlias = _typing.Literal["ready_timeout_seconds"]  # noqa: Y015
+    _WhichOneofArgType__ready_timeout_seconds: _TypeAlias = _typing.Literal["_ready_timeout_seconds", b"_ready_timeout_seconds"]  # noqa: Y015
     _WhichOneofReturnType__slots: _TypeAlias = _typing.Literal["slots"]  # noqa: Y015
     _WhichOneofArgType__slots: _TypeAlias = _typing.Literal["_slots", b"_slots"]  # noqa: Y015
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__context) -> _WhichOneofReturnType__context | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__gpu_memory_fraction) -> _WhichOneofReturnType__gpu_memory_fraction | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__ready_timeout_seconds) -> _WhichOneofReturnType__ready_timeout_seconds | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__slots) -> _WhichOneofReturnType__slots | None: ...
 
