@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gzip
 import json
 import os
 import random
@@ -123,14 +124,22 @@ PROMETHEUS_ACCEPT = ("application/openmetrics-text;version=1.0.0,application/ope
                      "text/plain;version=0.0.4;q=0.5,*/*;q=0.1")
 
 
-async def scrape(port: int, plain: bool) -> tuple[float, bytes]:
+async def scrape(port: int, plain: bool, gzipped: bool = False) -> tuple[float, bytes]:
+    """The answer to one ``GET /metrics`` (head and body; a gzipped body is returned inflated, its
+    inflating not timed). ``gzipped``: ``accept-encoding: gzip``, as Prometheus sends it."""
     t0 = time.perf_counter()
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     accept = "text/plain" if plain else PROMETHEUS_ACCEPT
-    writer.write(f"GET /metrics HTTP/1.1\r\nhost: x\r\naccept: {accept}\r\nconnection: close\r\n\r\n".encode())
-    body = await reader.read()
+    encoding = "accept-encoding: gzip\r\n" if gzipped else ""
+    writer.write(f"GET /metrics HTTP/1.1\r\nhost: x\r\naccept: {accept}\r\n{encoding}connection: close\r\n\r\n"
+                 .encode())
+    answer = await reader.read()
     writer.close()
-    return time.perf_counter() - t0, body
+    dt = time.perf_counter() - t0
+    head, _, body = answer.partition(b"\r\n\r\n")
+    if b"\r\ncontent-encoding: gzip" in head.lower():
+        answer = head + b"\r\n\r\n" + gzip.decompress(body)
+    return dt, answer
 
 
 def proxied_pinger(port: int, stop: threading.Event, out: list[float]) -> None:
@@ -294,7 +303,7 @@ async def main_async(a: argparse.Namespace) -> dict[str, Any]:
         # over the same wall time (the rates just measured)
         m1, c1, w1 = cpu_seconds(serve.pid, serve.pid), cpu_seconds(serve.pid), time.monotonic()
         for _ in range(a.alone_scrapes):
-            await scrape(aport, a.plain)
+            await scrape(aport, a.plain, a.gzip)
             await asyncio.sleep(a.interval)
         alone_s = time.monotonic() - w1
         main_per_scrape = (cpu_seconds(serve.pid, serve.pid) - m1 - main_pct / 100 * alone_s) / a.alone_scrapes
@@ -312,7 +321,7 @@ async def main_async(a: argparse.Namespace) -> dict[str, Any]:
         # how long it was held; the wall time adds its waits for a core (admin /debug/pprof/loop)
         watch = asyncio.create_task(get(aport, f"/debug/pprof/loop?seconds={a.scrapes * 0.7:g}"))
         for _ in range(a.scrapes):
-            dt, body = await scrape(aport, a.plain)
+            dt, body = await scrape(aport, a.plain, a.gzip)
             times.append(dt)
             text = body.partition(b"\r\n\r\n")[2]
             samples = text.count(b"\n") - text.count(b"#")  # every # is a HELP, TYPE or EOF line here
@@ -370,7 +379,7 @@ async def fleet_only(a: argparse.Namespace) -> None:
             await asyncio.wait_for(stop.wait(), a.scrape_every if a.admin else None)
         except asyncio.TimeoutError:
             try:
-                await scrape(a.admin, a.plain)
+                await scrape(a.admin, a.plain, a.gzip)
             except OSError as exc:
                 print(f"fleet: scrape failed: {exc}", flush=True)
     await fleet.stop()
@@ -389,6 +398,8 @@ def main() -> None:
                     help="control.grpc_server: llmgw's own gRPC server or grpc.aio's")
     ap.add_argument("--json", type=Path)
     ap.add_argument("--plain", action="store_true", help="scrape as text 0.0.4 (default: as Prometheus asks)")
+    ap.add_argument("--gzip", action="store_true",
+                    help="ask for the page gzipped, as Prometheus does (default: not, the most the loop writes)")
     ap.add_argument("--fleet-only", metavar="HOST:PORT", help="only run the agents against this control plane")
     ap.add_argument("--admin", type=int, help="--fleet-only: scrape this admin port's /metrics every --scrape-every s")
     ap.add_argument("--scrape-every", type=float, default=15.0)

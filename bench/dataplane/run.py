@@ -368,8 +368,10 @@ class Llmgw(Proxy):
 
     def __init__(self, port: int, admin: int, cmd: str, name: str = "llmgw", cluster: tuple[int, int, int] | None = None,
                  fleet_core: int = 1, scrape_every: float = 15.0, follow: tuple[int, int] | None = None,
-                 strategy: str | None = None, grpc_server: str | None = None) -> None:
+                 strategy: str | None = None, grpc_server: str | None = None, scrape_gzip: bool = False) -> None:
         super().__init__(port)
+        self.scrape_gzip = scrape_gzip
+        """The fleet's scrapes ask for gzip, as Prometheus does."""
         self.grpc_server = grpc_server
         """control.grpc_server (None: llmgw's default, its own)."""
         self.admin = admin
@@ -433,6 +435,8 @@ class Llmgw(Proxy):
             if self.scrape_every > 0:  # (the cluster families are on the control plane's /metrics)
                 cmd += ["--admin", str(self.follow[1] if self.follow else self.admin), "--scrape-every",
                         str(self.scrape_every)]
+                if self.scrape_gzip:
+                    cmd.append("--gzip")
             self.fleet = start(cmd, d / f"{self.name}-fleet.out")
             time.sleep(max(5.0, self.cluster[1] / 200))  # every agent registered and heartbeating
 
@@ -562,6 +566,9 @@ def main() -> None:
                          "(grpc.aio's server instead of llmgw's own), in the same rounds")
     ap.add_argument("--cluster-scrape-every", type=float, default=15.0, metavar="S",
                     help="--cluster: seconds between the fleet's scrapes of /metrics (0: none)")
+    ap.add_argument("--cluster-scrape-gzip", action="store_true",
+                    help="--cluster: the fleet's scrapes ask for gzip, as Prometheus does (compressed on a worker "
+                         "thread; default: not, the page written as it is)")
     ap.add_argument("--prefix", action="store_true",
                     help="also run proxy 'prefix': llmgw with routing.strategy prefix (hashing the prompt, the index "
                          "lookups), its ratio to nginx beside llmgw's (score) in the same rounds")
@@ -579,7 +586,7 @@ def main() -> None:
     if args.cluster:
         all_proxies["cluster"] = Llmgw(base + 84, base + 94, args.llmgw, name="cluster",
                                        cluster=(base + 95, args.cluster, 8), fleet_core=args.load_core,
-                                       scrape_every=args.cluster_scrape_every)
+                                       scrape_every=args.cluster_scrape_every, scrape_gzip=args.cluster_scrape_gzip)
     if args.cluster and args.cluster_grpcio:
         all_proxies["cluster-grpcio"] = Llmgw(base + 87, base + 89, args.llmgw, name="cluster-grpcio",
                                               cluster=(base + 88, args.cluster, 8), fleet_core=args.load_core,

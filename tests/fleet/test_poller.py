@@ -439,3 +439,34 @@ async def test_scrape_a_malformed_answer_on_a_pooled_connection_is_not_sent_agai
     finally:
         reg.close()
         await srv.close()
+
+
+async def test_the_first_scrapes_come_at_once_whatever_the_interval() -> None:
+    """QA: with ``interval: 30s`` the first scrape came at a random point of the first 30 s; until then the
+    replica was stale, its pool full to admission, and a request to a healthy idle engine waited for it
+    (429 queue_timeout). Now each replica's first scrape comes within FIRST_SPREAD_S of a start, and the
+    second one at a random point of the interval (the phases spread as before)."""
+    servers = [MetricsServer() for _ in range(8)]
+    for s in servers:
+        await s.start()
+    cfg = load({
+        "scrape": {"interval": "30s", "timeout": "2s", "stale_after": "90s"},
+        "endpoints": [{"id": f"r{i}", "url": f"http://127.0.0.1:{s.port}", "model": "m"} for i, s in enumerate(servers)],
+    })
+    reg = Registry(cfg)
+    poller = Poller(reg, cfg.scrape)
+    t0 = time.monotonic()
+    poller.sync()
+    try:
+        deadline = t0 + 5.0
+        while time.monotonic() < deadline and not all(s.hits for s in servers):
+            await asyncio.sleep(0.01)
+        assert all(s.hits >= 1 for s in servers), [s.hits for s in servers]
+        assert time.monotonic() - t0 < 2.0
+        assert not any(ep.state.stale(time.monotonic(), cfg.scrape.stale_after) for ep in reg.endpoints.values())
+    finally:
+        await poller.close()
+        reg.close()
+        for s in servers:
+            assert s.server is not None
+            await s.server.close(1)

@@ -51,6 +51,8 @@ __all__ = ["Poller", "scrape_once"]
 
 _ACCEPT = b"accept: %s\r\n" % ACCEPT.encode()
 _MAX_PAGE = 8 * 1024 * 1024
+FIRST_SPREAD_S = 0.2
+"""The replicas' first scrapes at a start or a reload come within this many seconds (or the interval)."""
 
 
 class _Page:
@@ -187,10 +189,10 @@ class Poller:
     def sync(self, *, spread: bool = True) -> None:
         """Start tasks for new replicas and stop those of removed ones.
 
-        ``spread``: the new replicas' first scrapes are spread over one interval (a start or a
-        reload adding many); ``False``: scraped at once (one replica added at run time: until its
-        first scrape no request goes to it, and a deployment's replica should serve as soon as it
-        is ready).
+        ``spread``: the new replicas' first scrapes come within :data:`FIRST_SPREAD_S` and their
+        second ones are spread over one interval (a start or a reload adding many); ``False``:
+        scraped at once and every interval from then (one replica added at run time: until its first
+        scrape no request goes to it, and a deployment's replica should serve as soon as it is ready).
         """
         current = {eid: ep for eid, ep in self.registry.endpoints.items() if ep.engine.scraped}
         replaced = set()
@@ -229,12 +231,22 @@ class Poller:
         model = None
         if len(ep.models) == 1:
             model = self._rewrites.get(ep.models[0], ep.models[0])
-        if spread:  # spread the first scrapes over one interval
-            await asyncio.sleep(self._rng.random() * interval)
+        # The first scrape comes at once (within FIRST_SPREAD_S, so that a start with many replicas does not
+        # open every connection in the same instant): until it lands the replica is stale, which admission
+        # reads as full, and a request for its model would wait for it, up to a whole interval with a long
+        # one. The later scrapes are spread over the interval (``spread``: the second comes at a random point
+        # of it), so that replicas started together are not scraped together for good.
+        if spread:
+            await asyncio.sleep(self._rng.random() * min(interval, FIRST_SPREAD_S))
+        phase = spread
         while not self._closed:
             started = time.monotonic()
             await self._scrape(ep, mapping, model)
             elapsed = time.monotonic() - started
+            if phase:
+                phase = False
+                await asyncio.sleep(max(0.0, self._rng.random() * interval - elapsed))
+                continue
             jitter = (self._rng.random() - 0.5) * 0.2 * interval
             await asyncio.sleep(max(0.0, interval - elapsed + jitter))
 
