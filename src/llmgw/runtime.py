@@ -29,6 +29,7 @@ imports go downward only (``tests/test_import_graph.py``).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import signal
 import time
@@ -38,6 +39,7 @@ from typing import Any, Protocol
 
 from .admin.app import AdminApp
 from .admin.ports import Listeners
+from .admin.summary import reload_summary
 from .config import Config, DeploymentConfig, EndpointConfig, load_file
 from .engines.errors import normalize_error
 from .errors import ConfigError
@@ -172,6 +174,11 @@ def components_for(config: Config) -> list[ComponentFactory]:
         return [control_plane]
     return [follower] if config.follow is not None else []
 
+
+_SECTIONS = frozenset({"server", "upstream", "retries", "scrape", "routing", "saturation", "admission", "breaker",
+                       "auth", "access_log", "mirror_root", "admin_token", "admin_allow_unauthenticated", "control",
+                       "follow"})
+"""The settings a reload names by their section when they changed (their values are not said: keys are secrets)."""
 
 _CONTROL_AT_START = ("listen", "database", "lease", "advertise", "state_file", "tls_cert", "tls_key",
                      "tls_client_ca", "allow_insecure", "grpc_server")
@@ -336,11 +343,16 @@ class GatewayRuntime:
         """
         try:
             summary = self._reload(config)
-        except (ConfigError, ValueError, RuntimeError):
+        except (ConfigError, ValueError, RuntimeError) as exc:
             self._reloads["failed"] += 1
+            # (logged whatever asked for it: an operator reads why in the journal, not only the caller)
+            log.error("reload %s failed, keeping the running configuration: %s",
+                      "on SIGHUP" if trigger == "sighup" else f"({trigger})", exc)
             raise
         self._reloads["ok"] += 1
-        log.info("configuration reloaded (%s): %s", trigger, summary)
+        restart = summary["restart_needed_for"]
+        log.info("%s (%s)%s", reload_summary(summary), trigger,
+                 f"; needs a restart to apply: {', '.join(restart)}" if restart else "")
         return summary
 
     def _reload(self, config: Config | None) -> dict[str, Any]:
@@ -406,9 +418,13 @@ class GatewayRuntime:
             running["follow"] = (dataclasses.replace(old_follow, token=config.follow.token)
                                  if old_follow is not None and config.follow is not None else old_follow)
         deployments = _deployments_changed(self.config.deployments, config.deployments)
+        models = sorted(m for m in {*self.config.models, *config.models}
+                        if self.config.models.get(m) != config.models.get(m))
+        sections = [f.name for f in dataclasses.fields(config) if f.name in _SECTIONS
+                    and getattr(config, f.name) != getattr(self.config, f.name)]
         self.config = dataclasses.replace(config, **running) if running else config
         return {"added": added, "removed": removed, "changed": changed, "deployments": deployments,
-                "restart_needed_for": not_applied}
+                "models": models, "settings": sections, "restart_needed_for": not_applied}
 
     def readiness(self) -> tuple[bool, dict[str, Any]]:
         """Whether every configured model, and every model a deployment wants replicas of (scaled
@@ -474,10 +490,8 @@ class GatewayRuntime:
         loop = asyncio.get_running_loop()
 
         def on_hup() -> None:
-            try:
+            with contextlib.suppress(ConfigError, ValueError, RuntimeError):  # (reload logged why)
                 self.reload(trigger="sighup")
-            except (ConfigError, ValueError, RuntimeError) as exc:
-                log.error("reload on SIGHUP failed, keeping the running configuration: %s", exc)
 
         loop.add_signal_handler(signal.SIGHUP, on_hup)
 

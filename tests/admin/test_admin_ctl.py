@@ -9,11 +9,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
 import yaml
 from admin_helpers import Engine, admin_port, client_port, config_for, gone, running, wait_for
 from click.testing import CliRunner, Result
 
 from canary import secret
+from llmgw.admin.summary import reload_summary
 from llmgw.cli.ctl import ctl
 from llmgw.config import load_file
 
@@ -77,7 +79,7 @@ async def test_drain_undrain_queues() -> None:
         assert lines[-1].startswith("saturation: m ")
 
 
-async def test_reload(tmp_path: Path) -> None:
+async def test_reload(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     a, b = Engine("a"), Engine("b")
     await a.start()
     await b.start()
@@ -89,15 +91,24 @@ async def test_reload(tmp_path: Path) -> None:
             res = await invoke("--admin", url(rt), "reload")
             assert res.exit_code == 0, res.output
             assert res.output == "configuration reloaded: added endpoint b\n"
-            # nothing the summary counts changed: it says so, and claims nothing more
-            conf.write_text(yaml.safe_dump({**config_for([a, b]), "models": {"m": {"aliases": ["mm"]}}}))
+            # a model's settings and a section changed: named (QA: a strategy change said nothing had)
+            conf.write_text(yaml.safe_dump({**config_for([a, b]), "models": {"m": {"aliases": ["mm"]}},
+                                            "routing": {"strategy": "least_inflight"}}))
             res = await invoke("--admin", url(rt), "reload")
-            assert res.output == "configuration reloaded: no endpoint or deployment changed\n", res.output
+            assert res.output == "configuration reloaded: changed the settings of model m; changed routing\n", res.output
+            res = await invoke("--admin", url(rt), "reload")
+            assert res.output == "configuration reloaded: nothing changed\n", res.output
+            # an answer from an llmgw that does not name them claims nothing more than it knows
+            assert reload_summary({"added": [], "removed": [], "changed": []}) == (
+                "configuration reloaded: no endpoint or deployment changed")
             conf.write_text(yaml.safe_dump({**config_for([a]), "listen": "nowhere"}))
             res = await invoke("--admin", url(rt), "reload")
             assert res.exit_code == 1
             assert res.output.startswith("llmgw: error: reload failed, the running configuration is kept: ")
             assert "listen" in res.output and len(res.output.splitlines()) == 1
+            # the server's log says why too, as for SIGHUP (QA: only the caller heard it)
+            assert any(r.levelname == "ERROR" and "reload (api) failed, keeping the running configuration" in
+                       r.getMessage() and "listen" in r.getMessage() for r in caplog.records), caplog.text
             # several problems: each is its own llmgw: error: line, as check-config and serve print them
             bad = config_for([a])
             bad["endpoints"][0] = {**bad["endpoints"][0], "modle": "m"}

@@ -507,7 +507,7 @@ async def test_reload_says_which_deployments_changed(tmp_path: Path) -> None:
         res = await invoke("--admin", url, "reload", "--json")
         assert json.loads(res.stdout)["deployments"] == {"added": [], "removed": [], "changed": [], "replicas": {}}
         res = await invoke("--admin", url, "reload")
-        assert res.output == "configuration reloaded: no endpoint or deployment changed\n"
+        assert res.output == "configuration reloaded: nothing changed\n"
         await wait_for(lambda: ctl_.view("chat")["placed"] == 1 and "old" not in ctl_.deployments,
                        what="the reload applied")
     finally:

@@ -21,11 +21,13 @@ def reload_summary(answer: Mapping[str, Any]) -> str:
 
     Args:
         answer: the reload's answer: ``added``, ``removed``, ``changed`` (endpoint ids) and
-            ``deployments`` (``added``, ``removed``, ``changed`` names, ``replicas``: name -> [before, after]).
+            ``deployments`` (``added``, ``removed``, ``changed`` names, ``replicas``: name -> [before, after]),
+            ``models`` (names whose ``models:`` entry changed) and ``settings`` (the other sections that did).
 
     Returns:
-        One line. Without endpoint or deployment changes it says only that (models, aliases,
-        keys and limits may still have changed): it never claims that nothing did.
+        One line. From an llmgw that does not name its models and settings, without endpoint or
+        deployment changes it says only that (the rest may still have changed): it never claims that
+        nothing did unless the answer says so.
     """
     deps = answer.get("deployments")
     deps = deps if isinstance(deps, Mapping) else {}
@@ -45,6 +47,14 @@ def reload_summary(answer: Mapping[str, Any]) -> str:
             c = counts.get(n) if verb == "changed" else None
             shown.append(f"{n} (replicas {c[0]} → {c[1]})" if isinstance(c, Sequence) and len(c) == 2 else str(n))
         parts.append(f"{verb} {_names('deployment', shown)}")
+    models = answer.get("models")
+    if isinstance(models, list) and models:
+        parts.append(f"changed the settings of {_names('model', models)}")
+    sections = answer.get("settings")
+    if isinstance(sections, list) and sections:
+        parts.append(f"changed {', '.join(map(str, sections))}")
     if not parts:
+        if "settings" in answer:  # (an answer that names settings: nothing else did change)
+            return "configuration reloaded: nothing changed"
         return "configuration reloaded: no endpoint or deployment changed"
     return "configuration reloaded: " + "; ".join(parts)
