@@ -174,13 +174,26 @@ async def test_disconnect_and_recovery(tmp_path: Path) -> None:
             await wait_for(lambda: app.disconnected is not None, what="disconnected")
             assert keys(app) == ["sim-a", "sim-b"]  # the last data stays on screen, marked as old
             await app.wait_for_update()
-            # said first on the status line, which a narrow terminal cuts at its end
+            # said first on the status line, which a narrow terminal cuts at its end; why, under the table
             assert app._shown["#status"].startswith("[bold red]✖ disconnected"), app._shown["#status"]
+            assert app.message_text.startswith("cannot reach the admin API: "), app.message_text
             async with gateway(tmp_path / "two", control=False, admin_port=port):
                 await wait_for(lambda: app.disconnected is None, what="connected again")
                 await app.wait_for_update()
                 assert keys(app) == ["sim-a", "sim-b"]
                 assert "connected again" in app.told
+
+
+async def test_https_to_the_plain_admin_listener_says_the_fix_on_an_80_column_terminal(tmp_path: Path) -> None:
+    """QA: at 80x24 the header cut "the admin API at https://... speaks" before the fix it named."""
+    async with gateway(tmp_path, control=False) as gw:
+        app = ConsoleApp(AdminClient(gw.url.replace("http://", "https://"), timeout=1.0), refresh=0.2)
+        async with app.run_test(size=(80, 24)):
+            await wait_for(lambda: app.disconnected is not None, what="the TLS call refused")
+            await app.wait_for_update()
+            assert app._shown["#status"].startswith("[bold red]✖ disconnected, retrying"), app._shown["#status"]
+            said = app.message_text
+            assert "speaks plain HTTP, not TLS" in said and f"pass --admin {gw.url}" in said, said
 
 
 async def test_a_poll_ending_while_the_screen_closes_draws_nothing(tmp_path: Path) -> None:

@@ -544,7 +544,9 @@ class ConsoleApp(App[None]):
         self.rendered_rows = rows
         # the header: where, what, how fresh
         if self.disconnected is not None:
-            conn = Text(printable(f"✖ disconnected, retrying ({self.disconnected})"), style="bold red")
+            # (the reason is said in full under the table, where it wraps: on this line an 80-column
+            # terminal cut it before the fix it names)
+            conn = Text("✖ disconnected, retrying", style="bold red")
             if self.last_ok is not None and self.show_ages:
                 conn.append(f"; data {time.monotonic() - self.last_ok:.0f}s old")
         elif self.auth_error is not None:
@@ -571,6 +573,8 @@ class ConsoleApp(App[None]):
                                      f"{'↓' if place.reverse else '↑'}")
         msg = lines["#message"]
         problem = self.auth_error or self._api_problem()
+        if problem is None and self.disconnected is not None:
+            problem = printable(f"cannot reach the admin API: {self.disconnected}")
         note = view.note(self.data, place.scope) if problem is None else ""  # (a node's own errors, over its GPUs)
         said = [note] if note else []
         if problem is not None:
