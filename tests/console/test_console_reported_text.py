@@ -126,6 +126,11 @@ async def test_the_details_of_a_gpu_of_a_node_past_its_grace_have_no_current_rea
                 assert lines[k] == "–", (k, lines[k])
             assert lines["health"] == "unknown"
             assert lines["name"] == "NVIDIA H100 80GB HBM3" and lines["memory_total_bytes"] == "80.0 GiB"
+            # the Nodes view: no current error count either (QA: 0, read as none)
+            await pilot.press("escape", "colon", *"nodes", "enter")
+            await app.wait_for_update()
+            nodes = {r.key: r for r in app.rendered_rows}
+            assert nodes and all(str(r.cells[7]) == "–" for r in nodes.values()), [r.cells for r in nodes.values()]
 
 
 async def test_the_client_port_is_not_called_connected(tmp_path: Path) -> None:

@@ -71,7 +71,8 @@ async def test_gpus_of_a_node_past_its_grace_show_no_current_readings() -> None:
     async with control_runtime(port, heartbeat_interval="0.1s", heartbeat_grace="0.2s") as rt:
         assert rt.admin_addr is not None
         url = f"http://127.0.0.1:{rt.admin_addr[1]}"
-        await _register(port, "node-a", {"hostname": "host-a", "gpus": h100s(1)})
+        await _register(port, "node-a", {"hostname": "host-a", "gpus": h100s(1), "errors": ["nvidia-smi: timed out"],
+                                         "facts": {"memory_available_bytes": 64 << 30}})
 
         async def unhealthy() -> bool:
             res = await invoke("--admin", url, "nodes")
@@ -81,6 +82,14 @@ async def test_gpus_of_a_node_past_its_grace_show_no_current_readings() -> None:
         res = await invoke("--admin", url, "gpus")
         row = next(line for line in res.output.splitlines() if line.startswith("node-a"))
         assert "node unhealthy" in row and "°C" not in row and " W" not in row
+        # the node's own readings too (QA: ERRORS 0, and the memory available of its last heartbeat)
+        res = await invoke("--admin", url, "nodes")
+        row = next(line for line in res.output.splitlines() if line.startswith("node-a"))
+        assert row.split()[-1] == "–", row
+        res = await invoke("--admin", url, "nodes", "--json")
+        [node] = json.loads(res.stdout)["nodes"]
+        assert node["state"] == "unhealthy" and node["facts"]["memory_available_bytes"] is None, node
+        assert node["facts"]["hostname"] == "host-a"  # (what it is stays)
 
 
 async def test_nodes_without_a_control_plane_says_so() -> None:

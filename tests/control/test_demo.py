@@ -70,6 +70,12 @@ def test_demo_shows_a_simulated_node_and_its_gpus(tmp_path: Path) -> None:
             dep = _get(f"{base}/admin/v1/deployments/d1")
             why = json.dumps(dep)
         assert "failed on demo-node" in why and "'vllm' is not found on PATH" in why, why
+        # the demo node runs engine checks as any node's agent does (QA: "this agent runs no engine checks")
+        out = subprocess.run([*ctl, "engine-check", "vllm", "--node", "demo-node", "--static", "--json"],
+                             capture_output=True, text=True, timeout=30, env={**os.environ, "PATH": path})
+        said = json.loads(out.stdout)
+        assert said["node"] == "demo-node" and said["ok"] is False, out
+        assert {c["check"]: c["status"] for c in said["checks"]} == {"found": "fail", "gpu": "pass"}, said
     finally:
         proc.send_signal(signal.SIGTERM)
         _, err = proc.communicate(timeout=20)

@@ -20,7 +20,7 @@ import os
 import signal
 import socket
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -180,6 +180,23 @@ def _target(hp: tuple[str, int]) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
+def engine_checker(engines: Mapping[str, Any] | None, gpu_source: str,
+                   replica_ports: tuple[int, int] | None) -> Callable[[Any], Awaitable[list[dict[str, Any]]]]:
+    """What answers ``llmgw ctl engine-check ENGINE --node`` on a node: the checks run with its agent's
+    ``engines:``, GPU source and replica ports."""
+
+    async def check(req: Any) -> list[dict[str, Any]]:
+        from ..launch.check import engine_check
+
+        kw: dict[str, Any] = {"timeout": req.timeout_seconds} if req.HasField("timeout_seconds") else {}
+        checks = await engine_check(req.engine, engines=engines, model=req.model if req.HasField("model") else None,
+                                    live=not req.static_only, gpu_source=gpu_source, replica_ports=replica_ports,
+                                    **kw)
+        return [c.as_dict() for c in checks]
+
+    return check
+
+
 def mirror_access(supervisor: Any, state_dir: str, fetchers: list[Any]) -> Callable[[Any], None] | None:
     """What an agent does with each registration's mirror access: the fetcher ``supervisor``
     brings mirror models with (kept in ``state_dir``/mirror; made once, appended to
@@ -265,21 +282,11 @@ async def run_agent(
                                        on_change=changed, ready_timeout=node.ready_timeout, **ports)
     fetchers: list[Any] = []
     registered = mirror_access(supervisor, node.state_dir, fetchers) if node is not None else None
-    async def check(req: Any) -> list[dict[str, Any]]:
-        """``llmgw ctl engine-check ENGINE --node`` here: the agent config's engines, the node's GPUs."""
-        from ..launch.check import engine_check
-
-        assert node is not None
-        kw: dict[str, Any] = {"timeout": req.timeout_seconds} if req.HasField("timeout_seconds") else {}
-        checks = await engine_check(req.engine, engines=node.engines, model=req.model if req.HasField("model") else None,
-                                    live=not req.static_only, gpu_source=node.gpu_source,
-                                    replica_ports=node.replica_ports, **kw)
-        return [c.as_dict() for c in checks]
-
+    check = engine_checker(node.engines, node.gpu_source, node.replica_ports) if node is not None else None
     client = AgentClient(
         targets, name, token, source, credentials=credentials, protocol=protocol or PROTOCOL, supervisor=supervisor,
         labels=node.labels if node is not None else None, advertise=node.advertise if node is not None else None,
-        on_registered=registered, engine_checker=check if node is not None else None, instance=instance,
+        on_registered=registered, engine_checker=check, instance=instance,
         drain_timeout=node.drain_timeout if node is not None else 0.0,
     )
     holder.append(client)

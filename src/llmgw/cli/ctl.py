@@ -469,7 +469,8 @@ def nodes(ctx: click.Context, node: str | None, admin: str | None, token: str | 
     node whole: its errors (what discovery failed on), labels, GPUs and replicas.
 
     A node is unhealthy when nothing was heard from it within the heartbeat grace. ERRORS counts
-    the node's own errors and its GPUs' (as the console's Nodes view does).
+    the node's own errors and its GPUs' (as the console's Nodes view does), – for a node past its
+    grace (its last ones: llmgw ctl nodes NODE).
     """
     t = _target(ctx, admin, token, as_json)
     if node is not None:
@@ -498,8 +499,10 @@ def nodes(ctx: click.Context, node: str | None, admin: str | None, token: str | 
     errors = 0
     for n in rows:
         facts = n.get("facts") or {}
-        count = len(n.get("errors") or []) + gpu_errors.get(str(n.get("name")), 0)
-        errors += count
+        # (past its grace, its errors are as old as its readings: no current count, as the console says)
+        count = (len(n.get("errors") or []) + gpu_errors.get(str(n.get("name")), 0)
+                 if n.get("state") == "up" else None)
+        errors += count or 0
         _add_row(
             table, str(n.get("name")), _node_state(n), str(n.get("hostname") or ABSENT), _fmt(n.get("gpu_count")),
             str(n.get("gpu_source") or ABSENT), _age(n.get("heartbeat_age_s")), str(n.get("agent_version") or ABSENT),

@@ -105,7 +105,7 @@ async def _start_demo_agent(
     from ..agent.client import AgentClient
     from ..control.service import ControlPlane
     from ..launch.supervisor import ReplicaSupervisor
-    from .agent import mirror_access, open_gpu_source
+    from .agent import engine_checker, mirror_access, open_gpu_source
 
     cp = next((c for c in runtime.components if isinstance(c, ControlPlane)), None)
     if cp is None or cp.address is None or cfg.control is None:
@@ -121,6 +121,7 @@ async def _start_demo_agent(
     fetchers: list[Any] = []  # (mirror models are fetched over the admin listener, as a real node's are)
     client = AgentClient(f"127.0.0.1:{cp.address[1]}", "demo-node", cfg.control.join_tokens[0], source,
                          supervisor=supervisor, on_registered=mirror_access(supervisor, state, fetchers),
+                         engine_checker=engine_checker(None, "simulated", None),  # (as any node's agent)
                          drain_timeout=0.0)  # (the process it would drain to is the one stopping)
     holder.append(client)
     stop = asyncio.Event()  # bound to the control loop by its first wait there

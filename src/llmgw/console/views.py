@@ -513,13 +513,15 @@ class NodesView(View):
                     and (t := num(g.get("memory_total_bytes")))] if up else []
             util = sum(utils) / len(utils) if utils else None
             mem = sum(u for u, _ in mems) / sum(t for _, t in mems) if mems else None
-            errors = len(n.get("errors") or []) + sum(len(g.get("errors") or []) for g in gs)
+            # (past its grace, its errors are as old as its readings: not a current count either)
+            errors = len(n.get("errors") or []) + sum(len(g.get("errors") or []) for g in gs) if up else None
             age = num(n.get("heartbeat_age_s"))
             cells = (
                 name, word(n.get("state")), Cell("cordoned", _WARN) if n.get("cordoned") else
                 Cell("leaving", _WARN) if n.get("leaving") else "no",
                 fmt_age(age, show_ages), str(n.get("gpu_count", len(gs))), bar(util), bar(mem),
-                str(errors), str(n.get("hostname") or ABSENT), str(n.get("agent_version") or ABSENT),
+                ABSENT if errors is None else str(errors), str(n.get("hostname") or ABSENT),
+                str(n.get("agent_version") or ABSENT),
             )
             sort = (name, n.get("state"), int(bool(n.get("cordoned"))), age, num(n.get("gpu_count")), util, mem,
                     errors, n.get("hostname"), n.get("agent_version"))

@@ -3,7 +3,9 @@
 Absent readings are ``null``, never 0. A node past its grace (``state: unhealthy``,
 its ``heartbeat_age_s``) has no current readings: its GPUs are listed by what they are
 (uuid, index, name, PCI bus id, parent, memory total) and their last errors, every reading
-``null`` and ``health: unknown``, as ``/metrics`` stops exporting them. A node known from
+``null`` and ``health: unknown``, as ``/metrics`` stops exporting them; of its facts, the
+memory available and its InfiniBand ports' counters are ``null`` (its ``errors`` are the
+last ones said). A node known from
 the database that has not registered since this control plane took over has ``null``
 heartbeat times.
 """
@@ -21,6 +23,8 @@ __all__ = ["gpu_rows", "gpu_view", "node_view"]
 
 # What a GPU is, kept when its node is past its grace (every other field is a reading then not current)
 _IDENTITY = frozenset({"uuid", "index", "name", "pci_bus_id", "parent_uuid", "memory_total_bytes", "errors"})
+# ... and what an InfiniBand port is
+_PORT_IDENTITY = frozenset({"device", "port"})
 
 
 def gpu_view(g: GPU, current: bool = True) -> dict[str, Any]:
@@ -43,12 +47,18 @@ def node_view(nodes: NodeMap, st: NodeState, *, gpus: bool) -> dict[str, Any]:
     now = nodes.monotonic()
     d = st.discovery
     f = d.facts
+    state = nodes.state(st, now)
     facts = {k.name: getattr(f, k.name) for k in dataclasses.fields(f) if k.name != "infiniband"}
     facts["infiniband"] = [dataclasses.asdict(p) for p in f.infiniband]
+    if state != "up":
+        # (past its grace: what the node is stays, its readings are not current)
+        facts["memory_available_bytes"] = None
+        facts["infiniband"] = [{k: v if k in _PORT_IDENTITY else None for k, v in p.items()}
+                               for p in facts["infiniband"]]
     view: dict[str, Any] = {
         "name": st.name,
         "id": st.node_id,
-        "state": nodes.state(st, now),
+        "state": state,
         "cordoned": st.cordoned,
         "leaving": st.leaving,
         "labels": dict(st.labels),
