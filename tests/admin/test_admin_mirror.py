@@ -135,3 +135,24 @@ async def test_broken_blobs_are_listed_and_a_missing_one_fails_as_missing_blob(
         assert job["state"] == "failed" and job["error"]["code"] == "corrupt_blob", job
     finally:
         await rt.stop()
+
+
+async def test_an_import_with_no_ollama_store_creates_no_mirror(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """QA: the job failed ollama_store_not_found and left a new mirror (catalogue, blobs/, tmp/) behind; its
+    hint named --ollama-dir, which a caller of the API cannot pass."""
+    monkeypatch.setenv("OLLAMA_MODELS", str(tmp_path / "no-ollama-here"))
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    mirror = tmp_path / "mirror"
+    rt = GatewayRuntime(load({"listen": "127.0.0.1:0", "admin": "127.0.0.1:0", "mirror": {"root": str(mirror)}}))
+    await rt.start()
+    try:
+        assert rt.admin_addr is not None
+        port = rt.admin_addr[1]
+        _, job = await call(port, "POST", "/admin/v1/mirror/imports", {"ollama": "llama3.2:1b"})
+        job = await _finished(port, job)
+        assert job["state"] == "failed" and job["error"]["code"] == "ollama_store_not_found", job
+        message = job["error"]["message"]
+        assert "--ollama-dir" not in message and "start the gateway with OLLAMA_MODELS" in message, message
+        assert not mirror.exists()
+    finally:
+        await rt.stop()

@@ -320,6 +320,7 @@ class MirrorAPI:
     def _run(self, job: _Job, root: Path, roots: list[Path] | None) -> None:
         """The import, in the worker thread."""
         from ..mirror import MirrorStore, import_ollama
+        from ..mirror.ollama import find_manifest, parse_ollama_name
 
         if self._cancelled.is_set():
             self._fail(job, "cancelled", "the gateway stopped before the import began")
@@ -327,6 +328,8 @@ class MirrorAPI:
         job.state = "running"
         job.started = time.time()
         try:
+            # (the model looked for first: an import with nothing to import creates no mirror)
+            find_manifest(parse_ollama_name(job.ref), roots=roots)
             with MirrorStore(root) as store:
                 result = import_ollama(store, job.ref, name=job.name, roots=roots,
                                        progress=_JobProgress(job, self._cancelled))
@@ -341,6 +344,10 @@ class MirrorAPI:
                 message = f"{exc.strerror or exc}" + (f": {exc.filename}" if exc.filename else "")
             else:
                 message = str(exc)
+            if isinstance(exc, merr.OllamaStoreNotFoundError):
+                # (a caller of the API has no --ollama-dir: the gateway's environment names the store)
+                message = message.replace("point to the store with --ollama-dir or OLLAMA_MODELS",
+                                          "start the gateway with OLLAMA_MODELS naming the store")
             self._fail(job, code, message)
         else:
             job.model = {**_model_row(result.record), "created": result.created}
