@@ -22,7 +22,7 @@ from canary import secret
 from launch.helpers import Watched, gone, http
 from llmgw.config.agent import AgentEngineConfig
 from llmgw.launch import trtllm
-from llmgw.launch.spec import FAILED, READY, LocalModel, ModelBlob, ReplicaSpec
+from llmgw.launch.spec import FAILED, READY, STOPPED, LocalModel, ModelBlob, ReplicaSpec
 
 KEY = secret("replica")
 
@@ -265,6 +265,13 @@ async def test_replica_ports_only_in_the_range_given(tmp_path: Path) -> None:
         st = await w.wait_state("b", FAILED)
         assert f"no free port in replica_ports {lo}-{lo + 1}" in st.message and "widen the range" in st.message
         assert st.port is None
+        # a stopped replica's port is free again at once, though its status stays listed (QA: held for
+        # keep_stopped, 5 minutes, every new replica failed "no free port" with nothing running)
+        await w.sup.apply([])
+        await w.wait_state("a", STOPPED)
+        assert "a" in {x.id for x in w.sup.statuses()}
+        await w.sup.apply([spec("vllm", id="c")])
+        assert (await w.wait_state("c", READY)).port == lo + 1
     finally:
         busy.close()
         await w.sup.close()

@@ -152,8 +152,12 @@ no outgoing connection of the node takes the port between the pick and the engin
 
 
 def _bindable(host: str, port: int) -> bool:
+    """Whether an engine could listen on ``port`` now. As the engines do (uvicorn, cpp-httplib), with
+    SO_REUSEADDR: the connections a stopped engine closed last (TIME_WAIT) do not hold its port, a
+    listener does."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((host, port))
         except OSError:
@@ -625,7 +629,11 @@ class ReplicaSupervisor:
         work = self._run / rep.id
         work.mkdir(parents=True, exist_ok=True, mode=0o700)
         try:
-            taken = frozenset(r.port for r in self._reps.values() if r.port is not None and r is not rep)
+            # (the ports of this node's engines that run, or start: a stopped or failed replica's port is
+            # free again at once, though its status stays listed for keep_stopped)
+            taken = frozenset(r.port for r in self._reps.values()
+                              if r.port is not None and r is not rep and r.task is not None and r.state != STOPPED
+                              and r.state != FAILED)
             port = _free_port(self.host, self.port_range, taken, self.strict_ports)
             plan = launcher_for(spec.engine)(spec, model, host=self.host, port=port,
                                              engine=self.engines.get(spec.engine), work_dir=work)
