@@ -260,3 +260,40 @@ def test_crash_looping_deployments_show_one_line_from_the_first_crash(tmp_path: 
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.communicate(timeout=30)
+
+
+async def test_a_failed_replica_goes_elsewhere_and_a_ready_deployment_says_nothing_failed(tmp_path: Path) -> None:
+    """QA: a replica failing on a node for a reason of that node's own (no free port there) was placed on
+    that node again and again, the best-scored one, while another was idle; and once a scale-down dropped
+    the failed replica, the deployment, every replica ready, still said "failed ...; placing again"."""
+    port = free_port()
+    async with control_runtime(port, heartbeat_interval="10s", heartbeat_grace="60s",
+                               database=f"sqlite:///{tmp_path}/cp.sqlite3") as rt:
+        url = f"http://127.0.0.1:{rt.admin_addr[1]}"  # type: ignore[index]
+        await register(port, "cpu-1", {"hostname": "h1"})
+        await register(port, "gpu-1", {"hostname": "h2", "gpus": h100s(1)})
+        c = controller(rt)
+        res = await invoke("--admin", url, "deploy", "d", "--model", "/models/tiny.gguf", "--engine", "llamacpp",
+                           "--replicas", "2")
+        assert res.exit_code == 0, res.output
+        await c.committed()
+        where = {r.id: r.node for r in c.replicas.values()}
+        assert sorted(where.values()) == ["cpu-1", "gpu-1"], where  # (the CPU node first, then spread)
+        on_cpu = next(i for i, n in where.items() if n == "cpu-1")
+        on_gpu = next(i for i, n in where.items() if n == "gpu-1")
+        c.report("gpu-1", "127.0.0.1", [ReplicaStatus(on_gpu, "ready", pid=2, port=free_port())])
+        c.report("cpu-1", "127.0.0.1", [ReplicaStatus(on_cpu, "failed", message="no free port in replica_ports "
+                                                      "40000-40001 on 127.0.0.1: widen the range")])
+        d = c.view("d")
+        assert d["message"].startswith(f"replica {on_cpu} failed on cpu-1: no free port"), d["message"]
+        c.deployments["d"].retry_at = 0.0  # (its backoff passed)
+        c.sync(10.0)
+        await c.committed()
+        again = [r for r in c.replicas.values() if r.id not in where]
+        assert [r.node for r in again] == ["gpu-1"], again  # not the node it just failed on
+        # scaled down to the ready one: nothing is missing, nothing is placed again, nothing said
+        res = await invoke("--admin", url, "scale", "d", "1")
+        assert res.exit_code == 0, res.output
+        c.sync(10.0)
+        d = c.view("d")
+        assert d["ready"] == 1 and d["desired"] == 1 and d["message"] is None, d

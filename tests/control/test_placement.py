@@ -285,3 +285,17 @@ def test_a_cpu_replica_takes_a_node_without_idle_gpus_before_a_gpu_node() -> Non
     assert chosen(place(need, [gpu_node, cpu_node], held)).node == "a-gpu"
     # and a CPU node that cannot take it leaves it to the GPU node
     assert chosen(place(Need("c", memory=100 * GIB), [gpu_node, cpu_node], [])).node == "a-gpu"
+
+
+def test_a_node_where_the_deployment_failed_lately_is_taken_last() -> None:
+    """QA: a replica failing for a reason of its node's own (its ports, a file missing there) was placed
+    there again and again, the best-scored node, while other nodes were idle."""
+    cpu_nodes = [node("n-cpu"), node("n-gpu", 2)]  # (a CPU replica goes to the node without idle GPUs first)
+    assert chosen(place(Need("d"), cpu_nodes, [])).node == "n-cpu"
+    assert chosen(place(Need("d"), cpu_nodes, [], avoid=("n-cpu",))).node == "n-gpu"
+    gpu_nodes = [node("a", 1), node("b", 1)]
+    assert chosen(place(Need("d", gpus=1), gpu_nodes, [])).node == "a"
+    assert chosen(place(Need("d", gpus=1), gpu_nodes, [], avoid=("a",))).node == "b"
+    # a preference, not a filter: with nowhere else, there again
+    assert chosen(place(Need("d"), [node("n-cpu")], [], avoid=("n-cpu",))).node == "n-cpu"
+    assert chosen(place(Need("d", gpus=1), [node("a", 1)], [], avoid=("a",))).node == "a"

@@ -87,6 +87,9 @@ CONFIG = "config"
 API = "api"
 BACKOFF_MIN_S = 5.0
 BACKOFF_MAX_S = 300.0
+FAILED_NODE_AVOID_S = 600.0
+"""A node where a replica of a deployment failed is taken for its next ones only where no other node fits,
+for this long."""
 PASS_BUDGET_S = 0.02
 """A pass of the loop places replicas for at most this long (one at least), then yields to the event
 loop and goes on at once in the next (a large cluster's placement never holds the data path up)."""
@@ -259,6 +262,9 @@ class Deployment:
     resolved_at: float = 0.0
     model_error: str | None = None
     """Why its mirror model cannot be used (a blob missing or corrupt), looked up again now and then."""
+    failed_on: dict[str, float] = field(default_factory=dict)
+    """Nodes where a replica of it failed lately, and until when (the controller's clock) placement takes
+    them only where no other node fits."""
 
     @property
     def desired(self) -> int:
@@ -461,7 +467,7 @@ class DeploymentController:
                     self.store.put_replica(r.stored())
         elif old is not None:  # only the count (or the ready timeout) changed: the same replicas, the same history
             new.message, new.failures, new.retry_at = old.message, old.failures, old.retry_at
-            new.model, new.resolved = old.model, old.resolved
+            new.model, new.resolved, new.failed_on = old.model, old.resolved, old.failed_on
         self.deployments[new.cfg.name] = new
         self.store.put_deployment(new.stored())
         if old is not None and old.cfg.ready_timeout != new.cfg.ready_timeout:
@@ -709,6 +715,11 @@ class DeploymentController:
                 self._start_drain(r)
             if want == 0 or dep.failures == 0:
                 dep.message = None
+        if dep.message is not None and want and len(live) == want and not old and all(
+                r.state == READY for r in live):
+            # every replica wanted is ready (a scale-down dropped the one that failed): nothing is missing,
+            # and nothing is placed again (the message said "placing again" for as long as it ran)
+            dep.message, dep.failures, dep.retry_at = None, 0, 0.0
 
     def _retire(self, live: list[Replica], old: list[Replica], want: int) -> None:
         """A rolling update's step: outdated replicas that serve nothing drain now; of those that serve,
@@ -809,7 +820,14 @@ class DeploymentController:
             self._pass_nodes = self.node_infos()
         if self._claims is None:
             self._claims = [r.claim() for r in self.replicas.values()]
-        got = place(need, self._pass_nodes, self._claims)
+        avoid: tuple[str, ...] = ()
+        if dep.failed_on:
+            now = self.clock()
+            for node, until in list(dep.failed_on.items()):
+                if until <= now:
+                    del dep.failed_on[node]
+            avoid = tuple(dep.failed_on)
+        got = place(need, self._pass_nodes, self._claims, avoid)
         if isinstance(got, Unplaceable):
             return got
         assert isinstance(got, Choice)
@@ -1118,6 +1136,7 @@ class DeploymentController:
             dep.failures += 1
             delay = min(BACKOFF_MAX_S, BACKOFF_MIN_S * 2 ** (dep.failures - 1))
             dep.retry_at = self.clock() + delay
+            dep.failed_on[r.node] = self.clock() + FAILED_NODE_AVOID_S
             why, tail = log_tail(s.message or "no message")
             # (the exit status once: the agent's reason for a crash loop says it already)
             code = f" (exit {s.exit_code})" if s.exit_code is not None and f"status {s.exit_code}" not in why else ""

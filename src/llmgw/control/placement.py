@@ -46,7 +46,7 @@ could have helped, by name, and the rest counted by why ("and 37 more down").
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 __all__ = ["Choice", "Claim", "GpuInfo", "Need", "NodeInfo", "Unplaceable", "fmt_bytes", "place"]
@@ -264,13 +264,17 @@ def _order_key(item: tuple[int, GpuInfo]) -> tuple[bool, int, int, str]:
     return (g.degraded, -free, g.index if g.index is not None else 1 << 30, g.uuid)
 
 
-def place(need: Need, nodes: Sequence[NodeInfo], claims: Sequence[Claim]) -> Choice | Unplaceable:
+def place(need: Need, nodes: Sequence[NodeInfo], claims: Sequence[Claim],
+          avoid: Collection[str] = ()) -> Choice | Unplaceable:
     """Choose a node (and its GPUs) for one replica of ``need.deployment``.
 
     Args:
         need: what the replica needs.
         nodes: every registered node.
         claims: what placed replicas hold (including the deployment's own).
+        avoid: nodes where a replica of the deployment failed lately: taken only where no other node
+            fits (a failure of one node's own, its ports, a file or an engine missing there, must not keep
+            the deployment down while other nodes are idle).
 
     Returns:
         A :class:`Choice`, or an :class:`Unplaceable` with the reason.
@@ -295,7 +299,7 @@ def place(need: Need, nodes: Sequence[NodeInfo], claims: Sequence[Claim]) -> Cho
     # (the GPU node that came closest: the most GPUs that fit, then the most free memory on a GPU short of
     # it, then the most GPUs of the asked model; nodes with none of that model are no candidates)
     best_partial: tuple[tuple[int, int, int], str, _Short, int] | None = None  # (rank, node, why, fits)
-    best: tuple[tuple[int, int, int, int, str], NodeInfo, list[tuple[int, GpuInfo]]] | None = None
+    best: tuple[tuple[bool, int, int, int, int, str], NodeInfo, list[tuple[int, GpuInfo]]] | None = None
     for node in nodes:
         if not node.up:
             excluded.append(_Excluded(node, "down", f"{node.name} is down"))
@@ -332,7 +336,8 @@ def place(need: Need, nodes: Sequence[NodeInfo], claims: Sequence[Claim]) -> Cho
             left = sum(f for f, _ in fit) - need.gpus * (need.gpu_memory or 0)
             # (a degraded GPU only where no node fits without one: its engine may well fail on it)
             forced = max(0, need.gpus - sum(1 for _, g in fit if not g.degraded))
-            key = (forced, same.get(node.name, 0), -(unheld - min(need.gpus, fit_unheld)), -left, node.name)
+            key = (node.name in avoid, forced, same.get(node.name, 0), -(unheld - min(need.gpus, fit_unheld)),
+                   -left, node.name)
             if best is None or key < best[0]:
                 best = (key, node, fit)
             continue
@@ -362,7 +367,7 @@ def place(need: Need, nodes: Sequence[NodeInfo], claims: Sequence[Claim]) -> Cho
         # (the fewest GPUs left idle under it: a CPU replica on a GPU node takes the memory and cores its GPU
         # replicas need, so a node without free GPUs (a CPU node) is taken first, spreading still before it)
         idle_gpus = sum(1 for g in node.gpus if not g.mig_parent and g.healthy and (node.name, g.uuid) not in uses)
-        key = (0, same.get(node.name, 0), idle_gpus, -left_mem, node.name)
+        key = (node.name in avoid, 0, same.get(node.name, 0), idle_gpus, -left_mem, node.name)
         if best is None or key < best[0]:
             best = (key, node, [])
     if best is not None:
