@@ -141,8 +141,10 @@ async def test_an_engine_whose_first_thread_exits_first_is_reported_with_its_own
     monkeypatch.setattr(os, "pidfd_open", no_pidfd)
     w = Watched(tmp_path / "state", poll_interval=0.05, backoff=30.0,
                 engines={"llamacpp": AgentEngineConfig(binary=str(fake))})
+    model = tmp_path / "tiny.gguf"
+    model.write_bytes(b"GGUF")
     try:
-        await w.sup.apply([spec_for("/m/tiny.gguf")])
+        await w.sup.apply([spec_for(str(model))])
         st = await w.wait("chat-1", lambda s: s.restarts >= 1 or s.exit_code is not None, timeout=20)
         assert st.exit_code == 3, st
         assert "exited with status 3" in st.message, st.message

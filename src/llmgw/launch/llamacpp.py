@@ -11,6 +11,7 @@ A vision model's projector (a mirror blob with role ``projector``) is passed wit
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from ..config.agent import AgentEngineConfig
@@ -26,6 +27,18 @@ FLAGS = ("-m", "--metrics", "--api-key", KEY_ENV, "-np", "-c", "--alias", "--hos
 """The flags llmgw passes (``ctl engine-check`` looks for each in ``--help``)."""
 
 
+def _check_model_file(path: str) -> None:
+    """A model named by its path must be a readable file here: llama-server exits at once on one that is
+    not, and each restart would only say so again (a crash loop whose log line is cut before the path)."""
+    if not os.path.exists(path):
+        raise LaunchError(f"model file {path} not found on this node: check the deployment's model (a GGUF "
+                          "file's path on the nodes, or a mirror reference such as tiny:1b)")
+    if os.path.isdir(path):
+        raise LaunchError(f"model {path} is a directory on this node: llama.cpp runs a GGUF file; name the file")
+    if not os.access(path, os.R_OK):
+        raise LaunchError(f"model file {path} cannot be read by the agent's user on this node: make it readable")
+
+
 def plan(
     spec: ReplicaSpec,
     model: LocalModel | None,
@@ -39,7 +52,10 @@ def plan(
         raise LaunchError(f"replica {spec.id}: no API key; llmgw never runs an engine open to the network")
     refuse_own_flags(spec)
     binary = find_binary(engine, BINARY, "llamacpp")
-    argv = [binary, "-m", model_path(spec, model), "--metrics", "--host", host, "--port", str(port)]
+    path = model_path(spec, model)
+    if model is None:
+        _check_model_file(path)
+    argv = [binary, "-m", path, "--metrics", "--host", host, "--port", str(port)]
     if spec.slots is not None:
         argv += ["-np", str(spec.slots)]
     if spec.context is not None:
