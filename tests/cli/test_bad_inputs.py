@@ -75,7 +75,8 @@ def test_listeners_that_share_a_port_through_a_wildcard(tmp_path: Path) -> None:
     f = tmp_path / "c.yaml"
     f.write_text("listen: 0.0.0.0:20584\nadmin: 127.0.0.1:20584\nendpoints:\n" + ENDPOINT)
     want = "the client and admin listeners (0.0.0.0:20584 and 127.0.0.1:20584) want one port"
-    assert want in one_error(run("check-config", str(f)))
+    line = one_error(run("check-config", str(f)))
+    assert want in line and f"{f}:2: admin: " in line, line
     g = tmp_path / "g.yaml"
     g.write_text("endpoints:\n" + ENDPOINT)
     line = one_error(run("serve", "-c", str(g), "--listen", "[::]:20585", "--admin", "127.0.0.1:20585"))
@@ -92,6 +93,7 @@ def test_an_admin_api_off_loopback_needs_a_token_or_an_explicit_allowance(tmp_pa
     line = one_error(run("check-config", str(f)))
     assert "admin: 0.0.0.0 is not a loopback address and there is no admin_token" in line, line
     assert "admin_allow_unauthenticated: true" in line and "mint join tokens" not in line
+    assert f"{f}:1: admin: " in line, line  # (the key's YAML line, as every other problem has: QA)
     f.write_text("admin: 0.0.0.0:20586\ncontrol: {listen: 127.0.0.1:20587, join_token: a-join-token-of-length}\n")
     assert "mint join tokens" in one_error(run("check-config", str(f)))
     # the flag over a file, and over the demo, alike

@@ -344,6 +344,11 @@ def _build(data: Any, problems: _Problems, *, serve: bool = False) -> Config:
     # section that failed is not "no endpoints").
     if serve and not any(p.key.startswith(("endpoints", "control", "follow")) for p in problems.found):
         for p in serve_problems(cfg, problems.line(("endpoints",)) if "endpoints" in doc else None):
+            if p.line is None and p.key:
+                # (a check across keys names one of them: its line, where the file has the key)
+                loc = tuple(p.key.split("."))
+                if loc[0] in doc:
+                    p = dataclasses.replace(p, line=problems.line(loc))
             problems.found.append(p)
     problems.raise_if_any()
     return cfg
