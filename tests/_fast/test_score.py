@@ -1006,3 +1006,21 @@ def test_one_clients_500s_among_good_traffic_open_no_breaker(p_bad: float) -> No
 def test_a_replica_failing_what_its_sibling_serves_opens(p_bad: float) -> None:
     opened = _answered_500s(p_bad, 1, seed=1)
     assert opened[0] == 0 and opened[1] >= 4, opened  # (each reopening doubles the cooldown: out most of the time)
+
+
+def test_score_takes_an_idle_replica_over_a_queue_after_one_long_answer(score: ModuleType) -> None:
+    """QA, on two real llama-server replicas: one long answer among few left a healthy replica with a
+    latency 40 times its sibling's (a replica's latency is its requests' mean time: as much how long they
+    were as its speed), and score queued a burst on the sibling while it idled. No replica is scored more
+    than MAX_SLOWER times slower than the fastest: an idle one wins over a queue."""
+    quick, long_one = fresh(score, 2)
+    serve(quick, 0.0, 0.02, 6, 0.5)
+    serve(long_one, 0.0, 0.02, 3, 0.5)
+    serve(long_one, 2.0, 6.3, 1, 0.0)
+    for s in (quick, long_one):
+        s.slots = 2.0
+    assert long_one.latency > 20 * quick.latency  # (the skew the QA run saw)
+    quick.on_scrape(8.5, 0, 2, None)  # its two slots busy: one more would queue
+    long_one.on_scrape(8.5, 0, 0, None)
+    assert picks(score.Picker("score", seed=3), [quick, long_one], 20, now=8.6) == {1: 20}
+    # a replica that is slower, measured over many requests, is still told apart (test_score_weighs_replica_speed)

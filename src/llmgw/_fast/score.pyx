@@ -54,6 +54,8 @@ cdef double C_ERR_WEIGHT = 0.125
 cdef double C_LATENCY_PRIOR = 0.5
 # (score_py: _LATENCY_FORGET) nothing in flight and less evidence than this: latency unknown again
 cdef double C_LATENCY_FORGET = 0.05
+# (score_py: MAX_SLOWER) no replica is scored more than this many times slower than the pool's fastest
+cdef double C_MAX_SLOWER = 4.0
 cdef double C_NEAR_TIE = 0.1
 cdef double C_PREFILL_SHARE = 0.05
 cdef double C_KV_KNEE = 0.7
@@ -845,7 +847,7 @@ cdef class Picker:
         # the mean of the known latencies; pass 2: costs; pass 3: draw among near-ties
         cdef Py_ssize_t i, k, m, n = PyList_GET_SIZE(states)
         cdef Py_ssize_t cnt = 0, known = 0, gauged = 0
-        cdef double known_sum = 0.0, prior = 1.0
+        cdef double known_sum = 0.0, prior = 1.0, fastest = INFINITY, top
         cdef double fill, w, r, kv, kvf, t, c, full, slots_now, ahead, wait, x, best, limit
         cdef double *load
         cdef double *capa
@@ -880,6 +882,8 @@ cdef class Picker:
             if t > 0.0:
                 known_sum += t
                 known += 1
+                if t < fastest:
+                    fastest = t
             else:
                 t = NAN
             self._idx[cnt] = i
@@ -892,6 +896,7 @@ cdef class Picker:
         if gauged == 0:
             return self._least_inflight(states, now)
         fill = known_sum / <double>known if known else 1.0
+        top = C_MAX_SLOWER * fastest
         best = INFINITY
         for k in range(cnt):
             c = capa[k]
@@ -902,7 +907,11 @@ cdef class Picker:
             ahead = load[k] + 1.0 - slots_now
             wait = ahead / slots_now if ahead > 0.0 else 0.0
             t = lat[k]
-            x = (wait + C_PREFILL_SHARE * (1.0 + load[k] / c)) * kvfs[k] * (fill if isnan(t) else t)
+            if isnan(t):
+                t = fill
+            if t > top:
+                t = top
+            x = (wait + C_PREFILL_SHARE * (1.0 + load[k] / c)) * kvfs[k] * t
             load[k] = x  # the cost, from here on
             if x < best:
                 best = x

@@ -143,6 +143,12 @@ _LATENCY_PRIOR = 0.5
 # a replica scored slow by a few long answers, and sent nothing since, is tried again
 # rather than kept at that figure for as long as its faster sibling has room.
 _LATENCY_FORGET = 0.05
+# Score counts no replica as more than this many times slower than the fastest it knows in the pool. A
+# replica's latency is its requests' mean time, which says as much about how long the requests it
+# happened to serve were as about its speed: one long answer among few made a healthy replica look
+# 40 times slower than its sibling, and score queued a burst on the sibling while it idled. Replicas of
+# one model differ in speed by a few times at most (a 4x slower one is still told apart).
+MAX_SLOWER = 4.0
 # The share of a request's time on a replica spent in prefill (before its first
 # token), at an empty batch; a full batch doubles it.
 PREFILL_SHARE = 0.05
@@ -1128,6 +1134,7 @@ class Picker:
         # pass 1: the usable fresh replicas' numbers, the pool's largest capacity and
         # the mean of the known latencies; pass 2: costs; pass 3: draw among near-ties
         cand: list[tuple[int, float, float, float, float, float]] = []
+        fastest = math.inf
         known_sum = 0.0
         known = 0
         gauged = 0
@@ -1154,6 +1161,8 @@ class Picker:
             if t > 0.0:
                 known_sum += t
                 known += 1
+                if t < fastest:
+                    fastest = t
             else:
                 t = _NAN
             cand.append((i, st.load(), c, full, kvf, t))
@@ -1161,6 +1170,7 @@ class Picker:
         if gauged == 0:
             return self._least_inflight(states, now)  # (a pool none of whose replicas is read)
         fill = known_sum / known if known else 1.0
+        top = MAX_SLOWER * fastest
         cost: list[float] = []
         best = math.inf
         for _, load, c, full, kvf, t in cand:
@@ -1169,7 +1179,11 @@ class Picker:
             slots_now = full if full > 0.0 else c
             ahead = load + 1.0 - slots_now
             wait = ahead / slots_now if ahead > 0.0 else 0.0
-            x = (wait + PREFILL_SHARE * (1.0 + load / c)) * kvf * (t if t == t else fill)
+            if t != t:
+                t = fill
+            if t > top:
+                t = top
+            x = (wait + PREFILL_SHARE * (1.0 + load / c)) * kvf * t
             cost.append(x)
             if x < best:
                 best = x
