@@ -45,7 +45,7 @@ def test_check_config_and_serve_agree_on_a_plaintext_control_plane_off_loopback(
     cfg.write_text("control:\n  listen: 0.0.0.0:28071\n  join_token: abc\n")
     check = run("check-config", str(cfg))
     serve = run("serve", "-c", str(cfg), "--listen", "127.0.0.1:0", "--admin", "127.0.0.1:0")
-    expected = (f"llmgw: error: {cfg}: control.listen: 0.0.0.0 is not a loopback address and the control plane has "
+    expected = (f"llmgw: error: {cfg}:2: control.listen: 0.0.0.0 is not a loopback address and the control plane has "
                 "no TLS: join tokens and node data would travel in the clear; set control.tls_cert and "
                 "control.tls_key (or control.allow_insecure: true on a network you trust)")
     assert check.returncode == serve.returncode == 1
