@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
@@ -169,3 +170,47 @@ class AgentProc:
 
     def stderr(self) -> str:
         return self.log.read_text(errors="replace") if self.log.exists() else ""
+
+
+class DemoServe:
+    """``llmgw serve`` with no config (the demo: a control plane and its demo node) in a process of its
+    own, with ``llama-server`` on PATH being ``script`` (a stand-in), up once the demo node is registered.
+    ``env`` is the process's (PATH with the stand-in; give it to ``llmgw ctl`` too), ``ctl`` the command
+    line of ``llmgw ctl`` against its admin API."""
+
+    def __init__(self, tmp_path: Path, script: str) -> None:
+        port, admin_port = free_port(), free_port()
+        tmp, bin_dir = tmp_path / "tmp", tmp_path / "bin"
+        tmp.mkdir()
+        bin_dir.mkdir()
+        (bin_dir / "llama-server").write_text(script)
+        (bin_dir / "llama-server").chmod(0o755)
+        path = os.pathsep.join([str(bin_dir), os.path.dirname(sys.executable), "/usr/bin", "/bin"])
+        self.env = {**os.environ, "PYTHONUNBUFFERED": "1", "TMPDIR": str(tmp), "PATH": path, "COLUMNS": "400"}
+        self.base = f"http://127.0.0.1:{admin_port}"
+        self.ctl = [sys.executable, "-m", "llmgw", "ctl", "--admin", self.base]
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "llmgw", "serve", "--listen", f"127.0.0.1:{port}", "--admin",
+             f"127.0.0.1:{admin_port}"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=tmp_path, env=self.env,
+        )
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            with contextlib.suppress(OSError):
+                if self.get("/admin/v1/nodes")["nodes"]:
+                    return
+            if self.proc.poll() is not None:
+                break
+            time.sleep(0.1)
+        self.stop()
+        raise AssertionError("the demo node did not register within 60s")
+
+    def get(self, path: str) -> Any:
+        with urllib.request.urlopen(f"{self.base}{path}", timeout=5) as r:
+            return orjson.loads(r.read())
+
+    def stop(self) -> tuple[int, str]:
+        """SIGTERM, then its exit status and its log."""
+        self.proc.send_signal(signal.SIGTERM)
+        _, err = self.proc.communicate(timeout=30)
+        return self.proc.returncode, err

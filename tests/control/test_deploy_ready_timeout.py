@@ -5,18 +5,14 @@ timeout sent with ``ctl deploy --update`` reaches the engine already loading (th
 
 from __future__ import annotations
 
-import json
-import os
-import signal
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
 import pytest
-from cp_helpers import free_port
+from cp_helpers import DemoServe
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -39,31 +35,14 @@ http.server.HTTPServer(("127.0.0.1", port), H).serve_forever()
 '''
 
 
-def _get(url: str) -> Any:
-    with urllib.request.urlopen(url, timeout=5) as r:
-        return json.loads(r.read())
-
-
 def test_a_deployments_ready_timeout_fails_it_and_a_new_one_reaches_the_loading_engine(tmp_path: Path) -> None:
-    port, admin_port = free_port(), free_port()
-    tmp, bin_dir = tmp_path / "tmp", tmp_path / "bin"
-    tmp.mkdir()
-    bin_dir.mkdir()
-    (bin_dir / "llama-server").write_text(LOADING.format(python=sys.executable))
-    (bin_dir / "llama-server").chmod(0o755)
     model = tmp_path / "big.gguf"
     model.write_bytes(b"GGUF")
-    path = os.pathsep.join([str(bin_dir), os.path.dirname(sys.executable), "/usr/bin", "/bin"])
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "TMPDIR": str(tmp), "PATH": path, "COLUMNS": "400"}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "llmgw", "serve", "--listen", f"127.0.0.1:{port}", "--admin", f"127.0.0.1:{admin_port}"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=tmp_path, env=env,
-    )
-    base = f"http://127.0.0.1:{admin_port}"
-    ctl_ = [sys.executable, "-m", "llmgw", "ctl", "--admin", base]
+    demo = DemoServe(tmp_path, LOADING.format(python=sys.executable))
+    env, ctl_ = demo.env, demo.ctl
 
     def deployments() -> dict[str, dict[str, Any]]:
-        return {d["name"]: d for d in _get(f"{base}/admin/v1/deployments")["deployments"]}
+        return {d["name"]: d for d in demo.get("/admin/v1/deployments")["deployments"]}
 
     def ports(name: str) -> list[int]:
         # (each start of an engine is on a port of its own: the same port, the same engine)
@@ -71,13 +50,6 @@ def test_a_deployments_ready_timeout_fails_it_and_a_new_one_reaches_the_loading_
 
     try:
         deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            try:
-                if _get(f"{base}/admin/v1/nodes")["nodes"]:
-                    break
-            except OSError:
-                pass
-            time.sleep(0.1)
         for name, more in (("quick", ["--ready-timeout", "2s"]), ("patient", [])):
             out = subprocess.run([*ctl_, "deploy", name, "--engine", "llamacpp", f"--model={model}", *more],
                                  capture_output=True, text=True, timeout=20, env=env)
@@ -109,6 +81,5 @@ def test_a_deployments_ready_timeout_fails_it_and_a_new_one_reaches_the_loading_
         out = subprocess.run([*ctl_, "deployments"], capture_output=True, text=True, timeout=20, env=env)
         assert out.returncode == 0 and "not ready within 6s" in out.stdout, out.stdout
     finally:
-        proc.send_signal(signal.SIGTERM)
-        _, err = proc.communicate(timeout=30)
-    assert proc.returncode == 0, err[-3000:]
+        code, err = demo.stop()
+    assert code == 0, err[-3000:]

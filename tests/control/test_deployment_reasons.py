@@ -7,18 +7,14 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import signal
 import subprocess
-import sys
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
 import pytest
 from click.testing import CliRunner, Result
-from cp_helpers import control_plane, control_runtime, free_port
+from cp_helpers import DemoServe, control_plane, control_runtime, free_port
 from scenario import h100s
 from test_deployments import admin, register
 
@@ -175,11 +171,6 @@ async def test_a_placement_reason_and_a_crash_are_both_said(tmp_path: Path) -> N
                         "(2 restarts so far); log: Killed")
 
 
-def _get(url: str) -> Any:
-    with urllib.request.urlopen(url, timeout=5) as r:
-        return json.loads(r.read())
-
-
 STANDIN = """#!/bin/sh
 # llama-server as the QA repro saw it: a flag it does not know, or a model file that is not there
 for a in "$@"; do
@@ -195,38 +186,19 @@ exit 1
 
 def test_crash_looping_deployments_show_one_line_from_the_first_crash(tmp_path: Path) -> None:
     """The QA repro, end to end: the demo node runs a ``llama-server`` that exits at once."""
-    port, admin_port = free_port(), free_port()
-    tmp, bin_dir = tmp_path / "tmp", tmp_path / "bin"
-    tmp.mkdir()
-    bin_dir.mkdir()
-    (bin_dir / "llama-server").write_text(STANDIN)
-    (bin_dir / "llama-server").chmod(0o755)
     model = tmp_path / "tiny.gguf"
     model.write_bytes(b"GGUF")
-    path = os.pathsep.join([str(bin_dir), os.path.dirname(sys.executable), "/usr/bin", "/bin"])
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "TMPDIR": str(tmp), "PATH": path, "COLUMNS": "400"}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "llmgw", "serve", "--listen", f"127.0.0.1:{port}", "--admin", f"127.0.0.1:{admin_port}"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=tmp_path, env=env,
-    )
-    base = f"http://127.0.0.1:{admin_port}"
-    ctl_ = [sys.executable, "-m", "llmgw", "ctl", "--admin", base]
+    demo = DemoServe(tmp_path, STANDIN)
+    env, ctl_ = demo.env, demo.ctl
     try:
         deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            try:
-                if _get(f"{base}/admin/v1/nodes")["nodes"]:
-                    break
-            except OSError:
-                pass
-            time.sleep(0.1)
         for name, more in (("crash", [f"--model={model}", "--arg=--no-such-flag"]), ("nofile", ["--model=/nope.gguf"])):
             out = subprocess.run([*ctl_, "deploy", name, "--engine", "llamacpp", *more], capture_output=True,
                                  text=True, timeout=20, env=env)
             assert out.returncode == 0 and "placed on demo-node" in out.stdout, out
 
         def whys() -> dict[str, str]:
-            return {d["name"]: d["message"] or "" for d in _get(f"{base}/admin/v1/deployments")["deployments"]}
+            return {d["name"]: d["message"] or "" for d in demo.get("/admin/v1/deployments")["deployments"]}
 
         # from the first crash on, the deployment says why it is not ready (before: null until it failed); a
         # model file the node lacks is said at once, the file named, without a crash loop
@@ -262,8 +234,7 @@ def test_crash_looping_deployments_show_one_line_from_the_first_crash(tmp_path: 
         top = out.stdout.split("\n\n")[0].splitlines()
         assert len(top) == 3, out.stdout  # the header and one line per deployment
     finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.communicate(timeout=30)
+        demo.stop()
 
 
 async def test_a_failed_replica_goes_elsewhere_and_a_ready_deployment_says_nothing_failed(tmp_path: Path) -> None:
