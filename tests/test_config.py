@@ -576,3 +576,19 @@ def test_every_api_key_problem_is_said_in_one_pass() -> None:
     assert found.get("auth.api_keys[0].key") == "is empty", found
     assert "unknown band 'nosuchband'" in found.get("auth.api_keys[1].band", ""), found
     assert "k-SECRET" not in str(ei.value)
+
+
+@pytest.mark.parametrize("value, says", [
+    (float("nan"), "expected a duration like 2s or 500ms, got nan"),
+    (float("inf"), "expected a duration like 2s or 500ms, got inf"),
+    (".nan", "expected a duration like 2s or 500ms"),
+    ("9999999999999h", "must be at most 8760h, got '9999999999999h'"),
+    (1e300, "must be at most 8760h"),
+])
+def test_a_duration_is_finite_and_at_most_a_year(value: object, says: str) -> None:
+    """QA: ``scrape.interval: 9999999999999h`` was taken (requests then waited for ever for a first scrape),
+    and NaN passed every bound a duration has."""
+    with pytest.raises(ConfigError) as err:
+        load({"scrape": {"interval": value}})
+    assert err.value.key == "scrape.interval" and says in err.value.message, err.value.message
+    assert load({"scrape": {"interval": "8760h", "stale_after": "8760h", "timeout": "1s"}}).scrape.interval == 8760 * 3600.0

@@ -11,6 +11,7 @@ what it looks like in the exported JSON Schema. ``parse_duration``,
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from collections.abc import Callable, Mapping, Sequence
@@ -58,6 +59,8 @@ def parse_duration(value: Any, key: str = "") -> float:
         if not m:
             raise ConfigError(key, f"expected a duration like 2s or 500ms, got {value!r}")
         seconds = float(m.group(1)) * {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, None: 1.0}[m.group(2)]
+    if not math.isfinite(seconds):
+        raise ConfigError(key, f"expected a duration like 2s or 500ms, got {value!r}")
     if seconds < 0:
         raise ConfigError(key, "a duration cannot be negative")
     return seconds
@@ -194,7 +197,14 @@ def _num(lo: float | None = None, hi: float | None = None) -> _Rule:
     return _Rule(check, schema)
 
 
+MAX_DURATION = 365 * 86400.0
+"""The longest duration any key takes (a year): a larger one is a typo, and NaN or infinity no duration."""
+
+
 def _duration(min_s: float = 0.0, max_s: float | None = None) -> _Rule:
+    if max_s is None:
+        max_s = MAX_DURATION
+
     def check(v: Any) -> float:
         seconds = parse_duration(v)
         if seconds < min_s:
