@@ -146,3 +146,22 @@ async def test_the_json_of_a_node_past_its_grace_has_no_current_readings() -> No
             assert row["health"] == "unknown"
         res = await invoke("--admin", url, "gpus")
         assert " ".join(row_of(res.output, "node-a")).endswith("– – – node unhealthy")
+
+
+def test_a_deploy_placed_in_part_with_nothing_in_the_way_says_the_rest_follow(capsys: pytest.CaptureFixture[str]) -> None:
+    """QA: ``ctl deploy --replicas 1024`` said "110 of 1024 replica(s) placed" and nothing of the other 914 (the
+    control plane places many in passes: nothing stood in their way)."""
+    from llmgw.cli.ctl import _say_deployment
+
+    _say_deployment({"name": "big", "placed": 110, "desired": 1024, "nodes": ["n1"], "message": None}, "deployed")
+    out = capsys.readouterr()
+    assert out.out.splitlines() == ["big: deployed: 110 of 1024 replica(s) placed on n1",
+                                    "big: the rest are being placed (llmgw ctl deployments shows them)"]
+    # a reason, when there is one, is what is said instead
+    _say_deployment({"name": "big", "placed": 1, "desired": 2, "nodes": ["n1"],
+                     "message": "needs 1 GPU; no node has a GPU"}, "deployed")
+    out = capsys.readouterr()
+    assert out.out.splitlines() == ["big: deployed: 1 of 2 replica(s) placed on n1"]
+    assert "no node has a GPU" in out.err
+    _say_deployment({"name": "big", "placed": 2, "desired": 2, "nodes": ["n1"], "message": None}, "deployed")
+    assert capsys.readouterr().out.splitlines() == ["big: deployed: 2 of 2 replica(s) placed on n1"]

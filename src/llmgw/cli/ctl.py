@@ -772,6 +772,9 @@ def _say_deployment(d: dict[str, Any], verb: str) -> None:
         from ._common import echo_err
 
         echo_err(printable(f"{d.get('name')}: {why}"), level="warning")
+    elif isinstance(d.get("placed"), int) and isinstance(d.get("desired"), int) and d["placed"] < d["desired"]:
+        # (nothing stands in the way: the control plane places many in passes, the loop having its turn between)
+        click.echo(printable(f"{d.get('name')}: the rest are being placed (llmgw ctl deployments shows them)"))
 
 
 @ctl.command(context_settings={"ignore_unknown_options": True})  # (-1: a bad REPLICAS, said so; not an option)
