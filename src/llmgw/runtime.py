@@ -418,11 +418,13 @@ class GatewayRuntime:
             running["follow"] = (dataclasses.replace(old_follow, token=config.follow.token)
                                  if old_follow is not None and config.follow is not None else old_follow)
         deployments = _deployments_changed(self.config.deployments, config.deployments)
-        models = sorted(m for m in {*self.config.models, *config.models}
-                        if self.config.models.get(m) != config.models.get(m))
-        sections = [f.name for f in dataclasses.fields(config) if f.name in _SECTIONS
-                    and getattr(config, f.name) != getattr(self.config, f.name)]
-        self.config = dataclasses.replace(config, **running) if running else config
+        applied = dataclasses.replace(config, **running) if running else config
+        models = sorted(m for m in {*self.config.models, *applied.models}
+                        if self.config.models.get(m) != applied.models.get(m))
+        # (what is applied: a key that needs a restart is in restart_needed_for, not here, reload after reload)
+        sections = [f.name for f in dataclasses.fields(applied) if f.name in _SECTIONS
+                    and getattr(applied, f.name) != getattr(self.config, f.name)]
+        self.config = applied
         return {"added": added, "removed": removed, "changed": changed, "deployments": deployments,
                 "models": models, "settings": sections, "restart_needed_for": not_applied}
 

@@ -98,6 +98,14 @@ async def test_reload(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
             assert res.output == "configuration reloaded: changed the settings of model m; changed routing\n", res.output
             res = await invoke("--admin", url(rt), "reload")
             assert res.output == "configuration reloaded: nothing changed\n", res.output
+            # a key that needs a restart: not said to be nothing, nor a change of a section reload after reload
+            conf.write_text(yaml.safe_dump({**config_for([a, b]), "models": {"m": {"aliases": ["mm"]}},
+                                            "routing": {"strategy": "least_inflight"}, "listen": "127.0.0.1:1"}))
+            for _ in range(2):
+                res = await invoke("--admin", url(rt), "reload")
+                assert res.output.splitlines()[0] == (
+                    "configuration reloaded: nothing changed that applies without a restart"), res.output
+                assert "listen changed; that needs a restart" in res.output, res.output
             # an answer from an llmgw that does not name them claims nothing more than it knows
             assert reload_summary({"added": [], "removed": [], "changed": []}) == (
                 "configuration reloaded: no endpoint or deployment changed")

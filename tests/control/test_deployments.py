@@ -345,6 +345,11 @@ async def test_a_deployment_made_with_ctl_deploy_is_updated_in_place(tmp_path: P
         gen2, specs = ctl_.desired("gpu-node-1")
         assert gen2 > gen
         assert [(x.id, x.ready_timeout) for x in specs if x.deployment == "chat"] == [(next(iter(first)), 7200.0)]
+        # kept in the replica's row: a control plane that loads it hands the node the same spec
+        await ctl_.committed()
+        await ctl_.store.load()  # type: ignore[attr-defined]
+        [row] = [r for r in ctl_.store.replicas() if r.deployment == "chat"]
+        assert row.spec["form"]["ready_timeout_seconds"] == 7200.0, row.spec
         res = await invoke("--admin", url, "deploy", "chat", "--model", "llama-8b", "--ready-timeout", "0s",
                            "--update")
         assert res.exit_code == 1 and "ready_timeout" in res.output and "at least" in res.output, res.output
@@ -530,3 +535,17 @@ async def test_a_deployment_not_ready_keeps_the_control_plane_ready_as_one(tmp_p
         # a probe's typo is an error, not plain /ready's answer taken for the control plane's
         status, body = await api(rt, "GET", "/ready?role=contrl")
         assert status == 400 and body["error"]["param"] == "role" and "contrl" in body["error"]["message"], body
+
+
+def test_a_ready_timeout_alone_in_the_file_does_not_end_a_scale() -> None:
+    """A config deployment scaled with ``ctl scale`` keeps its scale until its entry changes in the file; a new
+    ready timeout changes nothing its replicas run (review: it ended the scale, draining replicas)."""
+    import dataclasses
+
+    from llmgw.control.deployments import _entry_key
+
+    cfg = load({"control": {"listen": "127.0.0.1:7070", "join_token": TOKEN},
+                "deployments": [{"name": "d", "model": "/m/x.gguf", "engine": "llamacpp"}]}).deployments[0]
+    assert _entry_key(dataclasses.replace(cfg, ready_timeout=7200.0)) == _entry_key(cfg)
+    assert _entry_key(dataclasses.replace(cfg, replicas=3)) != _entry_key(cfg)
+    assert _entry_key(dataclasses.replace(cfg, args=("--x",))) != _entry_key(cfg)

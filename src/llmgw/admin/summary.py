@@ -55,6 +55,8 @@ def reload_summary(answer: Mapping[str, Any]) -> str:
         parts.append(f"changed {', '.join(map(str, sections))}")
     if not parts:
         if "settings" in answer:  # (an answer that names settings: nothing else did change)
+            if answer.get("restart_needed_for"):
+                return "configuration reloaded: nothing changed that applies without a restart"
             return "configuration reloaded: nothing changed"
         return "configuration reloaded: no endpoint or deployment changed"
     return "configuration reloaded: " + "; ".join(parts)

@@ -150,7 +150,9 @@ def deployment_entry(d: DeploymentConfig) -> dict[str, Any]:
 
 
 def _entry_key(d: DeploymentConfig) -> str:
-    return json.dumps(deployment_entry(d), sort_keys=True)
+    """What a ``ctl scale`` of a config deployment holds against: its entry but its ready timeout (which
+    changes nothing its replicas run: a new timeout in the file does not end the scale, a new count does)."""
+    return json.dumps(deployment_entry(dataclasses.replace(d, ready_timeout=None)), sort_keys=True)
 
 
 def parse_deployment(body: Any) -> DeploymentConfig:
@@ -471,13 +473,15 @@ class DeploymentController:
         self.deployments[new.cfg.name] = new
         self.store.put_deployment(new.stored())
         if old is not None and old.cfg.ready_timeout != new.cfg.ready_timeout:
-            # the nodes are told the new timeout with the same replicas (their specs are made again from the
-            # new entry; an outdated one keeps its own): the engines run on, and one still loading is waited
-            # for as long as the new timeout says
+            # the nodes are told the new timeout with the same replicas: the spec each runs, with the new
+            # timeout only (made again, its model resolved anew could differ, and every engine restart at once),
+            # kept in its row (a control plane that loads it hands the node the same); an outdated one keeps
+            # its own. The engines run on, and one still loading is waited for as long as the new timeout says
             nodes = set()
             for r in self._of(new.cfg.name):
                 if not r.outdated and r.spec is not None:
-                    r.spec = None
+                    r.spec = dataclasses.replace(r.spec, ready_timeout=new.cfg.ready_timeout)
+                    self.store.put_replica(r.stored())
                     nodes.add(r.node)
             for node in sorted(nodes):
                 self._invalidate(node)

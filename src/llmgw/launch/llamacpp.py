@@ -27,15 +27,16 @@ FLAGS = ("-m", "--metrics", "--api-key", KEY_ENV, "-np", "-c", "--alias", "--hos
 """The flags llmgw passes (``ctl engine-check`` looks for each in ``--help``)."""
 
 
-def _check_model_file(path: str) -> None:
-    """A model named by its path must be a readable file here: llama-server exits at once on one that is
-    not, and each restart would only say so again (a crash loop whose log line is cut before the path)."""
-    if not os.path.exists(path):
+def _check_model_file(path: str, where: str) -> None:
+    """A model named by its ``path`` (``where``: as the engine will open it) must be a readable file here:
+    llama-server exits at once on one that is not, and each restart would only say so again (a crash loop
+    whose log line is cut before the path)."""
+    if not os.path.exists(where):
         raise LaunchError(f"model file {path} not found on this node: check the deployment's model (a GGUF "
                           "file's path on the nodes, or a mirror reference such as tiny:1b)")
-    if os.path.isdir(path):
+    if os.path.isdir(where):
         raise LaunchError(f"model {path} is a directory on this node: llama.cpp runs a GGUF file; name the file")
-    if not os.access(path, os.R_OK):
+    if not os.access(where, os.R_OK):
         raise LaunchError(f"model file {path} cannot be read by the agent's user on this node: make it readable")
 
 
@@ -54,7 +55,8 @@ def plan(
     binary = find_binary(engine, BINARY, "llamacpp")
     path = model_path(spec, model)
     if model is None:
-        _check_model_file(path)
+        # (a relative path is the engine's to resolve, from its work directory, where it runs)
+        _check_model_file(path, os.path.join(work_dir, path))
     argv = [binary, "-m", path, "--metrics", "--host", host, "--port", str(port)]
     if spec.slots is not None:
         argv += ["-np", str(spec.slots)]
