@@ -346,8 +346,10 @@ class GatewayRuntime:
         except (ConfigError, ValueError, RuntimeError) as exc:
             self._reloads["failed"] += 1
             # (logged whatever asked for it: an operator reads why in the journal, not only the caller)
+            # (its text: the exception itself, kept by the record, would keep its traceback's frames alive,
+            # the admin connection that asked among them)
             log.error("reload %s failed, keeping the running configuration: %s",
-                      "on SIGHUP" if trigger == "sighup" else f"({trigger})", exc)
+                      "on SIGHUP" if trigger == "sighup" else f"({trigger})", str(exc))
             raise
         self._reloads["ok"] += 1
         restart = summary["restart_needed_for"]
