@@ -175,10 +175,10 @@ def components_for(config: Config) -> list[ComponentFactory]:
     return [follower] if config.follow is not None else []
 
 
-_SECTIONS = frozenset({"server", "upstream", "retries", "scrape", "routing", "saturation", "admission", "breaker",
-                       "auth", "access_log", "mirror_root", "admin_token", "admin_allow_unauthenticated", "control",
-                       "follow"})
-"""The settings a reload names by their section when they changed (their values are not said: keys are secrets)."""
+_SECTIONS = frozenset(f.name for f in dataclasses.fields(Config)) - {
+    "listen", "admin", "endpoints", "models", "deployments", "source"}
+"""The settings a reload names by their section when they changed (their values are not said: keys are secrets):
+every key of the file but those its answer says otherwise (endpoints, models, deployments, restart_needed_for)."""
 
 _CONTROL_AT_START = ("listen", "database", "lease", "advertise", "state_file", "tls_cert", "tls_key",
                      "tls_client_ca", "allow_insecure", "grpc_server")
