@@ -745,7 +745,12 @@ async def test_first_byte_timeout_is_504_and_not_retried() -> None:
 
 async def test_client_disconnect_mid_stream_aborts_upstream() -> None:
     a = FakeEngine("a")
-    async with gateway([a]) as rt:
+    # (the first request waits for the first scrape and takes its connection; the second scrape
+    # comes at a random point of the interval: an hour, none in the test, whose connection
+    # would be counted)
+    async with gateway([a], scrape={"interval": "1h"}) as rt:
+        assert rt.registry is not None
+        pool = rt.registry.endpoints["a"].pool
         a.mode = "slow_stream"
         body = chat(stream=True)
         r, w = await asyncio.open_connection("127.0.0.1", port_of(rt))
@@ -760,12 +765,14 @@ async def test_client_disconnect_mid_stream_aborts_upstream() -> None:
             await asyncio.sleep(0.01)
         assert a.active == 0 and a.cancelled == 1, "upstream not aborted after the client left"
         assert inflight_zero(rt)
-        assert rt.registry.endpoints["a"].pool.open_connections == 0
+        assert pool.open_connections == 0  # (the stream's, the first scrape's before it, closed)
 
 
 async def test_keepalive_upstream_connections_are_reused() -> None:
     a = FakeEngine("a")
-    async with gateway([a]) as rt:
+    # (a scrape while a request holds the connection would open a second one: the second scrape
+    # comes at a random point of an hour)
+    async with gateway([a], scrape={"interval": "1h"}) as rt:
         for _ in range(10):
             status, _, _ = await request(port_of(rt), chat())
             assert status == 200
