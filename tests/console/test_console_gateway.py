@@ -220,3 +220,5 @@ async def test_a_wrong_token_is_told_once(tmp_path: Path) -> None:
             assert app.auth_error is not None and "refused the token" in app.auth_error
             assert sum("refused the token" in t for t in app.told) == 1
             assert "refused the token" in app.message_text
+            # (nothing was ever read: no count, where 'Endpoints (0)' read as a gateway with none)
+            assert app._shown["#crumbs"].startswith("Endpoints (–)"), app._shown["#crumbs"]

@@ -217,6 +217,61 @@ async def test_a_restart_hands_replicas_the_specs_they_run_whatever_the_mirror_s
         await db.close()
 
 
+async def test_a_failed_replica_whose_mirror_blob_was_found_corrupt_is_not_placed_again(tmp_path: Path) -> None:
+    """A blob corrupt in the mirror with its size intact: nodes refuse the bytes and the replica fails, and
+    a new one was placed every backoff, each node fetching the whole blob in vain, for good. Once ``llmgw
+    mirror verify`` has moved it out, the next failure stops the placing with the reason and the fix; the
+    model imported again, replicas are placed again. The replica that runs keeps running."""
+    from llmgw.mirror.importer import import_file
+    from llmgw.mirror.store import MirrorStore
+    from llmgw.testing.gguf_model import write_tiny_llama
+
+    root = tmp_path / "mirror"
+    model = write_tiny_llama(tmp_path / "tiny.gguf", ctx=2048)
+    with MirrorStore(root) as ms:
+        import_file(ms, model, name="tiny:1b")
+    clock = [100.0]
+    nodes = NodeMap(lambda: 60.0)
+    for name in ("cpu-1", "cpu-2"):
+        nodes.register(name, peer="ipv4:127.0.0.1:1", agent_version="t", protocol=(1, 2), discovery=Discovery(
+            NodeFacts("h", cpu_cores=8, memory_total_bytes=64 * GIB, memory_available_bytes=64 * GIB)))
+    cfg = load({"deployments": [{"name": "tiny", "model": "tiny:1b", "engine": "llamacpp", "context": 1024,
+                                 "replicas": 2}]})
+    db, store = await _memory_store()
+    ctl_ = DeploymentController(nodes=nodes, store=store, router=None, config=lambda: cfg,
+                                resolver=mirror_resolver(root), clock=lambda: clock[0])
+    try:
+        await _sync(ctl_)
+        (s1,), (s2,) = ctl_.desired("cpu-1")[1], ctl_.desired("cpu-2")[1]
+        ctl_.report("cpu-1", "127.0.0.1", [ReplicaStatus(s1.id, "ready", port=9000)])
+        with MirrorStore(root) as ms:
+            (blob,) = ms.list_models()[0].files
+            os.chmod(blob.path, 0o644)
+            with open(blob.path, "r+b") as f:
+                f.seek(100)
+                f.write(b"\xff" * 8)
+            (check,) = ms.verify(quarantine=True)
+        assert check.status == "corrupt" and check.quarantined is not None and not blob.path.exists()
+        ctl_.report("cpu-2", "127.0.0.1", [ReplicaStatus(s2.id, "failed", message="the bytes received hash to "
+                                                          "sha256:0, not ...: the transfer was corrupt")])
+        for _ in range(3):
+            clock[0] += 120.0  # past any backoff
+            await _sync(ctl_)
+        d = ctl_.view("tiny")
+        assert d["placed"] == 1 and [r["node"] for r in d["replicas"]] == ["cpu-1"], d["replicas"]
+        assert f"is corrupt (llmgw mirror verify moved it to {check.quarantined}); import the model again" \
+            in d["message"], d["message"]
+        assert ctl_.desired("cpu-1")[1] == (s1,)  # (the one that runs: the same spec, not restarted)
+        with MirrorStore(root) as ms:
+            import_file(ms, model, name="tiny:1b")  # (puts a verified copy back)
+        clock[0] += 120.0
+        await _sync(ctl_)
+        assert ctl_.view("tiny")["placed"] == 2 and ctl_.view("tiny")["message"] is None
+    finally:
+        await ctl_.stop()
+        await db.close()
+
+
 async def _ready(ctl_: DeploymentController, node: str, ids: set[str]) -> None:
     """``node``'s heartbeat: these replicas ready, the rest of its set starting."""
     ctl_.report(node, "127.0.0.1", [ReplicaStatus(s.id, "ready" if s.id in ids else "starting", port=9000 + i)
@@ -711,6 +766,52 @@ async def test_a_silent_nodes_replicas_say_why_they_are_not_ready() -> None:
         assert d["message"] and "1 replica(s) on node n, silent for 10s" in d["message"], d["message"]
     finally:
         await ctl_.stop()
+        await db.close()
+
+
+async def test_replicas_on_a_node_not_heard_since_a_restart_say_where_they_wait() -> None:
+    """The control plane restarts and a node's agent does not come back: its replicas (pending, nothing
+    heard) said '–' for the two minutes until they were placed elsewhere, and a client was told they were
+    starting. Now the message names the node, why, and when they go elsewhere; the 503 says the same kind."""
+    mono, clock = [100.0], [50.0]
+    nodes = NodeMap(lambda: 6.0, monotonic=lambda: mono[0])
+    st, _ = nodes.register("n", peer="p", agent_version="t", protocol=(1, 2),
+                           discovery=Discovery(NodeFacts("n", cpu_cores=8, memory_total_bytes=64 << 30,
+                                                         memory_available_bytes=64 << 30)))
+    db, store = await _memory_store()
+    entry = {"name": "c", "model": "/models/m.gguf", "engine": "llamacpp", "replicas": 1, "memory": "1GiB"}
+    ctl_ = DeploymentController(nodes=nodes, store=store, router=None, config=lambda: load({}),
+                                resolver=lambda m: None, clock=lambda: clock[0])
+    ctl_.create(parse_deployment(entry))
+    await _sync(ctl_)
+    assert len(ctl_.desired("n")[1]) == 1
+    await ctl_.stop()
+    # the next control plane: the same database; the node known from it only
+    nodes2 = NodeMap(lambda: 6.0, monotonic=lambda: mono[0])
+    nodes2.remember("n", st.node_id, "n", "t", [])
+    store2 = DesiredStore(db, unfenced(db))
+    await store2.load()
+    held: list[Any] = []
+
+    class Router(_BusyRouter):
+        def hold(self, models: Any, wanted: frozenset[str]) -> None:
+            held.append(dict(models.reasons))
+
+    ctl2 = DeploymentController(nodes=nodes2, store=store2, router=Router(), config=lambda: load({}),
+                                resolver=lambda m: None, clock=lambda: clock[0])
+    try:
+        await _sync(ctl2)
+        d = ctl2.view("c")
+        assert d["ready"] == 0 and d["replicas"][0]["node"] == "n"
+        assert d["message"] == ("1 replica(s) on node n, not heard from since this control plane took over: "
+                                "waiting for its agent; placed again elsewhere in 120s if it stays away"), d["message"]
+        assert held[-1] == {"c": "its replicas' nodes are not heard from (or leaving); they are placed "
+                                 "again elsewhere if they stay away"}, held
+        clock[0] += 30.0
+        await _sync(ctl2)
+        assert "placed again elsewhere in 90s if it stays away" in ctl2.view("c")["message"]
+    finally:
+        await ctl2.stop()
         await db.close()
 
 

@@ -17,7 +17,9 @@ from mirror_helpers import OllamaStore, blob_files, file_sha, sha, write_gguf, w
 
 from llmgw.cli import main
 from llmgw.cli.mirror import mirror
+from llmgw.mirror.errors import CorruptBlobError
 from llmgw.mirror.progress import NullProgress, RichProgress, make_progress
+from llmgw.mirror.resolve import resolve
 
 
 def run(*args: str | Path, env: dict[str, str] | None = None) -> Result:
@@ -203,8 +205,21 @@ def test_verify_names_each_corrupt_blob(root: Path, model_file: Path, projector_
     assert len(lines) == 1
     assert lines[0].startswith(f"llmgw: error: blob {shown['files'][1]['digest']} ({bad}) is corrupt")
     assert "used by v:latest" in lines[0] and "import the model again" in lines[0]
+    # Its size is right: a deployment would still take it and nodes be sent it (each would refuse the
+    # bytes, again and again). Moved out of the blobs, it is refused where it is asked for.
+    digest = shown["files"][1]["digest"]
+    moved = root / "quarantine" / digest[7:]
+    assert f"moved it to {moved} (no node is sent it; deploying its models is refused)" in lines[0]
+    assert not bad.exists() and moved.read_bytes() == bytes(data)
+    with pytest.raises(CorruptBlobError, match=f"is corrupt \\(llmgw mirror verify moved it to {moved}\\); "
+                       "import the model again from its source"):
+        resolve(root, "v")
     out = json.loads(run("--root", root, "verify", "v", "--json").stdout)
-    assert not out["ok"] and [b["status"] for b in out["blobs"]].count("corrupt") == 1
+    assert not out["ok"] and [b["status"] for b in out["blobs"]].count("missing") == 1
+    # the import that brought it in puts a verified copy back
+    run("--root", root, "import", model_file, "--name", "v", "--projector", projector_file, "-q")
+    assert run("--root", root, "verify").exit_code == 0
+    assert resolve(root, "v")[0][1].digest == digest
 
 
 def test_raw_import(root: Path, tmp_path: Path) -> None:

@@ -67,7 +67,10 @@ def test_name_from_filename() -> None:
     assert name_from_filename("/x/Qwen2.5-0.5B-Instruct-Q4_K_M.gguf") == "Qwen2.5-0.5B-Instruct-Q4_K_M"
     assert name_from_filename("my model (v2).GGUF") == "my-model-v2"
     assert name_from_filename(".hidden") == "hidden"
-    assert name_from_filename("...") == "model"
+    for unnamed in ("...", "模型.gguf", "мой.gguf", "-_-.gguf"):
+        with pytest.raises(InvalidNameError, match=r"cannot name a model after the file name .*give it one with --name"):
+            name_from_filename(unnamed)
+    assert name_from_filename("мой-v2.gguf") == "v2"
 
 
 # --- importing a file ----------------------------------------------------------------------

@@ -92,6 +92,8 @@ def _errors(func: F) -> F:
             return func(*args, **kwargs)
         except MirrorError as exc:
             raise MirrorCliError(str(exc)) from exc
+        except BrokenPipeError:
+            raise  # (stdout closed under `| head`: click ends quietly, status 1, as Python's docs advise)
         except OSError as exc:
             raise MirrorCliError(_os_error_message(exc)) from exc
         except sqlite3.Error as exc:  # (the catalogue turns these into MirrorErrors; a last resort)
@@ -554,7 +556,7 @@ def verify_cmd(
         with _open_store(root, create=False) as store:
             models = [_get(store, name)] if name is not None else None
             with make_progress(quiet=quiet) as progress:
-                checks = store.verify(models, progress=progress, record=False)
+                checks = store.verify(models, progress=progress, record=False, quarantine=True)
             # The results are shown even when they cannot be recorded (a read-only mirror).
             try:
                 store.record_verified(checks)
@@ -582,9 +584,11 @@ def verify_cmd(
         detail = f" (it hashes to {c.actual})" if c.status == "corrupt" else ""
         what = _not_a_file(c.path) if c.status == "not-a-file" else c.status
         fix = "move it out of the mirror and import" if c.status == "not-a-file" else "import"
+        moved = (f"; moved it to {c.quarantined} (no node is sent it; deploying its models is refused)"
+                 if c.quarantined is not None else "")
         echo_err(
             f"llmgw: error: blob {c.digest} ({c.path}) is {what}{detail}, used by"
-            f" {', '.join(c.models) or 'no model'}; {fix} the model again from its source to replace it",
+            f" {', '.join(c.models) or 'no model'}{moved}; {fix} the model again from its source to replace it",
             level="error",
         )
     if unrecorded is not None:

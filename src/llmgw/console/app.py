@@ -567,7 +567,8 @@ class ConsoleApp(App[None]):
             status.append("  [read-only]", style="bold yellow")
         self._show(lines, "#status", status)
         crumbs = " › ".join([*(_crumb(p) for p in self.stack), _crumb(place)])
-        count = f"{len(rows)}/{total}" if len(rows) != total else f"{total}"
+        # (nothing read yet, a token refused from the start: no count, rather than a 0 that reads as none)
+        count = "–" if self.last_ok is None else f"{len(rows)}/{total}" if len(rows) != total else f"{total}"
         extra = f"  filter /{place.filter}" if place.filter else ""
         self._show(lines, "#crumbs", f"{crumbs} ({count}){extra}  sort {view.columns[sort].label}"
                                      f"{'↓' if place.reverse else '↑'}")

@@ -264,6 +264,8 @@ class Deployment:
     resolved_at: float = 0.0
     model_error: str | None = None
     """Why its mirror model cannot be used (a blob missing or corrupt), looked up again now and then."""
+    unplaceable: str | None = None
+    """Why the last replica it wanted could not be placed (its :attr:`message` then), until one is."""
     failed_on: dict[str, float] = field(default_factory=dict)
     """Nodes where a replica of it failed lately, and until when (the controller's clock) placement takes
     them only where no other node fits."""
@@ -694,9 +696,11 @@ class DeploymentController:
                     if dep.message != got.reason:
                         log.warning("deployment %s: %d of %d replicas placed: %s", dep.cfg.name,
                                     len(self._live(dep)), want, got.reason)
-                    dep.message = got.reason
+                    dep.message = dep.unplaceable = got.reason
                     return
-            dep.message = None if dep.failures == 0 else dep.message
+            # (a failure's message stays while its replacement starts; why none could be placed is over)
+            dep.message = None if dep.failures == 0 or dep.message == dep.unplaceable else dep.message
+            dep.unplaceable = None
         elif len(live) > want:
             if any(not r.reported for r in live):
                 # (loaded from the database, its node not heard from since: which to keep is not known
@@ -991,6 +995,9 @@ class DeploymentController:
         live = [r for r in reps if r.draining_since is None]
         if any(_restarting(r) for r in live):
             return "its replicas are restarting after a crash"
+        if live and all(not self._staying(r.node) for r in live):
+            return ("its replicas' nodes are not heard from (or leaving); they are placed again elsewhere "
+                    "if they stay away")
         if dep.message is not None and not live:
             return ("no replica of its deployment can be placed now (llmgw ctl deployments says why)"
                     if dep.failures == 0 else "its replicas failed; new ones are placed after a backoff")
@@ -1148,7 +1155,24 @@ class DeploymentController:
             dep.message = (f"replica {r.id} failed on {r.node}{code}: {why}; placing again in {delay:g}s"
                            + (f"{LOG_TAIL}\n{tail}" if tail is not None else ""))
             log.warning("deployment %s: %s", r.deployment, reason_line(dep.message))
+            self._recheck_model(dep)
         self._drop(r, "failed")
+
+    def _recheck_model(self, dep: Deployment) -> None:
+        """A replica failed: is its mirror model still usable? A blob gone from the mirror, or one ``llmgw
+        mirror verify`` found corrupt and moved out, would fail every replica placed from now on (each node
+        asking the mirror for it in vain): none is placed until the model is imported again (looked up again
+        every RESOLVE_AGAIN_S, as a model the mirror lacks)."""
+        if dep.model is None:
+            return
+        try:
+            self.resolver(dep.cfg.model)
+        except MirrorError as exc:
+            dep.model = None
+            dep.model_error = f"model {dep.cfg.model!r} is in the mirror but cannot be used: {exc}"
+            dep.resolved_at = self.clock()
+        except Exception as exc:  # (the mirror unreadable now: the model it had stays)
+            log.debug("looking %s up again in the mirror failed: %s", dep.cfg.model, str(exc))
 
     def node_gone(self, node: str) -> None:
         """``node`` deregistered or was removed: its replicas are gone (placed again elsewhere)."""
@@ -1229,22 +1253,38 @@ class DeploymentController:
         }
 
     def _silent(self, reps: Sequence[Replica]) -> str | None:
-        """Why replicas its node last reported ready do not count as ready: their node is silent."""
+        """Why replicas on a node that is not up are not ready: their node is silent (past its grace), or not
+        heard from since this control plane took over (a restart, a new leader), or gone; and when they are
+        placed elsewhere. Those its node last reported ready do not count as ready."""
         nodes = self.nodes
         mono = nodes.monotonic()
-        by_node: dict[str, int] = {}
+        by_node: dict[str, list[Replica]] = {}
         for r in reps:
-            if r.state == READY and r.draining_since is None and not self.ready_now(r):
-                by_node[r.node] = by_node.get(r.node, 0) + 1
+            if r.draining_since is not None:
+                continue
+            st = nodes.get(r.node)
+            if st is None or not st.heard or not nodes.is_up(st, mono):
+                by_node.setdefault(r.node, []).append(r)
         if not by_node:
             return None
-        node, n = min(by_node.items())
+        node, on = min(by_node.items())
         st = nodes.get(node)
-        age = f" for {st.age(mono):.0f}s" if st is not None and st.heard else ""
+        if st is None:
+            where = "gone (not registered)"
+        elif not st.heard:
+            where = "not heard from since this control plane took over"
+        else:
+            where = f"silent for {st.age(mono):.0f}s (no heartbeat from its agent)"
         more = f" (and {len(by_node) - 1} more node(s))" if len(by_node) > 1 else ""
-        return (f"{n} replica(s) on node {node}{more}, silent{age} (no heartbeat from its agent), not counted as "
-                f"ready: the router sends them requests while their engines answer; placed again elsewhere "
-                f"{NODE_LOST_S:.0f}s after the heartbeat grace")
+        ready = sum(1 for r in on if r.state == READY)
+        what = ("not counted as ready: the router sends them requests while their engines answer"
+                if ready == len(on) else "waiting for its agent")
+        since = self._missing_since.get(node)
+        if since is None:  # (not seen missing by a pass yet)
+            when = f"{NODE_LOST_S:.0f}s after the heartbeat grace"
+        else:
+            when = f"in {max(0.0, NODE_LOST_S - (self.clock() - since)):.0f}s if it stays away"
+        return f"{len(on)} replica(s) on node {node}{more}, {where}: {what}; placed again elsewhere {when}"
 
     def list_views(self, *, show_secrets: bool = False) -> list[dict[str, Any]]:
         return [self.view(n, show_secrets=show_secrets) for n in sorted(self.deployments)]

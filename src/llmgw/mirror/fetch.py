@@ -528,7 +528,7 @@ class MirrorFetcher:
                 took = time.monotonic() - t0
                 direct = self.direct_bytes - direct0
                 log.info(
-                    "fetched %d bytes of %s from %s%s in %.2fs (%.0f MiB/s%s)",
+                    "received %d bytes of %s from %s%s in %.2fs (%.0f MiB/s%s); its digest is checked next",
                     got, blob.digest, self.base_url, f" (resumed at {have})" if have else "",
                     took, got / max(took, 1e-6) / (1 << 20), f", {direct} bytes with O_DIRECT" if direct else "",
                 )

@@ -72,9 +72,17 @@ def name_from_filename(path: str | PurePath) -> str:
     """Derive a model name from a file name: the stem, with other characters made ``-``.
 
     ``Qwen2.5-0.5B-Instruct-Q4_K_M.gguf`` becomes ``Qwen2.5-0.5B-Instruct-Q4_K_M``.
+
+    Raises:
+        InvalidNameError: nothing of the name is left (``模型.gguf``, ``....gguf``): every such file
+            would get one made-up name, the second refused as taken with no word of where it came from.
     """
-    stem = PurePath(path).name
-    if stem.lower().endswith(".gguf"):
-        stem = stem[: -len(".gguf")]
+    file = PurePath(path).name
+    stem = file[: -len(".gguf")] if file.lower().endswith(".gguf") else file
     cleaned = re.sub(r"[^A-Za-z0-9._-]+", "-", stem).lstrip(".-")[:MAX_PART].rstrip(".-")
-    return cleaned or "model"
+    if not re.search(r"[A-Za-z0-9]", cleaned):
+        raise InvalidNameError(
+            f"cannot name a model after the file name {file!r}: a model name takes ASCII letters, digits, '.', "
+            "'_' and '-'; give it one with --name NAME[:TAG]"
+        )
+    return cleaned

@@ -25,6 +25,8 @@ from pathlib import Path
 from typing import Any
 
 from .errors import (
+    DigestMismatchError,
+    GGUFFormatError,
     InvalidNameError,
     NotGGUFError,
     OllamaBlobError,
@@ -691,6 +693,8 @@ def import_ollama(
                 raise OllamaUnsupportedError(
                     f"the {layer.kind} layer of {display} is not GGUF ({exc}); llmgw mirrors GGUF models only"
                 ) from exc
+            except GGUFFormatError as exc:  # (truncated, corrupt: what Ollama holds is broken)
+                raise GGUFFormatError(f"{exc}; pull the model again (ollama pull {display})") from exc
             # The roles `import` checks (check_gguf's), in words for a manifest rather than a command line.
             if layer.kind == "model" and src.gguf.is_projector:
                 raise OllamaManifestError(
@@ -705,16 +709,22 @@ def import_ollama(
                     " GGUF files with llmgw mirror import MODEL.gguf --projector MMPROJ.gguf"
                 )
             src.label = f"{layer.kind} {display}"
-        return import_sources(
-            store,
-            mname,
-            mtag,
-            sources,
-            source_kind="ollama",
-            source=f"ollama:{display}",
-            info={"ollama": info},
-            progress=progress,
-        )
+        try:
+            return import_sources(
+                store,
+                mname,
+                mtag,
+                sources,
+                source_kind="ollama",
+                source=f"ollama:{display}",
+                info={"ollama": info},
+                progress=progress,
+            )
+        except DigestMismatchError as exc:  # (the store's words are for any file: these are Ollama's blobs)
+            why = str(exc).split("; nothing was recorded", 1)[0]
+            raise DigestMismatchError(
+                f"{why}; nothing was recorded. Pull the model again (ollama pull {display}) and retry"
+            ) from exc
     finally:
         for src in sources:
             os.close(src.fd)

@@ -181,7 +181,7 @@ def resolve(store: MirrorStore | str | os.PathLike[str], ref: str) -> tuple[tupl
     Raises:
         InvalidNameError: ``ref`` is not a valid model name.
         ModelNotFoundError: the mirror has no such model (the message says how to list them).
-        CorruptBlobError: a blob is missing from the store or has the wrong size.
+        CorruptBlobError: a blob is missing from the store (or ``verify`` quarantined it) or has the wrong size.
         MirrorError: the model has no ``model`` file.
     """
     from ..launch.spec import ModelBlob
@@ -201,6 +201,12 @@ def resolve(store: MirrorStore | str | os.PathLike[str], ref: str) -> tuple[tupl
         except FileNotFoundError:
             on_disk = None
         if on_disk != f.size:
+            quarantined = store.quarantine_path(f.digest)
+            if on_disk is None and quarantined.exists():
+                raise CorruptBlobError(
+                    f"mirror model {record.ref}: its {f.role} blob {f.digest} is corrupt (llmgw mirror verify "
+                    f"moved it to {quarantined}); import the model again from its source"
+                )
             raise CorruptBlobError(
                 f"mirror model {record.ref}: its {f.role} blob {f.digest} is "
                 f"{'missing' if on_disk is None else f'{on_disk} bytes, not {f.size}'}; run llmgw mirror verify"

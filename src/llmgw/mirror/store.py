@@ -7,6 +7,8 @@ Layout under the mirror root::
     tmp/<pid>-<random>.partial           copies in progress (never visible as blobs)
     tmp/fetch-<64 hex>.partial           a blob being fetched from a control plane's mirror
                                          (llmgw.mirror.fetch: kept across interruptions to resume)
+    quarantine/<64 hex>                  a blob ``verify`` found corrupt, moved out of the blobs
+                                         (its models can no longer be deployed; never deleted by llmgw)
     lock                                 flock: imports share it, gc takes it alone
 
 How a blob gets in (:meth:`MirrorStore.add_blob`), so that an interruption at any
@@ -54,6 +56,7 @@ from .errors import (
     DigestMismatchError,
     FileTooLargeError,
     MirrorBusyError,
+    MirrorError,
     ModelNotFoundError,
     NoSpaceError,
     SourceChangedError,
@@ -154,6 +157,7 @@ class BlobCheck:
             path), or ``missing``.
         actual: the digest its bytes have, for a corrupt blob.
         models: the ``name:tag`` of each model that uses it.
+        quarantined: where a corrupt blob was moved (``verify(quarantine=True)``), else ``None``.
     """
 
     digest: str
@@ -162,6 +166,7 @@ class BlobCheck:
     status: str
     actual: str | None = None
     models: tuple[str, ...] = ()
+    quarantined: Path | None = None
 
     @property
     def ok(self) -> bool:
@@ -177,6 +182,7 @@ class BlobCheck:
             "status": self.status,
             "actual": self.actual,
             "models": list(self.models),
+            "quarantined": str(self.quarantined) if self.quarantined is not None else None,
         }
 
 
@@ -417,6 +423,7 @@ class MirrorStore:
         self.root = Path(root).expanduser().absolute()
         self.blobs_dir = self.root / "blobs" / "sha256"
         self.tmp_dir = self.root / "tmp"
+        self.quarantine_dir = self.root / "quarantine"
         self.lock_path = self.root / "lock"
         self.catalogue_path = self.root / "catalogue.sqlite3"
         if create:
@@ -915,6 +922,7 @@ class MirrorStore:
         progress: Progress | None = None,
         *,
         record: bool = True,
+        quarantine: bool = False,
     ) -> list[BlobCheck]:
         """Re-hash the blobs of ``models`` (all models by default).
 
@@ -923,6 +931,11 @@ class MirrorStore:
             progress: where to report progress.
             record: record the intact ones as verified now (see :meth:`record_verified`);
                 ``False`` leaves that to the caller, who can show the results first.
+            quarantine: move each corrupt blob to ``quarantine/`` (:meth:`quarantine_path`): a
+                blob whose size is right but whose bytes are not is otherwise still served to nodes
+                and deployed (a size is all a deployment checks); a missing one is refused, and the
+                import that brought it in puts a verified copy back. Best effort: a mirror that
+                cannot be written keeps it (its check's ``quarantined`` stays ``None``).
 
         Returns:
             One :class:`BlobCheck` per distinct blob, in digest order.
@@ -959,7 +972,8 @@ class MirrorStore:
                 finally:
                     progress.finish()
                 status = "ok" if actual == digest else "corrupt"
-                checks.append(BlobCheck(digest, size, path, status, None if status == "ok" else actual, who))
+                moved = self._quarantine(path, digest, st) if quarantine and status == "corrupt" else None
+                checks.append(BlobCheck(digest, size, path, status, None if status == "ok" else actual, who, moved))
         for c in checks:
             if not c.ok:
                 # debug, not warning: the caller reports bad blobs to the user itself.
@@ -967,6 +981,28 @@ class MirrorStore:
         if record:
             self.record_verified(checks)
         return checks
+
+    def quarantine_path(self, digest: str) -> Path:
+        """Where :meth:`verify` moves the blob ``digest`` when it finds it corrupt."""
+        self.blob_path(digest)  # (validates it)
+        return self.quarantine_dir / digest[7:]
+
+    def _quarantine(self, path: Path, digest: str, hashed: os.stat_result) -> Path | None:
+        """Move the corrupt blob at ``path`` to :meth:`quarantine_path`; ``None`` when it stays."""
+        dest = self.quarantine_path(digest)
+        try:
+            self._ensure_dir(self.quarantine_dir)
+            now = os.lstat(path)
+            if (now.st_dev, now.st_ino) != (hashed.st_dev, hashed.st_ino):
+                return None  # (an import replaced it meanwhile with a verified copy: that one stays)
+            os.replace(path, dest)
+            _fsync_dir(path.parent)
+            _fsync_dir(self.quarantine_dir)
+        except (OSError, MirrorError) as exc:
+            log.warning("blob %s is corrupt but could not be moved to %s: %s", digest, dest, exc)
+            return None
+        log.warning("blob %s is corrupt: moved to %s", digest, dest)
+        return dest
 
     def record_verified(self, checks: Sequence[BlobCheck]) -> None:
         """Record the intact blobs of ``checks`` as verified now.
