@@ -272,6 +272,75 @@ async def test_a_failed_replica_whose_mirror_blob_was_found_corrupt_is_not_place
         await db.close()
 
 
+async def test_nodes_refusing_a_mirror_blob_make_the_control_plane_check_its_own_copy(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Nobody ran ``llmgw mirror verify``: a node's replica fails because the bytes the mirror sent did not
+    hash to the blob. The control plane re-hashes its own copy (once, in a thread), finds it corrupt, moves
+    it out of the mirror and places the model nowhere any more; a copy found intact changes nothing."""
+    from llmgw.control.resolve import mirror_verifier
+    from llmgw.mirror.errors import CORRUPT_TRANSFER
+    from llmgw.mirror.importer import import_file
+    from llmgw.mirror.store import MirrorStore
+    from llmgw.testing.gguf_model import write_tiny_llama
+
+    root = tmp_path / "mirror"
+    with MirrorStore(root) as ms:
+        import_file(ms, write_tiny_llama(tmp_path / "tiny.gguf", ctx=2048), name="tiny:1b")
+        (blob,) = ms.list_models()[0].files
+    clock = [100.0]
+    nodes = NodeMap(lambda: 60.0)
+    nodes.register("cpu-1", peer="ipv4:127.0.0.1:1", agent_version="t", protocol=(1, 2), discovery=Discovery(
+        NodeFacts("h", cpu_cores=8, memory_total_bytes=64 * GIB, memory_available_bytes=64 * GIB)))
+    cfg = load({"deployments": [{"name": "tiny", "model": "tiny:1b", "engine": "llamacpp", "context": 1024,
+                                 "replicas": 1}]})
+    db, store = await _memory_store()
+    checked: list[frozenset[str]] = []
+    verify = mirror_verifier(root)
+
+    def verifier(digests: frozenset[str]) -> frozenset[str]:
+        checked.append(digests)
+        return verify(digests)
+
+    ctl_ = DeploymentController(nodes=nodes, store=store, router=None, config=lambda: cfg,
+                                resolver=mirror_resolver(root), clock=lambda: clock[0], verifier=verifier)
+    refused = f"the bytes received hash to sha256:0 (9 bytes), not {blob.digest}: {CORRUPT_TRANSFER} and was discarded"
+
+    async def fail_the_replica() -> None:
+        (spec,) = ctl_.desired("cpu-1")[1]
+        ctl_.report("cpu-1", "127.0.0.1", [ReplicaStatus(spec.id, "failed", message=refused)])
+        for _ in range(200):  # (bounded: the check runs in a thread)
+            if not ctl_._checking:
+                break
+            await asyncio.sleep(0.01)
+        clock[0] += 120.0  # past the backoff
+        await _sync(ctl_)
+
+    caplog.set_level("INFO", logger="llmgw.control")
+    try:
+        await _sync(ctl_)
+        await fail_the_replica()  # the mirror's copy is intact: the transfer was corrupted on the way
+        assert checked == [frozenset({blob.digest})] and blob.path.exists()
+        assert ctl_.view("tiny")["placed"] == 1 and "intact" in caplog.text
+        os.chmod(blob.path, 0o644)
+        with open(blob.path, "r+b") as f:
+            f.seek(100)
+            f.write(b"\xff" * 8)
+        await fail_the_replica()  # (checked at most once every CHECK_AGAIN_S)
+        assert len(checked) == 1 and ctl_.view("tiny")["placed"] == 1
+        clock[0] += 600.0
+        await _sync(ctl_)
+        await fail_the_replica()
+        assert len(checked) == 2 and not blob.path.exists() and (root / "quarantine" / blob.digest[7:]).exists()
+        d = ctl_.view("tiny")
+        assert d["placed"] == 0 and "is corrupt (llmgw mirror verify moved it to" in d["message"], d
+        assert "the mirror's copy of tiny:1b is corrupt" in caplog.text
+        assert not any(r.exc_info for r in caplog.records)
+    finally:
+        await ctl_.stop()
+        await db.close()
+
+
 async def _ready(ctl_: DeploymentController, node: str, ids: set[str]) -> None:
     """``node``'s heartbeat: these replicas ready, the rest of its set starting."""
     ctl_.report(node, "127.0.0.1", [ReplicaStatus(s.id, "ready" if s.id in ids else "starting", port=9000 + i)

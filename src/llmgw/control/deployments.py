@@ -72,10 +72,10 @@ from ..launch.spec import (
     reason_line,
 )
 from ..log import control_logger as log
-from ..mirror.errors import MirrorError
+from ..mirror.errors import CORRUPT_TRANSFER, MirrorError
 from .db import DesiredStore, StoredDeployment, StoredReplica
 from .placement import Choice, Claim, GpuInfo, Need, NodeInfo, Unplaceable, place
-from .resolve import MirrorModel, Resolver, is_model_path, memory_need
+from .resolve import MirrorModel, Resolver, Verifier, is_model_path, memory_need
 
 if TYPE_CHECKING:
     from ..config import Config
@@ -97,6 +97,8 @@ CALL_BUDGET_S = 0.05
 """The same for the pass an operator's call makes (``ctl deploy``, ``scale``): its answer shows what was placed."""
 RESOLVE_AGAIN_S = 10.0
 """A model the mirror lacked is looked up again after this long (before placing another replica)."""
+CHECK_AGAIN_S = 600.0
+"""A mirror blob nodes refused is checked again (re-hashed) at most this often."""
 NODE_LOST_S = 120.0
 """A node absent from the node map this long loses its replicas (they are placed elsewhere)."""
 
@@ -292,6 +294,10 @@ class DeploymentController:
             taken as there already, the rest leave it.
         tick: seconds between passes when nothing wakes the loop.
         clock: the monotonic clock.
+        verifier: re-hashes mirror blobs in a thread (:func:`~.resolve.mirror_verifier`): when nodes refuse
+            the bytes a model's blob came as (a failed replica saying so), the mirror's own copy is checked,
+            and a corrupt one moved out of it (the model then placed nowhere until imported again);
+            ``None``: not checked.
     """
 
     def __init__(
@@ -306,7 +312,11 @@ class DeploymentController:
         tick: float = 0.5,
         clock: Callable[[], float] = time.monotonic,
         in_router: frozenset[str] = frozenset(),
+        verifier: Verifier | None = None,
     ) -> None:
+        self.verifier = verifier
+        self._checked: dict[str, float] = {}  # a blob digest -> when its mirror copy was last checked (clock)
+        self._checking: set[asyncio.Task[None]] = set()
         self.nodes = nodes
         self.store = store
         self.router = router
@@ -403,6 +413,12 @@ class DeploymentController:
             except asyncio.CancelledError:
                 pass
             self._task = None
+        for task in list(self._checking):
+            task.cancel()
+            try:
+                await task
+            except asyncio.CancelledError:
+                pass
         self.store.close()
 
     def wake(self) -> None:
@@ -1156,7 +1172,43 @@ class DeploymentController:
                            + (f"{LOG_TAIL}\n{tail}" if tail is not None else ""))
             log.warning("deployment %s: %s", r.deployment, reason_line(dep.message))
             self._recheck_model(dep)
+            if dep.model is not None and CORRUPT_TRANSFER in (s.message or ""):
+                self._check_blobs(dep.model)
         self._drop(r, "failed")
+
+    def _check_blobs(self, model: MirrorModel) -> None:
+        """Nodes refused the bytes the mirror sent for ``model``: check the mirror's own copy (in a thread,
+        each blob at most once every :data:`CHECK_AGAIN_S`)."""
+        if self.verifier is None:
+            return
+        now = self.clock()
+        digests = frozenset(b.digest for b in model.blobs
+                            if now - self._checked.get(b.digest, -CHECK_AGAIN_S) >= CHECK_AGAIN_S)
+        if not digests:
+            return
+        for d in digests:
+            self._checked[d] = now
+        task = asyncio.get_running_loop().create_task(self._check(self.verifier, digests, model.ref))
+        self._checking.add(task)
+        task.add_done_callback(self._checking.discard)
+
+    async def _check(self, verifier: Verifier, digests: frozenset[str], ref: str) -> None:
+        listed = ", ".join(sorted(digests))
+        log.warning("a node refused the bytes the mirror sent for %s (%s): checking the mirror's copy", ref, listed)
+        try:
+            bad = await asyncio.to_thread(verifier, digests)
+        except Exception as exc:
+            log.warning("checking the mirror's copy of %s failed: %s", ref, str(exc))
+            return
+        if not bad:
+            log.info("the mirror's copy of %s is intact: the bytes were corrupted on the way to the node", ref)
+            return
+        log.error("the mirror's copy of %s is corrupt (%s): moved to the mirror's quarantine/; its deployments are "
+                  "placed nowhere until the model is imported again", ref, ", ".join(sorted(bad)))
+        for dep in self.deployments.values():
+            if dep.model is not None and any(b.digest in bad for b in dep.model.blobs):
+                self._recheck_model(dep)
+        self.wake()
 
     def _recheck_model(self, dep: Deployment) -> None:
         """A replica failed: is its mirror model still usable? A blob gone from the mirror, or one ``llmgw

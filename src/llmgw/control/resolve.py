@@ -20,8 +20,8 @@ from pathlib import Path
 
 from ..launch.spec import ModelBlob
 
-__all__ = ["MirrorModel", "Resolver", "compute_margin", "is_model_path", "kv_cache_bytes", "memory_need", "mirror_resolver",
-           "resolve_mirror"]
+__all__ = ["MirrorModel", "Resolver", "Verifier", "compute_margin", "is_model_path", "kv_cache_bytes", "memory_need",
+           "mirror_resolver", "mirror_verifier", "resolve_mirror"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,6 +116,35 @@ def mirror_resolver(root: str | os.PathLike[str] | None) -> Resolver:
         )
 
     return resolver
+
+
+Verifier = Callable[[frozenset[str]], frozenset[str]]
+"""Blob digests -> those found corrupt in the mirror (and moved out of it). Blocking: run it in a thread."""
+
+
+def mirror_verifier(root: str | os.PathLike[str] | None) -> Verifier:
+    """A verifier over the mirror at ``root``: re-hashes the blobs asked for (``llmgw mirror verify``'s check,
+    quarantine included) and returns the digests found corrupt. A mirror that cannot be opened, or blobs it
+    does not hold, give none."""
+    from ..mirror.errors import MirrorError
+    from ..mirror.store import MirrorStore, default_root
+
+    where = Path(root).expanduser() if root else default_root()
+
+    def verifier(digests: frozenset[str]) -> frozenset[str]:
+        if not MirrorStore.exists(where):
+            return frozenset()
+        try:
+            with MirrorStore(where, create=False) as store:
+                models = [m for m in store.list_models() if any(f.digest in digests for f in m.files)]
+                if not models:
+                    return frozenset()
+                checks = store.verify(models, record=False, quarantine=True)
+        except (MirrorError, OSError):
+            return frozenset()
+        return frozenset(c.digest for c in checks if c.digest in digests and c.status == "corrupt")
+
+    return verifier
 
 
 def kv_cache_bytes(m: MirrorModel, context: int | None) -> int | None:

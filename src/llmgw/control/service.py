@@ -1613,7 +1613,7 @@ class ControlPlane:
         """A new term's controller, made from what the database holds (the last term's is gone)."""
         from .db import DesiredStore
         from .deployments import DeploymentController
-        from .resolve import mirror_resolver
+        from .resolve import mirror_resolver, mirror_verifier
 
         lead = self.leadership
         assert lead is not None and self.db is not None
@@ -1624,6 +1624,7 @@ class ControlPlane:
             return
         # (on the main loop, beside the node map it places on: the agent service reaches it there)
         resolver = self.resolver
+        verifier = None
         if resolver is None:
             # the mirror root as the config says now (a reload that sets or moves mirror.root
             # takes effect at the next placement, as it does for the blobs served to agents)
@@ -1638,9 +1639,12 @@ class ControlPlane:
                     r = made[root] = mirror_resolver(root)
                 return r(model)
 
+            def verifier(digests: frozenset[str]) -> frozenset[str]:  # (in a thread: the root read as it starts)
+                return mirror_verifier(config().mirror_root)(digests)
+
         ctl = DeploymentController(
             nodes=self.nodes, store=store, router=self.router, config=self.config,
-            resolver=resolver, in_router=self._in_router,
+            resolver=resolver, in_router=self._in_router, verifier=verifier,
         )
         self._in_router = frozenset()
         await ctl.start()

@@ -14,6 +14,7 @@ from __future__ import annotations
 from llmgw.errors import LlmgwError
 
 __all__ = [
+    "CORRUPT_TRANSFER",
     "CatalogueAccessError",
     "CatalogueError",
     "CorruptBlobError",
@@ -138,3 +139,8 @@ class OllamaManifestError(OllamaError, ValueError):
 
 class OllamaUnsupportedError(OllamaError):
     """The Ollama model has no GGUF weights to mirror (tensor layers, a cloud model, ...)."""
+
+
+CORRUPT_TRANSFER = "the transfer was corrupt"
+"""What a node's failed replica says when the bytes the control plane's mirror sent did not hash to the blob
+asked for (:mod:`llmgw.mirror.fetch`): the control plane then checks its own copy."""

@@ -69,7 +69,7 @@ from urllib.parse import urlsplit
 
 from .. import __version__
 from ..log import mirror_logger as log
-from .errors import FetchError, MirrorError, ModelExistsError, NoSpaceError
+from .errors import CORRUPT_TRANSFER, FetchError, MirrorError, ModelExistsError, NoSpaceError
 from .store import COPY_CHUNK, MirrorStore, _human, _start_writeback, is_digest
 
 if TYPE_CHECKING:
@@ -455,7 +455,7 @@ class MirrorFetcher:
                     loop.call_soon_threadsafe(job.notify, job.done)
                     raise _Retry(
                         f"the bytes received hash to {actual} ({size} bytes), not {blob.digest} ({blob.size}"
-                        " bytes): the transfer was corrupt and was discarded (again and again: the control"
+                        f" bytes): {CORRUPT_TRANSFER} and was discarded (again and again: the control"
                         " plane's own copy may be corrupt; llmgw mirror verify there names it)"
                     )
                 store.place_fetched(partial, fd, blob.digest, blob.size)
