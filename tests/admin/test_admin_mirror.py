@@ -47,6 +47,7 @@ async def test_mirror_routes_and_an_import_job(tmp_path: Path, monkeypatch: pyte
         assert status == 200 and str(ollama.root) in doc["stores"]
         tiny = next(m for m in doc["models"] if m["name"] == "tiny:latest")
         assert tiny["format"] == "gguf" and tiny["problem"] is None and tiny["size"] > 0
+        assert tiny["in_mirror"] == []  # (not imported yet)
 
         # refusals: a bad name at once (400), unknown fields, no body, an unknown job
         status, doc = await call(port, "POST", "/admin/v1/mirror/imports", {"ollama": "../../etc"})
@@ -77,6 +78,8 @@ async def test_mirror_routes_and_an_import_job(tmp_path: Path, monkeypatch: pyte
         status, doc = await call(port, "GET", "/admin/v1/mirror/models")
         assert [m["ref"] for m in doc["models"]] == ["tiny:latest"]
         assert doc["models"][0]["architecture"] == "llama" and doc["models"][0]["digest"].startswith("sha256:")
+        status, doc = await call(port, "GET", "/admin/v1/mirror/ollama")
+        assert next(m for m in doc["models"] if m["name"] == "tiny:latest")["in_mirror"] == ["tiny:latest"]
 
         status, job = await call(port, "POST", "/admin/v1/mirror/imports", {"ollama": "absent:1b"})
         for _ in range(200):

@@ -124,6 +124,7 @@ async def test_every_view_and_action(tmp_path: Path, monkeypatch: pytest.MonkeyP
             assert {"tiny:latest", "broken:latest", "newengine:latest"} <= set(names)
             problem = {r.key: r.record["problem"] for r in table.rows}
             assert "safetensors" in problem["newengine:latest"] and problem["tiny:latest"] is None
+            assert {r.key: r.cells[4] for r in table.rows}["tiny:latest"] == "not yet"  # (IN THE MIRROR AS)
 
             async def choose(name: str) -> str:
                 table.cursor = names.index(name)

@@ -4,7 +4,8 @@ Routes (under the admin token like the rest of ``/admin/v1``)::
 
     GET  /admin/v1/mirror/models         the models in the mirror (name, tag, size, architecture,
                                          quantisation, digest, projector)
-    GET  /admin/v1/mirror/ollama         the models in the Ollama store of this machine
+    GET  /admin/v1/mirror/ollama         the models in the Ollama store of this machine (``in_mirror``: the
+                                         mirror's models imported from each, null when the mirror is unreadable)
     POST /admin/v1/mirror/imports        start an import: {"ollama": "llama3.2:1b", "name": "NAME[:TAG]"?}
                                          -> 202 and the job
     GET  /admin/v1/mirror/imports        every recent job
@@ -267,7 +268,28 @@ class MirrorAPI:
         from ..mirror.ollama_list import list_ollama
 
         roots = self.ollama_roots
-        w.send_json(200, await asyncio.to_thread(list_ollama, roots))
+        root = self.root()
+
+        def read() -> dict[str, Any]:
+            doc = list_ollama(roots)
+            # each Ollama model's imports into this mirror (by the source they recorded), so a picker
+            # can tell what is there already; null: the mirror could not be read (not: none)
+            mirrored: dict[str, list[str]] | None = {}
+            try:
+                from ..mirror import MirrorStore
+
+                if MirrorStore.exists(root):
+                    with MirrorStore(root, create=False) as store:
+                        for rec in store.list_models():
+                            if rec.source.startswith("ollama:"):
+                                mirrored.setdefault(rec.source[7:].lower(), []).append(rec.ref)  # type: ignore[union-attr]
+            except (merr.MirrorError, OSError):
+                mirrored = None
+            for m in doc["models"]:
+                m["in_mirror"] = None if mirrored is None else sorted(mirrored.get(str(m["name"]).lower(), []))
+            return doc
+
+        w.send_json(200, await asyncio.to_thread(read))
 
     # -- imports --
 

@@ -250,10 +250,16 @@ class ImportScreen(ModalScreen[None]):
             self.loaded.set()
             return
         cols = (Column("name", "OLLAMA MODEL"), Column("size", "SIZE", True), Column("format", "FORMAT"),
-                Column("projector", "PROJECTOR"), Column("problem", "CANNOT IMPORT BECAUSE"))
+                Column("projector", "PROJECTOR"), Column("mirror", "IN THE MIRROR AS"),
+                Column("problem", "CANNOT IMPORT BECAUSE"))
+
+        def mirrored(m: dict[str, Any]) -> str:
+            refs = m.get("in_mirror")
+            return ABSENT if refs is None else ", ".join(refs) if refs else "not yet"
+
         rows = [
             _row(m["name"], (m["name"], fmt_bytes(m.get("size")), str(m.get("format") or ABSENT),
-                             "yes" if m.get("projector") else "no", str(m.get("problem") or "")),
+                             "yes" if m.get("projector") else "no", mirrored(m), str(m.get("problem") or "")),
                  (m["name"],), m)
             for m in doc.get("models", [])
         ]
