@@ -242,6 +242,30 @@ async def test_wrong_token_is_refused_and_never_logged(agents, caplog: pytest.Lo
     assert bad not in logged and TOKEN not in logged
 
 
+async def test_a_control_plane_refusing_the_token_is_passed_over_for_one_that_takes_it(agents) -> None:  # type: ignore[no-untyped-def]
+    """Several control planes: one whose join tokens differ (a standby restarted with a rotated token) refused
+    the agent and the agent exited, its engines orphaned, while the next would have taken it. Now it goes on
+    to the next address; only when every one refused does it exit, saying so."""
+    other, good = free_port(), free_port()
+    rotated = "rotated-token-3c9e1a77"
+    mem = "sqlite::memory:"  # (one database each: an SQLite file serves one process)
+    async with control_runtime(other, join_token=rotated, database=mem), control_runtime(good, database=mem) as rt:
+        a = agents(f"127.0.0.1:{other},127.0.0.1:{good}", "n1", _spec("n"))
+        await wait_for(lambda: _up(rt, "n1"), timeout=20, what="n1 registered with the control plane taking its token")
+        assert a.proc is not None and a.proc.poll() is None
+        err = a.stderr()
+        assert f"control plane at 127.0.0.1:{other}: UNAUTHENTICATED" in err and "trying the next address" in err
+        assert rotated not in err and TOKEN not in err
+    third = free_port()
+    async with control_runtime(other, join_token=rotated, database=mem), \
+            control_runtime(third, join_token=rotated, database=mem):
+        b = agents(f"127.0.0.1:{other},127.0.0.1:{third}", "n2", _spec("m"))
+        assert await b.wait(timeout=30) == 1
+        err = b.stderr()
+        assert "llmgw: error: every control plane refused this agent; the control plane at" in err
+        assert "UNAUTHENTICATED" in err and "wrong join token" in err
+
+
 async def test_incompatible_protocol_is_refused_clearly_on_both_sides(agents, caplog: pytest.LogCaptureFixture) -> None:  # type: ignore[no-untyped-def]
     port = free_port()
     caplog.set_level(logging.INFO, logger="llmgw")

@@ -16,7 +16,10 @@ reading older than :data:`STALE_AFTER` goes without its numbers, an error saying
   once: same name, same node.
 * Refusals that retrying cannot fix (UNAUTHENTICATED: wrong join token;
   FAILED_PRECONDITION: incompatible protocol; INVALID_ARGUMENT) end the run with
-  :class:`AgentRefused`, the control plane's message in it.
+  :class:`AgentRefused`, the control plane's message in it: at once with one control
+  plane; with several, once every one has refused since the last success (a standby whose
+  join tokens differ must not take a fleet's agents down while the leader would take them:
+  the refusal is logged and the next address tried, as for one that does not answer).
 * ``stop`` set (SIGTERM): with replicas running and a control plane of protocol 1.3 or
   later, drain first: heartbeats say ``leaving``, the control plane drains the node's
   replicas (no new requests; each leaves the node's set once its requests in flight are
@@ -149,6 +152,8 @@ class AgentRefused(Exception):
     def __init__(self, code: grpc.StatusCode, message: str) -> None:
         super().__init__(message)
         self.code = code
+        self.every = False
+        """Every one of several control planes refused (this is the last one's refusal)."""
 
 
 @dataclass(frozen=True)
@@ -748,6 +753,7 @@ class AgentClient:
         said: set[str] = set()  # what went wrong since the last success, as logged (each said once)
         failed_at: str | None = None  # the address that failed first since the last success
         tried: set[str] = set()  # addresses that failed since the last success or sleep: a round
+        refused: dict[str, AgentRefused] = {}  # addresses that refused this agent since the last success
         try:
             while True:
                 if stop.is_set():
@@ -777,6 +783,7 @@ class AgentClient:
                         await self.heartbeat()
                     delay = self.backoff_initial
                     tried.clear()
+                    refused.clear()
                     if said:
                         if self.target == failed_at:
                             log.info("control plane at %s reachable again", self.target)
@@ -787,7 +794,11 @@ class AgentClient:
                 except grpc.aio.AioRpcError as exc:
                     code = exc.code()
                     if code in _FATAL:
-                        raise AgentRefused(code, exc.details() or code.name) from None
+                        refusal = AgentRefused(code, exc.details() or code.name)
+                        refused[self.target] = refusal
+                        if len(self.targets) <= 1 or all(t in refused for t in self.targets):
+                            refusal.every = len(self.targets) > 1
+                            raise refusal from None
                     if code == grpc.StatusCode.NOT_FOUND:
                         log.warning("the control plane does not know this node (it restarted?): registering again")
                         registered = False

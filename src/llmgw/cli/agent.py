@@ -297,7 +297,8 @@ async def run_agent(
         await client.run(stop, reason=lambda: why["reason"], hard=hard)
         stopped = True
     except AgentRefused as exc:
-        raise Fail(f"the control plane at {client.target} refused this agent ({exc.code.name}): {exc}") from None
+        every = "every control plane refused this agent; " if exc.every else ""
+        raise Fail(f"{every}the control plane at {client.target} refused this agent ({exc.code.name}): {exc}") from None
     finally:
         if supervisor is not None:
             if not stopped and any(st.pid is not None for st in supervisor.statuses()):
