@@ -153,3 +153,45 @@ async def test_a_paused_leader_acts_on_nothing_when_it_resumes(tmp_path: Path, p
             p.stop()
     for p in procs:
         check_text(f"{p.name}'s log", p.stderr())
+
+
+async def test_a_leader_cut_off_from_its_database_tells_clients_it_no_longer_leads(
+    tmp_path: Path, postgres_server: object
+) -> None:
+    """The database goes away under the leader: it steps down at its lease. Its gateway said of a deployed model
+    "its deployment has no ready replica (scaled to 0, or its replicas are starting)" for as long as the
+    outage lasted (a standby's words are read from the database); it says what it is now: a standby."""
+    import asyncio
+
+    import orjson
+
+    from llmgw.testing.postgres import PostgresServer
+
+    pg = PostgresServer().start()  # (its own: this test stops it; the session's serves the others)
+    p = Serve(tmp_path, "cp", pg.dsn, TOKEN, lease=LEASE)
+    body = {"model": "chat", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+
+    async def answer() -> tuple[int, str]:
+        status, _, raw = await http(p.gateway, "POST", "/v1/chat/completions", 10.0, body)
+        err = orjson.loads(raw)["error"]
+        return status, f"{err['code']}: {err['message']}"
+
+    try:
+        p.start()
+        await the_leader([p], 30)
+        status, _, made = await p.api("POST", "/admin/v1/deployments",
+                                      {"name": "chat", "model": "stand-in/chat", "engine": "vllm"})
+        assert status in (200, 201), made
+        status, said = await answer()  # (no node: nothing can be placed)
+        assert status == 503 and said.startswith("model_unavailable") and "placed" in said, said
+        pg.stop()
+        await wait_until(lambda: _ready_standby(p), LEASE * 5, "the leader stepping down")
+        for _ in range(100):  # (bounded: the term's controller stops on the loop)
+            status, said = await answer()
+            if "standby" in said:
+                break
+            await asyncio.sleep(0.05)
+        assert status == 503 and said.startswith("model_unavailable") and "standby control plane" in said, said
+    finally:
+        p.stop()
+        pg.stop()

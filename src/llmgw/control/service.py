@@ -1687,9 +1687,12 @@ class ControlPlane:
         ctl = self.deployments
         if ctl is not None:  # the term's controller ends; its replicas keep running (and serving) meanwhile
             self._in_router = ctl.in_router()
+            names = frozenset(d.cfg.model_name for d in ctl.deployments.values())
             self._attach_deployments(None)
             self._stopping = [f for f in self._stopping if not f.done()]
-            self._stopping.append(asyncio.ensure_future(ctl.stop()))
+            stopping = asyncio.ensure_future(ctl.stop())
+            stopping.add_done_callback(lambda _f: self._hold_after_term(names))
+            self._stopping.append(stopping)
             if self._in_router:
                 # ... for a lease: re-elected by then, the next term takes them over; else another
                 # process leads, and this one's data path drops them, as a standby that never led has
@@ -1706,6 +1709,14 @@ class ControlPlane:
             self.service.cancel_streams()
             self.router_service.end_streams()
         self.nodes.clear()
+
+    def _hold_after_term(self, names: frozenset[str]) -> None:
+        """The term's controller stopped, this process not leading again: what a client asking for its models
+        is told from now on (the term's words said "scaled to 0, or its replicas are starting" once its
+        replicas left this router, all through a database outage, whose standbys' holds are not read)."""
+        router = self.router
+        if router is not None and names and self.deployments is None:
+            router.hold(HeldModels(names, reason=_STANDBY), frozenset())
 
     def _forget_last_term(self, term: int) -> None:
         """A lease after stepping down, not leading again: the last term's replicas out of this router."""
