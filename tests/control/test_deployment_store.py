@@ -341,6 +341,12 @@ async def test_nodes_refusing_a_mirror_blob_make_the_control_plane_check_its_own
         await db.close()
 
 
+def click_command_saying(say: Any) -> Any:
+    import click
+
+    return click.command()(lambda: say())
+
+
 async def _ready(ctl_: DeploymentController, node: str, ids: set[str]) -> None:
     """``node``'s heartbeat: these replicas ready, the rest of its set starting."""
     ctl_.report(node, "127.0.0.1", [ReplicaStatus(s.id, "ready" if s.id in ids else "starting", port=9000 + i)
@@ -879,6 +885,17 @@ async def test_replicas_on_a_node_not_heard_since_a_restart_say_where_they_wait(
         clock[0] += 30.0
         await _sync(ctl2)
         assert "placed again elsewhere in 90s if it stays away" in ctl2.view("c")["message"]
+        # scaled to 0 before the node reported: nothing is placed again; the extra goes once it reports
+        d = ctl2.scale("c", 0)
+        assert d["placed"] == 1 and d["desired"] == 0
+        assert d["message"].endswith("waiting for its agent; more replicas than wanted: the extra drain once their "
+                                     "nodes report (or are gone, if they stay away)"), d["message"]
+        from llmgw.cli.ctl import _say_deployment
+
+        runner = CliRunner()
+        out = runner.invoke(click_command_saying(lambda: _say_deployment(d, "scaled to 0")))
+        assert out.stdout.startswith("c: scaled to 0: 1 replica(s) placed on n, 1 more than wanted: they drain, "
+                                     "then stop\n"), out.stdout
     finally:
         await ctl2.stop()
         await db.close()

@@ -761,7 +761,7 @@ async def _committed(ctl: DeploymentControl, w: ResponseWriter, status: int, bod
             ) from None
         if isinstance(exc, DatabaseError):
             raise HTTPError(
-                f"the control plane's database failed ({type(exc).__name__}); the change was not saved: retry",
+                f"the control plane's database failed ({exc}); the change was not saved: retry",
                 status=503, type="service_unavailable_error", code="database_unavailable", retry_after=1,
             ) from None
         raise

@@ -765,8 +765,14 @@ def deploy(ctx: click.Context, name: str, model: str, engine: str | None, replic
 def _say_deployment(d: dict[str, Any], verb: str) -> None:
     from ..launch.spec import reason_line
 
-    click.echo(printable(f"{d.get('name')}: {verb}: {d.get('placed', 0)} of {d.get('desired')} replica(s) placed"
-                         + (f" on {', '.join(map(str, d['nodes']))}" if d.get("nodes") else "")))
+    placed, desired = d.get("placed", 0), d.get("desired")
+    on = f" on {', '.join(map(str, d['nodes']))}" if d.get("nodes") else ""
+    if isinstance(placed, int) and isinstance(desired, int) and placed > desired:
+        # (scaled down after a takeover: the extra are drained once their nodes report)
+        click.echo(printable(f"{d.get('name')}: {verb}: {placed} replica(s) placed{on}, {placed - desired} more than"
+                             " wanted: they drain, then stop"))
+    else:
+        click.echo(printable(f"{d.get('name')}: {verb}: {placed} of {desired} replica(s) placed{on}"))
     why = reason_line(d.get("message") if isinstance(d.get("message"), str) else None)
     if why:
         from ._common import echo_err

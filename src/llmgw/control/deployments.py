@@ -1304,7 +1304,7 @@ class DeploymentController:
             "spec": spec, "replicas": [self.replica_view(r, show_secrets=show_secrets) for r in reps],
         }
 
-    def _silent(self, reps: Sequence[Replica]) -> str | None:
+    def _silent(self, reps: Sequence[Replica], desired: int | None = None) -> str | None:
         """Why replicas on a node that is not up are not ready: their node is silent (past its grace), or not
         heard from since this control plane took over (a restart, a new leader), or gone; and when they are
         placed elsewhere. Those its node last reported ready do not count as ready."""
@@ -1331,6 +1331,10 @@ class DeploymentController:
         ready = sum(1 for r in on if r.state == READY)
         what = ("not counted as ready: the router sends them requests while their engines answer"
                 if ready == len(on) else "waiting for its agent")
+        if desired is not None and sum(1 for r in reps if r.draining_since is None) > desired:
+            # (scaled down after a takeover, before the nodes reported: which go is decided on their reports)
+            return (f"{len(on)} replica(s) on node {node}{more}, {where}: {what}; more replicas than wanted: "
+                    "the extra drain once their nodes report (or are gone, if they stay away)")
         since = self._missing_since.get(node)
         if since is None:  # (not seen missing by a pass yet)
             when = f"{NODE_LOST_S:.0f}s after the heartbeat grace"
@@ -1350,7 +1354,7 @@ class DeploymentController:
         """
         crashed = [r for r in reps if _restarting(r)]
         if not crashed:
-            silent = self._silent(reps)
+            silent = self._silent(reps, dep.desired)
             if silent is None:
                 return dep.message
             return silent if dep.message is None else f"{' '.join(dep.message.split())}; {silent}"

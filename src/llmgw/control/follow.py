@@ -447,7 +447,7 @@ class RouterService(router_pb2_grpc.RouterServiceServicer):
         await self._refuse(
             context, grpc.StatusCode.UNAVAILABLE,
             f"this control plane is a standby; the leader is at {leader}" if leader
-            else "this control plane is a standby and no leader is known yet: try another control plane",
+            else "this control plane is a standby and does not know the leader yet: try another control plane",
         )
 
     async def WatchReplicas(self, request: rpb.WatchReplicasRequest, context: Any) -> None:  # type: ignore[override]

@@ -572,7 +572,7 @@ class AgentService(agent_pb2_grpc.AgentServiceServicer):
         await self._abort(
             context, method, grpc.StatusCode.UNAVAILABLE,
             f"this control plane is a standby; the leader is at {leader}" if leader
-            else "this control plane is a standby and no leader is known yet: try another control plane",
+            else "this control plane is a standby and does not know the leader yet: try another control plane",
         )
 
     async def _refuse_write(self, context: Any, method: str, exc: Exception) -> None:
@@ -1517,6 +1517,7 @@ class ControlPlane:
 
     def _write_error(self, exc: Exception, what: str, topic: str = "join tokens") -> HTTPError:
         """The admin API's 503 for a write the database refused (``exc``: not the leader, or it failed)."""
+        from .db import DatabaseError
         from .leader import NotLeader
 
         if isinstance(exc, NotLeader):
@@ -1527,7 +1528,9 @@ class ControlPlane:
                 headers=((b"llmgw-leader", li.admin_address.encode()),) if li and li.admin_address else None,
             )
         log.error("%s: the database failed: %s", topic, exc)
-        return HTTPError(f"the control plane's database failed ({type(exc).__name__}); {what}: retry", status=503,
+        # (a DatabaseError's text names the database with its password redacted, as the election's warning does)
+        why = str(exc) if isinstance(exc, DatabaseError) else type(exc).__name__
+        return HTTPError(f"the control plane's database failed ({why}); {what}: retry", status=503,
                          type="service_unavailable_error", code="database_unavailable", retry_after=1)
 
     async def create_token(self, name: str | None, expires_in: float | None) -> dict[str, Any]:
@@ -1771,7 +1774,7 @@ class ControlPlane:
             if why is not None:  # (as the election's warning logs it: the database's password never in it)
                 return (f"no control plane leads: the control-plane database does not answer ({why}); "
                         "retry once it does")
-            return "this control plane is a standby and no leader is known yet: retry in a few seconds"
+            return "this control plane is a standby and does not know the leader yet (it has not read the lease since it started or stopped leading): retry in a few seconds"
         return f"this control plane is a standby; the leader is at {li.admin_address or li.grpc_address} (epoch {li.epoch})"
 
     def leader_admin(self) -> str | None:
