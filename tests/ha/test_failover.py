@@ -186,6 +186,8 @@ async def test_a_leader_cut_off_from_its_database_tells_clients_it_no_longer_lea
         assert status == 503 and said.startswith("model_unavailable") and "placed" in said, said
         pg.stop()
         await wait_until(lambda: _ready_standby(p), LEASE * 5, "the leader stepping down")
+        status, _, ready = await p.api("GET", "/ready")  # (why no leader is known: the database's error)
+        assert status == 503 and ready.get("database_error"), ready
         for _ in range(100):  # (bounded: the term's controller stops on the loop)
             status, said = await answer()
             if "standby" in said:

@@ -1761,6 +1761,8 @@ class ControlPlane:
         body: dict[str, Any] = {"ready": False, "reason": "standby", "role": "standby"}
         if li is not None:
             body["leader"] = {"grpc": li.grpc_address, "admin": li.admin_address, "epoch": li.epoch}
+        elif lead.database_error is not None:  # (why no leader is known: its password never in it)
+            body["database_error"] = lead.database_error
         return body
 
     def not_leader(self) -> str | None:
@@ -1774,7 +1776,8 @@ class ControlPlane:
             if why is not None:  # (as the election's warning logs it: the database's password never in it)
                 return (f"no control plane leads: the control-plane database does not answer ({why}); "
                         "retry once it does")
-            return "this control plane is a standby and does not know the leader yet (it has not read the lease since it started or stopped leading): retry in a few seconds"
+            return ("this control plane is a standby and does not know the leader yet (it has not read the lease "
+                    "since it started or stopped leading): retry in a few seconds")
         return f"this control plane is a standby; the leader is at {li.admin_address or li.grpc_address} (epoch {li.epoch})"
 
     def leader_admin(self) -> str | None:
