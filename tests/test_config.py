@@ -592,3 +592,47 @@ def test_a_duration_is_finite_and_at_most_a_year(value: object, says: str) -> No
         load({"scrape": {"interval": value}})
     assert err.value.key == "scrape.interval" and says in err.value.message, err.value.message
     assert load({"scrape": {"interval": "8760h", "stale_after": "8760h", "timeout": "1s"}}).scrape.interval == 8760 * 3600.0
+
+
+@pytest.mark.parametrize("text", [
+    # a secret where a variable's name belongs (the commonest slip): never quoted back
+    "endpoints:\n  - {id: a, url: 'http://127.0.0.1:9', model: m, api_key_env: sk-CANARY-ENVKEY-5521}\n",
+    "admin_token_env: CANARY-ADMIN-5521\n",
+    "control:\n  listen: 127.0.0.1:0\n  join_token_env: [CANARY-JOIN-5521]\n",
+    "control:\n  listen: 127.0.0.1:0\n  join_token: abcdefghijklmnop\n"
+    "  database_env: 'postgresql://u:CANARY-DBPW-5521@127.0.0.1:5432/db'\n",
+    # a value starting with '*' or '!' is YAML's alias or tag: PyYAML quotes it in its problem
+    "endpoints:\n  - id: a\n    url: http://127.0.0.1:9\n    model: m\n    api_key: *CANARY-ALIAS-5521\n",
+    "endpoints:\n  - id: a\n    url: http://127.0.0.1:9\n    model: m\n    api_key: !CANARY-TAG-5521 x\n",
+    # an SQLite URL with a password in it
+    "control:\n  listen: 127.0.0.1:0\n  join_token: abcdefghijklmnop\n  database: 'sqlite://u:CANARY-SQLITE-5521@/x.db'\n",
+], ids=["api_key_env", "admin_token_env", "join_token_env", "database_env", "alias", "tag", "sqlite"])
+def test_a_secret_in_the_wrong_place_is_never_quoted_in_the_error(tmp_path: Path, text: str) -> None:
+    p = tmp_path / "llmgw.yaml"
+    p.write_text(text)
+    with pytest.raises(ConfigError) as e:
+        load_file(p)
+    said = str(e.value)
+    assert "CANARY" not in said and "5521" not in said, said
+    assert f"{p}:" in said or "line" in said, said  # (where it is, instead)
+
+
+@pytest.mark.parametrize(("doc", "key", "said"), [
+    ({"control": {"listen": "127.0.0.1:0", "join_token": "tok-aaaaaaaaaaaa", "router_token": "tok-aaaaaaaaaaaa"}},
+     "control.router_token", "is also a join token"),
+    ({"admin_token": "tok-bbbbbbbbbbbb", "auth": {"api_keys": [{"key": "tok-bbbbbbbbbbbb"}]}},
+     "admin_token", "is also a client API key"),
+    ({"admin_token": "tok-cccccccccccc", "control": {"listen": "127.0.0.1:0", "join_token": "tok-cccccccccccc"}},
+     "admin_token", "is also a join token"),
+    ({"control": {"listen": "127.0.0.1:0", "join_token": ["tok-dddddddddddd", "tok-dddddddddddd"]}},
+     "control.join_token", "the same token is listed twice"),
+    ({"auth": {"api_keys": [{"key": "tok-eeeeeeeeeeee"}]},
+      "control": {"listen": "127.0.0.1:0", "join_token": "tok-eeeeeeeeeeee"}},
+     "control.join_token", "is also a client API key"),
+], ids=["router-is-join", "admin-is-client", "admin-is-join", "join-twice", "join-is-client"])
+def test_one_secret_in_two_roles_is_refused_without_quoting_it(doc: dict[str, object], key: str, said: str) -> None:
+    # (whoever holds it would have both: a node's token following the control plane and its replicas' keys)
+    with pytest.raises(ConfigError) as e:
+        load(doc)
+    text = str(e.value)
+    assert f"{key}: {said}" in text and "tok-" not in text, text

@@ -470,3 +470,25 @@ async def test_the_first_scrapes_come_at_once_whatever_the_interval() -> None:
         for s in servers:
             assert s.server is not None
             await s.server.close(1)
+
+
+async def test_what_an_engine_echoes_of_its_key_is_not_said(caplog: pytest.LogCaptureFixture) -> None:
+    """An engine that echoes the Authorization it got, in its metrics' model label or in a 503's body: what
+    llmgw says of the scrape (logged, and in the admin API's scrape problem) has the key redacted."""
+    key = "sk-echoed-key-8c41f0a9"
+    srv = MetricsServer()
+    srv.key = key.encode()
+    srv.page = VLLM_PAGE.replace(b'model_name="m"', b'model_name="Bearer ' + srv.key + b'"')
+    caplog.set_level(logging.INFO, logger="llmgw.scrape")
+    reg, poller = await _setup(srv, engine="vllm", api_key=key)
+    ep = reg.endpoints["r0"]
+    try:
+        await _until(lambda: ep.scrape_problem is not None)
+        assert "model_name 'Bearer [redacted]'" in ep.scrape_problem, ep.scrape_problem
+        srv.status, srv.error_body = 503, b'{"error": "not ready, caller Bearer ' + srv.key + b'"}'
+        await _until(lambda: isinstance(ep.scrape_problem, EngineUnavailable))
+        assert "[redacted]" in ep.scrape_problem, ep.scrape_problem
+        said = caplog.text + str(ep.scrape_problem)
+        assert key not in said and "8c41f0a9" not in said, said
+    finally:
+        await _teardown(srv, reg, poller)

@@ -303,7 +303,10 @@ def _env(inline: str | None) -> _Rule:
     def check(v: Any) -> _EnvValue:
         var = _text(v)
         if not _ENV.fullmatch(var):
-            raise _Bad(f"expected an environment variable name, got {var!r}")
+            # SECURITY: not quoted: what stands where a variable's name belongs is most often the secret itself
+            raise _Bad(f"expected an environment variable name (letters, digits, '_'), got {len(var)} characters "
+                       f"that are not one (the secret itself? put it in the environment and give the variable's "
+                       f"name{', or use ' + inline + ':' if inline else ''})")
         value = os.environ.get(var)
         if value is None:
             raise _Bad(f"environment variable {var} is not set (export it{instead})")

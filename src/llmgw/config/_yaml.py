@@ -15,6 +15,7 @@ anchor (data that nests without end).
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,10 @@ import yaml
 
 from ..errors import ConfigError, ConfigProblem
 from ._problems import _dotted, _Loc, _Problems
+
+# text PyYAML quotes from the document in a problem (an alias, a tag: not its grammar's '<tokens>', nor a
+# character such as '\t')
+_QUOTED = re.compile(r"'(?!<)[^'\n]{4,}'")
 
 _MERGE = "tag:yaml.org,2002:merge"
 
@@ -229,6 +234,9 @@ def _read_yaml(path: str | os.PathLike[str]) -> tuple[Any, _Problems]:
         mark = getattr(exc, "problem_mark", None)
         problem = getattr(exc, "problem", None) or "invalid YAML"
         if not isinstance(exc, _RefusedError):
+            # SECURITY: PyYAML quotes the token it stopped at ("found undefined alias 'X'", "the tag '!X'"): an
+            # unquoted value starting with '*' or '!' (a key) would be shown; the line and column locate it
+            problem = _QUOTED.sub("'…'", problem)
             where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
             problem = f"not valid YAML{where}: {problem}"
         raise ConfigError("", problem, source=str(p), line=mark.line + 1 if mark is not None else None) from None

@@ -350,8 +350,48 @@ def _build(data: Any, problems: _Problems, *, serve: bool = False) -> Config:
                 if loc[0] in doc:
                     p = dataclasses.replace(p, line=problems.line(loc))
             problems.found.append(p)
+    _distinct_secrets(problems, cfg, doc)
     problems.raise_if_any()
     return cfg
+
+
+def _distinct_secrets(problems: _Problems, cfg: Config, doc: Mapping[str, Any]) -> None:
+    """One secret in two roles gives whoever holds it both: a join token that is also the router token lets
+    any node's holder follow the control plane (every replica's key); an admin token that is also a client
+    key or a join token lets every client or node manage the gateway. Refused, naming the keys, never the
+    values; a token listed twice is said too."""
+
+    def key(section: tuple[str, ...], name: str) -> tuple[str, ...]:
+        where: Any = doc
+        for part in section:
+            where = where.get(part) if isinstance(where, Mapping) else None
+        env = isinstance(where, Mapping) and f"{name}_env" in where
+        return (*section, f"{name}_env" if env else name)
+
+    def digest(secret: str) -> bytes:
+        return hashlib.sha256(secret.encode()).digest()
+
+    clients = {k.sha256 for k in cfg.auth.keys}
+    c = cfg.control
+    joins = c.join_tokens if c is not None else ()
+    routers = c.router_tokens if c is not None else ()
+    if len(set(joins)) < len(joins):
+        problems.add(key(("control",), "join_token"), "the same token is listed twice")
+    if set(routers) & set(joins):
+        problems.add(key(("control",), "router_token"),
+                     "is also a join token: every node's agent would hold the token that follows the control plane "
+                     "and receives every replica's key; use a token of its own")
+    if any(digest(t) in clients for t in (*joins, *routers)):
+        problems.add(key(("control",), "join_token" if any(digest(t) in clients for t in joins) else "router_token"),
+                     "is also a client API key (auth.api_keys): use a token of its own")
+    admin = cfg.admin_token
+    if admin:
+        if digest(admin) in clients:
+            problems.add(key((), "admin_token"), "is also a client API key (auth.api_keys): every client could "
+                         "manage the gateway; use a token of its own")
+        elif admin in joins or admin in routers:
+            problems.add(key((), "admin_token"), f"is also a {'join' if admin in joins else 'router'} token "
+                         "(control): whoever holds that could manage the gateway; use a token of its own")
 
 
 # Request headers the client listener takes for itself (llmgw._fast.httpproto's _KINDS: framing,

@@ -379,8 +379,8 @@ class DeploymentConfig:
     """GPUs per replica (0: CPU); default 1, or 0 for llamacpp."""
     gpu_memory: Annotated[int, _size()] | None = None
     """GPU memory each replica needs on each of its GPUs (a size); default: from the mirror's GGUF facts."""
-    args: Annotated[tuple[str, ...], _STRINGS] = ()
-    """Extra command-line arguments for the engine."""
+    args: Annotated[tuple[str, ...], _STRINGS] = field(default=(), repr=False)
+    """Extra command-line arguments for the engine (not in the repr: ``--hf-token VALUE`` and the like)."""
     env: Annotated[Mapping[str, str], _ENV_MAP] = field(default_factory=dict, repr=False)
     """Extra environment variables for the engine."""
     served_name: Annotated[str, _MODEL_NAME] | None = None

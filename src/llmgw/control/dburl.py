@@ -115,7 +115,7 @@ def parse_database_url(url: str) -> DatabaseURL:
         if not rest.startswith("///") or len(rest) == 3:
             raise ConfigError(
                 "control.database",
-                f"{url[:80]!r}: an SQLite URL is sqlite:///RELATIVE/PATH, sqlite:////ABSOLUTE/PATH (four slashes) "
+                f"{redact(url)[:80]!r}: an SQLite URL is sqlite:///RELATIVE/PATH, sqlite:////ABSOLUTE/PATH (four slashes) "
                 "or sqlite::memory:",
             )
         return DatabaseURL("sqlite", url, os.path.expanduser(rest[3:]))

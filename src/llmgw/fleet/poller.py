@@ -348,7 +348,7 @@ class Poller:
             message = str(orjson.loads(normalize_error(503, body, ep.engine))["error"]["message"])
         except (orjson.JSONDecodeError, KeyError, TypeError):  # (normalize_error always answers its shape)
             message = "no reason given"
-        message = message[:200]
+        message = _without_key(ep, message[:200])
         state = "loading" if "loading" in message.lower() else "unavailable"
         reason = f"{ep.metrics_path} answered HTTP 503 ({message}): {state}"
         if ep.scrape_problem != reason:
@@ -396,7 +396,7 @@ def _missing_reason(
             if signal in missing and name is not None
         }
         if found:
-            served = label_values(page, found, label)
+            served = [_without_key(ep, v) for v in label_values(page, found, label)]
             shown = ", ".join(repr(v) for v in served[:5]) + (", ..." if len(served) > 5 else "")
             served_as = repr(served[0]) if served else "the engine's name"
             llmgw_model = ep.models[0]
@@ -409,3 +409,17 @@ def _missing_reason(
     why = f"its metrics page lacks {names}"
     hint = ep.engine.missing_metrics_hint
     return f"{why} ({hint})" if hint else why
+
+
+def _without_key(ep: Endpoint, text: str) -> str:
+    """``text`` from the engine's answer (a label value, an error) with the key llmgw sends it redacted.
+
+    SECURITY: an engine may echo the Authorization it got; what llmgw says of its scrapes is logged and
+    shown by the admin API. (Cold: problems only.)
+    """
+    key = ep.api_key
+    if not key:
+        return text
+    from ..gateway.proxy import redact
+
+    return redact(text.encode("utf-8", "surrogateescape"), (key,)).decode("utf-8", "replace")

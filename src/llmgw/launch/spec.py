@@ -65,8 +65,9 @@ class ReplicaSpec:
     """Parallel sequences (llama.cpp ``-np``); None: the engine's default."""
     context: int | None = None
     """Context length in tokens (llama.cpp ``-c``); None: the engine's default."""
-    args: tuple[str, ...] = ()
-    """Extra engine arguments from the deployment, appended after llmgw's own."""
+    args: tuple[str, ...] = field(default=(), repr=False)
+    """Extra engine arguments from the deployment, appended after llmgw's own (not in the repr: they may hold
+    a credential, ``--hf-token VALUE``)."""
     env: Mapping[str, str] = field(default_factory=dict, repr=False)
     api_key: str = field(default="", repr=False)
     """The per-replica key the control plane generated: the engine demands it, the router sends it."""
