@@ -30,7 +30,7 @@ def _configmap(name: str) -> dict[str, Any]:
 
 def test_the_configmaps_hold_valid_llmgw_configs(monkeypatch: pytest.MonkeyPatch) -> None:
     for var in ("LLMGW_JOIN_TOKEN", "LLMGW_ADMIN_TOKEN", "LLMGW_ROUTER_TOKEN"):
-        monkeypatch.setenv(var, "x" * 20)
+        monkeypatch.setenv(var, var.lower() + "-" + "x" * 20)  # (one secret in two roles is refused)
     monkeypatch.setenv("LLMGW_DATABASE_URL", "postgresql://llmgw:pw@llmgw-postgres:5432/llmgw")
     control = load(yaml.safe_load(_configmap("llmgw-control")["data"]["llmgw.yaml"]))
     assert control.control is not None and control.control.database is not None

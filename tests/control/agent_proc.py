@@ -1,7 +1,7 @@
 """Run the real agent client (``llmgw.cli.agent.run_agent``) in its own process with a scenario source.
 
     python tests/control/agent_proc.py --control 127.0.0.1:PORT[,127.0.0.1:PORT2…] --name NODE --scenario FILE
-        [--tls-ca FILE] [--tls-cert FILE --tls-key FILE] [--protocol-major N]
+        [--tls-ca FILE] [--tls-cert FILE --tls-key FILE] [--protocol-major N] [--refused-give-up S]
 
 The join token is read from $LLMGW_JOIN_TOKEN. Exits like ``llmgw agent``: 0 after
 SIGTERM (having deregistered), 1 when refused (the reason on stderr).
@@ -31,8 +31,14 @@ def main() -> int:
     ap.add_argument("--tls-cert")
     ap.add_argument("--tls-key")
     ap.add_argument("--protocol-major", type=int)
+    ap.add_argument("--refused-give-up", type=float, help="seconds (the agent's REFUSED_GIVE_UP_S, 60)")
     a = ap.parse_args()
     import os
+
+    if a.refused_give_up is not None:
+        import llmgw.agent.client as client
+
+        client.REFUSED_GIVE_UP_S = a.refused_give_up
 
     setup("info")
     controls = tuple((h, int(p)) for h, _, p in (c.rpartition(":") for c in a.control.split(",")))

@@ -264,6 +264,12 @@ async def test_a_control_plane_refusing_the_token_is_passed_over_for_one_that_ta
         err = b.stderr()
         assert "llmgw: error: every control plane refused this agent; the control plane at" in err
         assert "UNAUTHENTICATED" in err and "wrong join token" in err
+        # one refuses, the other never answers: not for ever (REFUSED_GIVE_UP_S, 60 s; 2 s here)
+        c = agents(f"127.0.0.1:{other},127.0.0.1:{free_port()}", "n3", _spec("k"), "--refused-give-up", "2")
+        assert await c.wait(timeout=30) == 1
+        err = c.stderr()
+        assert f"llmgw: error: the control plane at 127.0.0.1:{other} refused this agent (UNAUTHENTICATED)" in err
+        assert "no other control plane took it in 2s" in err, err
 
 
 async def test_incompatible_protocol_is_refused_clearly_on_both_sides(agents, caplog: pytest.LogCaptureFixture) -> None:  # type: ignore[no-untyped-def]

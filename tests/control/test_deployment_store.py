@@ -12,7 +12,9 @@ import signal
 import sqlite3
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -298,9 +300,9 @@ async def test_nodes_refusing_a_mirror_blob_make_the_control_plane_check_its_own
     checked: list[frozenset[str]] = []
     verify = mirror_verifier(root)
 
-    def verifier(digests: frozenset[str]) -> frozenset[str]:
+    def verifier(digests: frozenset[str], stop: threading.Event) -> Mapping[str, str]:
         checked.append(digests)
-        return verify(digests)
+        return verify(digests, stop)
 
     ctl_ = DeploymentController(nodes=nodes, store=store, router=None, config=lambda: cfg,
                                 resolver=mirror_resolver(root), clock=lambda: clock[0], verifier=verifier)
@@ -309,10 +311,11 @@ async def test_nodes_refusing_a_mirror_blob_make_the_control_plane_check_its_own
     async def fail_the_replica() -> None:
         (spec,) = ctl_.desired("cpu-1")[1]
         ctl_.report("cpu-1", "127.0.0.1", [ReplicaStatus(spec.id, "failed", message=refused)])
-        for _ in range(200):  # (bounded: the check runs in a thread)
+        for _ in range(1000):  # (bounded: the check runs in a thread)
             if not ctl_._checking:
                 break
             await asyncio.sleep(0.01)
+        assert not ctl_._checking, "the check did not end within 10 s"
         clock[0] += 120.0  # past the backoff
         await _sync(ctl_)
 
@@ -339,6 +342,37 @@ async def test_nodes_refusing_a_mirror_blob_make_the_control_plane_check_its_own
     finally:
         await ctl_.stop()
         await db.close()
+
+
+def test_the_mirror_check_says_what_it_found_stops_when_asked_and_hashes_only_what_it_is_asked(
+    tmp_path: Path,
+) -> None:
+    """``mirror_verifier``: a corrupt blob it cannot move out (here: a file where quarantine/ goes) is
+    'corrupt', not 'moved' (the controller then places on, and says so); a stop set ends the re-hash; only
+    the digests asked for are hashed."""
+    from llmgw.control.resolve import mirror_verifier
+    from llmgw.mirror.importer import import_file
+    from llmgw.mirror.store import MirrorStore
+    from llmgw.testing.gguf_model import write_tiny_llama
+
+    root = tmp_path / "mirror"
+    with MirrorStore(root) as ms:
+        import_file(ms, write_tiny_llama(tmp_path / "tiny.gguf", ctx=2048), name="tiny:1b")
+        (blob,) = ms.list_models()[0].files
+    verify = mirror_verifier(root)
+    go, stop = threading.Event(), threading.Event()
+    stop.set()
+    assert verify(frozenset({blob.digest}), go) == {blob.digest: "ok"}
+    assert verify(frozenset({"sha256:" + "0" * 64}), go) == {}  # (not the mirror's)
+    assert verify(frozenset({blob.digest}), stop) == {}  # (stopped at the first chunk)
+    os.chmod(blob.path, 0o644)
+    with open(blob.path, "r+b") as f:
+        f.seek(100)
+        f.write(b"\xff" * 8)
+    (root / "quarantine").write_text("in the way")
+    assert verify(frozenset({blob.digest}), go) == {blob.digest: "corrupt"} and blob.path.exists()
+    (root / "quarantine").unlink()
+    assert verify(frozenset({blob.digest}), go) == {blob.digest: "moved"} and not blob.path.exists()
 
 
 def click_command_saying(say: Any) -> Any:

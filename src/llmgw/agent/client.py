@@ -19,7 +19,9 @@ reading older than :data:`STALE_AFTER` goes without its numbers, an error saying
   :class:`AgentRefused`, the control plane's message in it: at once with one control
   plane; with several, once every one has refused since the last success (a standby whose
   join tokens differ must not take a fleet's agents down while the leader would take them:
-  the refusal is logged and the next address tried, as for one that does not answer).
+  the refusal is logged and the next address tried, as for one that does not answer), or
+  once refusals have gone on for :data:`REFUSED_GIVE_UP_S` with no other control plane taking
+  it (the others down, or a standby pointing at the one that refuses).
 * ``stop`` set (SIGTERM): with replicas running and a control plane of protocol 1.3 or
   later, drain first: heartbeats say ``leaving``, the control plane drains the node's
   replicas (no new requests; each leaves the node's set once its requests in flight are
@@ -126,6 +128,9 @@ def tls_hint(details: str, tls: bool) -> str | None:
     return None
 
 
+REFUSED_GIVE_UP_S = 60.0
+"""Several control planes: refused by one (or more) and taken by none for this long, the agent gives up."""
+
 _FATAL = (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.INVALID_ARGUMENT,
           grpc.StatusCode.PERMISSION_DENIED)
 
@@ -154,6 +159,8 @@ class AgentRefused(Exception):
         self.code = code
         self.every = False
         """Every one of several control planes refused (this is the last one's refusal)."""
+        self.waited: float | None = None
+        """Several control planes: refused this long with none taking the agent (the others down)."""
 
 
 @dataclass(frozen=True)
@@ -754,6 +761,7 @@ class AgentClient:
         failed_at: str | None = None  # the address that failed first since the last success
         tried: set[str] = set()  # addresses that failed since the last success or sleep: a round
         refused: dict[str, AgentRefused] = {}  # addresses that refused this agent since the last success
+        refused_since: float | None = None  # the first of those refusals (monotonic)
         try:
             while True:
                 if stop.is_set():
@@ -784,6 +792,7 @@ class AgentClient:
                     delay = self.backoff_initial
                     tried.clear()
                     refused.clear()
+                    refused_since = None
                     if said:
                         if self.target == failed_at:
                             log.info("control plane at %s reachable again", self.target)
@@ -796,8 +805,13 @@ class AgentClient:
                     if code in _FATAL:
                         refusal = AgentRefused(code, exc.details() or code.name)
                         refused[self.target] = refusal
+                        now = time.monotonic()
+                        refused_since = now if refused_since is None else refused_since
                         if len(self.targets) <= 1 or all(t in refused for t in self.targets):
                             refusal.every = len(self.targets) > 1
+                            raise refusal from None
+                        if now - refused_since >= REFUSED_GIVE_UP_S:
+                            refusal.waited = now - refused_since
                             raise refusal from None
                     if code == grpc.StatusCode.NOT_FOUND:
                         log.warning("the control plane does not know this node (it restarted?): registering again")

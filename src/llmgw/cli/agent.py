@@ -298,7 +298,10 @@ async def run_agent(
         stopped = True
     except AgentRefused as exc:
         every = "every control plane refused this agent; " if exc.every else ""
-        raise Fail(f"{every}the control plane at {client.target} refused this agent ({exc.code.name}): {exc}") from None
+        waited = (f"; no other control plane took it in {exc.waited:.0f}s (--control: the others did not answer "
+                  "or pointed at this one)" if exc.waited is not None else "")
+        raise Fail(f"{every}the control plane at {client.target} refused this agent ({exc.code.name}): {exc}"
+                   f"{waited}") from None
     finally:
         if supervisor is not None:
             if not stopped and any(st.pid is not None for st in supervisor.statuses()):

@@ -44,9 +44,11 @@ shown only by :meth:`~DeploymentController.view` with ``secrets=True``; never lo
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
 import json
 import secrets
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -317,6 +319,8 @@ class DeploymentController:
         self.verifier = verifier
         self._checked: dict[str, float] = {}  # a blob digest -> when its mirror copy was last checked (clock)
         self._checking: set[asyncio.Task[None]] = set()
+        self._check_stop = threading.Event()  # (ends a re-hash in its thread between two chunks)
+        self._check_pool: concurrent.futures.ThreadPoolExecutor | None = None  # one check at a time, its own thread
         self.nodes = nodes
         self.store = store
         self.router = router
@@ -413,12 +417,16 @@ class DeploymentController:
             except asyncio.CancelledError:
                 pass
             self._task = None
+        self._check_stop.set()
         for task in list(self._checking):
             task.cancel()
             try:
                 await task
             except asyncio.CancelledError:
                 pass
+        if self._check_pool is not None:
+            self._check_pool.shutdown(wait=False, cancel_futures=True)  # (a re-hash running stops at its next chunk)
+            self._check_pool = None
         self.store.close()
 
     def wake(self) -> None:
@@ -1195,20 +1203,29 @@ class DeploymentController:
     async def _check(self, verifier: Verifier, digests: frozenset[str], ref: str) -> None:
         listed = ", ".join(sorted(digests))
         log.warning("a node refused the bytes the mirror sent for %s (%s): checking the mirror's copy", ref, listed)
+        if self._check_pool is None:
+            self._check_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="llmgw-mirror-check")
         try:
-            bad = await asyncio.to_thread(verifier, digests)
+            found = await asyncio.get_running_loop().run_in_executor(
+                self._check_pool, verifier, digests, self._check_stop)
         except Exception as exc:
             log.warning("checking the mirror's copy of %s failed: %s", ref, str(exc))
             return
-        if not bad:
+        moved = sorted(d for d, state in found.items() if state == "moved")
+        kept = sorted(d for d, state in found.items() if state not in ("ok", "moved"))
+        if kept:  # (the store said why it could not move a corrupt one)
+            log.error("the mirror's copy of %s is %s (%s) and could not be moved out of the mirror: nodes are sent "
+                      "it still, and refuse it; import the model again (llmgw mirror verify names it)", ref,
+                      "/".join(sorted({found[d] for d in kept})), ", ".join(kept))
+        if moved:
+            log.error("the mirror's copy of %s is corrupt (%s): moved to the mirror's quarantine/; its deployments "
+                      "are placed nowhere until the model is imported again", ref, ", ".join(moved))
+            for dep in self.deployments.values():
+                if dep.model is not None and any(b.digest in moved for b in dep.model.blobs):
+                    self._recheck_model(dep)
+            self.wake()
+        elif not kept and found:
             log.info("the mirror's copy of %s is intact: the bytes were corrupted on the way to the node", ref)
-            return
-        log.error("the mirror's copy of %s is corrupt (%s): moved to the mirror's quarantine/; its deployments are "
-                  "placed nowhere until the model is imported again", ref, ", ".join(sorted(bad)))
-        for dep in self.deployments.values():
-            if dep.model is not None and any(b.digest in bad for b in dep.model.blobs):
-                self._recheck_model(dep)
-        self.wake()
 
     def _recheck_model(self, dep: Deployment) -> None:
         """A replica failed: is its mirror model still usable? A blob gone from the mirror, or one ``llmgw
@@ -1331,7 +1348,8 @@ class DeploymentController:
         ready = sum(1 for r in on if r.state == READY)
         what = ("not counted as ready: the router sends them requests while their engines answer"
                 if ready == len(on) else "waiting for its agent")
-        if desired is not None and sum(1 for r in reps if r.draining_since is None) > desired:
+        live = [r for r in reps if r.draining_since is None and not r.outdated]
+        if desired is not None and len(live) > desired and any(not r.reported for r in live):
             # (scaled down after a takeover, before the nodes reported: which go is decided on their reports)
             return (f"{len(on)} replica(s) on node {node}{more}, {where}: {what}; more replicas than wanted: "
                     "the extra drain once their nodes report (or are gone, if they stay away)")

@@ -14,11 +14,13 @@ mirror lacks (``meta-llama/Llama-3.1-8B-Instruct``) is passed to the engine as i
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 from ..launch.spec import ModelBlob
+from ..mirror.progress import Progress
 
 __all__ = ["MirrorModel", "Resolver", "Verifier", "compute_margin", "is_model_path", "kv_cache_bytes", "memory_need",
            "mirror_resolver", "mirror_verifier", "resolve_mirror"]
@@ -118,31 +120,48 @@ def mirror_resolver(root: str | os.PathLike[str] | None) -> Resolver:
     return resolver
 
 
-Verifier = Callable[[frozenset[str]], frozenset[str]]
-"""Blob digests -> those found corrupt in the mirror (and moved out of it). Blocking: run it in a thread."""
+Verifier = Callable[[frozenset[str], threading.Event], Mapping[str, str]]
+"""Blob digests and a stop flag -> each one's state in the mirror: ``ok``, ``moved`` (corrupt, moved out of the
+mirror), ``corrupt`` (and could not be moved), ``missing``, ``wrong-size``, ``not-a-file``; a digest the mirror
+does not hold, or a check stopped, is left out. Blocking: run it in a thread."""
+
+
+class _Stopped(Exception):
+    """The check was asked to stop (the control plane stopping)."""
+
+
+class _StopWatch(Progress):
+    """Ends a re-hash between two chunks once ``stop`` is set (a blob of 100 GB takes minutes)."""
+
+    def __init__(self, stop: threading.Event) -> None:
+        self.stop = stop
+
+    def advance(self, nbytes: int) -> None:
+        if self.stop.is_set():
+            raise _Stopped
 
 
 def mirror_verifier(root: str | os.PathLike[str] | None) -> Verifier:
     """A verifier over the mirror at ``root``: re-hashes the blobs asked for (``llmgw mirror verify``'s check,
-    quarantine included) and returns the digests found corrupt. A mirror that cannot be opened, or blobs it
-    does not hold, give none."""
+    quarantine included: a corrupt blob is moved out) and says what it found of each. A mirror that cannot be
+    opened, or blobs it does not hold, give nothing."""
     from ..mirror.errors import MirrorError
     from ..mirror.store import MirrorStore, default_root
 
     where = Path(root).expanduser() if root else default_root()
 
-    def verifier(digests: frozenset[str]) -> frozenset[str]:
+    def verifier(digests: frozenset[str], stop: threading.Event) -> Mapping[str, str]:
         if not MirrorStore.exists(where):
-            return frozenset()
+            return {}
         try:
             with MirrorStore(where, create=False) as store:
                 models = [m for m in store.list_models() if any(f.digest in digests for f in m.files)]
                 if not models:
-                    return frozenset()
-                checks = store.verify(models, record=False, quarantine=True)
-        except (MirrorError, OSError):
-            return frozenset()
-        return frozenset(c.digest for c in checks if c.digest in digests and c.status == "corrupt")
+                    return {}
+                checks = store.verify(models, _StopWatch(stop), record=False, quarantine=True, only=digests)
+        except (MirrorError, OSError, _Stopped):
+            return {}
+        return {c.digest: "moved" if c.quarantined is not None else c.status for c in checks}
 
     return verifier
 

@@ -28,8 +28,9 @@ import json
 import re
 import socket
 import ssl
+import threading
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -1642,8 +1643,8 @@ class ControlPlane:
                     r = made[root] = mirror_resolver(root)
                 return r(model)
 
-            def verifier(digests: frozenset[str]) -> frozenset[str]:  # (in a thread: the root read as it starts)
-                return mirror_verifier(config().mirror_root)(digests)
+            def verifier(digests: frozenset[str], stop: threading.Event) -> Mapping[str, str]:  # (in a thread)
+                return mirror_verifier(config().mirror_root)(digests, stop)
 
         ctl = DeploymentController(
             nodes=self.nodes, store=store, router=self.router, config=self.config,

@@ -35,6 +35,7 @@ exclusively, so it never removes a blob an import has placed but not yet recorde
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import hashlib
@@ -44,7 +45,7 @@ import re
 import secrets
 import stat
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -923,6 +924,7 @@ class MirrorStore:
         *,
         record: bool = True,
         quarantine: bool = False,
+        only: Collection[str] | None = None,
     ) -> list[BlobCheck]:
         """Re-hash the blobs of ``models`` (all models by default).
 
@@ -936,6 +938,7 @@ class MirrorStore:
                 and deployed (a size is all a deployment checks); a missing one is refused, and the
                 import that brought it in puts a verified copy back. Best effort: a mirror that
                 cannot be written keeps it (its check's ``quarantined`` stays ``None``).
+            only: check only these digests (of ``models``' blobs).
 
         Returns:
             One :class:`BlobCheck` per distinct blob, in digest order.
@@ -949,6 +952,8 @@ class MirrorStore:
             sizes = self.catalogue.blob_sizes()
         else:
             sizes = {f.digest: f.size for m in models for f in m.files}
+        if only is not None:
+            sizes = {d: n for d, n in sizes.items() if d in only}
         checks: list[BlobCheck] = []
         with self._reading():  # keeps gc out while we read
             for digest in sorted(sizes):
@@ -992,10 +997,17 @@ class MirrorStore:
         dest = self.quarantine_path(digest)
         try:
             self._ensure_dir(self.quarantine_dir)
-            now = os.lstat(path)
-            if (now.st_dev, now.st_ino) != (hashed.st_dev, hashed.st_ino):
-                return None  # (an import replaced it meanwhile with a verified copy: that one stays)
-            os.replace(path, dest)
+            # Aside first, then checked: an import may have put a verified copy in its place since it was
+            # hashed; that one goes back (a link: never over a copy placed meanwhile again).
+            aside = self.quarantine_dir / f".{digest[7:]}.{os.getpid()}.{secrets.token_hex(4)}"
+            os.rename(path, aside)
+            moved = os.lstat(aside)
+            if (moved.st_dev, moved.st_ino) != (hashed.st_dev, hashed.st_ino):
+                with contextlib.suppress(FileExistsError):
+                    os.link(aside, path)
+                os.unlink(aside)
+                return None
+            os.replace(aside, dest)
             _fsync_dir(path.parent)
             _fsync_dir(self.quarantine_dir)
         except (OSError, MirrorError) as exc:
