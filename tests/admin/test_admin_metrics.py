@@ -374,3 +374,40 @@ async def test_docs_list_every_family() -> None:
     # (exported only with control.database: tests/ha/test_failover.py reads them)
     ha_only = {"llmgw_control_leader_epoch", "llmgw_control_leader_terms_total", "llmgw_control_leader_step_downs_total"}
     assert documented - exported - ha_only == set(), "documented but not exported"
+
+
+def test_a_replica_gone_for_an_hour_leaves_the_page() -> None:
+    """Deployments' rolling updates make new replica ids each time: the series of those gone stayed on the page
+    until a restart. They stay while a rate() window may still read their last requests, then go."""
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from llmgw.admin.metrics import Known
+
+    clock = [1000.0]
+    obs = PrometheusObserver(forget_s=3600.0, clock=lambda: clock[0])
+    live = ["old-1a2b3c", "new-4d5e6f"]
+    obs.know(lambda: Known(models=("m",), replicas=tuple(live), bands=("standard",),
+                           serving=tuple(("m", r) for r in live)))
+    for r in live:
+        obs.record("m", r, 200, "standard", 0.5, 0.1, 0.4)
+        obs.upstream_error(r, "reset")
+    reg = CollectorRegistry(auto_describe=False)
+    reg.register(obs)
+
+    def page() -> str:
+        return generate_latest(reg).decode()
+
+    assert 'replica="old-1a2b3c"' in page()
+    live.remove("old-1a2b3c")  # (out of the registry: the next scrape sees it gone)
+    assert 'replica="old-1a2b3c"' in page()
+    clock[0] += 3599.0
+    text = page()
+    assert 'llmgw_requests_total{band="standard",model="m",replica="old-1a2b3c",status_class="2xx"} 1.0' in text
+    assert 'llmgw_upstream_errors_total{kind="reset",replica="old-1a2b3c"} 1.0' in text
+    clock[0] += 2.0
+    text = page()
+    assert "old-1a2b3c" not in text
+    assert 'llmgw_requests_total{band="standard",model="m",replica="new-4d5e6f",status_class="2xx"} 1.0' in text
+    # the same id back later starts again at 0 (its own new series)
+    live.append("old-1a2b3c")
+    assert 'llmgw_requests_total{band="standard",model="m",replica="old-1a2b3c",status_class="2xx"} 0.0' in page()

@@ -27,6 +27,9 @@ async def test_the_first_answers_tokens_show_in_increase(tmp_path: Path) -> None
         assert sample(fams, "llmgw_tokens_total", model="m", kind="prompt") == 0
         assert sample(fams, "llmgw_tokens_total", model="m", kind="completion") == 0
         assert sample(fams, "llmgw_tokens_total", model="(unknown)") is None
+        # and a client gone before an answer: status class none, with no replica (its first shows in rate())
+        assert sample(fams, "llmgw_requests_total", model="m", replica="", status_class="none") == 0
+        assert sample(fams, "llmgw_requests_total", model="m", replica="a", status_class="none") is None
 
         async with prometheus(tmp_path, admin_port(rt)) as port:
             await until(lambda: scrapes(port) >= 2, 60)

@@ -115,3 +115,17 @@ async def test_node_names_follow_the_agents_rule_on_the_control_plane_too() -> N
             assert await _code(stub.Register(_register(good), metadata=_md(TOKEN))) == grpc.StatusCode.OK
         status, body = await api(rt, "GET", "/admin/v1/nodes")
         assert status == 200 and sorted(n["name"] for n in body["nodes"]) == sorted(["n", "gpu-7.rack_2", "x" * 128])
+
+
+async def test_a_call_whose_message_does_not_parse_is_counted() -> None:
+    """Bytes that are no Register or Heartbeat message: answered INTERNAL before any handler runs, and
+    counted in llmgw_control_rpc_errors_total like every other call answered with an error."""
+    from cp_helpers import metrics, pick
+
+    port = free_port()
+    async with control_runtime(port) as rt, grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+        for method in ("Register", "Heartbeat"):
+            call = ch.unary_unary(f"/llmgw.agent.v1.AgentService/{method}",
+                                  request_serializer=lambda b: b, response_deserializer=lambda b: b)
+            assert await _code(call(b"\xff\xff\xff\xff garbage", metadata=_md(TOKEN))) == grpc.StatusCode.INTERNAL
+            assert pick(await metrics(rt), "llmgw_control_rpc_errors_total", method=method, code="INTERNAL") == [1.0]

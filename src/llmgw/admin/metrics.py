@@ -74,6 +74,9 @@ LOOP_LAG_BUCKETS: tuple[float, ...] = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 
 # passes the resolved model name, so this is a guard against a bug, not a limit
 # an operator should meet. Series past it are counted under "(other)".
 MAX_SERIES = 10_000
+FORGET_REPLICA_S = 3600.0
+"""A replica's traffic series stay on the page this long after it left the registry (long past any ``rate()``
+window over its last requests), then go."""
 OTHER = "(other)"  # (the same label value as the counters use)
 
 _CLASSES = {c: f"{c}xx" for c in range(1, 6)}
@@ -107,10 +110,14 @@ class PrometheusObserver(TrafficCounters, Collector):
             counted under ``(other)``.
     """
 
-    def __init__(self, buckets: Iterable[float] = LATENCY_BUCKETS, max_series: int = MAX_SERIES) -> None:
+    def __init__(self, buckets: Iterable[float] = LATENCY_BUCKETS, max_series: int = MAX_SERIES,
+                 forget_s: float = FORGET_REPLICA_S, clock: Callable[[], float] = time.monotonic) -> None:
         TrafficCounters.__init__(self, sorted(float(b) for b in buckets), max_series)
         self._le = (*(_fmt(b) for b in self.bounds), "+Inf")
         self._known: Callable[[], Known] | None = None
+        self.forget_s = forget_s
+        self._clock = clock
+        self._gone: dict[str, float] = {}  # replicas counted here that left the registry, since when
 
     def know(self, known: Callable[[], Known]) -> None:
         """What llmgw knows exists, read at each scrape: its counters are exported at 0
@@ -120,6 +127,29 @@ class PrometheusObserver(TrafficCounters, Collector):
         nobody made stays absent.)
         """
         self._known = known
+
+    def _forget_gone(self, known: Known) -> None:
+        """The series of replicas gone from the registry for :attr:`forget_s` leave the page (a deployment's
+        rolling update makes new replica ids each time: their series would pile up until the process restarts).
+        Kept until then, so ``rate()`` windows over a replica's last requests still read them."""
+        live = set(known.replicas)
+        counted = ({k[1] for k in self._requests if k[1]} | {k[1] for k in self._upstream}
+                   | {k[0] for k in self._errors} | {k[0] for k in self._breaker})
+        counted.discard(OTHER)
+        now = self._clock()
+        gone = self._gone
+        for r in counted - live:
+            gone.setdefault(r, now)
+        for r in [r for r, since in gone.items() if r in live or r not in counted or now - since >= self.forget_s]:
+            since = gone.pop(r)
+            if r in live or r not in counted:
+                continue  # (back, or nothing of it is left)
+            tables: tuple[tuple[dict[Any, Any], int], ...] = (
+                (self._requests, 1), (self._upstream, 1), (self._errors, 0), (self._breaker, 0))
+            for table, at in tables:
+                for k in [k for k in table if k[at] == r]:
+                    del table[k]
+            log.info("replica %s left %.0fs ago: its traffic series leave /metrics", r, now - since)
 
     # -- reading --
 
@@ -146,11 +176,15 @@ class PrometheusObserver(TrafficCounters, Collector):
             labels=["model", "replica", "status_class", "band"],
         )
         known = self._known() if self._known is not None else Known()
+        if self._known is not None:
+            self._forget_gone(known)
         agg: dict[tuple[str, str, str, str], int] = {}
         for model, replica in (*((m, "") for m in known.models), *known.serving):
             for band in known.bands:
                 for cls in ("2xx", "4xx", "5xx"):
                     agg[(model, replica, cls, band)] = 0
+                if not replica:  # (no answer, no replica: the client went away first)
+                    agg[(model, "", "none", band)] = 0
         for (model, answered_by, status, band), s in list(self._requests.items()):
             k = (model, answered_by or "", status_class(status), band)
             agg[k] = agg.get(k, 0) + s.n

@@ -50,7 +50,7 @@ import logging
 import socket
 import ssl
 import time
-from collections.abc import AsyncIterator, Iterable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from typing import Any
 
 import grpc
@@ -290,6 +290,9 @@ class _Call:
             return self.handler.request_deserializer(data) if self.handler.request_deserializer else data
         except Exception as exc:
             self.code, self.details = grpc.StatusCode.INTERNAL, f"failed to parse the request ({type(exc).__name__})"
+            hook = self.conn.server.on_bad_request
+            if hook is not None:  # (answered before any handler ran: the service's counters never see it)
+                hook(self.method, self.code)
             raise grpc.aio.AbortError() from None
 
     async def write(self, message: Any) -> None:
@@ -1115,6 +1118,9 @@ class Server:
         self.listeners: list[Any] = []
         self.connections: set[_Connection] = set()
         self.stopping = False
+        self.on_bad_request: Callable[[str, grpc.StatusCode], None] | None = None
+        """Called with the method (``/pkg.Service/Method``) and the status of a call answered for a request
+        message that does not parse (before any handler runs)."""
 
     # the generated code's registration calls
     def add_generic_rpc_handlers(self, handlers: Iterable[Any]) -> None:

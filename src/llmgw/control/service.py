@@ -1293,6 +1293,8 @@ class ControlPlane:
                 min_ping_interval_without_data=opts["grpc.http2.min_ping_interval_without_data_ms"] / 1000,
                 max_ping_strikes=opts["grpc.http2.max_ping_strikes"],
             ))
+            stats = self.stats
+            server.on_bad_request = lambda method, code: stats.error(method.rpartition("/")[2], code)
         agent_pb2_grpc.add_AgentServiceServicer_to_server(self.service, server)
         router_pb2_grpc.add_RouterServiceServicer_to_server(self.router_service, server)
         if isinstance(server, Server):
