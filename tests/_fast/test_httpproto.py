@@ -493,7 +493,8 @@ BAD_REQUESTS = {
     "space_in_target": b"GET /a b HTTP/1.1\r\n\r\n",
     "not_http": b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03",
     "dup_host": b"GET / HTTP/1.1\r\nHost: a\r\nHost: b\r\n\r\n",
-    "upgrade": b"GET / HTTP/1.1\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n\r\n",
+    "upgrade_chunked": b"POST / HTTP/1.1\r\nConnection: Upgrade\r\nUpgrade: websocket\r\nTransfer-Encoding: chunked"
+                       b"\r\n\r\n5\r\nhello\r\n0\r\n\r\n",
 }
 
 
@@ -522,14 +523,27 @@ def test_an_unsupported_version_is_505_and_closes(httpproto: ModuleType, name: s
     assert out.requests == []
 
 
-def test_upgrade_never_reaches_the_app(httpproto: ModuleType) -> None:
-    # Regression: llhttp completes an upgrade request before it stops, so the
-    # request was handed to the app (and answered) and only then refused.
-    got: list[Any] = []
-    r = httpproto.RequestReader(got.append)
-    with pytest.raises(BadRequestError, match="upgrade"):
-        r.feed(b"GET /a HTTP/1.1\r\n\r\nGET /ws HTTP/1.1\r\nConnection: upgrade\r\nUpgrade: websocket\r\n\r\n")
-    assert [q.target for q in got] == [b"/a"]
+UPGRADE_OFFERS = {
+    "websocket": (b"GET /ws HTTP/1.1\r\nConnection: upgrade\r\nUpgrade: websocket\r\n\r\n", b""),
+    # Java's HttpClient and curl --http2: a POST with its body, offering h2c
+    "h2c-post": (b"POST /v1/chat/completions HTTP/1.1\r\nHost: a\r\nConnection: Upgrade, HTTP2-Settings\r\n"
+                 b"Upgrade: h2c\r\nHTTP2-Settings: AAMAAABkAARAAAAAAAIAAAAA\r\nContent-Length: 5\r\n\r\nhello", b"hello"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(UPGRADE_OFFERS))
+def test_an_upgrade_offer_is_read_as_http11_and_what_follows_never(httpproto: ModuleType, name: str) -> None:
+    # A server may ignore Upgrade (RFC 9110 §7.8): the request is delivered (its body read off its
+    # Content-Length: llhttp ends such a message at its head), keep-alive off, the offer's headers not
+    # forwarded; what follows would be the other protocol (an HTTP/2 preface), never read as requests.
+    head, body = UPGRADE_OFFERS[name]
+    data = b"GET /a HTTP/1.1\r\n\r\n" + head + b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\nGET /next HTTP/1.1\r\n\r\n"
+    out = parse_all_ways(httpproto, data)
+    assert out.error is None, out
+    first, offer = out.requests
+    assert first["target"] == b"/a" and first["keep_alive"] is True
+    assert offer["keep_alive"] is False and offer["body"] == body
+    assert b"upgrade" not in offer["forward"].lower() and b"http2-settings" not in offer["forward"].lower()
 
 
 def test_valid_requests_before_a_bad_one_are_delivered(httpproto: ModuleType) -> None:

@@ -1028,3 +1028,27 @@ async def test_a_multipart_form_names_its_model() -> None:
         status, data = await post_form(port_of(rt), b"/v1/audio/transcriptions", form([(b'name="model"', b"zz")]), ctype)
         assert status == 404 and orjson.loads(data)["error"]["code"] == "model_not_found"
     assert len(a.seen) == 2
+
+
+async def test_a_java_style_h2c_upgrade_offer_is_proxied_on_http11() -> None:
+    """Java's HttpClient (HTTP/2 by default) sends a plain-http POST with Connection: Upgrade, HTTP2-Settings
+    and Upgrade: h2c, its body with it; curl --http2 does the same. llmgw answered 400 'protocol upgrade is
+    not supported'; a server may ignore Upgrade: the request is proxied, answered on HTTP/1.1, then the
+    connection closes. The replica sees no Upgrade."""
+    a = FakeEngine("a")
+    async with gateway([a]) as rt:
+        body = chat()
+        r, w = await asyncio.open_connection("127.0.0.1", port_of(rt))
+        try:
+            w.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nConnection: Upgrade, HTTP2-Settings\r\n"
+                    b"HTTP2-Settings: AAEAAEAAAAIAAAABAAMAAABkAAQBAAAAAAUAAEAA\r\nUpgrade: h2c\r\n"
+                    b"User-Agent: Java-http-client/21\r\nContent-Type: application/json\r\n"
+                    b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+            raw = await asyncio.wait_for(r.read(), 10)  # (to the end: the connection closes after the answer)
+        finally:
+            w.close()
+        head, _, payload = raw.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 200 ") and b"\r\nconnection: close" in head.lower(), head
+        assert orjson.loads(payload)["served_by"] == "a", payload
+        (seen,) = a.seen
+        assert not {"upgrade", "http2-settings"} & set(seen["headers"]), seen["headers"]

@@ -197,6 +197,8 @@ def classify(data: bytes, ours: Outcome, theirs: Outcome) -> str | None:
     if ours.accepted and theirs.end == "upgrade":
         if not any(b"upgrade" in v.lower() for v in _values(lines, b"connection")):
             return "upgrade-header-alone"
+        if ours.requests and not ours.requests[-1]["keep_alive"]:
+            return "upgrade"  # (answered on HTTP/1.1, the offer ignored, the connection closed after it)
         return None
     if ours.accepted and theirs.end == "reject":
         # llmgw is looser
@@ -274,9 +276,10 @@ EXPLAINED: dict[str, tuple[bytes, str]] = {
     ),
     "upgrade": (
         b"GET / HTTP/1.1\r\nHost: a\r\nConnection: upgrade\r\nUpgrade: h2c\r\n\r\n",
-        "llmgw speaks HTTP/1.1 only and refuses an Upgrade or CONNECT (400) before the request reaches the "
-        "app; h11 reports the switch asked for and leaves the choice to the server (RFC 9110 §7.8: a server "
-        "MAY ignore Upgrade). Refusing is llmgw's choice: it has no tunnel to switch to.",
+        "RFC 9110 §7.8: a server MAY ignore Upgrade. llmgw speaks HTTP/1.1 only: it reads the request (its "
+        "body off its Content-Length) and answers it on HTTP/1.1, closing the connection after it (what "
+        "follows would be the other protocol); CONNECT, and an offer with a chunked body, it refuses. h11 "
+        "reports the switch asked for and leaves the choice to the server.",
     ),
     "bare-lf": (
         b"GET / HTTP/1.1\nHost: a\n\n",

@@ -566,11 +566,12 @@ async def test_streamed_response_is_chunked() -> None:
         (b"POST / HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n", 400, "invalid_request"),
         (b"GET / HTTP/1.1\r\nHost: t\r\nX-A: a\r\n b\r\n\r\n", 400, "invalid_request"),
         (b"GET / HTTP/2.0\r\n\r\n", 505, "http_version_not_supported"),
-        (b"GET / HTTP/1.1\r\nHost: t\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n\r\n", 400, "invalid_request"),
+        (b"POST /echo HTTP/1.1\r\nHost: t\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n"
+         b"Transfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\n", 400, "invalid_request"),
         (b"\x16\x03\x01\x00\xa5\x01\x00\x00\xa1\x03\x03", 400, "invalid_request"),
     ],
     ids=["long-line", "many-headers", "header-bytes", "413-cl", "413-chunked", "cl-te", "dup-cl",
-         "bad-chunk", "obs-fold", "http2", "upgrade", "tls"],
+         "bad-chunk", "obs-fold", "http2", "upgrade-chunked", "tls"],
 )
 async def test_bad_requests_answered_and_closed(data: bytes, status: int, code: str) -> None:
     async with serve(max_head_bytes=1024, max_headers=10, max_body=1000) as (_, port, app), connect(port) as (r, w):
@@ -580,6 +581,31 @@ async def test_bad_requests_answered_and_closed(data: bytes, status: int, code: 
         assert resp.headers[b"connection"] == b"close"
         await assert_closed(r)
         assert app.seen == []
+
+
+@pytest.mark.parametrize("split", [False, True], ids=["one-read", "byte-by-byte"])
+async def test_an_upgrade_offer_is_answered_on_http11_and_the_connection_closed(split: bool) -> None:
+    # h2c from curl --http2 or Java's HttpClient (a POST with its body), a WebSocket offer: a server may
+    # ignore Upgrade (RFC 9110 §7.8). The request is answered on HTTP/1.1 (no 101), its body read off its
+    # Content-Length (llhttp ends such a message at its head), the Upgrade headers not forwarded; what
+    # follows it would be the other protocol, and is never read as a request.
+    data = (b"POST /echo HTTP/1.1\r\nHost: t\r\nConnection: Upgrade, HTTP2-Settings\r\nUpgrade: h2c\r\n"
+            b"HTTP2-Settings: AAMAAABkAARAAAAAAAIAAAAA\r\nContent-Length: 5\r\n\r\nhello"
+            b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + GET)
+    async with serve() as (_, port, app), connect(port) as (r, w):
+        if split:
+            for i in range(len(data)):
+                w.write(data[i:i + 1])
+                await w.drain()
+        else:
+            w.write(data)
+        resp = await read_response(r)
+        assert resp.status == 200 and resp.headers[b"connection"] == b"close"
+        echo = resp.json()
+        assert echo["method"] == "POST" and echo["body"] == "hello"
+        assert "upgrade" not in echo["forward"].lower() and "http2-settings" not in echo["forward"].lower()
+        await assert_closed(r)
+        assert app.seen == [b"/echo"]  # (not the GET after it)
 
 
 async def test_413_while_the_client_is_still_sending() -> None:

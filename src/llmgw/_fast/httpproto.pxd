@@ -75,6 +75,8 @@ cdef class RequestReader:
     cdef list _parts                  # body bytes so far
     cdef Py_ssize_t _body_size
     cdef bint _dead
+    cdef bint _upgrading              # the open request offers an upgrade (answered on HTTP/1.1 all the same)
+    cdef bint _drop_rest              # past such a request: the rest is not HTTP/1.1
 
     cpdef feed(self, data)
     cpdef int where(self)

@@ -681,6 +681,13 @@ cdef object _unsupported_coding():
     )
 
 
+cdef object _upgrade_with_chunks():
+    return BadRequestError(
+        "a request offering a protocol upgrade (Upgrade:) with a chunked body is not supported: send it "
+        "without Upgrade, or with Content-Length", close=True,
+    )
+
+
 cdef object _connect_refused():
     # 405 to CONNECT, and close (see the twin)
     return HTTPError(
@@ -1259,6 +1266,8 @@ cdef class RequestReader:
         self._parts = []
         self._body_size = 0
         self._dead = False
+        self._upgrading = False
+        self._drop_rest = False
 
     @property
     def in_message(self):
@@ -1282,6 +1291,8 @@ cdef class RequestReader:
 
     cpdef feed(self, data):
         """Parse ``data``; complete requests go to ``on_request`` as they finish."""
+        if self._drop_rest:
+            return None
         if self._dead:
             raise BadRequestError("connection is closing after a malformed request", close=True)
         try:
@@ -1298,6 +1309,8 @@ cdef class RequestReader:
         cdef bytes head
         cdef ChunkFraming* f = &self._chunks
         while pos < n:
+            if self._drop_rest:
+                return 0  # (past a request offering an upgrade: see the twin)
             if self._want_head:
                 if PyBytes_GET_SIZE(self._acc) == 0:
                     # empty lines before a request line are skipped (llhttp does too)
@@ -1383,10 +1396,17 @@ cdef class RequestReader:
     cdef int _llhttp(self, bytes buf, Py_ssize_t start, Py_ssize_t end) except -1:
         if end <= start:
             return 0
+        if self._upgrading:
+            return 0  # (llhttp ended the message at its head: this framing reads the body, see the twin)
         try:
             self._feed_data(_slice(buf, start, end))
         except HttpParserUpgrade:
-            raise BadRequestError("protocol upgrade is not supported", close=True) from None
+            # llhttp stops past the head of a request offering an upgrade, having ended the message
+            # there, body or not: answered on HTTP/1.1 all the same (see the twin's _upgraded)
+            if not self._upgrading:
+                raise BadRequestError("protocol upgrade is not supported", close=True) from None
+            if self._body != B_NONE:
+                self._want_head = False  # (its body is read off its Content-Length, as any)
         except HttpParserError as exc:
             cause = exc.__context__
             if isinstance(cause, HTTPError):
@@ -1407,6 +1427,9 @@ cdef class RequestReader:
             req.body = parts[0] if len(parts) == 1 else b"".join(parts)
             self._parts = []
         self._req = None
+        if self._upgrading:
+            self._drop_rest = True  # (what follows would be the other protocol: never read)
+            self._want_head = True  # (between requests, as llhttp's end of the message said early)
         self._sink.on_request(req)
         return 0
 
@@ -1601,10 +1624,14 @@ cdef class RequestReader:
         if self._check_upgrade and parser.should_upgrade():
             if req.method == b"CONNECT":
                 raise _connect_refused()
-            raise BadRequestError("protocol upgrade is not supported", close=True)
+            if self._body == B_CHUNKED:
+                raise _upgrade_with_chunks()
+            self._upgrading = True  # (answered on HTTP/1.1, then the connection closes: see the twin)
         if self._body == B_CHUNKED and req.version == b"1.0":
             raise _te_in_http10()  # SECURITY: see the twin
-        if self._connection:
+        if self._upgrading:
+            req.keep_alive = False
+        elif self._connection:
             req.keep_alive = parser.should_keep_alive()
         else:
             req.keep_alive = req.version == b"1.1"

@@ -471,6 +471,16 @@ def _unsupported_coding() -> HTTPError:
     )
 
 
+def _upgrade_with_chunks() -> HTTPError:
+    """A request offering a protocol upgrade is answered on HTTP/1.1 (the offer ignored) with its body read
+    off its Content-Length; llhttp does not read the body of such a request, and a chunked one is not
+    framed here twice (the compiled twin refuses it alike)."""
+    return BadRequestError(
+        "a request offering a protocol upgrade (Upgrade:) with a chunked body is not supported: send it "
+        "without Upgrade, or with Content-Length", close=True,
+    )
+
+
 def _connect_refused() -> HTTPError:
     """RFC 9110 §9.3.6: CONNECT asks for a tunnel, which this origin server does not
     make; 405 with the methods it takes (§15.5.6). The connection closes: llhttp
@@ -675,6 +685,9 @@ class RequestReader:
         self._connection: list[bytes] | None = None  # Connection values naming more than close/keep-alive
         self._chunks: _ChunkFraming | None = None  # the open request's chunked body: its framing and limits
         self._tail = b""  # the last bytes fed inside a head (a blank line split over reads)
+        self._upgrade = False  # the open request offers a protocol upgrade (answered on HTTP/1.1 all the same)
+        self._upgrade_left = 0  # its body bytes still to come (llhttp ended the message at its head)
+        self._drop_rest = False  # past such a request: what follows is no HTTP/1.1 (the connection closes)
 
     @property
     def in_message(self) -> bool:
@@ -705,8 +718,13 @@ class RequestReader:
         Raises:
             HTTPError: 400 malformed, 431 head (or trailer section) too large, 413 body too large.
         """
+        if self._drop_rest:
+            return
         if self._dead:
             raise BadRequestError("connection is closing after a malformed request", close=True)
+        if self._upgrade_left:
+            self._upgrade_body(data)
+            return
         mid_message = self._req is not None
         ends = self._ends
         try:
@@ -715,8 +733,7 @@ class RequestReader:
             self._dead = True  # (a chunked body past a limit)
             raise
         except httptools.HttpParserUpgrade:
-            # llhttp stops at an upgrade; llmgw speaks HTTP/1.1 only.
-            self._dead = True
+            self._dead = True  # (not an offer on_headers_complete took: see _feed)
             raise BadRequestError("protocol upgrade is not supported", close=True) from None
         except httptools.HttpParserError as exc:
             self._dead = True
@@ -724,6 +741,8 @@ class RequestReader:
             if isinstance(cause, HTTPError):
                 raise cause from None
             raise _parse_error(exc) from exc
+        if self._upgrade:
+            return  # (past a request offering an upgrade: see _upgraded)
         if self._in_head:
             # httptools accumulates a header that has not ended yet without limit,
             # so an unfinished head is bounded here by the bytes fed into it.
@@ -782,11 +801,38 @@ class RequestReader:
             blank = stop >= 0
             if not blank:
                 stop = n
-            feed_data(data if pos == 0 and stop == n else data[pos:stop])
+            try:
+                feed_data(data if pos == 0 and stop == n else data[pos:stop])
+            except httptools.HttpParserUpgrade as exc:
+                if not self._upgrade:
+                    raise
+                self._upgraded(data, pos + exc.args[0])
+                return
             if self._chunks is not None and not blank:
                 # (a head that ended elsewhere than at a blank line: its framing is not known here)
                 raise BadRequestError("malformed HTTP request: the head does not end where it seems to", close=True)
             pos = stop
+
+    def _upgraded(self, data: bytes, at: int) -> None:
+        """llhttp stopped past the head of a request offering a protocol upgrade (``data[at:]`` follows
+        it): the request is answered on HTTP/1.1 all the same, then the connection closes (a server may
+        ignore Upgrade: RFC 9110 §7.8; h2c from curl --http2 and Java's HttpClient, a WebSocket offer).
+        llhttp ended the message at its head, body or not: the body (Content-Length; a chunked one was
+        refused) is read here. What follows the request would be the other protocol: never read."""
+        if self._upgrade_left:
+            self._upgrade_body(data[at:])
+        else:
+            self._drop_rest = True
+
+    def _upgrade_body(self, data: bytes) -> None:
+        take = data[: self._upgrade_left]
+        if take:
+            self._body.append(take)
+            self._body_size += len(take)
+            self._upgrade_left -= len(take)
+        if not self._upgrade_left:
+            self._drop_rest = True
+            self._deliver()
 
     # -- httptools callbacks (called from feed_data) --
 
@@ -910,17 +956,20 @@ class RequestReader:
             # through; neither is a message this HTTP/1.1 server can frame.
             raise VersionNotSupportedError(f"unsupported HTTP version {version}")
         if parser.should_upgrade():
-            # llhttp would call on_message_complete for an upgrade (or CONNECT)
-            # before stopping, so the request would reach the app and be
-            # answered; reject it here, before it is delivered.
+            # llhttp calls on_message_complete for an upgrade (or CONNECT) before stopping, so the
+            # request reaches the app: CONNECT is refused here, before it is delivered; an Upgrade
+            # offer (h2c from curl --http2 or Java's HttpClient, a WebSocket) is ignored, as a server
+            # may (RFC 9110 §7.8): the request is answered on HTTP/1.1, then the connection closes.
             if req.method == b"CONNECT":
                 raise _connect_refused()
-            raise BadRequestError("protocol upgrade is not supported", close=True)
+            if self._te_chunked:
+                raise _upgrade_with_chunks()
+            self._upgrade = True
         if self._te_chunked and version == "1.0":
             # SECURITY: llhttp de-chunks it and keeps the connection open (see _te_in_http10)
             raise _te_in_http10()
         req.version = version.encode()
-        req.keep_alive = parser.should_keep_alive()
+        req.keep_alive = parser.should_keep_alive() and not self._upgrade
         req.forward = b"".join(self._forward)
         if self._connection is not None:
             req.forward = _drop_nominated(req.forward, self._connection)
@@ -943,6 +992,15 @@ class RequestReader:
         self._body.append(body)
 
     def on_message_complete(self) -> None:
+        req = self._req
+        assert req is not None
+        if self._upgrade and req.content_length > 0:
+            # (llhttp ends a request offering an upgrade at its head: its body is read by _upgraded)
+            self._upgrade_left = req.content_length
+            return
+        self._deliver()
+
+    def _deliver(self) -> None:
         req = self._req
         assert req is not None
         body = self._body
