@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import signal
 import subprocess
 import sys
@@ -269,7 +270,7 @@ async def test_a_control_plane_refusing_the_token_is_passed_over_for_one_that_ta
         assert await c.wait(timeout=30) == 1
         err = c.stderr()
         assert f"llmgw: error: the control plane at 127.0.0.1:{other} refused this agent (UNAUTHENTICATED)" in err
-        assert "no other control plane took it in 2s" in err, err
+        assert re.search(r"no other control plane took it in [2-9]s", err), err  # (2 s and the round it ends)
 
 
 async def test_incompatible_protocol_is_refused_clearly_on_both_sides(agents, caplog: pytest.LogCaptureFixture) -> None:  # type: ignore[no-untyped-def]
