@@ -127,7 +127,7 @@ async def test_a_paused_leader_acts_on_nothing_when_it_resumes(tmp_path: Path, p
         import asyncio
 
         pending = asyncio.create_task(http(leader.admin, "POST", "/admin/v1/nodes/node-1/cordon", timeout=30))
-        await wait_until(standby.leading, LEASE * 3, "the standby leading")
+        await wait_until(standby.leading, LEASE * 6, "the standby leading")  # (a lease, and a loaded machine's slack)
         assert await standby.epoch() == epoch + 1
         # the agent notices the silence of the paused leader's stream and follows the new one
         await wait_until(lambda: _nodes_up(standby, {"node-1"}), 10, "the agent on the new leader")
