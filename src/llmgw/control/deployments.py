@@ -796,9 +796,7 @@ class DeploymentController:
             try:
                 dep.model = self.resolver(cfg.model)
             except MirrorError as exc:  # (in the mirror, but a blob is missing or corrupt: nothing to launch)
-                dep.model = None
-                dep.model_error = f"model {cfg.model!r} is in the mirror but cannot be used: {exc}"  # (logged
-                # by _converge as the reason no replica is placed, once while it stays the same)
+                _unusable(dep, exc)  # (logged by _converge as the reason no replica is placed, once)
             except Exception:
                 log.exception("resolving %s in the mirror failed; treating it as a name the engine knows", cfg.model)
                 dep.model = None
@@ -1237,8 +1235,7 @@ class DeploymentController:
         try:
             self.resolver(dep.cfg.model)
         except MirrorError as exc:
-            dep.model = None
-            dep.model_error = f"model {dep.cfg.model!r} is in the mirror but cannot be used: {exc}"
+            _unusable(dep, exc)
             dep.resolved_at = self.clock()
         except Exception as exc:  # (the mirror unreadable now: the model it had stays)
             log.debug("looking %s up again in the mirror failed: %s", dep.cfg.model, str(exc))
@@ -1385,6 +1382,12 @@ class DeploymentController:
         if dep.message is None or dep.failures:
             return reason
         return f"{' '.join(dep.message.split())}; {reason}"
+
+
+def _unusable(dep: Deployment, exc: MirrorError) -> None:
+    """``dep``'s mirror model is there but cannot be used (a blob missing, corrupt, of the wrong size)."""
+    dep.model = None
+    dep.model_error = f"model {dep.cfg.model!r} is in the mirror but cannot be used: {exc}"
 
 
 def _in_backoff(s: ReplicaStatus) -> bool:
