@@ -72,3 +72,38 @@ def test_the_reason_is_one_line_as_ctl_shows_it() -> None:
                                        "log: error: invalid argument: -x")
     assert rows["fine"].cells[-1] == ABSENT
     assert rows["fetch"].cells[-1] == "fetching the model"
+
+
+async def test_a_deployed_model_with_no_replica_ready_is_a_model() -> None:
+    """The Models view lists a deployed model before any replica of it is ready (with its deployments'
+    ready of desired), and Enter on it goes to its deployments, which say why; a gateway with no
+    deployments API shows its models as before, with no error about the API it lacks."""
+    api = ReplayAPI(fleet(endpoints=2, nodes=2, gpus_per_node=1))
+    with serve_in_thread(api) as port:
+        app = ConsoleApp(AdminClient(f"http://127.0.0.1:{port}"), refresh=3600, start="models")
+        async with app.run_test(size=(140, 30)) as pilot:
+            await app.wait_for_update()
+            rows = {r.key: r for r in app.rendered_rows}
+            assert "llava:7b" in rows, sorted(rows)
+            vision = rows["llava:7b"]
+            assert vision.cells[2] == "0/0" and vision.cells[3].plain == "0/1"  # type: ignore[union-attr]
+            served = next(k for k, r in rows.items() if r.record["total"] > 0)
+            assert rows[served].cells[3] == "–"  # (no deployment: not deployed, not "0")
+            assert not app.message_text
+            app.query_one("#table").focus()
+            keys = [r.key for r in app.rendered_rows]
+            for _ in range(keys.index("llava:7b")):
+                await pilot.press("down")
+            await pilot.press("enter")
+            await wait_for(lambda: app.place.view == "deployments", what="the model's deployments")
+            await app.wait_for_update()
+            assert [r.key for r in app.rendered_rows] == ["vision"]
+    routes = fleet(endpoints=2, nodes=1, gpus_per_node=1)
+    del routes["/admin/v1/deployments"]
+    with serve_in_thread(ReplayAPI(routes)) as port:
+        app = ConsoleApp(AdminClient(f"http://127.0.0.1:{port}"), refresh=3600, start="models")
+        async with app.run_test(size=(120, 30)):
+            await app.wait_for_update()
+            assert app.rendered_rows and all(r.cells[3] == "–" for r in app.rendered_rows)
+            assert "llava:7b" not in {r.key for r in app.rendered_rows}
+            assert not app.message_text

@@ -505,7 +505,7 @@ class ConsoleApp(App[None]):
     def _api_problem(self) -> str | None:
         for p in self.view.paths_for(self.place.scope):
             err = self.errors.get(p)
-            if err is None:
+            if err is None or p in self.view.optional:
                 continue
             if self.view.name == "deployments" and err.status == 404 and err.code != "no_control_plane":
                 return ("the control plane has no deployments API (this gateway's llmgw has no "
@@ -752,7 +752,11 @@ class ConsoleApp(App[None]):
         if name == "nodes":
             self._switch("gpus", scope=("node", row.key))
         elif name == "models":
-            self._switch("endpoints", scope=("models", row.key))
+            if row.record.get("total") == 0 and row.record.get("desired") is not None:
+                # (deployed, no replica ready yet: its deployments say why)
+                self._switch("deployments", scope=("model", row.key))
+            else:
+                self._switch("endpoints", scope=("models", row.key))
         elif name == "deployments":
             self.run_worker(self._replica_logs(row), group="action")
         else:

@@ -355,6 +355,9 @@ class View:
     name = ""
     title = ""
     paths: tuple[str, ...] = ()
+    # (what the view shows more of when it answers: a gateway with no control plane has no deployments,
+    # and that is no problem of a view that only adds them)
+    optional: tuple[str, ...] = ()
     columns: tuple[Column, ...] = ()
     default_sort = 0
     hint = ""  # the view's own keys, for the status line
@@ -367,7 +370,7 @@ class View:
 
     def paths_for(self, scope: tuple[str, str] | None) -> tuple[str, ...]:
         """The API paths to poll for this view scoped to ``scope`` (a drill-down may need more)."""
-        return self.paths
+        return self.paths + self.optional
 
     def note(self, data: dict[str, Any], scope: tuple[str, str] | None) -> str:
         """What a drill-down's scope says of itself, shown above the table (``""``: nothing)."""
@@ -432,9 +435,11 @@ class ModelsView(View):
     name = "models"
     title = "Models"
     paths = ("/admin/v1/endpoints", "/admin/v1/queues")
+    optional = ("/admin/v1/deployments",)
     columns = (
         Column("model", "MODEL"), Column("pools", "POOLS"), Column("replicas", "USABLE", True),
-        Column("saturation", "SATURATION"), Column("queued", "QUEUED", True), Column("bands", "QUEUED BY BAND"),
+        Column("deployed", "DEPLOYED", True), Column("saturation", "SATURATION"), Column("queued", "QUEUED", True),
+        Column("bands", "QUEUED BY BAND"),
     )
 
     def rows(self, data: dict[str, Any], show_ages: bool = True) -> list[Row]:
@@ -442,13 +447,24 @@ class ModelsView(View):
         q = data.get("/admin/v1/queues") or {}
         sat = q.get("pool_saturation") or {}
         per: dict[str, dict[str, Any]] = {}
+        new = lambda: {"pools": set(), "usable": 0, "total": 0, "ready": None, "desired": None}  # noqa: E731
         for ep in eps:
             for m in ep.get("models") or []:
-                d = per.setdefault(m, {"pools": set(), "usable": 0, "total": 0})
+                d = per.setdefault(m, new())
                 if ep.get("pool"):
                     d["pools"].add(str(ep["pool"]))
                 d["total"] += 1
                 d["usable"] += 1 if ep.get("usable") or (ep.get("usable") is None and ep.get("state") == "ok") else 0
+        # A deployed model is a model before any replica of it is ready (a row that waits for its first
+        # endpoint would hide the model in the very minutes it is being looked for): ready of desired.
+        for dep in (data.get("/admin/v1/deployments") or {}).get("deployments", []):
+            if not isinstance(dep, dict) or not dep.get("model"):
+                continue
+            d = per.setdefault(str(dep["model"]), new())
+            for k in ("ready", "desired"):
+                v = num(dep.get(k))
+                if v is not None:
+                    d[k] = int(v) + (d[k] or 0)
         bands = q.get("bands") or []
         admission = bool(q.get("admission"))
         out = []
@@ -459,13 +475,17 @@ class ModelsView(View):
             # (JSON has no +Inf: a pool with no usable replica is null in the mapping; a model with no
             # estimate at all is not in it)
             s = math.inf if m in sat and sat[m] is None else num(sat.get(m))
+            deployed: CellType = ABSENT
+            if d["desired"] is not None:
+                deployed = Cell(f"{fmt_int(d['ready'])}/{d['desired']}",
+                                _GOOD if d["ready"] is not None and d["ready"] >= d["desired"] else _WARN)
             cells = (
-                m, ",".join(sorted(d["pools"])) or ABSENT, f"{d['usable']}/{d['total']}",
+                m, ",".join(sorted(d["pools"])) or ABSENT, f"{d['usable']}/{d['total']}", deployed,
                 bar(s if s is None or s != math.inf else 1.0, 8, "no usable replica" if s == math.inf else fmt_pct(s)),
                 ABSENT if queued is None else str(queued),
                 " ".join(f"{b}:{n}" for b, n in depths) if admission else ABSENT,
             )
-            sort = (m, ",".join(sorted(d["pools"])), d["usable"], s, queued, queued)
+            sort = (m, ",".join(sorted(d["pools"])), d["usable"], d["ready"], s, queued, queued)
             out.append(_row(m, cells, sort, {"model": m, **d, "pools": sorted(d["pools"])}))
         return out
 
@@ -480,7 +500,7 @@ class ModelsView(View):
         return "shed so far (per band): " + (", ".join(shed) if shed else "none")
 
     def empty(self, data: dict[str, Any], read_only: bool = False) -> str:
-        return "no models (no endpoints are configured)"
+        return "no models (no endpoints are configured, and nothing is deployed)"
 
 
 class NodesView(View):
