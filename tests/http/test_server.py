@@ -583,6 +583,17 @@ async def test_bad_requests_answered_and_closed(data: bytes, status: int, code: 
         assert app.seen == []
 
 
+async def test_an_unsupported_transfer_coding_is_501_and_not_to_be_retried() -> None:
+    # (the OpenAI SDKs retry every 5xx unless told not to; the same body would be refused again)
+    async with serve() as (_, port, app), connect(port) as (r, w):
+        w.write(b"POST /echo HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: gzip, chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\n")
+        resp = await read_response(r)
+        assert_openai_error(resp, 501, "unsupported_transfer_coding")
+        assert resp.headers[b"x-should-retry"] == b"false"
+        await assert_closed(r)
+        assert app.seen == []
+
+
 @pytest.mark.parametrize("split", [False, True], ids=["one-read", "byte-by-byte"])
 async def test_an_upgrade_offer_is_answered_on_http11_and_the_connection_closed(split: bool) -> None:
     # h2c from curl --http2 or Java's HttpClient (a POST with its body), a WebSocket offer: a server may

@@ -677,7 +677,7 @@ cdef bint _te_only_chunked(const char* s, Py_ssize_t vs, Py_ssize_t ve) noexcept
 cdef object _unsupported_coding():
     return HTTPError(
         "unsupported Transfer-Encoding: llmgw reads chunked request bodies only", status=501,
-        type="invalid_request_error", code="unsupported_transfer_coding", close=True,
+        type="invalid_request_error", code="unsupported_transfer_coding", close=True, should_retry=False,
     )
 
 

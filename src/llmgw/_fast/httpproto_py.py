@@ -467,7 +467,7 @@ def _parse_error(exc: Exception) -> HTTPError:
 def _unsupported_coding() -> HTTPError:
     return HTTPError(
         "unsupported Transfer-Encoding: llmgw reads chunked request bodies only", status=501,
-        type="invalid_request_error", code="unsupported_transfer_coding", close=True,
+        type="invalid_request_error", code="unsupported_transfer_coding", close=True, should_retry=False,
     )
 
 
