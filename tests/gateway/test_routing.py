@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import orjson
+from prometheus_client.parser import text_string_to_metric_families
 
 from llmgw.config import load
 from llmgw.engines.sim import SimConfig, SimEngine
@@ -273,3 +274,48 @@ async def test_token_usage_is_counted_for_whole_and_streamed_answers() -> None:
         }
         assert tokens["completion"] == 12
         assert tokens["prompt"] >= 2
+
+
+async def test_a_key_asks_for_no_band_above_its_max_band() -> None:
+    """``api_keys[].max_band``: a key's requests may name its ceiling or lower in the priority header,
+    a higher band is 403 (not quietly lowered, not queued ahead of the fleet's critical traffic); a
+    key with no band of its own whose ceiling is below the default band gets its ceiling."""
+    keys = [
+        {"name": "jobs", "key": "k-jobs", "max_band": "batch"},
+        {"name": "app", "key": "k-app", "band": "standard", "max_band": "standard"},
+        {"name": "ops", "key": "k-ops"},
+    ]
+    async with fleet([SimConfig(model="m", engine="vllm", seed=1)], auth={"api_keys": keys}) as (rt, _):
+        port = gw_port(rt)
+
+        async def admitted() -> dict[str, float]:
+            assert rt.admin_addr is not None
+            r, w = await asyncio.open_connection(*rt.admin_addr)
+            w.write(b"GET /metrics HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n")
+            page = (await asyncio.wait_for(r.read(), 10)).split(b"\r\n\r\n", 1)[1].decode()
+            w.close()
+            return {
+                s.labels["band"]: s.value
+                for fam in text_string_to_metric_families(page) for s in fam.samples
+                if s.name == "llmgw_admission_total" and s.labels.get("outcome") == "admitted"
+            }
+
+        def auth(key: str, band: str | None = None) -> bytes:
+            return b"authorization: Bearer %s\r\n" % key.encode() + (
+                b"x-llmgw-priority: %s\r\n" % band.encode() if band else b"")
+
+        status, hdrs, body = await post(port, chat(), auth("k-jobs", "critical"))
+        assert status == 403, body
+        err = orjson.loads(body)["error"]
+        assert err["code"] == "priority_not_allowed" and "'batch'" in err["message"]
+        assert "k-jobs" not in body.decode() and hdrs[b"x-should-retry"] == b"false"
+        assert (await post(port, chat(), auth("k-app", "critical")))[0] == 403
+        assert (await post(port, chat(), auth("k-jobs", "standard")))[0] == 403
+        assert set((await admitted()).values()) == {0.0}  # (refused before admission: nothing counted)
+        assert (await post(port, chat(), auth("k-jobs")))[0] == 200  # its ceiling, not the default
+        assert (await post(port, chat(), auth("k-jobs", "batch")))[0] == 200
+        assert (await post(port, chat(), auth("k-app", "batch")))[0] == 200  # (lower is always allowed)
+        assert (await post(port, chat(), auth("k-app")))[0] == 200
+        assert (await post(port, chat(), auth("k-ops", "critical")))[0] == 200  # (no ceiling)
+        assert await admitted() == {"batch": 3.0, "standard": 1.0, "critical": 1.0}
+

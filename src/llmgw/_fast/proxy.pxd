@@ -172,6 +172,7 @@ cdef class Gateway(App):
     cdef dict rewrites                # client's model name -> name sent upstream
     cdef dict keys                    # sha256 digest -> ClientKey
     cdef dict key_bands               # sha256 digest -> band index
+    cdef dict key_tops                # sha256 digest -> the highest band index its requests may ask for
     cdef bint auth
     cdef bint access_log
     cdef bint expose_replica          # x-llmgw-replica on answers (server.expose_replica)

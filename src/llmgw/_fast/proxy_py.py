@@ -1543,9 +1543,18 @@ class Gateway(App):
             rewrites[alias] = config.models[real].upstream_name or real
         self.rewrites = rewrites
         self.keys = {k.sha256: k for k in config.auth.keys}
-        self.key_bands = {
-            k.sha256: adm.bands.index(k.band) for k in config.auth.keys if k.band is not None and k.band in adm.bands
-        }
+        key_bands: dict[bytes, int] = {}
+        key_tops: dict[bytes, int] = {}
+        for k in config.auth.keys:
+            top = adm.bands.index(k.max_band) if k.max_band in adm.bands else None
+            if k.band is not None and k.band in adm.bands:
+                key_bands[k.sha256] = adm.bands.index(k.band)
+            elif top is not None and self.default_band < top:  # (a default above the key's ceiling: its ceiling)
+                key_bands[k.sha256] = top
+            if top is not None:
+                key_tops[k.sha256] = top
+        self.key_bands = key_bands
+        self.key_tops = key_tops
         self.auth = bool(self.keys)
         self._secrets = config_secrets(config)
         self.access_log = config.access_log.enabled
@@ -2032,6 +2041,12 @@ class Gateway(App):
                 raise BadRequestError(
                     f"unknown priority band {prio.decode('latin-1')[:64]!r}; use one of {', '.join(self.bands)}",
                     code="invalid_priority",
+                )
+            if key is not None and idx < self.key_tops.get(key, 0):
+                raise HTTPError(
+                    f"this API key may not ask for priority band {self.bands[idx]!r}: its highest is "
+                    f"{self.bands[self.key_tops[key]]!r} (bands, highest first: {', '.join(self.bands)})",
+                    status=403, type="invalid_request_error", code="priority_not_allowed", should_retry=False,
                 )
             band = idx
         call.band = band

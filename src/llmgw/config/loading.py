@@ -166,9 +166,17 @@ def _auth(problems: _Problems, validated: Any, raw: Any, bands: tuple[str, ...] 
             problems.add(("auth", "api_keys", i, "key"), "give exactly one of key, key_env or key_sha256")
         # (read from the file as written: one entry's bad key fails the whole section's validation, and
         # every problem is said in one pass)
-        band = item.get("band") if isinstance(item, Mapping) else None
-        if isinstance(band, str) and bands is not None and band not in bands:
-            problems.add(("auth", "api_keys", i, "band"), f"unknown band {band!r}; admission.bands is {', '.join(bands)}")
+        for name in ("band", "max_band"):
+            band = item.get(name) if isinstance(item, Mapping) else None
+            if isinstance(band, str) and bands is not None and band not in bands:
+                problems.add(("auth", "api_keys", i, name),
+                             f"unknown band {band!r}; admission.bands is {', '.join(bands)}")
+        band, top = (item.get("band"), item.get("max_band")) if isinstance(item, Mapping) else (None, None)
+        if (bands is not None and isinstance(band, str) and isinstance(top, str) and band in bands
+                and top in bands and bands.index(band) < bands.index(top)):
+            problems.add(("auth", "api_keys", i, "band"),
+                         f"{band!r} is above the key's max_band {top!r} (bands are highest first: "
+                         f"{', '.join(bands)})")
     if validated is _FAILED:
         return AuthConfig()
     keys: list[ClientKey] = []
@@ -187,7 +195,7 @@ def _auth(problems: _Problems, validated: Any, raw: Any, bands: tuple[str, ...] 
         if digest in seen:
             problems.add((*loc, given[0]), "the same key is listed twice")
         seen.add(digest)
-        keys.append(ClientKey(name=k.name or f"key{i}", sha256=digest, band=k.band))
+        keys.append(ClientKey(name=k.name or f"key{i}", sha256=digest, band=k.band, max_band=k.max_band))
     return AuthConfig(keys=tuple(keys))
 
 

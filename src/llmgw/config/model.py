@@ -315,6 +315,7 @@ class ClientKey:
     name: str
     sha256: bytes = field(repr=False)
     band: str | None = None
+    max_band: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -562,6 +563,10 @@ class _KeyIn(_In):
     """A label for logs (default keyN)."""
     band: Annotated[str, _IDENT] | None = None
     """The key's default priority band."""
+    max_band: Annotated[str, _IDENT] | None = None
+    """The highest band the key's requests may ask for (with the priority header); a request asking
+    for a higher one is refused (403). Without band, the key's default is admission.default_band, or
+    max_band where the default is higher."""
     key: Annotated[str, _SECRET] | None = Field(default=None, repr=False)
     """The key inline."""
     key_env: Annotated[_EnvValue, _env("key")] | None = None
