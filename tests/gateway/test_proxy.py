@@ -448,6 +448,29 @@ async def test_client_errors_are_openai_shaped(body: bytes, status: int, code: s
         assert set(err) == {"message", "type", "param", "code"}
 
 
+@pytest.mark.parametrize("coding", ["gzip", "zstd", "deflate"])
+async def test_a_compressed_body_is_415_naming_its_coding(coding: str) -> None:
+    """A body sent compressed (Content-Encoding: gzip from a client's middleware) is told so, with
+    Accept-Encoding: identity (RFC 9110 §15.5.16), not "not JSON"; nothing reaches the engine."""
+    import gzip
+    import zlib
+
+    plain = chat()
+    body = {"gzip": gzip.compress, "deflate": zlib.compress,
+            "zstd": lambda b: b"\x28\xb5\x2f\xfd" + b}[coding](plain)  # (the frame's magic is what is read)
+    engine = FakeEngine("a")
+    async with gateway([engine]) as rt:
+        got, headers, data = await request(port_of(rt), body, headers=b"content-encoding: %s\r\n" % coding.encode())
+        assert got == 415, data
+        err = orjson.loads(data)["error"]
+        assert err["code"] == "unsupported_content_encoding" and f"{coding}-compressed" in err["message"]
+        assert headers[b"accept-encoding"] == b"identity" and headers[b"x-should-retry"] == b"false"
+        assert engine.seen == []
+        # text that merely starts like one is still "not JSON"
+        got, _, data = await request(port_of(rt), b"x-ray of the request")
+        assert got == 400 and orjson.loads(data)["error"]["code"] == "invalid_json"
+
+
 async def test_unknown_route_and_method() -> None:
     async with gateway([FakeEngine("a")]) as rt:
         status, _, data = await request(port_of(rt), b"", path=b"/nope", method=b"GET")

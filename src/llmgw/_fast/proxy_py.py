@@ -456,6 +456,17 @@ def _multipart_model(body: bytes, content_type: bytes | None) -> tuple[str, int,
     return found if found is not None else ("", 0, 0)
 
 
+def _compressed(body: bytes) -> str | None:
+    """The content coding ``body`` starts as (its magic bytes), if one: gzip, zstd or deflate (zlib)."""
+    if body[:2] == b"\x1f\x8b":
+        return "gzip"
+    if body[:4] == b"\x28\xb5\x2f\xfd":
+        return "zstd"
+    if body[:1] == b"\x78" and body[1:2] in (b"\x01", b"\x5e", b"\x9c", b"\xda"):
+        return "deflate"  # (RFC 1950's header as zlib writes it: 32 KiB window, each level, no dictionary)
+    return None
+
+
 def _form_model(body: bytes, content_type: bytes | None, exc: JSONScanError) -> str:
     """The model a body that is not JSON names: its ``multipart/form-data`` ``model``
     field (the audio transcriptions and translations send their fields as a form).
@@ -465,6 +476,15 @@ def _form_model(body: bytes, content_type: bytes | None, exc: JSONScanError) -> 
     """
     form = _multipart_model(body, content_type)
     if form is None:
+        coding = _compressed(body)
+        if coding is not None:
+            # (the header is not read on the hot path; the bytes say it: RFC 9110 §15.5.16)
+            raise HTTPError(
+                f"The request body is {coding}-compressed (Content-Encoding: {coding}): llmgw takes request "
+                "bodies uncompressed. Send it without compression.",
+                status=415, type="invalid_request_error", code="unsupported_content_encoding",
+                headers=((b"accept-encoding", b"identity"),), should_retry=False,
+            )
         raise BadRequestError(
             f"We could not parse the JSON body of your request ({exc}). Send a JSON object "
             "(or a multipart/form-data body where the API takes one).",
