@@ -604,6 +604,41 @@ async def test_blob_route_auth_ranges_and_errors(tmp_path: Path, caplog: pytest.
         assert not any(secret in r.getMessage() for r in caplog.records)
 
 
+async def test_a_stalled_transfer_holds_no_other_node_back(tmp_path: Path) -> None:
+    """A node that stops reading mid-blob (SIGSTOPped, its link gone) holds its own transfer until
+    STALL_S, never another's: with one pool thread, a second node's fetch of the same blob is served at
+    once (it used to wait, silent, for the stalled one's thread). Past max_transfers a request is told
+    503 mirror_busy with Retry-After, before any byte; each transfer's thread ends with its connection."""
+    async with mirror_runtime(tmp_path, big=12_000_000) as m:  # a model blob of ~48 MB: more than the socket buffers
+        server = m.cp.mirror_server
+        server._threads = 1  # (the pool is made at the first transfer)
+        model = m.blobs[0]
+        path = f"/mirror/v1/blobs/{model.digest}"
+        auth = {"authorization": f"Bearer {m.credential}"}
+        host, port = m.url.removeprefix("http://").split(":")
+        r, w = await asyncio.open_connection(host, int(port))
+        try:
+            w.write(f"GET {path} HTTP/1.1\r\nhost: x\r\nauthorization: Bearer {m.credential}\r\n\r\n".encode())
+            await asyncio.wait_for(r.readuntil(b"\r\n\r\n"), 10)  # (then reads nothing more)
+            await asyncio.sleep(0.5)
+            assert server.active == 1
+            status, _, body = await raw_get(m.url, path, auth)  # (10 s at most)
+            assert status == 200 and hashlib.sha256(body).hexdigest() == model.digest[7:]
+            server.max_transfers = 1
+            status, h, body = await raw_get(m.url, path, auth)
+            assert status == 503 and orjson.loads(body)["error"]["code"] == "mirror_busy"
+            assert int(h["retry-after"]) >= 1
+            server.max_transfers = 1024
+        finally:
+            w.close()
+
+        async def threads_gone() -> None:
+            while server.active or any(t.name == "llmgw-mirror-send" for t in threading.enumerate()):
+                await asyncio.sleep(0.05)
+
+        await asyncio.wait_for(threads_gone(), 5)
+
+
 async def test_registration_access_deregistration_revokes_and_placement_authorizes(tmp_path: Path) -> None:
     import grpc
 

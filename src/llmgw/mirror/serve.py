@@ -23,16 +23,21 @@ the admin token. The answers, in the order they are decided:
   bytes``, a strong ``ETag`` (``"sha256:<hex>"``), ``Repr-Digest`` (RFC 9530) and
   ``x-llmgw-digest``.
 
-PERF: on a plain TCP connection the bytes go with ``sendfile(2)`` from a thread
-(zero-copy: the file's pages go to the socket without passing through Python, and
-the event loop does nothing but wait), on a duplicate of the connection's socket,
-so a transport that closes meanwhile cannot hand its file descriptor number to
-another connection under the thread; the thread waits with ``poll`` while the
-socket is full, so it moves at the client's pace and is cut after
-:data:`STALL_S` without progress. Otherwise (TLS, or the head still queued) they
-are read with ``pread`` in the thread pool, one chunk ahead of the socket, and
-written through the writer's flow control. Either way memory stays at a chunk or
-two per transfer whatever the blob's size.
+PERF: on a plain TCP connection the bytes go with ``sendfile(2)`` from a thread of
+the transfer's own (zero-copy: the file's pages go to the socket without passing
+through Python, and the event loop does nothing but wait), on duplicates of the
+connection's socket and of the blob's file that the thread closes itself, so a
+transport that closes meanwhile cannot hand its file descriptor number to another
+connection under the thread; the thread waits with ``poll`` while the socket is
+full, so it moves at the client's pace and is cut after :data:`STALL_S` without
+progress. A thread each, not a pool's: a pool's threads held by the transfers
+under way (each as long as its blob takes, or a stalled one for ``STALL_S``) left
+the next nodes' answers silent past their read timeout. Otherwise (TLS, or the head
+still queued) they are read with ``pread`` in the thread pool, one chunk ahead of
+the socket, and written through the writer's flow control (no thread waits on a
+socket there). Either way memory stays at a chunk or two per transfer whatever the
+blob's size. At most ``max_transfers`` run at once; past it a request is answered
+503 ``mirror_busy`` with ``Retry-After`` before anything is sent.
 """
 
 from __future__ import annotations
@@ -71,6 +76,8 @@ CHUNK = 1 << 20
 SENDFILE_CHUNK = 8 << 20
 STALL_S = 120.0
 """Seconds a transfer may make no progress (the agent stopped reading) before it is cut."""
+MAX_TRANSFERS = 1024
+"""Transfers at once (each holds a socket, a file and, on plain TCP, a thread mostly waiting in ``poll``)."""
 _POLL_MS = 500
 _O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 _O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
@@ -167,6 +174,7 @@ class BlobServer:
         *,
         chunk: int = CHUNK,
         threads: int = 32,
+        max_transfers: int = MAX_TRANSFERS,
     ) -> None:
         self._root = root
         self.credentials = credentials
@@ -176,8 +184,13 @@ class BlobServer:
         self._pool: ThreadPoolExecutor | None = None
         self.served = {"requests": 0, "bytes": 0}
         self.use_sendfile = True
+        self.max_transfers = max_transfers
+        self.active = 0  # transfers under way
+        self._stops: set[threading.Event] = set()  # (each sendfile thread's)
 
     def close(self) -> None:
+        for stop in list(self._stops):
+            stop.set()
         """Stop the reader threads (transfers still running fail)."""
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
@@ -238,6 +251,11 @@ class BlobServer:
                 f"node {node} may not fetch {digest}: no replica placed on it needs that blob",
                 status=403, type="permission_error", code="blob_not_allowed",
             )
+        if self.active >= self.max_transfers:
+            raise HTTPError(
+                f"the mirror is sending {self.active} blobs at once, its limit: retry shortly",
+                status=503, type="service_unavailable_error", code="mirror_busy", retry_after=5,
+            )
         blob = self.blob_path(digest)
         try:
             fd = os.open(blob, os.O_RDONLY | _O_CLOEXEC | _O_NOFOLLOW)
@@ -293,17 +311,51 @@ class BlobServer:
             return None
 
     async def _sendfile(
-        self, w: ResponseWriter, loop: asyncio.AbstractEventLoop, pool: ThreadPoolExecutor, sock_fd: int,
-        fd: int, start: int, end: int, digest: str,
+        self, w: ResponseWriter, loop: asyncio.AbstractEventLoop, sock_fd: int, fd: int, start: int, end: int,
+        digest: str,
     ) -> int:
-        """Send ``[start, end)`` of ``fd`` with sendfile in a thread; the bytes sent (-1: cut off)."""
+        """Send ``[start, end)`` of ``fd`` with sendfile in a thread of its own; the bytes sent (-1: cut off).
+        The thread closes ``sock_fd`` (and a duplicate of ``fd``) when it ends, which may be after this
+        returns when it is cancelled (within one sendfile call or poll: the stop flag is set)."""
+        try:
+            file_fd = os.dup(fd)
+        except OSError:
+            os.close(sock_fd)
+            return 0  # (read and write instead)
         stop = threading.Event()
         w.on_disconnect(stop.set)
+        done: asyncio.Future[tuple[int, str] | BaseException] = loop.create_future()
+
+        def run() -> None:
+            result: tuple[int, str] | BaseException
+            try:
+                result = _sendfile_all(sock_fd, file_fd, start, end, stop)
+            except BaseException as exc:  # (handed to the loop, raised there)
+                result = exc
+            finally:
+                os.close(sock_fd)
+                os.close(file_fd)
+            try:
+                loop.call_soon_threadsafe(_settle, done, result)
+            except RuntimeError:  # the loop is closed: nobody waits
+                pass
+
+        self._stops.add(stop)
         try:
-            sent, why = await loop.run_in_executor(pool, _sendfile_all, sock_fd, fd, start, end, stop)
+            threading.Thread(target=run, name="llmgw-mirror-send", daemon=True).start()
+        except BaseException:
+            self._stops.discard(stop)
+            os.close(sock_fd)
+            os.close(file_fd)
+            raise
+        try:
+            got = await done
         finally:
             stop.set()
-            os.close(sock_fd)
+            self._stops.discard(stop)
+        if isinstance(got, BaseException):
+            raise got
+        sent, why = got
         if why and not w.disconnected:
             log.warning("cut the transfer of %s after %d bytes: %s", digest, sent, why)
             w.abort()
@@ -323,11 +375,12 @@ class BlobServer:
         offset = start
         sent = 0
         pending: asyncio.Future[Any] | None = None
+        self.active += 1
         try:
             w.start(status, headers, content_length=end - start)
             sock_fd = self._sendfile_socket(w)
             if sock_fd is not None:
-                n = await self._sendfile(w, loop, pool, sock_fd, fd, start, end, digest)
+                n = await self._sendfile(w, loop, sock_fd, fd, start, end, digest)
                 if n < 0:
                     return  # cut off (and logged)
                 sent = n
@@ -362,6 +415,7 @@ class BlobServer:
                     pass
             os.close(fd)
             self.served["bytes"] += sent
+            self.active -= 1
         if w.disconnected:
             log.info("node %s went away after %d of %d bytes of %s", node, sent, end - start, digest)
             return
@@ -371,6 +425,11 @@ class BlobServer:
             "sent %s [%d-%d) to node %s: %d bytes in %.2fs (%.0f MiB/s)",
             digest, start, end, node, sent, took, sent / max(took, 1e-6) / (1 << 20),
         )
+
+
+def _settle(fut: asyncio.Future[Any], result: Any) -> None:
+    if not fut.done():
+        fut.set_result(result)
 
 
 def _sendfile_all(sock_fd: int, fd: int, offset: int, end: int, stop: threading.Event) -> tuple[int, str]:
