@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import re
 import socket
 import time
@@ -177,7 +178,8 @@ def slow_client(port: int, stall: float, rcvbuf: int = 4096) -> tuple[bytes, boo
 
 
 @pytest.mark.parametrize("stream", [True, False], ids=["stream", "relayed"])
-async def test_a_stalled_client_is_not_blamed_on_its_replica(stream: bool) -> None:
+async def test_a_stalled_client_is_not_blamed_on_its_replica(stream: bool, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="llmgw.server")
     e = FloodEngine(stream)
     await e.start()
     try:
@@ -186,6 +188,11 @@ async def test_a_stalled_client_is_not_blamed_on_its_replica(stream: bool) -> No
             out, whole = await loop.run_in_executor(None, slow_client, rt.listen_addr[1], 4 * READ_TIMEOUT)  # type: ignore[index]
             assert out.startswith(b"HTTP/1.1 200 ")
             assert not whole  # (cut as gone: a client that took nothing for read_timeout)
+            # said in the log, with the request's id (the access log's status is the 200 that began)
+            rid = re.search(rb"x-request-id: (\S+)", out, re.I)
+            assert rid is not None
+            said = [r.getMessage() for r in caplog.records if "read nothing of the answer" in r.getMessage()]
+            assert len(said) == 1 and rid.group(1).decode() in said[0], said
             # The replica kept sending: no "replica stopped sending" told to anyone or counted.
             assert b"upstream_timeout" not in out
             assert await metric(rt, "llmgw_upstream_errors_total", replica="a", kind="read_timeout") == 0

@@ -82,7 +82,7 @@ from ..errors import (
     UnauthorizedError,
     UpstreamAuthError,
 )
-from ..log import access_logger, upstream_logger
+from ..log import access_logger, server_logger, upstream_logger
 from . import _live
 
 try:
@@ -1335,6 +1335,11 @@ class Call(Exchange):
                 # socket is full). A client that took nothing for read_timeout is cut as
                 # gone, as nginx's send_timeout does; no verdict on the replica, whose
                 # breaker a slow or stalled client must not open.
+                server_logger.info(
+                    "request %s for %s: the client read nothing of the answer for %gs; its connection is closed "
+                    "and the replica's request aborted", self.rid.decode("latin-1"), self.model, gw.read_timeout,
+                    extra={"request_id": self.rid},
+                )
                 w.abort()
                 self.client_gone()
                 return
