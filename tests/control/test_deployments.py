@@ -82,6 +82,29 @@ async def chat(rt: GatewayRuntime, model: str, max_tokens: int = 2) -> tuple[int
     return int(head.split(b" ", 2)[1]), orjson.loads(payload)
 
 
+async def client_get(rt: GatewayRuntime, path: str) -> tuple[int, Any]:
+    assert rt.listen_addr is not None
+    r, w = await asyncio.open_connection("127.0.0.1", rt.listen_addr[1])
+    try:
+        w.write(f"GET {path} HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n".encode())
+        raw = await asyncio.wait_for(r.read(), 10)
+    finally:
+        w.close()
+    head, _, payload = raw.partition(b"\r\n\r\n")
+    return int(head.split(b" ", 2)[1]), orjson.loads(payload)
+
+
+async def listed(rt: GatewayRuntime) -> list[str]:
+    """The ids GET /v1/models lists, each also found by GET /v1/models/{id}."""
+    status, doc = await client_get(rt, "/v1/models")
+    assert status == 200, doc
+    ids = [card["id"] for card in doc["data"]]
+    for m in ids:
+        status, card = await client_get(rt, f"/v1/models/{m}")
+        assert status == 200 and card["id"] == m, card
+    return ids
+
+
 def controller(rt: GatewayRuntime) -> DeploymentController:
     ctl_ = control_plane(rt).deployments
     assert ctl_ is not None
@@ -147,6 +170,8 @@ async def test_the_router_follows_ready_replicas_scale_down_drains_and_zero_answ
         # not ready yet: the model answers 503 model_unavailable (it is deployed), not 404
         status, body = await chat(rt, "chat")
         assert status == 503 and body["error"]["code"] == "model_unavailable", body
+        # ... and is listed, as a model that exists (a client lists models before it asks)
+        assert "chat" in await listed(rt)
         status, ready = await admin(rt, "GET", "/ready")  # ... and the router is not ready without it
         assert status == 503 and "chat" in ready["models_unavailable"], ready
         # (with the control plane's reason, as the 503 says it)
@@ -228,10 +253,12 @@ async def test_the_router_follows_ready_replicas_scale_down_drains_and_zero_answ
             assert status == 503 and body["error"]["code"] == "model_unavailable", body
             # (wanted by nobody now: not what /ready waits for)
             assert "chat" not in (await admin(rt, "GET", "/ready"))[1]["models_unavailable"]
+            assert "chat" in await listed(rt)  # (scaled to 0: still deployed)
             # undeployed: the model is gone (404)
             assert (await admin(rt, "DELETE", "/admin/v1/deployments/chat"))[0] == 200
             status, body = await chat(rt, "chat")
             assert status == 404, body
+            assert "chat" not in await listed(rt)
             keys = {x.api_key for x in specs2}
         finally:
             await reps.close()

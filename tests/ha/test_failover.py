@@ -194,6 +194,9 @@ async def test_a_leader_cut_off_from_its_database_tells_clients_it_no_longer_lea
                 break
             await asyncio.sleep(0.05)
         assert status == 503 and said.startswith("model_unavailable") and "standby control plane" in said, said
+        # listed as the model it is (a POST says it exists), not missing from the standby's list
+        status, _, raw = await http(p.gateway, "GET", "/v1/models", 10.0, None)
+        assert status == 200 and [c["id"] for c in orjson.loads(raw)["data"]] == ["chat"], raw
     finally:
         p.stop()
         pg.stop()

@@ -1956,12 +1956,19 @@ class Gateway(App):
         return digest
 
     def _model_cards(self) -> list[dict[str, Any]]:
-        cards = [
-            {"id": m, "object": "model", "created": self.created, "owned_by": "llmgw"} for m in self.registry.models()
-        ]
-        served = set(self.registry.models())
+        """The models a client may ask for: those with replicas, their aliases, and those held (a
+        deployed model with no replica ready now, one a standby names: asked for, they are 503 and
+        retried, so they are listed, not missing from the list while a POST says they exist)."""
+        served = self.registry.models()
+        cards = [{"id": m, "object": "model", "created": self.created, "owned_by": "llmgw"} for m in served]
+        listed = set(served)
+        held = self.held_models
+        for m in sorted(held) if isinstance(held, frozenset) else ():
+            if m not in listed:
+                listed.add(m)
+                cards.append({"id": m, "object": "model", "created": self.created, "owned_by": "llmgw"})
         for alias, real in self.aliases.items():
-            if real in served:
+            if real in listed:
                 cards.append({"id": alias, "object": "model", "created": self.created, "owned_by": "llmgw", "root": real})
         return cards
 
