@@ -642,6 +642,22 @@ def test_response_content_length(httpproto: ModuleType) -> None:
     ]
 
 
+def test_response_date_is_noted_and_forwarded(httpproto: ModuleType) -> None:
+    # (llmgw adds a Date to an answer forwarded without one: RFC 9110 §6.6.1)
+    dated: list[bool] = []
+
+    class Dated(Sink):
+        def on_response_head(self, r: Any) -> None:
+            dated.append(r.dated)
+
+    for head, want in ((b"Date: Tue, 01 Dec 2026 00:00:00 GMT\r\nVary: x\r\n", True), (b"DATE: x\r\n", True),
+                       (b"Vary: x\r\nEtag: y\r\nHost: h\r\n", False), (b"Dates: x\r\nX-Date: y\r\n", False)):
+        r = httpproto.ResponseReader(Dated())
+        r.feed(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n" + head + b"\r\n")
+        assert dated.pop() is want, head
+    assert read_all_ways(httpproto, b"HTTP/1.1 200 OK\r\nDate: d\r\nContent-Length: 0\r\n\r\n")[0][6] == b"Date: d\r\n"
+
+
 def test_response_connection_nominated_fields_are_not_forwarded(httpproto: ModuleType) -> None:
     data = (
         b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nConnection: keep-alive, X-Engine-Hop\r\n"

@@ -112,6 +112,10 @@ class FakeEngine:
                           (b"x-engine-hop", b"slot=1"), (b"x-engine-kept", b"2")], len(payload))
             w.write(payload)
             return None
+        if mode == "dated":  # (as vLLM answers: with its own Date)
+            w.send(200, b'{"object": "chat.completion"}',
+                   ((b"content-type", b"application/json"), (b"date", b"Tue, 01 Dec 2026 00:00:00 GMT")))
+            return None
         if mode == "cut_body":
             w.start(200, [(b"content-type", b"application/json")], 1000)
             w.write(b'{"partial": ')
@@ -469,6 +473,39 @@ async def test_a_compressed_body_is_415_naming_its_coding(coding: str) -> None:
         # text that merely starts like one is still "not JSON"
         got, _, data = await request(port_of(rt), b"x-ray of the request")
         assert got == 400 and orjson.loads(data)["error"]["code"] == "invalid_json"
+
+
+async def test_every_answer_carries_one_date() -> None:
+    """RFC 9110 §6.6.1: llmgw's own answers carry a Date, and so does a replica's answer forwarded
+    without one (llama-server sends none); a replica's own Date is passed on, not doubled."""
+    import email.utils
+
+    engine = FakeEngine("a")  # (llmgw's HTTP server, as the engine here, sends no Date)
+    async with gateway([engine]) as rt:
+
+        async def dates(body: bytes, mode: str = "ok", path: bytes = b"/v1/chat/completions") -> list[bytes]:
+            engine.mode = mode
+            r, w = await asyncio.open_connection("127.0.0.1", port_of(rt))
+            try:
+                method = b"POST" if body else b"GET"
+                w.write(b"%s %s HTTP/1.1\r\nhost: x\r\nconnection: close\r\ncontent-type: application/json\r\n"
+                        b"content-length: %d\r\n\r\n%s" % (method, path, len(body), body))
+                raw = await asyncio.wait_for(r.read(), 10)
+            finally:
+                w.close()
+            head = raw.split(b"\r\n\r\n", 1)[0].split(b"\r\n")
+            return [line.split(b":", 1)[1].strip() for line in head[1:] if line.lower().startswith(b"date:")]
+
+        def recent(value: bytes) -> bool:
+            return abs(email.utils.parsedate_to_datetime(value.decode()).timestamp() - time.time()) < 5
+
+        for body, mode in ((chat(), "ok"), (chat(stream=True), "ok"), (chat(), "vllm_context"), (chat(), "503"),
+                           (b"{not json", "ok"), (chat(model="nope"), "ok")):
+            got = await dates(body, mode)
+            assert len(got) == 1 and recent(got[0]), (mode, body, got)
+        assert await dates(chat(), "dated") == [b"Tue, 01 Dec 2026 00:00:00 GMT"]
+        got = await dates(b"", path=b"/v1/models")
+        assert len(got) == 1 and recent(got[0])
 
 
 async def test_unknown_route_and_method() -> None:

@@ -100,6 +100,7 @@ cdef class Response:
     cdef public object content_type
     cdef public bint event_stream
     cdef public bint keep_alive
+    cdef public bint dated            # the head has a Date field
 
 
 cdef class ResponseSink:

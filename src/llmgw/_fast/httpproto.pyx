@@ -590,6 +590,7 @@ cdef class Response:
         self.content_type = None
         self.event_stream = False
         self.keep_alive = True
+        self.dated = False
 
     @property
     def headers(self):
@@ -1119,7 +1120,9 @@ cdef class ResponseReader:
                 count += 1
                 kind = _classify(s + fs, nn)
                 if kind == H_OTHER or kind == H_CONTENT_TYPE:
-                    if kind == H_CONTENT_TYPE and resp.content_type is None:
+                    if nn == 4 and kind == H_OTHER and _ieq(s + fs, b"date", 4):
+                        resp.dated = True
+                    elif kind == H_CONTENT_TYPE and resp.content_type is None:
                         value = PyBytes_FromStringAndSize(s + vs, nv)
                         resp.content_type = value
                         resp.event_stream = nv >= 17 and _ieq(s + vs, b"text/event-stream", 17)

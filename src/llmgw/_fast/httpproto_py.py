@@ -1025,6 +1025,7 @@ class Response:
         "chunked",
         "content_length",
         "content_type",
+        "dated",
         "event_stream",
         "forward",
         "headers",
@@ -1041,6 +1042,7 @@ class Response:
         self.content_type: bytes | None = None
         self.event_stream: bool = False
         self.keep_alive: bool = True
+        self.dated: bool = False  # the head has a Date field
 
     def header(self, name: bytes) -> bytes | None:
         """The first value of header ``name`` (case-insensitive), or ``None``."""
@@ -1200,6 +1202,8 @@ class ResponseReader:
         lname = name.lower()
         kind = _KINDS.get(lname, H_OTHER)
         if kind == H_OTHER:
+            if lname == b"date":
+                resp.dated = True
             self._forward.append(b"%s: %s\r\n" % (name, value))
         elif kind == H_CONTENT_TYPE:
             if resp.content_type is None:

@@ -142,6 +142,8 @@ cdef class Gateway(App):
     cdef readonly object registry
     cdef readonly dict pools          # the registry's own dict: model -> ModelPool
     cdef bytes _rid_prefix            # random per process: b"<12 hex>-"
+    cdef bytes _date_line             # b"date: <IMF-fixdate>\r\n", remade each second (date_line)
+    cdef double _date_until           # monotonic time _date_line is good until
     cdef Py_ssize_t _rid_n
     cdef readonly object created      # unix time, for /v1/models
     cdef readonly object observer
@@ -210,6 +212,7 @@ cdef class Gateway(App):
     cdef _local_done(self, Request req, ResponseWriter w, bytes rid, model, double started, Py_ssize_t nbytes=*)
     cdef half_opened(self, Endpoint ep)
     cdef bytes replica_line(self, Endpoint ep)
+    cdef bytes date_line(self, double now)
     cdef str replica_name(self, Endpoint ep)
     cdef _served_model(self, bytes body)
     cdef bytes _authenticate(self, Request req)

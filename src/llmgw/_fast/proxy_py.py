@@ -955,6 +955,8 @@ class Call(Exchange):
         needle = self.ep.key_needle  # type: ignore[union-attr]
         if needle is not None and needle.within(fwd, 0, len(fwd)):
             fwd = self.gw.redact(fwd, self.ep)
+        if not resp.dated:
+            return fwd + self.gw.date_line(self.ttfb)
         return fwd
 
     def _start_relay(self) -> None:
@@ -1190,14 +1192,14 @@ class Call(Exchange):
                     self._attempt_failed(err, "status_5xx")
                     return
                 gw.observer.upstream_error(ep.id, "status_5xx")
-                lines = self.rid_line + gw.replica_line(ep) + _retry_lines(wait)
+                lines = self.rid_line + gw.replica_line(ep) + _retry_lines(wait) + gw.date_line(self.ttfb)
                 if status == 501:  # (what the engine does not implement, a retry asks again in vain)
                     lines += _NO_RETRY_LINE
                 w.send(status, normalized, _JSON_CT, lines)
                 self.sent_bytes = len(normalized)  # (the access log's bytes: what the client got)
                 self._answered_5xx(status)
                 return
-            lines = self.rid_line + gw.replica_line(ep) + _retry_lines(wait)
+            lines = self.rid_line + gw.replica_line(ep) + _retry_lines(wait) + gw.date_line(self.ttfb)
             if status != 408 and status != 409 and status != 429:
                 lines += _NO_RETRY_LINE  # (the same request would be refused again; SDKs retry only those three)
             w.send(status, normalized, _JSON_CT, lines)
@@ -1459,8 +1461,8 @@ class Call(Exchange):
             # (nothing went out before: the access log's bytes are the error's body; an answer about a
             # replica's attempt names it, as a relayed one does)
             ep = self.ep
-            extra = ((b"x-request-id", self.rid),) if ep is None or not self.gw.expose_replica else (
-                (b"x-request-id", self.rid), (b"x-llmgw-replica", ep.id.encode()))
+            extra = ((b"x-request-id", self.rid), (b"date", _http_date())) if ep is None or not self.gw.expose_replica \
+                else ((b"x-request-id", self.rid), (b"date", _http_date()), (b"x-llmgw-replica", ep.id.encode()))
             self.sent_bytes = w.send_error(error, extra)
         elif not w.finished and w.started:
             w.abort()
@@ -1527,6 +1529,8 @@ class Gateway(App):
         self.pools: dict[str, ModelPool] = registry.pools  # (the registry's own dict, kept up to date by it)
         self._rid_prefix = os.urandom(6).hex().encode() + b"-"
         self._rid_n = 0
+        self._date_line = b""
+        self._date_until = -1.0
         self.created = int(time.time())
         self.observer: _counters.Observer = NullObserver()
         self.counters: TrafficCounters | None = None
@@ -1931,6 +1935,17 @@ class Gateway(App):
         ``server.expose_replica: false``: the access log and metrics name it anyway)."""
         return ep.replica_line if self.expose_replica else b""
 
+    def date_line(self, now: float) -> bytes:
+        """``date: …`` CRLF for an answer whose replica sent no Date (llama-server sends none; RFC
+        9110 §6.6.1: a recipient with a clock that forwards a response without one MUST add it). ``now``
+        is the monotonic time the answer came; the line is remade when a new second begins."""
+        if now >= self._date_until:
+            t = time.time()
+            second = int(t)
+            self._date_line = b"date: " + _date_of(second) + b"\r\n"
+            self._date_until = now + (second + 1 - t)
+        return self._date_line
+
     def replica_name(self, ep: Endpoint) -> str:
         """How an error message to a client names ``ep``: ``replica <id>``, or ``a replica``
         with ``server.expose_replica: false`` (the access log and the server log name it anyway)."""
@@ -1988,7 +2003,7 @@ class Gateway(App):
             call = self._prepare(req, w, rid_line, key, started)
         except HTTPError as exc:
             rid = rid_line[14 : len(rid_line) - 2]
-            nbytes = w.send_error(exc, ((b"x-request-id", rid),))
+            nbytes = w.send_error(exc, ((b"x-request-id", rid), (b"date", _http_date())))
             self._local_done(req, w, rid, self._served_model(req.body), started, nbytes)
             return
         self.active_calls += 1
