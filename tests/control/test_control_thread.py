@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import threading
+import time
 
 import pytest
 from cp_helpers import TOKEN, control_plane, control_runtime, free_port, running, wait_for
@@ -88,3 +90,48 @@ async def test_grpc_runs_on_the_control_thread_and_heartbeats_keep_their_arrival
             assert st.last_seen <= cp.nodes.monotonic()
         assert handler_threads == ["llmgw-control"]
     assert cp.thread is None
+
+
+def test_a_busy_control_loop_takes_what_came_during_its_nap_in_one_turn() -> None:
+    """ControlThread.pace: while busy, what is handed to the control loop meanwhile (a socket's data,
+    a call from another thread) waits for the end of the nap and is run in one turn with the rest;
+    not busy, it is run at once."""
+    control = ct.ControlThread("test-pace")
+    control.start()
+    busy = threading.Event()
+    try:
+        control.pace(busy.is_set, nap=0.2)
+        ran: list[tuple[int, float]] = []
+        done = threading.Event()
+
+        def record(i: int) -> None:
+            ran.append((i, time.monotonic()))
+            if i == 19:
+                done.set()
+
+        # not busy: each call runs as it comes (within a few ms)
+        for _ in range(3):
+            sent = time.monotonic()
+            ev = threading.Event()
+            control.call(lambda ev=ev: ev.set())
+            assert ev.wait(1.0) and time.monotonic() - sent < 0.1
+        busy.set()
+        time.sleep(1.2)  # (the idle loop looks again within PACE_CHECK_S)
+        start = time.monotonic()
+        for i in range(20):  # over ~1 s
+            control.call(record, i)
+            time.sleep(0.05)
+        assert done.wait(2.0)
+        assert [i for i, _ in ran] == list(range(20))  # (in order)
+        # grouped into turns: the calls of one nap ran together, ~0.2 s apart from the next turn's
+        turns = 1 + sum(1 for (_, a), (_, b) in itertools.pairwise(ran) if b - a > 0.1)
+        assert 4 <= turns <= 8, (turns, [round(t - start, 3) for _, t in ran])
+        busy.clear()
+        time.sleep(1.2)
+        sent = time.monotonic()
+        ev = threading.Event()
+        control.call(lambda: ev.set())
+        assert ev.wait(1.0) and time.monotonic() - sent < 0.1  # (quick again)
+    finally:
+        busy.clear()
+        control.stop()
