@@ -98,6 +98,7 @@ def test_a_details_title_too_long_for_its_border_is_cut_at_a_word(session: str, 
             assert time.monotonic() < deadline, _tmux("capture-pane", "-p", "-t", session)
             time.sleep(0.1)
         _tmux("send-keys", "-t", session, "Enter")  # the replicas and their log tails, "chat" first
+        deadline = time.monotonic() + 20  # (its own: a loaded machine may have spent the first one starting)
         seen: list[str] = []
         while True:  # (the first frame may be drawn before the title is fitted: wait for the fitted one)
             text = _tmux("capture-pane", "-p", "-t", session)

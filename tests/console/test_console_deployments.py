@@ -84,15 +84,15 @@ async def test_a_deployed_model_with_no_replica_ready_is_a_model() -> None:
         async with app.run_test(size=(140, 30)) as pilot:
             await app.wait_for_update()
             rows = {r.key: r for r in app.rendered_rows}
-            assert "llava:7b" in rows, sorted(rows)
-            vision = rows["llava:7b"]
+            assert "vision" in rows and "llava:7b" not in rows, sorted(rows)  # (served as, not made of)
+            vision = rows["vision"]
             assert vision.cells[2] == "0/0" and vision.cells[3].plain == "0/1"  # type: ignore[union-attr]
             served = next(k for k, r in rows.items() if r.record["total"] > 0)
             assert rows[served].cells[3] == "–"  # (no deployment: not deployed, not "0")
             assert not app.message_text
             app.query_one("#table").focus()
             keys = [r.key for r in app.rendered_rows]
-            for _ in range(keys.index("llava:7b")):
+            for _ in range(keys.index("vision")):
                 await pilot.press("down")
             await pilot.press("enter")
             await wait_for(lambda: app.place.view == "deployments", what="the model's deployments")
@@ -105,5 +105,23 @@ async def test_a_deployed_model_with_no_replica_ready_is_a_model() -> None:
         async with app.run_test(size=(120, 30)):
             await app.wait_for_update()
             assert app.rendered_rows and all(r.cells[3] == "–" for r in app.rendered_rows)
-            assert "llava:7b" not in {r.key for r in app.rendered_rows}
+            assert "vision" not in {r.key for r in app.rendered_rows}
             assert not app.message_text
+
+
+def test_a_deployment_is_counted_under_the_name_clients_use() -> None:
+    """A deployment's row in the Models view is its served name (what its endpoints list and clients ask
+    for), never its source (a mirror reference, a path): one row, its endpoints and its ready of desired."""
+    from llmgw.console.views import ModelsView
+
+    data = {
+        "/admin/v1/endpoints": {"endpoints": [
+            {"id": "d1-a", "models": ["chat-model"], "pool": "n1", "state": "ok", "usable": True}]},
+        "/admin/v1/deployments": {"deployments": [
+            {"name": "d1", "model": "llama3.2:1b", "served_name": "chat-model", "desired": 2, "ready": 1},
+            {"name": "old", "model": "/models/x.gguf", "desired": 1, "ready": 0}]},  # (an API without served_name)
+    }
+    rows = {r.key: r for r in ModelsView().rows(data)}
+    assert sorted(rows) == ["chat-model", "old"]
+    assert rows["chat-model"].cells[2] == "1/1" and rows["chat-model"].cells[3].plain == "1/2"  # type: ignore[union-attr]
+    assert rows["old"].cells[3].plain == "0/1"  # type: ignore[union-attr]

@@ -716,6 +716,7 @@ async def test_max_connections_answered_503_at_once() -> None:
             assert_openai_error(resp, 503, "service_unavailable")
             assert resp.headers[b"retry-after"] == b"1"
             assert resp.headers[b"connection"] == b"close"
+            assert resp.headers[b"date"].endswith(b" GMT")  # (RFC 9110 §6.6.1)
             await assert_closed(r3)
         assert server.rejected == 1
         # the accepted ones still work

@@ -608,7 +608,8 @@ async def test_a_stalled_transfer_holds_no_other_node_back(tmp_path: Path) -> No
     """A node that stops reading mid-blob (SIGSTOPped, its link gone) holds its own transfer until
     STALL_S, never another's: with one pool thread, a second node's fetch of the same blob is served at
     once (it used to wait, silent, for the stalled one's thread). Past max_transfers a request is told
-    503 mirror_busy with Retry-After, before any byte; each transfer's thread ends with its connection."""
+    503 mirror_busy with Retry-After, before any byte, and a fetcher waits for it without spending an
+    attempt; each transfer's thread ends with its connection."""
     async with mirror_runtime(tmp_path, big=12_000_000) as m:  # a model blob of ~48 MB: more than the socket buffers
         server = m.cp.mirror_server
         server._threads = 1  # (the pool is made at the first transfer)
@@ -628,6 +629,17 @@ async def test_a_stalled_transfer_holds_no_other_node_back(tmp_path: Path) -> No
             status, h, body = await raw_get(m.url, path, auth)
             assert status == 503 and orjson.loads(body)["error"]["code"] == "mirror_busy"
             assert int(h["retry-after"]) >= 1
+            # a node told so waits and asks again, spending none of its attempts (here: one)
+            fetcher = MirrorFetcher(m.url, m.credential, tmp_path / "n1", attempts=1, backoff=0.1)
+            try:
+                fetching = asyncio.ensure_future(fetcher.ensure(m.spec(), lambda d, t: None))
+                await asyncio.sleep(1.0)
+                assert not fetching.done()
+                w.close()  # (the stalled node goes: its transfer ends, a place frees)
+                await asyncio.wait_for(fetching, 30)
+            finally:
+                await fetcher.close()
+            assert node_files(tmp_path / "n1")[0]
             server.max_transfers = 1024
         finally:
             w.close()

@@ -32,6 +32,7 @@ import socket
 from asyncio.selector_events import BaseSelectorEventLoop
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from email.utils import formatdate
 from typing import TYPE_CHECKING, Any
 
 import orjson
@@ -591,7 +592,8 @@ class HTTPProtocol(RequestSink):
                 retry_after=1,
             )
             body = error_body(exc)
-            self._transport_write(response_head(503, _error_headers(exc), len(body), False) + body)
+            date = (b"date", formatdate(usegmt=True).encode("ascii"))  # (RFC 9110 §6.6.1; a refusal: cold)
+            self._transport_write(response_head(503, _error_headers(exc, (date,)), len(body), False) + body)
             server._refusing.add(self)
             self._linger_close()
             server.rejected += 1

@@ -754,7 +754,7 @@ class ConsoleApp(App[None]):
         elif name == "models":
             if row.record.get("total") == 0 and row.record.get("desired") is not None:
                 # (deployed, no replica ready yet: its deployments say why)
-                self._switch("deployments", scope=("model", row.key))
+                self._switch("deployments", scope=("served_name", row.key))
             else:
                 self._switch("endpoints", scope=("models", row.key))
         elif name == "deployments":

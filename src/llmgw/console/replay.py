@@ -178,13 +178,14 @@ def fleet(endpoints: int = 8, nodes: int = 2, gpus_per_node: int = 4, *, seed: i
         ],
     }
     deployments = [
-        {"name": "chat", "model": "llama3.2:1b", "engine": "llamacpp", "desired": 3, "ready": 2,
+        {"name": "chat", "model": "llama3.2:1b", "served_name": "chat", "engine": "llamacpp", "desired": 3, "ready": 2,
          "nodes": ["node-000", "node-001"], "message": "1 replica not placed: no node has 12.0 GB of free GPU memory",
          "replicas": [
              {"id": "chat-a1", "node": "node-000", "state": "ready", "message": None},
              {"id": "chat-b2", "node": "node-001", "state": "ready", "message": None},
          ]},
-        {"name": "vision", "model": "llava:7b", "engine": "vllm", "desired": 1, "ready": 0, "nodes": ["node-001"],
+        {"name": "vision", "model": "llava:7b", "served_name": "vision", "engine": "vllm", "desired": 1, "ready": 0,
+         "nodes": ["node-001"],
          "message": None, "replicas": [{"id": "vision-c3", "node": "node-001", "state": "starting",
                                         "message": "fetching the model"}]},
     ]

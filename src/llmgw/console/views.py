@@ -458,9 +458,11 @@ class ModelsView(View):
         # A deployed model is a model before any replica of it is ready (a row that waits for its first
         # endpoint would hide the model in the very minutes it is being looked for): ready of desired.
         for dep in (data.get("/admin/v1/deployments") or {}).get("deployments", []):
-            if not isinstance(dep, dict) or not dep.get("model"):
+            # (by the name clients ask for, as endpoints list it: "model" is where it comes from)
+            served = dep.get("served_name") or dep.get("name") if isinstance(dep, dict) else None
+            if not served:
                 continue
-            d = per.setdefault(str(dep["model"]), new())
+            d = per.setdefault(str(served), new())
             for k in ("ready", "desired"):
                 v = num(dep.get(k))
                 if v is not None:
@@ -670,7 +672,8 @@ class DeploymentsView(View):
                      Cell(fmt_int(ready), _GOOD if ready is not None and ready == desired else _WARN),
                      fmt_int(desired), ",".join(where) or ABSENT, str(why) if why else ABSENT)
             sort = (name, d.get("model"), d.get("engine"), num(ready), num(desired), ",".join(where), why)
-            out.append(_row(name, cells, sort, d))
+            # (served_name: what the Models view's Enter scopes by; an older API has none: the name is the default)
+            out.append(_row(name, cells, sort, {**d, "served_name": d.get("served_name") or name}))
         return out
 
     def empty(self, data: dict[str, Any], read_only: bool = False) -> str:

@@ -530,6 +530,7 @@ class _Connection(asyncio.Protocol):
         self.transport = transport
         self.peer = _peer(transport.get_extra_info("peername"))
         self.server.connections.add(self)
+        self.server.accepted_at = time.monotonic()
         self.timer = self.loop.call_later(self.limits.handshake_timeout, self._preface_due)
         if self.tls is None:
             self._start()
@@ -1117,6 +1118,8 @@ class Server:
         self.generic: list[Any] = []
         self.listeners: list[Any] = []
         self.connections: set[_Connection] = set()
+        self.accepted_at = 0.0
+        """When the last connection was accepted (monotonic; 0: none yet)."""
         self.stopping = False
         self.on_bad_request: Callable[[str, grpc.StatusCode], None] | None = None
         """Called with the method (``/pkg.Service/Method``) and the status of a call answered for a request

@@ -62,7 +62,7 @@ from .follow import FollowCollector, FollowHub, RouterService
 from .follow import attach as attach_follow
 from .grpcserver import Limits, Server, server_ssl_context
 from .nodes import NodeMap, NodeState, peer_host
-from .thread import PACE_FROM, ControlThread, MainHop
+from .thread import PACE_AFTER_ACCEPT_S, PACE_FROM, ControlThread, MainHop
 from .tokens import JoinTokens
 
 if TYPE_CHECKING:
@@ -1253,8 +1253,8 @@ class ControlPlane:
         self.server = server
         self.address = (host, bound)
         if isinstance(server, Server):  # (grpc.aio's completion queue is polled by threads of its own)
-            conns = server.connections
-            thread.pace(lambda: len(conns) >= PACE_FROM)
+            thread.pace(lambda: len(server.connections) >= PACE_FROM
+                        and time.monotonic() - server.accepted_at > PACE_AFTER_ACCEPT_S)
         if self.admin is not None:
             from .collector import ClusterCollector
             from .ha import LeaderCollector

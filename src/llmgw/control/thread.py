@@ -42,6 +42,11 @@ HOP_DELAY = 0.1
 PACE_S = 0.05
 # Connections from which the control loop is paced (a cluster of a few nodes keeps its latency).
 PACE_FROM = 64
+# Nor is it paced for this long after a connection was accepted: the loop accepts one connection a
+# turn (uvloop), so a thousand agents connecting at once (a start, a restart, a partition healed)
+# would take 50 s to be accepted, past their connect timeout (20 s); a new node's registration too
+# goes at the loop's speed.
+PACE_AFTER_ACCEPT_S = 2.0
 # How often an idle (not busy) control loop looks again whether it is.
 PACE_CHECK_S = 1.0
 

@@ -119,6 +119,20 @@ class _Retry(Exception):
     """A failure the next attempt may not meet (a cut connection, a 5xx, a corrupt transfer)."""
 
 
+class _Busy(Exception):
+    """The mirror is sending as many blobs as it may (503 ``mirror_busy``): no attempt failed; ask again
+    after ``after`` seconds."""
+
+    def __init__(self, message: str, after: float) -> None:
+        super().__init__(message)
+        self.after = after
+
+
+BUSY_WAIT_S = 3600.0
+"""How long a fetch waits, in all, for a mirror that answers it is busy (its transfers under way take
+as long as their blobs do) before it fails."""
+
+
 @dataclass(eq=False)
 class _Job:
     """One blob being fetched, shared by every ensure() that needs it."""
@@ -375,8 +389,20 @@ class MirrorFetcher:
             job.done = blob.size
             return path
         last: Exception | None = None
-        for attempt in range(self.attempts):
-            if attempt:
+        attempt = 0
+        busy_until = time.monotonic() + BUSY_WAIT_S
+        busy: _Busy | None = None
+        while attempt < self.attempts:
+            if busy is not None:  # (not an attempt: the mirror asked to be asked again later)
+                if time.monotonic() + busy.after > busy_until:
+                    raise FetchError(
+                        f"cannot fetch {blob.digest} from {self.base_url}: the mirror stayed busy for"
+                        f" {BUSY_WAIT_S:.0f}s ({busy})"
+                    )
+                log.info("fetching %s: %s; asking again in %.0fs", blob.digest, busy, busy.after)
+                await asyncio.sleep(busy.after)
+                busy = None
+            elif attempt:
                 delay = min(self.backoff * 2 ** (attempt - 1), self.max_backoff)
                 log.warning(
                     "fetching %s: %s; trying again in %.1fs (attempt %d of %d)",
@@ -389,8 +415,12 @@ class MirrorFetcher:
                 await loop.run_in_executor(self._pool, self._transfer, job, loop)
             except _Fatal as exc:
                 raise FetchError(f"cannot fetch {blob.digest} from {self.base_url}: {exc}") from None
+            except _Busy as exc:
+                busy = exc
+                continue
             except _Retry as exc:
                 last = exc
+                attempt += 1
                 continue
             except NoSpaceError:
                 raise
@@ -512,6 +542,13 @@ class MirrorFetcher:
                         f"the mirror answered bytes={have}- with Content-Range"
                         f" {(resp.getheader('content-range') or '')[:80]!r}"
                     )
+            elif status == 503:
+                message, code = _error_of(resp)
+                if code != "mirror_busy":
+                    raise _Retry(f"the mirror answered 503 ({message})")
+                wait = (resp.getheader("retry-after") or "").strip()
+                raise _Busy(f"the mirror answered 503 ({message})",
+                            float(min(60, max(1, int(wait)))) if wait.isdigit() else 5.0)
             else:
                 raise _Retry(f"the mirror answered {status} ({_error_message(resp)})")
             length = resp.length
@@ -835,13 +872,18 @@ def _why(exc: BaseException) -> str:
 
 def _error_message(resp: http.client.HTTPResponse) -> str:
     """The ``error.message`` of an OpenAI-style error body (bounded), else the reason phrase."""
+    return _error_of(resp)[0]
+
+
+def _error_of(resp: http.client.HTTPResponse) -> tuple[str, str | None]:
+    """The ``error.message`` (bounded; else the reason phrase) and ``error.code`` of an OpenAI-style error body."""
     import orjson
 
     try:
         body = resp.read(64 * 1024)
-        msg = orjson.loads(body)["error"]["message"]
-        if isinstance(msg, str):
-            return msg[:500]
-    except (OSError, http.client.HTTPException, ValueError, KeyError, TypeError):
-        pass
-    return resp.reason or "no reason given"
+        err = orjson.loads(body)["error"]
+        msg, code = err.get("message"), err.get("code")
+        return (msg[:500] if isinstance(msg, str) else resp.reason or "no reason given",
+                code if isinstance(code, str) else None)
+    except (OSError, http.client.HTTPException, ValueError, KeyError, TypeError, AttributeError):
+        return resp.reason or "no reason given", None

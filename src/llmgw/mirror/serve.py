@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import concurrent.futures
 import errno
 import os
 import re
@@ -157,8 +158,9 @@ class BlobServer:
         allowed: ``allowed(node, digest)``; ``None`` refuses every blob (the
             controller sets :attr:`allowed` once it knows the placements).
         chunk: bytes per read.
-        threads: the transfer threads (shared by every transfer: one per ``sendfile``
-            transfer while it runs, so more transfers at once than this wait their turn).
+        threads: the reader threads (``pread`` of the transfers that do not use ``sendfile``, a chunk
+            at a time; a ``sendfile`` transfer has a thread of its own).
+        max_transfers: transfers at once; past it a request is answered 503 ``mirror_busy``.
 
     Attributes:
         allowed: the authorizer; replace it at any time.
@@ -187,11 +189,13 @@ class BlobServer:
         self.max_transfers = max_transfers
         self.active = 0  # transfers under way
         self._stops: set[threading.Event] = set()  # (each sendfile thread's)
+        self._closed = False
 
     def close(self) -> None:
+        """Stop the transfers (cut, quietly) and the reader threads."""
+        self._closed = True
         for stop in list(self._stops):
             stop.set()
-        """Stop the reader threads (transfers still running fail)."""
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
             self._pool = None
@@ -251,49 +255,59 @@ class BlobServer:
                 f"node {node} may not fetch {digest}: no replica placed on it needs that blob",
                 status=403, type="permission_error", code="blob_not_allowed",
             )
+        return self._serve(req, w, node, digest)
+
+    async def _serve(self, req: Request, w: ResponseWriter, node: str, digest: str) -> None:
+        """The blob's bytes (or head). The cap is checked and the transfer counted in the same step, and
+        the file opened only once the transfer is under way: a request dropped before its task ran
+        holds neither."""
         if self.active >= self.max_transfers:
             raise HTTPError(
                 f"the mirror is sending {self.active} blobs at once, its limit: retry shortly",
                 status=503, type="service_unavailable_error", code="mirror_busy", retry_after=5,
             )
-        blob = self.blob_path(digest)
+        self.active += 1
         try:
-            fd = os.open(blob, os.O_RDONLY | _O_CLOEXEC | _O_NOFOLLOW)
-        except (FileNotFoundError, NotADirectoryError):
-            raise NotFoundError(
-                f"the mirror has no blob {digest}; import the model again (llmgw mirror import) or check"
-                " llmgw mirror verify", code="blob_not_found",
-            ) from None
-        try:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode):
-                raise NotFoundError(f"the mirror has no blob {digest}", code="blob_not_found")
-            size = st.st_size
-            span = parse_range(req.header(b"range"), size)
-        except BaseException:
-            os.close(fd)
-            raise
-        start, end = span if span is not None else (0, size)
-        raw_digest = bytes.fromhex(digest[7:])
-        headers = [
-            (b"content-type", b"application/octet-stream"),
-            (b"accept-ranges", b"bytes"),
-            (b"etag", b'"%s"' % digest.encode()),
-            (b"repr-digest", b"sha-256=:%s:" % base64.b64encode(raw_digest)),
-            (b"x-llmgw-digest", digest.encode()),
-            (b"cache-control", b"private, max-age=31536000, immutable"),
-        ]
-        status = 200
-        if span is not None:
-            status = 206
-            headers.append((b"content-range", b"bytes %d-%d/%d" % (start, end - 1, size)))
-        self.served["requests"] += 1
-        if req.method == b"HEAD" or end == start:
-            os.close(fd)
-            w.start(status, headers, content_length=end - start)
-            w.end()
-            return None
-        return self._stream(w, fd, start, end, status, headers, node, digest)
+            blob = self.blob_path(digest)
+            try:
+                fd = os.open(blob, os.O_RDONLY | _O_CLOEXEC | _O_NOFOLLOW)
+            except (FileNotFoundError, NotADirectoryError):
+                raise NotFoundError(
+                    f"the mirror has no blob {digest}; import the model again (llmgw mirror import) or check"
+                    " llmgw mirror verify", code="blob_not_found",
+                ) from None
+            try:
+                st = os.fstat(fd)
+                if not stat.S_ISREG(st.st_mode):
+                    raise NotFoundError(f"the mirror has no blob {digest}", code="blob_not_found")
+                size = st.st_size
+                span = parse_range(req.header(b"range"), size)
+            except BaseException:
+                os.close(fd)
+                raise
+            start, end = span if span is not None else (0, size)
+            raw_digest = bytes.fromhex(digest[7:])
+            headers = [
+                (b"content-type", b"application/octet-stream"),
+                (b"accept-ranges", b"bytes"),
+                (b"etag", b'"%s"' % digest.encode()),
+                (b"repr-digest", b"sha-256=:%s:" % base64.b64encode(raw_digest)),
+                (b"x-llmgw-digest", digest.encode()),
+                (b"cache-control", b"private, max-age=31536000, immutable"),
+            ]
+            status = 200
+            if span is not None:
+                status = 206
+                headers.append((b"content-range", b"bytes %d-%d/%d" % (start, end - 1, size)))
+            self.served["requests"] += 1
+            if req.method == b"HEAD" or end == start:
+                os.close(fd)
+                w.start(status, headers, content_length=end - start)
+                w.end()
+                return
+            await self._stream(w, fd, start, end, status, headers, node, digest)
+        finally:
+            self.active -= 1
 
     def _sendfile_socket(self, w: ResponseWriter) -> int | None:
         """A duplicate of the connection's socket for ``sendfile``, or ``None`` when it cannot be used."""
@@ -356,6 +370,9 @@ class BlobServer:
         if isinstance(got, BaseException):
             raise got
         sent, why = got
+        if self._closed and not w.disconnected:  # (stopped by close(): the transfer is cut, quietly)
+            w.abort()
+            return -1
         if why and not w.disconnected:
             log.warning("cut the transfer of %s after %d bytes: %s", digest, sent, why)
             w.abort()
@@ -366,16 +383,14 @@ class BlobServer:
         self, w: ResponseWriter, fd: int, start: int, end: int, status: int,
         headers: list[tuple[bytes, bytes]], node: str, digest: str,
     ) -> None:
+        """Send ``[start, end)`` of ``fd`` (which it closes: after a read still running in the pool, never
+        under it)."""
         loop = asyncio.get_running_loop()
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(max_workers=self._threads, thread_name_prefix="llmgw-mirror")
-        pool = self._pool
         chunk = self.chunk
         t0 = time.monotonic()
         offset = start
         sent = 0
-        pending: asyncio.Future[Any] | None = None
-        self.active += 1
+        reading: concurrent.futures.Future[bytes] | None = None
         try:
             w.start(status, headers, content_length=end - start)
             sock_fd = self._sendfile_socket(w)
@@ -386,19 +401,23 @@ class BlobServer:
                 sent = n
                 offset = start + n
             if offset < end and not w.disconnected:  # (no sendfile here: read and write)
-                reading = loop.run_in_executor(pool, os.pread, fd, min(chunk, end - offset), offset)
-                pending = reading
-            while pending is not None and offset < end:
-                data: bytes = await reading
-                pending = None
+                reading = self._read(fd, min(chunk, end - offset), offset)
+                if reading is None:
+                    w.abort()  # (closed meanwhile: cut, quietly)
+                    return
+            while reading is not None and offset < end:
+                data: bytes = await asyncio.wrap_future(reading, loop=loop)
+                reading = None
                 if not data:  # the file shrank under us: the client sees a short body and retries
                     log.error("blob %s is shorter than it was when the transfer began; cut the transfer", digest)
                     w.abort()
                     return
                 offset += len(data)
                 if offset < end:  # read the next chunk while this one goes out
-                    reading = loop.run_in_executor(pool, os.pread, fd, min(chunk, end - offset), offset)
-                    pending = reading
+                    reading = self._read(fd, min(chunk, end - offset), offset)
+                    if reading is None:
+                        w.abort()
+                        return
                 if w.disconnected:
                     break
                 w.write(data)
@@ -408,14 +427,11 @@ class BlobServer:
                 if w.disconnected:
                     break
         finally:
-            if pending is not None:
-                try:
-                    await pending
-                except Exception:  # (the fd is closed next anyway)
-                    pass
-            os.close(fd)
+            if reading is not None and not reading.done():
+                reading.add_done_callback(lambda _f: os.close(fd))  # (a cancelled wait: the read runs on)
+            else:
+                os.close(fd)
             self.served["bytes"] += sent
-            self.active -= 1
         if w.disconnected:
             log.info("node %s went away after %d of %d bytes of %s", node, sent, end - start, digest)
             return
@@ -425,6 +441,17 @@ class BlobServer:
             "sent %s [%d-%d) to node %s: %d bytes in %.2fs (%.0f MiB/s)",
             digest, start, end, node, sent, took, sent / max(took, 1e-6) / (1 << 20),
         )
+
+    def _read(self, fd: int, n: int, offset: int) -> concurrent.futures.Future[bytes] | None:
+        """``pread`` in the reader pool (``None``: the server is closed)."""
+        if self._closed:
+            return None
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=self._threads, thread_name_prefix="llmgw-mirror")
+        try:
+            return self._pool.submit(os.pread, fd, n, offset)
+        except RuntimeError:  # (shut down by close() in between)
+            return None
 
 
 def _settle(fut: asyncio.Future[Any], result: Any) -> None:
