@@ -651,6 +651,35 @@ async def test_a_stalled_transfer_holds_no_other_node_back(tmp_path: Path) -> No
         await asyncio.wait_for(threads_gone(), 5)
 
 
+async def test_transfers_cut_mid_read_leave_no_file_open_and_no_slot_taken(tmp_path: Path) -> None:
+    """Nodes that go away mid-blob on the read-and-write path (TLS takes it): each transfer's task is
+    cancelled wherever it waits (a read in the pool, the socket's drain), and its blob file is closed (after
+    a read still running) and its place among max_transfers given back."""
+    async with mirror_runtime(tmp_path, big=3_000_000) as m:  # ~12 MB
+        server = m.cp.mirror_server
+        server.use_sendfile = False
+        server.chunk = 64 * 1024
+        path = f"/mirror/v1/blobs/{m.blobs[0].digest}"
+        host, port = m.url.removeprefix("http://").split(":")
+
+        def fds() -> int:
+            return len(os.listdir("/proc/self/fd"))
+
+        before = fds()
+        for i in range(20):
+            r, w = await asyncio.open_connection(host, int(port))
+            w.write(f"GET {path} HTTP/1.1\r\nhost: x\r\nauthorization: Bearer {m.credential}\r\n\r\n".encode())
+            await asyncio.wait_for(r.readexactly(1 + i * 7919), 10)  # (cut at a different point each time)
+            w.transport.abort()
+
+        async def settled() -> None:
+            while server.active or fds() > before:
+                await asyncio.sleep(0.05)
+
+        await asyncio.wait_for(settled(), 10)
+        assert server.active == 0
+
+
 async def test_registration_access_deregistration_revokes_and_placement_authorizes(tmp_path: Path) -> None:
     import grpc
 
