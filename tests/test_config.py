@@ -92,6 +92,8 @@ def test_config_is_immutable() -> None:
         ({"admission": {"bands": ["a", "a"]}}, "admission.bands", "distinct band names"),
         ({"auth": {"api_keys": [{"key": "k", "band": "gold"}]}}, "auth.api_keys[0].band", "unknown band"),
         ({"auth": {"api_keys": [{"key": "k", "max_band": "gold"}]}}, "auth.api_keys[0].max_band", "unknown band"),
+        ({"auth": {"api_keys": [{"key": "k", "max_band": 2}]}}, "auth.api_keys[0].max_band", "unknown band '2'"),
+        ({"auth": {"api_keys": [{"key": "k", "band": 0}]}}, "auth.api_keys[0].band", "unknown band '0'"),
         ({"auth": {"api_keys": [{"key": "k", "band": "critical", "max_band": "batch"}]}}, "auth.api_keys[0].band",
          "'critical' is above the key's max_band 'batch'"),
         ({"saturation": {"max_kv_cache_usage": 1.5}}, "saturation.max_kv_cache_usage", "at most 1.0"),

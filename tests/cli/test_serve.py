@@ -195,3 +195,32 @@ def test_a_mistyped_database_url_is_refused_by_check_config_without_its_password
     assert "control.database_env" in res.stderr and "***" in res.stderr, res.stderr
     assert "Secret-77" not in res.stderr + res.stdout
     assert "Secret-77" not in _serve_fails(tmp_path, cfg, QA_DB=url)
+
+
+def test_with_the_access_log_on_stdout_is_json_lines_alone(tmp_path: Path) -> None:
+    """A log shipper reads stdout as JSON lines: the start-up banner goes to stderr then."""
+    import json
+    import time
+    import urllib.request
+
+    port, admin = _free_port(), _free_port()
+    cfg = tmp_path / "llmgw.yaml"
+    cfg.write_text(f"listen: 127.0.0.1:{port}\nadmin: 127.0.0.1:{admin}\naccess_log: true\n"
+                   "endpoints:\n  - {id: a, url: 'http://127.0.0.1:9', model: m, engine: vllm}\n")
+    proc = subprocess.Popen([sys.executable, "-m", "llmgw", "serve", "-c", str(cfg)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2).read()
+                break
+            except OSError:
+                assert time.monotonic() < deadline and proc.poll() is None, "serve did not start"
+                time.sleep(0.1)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=15)
+    assert f"gateway on http://127.0.0.1:{port}" in err
+    lines = [line for line in out.splitlines() if line.strip()]
+    assert lines and all(json.loads(line)["path"] for line in lines), out

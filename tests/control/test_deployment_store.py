@@ -261,7 +261,7 @@ async def test_a_failed_replica_whose_mirror_blob_was_found_corrupt_is_not_place
             await _sync(ctl_)
         d = ctl_.view("tiny")
         assert d["placed"] == 1 and [r["node"] for r in d["replicas"]] == ["cpu-1"], d["replicas"]
-        assert f"is corrupt (llmgw mirror verify moved it to {check.quarantined}); import the model again" \
+        assert f"was found corrupt and moved to {check.quarantined}; import the model again" \
             in d["message"], d["message"]
         assert ctl_.desired("cpu-1")[1] == (s1,)  # (the one that runs: the same spec, not restarted)
         with MirrorStore(root) as ms:
@@ -336,7 +336,7 @@ async def test_nodes_refusing_a_mirror_blob_make_the_control_plane_check_its_own
         await fail_the_replica()
         assert len(checked) == 2 and not blob.path.exists() and (root / "quarantine" / blob.digest[7:]).exists()
         d = ctl_.view("tiny")
-        assert d["placed"] == 0 and "is corrupt (llmgw mirror verify moved it to" in d["message"], d
+        assert d["placed"] == 0 and "was found corrupt and moved to" in d["message"], d
         assert "the mirror's copy of tiny:1b is corrupt" in caplog.text
         assert not any(r.exc_info for r in caplog.records)
     finally:

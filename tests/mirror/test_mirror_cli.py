@@ -211,15 +211,25 @@ def test_verify_names_each_corrupt_blob(root: Path, model_file: Path, projector_
     moved = root / "quarantine" / digest[7:]
     assert f"moved it to {moved} (no node is sent it; deploying its models is refused)" in lines[0]
     assert not bad.exists() and moved.read_bytes() == bytes(data)
-    with pytest.raises(CorruptBlobError, match=f"is corrupt \\(llmgw mirror verify moved it to {moved}\\); "
+    with pytest.raises(CorruptBlobError, match=f"was found corrupt and moved to {moved}; "
                        "import the model again from its source"):
         resolve(root, "v")
+    # verified again: set aside before, said so (not a blob merely missing)
     out = json.loads(run("--root", root, "verify", "v", "--json").stdout)
-    assert not out["ok"] and [b["status"] for b in out["blobs"]].count("missing") == 1
+    assert not out["ok"] and [b["status"] for b in out["blobs"]].count("quarantined") == 1
+    r = run("--root", root, "verify")
+    assert r.exit_code == 1 and f"(found corrupt before and moved to {moved})" in r.stderr
     # the import that brought it in puts a verified copy back
     run("--root", root, "import", model_file, "--name", "v", "--projector", projector_file, "-q")
     assert run("--root", root, "verify").exit_code == 0
     assert resolve(root, "v")[0][1].digest == digest
+    # corrupt again: set aside beside the first copy, never over it
+    os.chmod(bad, 0o644)
+    bad.write_bytes(bytes(data[:-1]) + b"\x00")
+    assert run("--root", root, "verify").exit_code == 1
+    aside = sorted(p.name for p in (root / "quarantine").iterdir() if not p.name.startswith("."))
+    assert aside[0] == digest[7:] and len(aside) == 2 and aside[1].startswith(digest[7:] + ".")
+    assert moved.read_bytes() == bytes(data)
 
 
 def test_raw_import(root: Path, tmp_path: Path) -> None:

@@ -584,8 +584,9 @@ def verify_cmd(
         detail = f" (it hashes to {c.actual})" if c.status == "corrupt" else ""
         what = _not_a_file(c.path) if c.status == "not-a-file" else c.status
         fix = "move it out of the mirror and import" if c.status == "not-a-file" else "import"
-        moved = (f"; moved it to {c.quarantined} (no node is sent it; deploying its models is refused)"
-                 if c.quarantined is not None else "")
+        moved = ("" if c.quarantined is None else
+                 f" (found corrupt before and moved to {c.quarantined})" if c.status == "quarantined" else
+                 f"; moved it to {c.quarantined} (no node is sent it; deploying its models is refused)")
         echo_err(
             f"llmgw: error: blob {c.digest} ({c.path}) is {what}{detail}, used by"
             f" {', '.join(c.models) or 'no model'}{moved}; {fix} the model again from its source to replace it",

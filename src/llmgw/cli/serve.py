@@ -202,11 +202,13 @@ async def _serve(cfg: Config, demo: bool) -> int:
         ahost, aport = runtime.admin_addr
         base = f"http://{host}:{port}"
         json_logs = current_format() == "json"
+        # (with the access log on, stdout is its JSON lines alone: a log shipper reads it as such)
+        banner_err = cfg.access_log.enabled
 
         def say(line: str, hint: bool = False) -> None:
             # --log-format json: stdout carries the access log alone; the banner is log records on stderr.
             if not json_logs:
-                click.echo(line)
+                click.echo(line, err=banner_err)
             elif not hint:
                 server_logger.info("%s", line.strip())
 

@@ -159,6 +159,11 @@ def _models(problems: _Problems, validated: Any, raw_endpoints: Any) -> dict[str
     return out
 
 
+def _scalar_text(v: Any) -> str | None:
+    """A YAML scalar as the schema reads a name (a number is its text); ``None`` for anything else."""
+    return None if isinstance(v, bool) or not isinstance(v, (str, int, float)) else str(v)
+
+
 def _auth(problems: _Problems, validated: Any, raw: Any, bands: tuple[str, ...] | None) -> AuthConfig:
     raw_keys = raw.get("api_keys") if isinstance(raw, Mapping) else None
     for i, item in enumerate(raw_keys if isinstance(raw_keys, list) else ()):
@@ -166,17 +171,19 @@ def _auth(problems: _Problems, validated: Any, raw: Any, bands: tuple[str, ...] 
             problems.add(("auth", "api_keys", i, "key"), "give exactly one of key, key_env or key_sha256")
         # (read from the file as written: one entry's bad key fails the whole section's validation, and
         # every problem is said in one pass)
-        for name in ("band", "max_band"):
-            band = item.get(name) if isinstance(item, Mapping) else None
-            if isinstance(band, str) and bands is not None and band not in bands:
+        # (a YAML number is a name to the schema, as a model's may be: "max_band: 2" read as a position
+        # must be refused here, not quietly match no band)
+        given = {n: _scalar_text(item.get(n)) for n in ("band", "max_band")} if isinstance(item, Mapping) else {}
+        for name, band in given.items():
+            if band is not None and bands is not None and band not in bands:
                 problems.add(("auth", "api_keys", i, name),
-                             f"unknown band {band!r}; admission.bands is {', '.join(bands)}")
-        band, top = (item.get("band"), item.get("max_band")) if isinstance(item, Mapping) else (None, None)
-        if (bands is not None and isinstance(band, str) and isinstance(top, str) and band in bands
+                             f"unknown band {band!r}; admission.bands is {', '.join(bands)} (name one of them)")
+        band, top = given.get("band"), given.get("max_band")
+        if (bands is not None and band is not None and top is not None and band in bands
                 and top in bands and bands.index(band) < bands.index(top)):
             problems.add(("auth", "api_keys", i, "band"),
                          f"{band!r} is above the key's max_band {top!r} (bands are highest first: "
-                         f"{', '.join(bands)})")
+                         f"{', '.join(bands)}): lower band, or raise max_band")
     if validated is _FAILED:
         return AuthConfig()
     keys: list[ClientKey] = []

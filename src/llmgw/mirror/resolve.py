@@ -204,8 +204,8 @@ def resolve(store: MirrorStore | str | os.PathLike[str], ref: str) -> tuple[tupl
             quarantined = store.quarantine_path(f.digest)
             if on_disk is None and quarantined.exists():
                 raise CorruptBlobError(
-                    f"mirror model {record.ref}: its {f.role} blob {f.digest} is corrupt (llmgw mirror verify "
-                    f"moved it to {quarantined}); import the model again from its source"
+                    f"mirror model {record.ref}: its {f.role} blob {f.digest} was found corrupt and moved to "
+                    f"{quarantined}; import the model again from its source"
                 )
             raise CorruptBlobError(
                 f"mirror model {record.ref}: its {f.role} blob {f.digest} is "

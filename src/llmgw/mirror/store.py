@@ -45,6 +45,7 @@ import re
 import secrets
 import stat
 import sys
+import time
 from collections.abc import Collection, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
@@ -155,10 +156,11 @@ class BlobCheck:
         path: where it should be.
         status: ``ok``, ``corrupt`` (its bytes hash to something else),
             ``wrong-size``, ``not-a-file`` (a directory, a symbolic link, ... at its
-            path), or ``missing``.
+            path), ``quarantined`` (missing, and a check found it corrupt before: ``quarantined`` says
+            where it went), or ``missing``.
         actual: the digest its bytes have, for a corrupt blob.
         models: the ``name:tag`` of each model that uses it.
-        quarantined: where a corrupt blob was moved (``verify(quarantine=True)``), else ``None``.
+        quarantined: where a corrupt blob was moved (``verify(quarantine=True)``, now or before), else ``None``.
     """
 
     digest: str
@@ -963,7 +965,10 @@ class MirrorStore:
                 try:
                     st = os.lstat(path)
                 except FileNotFoundError:
-                    checks.append(BlobCheck(digest, size, path, "missing", models=who))
+                    # (a check found it corrupt before and set it aside: said, not a mere "missing")
+                    aside = self.quarantine_path(digest)
+                    checks.append(BlobCheck(digest, size, path, "quarantined" if aside.exists() else "missing",
+                                            models=who, quarantined=aside if aside.exists() else None))
                     continue
                 if not stat.S_ISREG(st.st_mode):
                     checks.append(BlobCheck(digest, size, path, "not-a-file", models=who))
@@ -993,8 +998,11 @@ class MirrorStore:
         return self.quarantine_dir / digest[7:]
 
     def _quarantine(self, path: Path, digest: str, hashed: os.stat_result) -> Path | None:
-        """Move the corrupt blob at ``path`` to :meth:`quarantine_path`; ``None`` when it stays."""
+        """Move the corrupt blob at ``path`` to :meth:`quarantine_path` (or beside it, named by the time, when a
+        copy set aside before is there: never over it); ``None`` when it stays."""
         dest = self.quarantine_path(digest)
+        if dest.exists():
+            dest = dest.with_name(f"{dest.name}.{time.time_ns()}")
         try:
             self._ensure_dir(self.quarantine_dir)
             # Aside first, then checked: an import may have put a verified copy in its place since it was
