@@ -173,12 +173,12 @@ def _auth(problems: _Problems, validated: Any, raw: Any, bands: tuple[str, ...] 
         # every problem is said in one pass)
         # (a YAML number is a name to the schema, as a model's may be: "max_band: 2" read as a position
         # must be refused here, not quietly match no band)
-        given = {n: _scalar_text(item.get(n)) for n in ("band", "max_band")} if isinstance(item, Mapping) else {}
-        for name, band in given.items():
+        named = {n: _scalar_text(item.get(n)) for n in ("band", "max_band")} if isinstance(item, Mapping) else {}
+        for name, band in named.items():
             if band is not None and bands is not None and band not in bands:
                 problems.add(("auth", "api_keys", i, name),
                              f"unknown band {band!r}; admission.bands is {', '.join(bands)} (name one of them)")
-        band, top = given.get("band"), given.get("max_band")
+        band, top = named.get("band"), named.get("max_band")
         if (bands is not None and band is not None and top is not None and band in bands
                 and top in bands and bands.index(band) < bands.index(top)):
             problems.add(("auth", "api_keys", i, "band"),
