@@ -337,6 +337,9 @@ async def test_nodes_refusing_a_mirror_blob_make_the_control_plane_check_its_own
         assert len(checked) == 2 and not blob.path.exists() and (root / "quarantine" / blob.digest[7:]).exists()
         d = ctl_.view("tiny")
         assert d["placed"] == 0 and "was found corrupt and moved to" in d["message"], d
+        # clients are told it is not placed now, not that it will be after a backoff (it will not)
+        assert ctl_._held_reason(ctl_.deployments["tiny"]) == (
+            "no replica of its deployment can be placed now (llmgw ctl deployments says why)")
         assert "the mirror's copy of tiny:1b is corrupt" in caplog.text
         assert not any(r.exc_info for r in caplog.records)
     finally:

@@ -217,7 +217,8 @@ async def test_a_mirror_model_is_fetched_first(tmp_path: Path) -> None:
 
 
 @pytest.mark.usefixtures("standin_env")
-async def test_asked_again_while_stopping_it_comes_back(tmp_path: Path) -> None:
+async def test_asked_again_while_stopping_it_comes_back(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level("INFO", logger="llmgw")
     w = Watched(tmp_path / "state", engines=ENGINES)
     s = spec("vllm")
     try:
@@ -227,6 +228,10 @@ async def test_asked_again_while_stopping_it_comes_back(tmp_path: Path) -> None:
         await w.sup.apply([s])
         again = await w.wait(s.id, lambda x: x.state == READY and x.pid != first.pid)
         assert first.pid is not None and gone(first.pid) and again.restarts == 0
+        # the agent's log says it ended the engine, and when it was gone
+        said = caplog.text
+        assert f"replica {s.id}: stopping its engine (pid {first.pid})" in said
+        assert f"replica {s.id}: its engine (pid {first.pid}) stopped in " in said
     finally:
         await w.sup.close()
 

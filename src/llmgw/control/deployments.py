@@ -1020,6 +1020,10 @@ class DeploymentController:
         if live and all(not self._staying(r.node) for r in live):
             return ("its replicas' nodes are not heard from (or leaving); they are placed again elsewhere "
                     "if they stay away")
+        if not live and (dep.unplaceable is not None or (dep.model is None and dep.model_error is not None)):
+            # (placing is refused now, for a reason a backoff does not end: its model unusable, no node
+            # fits; after a failure too, which is how a corrupt blob is found)
+            return "no replica of its deployment can be placed now (llmgw ctl deployments says why)"
         if dep.message is not None and not live:
             return ("no replica of its deployment can be placed now (llmgw ctl deployments says why)"
                     if dep.failures == 0 else "its replicas failed; new ones are placed after a backoff")

@@ -770,6 +770,10 @@ class ReplicaSupervisor:
         if not quiet:
             self._set(rep, DRAINING, "stopping")
         assert rep.pid is not None
+        # (said in the agent's log: an engine the agent ends is otherwise seen only to be gone)
+        log.info("replica %s: stopping its engine (pid %d): SIGTERM, SIGKILL after %gs", rep.id, rep.pid,
+                 self.stop_grace)
+        t0 = time.monotonic()
         _kill_group(rep.pid, signal.SIGTERM)
         await asyncio.wait({exited}, timeout=self.stop_grace)
         if not exited.done():
@@ -777,6 +781,8 @@ class ReplicaSupervisor:
             _kill_group(rep.pid, signal.SIGKILL)
             await asyncio.wait({exited}, timeout=30.0)
         self._reap(rep)
+        log.info("replica %s: its engine (pid %d) stopped in %.1fs%s", rep.id, rep.pid, time.monotonic() - t0,
+                 f" (status {rep.exit_code})" if rep.exit_code is not None else "")
         self._record_path(rep.id).unlink(missing_ok=True)
         self._note(rep, f"its engine stopped (status {rep.exit_code})" if rep.exit_code is not None
                    else "its engine stopped")
