@@ -170,6 +170,6 @@ def test_the_console_shows_a_pool_without_a_usable_replica_as_ctl_does() -> None
         "/admin/v1/queues": {"pool_saturation": {"down": None, "fine": 0.25}, "admission": False, "bands": []},
     }
     rows = {r.key: r for r in ModelsView().rows(data)}
-    assert "no usable replica" in str(rows["down"].cells[3])
-    assert "25%" in str(rows["fine"].cells[3])
-    assert ABSENT in str(rows["new"].cells[3]) and "no usable replica" not in str(rows["new"].cells[3])
+    assert "no usable replica" in str(rows["down"].cells[4])
+    assert "25%" in str(rows["fine"].cells[4])
+    assert ABSENT in str(rows["new"].cells[4]) and "no usable replica" not in str(rows["new"].cells[4])

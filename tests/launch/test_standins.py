@@ -218,7 +218,7 @@ async def test_a_mirror_model_is_fetched_first(tmp_path: Path) -> None:
 
 @pytest.mark.usefixtures("standin_env")
 async def test_asked_again_while_stopping_it_comes_back(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level("INFO", logger="llmgw")
+    caplog.set_level("INFO", logger="llmgw.agent.launch")  # (its own level: an agent's CLI sets it)
     w = Watched(tmp_path / "state", engines=ENGINES)
     s = spec("vllm")
     try:
